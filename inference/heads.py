@@ -1,0 +1,298 @@
+"""Medusa heads and their on-disk format: the one definition the trainer and runtime share.
+
+A head is L residual blocks ``x + SiLU(W x + b)`` on the backbone's last hidden state
+(after the final norm) followed by a projection to the vocabulary. Head k (k = 1..K)
+predicts the token k+1 positions ahead of the backbone's own next token: from position t,
+the backbone predicts t+1 and head k predicts t+k+1.
+
+Unlike the reference implementation, every block is its own module (the reference's
+``[ResBlock(h)] * L`` silently shares one), and loading is strict: a missing, extra or
+mis-shaped tensor is refused.
+
+Projection modes (``HeadsSpec.projection``):
+  own        one full-vocabulary projection per head, initialised from the base lm_head
+             (the reference / TensorRT-LLM layout).
+  shared     every head reuses the frozen base lm_head; the export stores no projection.
+  truncated  one projection per head over the N most frequent target tokens of the
+             training data; ``token_map[i]`` is the vocabulary id of local index i
+             (vLLM's ``token_map``, EAGLE-3's draft vocabulary). Cheapest on CPU.
+
+Export directory (``save_heads``): exactly ``config.json`` and ``model.safetensors``
+(the token map is the ``token_map`` tensor inside it, where vLLM's loader reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .errors import IncompatibleHeadsError, UserError
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+PROJECTIONS = ("own", "shared", "truncated")
+
+# Architecture fields that decide whether heads fit a backbone. Weights may differ (a
+# fine-tune of the same base keeps the fingerprint); shapes and numerics may not.
+_FINGERPRINT_KEYS = (
+    "model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "rope_theta", "max_position_embeddings",
+    "tie_word_embeddings", "rms_norm_eps", "layer_norm_epsilon",
+)
+
+
+def backbone_fingerprint(config) -> str:
+    """A short stable hash of a transformers config's architecture fields."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    picked = {k: cfg.get(k) for k in _FINGERPRINT_KEYS if cfg.get(k) is not None}
+    blob = json.dumps(picked, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class HeadsSpec:
+    """Everything needed to rebuild heads and check they fit a backbone (config.json)."""
+
+    num_heads: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    projection: str = "own"
+    truncated_vocab_size: Optional[int] = None
+    base_model: str = ""
+    base_model_fingerprint: str = ""
+    kind: str = "medusa"
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.projection not in PROJECTIONS:
+            raise UserError(f"heads projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise UserError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if self.projection == "truncated":
+            n = self.truncated_vocab_size
+            if not n or not 0 < n <= self.vocab_size:
+                raise UserError(f"truncated_vocab_size must be in 1..{self.vocab_size}, got {n}")
+        else:
+            self.truncated_vocab_size = None
+
+    @property
+    def output_size(self) -> int:
+        return self.truncated_vocab_size if self.projection == "truncated" else self.vocab_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadsSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise UserError(f"heads config has unknown keys {unknown}")
+        return cls(**d)
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with W zero-initialised, so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads over the backbone's last hidden state.
+
+    ``forward(hidden)`` returns a list of K logit tensors (``[..., output_size]``). For
+    ``truncated`` heads, logits are over the local vocabulary; ``token_map`` maps them back.
+    For ``shared`` heads, call ``attach_lm_head`` with the backbone's lm_head weight first.
+    """
+
+    def __init__(self, spec: HeadsSpec):
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(h) for _ in range(spec.num_layers)]) for _ in range(spec.num_heads)
+        )
+        if spec.projection == "shared":
+            self.projections = None
+            # Not persistent: the export never stores the backbone's own matrix.
+            self.register_buffer("shared_weight", None, persistent=False)
+        else:
+            self.projections = nn.ModuleList(
+                nn.Linear(h, spec.output_size, bias=False) for _ in range(spec.num_heads)
+            )
+        if spec.projection == "truncated":
+            self.register_buffer("token_map", torch.arange(spec.output_size, dtype=torch.long))
+        else:
+            self.token_map = None
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_lm_head(cls, spec: HeadsSpec, lm_head_weight: torch.Tensor,
+                     token_map: Optional[torch.Tensor] = None) -> "MedusaHeads":
+        """Fresh heads whose projections start as (rows of) the base lm_head, as Medusa does."""
+        heads = cls(spec)
+        w = lm_head_weight.detach()
+        if spec.projection == "shared":
+            heads.attach_lm_head(w)
+        elif spec.projection == "own":
+            for proj in heads.projections:
+                proj.weight.data.copy_(w)
+        else:
+            if token_map is None or token_map.numel() != spec.output_size:
+                raise UserError("truncated heads need a token_map of truncated_vocab_size ids")
+            heads.token_map.copy_(token_map.to(torch.long))
+            for proj in heads.projections:
+                proj.weight.data.copy_(w[token_map.to(w.device)])
+        return heads
+
+    def attach_lm_head(self, lm_head_weight: torch.Tensor) -> None:
+        """Point shared heads at the (frozen) backbone lm_head; a no-op for other modes."""
+        if self.spec.projection == "shared":
+            self.shared_weight = lm_head_weight.detach()
+
+    # -- compute -----------------------------------------------------------------------
+    def head_hidden(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """The residual-block output of head k (0-based) before projection."""
+        return self.blocks[k](hidden)
+
+    def project(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        if self.projections is None:
+            if self.shared_weight is None:
+                raise RuntimeError("shared heads need attach_lm_head(backbone lm_head weight) first")
+            return F.linear(x, self.shared_weight.to(x.dtype))
+        return self.projections[k](x)
+
+    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        return self.project(self.head_hidden(hidden, k), k)
+
+    def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        return [self.head_logits(hidden, k) for k in range(self.spec.num_heads)]
+
+    def to_vocab_ids(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Map indices into a head's logits to vocabulary ids (identity unless truncated)."""
+        return local_ids if self.token_map is None else self.token_map[local_ids]
+
+
+# -- export format ---------------------------------------------------------------------
+def heads_state_dict(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+    """The tensors the export stores: blocks, projections (unless shared), token map."""
+    return {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+
+
+def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike,
+               state_dict: Optional[dict[str, torch.Tensor]] = None) -> Path:
+    """Write the export atomically: a temp dir beside ``out_dir`` renamed into place.
+
+    A crash at any point leaves either the previous export or the new one, never a mix.
+    ``state_dict`` lets a distributed trainer pass gathered weights.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict if state_dict is not None else heads_state_dict(heads)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "kind": heads.spec.kind})
+        (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_heads_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
+    d = Path(heads_dir)
+    if not d.is_dir():
+        raise UserError(f"heads directory not found: {d}")
+    missing = [f for f in EXPORT_FILES if not (d / f).is_file()]
+    if missing:
+        raise UserError(f"{d} is not a heads export: missing {', '.join(missing)}")
+    try:
+        raw = json.loads((d / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{d / CONFIG_FILE} is not valid JSON ({e})") from None
+    if raw.get("format_version", 0) > FORMAT_VERSION:
+        raise UserError(f"{d} was written by a newer medusa-train (format {raw['format_version']})")
+    try:
+        return HeadsSpec.from_dict(raw)
+    except TypeError as e:
+        raise UserError(f"{d / CONFIG_FILE} is not a heads config ({e})") from None
+
+
+def check_compatible(spec: HeadsSpec, backbone_config, where: str = "heads") -> None:
+    """Refuse heads made for another backbone, naming the first mismatch."""
+    cfg = backbone_config
+    if spec.hidden_size != cfg.hidden_size:
+        raise IncompatibleHeadsError(
+            f"{where} were trained for hidden size {spec.hidden_size}, the backbone has {cfg.hidden_size}")
+    if spec.vocab_size != cfg.vocab_size:
+        raise IncompatibleHeadsError(
+            f"{where} were trained for vocab size {spec.vocab_size}, the backbone has {cfg.vocab_size}")
+    fp = backbone_fingerprint(cfg)
+    if spec.base_model_fingerprint and spec.base_model_fingerprint != fp:
+        raise IncompatibleHeadsError(
+            f"{where} were trained on a backbone with config fingerprint {spec.base_model_fingerprint} "
+            f"({spec.base_model or 'unknown'}), this backbone's is {fp}")
+
+
+def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
+               lm_head_weight: Optional[torch.Tensor] = None,
+               device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None) -> MedusaHeads:
+    """Load an export strictly; with ``backbone_config``, refuse heads made for another model."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = Path(heads_dir)
+    spec = read_heads_spec(d)
+    if backbone_config is not None:
+        check_compatible(spec, backbone_config, where=f"heads in {d}")
+    try:
+        tensors = load_file(str(d / WEIGHTS_FILE), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{d / WEIGHTS_FILE} is corrupt or unreadable ({e})") from None
+    heads = MedusaHeads(spec)
+    expected = heads.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise UserError(f"{d / WEIGHTS_FILE} does not match its config: missing {missing[:4]}, unexpected {extra[:4]}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise UserError(
+                f"{d / WEIGHTS_FILE}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
+    heads.load_state_dict(tensors, strict=True)
+    if spec.projection == "shared":
+        if lm_head_weight is None:
+            raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
+        heads.attach_lm_head(lm_head_weight)
+    if dtype is not None:
+        heads.to(dtype=dtype)  # token_map stays long: .to(dtype) only casts floating tensors
+    return heads.to(device).eval()

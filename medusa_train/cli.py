@@ -1,0 +1,85 @@
+"""``medusa-train <recipe> [hydra overrides]`` — train Medusa heads from a packaged recipe.
+
+Examples::
+
+    medusa-train medusa1_smollm2                                  # the embedded default
+    medusa-train medusa1_smollm2 heads.num_heads=3 trainer.max_steps=200 output_dir=runs/a
+    medusa-train debug_tiny --cfg job                             # print the composed config
+    medusa-train debug_tiny -m heads.num_layers=1,2               # Hydra multirun
+    deepspeed --num_gpus 2 -m medusa_train.cli debug_tiny trainer.zero_stage=2   # N processes
+
+User mistakes (unknown recipe or key, wrong type, missing file, ...) print one line and exit
+non-zero; heavy imports happen only once a recipe runs, so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import resources
+
+RECIPE_PACKAGE = "recipes"
+EXIT_USER_ERROR = 2
+
+
+def available_recipes() -> list[str]:
+    root = resources.files(RECIPE_PACKAGE)
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_summary(name: str) -> str:
+    """The first header line of a recipe file (its purpose)."""
+    text = resources.files(RECIPE_PACKAGE).joinpath(f"{name}.yaml").read_text()
+    for line in text.splitlines():
+        line = line.lstrip("# ").strip()
+        if line:
+            return line
+    return ""
+
+
+def usage() -> str:
+    lines = [__doc__.strip().splitlines()[0], "", "usage: medusa-train <recipe> [key=value ...] [hydra flags]", "",
+             "recipes:"]
+    for name in available_recipes():
+        lines.append(f"  {name:<24} {recipe_summary(name)}")
+    lines += ["", "Hydra flags: --cfg job (print config), -m/--multirun (sweeps), --help (this text).",
+              "Every recipe has output_dir=... and trainer.max_steps=...; see README.md."]
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> None:
+    print(f"medusa-train: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def _task(cfg) -> None:
+    from inference.errors import UserError
+
+    try:
+        from .trainer import run
+
+        run(cfg)
+    except UserError as e:
+        _fail(str(e))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in argv if not a.startswith("--local_rank")]  # set by the deepspeed launcher
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    recipe, rest = argv[0], argv[1:]
+    if recipe not in available_recipes():
+        _fail(f"unknown recipe {recipe!r}; available: {', '.join(available_recipes())}")
+
+    import hydra
+
+    from .config import register_configs
+
+    register_configs()
+    sys.argv = [f"medusa-train {recipe}", *rest]
+    hydra.main(version_base=None, config_path=f"pkg://{RECIPE_PACKAGE}", config_name=recipe)(_task)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Conversations -> shuffled, sharded ``datasets`` stream -> packed micro-batches.
+
+The stream is a ``datasets.IterableDataset`` (so corpora larger than memory train), with a
+shuffle buffer reseeded per epoch and one shard per rank. The first
+``data.eval_conversations`` conversations are held out for evaluation before shuffling.
+
+Packing (default): conversations are placed best-fit-decreasing into rows of
+``max_length`` tokens; each keeps its own positions (restarting at 0) and a document id, and
+the trainer's attention mask is block-diagonal so no conversation sees another. With
+``packing=false`` conversations are length-bucketed and right-padded instead. Either way the
+padding fraction is counted and reported.
+
+Everything is a deterministic function of (seed, epoch, rank), so resuming replays the
+stream and skips the micro-batches already consumed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from inference.errors import UserError
+from .readers import ReadStats, iter_conversations
+from .tokenize import IGNORE, Encoded, encode_conversation
+
+
+@dataclass
+class StreamStats:
+    conversations: int = 0
+    truncated: int = 0
+    no_labels: int = 0
+    tokens: int = 0  # real tokens in batches
+    padding: int = 0  # padding tokens in batches
+    label_tokens: int = 0
+
+    @property
+    def padding_fraction(self) -> float:
+        total = self.tokens + self.padding
+        return self.padding / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "padding_fraction": round(self.padding_fraction, 4)}
+
+
+def _conversation_records(source, split, system_prompt, start, stop, stats):
+    for i, messages in enumerate(iter_conversations(source, split, stats, system_prompt)):
+        if stop is not None and i >= stop:
+            return
+        if i >= start:
+            yield {"messages": messages}
+
+
+@dataclass
+class ConversationStream:
+    """Tokenised conversations of one split (train or eval) for one rank."""
+
+    data: object  # DataConfig
+    tokenizer: object
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    eval_split: bool = False
+    read_stats: ReadStats = field(default_factory=ReadStats)
+    stats: StreamStats = field(default_factory=StreamStats)
+
+    def dataset(self, epoch: int = 0):
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        d = self.data
+        n_eval = d.eval_conversations
+        if self.eval_split:
+            start, stop = 0, n_eval
+        else:
+            start = n_eval
+            stop = None if d.max_conversations is None else n_eval + d.max_conversations
+        gen = functools.partial(_conversation_records, d.source, d.split, d.system_prompt, start, stop,
+                                self.read_stats)
+        ds = datasets.IterableDataset.from_generator(gen)
+        if not self.eval_split and d.shuffle_buffer > 1:
+            ds = ds.shuffle(seed=self.seed, buffer_size=d.shuffle_buffer)
+            ds.set_epoch(epoch)
+        if self.world_size > 1:
+            ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
+        return ds
+
+    def encoded(self, epoch: int = 0) -> Iterator[Encoded]:
+        seen = 0
+        for record in self.dataset(epoch):
+            seen += 1
+            enc = encode_conversation(self.tokenizer, record["messages"], self.data.max_length)
+            if enc is None:
+                self.stats.no_labels += 1
+                continue
+            self.stats.conversations += 1
+            self.stats.truncated += int(enc.truncated)
+            yield enc
+        if seen == 0 and epoch == 0:
+            what = "evaluation" if self.eval_split else "training"
+            raise UserError(f"data source {self.data.source!r} gave no {what} conversations "
+                            f"({self.read_stats.summary()})")
+
+
+def pack(docs: list[Encoded], row_len: int) -> list[list[Encoded]]:
+    """Best-fit-decreasing bin packing of documents into rows of ``row_len`` tokens."""
+    rows: list[list[Encoded]] = []
+    free: list[int] = []
+    for doc in sorted(docs, key=lambda e: len(e.input_ids), reverse=True):
+        n = len(doc.input_ids)
+        best = -1
+        for i, f in enumerate(free):
+            if n <= f and (best < 0 or f < free[best]):
+                best = i
+        if best < 0:
+            rows.append([doc])
+            free.append(row_len - n)
+        else:
+            rows[best].append(doc)
+            free[best] -= n
+    return rows
+
+
+def collate(rows: list[list[Encoded]], pad_id: int, row_len: Optional[int] = None) -> dict:
+    """Rows of documents -> tensors: input_ids, labels, position_ids, doc_ids (0 = padding)."""
+    width = row_len or max(sum(len(d.input_ids) for d in row) for row in rows)
+    b = len(rows)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    labels = torch.full((b, width), IGNORE, dtype=torch.long)
+    position_ids = torch.zeros((b, width), dtype=torch.long)
+    doc_ids = torch.zeros((b, width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for j, doc in enumerate(row, start=1):
+            n = len(doc.input_ids)
+            input_ids[r, at:at + n] = torch.tensor(doc.input_ids)
+            labels[r, at:at + n] = torch.tensor(doc.labels)
+            position_ids[r, at:at + n] = torch.arange(n)
+            doc_ids[r, at:at + n] = j
+            at += n
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
+
+
+class MicroBatches:
+    """Infinite iterator of training micro-batches with a resumable position (epoch, index)."""
+
+    def __init__(self, stream: ConversationStream, micro_batch_size: int, pad_id: int,
+                 buffer: int = 256, epoch: int = 0, index: int = 0):
+        self.stream = stream
+        self.micro = micro_batch_size
+        self.pad_id = pad_id
+        self.buffer = max(buffer, micro_batch_size)
+        self.epoch, self.index = epoch, index
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def _epoch_batches(self, epoch: int) -> Iterator[dict]:
+        data = self.stream.data
+        buf: list[Encoded] = []
+
+        def flush(final: bool):
+            if data.packing:
+                rows = pack(buf, data.max_length)
+                for i in range(0, len(rows), self.micro):
+                    yield collate(rows[i:i + self.micro], self.pad_id, data.max_length)
+            else:
+                docs = sorted(buf, key=lambda e: len(e.input_ids))
+                for i in range(0, len(docs), self.micro):
+                    yield collate([[d] for d in docs[i:i + self.micro]], self.pad_id)
+
+        for enc in self.stream.encoded(epoch):
+            buf.append(enc)
+            if len(buf) >= self.buffer:
+                yield from flush(False)
+                buf = []
+        if buf:
+            yield from flush(True)
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            produced = 0
+            for i, batch in enumerate(self._epoch_batches(self.epoch)):
+                produced += 1
+                if i < self.index:
+                    continue  # resuming: replay the deterministic stream up to where we stopped
+                self.index = i + 1
+                real = int((batch["doc_ids"] > 0).sum())
+                st = self.stream.stats
+                st.tokens += real
+                st.padding += batch["doc_ids"].numel() - real
+                st.label_tokens += int((batch["labels"] != IGNORE).sum())
+                yield batch
+            if produced == 0:
+                raise UserError(f"data source {self.stream.data.source!r} produced no training batches")
+            self.epoch, self.index = self.epoch + 1, 0
+
+
+def eval_batches(stream: ConversationStream, micro_batch_size: int, pad_id: int) -> list[dict]:
+    """The held-out conversations, length-bucketed (eval is small; kept in memory)."""
+    docs = sorted(stream.encoded(0), key=lambda e: len(e.input_ids))
+    return [collate([[d] for d in docs[i:i + micro_batch_size]], pad_id)
+            for i in range(0, len(docs), micro_batch_size)]
+
+
+def token_frequencies(stream: ConversationStream, vocab_size: int, max_conversations: int) -> torch.Tensor:
+    """Counts of assistant (label) tokens over the first conversations of the training stream."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i, enc in enumerate(stream.encoded(0)):
+        if i >= max_conversations:
+            break
+        lab = torch.tensor([t for t in enc.labels if t != IGNORE], dtype=torch.long)
+        counts += torch.bincount(lab, minlength=vocab_size)[:vocab_size]
+    return counts

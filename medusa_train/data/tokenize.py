@@ -1,0 +1,77 @@
+"""Chat-template tokenisation with labels on assistant tokens only.
+
+The reference Medusa trainer labels user turns too, so its heads learn to predict the
+user's words. Here a token is labelled only if it lies inside an assistant reply (its
+content and the end-of-turn marker the template puts after it); system prompt, user turns
+and the template's role headers are ``IGNORE`` (-100).
+
+Assistant spans are found by rendering the template on growing prefixes of the
+conversation: the reply of message i is what ``messages[:i+1]`` adds after
+``messages[:i]`` + generation prompt. Templates that are not prefix-stable fall back to
+locating the reply text in the rendered conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+IGNORE = -100
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool
+
+
+def _render(tokenizer, messages, add_generation_prompt=False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character spans of assistant replies."""
+    text = _render(tokenizer, messages)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant" or i == 0:
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = _render(tokenizer, messages[: i + 1])
+        if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
+            start, end = len(before), len(upto)
+        else:  # not prefix-stable: find the reply text itself
+            start = text.find(msg["content"], cursor)
+            if start < 0:
+                continue
+            end = start + len(msg["content"])
+            eos = getattr(tokenizer, "eos_token", None)
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+        # keep the end-of-turn marker but not the newline the template adds after it
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        spans.append((start, end))
+        cursor = end
+    return text, spans
+
+
+def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Optional[Encoded]:
+    """Token ids and assistant-only labels, truncated to ``max_length``; None if nothing to learn."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    labels = [IGNORE] * len(ids)
+    si = 0
+    for t, (start, _end) in enumerate(enc["offset_mapping"]):
+        while si < len(spans) and start >= spans[si][1]:
+            si += 1
+        if si < len(spans) and spans[si][0] <= start < spans[si][1]:
+            labels[t] = ids[t]
+    truncated = len(ids) > max_length
+    ids, labels = ids[:max_length], labels[:max_length]
+    if all(l == IGNORE for l in labels[1:]):  # position 0 is never a target
+        return None
+    return Encoded(ids, labels, truncated)

@@ -1,0 +1,128 @@
+"""Head targets, the weighted per-head loss and the accuracy metrics logged during training.
+
+Offsets: the backbone at position t predicts t+1; head k (1-based) predicts token t+k+1, so
+its target is ``labels[t + 1 + k]`` — only where that token is an assistant token of the
+same packed conversation as position t.
+
+Heads are evaluated only at positions that have a target (gathered first), so the vocabulary
+projection — the dominant cost — is never spent on user turns or padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .data.tokenize import IGNORE
+
+TOPK = 5
+
+
+def head_targets(labels: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Targets of head k (1-based) at every position; IGNORE where there is none."""
+    shift = 1 + k
+    tgt = torch.full_like(labels, IGNORE)
+    if labels.shape[1] <= shift:
+        return tgt
+    later = labels[:, shift:].clone()
+    same_doc = (doc_ids[:, :-shift] == doc_ids[:, shift:]) & (doc_ids[:, :-shift] > 0)
+    later[~same_doc] = IGNORE
+    tgt[:, :-shift] = later
+    return tgt
+
+
+def vocab_to_local(token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """Inverse of a truncated head's token map: vocab id -> local index, -1 if absent."""
+    if token_map is None:
+        return None
+    inv = torch.full((vocab_size,), -1, dtype=torch.long, device=token_map.device)
+    inv[token_map] = torch.arange(token_map.numel(), device=token_map.device)
+    return inv
+
+
+@dataclass
+class HeadMetrics:
+    """Running sums for one logging window: per head loss, top-1..top-5 hits, target count."""
+
+    num_heads: int
+    loss_sum: list = field(default_factory=list)
+    hits: list = field(default_factory=list)
+    count: list = field(default_factory=list)
+    batches: int = 0
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self):
+        self.loss_sum = [0.0] * self.num_heads
+        self.hits = [[0] * TOPK for _ in range(self.num_heads)]
+        self.count = [0] * self.num_heads
+        self.batches = 0
+
+    def add(self, k: int, loss: float, hits_topk: list[int], n: int):
+        self.loss_sum[k] += loss
+        self.count[k] += n
+        for j in range(TOPK):
+            self.hits[k][j] += hits_topk[j]
+
+    def summary(self) -> dict:
+        out = {}
+        batches = max(self.batches, 1)
+        top1 = []
+        for k in range(self.num_heads):
+            n = max(self.count[k], 1)
+            out[f"head{k + 1}/loss"] = self.loss_sum[k] / batches
+            for j in range(TOPK):
+                out[f"head{k + 1}/top{j + 1}"] = self.hits[k][j] / n
+            top1.append(self.hits[k][0] / n)
+        out["sim_tau"] = simulated_tau(top1)
+        return out
+
+
+def simulated_tau(top1: list[float]) -> float:
+    """Expected accepted tokens per step of a top-1 chain: 1 + sum_k prod_{j<=k} acc_j.
+
+    Assumes head k is right independently of heads < k (what SpecForge / ModelOpt log).
+    """
+    tau, p = 1.0, 1.0
+    for a in top1:
+        p *= a
+        tau += p
+    return tau
+
+
+def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor,
+               weights: list[float], inv_map: torch.Tensor | None,
+               metrics: HeadMetrics | None = None) -> torch.Tensor:
+    """sum_k lambda_k * CE_k over positions with a target; fills ``metrics`` if given.
+
+    For truncated heads, targets outside the head's vocabulary are excluded from the CE
+    (they cannot be predicted) but counted as misses in the accuracy.
+    """
+    total = hidden.new_zeros(())
+    for k in range(len(weights)):
+        tgt = head_targets(labels, doc_ids, k + 1)
+        mask = tgt != IGNORE
+        n = int(mask.sum())
+        if n == 0:
+            continue
+        h = hidden[mask]
+        tgt = tgt[mask]
+        local = inv_map[tgt] if inv_map is not None else tgt
+        logits = heads.head_logits(h, k).float()
+        valid = local >= 0
+        if bool(valid.any()):
+            ce = F.cross_entropy(logits[valid], local[valid])
+            total = total + weights[k] * ce
+        else:
+            ce = logits.sum() * 0.0  # keep the graph connected; nothing learnable here
+        if metrics is not None:
+            with torch.no_grad():
+                top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices
+                eq = (top == local.unsqueeze(-1)) & valid.unsqueeze(-1)
+                cum = eq.cumsum(-1).clamp(max=1).sum(0).tolist()
+                cum += [cum[-1]] * (TOPK - len(cum))
+                metrics.add(k, float(ce), [int(c) for c in cum], n)
+    return total

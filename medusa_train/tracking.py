@@ -1,0 +1,131 @@
+"""Where metrics go: a JSONL log (always), wandb (offline by default), a progress bar, a PNG.
+
+Only rank 0 tracks. ``metrics.jsonl`` is the source of truth for plots and for resume: on
+resume, records after the checkpoint's step are dropped so the log matches the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+class Tracker:
+    def __init__(self, output_dir: Path, logger_cfg, run_config: dict, total_steps: int, start_step: int,
+                 enabled: bool = True, progress: bool = True):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.wandb = None
+        self.bar = None
+        self.plot_enabled = bool(logger_cfg.plot)
+        if not enabled:
+            return
+        self._truncate_after(start_step)
+        mode = str(getattr(logger_cfg.wandb, "value", logger_cfg.wandb))
+        if mode != "disabled":
+            self.wandb = _start_wandb(mode, logger_cfg, run_config, output_dir)
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(l + "\n" for l in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict, kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "kind": kind, "time": round(time.time(), 3), **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"{kind}/{k}": v for k, v in metrics.items()}, step=step)
+        if self.bar is not None and kind == "train":
+            self.bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
+                                 tau=f"{metrics.get('sim_tau', 0):.2f}",
+                                 tok_s=f"{metrics.get('tokens_per_s', 0):.0f}")
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self, plot_path: Optional[Path] = None) -> Optional[Path]:
+        if not self.enabled:
+            return None
+        if self.bar is not None:
+            self.bar.close()
+        out = None
+        if plot_path is not None and self.plot_enabled:
+            out = plot_curves(self.path, plot_path)
+        if self.wandb is not None:
+            self.wandb.finish()
+        return out
+
+
+def _start_wandb(mode: str, logger_cfg, run_config: dict, output_dir: Path):
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        import wandb
+
+        return wandb.init(project=logger_cfg.project, name=logger_cfg.run_name, mode=mode,
+                          dir=str(output_dir), config=run_config, reinit="finish_previous")
+    except Exception as e:  # tracking must never kill a training run
+        print(f"[medusa-train] wandb disabled: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not Path(path).exists():
+        return []
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+
+
+def plot_curves(metrics_path: Path, out_path: Path) -> Optional[Path]:
+    """Per-head loss and top-1 accuracy against step (train and eval), as one PNG."""
+    records = read_metrics(metrics_path)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = sorted({int(k[4:].split("/")[0]) for k in train[-1] if k.startswith("head") and k.endswith("/loss")})
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for h in heads:
+        steps = [r["step"] for r in train]
+        line, = ax_loss.plot(steps, [r[f"head{h}/loss"] for r in train], label=f"head {h}")
+        ax_acc.plot(steps, [r[f"head{h}/top1"] for r in train], color=line.get_color(), label=f"head {h} train")
+        if evals:
+            ax_acc.plot([r["step"] for r in evals], [r[f"head{h}/top1"] for r in evals], "o--",
+                        color=line.get_color(), label=f"head {h} eval")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="per-head loss")
+    ax_acc.set(xlabel="step", ylabel="top-1 accuracy", title="per-head top-1 accuracy")
+    ax_loss.legend()
+    ax_acc.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return Path(out_path)
