@@ -1,19 +1,19 @@
-"""Resumable checkpoints: atomic, the last M kept, found again by ``resume=auto``.
+"""Resumable checkpoints: pickle-free, atomic, the last M kept, found again by ``resume=auto``.
 
 Layout under ``<output_dir>/checkpoints/``::
 
-    step-000050/            DeepSpeed engine state (heads, optimizer, LR scheduler; one
-                            optimizer shard per rank under ZeRO) + trainer_state.json
-                            (step, data position, config) + rng-rank{r}.safetensors
-    latest                  the name of the newest complete checkpoint
+    step-000050/
+        heads.safetensors       fp32 master weights of the heads (+ token map buffer)
+        optimizer.safetensors   AdamW moments per parameter (exp_avg.<name>, exp_avg_sq.<name>)
+        rng-rank{r}.safetensors every rank's RNG state
+        trainer_state.json      step, optimizer step, LR scheduler, data position, config
+    latest                      the name of the newest complete checkpoint
 
-A checkpoint is written under a temporary name and renamed only once every rank has
-finished, so a kill mid-write leaves the previous checkpoint as ``latest``.
-
-The engine state is DeepSpeed's native format (torch-serialised files), the only format
-that holds a ZeRO-partitioned optimizer. It is resume state written by this run for this
-run, never meant to be shared: the export (``heads/``) is safetensors only and is what
-leaves the machine. Our own files here are JSON and safetensors.
+Every tensor is gathered into its full (unpartitioned) shape through DeepSpeed's
+``safe_get_full_*`` API, so a checkpoint does not depend on the ZeRO stage or world size it
+was written with and nothing is ever unpickled (DeepSpeed's own ``save_checkpoint`` writes
+torch pickles). A checkpoint is written under a temporary name and renamed once complete,
+so a kill mid-write leaves the previous checkpoint as ``latest``.
 """
 
 from __future__ import annotations
@@ -89,26 +89,75 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype("uint32"), int(state["numpy_pos"][0])))
 
 
+def _trainable(engine):
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def _base_optimizer(engine):
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO / bf16) or the client one itself."""
+    opt = engine.optimizer
+    return getattr(opt, "optimizer", opt)
+
+
+def _full_tensor(param, opt, key=None):
+    """Full fp32 parameter (key None) or optimizer moment, from any ZeRO stage; collective."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    full = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
+    if full is not None:
+        return full
+    if key is None:
+        return param.detach()
+    return opt.state.get(param, {}).get(key, torch.zeros_like(param))  # before the first step
+
+
+def _optimizer_step(engine) -> int:
+    for state in _base_optimizer(engine).state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def gather(engine) -> tuple[dict, dict, int]:
+    """(weights, optimizer moments, optimizer step), full-size, on every rank (collective)."""
+    opt = _base_optimizer(engine)
+    weights, moments = {}, {}
+    for name, p in _trainable(engine):
+        weights[name] = _full_tensor(p, opt).float().cpu().contiguous()
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments[f"{key}.{name}"] = _full_tensor(p, opt, key).float().cpu().contiguous()
+    for name, b in engine.module.named_buffers():
+        if name in engine.module.state_dict():
+            weights[name] = b.detach().cpu().contiguous()
+    return weights, moments, _optimizer_step(engine)
+
+
 def save(engine, output_dir: Path, step: int, trainer_state: dict, keep_last: int, rank: int) -> Path:
-    """Write checkpoint ``step`` atomically on every rank; rank 0 renames and prunes."""
-    import torch.distributed as dist
+    """Write checkpoint ``step`` atomically; every rank calls this, rank 0 writes the shared files."""
     from safetensors.torch import save_file
 
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    tag, tmp_tag = step_tag(step), f".tmp-{step_tag(step)}"
-    if rank == 0 and (root / tmp_tag).exists():
-        shutil.rmtree(root / tmp_tag)  # leftover of a run killed mid-write
+    tag, tmp = step_tag(step), root / f".tmp-{step_tag(step)}"
+    weights, moments, opt_step = gather(engine)
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # leftover of a run killed mid-write
+        tmp.mkdir()
     _barrier()
-    engine.save_checkpoint(str(root), tag=tmp_tag, save_latest=False)
-    save_file(rng_state(), str(root / tmp_tag / f"rng-rank{rank}.safetensors"))
+    save_file(rng_state(), str(tmp / f"rng-rank{rank}.safetensors"))
     _barrier()
     final = root / tag
     if rank == 0:
-        (root / tmp_tag / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
+        save_file(weights, str(tmp / "heads.safetensors"))
+        save_file(moments, str(tmp / "optimizer.safetensors"))
+        sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else {}
+        state = {**trainer_state, "optimizer_step": opt_step,
+                 "lr_scheduler": sched}  # LambdaLR: numbers only (its lambda is stored as None)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str) + "\n")
         if final.exists():
             shutil.rmtree(final)
-        os.replace(root / tmp_tag, final)
+        os.replace(tmp, final)
         latest_tmp = root / f".{LATEST}.tmp"
         latest_tmp.write_text(tag + "\n")
         os.replace(latest_tmp, root / LATEST)
@@ -119,18 +168,81 @@ def save(engine, output_dir: Path, step: int, trainer_state: dict, keep_last: in
 
 
 def load(engine, path: Path, rank: int) -> dict:
-    """Restore engine + RNG from ``path``; returns the trainer state."""
+    """Restore heads, AdamW state, LR schedule and RNG from ``path``; returns the trainer state."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from safetensors.torch import load_file
 
     path = Path(path)
-    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-    if load_path is None:
-        raise UserError(f"could not load checkpoint {path} (incomplete, or written with another ZeRO layout)")
+    state = read_state(path)
+    try:
+        weights = load_file(str(path / "heads.safetensors"))
+        moments = load_file(str(path / "optimizer.safetensors"))
+    except Exception as e:
+        raise UserError(f"checkpoint {path} is incomplete or corrupt ({e}); delete it to resume from an earlier one")
+    opt = _base_optimizer(engine)
+    params = dict(_trainable(engine))
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise UserError(f"checkpoint {path} does not match these heads (missing {missing[:3]})")
+    step_value = float(state.get("optimizer_step", 0))
+    _materialize_optimizer_state(engine, opt, step_value)
+    for name, p in params.items():
+        w = weights[name].to(p.device)
+        m, v = (moments[f"{k}.{name}"].to(p.device) for k in ("exp_avg", "exp_avg_sq"))
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):  # ZeRO / bf16: fp32 master lives in the optimizer
+            safe_set_full_fp32_param(p, w)
+            safe_set_full_optimizer_state(p, m, "exp_avg")
+            safe_set_full_optimizer_state(p, v, "exp_avg_sq")
+        else:  # plain torch optimizer: its state is keyed by the module parameter itself
+            opt.state[p] = {"step": torch.tensor(step_value), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        _set_module_param(p, w)
+    for s in opt.state.values():  # ZeRO keeps one state per flat partition: give each the step
+        if "step" in s:
+            s["step"] = torch.full_like(s["step"], step_value) if torch.is_tensor(s["step"]) else step_value
+    for name, b in engine.module.named_buffers():
+        if name in weights:
+            b.copy_(weights[name].to(b.device))
+    sched = state.get("lr_scheduler")
+    if sched and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(dict(sched))
+        for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr  # load_state_dict restores the schedule, not the optimizer's current lr
     rng_file = path / f"rng-rank{rank}.safetensors"
     if rng_file.is_file():
         set_rng_state(load_file(str(rng_file)))
-    return read_state(path)
+    return state
+
+
+def _materialize_optimizer_state(engine, opt, step_value: float) -> None:
+    """Create AdamW state (zeros) for every tensor the optimizer steps, as its first step would.
+
+    torch's AdamW creates state lazily; DeepSpeed's ZeRO / bf16 wrappers link each module
+    parameter to its slice of that state only once it exists. Creating it here (then linking)
+    lets the saved moments be written into place before the first step of the resumed run.
+    """
+    if step_value == 0:
+        return
+    flats = [flat for group in opt.param_groups for flat in group["params"]]
+    flats += list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))  # ZeRO-3 fills groups lazily
+    for flat in flats:
+        if "exp_avg" not in opt.state.get(flat, {}):
+            opt.state[flat] = {**opt.state.get(flat, {}), "step": torch.tensor(step_value),
+                               "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
+
+
+def _set_module_param(p, value) -> None:
+    """Copy a full tensor into the module's (possibly ZeRO-3 partitioned) parameter."""
+    if hasattr(p, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                p.data.copy_(value.to(p.dtype))
+    else:
+        p.data.copy_(value.to(p.dtype))
 
 
 def _barrier() -> None:

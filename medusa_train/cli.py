@@ -83,3 +83,16 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def compose_recipe(recipe: str, overrides: list[str] | None = None):
+    """The composed, type-checked config of a recipe, without running it (tests, tooling)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module=RECIPE_PACKAGE, version_base=None):
+        return compose(config_name=recipe, overrides=list(overrides or []))

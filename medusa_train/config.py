@@ -88,7 +88,7 @@ class TrainerConfig:
     micro_batch_size: int = 2  # rows per forward pass per process
     global_batch_size: Optional[int] = None  # rows per optimizer step; default micro * world
     grad_clip: float = 1.0
-    precision: Precision = Precision.fp32
+    precision: Precision = Precision.fp32  # bf16/fp16 need zero_stage >= 1 (fp32 masters live there)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0..3 (heads only: the frozen backbone stays whole)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
@@ -169,6 +169,9 @@ def validate(cfg) -> None:
         (h.num_layers >= 0, f"heads.num_layers must be >= 0, got {h.num_layers}"),
         (h.kind == "medusa", f"heads.kind={h.kind!r} is not available in this version (medusa)"),
         (d.max_length >= 8, f"data.max_length must be >= 8, got {d.max_length}"),
+        (Precision(t.precision) is Precision.fp32 or t.zero_stage >= 1,
+         f"trainer.precision={Precision(t.precision).value} needs trainer.zero_stage >= 1: the ZeRO optimizer keeps "
+         "the fp32 master weights that checkpoints save (stage 1 costs nothing on one device)"),
         (t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}"),
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
          f"backbone.dtype must be float32|bfloat16|float16|auto, got {cfg.backbone.dtype!r}"),

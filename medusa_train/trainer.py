@@ -162,7 +162,7 @@ class MedusaTrainer:
                                if OmegaConf.is_config(cfg) else {}, t.max_steps, self.step,
                                enabled=self.is_main, progress=t.progress_bar)
         if self.is_main:
-            n_train = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+            n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
             n_back = sum(p.numel() for p in model.parameters())
             self.tracker.write(
                 f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, frozen) on {self.device}; "
