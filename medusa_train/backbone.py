@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from inference.errors import UserError
-from . import assets
+from inference import assets
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from inference.errors import UserError
-from .. import assets
+from inference import assets
 
 ROLE_MAP = {
     "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",

