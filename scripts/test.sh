@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs everything, then runs the tests: the unit tier (tiny random backbones, no
+# network), then the integration tier (the real embedded SmolLM2 + ShareGPT). The GPU tier
+# runs only where CUDA is available. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+[ "${MEDUSA_VENV:-.venv}" = "none" ] || . "${MEDUSA_VENV:-.venv}/bin/activate"
+export WANDB_MODE=disabled
+echo "[test] unit tier"
+python -m pytest -q "$@"
+if [ "${MEDUSA_SKIP_INTEGRATION:-0}" != "1" ]; then
+  echo "[test] integration tier (embedded SmolLM2 + ShareGPT)"
+  python -m pytest -q -m integration "$@"
+fi
+if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "[test] gpu tier"
+  python -m pytest -q -m gpu "$@"
+fi
