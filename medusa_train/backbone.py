@@ -8,6 +8,7 @@ skips the 49k-vocabulary lm_head product on every token.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,9 @@ def _load_pretrained(cfg) -> Backbone:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, name = assets.resolve_backbone_path(cfg.name_or_path, cfg.gguf_file)
+    looks_local = path.startswith((".", "/", "~")) or os.path.sep in path and path.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise UserError(f"backbone path not found: {path}")
     kwargs = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -97,7 +101,8 @@ def _load_pretrained(cfg) -> Backbone:
             path, dtype=_DTYPES.get(cfg.dtype, "auto"), attn_implementation=cfg.attn_implementation, **kwargs)
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load backbone {cfg.name_or_path!r}: {first}") from None
+        raise UserError(f"cannot load backbone {cfg.name_or_path!r} (not a local model folder, and the hub has no "
+                        f"such model or cannot be reached): {first}") from None
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"backbone {cfg.name_or_path!r} needs custom code: set backbone.trust_remote_code=true "

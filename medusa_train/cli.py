@@ -55,11 +55,36 @@ def _task(cfg) -> None:
     from inference.errors import UserError
 
     try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        from omegaconf import open_dict
+
         from .trainer import run
 
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:  # each sweep job trains into its own folder
+            with open_dict(cfg):
+                cfg.output_dir = hc.runtime.output_dir
         run(cfg)
     except UserError as e:
         _fail(str(e))
+
+
+def _precheck(recipe: str, overrides: list[str]) -> None:
+    """Compose and validate the config; print a one-line error for a bad key, type or value."""
+    from inference.errors import UserError
+
+    from .config import validate
+
+    try:
+        validate(compose_recipe(recipe, overrides))
+    except UserError as e:
+        _fail(str(e))
+    except Exception as e:  # Hydra / OmegaConf composition errors: keep the lines that say what is wrong
+        noise = ("full_key", "reference_type", "object_type", "To append", "Set the environment")
+        text = str(e) + ("\n" + str(e.__cause__) if e.__cause__ is not None else "")
+        lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith(noise)]
+        _fail(" ".join(lines) or type(e).__name__)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     if recipe not in available_recipes():
         _fail(f"unknown recipe {recipe!r}; available: {', '.join(available_recipes())}")
 
+    if rest and all("=" in a and not a.startswith("-") for a in rest):
+        _precheck(recipe, rest)  # plain overrides: fail fast, in one line, before Hydra runs
     import hydra
 
     from .config import register_configs

@@ -365,9 +365,9 @@ def run(cfg) -> dict:
             trainer.tracker.write("\n" + format_accuracy_table(summary, trainer.spec.num_heads))
             stats = trainer.train_stream.stats
             trainer.tracker.write(
-                f"data: {trainer.train_stream.read_stats.summary()}; this run used {stats.conversations} "
-                f"conversations, {stats.truncated} truncated to {cfg.data.max_length} tokens, "
-                f"padding {stats.padding_fraction:.1%}")
+                f"data: {trainer.train_stream.read_stats.summary()}; this run tokenized {stats.conversations} "
+                f"conversations ({stats.truncated} truncated to {cfg.data.max_length} tokens), "
+                f"padding {stats.padding_fraction:.1%} of batch tokens")
             trainer.tracker.write(f"heads exported to {heads_dir}")
     finally:
         png = trainer.cleanup()
