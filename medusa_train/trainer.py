@@ -89,9 +89,12 @@ def init_distributed(device: torch.device):
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    import logging
+
     import deepspeed
     import torch.distributed as dist
 
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines drown the progress bar
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
     return dist.get_rank(), dist.get_world_size()

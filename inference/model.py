@@ -1,0 +1,226 @@
+"""Load a backbone with its Medusa heads, and run the three kinds of forward decoding needs.
+
+``load_medusa`` resolves the backbone the heads were trained on (``spec.base_model``: an
+``embedded:`` name, a local path or hub id) unless one is given, loads it with SDPA attention
+(custom 4D tree masks need an attention implementation that applies them: sdpa or eager;
+flash-attention kernels ignore them), and loads the heads strictly through
+``heads.load_heads``, which refuses heads made for another backbone (hidden size, vocabulary,
+config fingerprint) and missing or corrupt files, as ``UserError``s.
+
+``MedusaModel`` runs the decoder body (not ``*ForCausalLM.forward``) so the 49k-vocabulary
+lm_head is applied only where logits are needed: the last prompt position, the tree nodes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from . import assets
+from .cache import TreeKVCache
+from .errors import UserError
+from .heads import MedusaHeads, load_heads, read_heads_spec
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_MASKING_ATTENTION = ("sdpa", "eager")
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise UserError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise UserError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+
+
+def parse_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {device} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"device {device} requested but only {torch.cuda.device_count()} GPU(s) exist")
+    elif dev.type != "cpu":
+        raise UserError(f"unsupported device {device!r} (use cpu, cuda or cuda:N)")
+    return dev
+
+
+@dataclass
+class MedusaModel:
+    """A frozen backbone, its tokenizer and Medusa heads on one device, ready to decode.
+
+    ``heads`` may be any module with ``spec.num_heads``, ``head_logits(hidden, k)`` and
+    ``to_vocab_ids(ids)`` (``MedusaHeads``, or a stub in tests).
+    """
+
+    model: Any
+    tokenizer: Any
+    heads: Any
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.model.eval()
+        self.model.requires_grad_(False)
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl not in _MASKING_ATTENTION:
+            raise UserError(f"the backbone uses attention {impl!r}, which ignores tree masks; "
+                            "load it with attn_implementation='sdpa'")
+        base = getattr(self.model, self.model.base_model_prefix, None)
+        if base is None or self.model.get_output_embeddings() is None:
+            raise UserError(f"{type(self.model).__name__} has no decoder body + lm_head; Medusa needs a causal LM")
+        self.body, self.lm_head = base, self.model.get_output_embeddings()
+        cfg = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        self.config = cfg
+        layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise UserError(f"backbones with {sorted(layer_types - {'full_attention'})} layers are not supported "
+                            "by the tree decoder (full-attention decoders only)")
+        self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._logit_scale = getattr(cfg, "logit_scale", None)
+        # transformers 5.x calls the cache argument ``cache``; 4.x called it ``past_key_values``.
+        params = inspect.signature(self.body.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if not self.eos_token_ids:
+            self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+
+    # -- properties --------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.spec.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def new_cache(self, capacity: int) -> TreeKVCache:
+        return TreeKVCache(self.config.num_hidden_layers, capacity)
+
+    # -- compute -----------------------------------------------------------------------
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
+               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Last hidden states (after the final norm) [1, n, H]; appends n entries to ``cache``."""
+        out = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                        use_cache=True, **{self._cache_kw: cache})
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self._logit_scale is not None:
+            logits = logits * self._logit_scale
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def head_logits(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Each head's logits (local vocabulary for truncated heads) at one hidden state."""
+        return [self.heads.head_logits(hidden, k) for k in range(self.num_heads)]
+
+    def encode_chat(self, prompt: str | list[dict], system: Optional[str] = None) -> list[int]:
+        """Token ids of a user prompt (or a message list) with the chat template applied."""
+        if self.tokenizer is None:
+            raise UserError("this model was loaded without a tokenizer; pass token ids instead")
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system:
+            msgs = [{"role": "system", "content": system}] + msgs
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError("the tokenizer has no chat template; pass token ids or plain text instead")
+        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is not None:
+            ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
+def load_backbone(name_or_path: str, device="cpu", dtype=torch.float32, trust_remote_code: bool = False):
+    """(model, tokenizer) from an ``embedded:`` name, a local directory or a hub id, with SDPA."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path.startswith("random:"):
+        raise UserError(f"backbone {name_or_path!r} is a random test model that cannot be rebuilt; "
+                        "pass the backbone model itself")
+    path, _ = assets.resolve_backbone_path(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load backbone {name_or_path!r}: {first}") from None
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"backbone {name_or_path!r} needs custom code: pass trust_remote_code=True "
+                            "only if you trust its source") from None
+        raise
+    return model.to(device), tokenizer
+
+
+def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
+                tokenizer=None) -> MedusaModel:
+    """Backbone + tokenizer + heads, checked to belong together.
+
+    backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
+    ``*ForCausalLM`` (then ``tokenizer`` may be given too). device/dtype default to cpu/float32
+    when loading, and to the given model's own when a model object is passed.
+    """
+    spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
+    if backbone is None or isinstance(backbone, (str, Path)):
+        name = str(backbone) if backbone is not None else spec.base_model
+        if not name:
+            raise UserError(f"heads in {heads_dir} do not record their backbone; pass backbone=")
+        dev = parse_device(device or "cpu")
+        dt = parse_dtype(dtype or torch.float32)
+        model, tok = load_backbone(name, dev, dt, trust_remote_code)
+        tokenizer = tokenizer or tok
+    else:
+        model = backbone
+        if not hasattr(model, "get_output_embeddings"):
+            raise UserError(f"backbone must be a name, a path or a transformers causal LM, got {type(model).__name__}")
+        p = next(model.parameters())
+        dev = parse_device(device) if device is not None else p.device
+        dt = parse_dtype(dtype) if dtype is not None else p.dtype
+        model = model.to(device=dev, dtype=dt)
+    lm_w = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
+    heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt)
+    return MedusaModel(model=model, tokenizer=tokenizer, heads=heads)
+
+
+def attach_heads(model, heads: MedusaHeads, tokenizer=None) -> MedusaModel:
+    """Wrap in-memory heads (e.g. fresh ``MedusaHeads.from_lm_head``) without an export round trip."""
+    p = model.get_output_embeddings().weight
+    heads = heads.to(device=p.device, dtype=p.dtype).eval()
+    if heads.spec.projection == "shared":
+        heads.attach_lm_head(p)
+    return MedusaModel(model=model, tokenizer=tokenizer, heads=heads)

@@ -1,0 +1,282 @@
+"""Turning head guesses into tree tokens, and deciding which of them the backbone accepts.
+
+Three modes (``SamplingConfig.mode``):
+
+greedy   Lossless. A node is accepted when its token equals the backbone's argmax at its
+         parent; the longest accepted root-to-node path is kept and the backbone's argmax at
+         its last node is the bonus token. Output is token-identical to plain greedy decoding
+         (up to float ties: the tree pass and a one-token pass round differently by ~1e-6).
+
+typical  Medusa's "typical acceptance" (lossy by design, NOT distribution-exact): a node is
+         accepted when p(x) > min(epsilon, delta * exp(-H(p))), p the backbone's softmax at
+         temperature T at its parent. Among the longest accepted paths the most likely one is
+         kept; the bonus is sampled from the filtered p at its last node. With T = 0 it is greedy.
+
+sample   Exact: every generated token follows the backbone's own sampling distribution
+         (temperature, then top-k, then top-p: ``filter_probs``), whatever the heads are.
+         Two candidate schemes (``SamplingConfig.draft``):
+
+  draft="topk" (default). Children are the heads' deterministic top-k guesses. At an
+         accepted node with target p we draw Y ~ p; if a child carries Y it is accepted and we
+         descend, otherwise Y is the bonus token and the step ends. Y ~ p at every depth, so
+         the output is exactly p's. This equals SpecInfer/EAGLE recursive rejection with the
+         *correct* proposal for a deterministic candidate x, the point mass on x: accept x_1
+         w.p. min(1, p(x_1)/1) = p(x_1), else p <- normalize(p - p(x_1) e_{x_1}) and go on.
+         It is also optimal for deterministic candidates: any exact scheme can only accept
+         x_i when it outputs x_i, so P(accept) <= sum_i p(x_i), which this attains.
+         Using the head's softmax q in min(1, p/q) with deterministic top-k candidates is
+         biased (e.g. p(x)=0.3, q(x)=0.6 emits x with prob 0.5); the tests show that.
+
+  draft="sampled". Children are drawn from q (the head's softmax with the same T / top-k /
+         top-p filtering) without replacement: the i-th child of every node at depth d is the
+         i-th draw of one Gumbel-top-k sequence for head d-1, drawn before any target
+         randomness. Recursive rejection: child x_i is accepted w.p. min(1, p_i(x_i)/q_i(x_i));
+         on rejection p_{i+1} = normalize(max(0, p_i - q_i)) and q_{i+1} = q_i with x_i removed,
+         renormalised (the law of the next draw given the earlier ones); if every child is
+         rejected the bonus is drawn from the residual p. Exact by induction on the number of
+         siblings: each stage is one step of standard speculative sampling with target p_i and
+         proposal q_i, whose "reject" branch must produce a sample of p_{i+1}; the later stages
+         do, since x_{i+1} ~ q_{i+1} independently of the uniform that rejected x_i. Drafts
+         share draws across parents: the children of the one node accepted at a depth are still
+         a fresh without-replacement sample of q, independent of the decisions that led there.
+         Better than "topk" when the heads' q is close to p; worse when heads are under-confident.
+
+``verify_sample`` is vectorised over a batch of independent trials so the exactness test can
+run 10^5 samples; decoding calls it with B = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .errors import UserError
+from .tree import TreeBuffers
+
+MODES = ("greedy", "typical", "sample")
+DRAFTS = ("topk", "sampled")
+
+
+@dataclass
+class SamplingConfig:
+    """How tokens are chosen. ``temperature``/``top_k``/``top_p`` define the target distribution."""
+
+    mode: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0          # 0 = off
+    top_p: float = 1.0      # 1.0 = off
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    draft: str = "topk"     # sample mode only: "topk" or "sampled" (see module docstring)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise UserError(f"decoding mode must be one of {MODES}, got {self.mode!r}")
+        if self.draft not in DRAFTS:
+            raise UserError(f"draft scheme must be one of {DRAFTS}, got {self.draft!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.mode == "sample" and self.temperature == 0:
+            raise UserError("sample mode needs temperature > 0 (temperature 0 is greedy: use mode=greedy)")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.typical_epsilon > 0 and self.typical_delta > 0):
+            raise UserError("typical_epsilon and typical_delta must be > 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.mode == "greedy" or self.temperature == 0
+
+
+@dataclass
+class Verdict:
+    """Outcome of one verification: accepted node indices (root first) and the bonus token."""
+
+    path: list[int]
+    bonus: int
+
+
+# -- distributions ------------------------------------------------------------------------
+def filter_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T), then keep the top_k most likely, then the smallest top-p nucleus.
+
+    Computed in float32 whatever the model dtype, so the same logits always give the same
+    distribution (the target of exact sampling and of the plain sampling baseline).
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_k and top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[..., -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p          # mass strictly above each token
+        drop_sorted = before >= top_p                     # the first token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    return filter_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def choose_token(logits: torch.Tensor, cfg: SamplingConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """The backbone's own next token(s): argmax when greedy, else a sample of the target."""
+    if cfg.is_greedy:
+        return logits.argmax(-1)
+    p = target_probs(logits, cfg)
+    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).reshape(p.shape[:-1])
+
+
+# -- proposals ----------------------------------------------------------------------------
+def propose(buf: TreeBuffers, head_logits: list[torch.Tensor], to_vocab, cfg: SamplingConfig,
+            generator: Optional[torch.Generator], vocab_size: int):
+    """Tokens for tree nodes 1..N-1 from each head's logits at the last accepted position.
+
+    ``head_logits[k]`` is head k's [local_vocab] logits; ``to_vocab`` maps local ids to
+    vocabulary ids (truncated heads). Returns (tokens [N-1], draft_probs [D, vocab] or None);
+    draft_probs is the full-vocabulary q of each head, needed only by draft="sampled".
+    """
+    d = buf.max_depth
+    if d == 0:
+        return torch.empty(0, dtype=torch.long, device=buf.node_head.device), None
+    if cfg.mode == "sample" and cfg.draft == "sampled":
+        q_local = torch.stack([filter_probs(head_logits[k], cfg.temperature, cfg.top_k, cfg.top_p)
+                               for k in range(d)])                       # [D, Vl]
+        m = max(buf.slots_per_depth)
+        # Gumbel-top-m = m draws without replacement, in draw order.
+        u = torch.rand(q_local.shape, generator=generator, device=q_local.device).clamp_(min=1e-20)
+        keys = q_local.log() - (-u.log()).log()
+        draws = to_vocab(keys.topk(m, dim=-1).indices)                   # [D, m]
+        q = torch.zeros(d, vocab_size, device=q_local.device)
+        q.scatter_(1, to_vocab(torch.arange(q_local.shape[1], device=q_local.device)).expand(d, -1), q_local)
+        return draws[buf.node_head, buf.node_slot], q
+    kmax = max(buf.topk_per_depth)
+    top = torch.stack([head_logits[k].topk(kmax, dim=-1).indices for k in range(d)])   # [D, kmax]
+    return to_vocab(top)[buf.node_head, buf.node_rank], None
+
+
+# -- verification -------------------------------------------------------------------------
+def _best_path(buf: TreeBuffers, match: torch.Tensor, score: Optional[torch.Tensor] = None):
+    """Longest all-accepted prefix over the leaf paths; ``match[N]`` says node i is acceptable
+    given its parent. Ties go to the higher ``score`` (summed over the path), else the first."""
+    ri = buf.retrieve_indices
+    ok = match[ri.clamp(min=0)] & (ri >= 0)
+    ok[:, 0] = True                                        # the root is always accepted
+    lengths = ok.int().cumprod(1).sum(1)                    # nodes accepted per row (incl. root)
+    if score is not None:
+        keep = torch.arange(ri.shape[1], device=ri.device) < lengths[:, None]
+        total = torch.where(keep, score[ri.clamp(min=0)], torch.zeros_like(score[:1])).sum(1)
+        total = total.masked_fill(lengths < lengths.max(), -math.inf)   # longest first, then score
+        best = int(torch.argmax(total))
+    else:
+        best = int(torch.argmax(lengths))
+    n = int(lengths[best])
+    return ri[best, :n].tolist()
+
+
+def verify_greedy(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor) -> Verdict:
+    """tokens [N], logits [N, V] (backbone next-token logits at every node)."""
+    target = logits.argmax(-1)
+    match = tokens == target[buf.parents.clamp(min=0)]   # the root's own entry is ignored
+    path = _best_path(buf, match)
+    return Verdict(path, int(target[path[-1]]))
+
+
+def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
+                   generator: Optional[torch.Generator]) -> Verdict:
+    if cfg.is_greedy:
+        return verify_greedy(buf, tokens, logits)
+    logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, cfg.typical_epsilon),
+                              cfg.typical_delta * torch.exp(-entropy))
+    par = buf.parents.clamp(min=0)
+    cand_logp = logp[par, tokens]
+    match = cand_logp.exp() > threshold[par]
+    path = _best_path(buf, match, score=cand_logp)
+    bonus = choose_token(logits[path[-1]], cfg, generator)
+    return Verdict(path, int(bonus))
+
+
+def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs: torch.Tensor,
+                  draft_probs: Optional[torch.Tensor], draft: str,
+                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact tree verification for B independent trials.
+
+    tokens [B, N] (node 0 = root), probs [B, N, V] target distribution at every node,
+    draft_probs [B, D, V] the heads' q (draft="sampled" only). Returns (paths [B, D+1] node
+    indices, -1 padded; accepted [B] number of accepted non-root nodes; bonus [B]).
+    """
+    if draft not in DRAFTS:
+        raise UserError(f"draft scheme must be one of {DRAFTS}, got {draft!r}")
+    B, N, V = probs.shape
+    dev = probs.device
+    rows = torch.arange(B, device=dev)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    p = probs[:, 0].clone()
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    paths = torch.full((B, buf.max_depth + 1), -1, dtype=torch.long, device=dev)
+    paths[:, 0] = 0
+    accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    bonus = torch.full((B,), -1, dtype=torch.long, device=dev)
+    for d in range(1, buf.max_depth + 1):
+        kids = buf.children[cur]                                     # [B, S]
+        kid_tok = tokens.gather(1, kids.clamp(min=0))
+        if draft == "topk":
+            y = torch.multinomial(p, 1, generator=generator)[:, 0]
+            hit = (kid_tok == y[:, None]) & (kids >= 0)
+            found = hit.any(1) & alive
+            nxt = kids.gather(1, hit.int().argmax(1, keepdim=True))[:, 0]
+            stop = alive & ~found
+            bonus = torch.where(stop, y, bonus)                      # Y ~ p matched no child
+        else:
+            q = draft_probs[:, d - 1].float().clone()
+            nxt = torch.full((B,), -1, dtype=torch.long, device=dev)
+            for s in range(kids.shape[1]):
+                c = kids[:, s]
+                x = kid_tok[:, s]
+                px, qx = p[rows, x], q[rows, x]
+                act = alive & (c >= 0) & (nxt < 0) & (qx > 0)        # q(x)=0: not a real draw
+                u = torch.rand(B, generator=generator, device=dev)
+                acc = act & (u * qx < px)                            # u < p(x)/q(x)
+                nxt = torch.where(acc, c, nxt)
+                rej = act & ~acc
+                resid = (p - q).clamp_(min=0)
+                rs = resid.sum(1, keepdim=True)
+                p = torch.where(rej[:, None] & (rs > 0), resid / rs.clamp(min=1e-30), p)
+                q2 = q.clone()
+                q2[rows, x] = 0
+                q2 = q2 / q2.sum(1, keepdim=True).clamp(min=1e-30)
+                q = torch.where(rej[:, None], q2, q)
+            found = alive & (nxt >= 0)
+        nxt = torch.where(found, nxt, cur)
+        paths[:, d] = torch.where(found, nxt, paths[:, d])
+        accepted += found.long()
+        p = torch.where(found[:, None], probs[rows, nxt], p)         # fresh target at the new node
+        cur = nxt
+        alive = found
+    todo = bonus < 0
+    if todo.any():  # leaf reached (fresh p) or all children rejected (residual p)
+        y = torch.multinomial(p, 1, generator=generator)[:, 0]
+        bonus = torch.where(todo, y, bonus)
+    return paths, accepted, bonus
+
+
+def verify(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
+           draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> Verdict:
+    """One step of batch-1 decoding: tokens [N], logits [N, V]."""
+    if cfg.mode == "greedy" or cfg.is_greedy:
+        return verify_greedy(buf, tokens, logits)
+    if cfg.mode == "typical":
+        return verify_typical(buf, tokens, logits, cfg, generator)
+    probs = target_probs(logits, cfg)
+    paths, n, bonus = verify_sample(buf, tokens[None], probs[None],
+                                    None if draft_probs is None else draft_probs[None], cfg.draft, generator)
+    k = int(n[0])
+    return Verdict(paths[0, :k + 1].tolist(), int(bonus[0]))
