@@ -106,8 +106,8 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
         tgt = head_targets(labels, doc_ids, k + 1)
         mask = tgt != IGNORE
         n = int(mask.sum())
-        if n == 0:
-            continue
+        # The head runs even with no targets: under ZeRO-3 every rank must take part in
+        # gathering its weights, or the ranks deadlock.
         h = hidden[mask]
         tgt = tgt[mask]
         local = inv_map[tgt] if inv_map is not None else tgt
@@ -117,8 +117,9 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
             ce = F.cross_entropy(logits[valid], local[valid])
             total = total + weights[k] * ce
         else:
-            ce = logits.sum() * 0.0  # keep the graph connected; nothing learnable here
-        if metrics is not None:
+            ce = logits.sum() * 0.0  # nothing learnable here; keeps the graph connected
+            total = total + ce
+        if metrics is not None and n:
             with torch.no_grad():
                 top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices
                 eq = (top == local.unsqueeze(-1)) & valid.unsqueeze(-1)

@@ -255,9 +255,13 @@ class MedusaTrainer:
                 metrics.reset()
                 window_tokens, window_start, loss_sum = 0, time.perf_counter(), 0.0
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                paused = time.perf_counter()
                 self.evaluate()
+                window_start += time.perf_counter() - paused  # tokens/s counts training time only
             if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                paused = time.perf_counter()
                 self.save_checkpoint()
+                window_start += time.perf_counter() - paused
         self.save_checkpoint()
 
     def _check_finite(self, loss: torch.Tensor) -> None:
