@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -327,6 +328,10 @@ class MedusaTrainer:
         return png
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def lr_factor(step: int, max_steps: int, optim) -> float:
     """Linear warm-up, then cosine decay to ``min_lr_ratio``."""
     if optim.warmup_steps and step < optim.warmup_steps:
@@ -357,6 +362,8 @@ def run(cfg) -> dict:
     """The whole recipe: returns the final eval summary (rank 0) for callers and tests."""
     trainer = MedusaTrainer(cfg)
     trainer.setup()
+    if trainer.world_size == 1:  # a scheduler's SIGTERM saves a checkpoint like Ctrl-C does
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     summary: dict = {}
     try:
         if trainer.step < cfg.trainer.max_steps:
