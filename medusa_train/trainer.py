@@ -362,8 +362,9 @@ def run(cfg) -> dict:
     """The whole recipe: returns the final eval summary (rank 0) for callers and tests."""
     trainer = MedusaTrainer(cfg)
     trainer.setup()
+    previous_handler = None
     if trainer.world_size == 1:  # a scheduler's SIGTERM saves a checkpoint like Ctrl-C does
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
     summary: dict = {}
     try:
         if trainer.step < cfg.trainer.max_steps:
@@ -384,6 +385,8 @@ def run(cfg) -> dict:
                 f"padding {stats.padding_fraction:.1%} of batch tokens")
             trainer.tracker.write(f"heads exported to {heads_dir}")
     finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         png = trainer.cleanup()
     if trainer.is_main and png:
         print(f"curves: {png}", flush=True)
