@@ -1,0 +1,391 @@
+"""Evaluation: what the heads are worth on this machine, measured honestly.
+
+One place defines the metrics (ANCHORS.md gives the field's definitions):
+  tau                mean tokens per verification step, bonus counted (plain decoding = 1.0);
+                     pooled over all steps of all prompts.
+  acceptance_rate    accepted draft tokens / proposed draft tokens, where a step proposes as
+                     many tokens as the tree is deep (the most it could accept, as vLLM
+                     counts its K speculative tokens).
+  n_alpha            P(the draft token at depth n is accepted | depths < n were accepted).
+  head accuracy      per head, top-1..top-5 against the backbone's own greedy tokens.
+  tokens_per_s       new tokens / wall time including prefill, per method, summed over prompts.
+  speedup_vs_*       medusa tokens/s over the runtime's own autoregressive loop (same cache,
+                     same token choice) and over transformers' ``generate`` (greedy).
+  greedy_identical_fraction  prompts whose Medusa output equals plain greedy decoding.
+
+Methods run interleaved prompt by prompt (their order rotates), in one process, so the
+machine's background load hits them alike.
+
+Tree choice (``tree=auto``): per-depth, per-rank head accuracy is measured on calibration
+prompts (held out from the evaluated ones); a tree is grown greedily for each node budget;
+each candidate's verification-step latency is measured on this device; the tree maximising
+expected tau / step time wins — or none, when no tree beats plain decoding's rate, in which
+case "medusa" decodes autoregressively and says so (weak heads must never make it slower).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from . import assets
+from .decode import (GenerationOutput, autoregressive_generate, measure_head_accuracy, measure_step_latency,
+                     medusa_generate)
+from .errors import UserError
+from .model import MedusaModel
+from .tree import MedusaTree, expected_tau, grow_tree, resolve_tree
+from .verify import SamplingConfig
+
+METHODS = ("medusa", "autoregressive", "hf_generate")
+DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+# -- prompts -------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    id: str
+    turns: list[str]
+    category: str = ""
+
+
+def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
+    """MT-Bench (``embedded:mtbench``) or a JSONL file of prompts.
+
+    A JSONL line may be ``{"prompt": str}``, ``{"text": str}``, ``{"turns": [str, ...]}``
+    (MT-Bench's form) or ``{"messages": [{"role": "user", "content": str}, ...]}``.
+    """
+    path = assets.mtbench_questions_path() if source == "embedded:mtbench" else Path(source).expanduser()
+    if not Path(path).is_file():
+        raise UserError(f"prompts file not found: {source}")
+    prompts: list[Prompt] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"{source}:{n} is not valid JSON") from None
+            turns = _turns(rec)
+            if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
+                raise UserError(f"{source}:{n} has an empty or missing prompt")
+            pid = str(rec.get("question_id", rec.get("id", n))) if isinstance(rec, dict) else str(n)
+            prompts.append(Prompt(pid, turns, rec.get("category", "") if isinstance(rec, dict) else ""))
+    if not prompts:
+        raise UserError(f"no prompts in {source}")
+    return prompts[:limit] if limit else prompts
+
+
+def _turns(rec) -> list:
+    if isinstance(rec, str):
+        return [rec]
+    if not isinstance(rec, dict):
+        return []
+    for key in ("turns",):
+        if isinstance(rec.get(key), list):
+            return rec[key]
+    for key in ("prompt", "text", "question"):
+        if isinstance(rec.get(key), str):
+            return [rec[key]]
+    if isinstance(rec.get("messages"), list):
+        return [m.get("content") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+    return []
+
+
+# -- tree choice ---------------------------------------------------------------------------
+@dataclass
+class TreeChoice:
+    tree: Optional[MedusaTree]  # None: plain decoding is faster than any tree on this machine
+    reason: str
+    accuracies: Optional[list] = None  # [K][rank] measured on calibration prompts
+    candidates: list = field(default_factory=list)  # {nodes, expected_tau, step_ms, rate}
+    autoregressive_step_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        t = self.tree
+        return {"name": t.name if t is not None else "none (plain decoding)",
+                "nodes": t.num_nodes if t is not None else 0,
+                "choices": t.choices if t is not None else [],
+                "reason": self.reason, "candidates": self.candidates,
+                "autoregressive_step_ms": self.autoregressive_step_ms}
+
+
+def _median_ar_step(m: MedusaModel, prompt_ids: list[int], steps: int = 8) -> float:
+    out = autoregressive_generate(m, prompt_ids, max_new_tokens=steps + 3, eos_token_ids=())
+    return statistics.median(out.step_s[2:]) if len(out.step_s) > 2 else statistics.median(out.step_s)
+
+
+def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
+                budgets: Sequence[int] = DEFAULT_BUDGETS, calibration_tokens: int = 48, topk: int = 10,
+                latency_steps: int = 6, log: Callable[[str], None] = print) -> TreeChoice:
+    """Grow a tree per budget from measured accuracy; keep the one with the best tau / step time."""
+    acc = measure_head_accuracy(m, calibration, max_new_tokens=calibration_tokens, topk=topk)
+    per_rank = acc.per_rank.tolist()
+    trees = []
+    seen = set()
+    for b in sorted(set(budgets)):
+        tree, tau = grow_tree(per_rank, b, name=f"auto{b}")
+        key = tuple(map(tuple, tree.choices))
+        if tree.num_nodes == 0 or key in seen:
+            continue
+        seen.add(key)
+        trees.append((tree, tau))
+    ar_step = _median_ar_step(m, list(latency_prompt))
+    best = (None, 1.0 / ar_step, "plain decoding is fastest")
+    cands = []
+    if trees:
+        lat = measure_step_latency(m, list(latency_prompt), [t for t, _ in trees], steps=latency_steps)
+        for tree, tau in trees:
+            step = lat[tree.name]
+            rate = tau / step
+            cands.append({"name": tree.name, "nodes": tree.num_nodes, "expected_tau": round(tau, 4),
+                          "step_ms": round(step * 1e3, 2), "expected_tokens_per_s": round(rate, 2)})
+            log(f"  tree {tree.name:>7}: {tree.num_nodes:>2} nodes, expected tau {tau:.3f}, "
+                f"step {step * 1e3:.1f} ms -> {rate:.1f} tok/s expected")
+            if rate > best[1]:
+                best = (tree, rate, f"best expected tau / step time ({rate:.1f} tok/s vs plain "
+                                    f"{1 / ar_step:.1f})")
+    log(f"  plain decoding: step {ar_step * 1e3:.1f} ms -> {1 / ar_step:.1f} tok/s")
+    return TreeChoice(best[0], best[2], per_rank, cands, round(ar_step * 1e3, 2))
+
+
+# -- measurement -----------------------------------------------------------------------------
+@dataclass
+class Sample:
+    prompt_id: str
+    turn: int
+    outputs: dict = field(default_factory=dict)  # method -> GenerationOutput-like dict
+    tokens: dict = field(default_factory=dict)  # method -> token ids
+
+
+def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int) -> GenerationOutput:
+    """transformers' own greedy ``generate`` (its default cache), timed like the others."""
+    ids = torch.tensor([prompt_ids], device=m.device)
+    eos = list(m.eos_token_ids)
+    pad = m.tokenizer.pad_token_id if m.tokenizer is not None and m.tokenizer.pad_token_id is not None else eos[0]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = m.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                               do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    if m.device.type == "cuda":
+        torch.cuda.synchronize(m.device)
+    dt = time.perf_counter() - t0
+    new = out[0, len(prompt_ids):].tolist()
+    for i, t in enumerate(new):  # cut after the first EOS, as the runtime does
+        if t in eos:
+            new = new[:i + 1]
+            break
+    g = GenerationOutput(tokens=new, prompt_tokens=len(prompt_ids), finish_reason="hf")
+    g.decode_s = dt
+    g.accept_lengths = [1] * max(len(new) - 1, 0)
+    return g
+
+
+def run_method(method: str, m: MedusaModel, prompt_ids: list[int], tree: Optional[MedusaTree],
+               max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationOutput:
+    if method == "medusa":
+        if tree is None:  # the tree choice found plain decoding faster
+            return autoregressive_generate(m, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+        return medusa_generate(m, prompt_ids, tree=tree, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+    if method == "autoregressive":
+        return autoregressive_generate(m, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+    if method == "hf_generate":
+        if not sampling.is_greedy:
+            raise UserError("hf_generate is measured in greedy mode only")
+        return hf_generate(m, prompt_ids, max_new_tokens)
+    raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def summarize(samples: list[Sample], methods: Sequence[str], tree: Optional[MedusaTree]) -> dict:
+    """The report's headline numbers from the per-sample outputs (definitions: module docstring)."""
+    def total(method, attr):
+        return sum(getattr(s.outputs[method], attr) for s in samples)
+
+    rates = {}
+    for meth in methods:
+        tokens = sum(len(s.outputs[meth].tokens) for s in samples)
+        secs = total(meth, "prefill_s") + total(meth, "decode_s")
+        rates[meth] = tokens / secs if secs > 0 else 0.0
+    out: dict = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}}
+    if "medusa" in methods:
+        lengths = [n for s in samples for n in s.outputs["medusa"].accept_lengths]
+        depth = tree.max_depth if tree is not None else 0
+        accepted = [n - 1 for n in lengths]
+        out["tau"] = round(sum(lengths) / len(lengths), 4) if lengths else 1.0
+        out["acceptance_rate"] = round(sum(accepted) / (depth * len(lengths)), 4) if depth and lengths else 0.0
+        out["n_alpha"] = [round(sum(a >= n for a in accepted) / max(sum(a >= n - 1 for a in accepted), 1), 4)
+                          for n in range(1, depth + 1)]
+        out["accept_length_histogram"] = {str(k): lengths.count(k) for k in sorted(set(lengths))}
+        for base, key in (("autoregressive", "speedup_vs_autoregressive"), ("hf_generate", "speedup_vs_hf_generate")):
+            if base in methods and rates[base] > 0:
+                out[key] = round(rates["medusa"] / rates[base], 4)
+        if "autoregressive" in methods:
+            same = [s.tokens["medusa"] == s.tokens["autoregressive"] for s in samples]
+            out["greedy_identical_fraction"] = round(sum(same) / len(same), 4)
+    if "hf_generate" in methods and "autoregressive" in methods:
+        same = [s.tokens["hf_generate"] == s.tokens["autoregressive"] for s in samples]
+        out["hf_generate_identical_fraction"] = round(sum(same) / len(same), 4)
+    return out
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# -- reports ---------------------------------------------------------------------------------
+def write_report(out_dir: Path, report: dict) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "report.json", out_dir / "report.md"]
+    tmp = out_dir / ".report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, paths[0])
+    paths[1].write_text(markdown(report))
+    paths += plot_report(out_dir, report)
+    return paths
+
+
+def markdown(r: dict) -> str:
+    s = r["settings"]
+    lines = [f"# Medusa evaluation: {s['heads']}", "",
+             f"{r['num_samples']} prompts from `{s['prompts']}`, {s['max_new_tokens']} new tokens max, mode "
+             f"`{s['mode']}`, {r['machine'].get('gpu', r['machine']['cpu'])} ({r['machine']['threads']} threads), "
+             f"{s['dtype']}.", "",
+             "| method | tokens/s | speedup vs autoregressive | speedup vs HF generate |", "|---|---|---|---|"]
+    tps = r["tokens_per_s"]
+    ar, hf = tps.get("autoregressive"), tps.get("hf_generate")
+    for meth, v in tps.items():
+        a = f"{v / ar:.2f}x" if ar else "-"
+        h = f"{v / hf:.2f}x" if hf else "-"
+        lines.append(f"| {meth} | {v:.2f} | {a} | {h} |")
+    lines += ["", f"- tau (tokens per verification step): **{r.get('tau', 1.0):.3f}**",
+              f"- acceptance rate: {r.get('acceptance_rate', 0):.3f}; n-alpha: {r.get('n_alpha', [])}",
+              f"- output identical to plain greedy: {r.get('greedy_identical_fraction', 'n/a')}",
+              f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}"]
+    acc = r.get("head_accuracy")
+    if acc:
+        lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]
+        for k, row in enumerate(acc["topk"], start=1):
+            lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in row[:5]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(out_dir: Path, r: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    hist = r.get("accept_length_histogram")
+    if hist:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar([int(k) for k in hist], list(hist.values()))
+        ax.set(xlabel="tokens accepted per step (bonus included)", ylabel="steps",
+               title=f"acceptance length, tau = {r.get('tau', 1):.2f}")
+        fig.tight_layout()
+        paths.append(out_dir / "acceptance_histogram.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    acc = r.get("head_accuracy")
+    if acc:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        topk = acc["topk"]
+        width = 0.8 / max(len(topk), 1)
+        for k, row in enumerate(topk):
+            ax.bar([j + k * width for j in range(min(5, len(row)))], row[:5], width, label=f"head {k + 1}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(5)], [f"top-{j}" for j in range(1, 6)])
+        ax.set(ylabel="accuracy vs backbone greedy", title="per-head accuracy")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "head_accuracy.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+# -- the whole evaluation ------------------------------------------------------------------
+def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = METHODS, tree="auto",
+             max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, turns: str = "first",
+             calibration_prompts: int = 8, calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS,
+             seed: int = 0, progress: bool = True, log: Callable[[str], None] = print,
+             settings: Optional[dict] = None) -> dict:
+    sampling = sampling or SamplingConfig()
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    unknown = [x for x in methods if x not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if turns not in ("first", "both"):
+        raise UserError(f"turns must be first|both, got {turns!r}")
+    calib: list[list[int]] = []
+    if tree == "auto" and "medusa" in methods:
+        if len(prompts) > calibration_prompts >= 1:
+            calib_src, prompts = prompts[-calibration_prompts:], prompts[:-calibration_prompts]
+        else:
+            calib_src = prompts[:max(calibration_prompts, 1)]
+        calib = [m.encode_chat(p.turns[0]) for p in calib_src]
+        log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")
+        choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log)
+    else:
+        t = resolve_tree(tree, m.num_heads) if "medusa" in methods else None
+        choice = TreeChoice(t, "given")
+    log(f"tree: {choice.to_dict()['name']} ({choice.reason})")
+
+    samples: list[Sample] = []
+    jobs = [(p, 0) for p in prompts]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs) * (2 if turns == "both" else 1), desc="eval", unit="prompt")
+    for i, (p, _) in enumerate(jobs):
+        history: list[dict] = []
+        for turn, text in enumerate(p.turns[: 2 if turns == "both" else 1]):
+            msgs = history + [{"role": "user", "content": text}]
+            ids = m.encode_chat(msgs)
+            sample = Sample(p.id, turn + 1)
+            order = list(methods[i % len(methods):]) + list(methods[: i % len(methods)])
+            for meth in order:
+                g = run_method(meth, m, ids, choice.tree, max_new_tokens, sampling, seed + i)
+                sample.outputs[meth] = g
+                sample.tokens[meth] = list(g.tokens)
+            samples.append(sample)
+            ref = sample.tokens.get("autoregressive") or next(iter(sample.tokens.values()))
+            answer = m.tokenizer.decode(ref, skip_special_tokens=True) if m.tokenizer is not None else ""
+            history = msgs + [{"role": "assistant", "content": answer}]
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    report = {"settings": settings or {}, "machine": machine(), "num_samples": len(samples),
+              "methods": list(methods), "tree": choice.to_dict(), **summarize(samples, methods, choice.tree)}
+    if choice.accuracies is not None:
+        cum = torch.tensor(choice.accuracies).cumsum(1)
+        report["head_accuracy"] = {"per_rank": choice.accuracies, "topk": cum.tolist(),
+                                   "measured_on": f"{len(calib)} calibration prompts (backbone greedy tokens)"}
+        if choice.tree is not None:
+            report["tree"]["expected_tau"] = round(expected_tau(choice.tree, choice.accuracies), 4)
+    report["samples"] = [{"prompt_id": s.prompt_id, "turn": s.turn,
+                          **{f"{k}_tokens": len(v.tokens) for k, v in s.outputs.items()},
+                          **({"medusa_tau": round(s.outputs["medusa"].tau, 3)} if "medusa" in s.outputs else {})}
+                         for s in samples]
+    return report
