@@ -11,9 +11,12 @@ the filled part, so
 - compaction is one gather per layer over the few accepted rows (``keep``), and nothing at all
   when the accepted nodes already sit in place (the top-1 path, a chain, the root alone).
 
-Measured on SmolLM2-135M fp32 (CPU, 2 threads): see ``compare_caches`` in decode.py and the
-report; the preallocated cache was kept because it is never slower and avoids the growing
-copies. Batch size 1 only (the decoder's contract).
+Measured per step for SmolLM2-135M's cache shape (30 layers, 3 KV heads x 64), 1 CPU thread,
+update + SDPA over all layers / compaction of a 3-node path, this class vs DynamicCache with
+index_select + cat: context 256, 8-node tree 8.1 / 1.4 ms vs 7.1 / 2.9 ms; context 1024
+24.7 / 1.5 vs 23.9 / 6.0 ms; context 2048 35.3 / 1.0 vs 59.6 / 11.6 ms. Equal on short
+contexts, clearly ahead on long ones, so it is the only cache the decoder uses.
+Batch size 1 only (the decoder's contract).
 """
 
 from __future__ import annotations
@@ -124,23 +127,3 @@ class TreeKVCache(Cache):
         for layer in self.layers:
             layer.crop(-(layer.length - length))
 
-
-def dynamic_keep(cache, start: int, nodes: Sequence[int]) -> None:
-    """The same compaction for a transformers ``DynamicCache`` (index_select + concat per layer).
-
-    Kept for ``compare_caches``, the measurement that chose ``TreeKVCache``.
-    """
-    count = len(nodes)
-    in_place = list(nodes) == list(range(count))
-    rows = None
-    for layer in cache.layers:
-        if not layer.is_initialized:
-            continue
-        if in_place:
-            layer.keys = layer.keys[:, :, :start + count]
-            layer.values = layer.values[:, :, :start + count]
-            continue
-        if rows is None:
-            rows = torch.as_tensor(list(nodes), dtype=torch.long, device=layer.keys.device) + start
-        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.index_select(2, rows)], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, rows)], dim=2)

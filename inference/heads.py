@@ -57,6 +57,11 @@ def backbone_fingerprint(config) -> str:
     """A short stable hash of a transformers config's architecture fields."""
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     picked = {k: cfg.get(k) for k in _FINGERPRINT_KEYS if cfg.get(k) is not None}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(rope, dict):  # transformers 5 keeps rope_theta (and scaling) in rope_parameters
+        for k in ("rope_theta", "rope_type", "factor"):
+            if rope.get(k) is not None:
+                picked[k] = rope[k]
     blob = json.dumps(picked, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -219,7 +224,12 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike,
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None:  # put the previous export back rather than leave none
+                os.replace(old, out)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:

@@ -23,7 +23,7 @@ import torch
 from . import assets
 from .cache import TreeKVCache
 from .errors import UserError
-from .heads import MedusaHeads, load_heads, read_heads_spec
+from .heads import MedusaHeads, check_compatible, load_heads, read_heads_spec
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -105,7 +105,7 @@ class MedusaModel:
 
     @property
     def num_heads(self) -> int:
-        return self.heads.spec.num_heads
+        return self.heads.spec.num_heads if self.heads is not None else 0
 
     @property
     def vocab_size(self) -> int:
@@ -134,9 +134,11 @@ class MedusaModel:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
 
-    def head_logits(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """Each head's logits (local vocabulary for truncated heads) at one hidden state."""
-        return [self.heads.head_logits(hidden, k) for k in range(self.num_heads)]
+    def head_logits(self, hidden: torch.Tensor, count: Optional[int] = None) -> list[torch.Tensor]:
+        """The first ``count`` (default: all) heads' logits at ``hidden`` (local vocabulary for
+        truncated heads). A tree of depth d needs only heads 0..d-1; each costs a projection."""
+        n = self.num_heads if count is None else min(count, self.num_heads)
+        return [self.heads.head_logits(hidden, k) for k in range(n)]
 
     def encode_chat(self, prompt: str | list[dict], system: Optional[str] = None) -> list[int]:
         """Token ids of a user prompt (or a message list) with the chat template applied."""
@@ -220,6 +222,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
 def attach_heads(model, heads: MedusaHeads, tokenizer=None) -> MedusaModel:
     """Wrap in-memory heads (e.g. fresh ``MedusaHeads.from_lm_head``) without an export round trip."""
     p = model.get_output_embeddings().weight
+    check_compatible(heads.spec, model.config)
     heads = heads.to(device=p.device, dtype=p.dtype).eval()
     if heads.spec.projection == "shared":
         heads.attach_lm_head(p)

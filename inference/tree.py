@@ -332,7 +332,8 @@ def default_tree(name: str, num_heads: int) -> MedusaTree:
         tree = chain_tree(int(name[5:]))
     elif name.startswith("tree") and name[4:].isdigit() and int(name[4:]) >= 1:
         size = int(name[4:])
-        tree, _ = grow_tree(reference_accuracies(num_heads), size - 1, name=name)
+        ranks = max(_PRIOR_RANKS, size)  # a single head needs size-1 ranks to fill the tree
+        tree, _ = grow_tree(reference_accuracies(num_heads, ranks), size - 1, name=name)
     else:
         raise UserError(f"unknown tree {name!r}; use one of {', '.join(DEFAULT_TREE_NAMES)}, "
                         "chainN, treeN, a tree JSON file or a choices list")

@@ -28,9 +28,9 @@ sample   Exact: every generated token follows the backbone's own sampling distri
          biased (e.g. p(x)=0.3, q(x)=0.6 emits x with prob 0.5); the tests show that.
 
   draft="sampled". Children are drawn from q (the head's softmax with the same T / top-k /
-         top-p filtering) without replacement: the i-th child of every node at depth d is the
-         i-th draw of one Gumbel-top-k sequence for head d-1, drawn before any target
-         randomness. Recursive rejection: child x_i is accepted w.p. min(1, p_i(x_i)/q_i(x_i));
+         top-p filtering) without replacement: the i-th child (rank order; ranks then only
+         mean draw order) of every node at depth d-1 carries the i-th draw of one Gumbel-top-k
+         sequence of head d-1, drawn before any target randomness. Recursive rejection: child x_i is accepted w.p. min(1, p_i(x_i)/q_i(x_i));
          on rejection p_{i+1} = normalize(max(0, p_i - q_i)) and q_{i+1} = q_i with x_i removed,
          renormalised (the law of the next draw given the earlier ones); if every child is
          rejected the bonus is drawn from the residual p. Exact by induction on the number of
@@ -103,7 +103,7 @@ class Verdict:
 
 # -- distributions ------------------------------------------------------------------------
 def filter_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / T), then keep the top_k most likely, then the smallest top-p nucleus.
+    """softmax(logits / T), keep the top_k most likely, renormalise, keep the smallest top-p nucleus.
 
     Computed in float32 whatever the model dtype, so the same logits always give the same
     distribution (the target of exact sampling and of the plain sampling baseline).
@@ -112,6 +112,7 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
     if top_k and top_k < probs.shape[-1]:
         kth = probs.topk(top_k, dim=-1).values[..., -1:]
         probs = probs.masked_fill(probs < kth, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)      # top-p then sees the kept mass (as HF)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p          # mass strictly above each token
@@ -138,27 +139,30 @@ def propose(buf: TreeBuffers, head_logits: list[torch.Tensor], to_vocab, cfg: Sa
             generator: Optional[torch.Generator], vocab_size: int):
     """Tokens for tree nodes 1..N-1 from each head's logits at the last accepted position.
 
-    ``head_logits[k]`` is head k's [local_vocab] logits; ``to_vocab`` maps local ids to
-    vocabulary ids (truncated heads). Returns (tokens [N-1], draft_probs [D, vocab] or None);
-    draft_probs is the full-vocabulary q of each head, needed only by draft="sampled".
+    ``head_logits[k]`` is head k's [..., local_vocab] logits (leading dims = independent
+    trials); ``to_vocab`` maps local ids to vocabulary ids (truncated heads). Returns
+    (tokens [..., N-1], draft_probs [..., D, vocab] or None); draft_probs is each head's
+    full-vocabulary q, returned only for draft="sampled" (the only rule that uses it).
     """
     d = buf.max_depth
+    lead = head_logits[0].shape[:-1] if head_logits else ()
     if d == 0:
-        return torch.empty(0, dtype=torch.long, device=buf.node_head.device), None
+        return torch.empty(*lead, 0, dtype=torch.long, device=buf.node_head.device), None
     if cfg.mode == "sample" and cfg.draft == "sampled":
         q_local = torch.stack([filter_probs(head_logits[k], cfg.temperature, cfg.top_k, cfg.top_p)
-                               for k in range(d)])                       # [D, Vl]
+                               for k in range(d)], dim=-2)                # [..., D, Vl]
         m = max(buf.slots_per_depth)
-        # Gumbel-top-m = m draws without replacement, in draw order.
+        # Gumbel-top-m: m draws without replacement, in draw order (ties have probability 0).
         u = torch.rand(q_local.shape, generator=generator, device=q_local.device).clamp_(min=1e-20)
         keys = q_local.log() - (-u.log()).log()
-        draws = to_vocab(keys.topk(m, dim=-1).indices)                   # [D, m]
-        q = torch.zeros(d, vocab_size, device=q_local.device)
-        q.scatter_(1, to_vocab(torch.arange(q_local.shape[1], device=q_local.device)).expand(d, -1), q_local)
-        return draws[buf.node_head, buf.node_slot], q
+        draws = to_vocab(keys.topk(m, dim=-1).indices)                    # [..., D, m]
+        local_ids = to_vocab(torch.arange(q_local.shape[-1], device=q_local.device))
+        q = torch.zeros(*q_local.shape[:-1], vocab_size, device=q_local.device)
+        q.scatter_(-1, local_ids.expand(q_local.shape), q_local)
+        return draws[..., buf.node_head, buf.node_slot], q
     kmax = max(buf.topk_per_depth)
-    top = torch.stack([head_logits[k].topk(kmax, dim=-1).indices for k in range(d)])   # [D, kmax]
-    return to_vocab(top)[buf.node_head, buf.node_rank], None
+    top = torch.stack([head_logits[k].topk(kmax, dim=-1).indices for k in range(d)], dim=-2)  # [..., D, kmax]
+    return to_vocab(top)[..., buf.node_head, buf.node_rank], None
 
 
 # -- verification -------------------------------------------------------------------------
@@ -204,22 +208,24 @@ def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor,
     return Verdict(path, int(bonus))
 
 
-def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs: torch.Tensor,
-                  draft_probs: Optional[torch.Tensor], draft: str,
+def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor], draft: str,
                   generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact tree verification for B independent trials.
 
-    tokens [B, N] (node 0 = root), probs [B, N, V] target distribution at every node,
-    draft_probs [B, D, V] the heads' q (draft="sampled" only). Returns (paths [B, D+1] node
-    indices, -1 padded; accepted [B] number of accepted non-root nodes; bonus [B]).
+    tokens [B, N] (node 0 = root); probs: the target distribution at every node, either a
+    [B, N, V] tensor or a function (nodes [B] -> [B, V]) so that decoding only filters the
+    few nodes it visits; draft_probs [B, D, V] the heads' q (draft="sampled" only).
+    Returns (paths [B, D+1] node indices, -1 padded; accepted [B] number of accepted
+    non-root nodes; bonus [B]).
     """
     if draft not in DRAFTS:
         raise UserError(f"draft scheme must be one of {DRAFTS}, got {draft!r}")
-    B, N, V = probs.shape
-    dev = probs.device
+    B = tokens.shape[0]
+    dev = tokens.device
     rows = torch.arange(B, device=dev)
+    node_probs = (lambda nodes: probs[rows, nodes]) if isinstance(probs, torch.Tensor) else probs
     cur = torch.zeros(B, dtype=torch.long, device=dev)
-    p = probs[:, 0].clone()
+    p = node_probs(cur).float().clone()
     alive = torch.ones(B, dtype=torch.bool, device=dev)
     paths = torch.full((B, buf.max_depth + 1), -1, dtype=torch.long, device=dev)
     paths[:, 0] = 0
@@ -258,7 +264,8 @@ def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs: torch.Tensor,
         nxt = torch.where(found, nxt, cur)
         paths[:, d] = torch.where(found, nxt, paths[:, d])
         accepted += found.long()
-        p = torch.where(found[:, None], probs[rows, nxt], p)         # fresh target at the new node
+        if found.any():                                              # fresh target at the new node
+            p = torch.where(found[:, None], node_probs(nxt).float(), p)
         cur = nxt
         alive = found
     todo = bonus < 0
@@ -275,8 +282,7 @@ def verify(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: Sa
         return verify_greedy(buf, tokens, logits)
     if cfg.mode == "typical":
         return verify_typical(buf, tokens, logits, cfg, generator)
-    probs = target_probs(logits, cfg)
-    paths, n, bonus = verify_sample(buf, tokens[None], probs[None],
+    paths, n, bonus = verify_sample(buf, tokens[None], lambda nodes: target_probs(logits[nodes], cfg),
                                     None if draft_probs is None else draft_probs[None], cfg.draft, generator)
     k = int(n[0])
     return Verdict(paths[0, :k + 1].tolist(), int(bonus[0]))

@@ -108,9 +108,6 @@ def main(argv: list[str] | None = None) -> None:
     hydra.main(version_base=None, config_path=f"pkg://{RECIPE_PACKAGE}", config_name=recipe)(_task)()
 
 
-if __name__ == "__main__":
-    main()
-
 
 def compose_recipe(recipe: str, overrides: list[str] | None = None):
     """The composed, type-checked config of a recipe, without running it (tests, tooling)."""
@@ -123,3 +120,7 @@ def compose_recipe(recipe: str, overrides: list[str] | None = None):
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=RECIPE_PACKAGE, version_base=None):
         return compose(config_name=recipe, overrides=list(overrides or []))
+
+
+if __name__ == "__main__":  # python -m medusa_train.cli / deepspeed --module medusa_train.cli
+    main()

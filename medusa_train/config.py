@@ -52,7 +52,7 @@ class DataConfig:
     source: str = "embedded:sharegpt"
     split: str = "train"
     max_length: int = 1024  # tokens per conversation; longer ones are truncated (counted)
-    packing: bool = True  # pack conversations into max_length rows (no padding); else length-bucket
+    packing: bool = True  # pack conversations into rows of <= max_length (padding only bin slack); else length-bucket
     bucket_buffer: int = 256  # conversations sorted together when packing=false
     shuffle_buffer: int = 2000  # conversations shuffled in a streaming buffer
     max_conversations: Optional[int] = None  # stop after this many training conversations
@@ -172,6 +172,10 @@ def validate(cfg) -> None:
         (Precision(t.precision) is Precision.fp32 or t.zero_stage >= 1,
          f"trainer.precision={Precision(t.precision).value} needs trainer.zero_stage >= 1: the ZeRO optimizer keeps "
          "the fp32 master weights that checkpoints save (stage 1 costs nothing on one device)"),
+        (t.log_every >= 1, f"trainer.log_every must be >= 1, got {t.log_every}"),
+        (t.eval_every >= 0 and t.save_every >= 0, "trainer.eval_every and trainer.save_every must be >= 0"),
+        (not (Projection(h.projection) is Projection.shared and h.num_layers == 0),
+         "heads.projection=shared with heads.num_layers=0 leaves nothing to train; use num_layers >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}"),
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
          f"backbone.dtype must be float32|bfloat16|float16|auto, got {cfg.backbone.dtype!r}"),

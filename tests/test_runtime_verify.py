@@ -1,0 +1,123 @@
+"""Acceptance rules on hand-made logits (inference/verify.py): greedy, typical, filtering, config."""
+
+import math
+
+import pytest
+import torch
+
+from inference.errors import UserError
+from inference.tree import MedusaTree
+from inference.verify import SamplingConfig, filter_probs, propose, verify_greedy, verify_typical
+
+# nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
+TREE = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+TOKENS = torch.tensor([10, 11, 12, 13, 14, 15, 16])
+V = 20
+
+
+def peaked(targets: dict[int, int]) -> torch.Tensor:
+    """[N, V] logits whose argmax at node i is targets[i] (token 0 where unspecified)."""
+    logits = torch.zeros(TREE.num_nodes, V)
+    for i in range(TREE.num_nodes):
+        logits[i, targets.get(i, 0)] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize("targets, path, bonus", [
+    ({0: 11, 1: 13, 3: 16, 6: 3}, [0, 1, 3, 6], 3),   # every depth accepted, bonus after the leaf
+    ({0: 12, 1: 13, 2: 15, 5: 7}, [0, 2, 5], 7),      # second branch; node 1's match does not count
+    ({0: 11, 1: 14, 4: 9}, [0, 1, 4], 9),             # sibling rank 1 at depth 2
+    ({0: 19}, [0], 19),                               # nothing accepted: bonus = root's argmax
+])
+def test_greedy_accepts_the_longest_matching_path(targets, path, bonus):
+    """Guards against accepting a child whose parent was rejected, or the wrong bonus token."""
+    v = verify_greedy(TREE.buffers(), TOKENS, peaked(targets))
+    assert v.path == path and v.bonus == bonus
+
+
+def _dist(pairs: dict[int, float]) -> torch.Tensor:
+    """Logits of a distribution with the given token probabilities, the rest spread evenly."""
+    p = torch.full((V,), (1 - sum(pairs.values())) / (V - len(pairs)))
+    for t, q in pairs.items():
+        p[t] = q
+    return p.log()
+
+
+def test_typical_acceptance_follows_medusas_threshold():
+    """Guards against a typical rule other than p(x) > min(eps, delta*exp(-H)) or wrong tie-breaking."""
+    logits = torch.stack([_dist({12: 0.5, 11: 0.2})] + [_dist({7: 0.999})] * 6)
+    p0 = torch.softmax(logits[0], -1)
+    entropy = float(-(p0 * p0.log()).sum())
+    g = torch.Generator().manual_seed(0)
+    # both root children pass; equal lengths -> the likelier [1] (token 12) wins; bonus = node 2's mode
+    cfg = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=0.09, typical_delta=0.3)
+    v = verify_typical(TREE.buffers(), TOKENS, logits, cfg, g)
+    assert v.path == [0, 2]
+    # threshold between 0.2 and 0.5 through delta*exp(-H): only token 12 passes
+    cfg = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=1.0,
+                         typical_delta=0.35 / math.exp(-entropy))
+    assert verify_typical(TREE.buffers(), TOKENS, logits, cfg, g).path == [0, 2]
+    # threshold above both: nothing accepted
+    cfg = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=1.0,
+                         typical_delta=0.55 / math.exp(-entropy))
+    assert verify_typical(TREE.buffers(), TOKENS, logits, cfg, g).path == [0]
+    # through epsilon: min(0.3, large) = 0.3 keeps only token 12 again
+    cfg = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=0.3, typical_delta=100.0)
+    assert verify_typical(TREE.buffers(), TOKENS, logits, cfg, g).path == [0, 2]
+
+
+def test_filter_probs_temperature_top_k_top_p():
+    """Guards against a target distribution that drifts from the documented filtering order."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = p.log()
+    assert torch.allclose(filter_probs(logits, 1.0), p)
+    assert torch.allclose(filter_probs(logits, 1.0, top_k=2), torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+    assert torch.allclose(filter_probs(logits, 1.0, top_p=0.8), torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    assert torch.allclose(filter_probs(logits, 1.0, top_p=0.5), torch.tensor([1.0, 0, 0, 0, 0]))
+    hot = p.sqrt() / p.sqrt().sum()
+    assert torch.allclose(filter_probs(logits, 2.0), hot)
+    both = filter_probs(logits, 2.0, top_k=3, top_p=0.6)
+    h3 = hot[:3] / hot[:3].sum()
+    keep = (h3.cumsum(0) - h3) < 0.6
+    assert torch.allclose(both[:3], torch.where(keep, h3, 0) / torch.where(keep, h3, 0).sum())
+
+
+def test_propose_gathers_ranked_and_truncated_guesses():
+    """Guards against tree tokens taken from the wrong head/rank or not mapped through token_map."""
+    buf = TREE.buffers()
+    head_logits = [torch.tensor([0.0, 3.0, 2.0, 1.0]), torch.tensor([3.0, 0.0, 1.0, 2.0]),
+                   torch.tensor([0.0, 0.0, 5.0, 0.0])]
+    token_map = torch.tensor([40, 41, 42, 43])
+    tokens, q = propose(buf, head_logits, lambda ids: token_map[ids], SamplingConfig(), None, 50)
+    # ranks: head0 -> [1, 2], head1 -> [0, 3], head2 -> [2]
+    assert tokens.tolist() == [41, 42, 40, 43, 40, 42] and q is None
+
+
+def test_sampled_drafts_are_distinct_and_q_is_mapped():
+    """Guards against draws with replacement among siblings or q placed on the wrong vocabulary ids."""
+    buf = MedusaTree([[0], [1], [2]]).buffers()
+    token_map = torch.tensor([7, 3, 5, 9])
+    logits = [torch.tensor([[1.0, 0.5, 0.0, -1.0]]).expand(500, -1)]
+    cfg = SamplingConfig(mode="sample", temperature=1.0, draft="sampled")
+    tokens, q = propose(buf, logits, lambda ids: token_map[ids], cfg, torch.Generator().manual_seed(0), 12)
+    assert tokens.shape == (500, 3)
+    assert all(len(set(row)) == 3 for row in tokens.tolist())
+    assert torch.allclose(q[0, 0, [7, 3, 5, 9]], torch.softmax(logits[0][0], -1))
+    assert q[0, 0].sum().item() == pytest.approx(1.0)
+    # the first draw follows q itself
+    freq = torch.bincount(tokens[:, 0], minlength=12)[[7, 3, 5, 9]].float() / 500
+    assert torch.allclose(freq, torch.softmax(logits[0][0], -1), atol=0.07)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(mode="beam"), "decoding mode"),
+    (dict(mode="sample", temperature=0), "temperature > 0"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(draft="nope"), "draft"),
+])
+def test_bad_sampling_settings_are_user_errors(kwargs, fragment):
+    """Guards against nonsense settings reaching the sampler (NaNs, silent greedy)."""
+    with pytest.raises(UserError, match=fragment):
+        SamplingConfig(**kwargs)
