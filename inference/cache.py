@@ -9,7 +9,8 @@ the filled part, so
 - an append costs O(new tokens), where ``DynamicCache`` re-concatenates the whole history for
   every layer on every step (O(sequence) copies per step);
 - compaction is one gather per layer over the few accepted rows (``keep``), and nothing at all
-  when the accepted nodes already sit in place (the top-1 path, a chain, the root alone).
+  when the accepted nodes already sit in place (the root alone, root + first child, any
+  accepted prefix of a chain tree).
 
 Measured per step for SmolLM2-135M's cache shape (30 layers, 3 KV heads x 64), 1 CPU thread,
 update + SDPA over all layers / compaction of a 3-node path, this class vs DynamicCache with

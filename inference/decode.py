@@ -28,7 +28,7 @@ import torch
 
 from .errors import UserError
 from .model import MedusaModel
-from .tree import MedusaTree, resolve_tree
+from .tree import MedusaTree, grow_tree, resolve_tree
 from .verify import SamplingConfig, choose_token, propose, verify
 
 
@@ -373,6 +373,17 @@ def measure_head_accuracy(m: MedusaModel, prompts: Sequence[Sequence[int]], *, m
         if progress is not None:
             progress(i + 1, len(prompts))
     return HeadAccuracy(hits, totals)
+
+
+def calibrated_tree(m: MedusaModel, prompts: Sequence[Sequence[int]], num_nodes: int, *, max_new_tokens: int = 64,
+                    topk: int = 10, name: Optional[str] = None) -> tuple[MedusaTree, float, HeadAccuracy]:
+    """Measure the heads on ``prompts`` and grow the best tree of ``num_nodes`` tokens (root
+    included) for them; returns (tree, expected tau, the measured accuracies)."""
+    if num_nodes < 1:
+        raise UserError(f"a tree has at least 1 node (the root), got {num_nodes}")
+    acc = measure_head_accuracy(m, prompts, max_new_tokens=max_new_tokens, topk=topk)
+    tree, tau = grow_tree(acc.per_rank, num_nodes - 1, name=name or f"calibrated{num_nodes}")
+    return tree, tau, acc
 
 
 # -- measurement --------------------------------------------------------------------------

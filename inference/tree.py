@@ -165,8 +165,9 @@ class MedusaTree:
     def check_fits(self, num_heads: int, head_vocab: int) -> None:
         """Refuse a tree that needs more heads or more ranks than the heads have."""
         if self.max_depth > num_heads:
-            raise UserError(f"tree {self.name or ''} has depth {self.max_depth} but the heads only predict "
-                            f"{num_heads} tokens ahead; use a tree of depth <= {num_heads}".replace("  ", " "))
+            label = f"tree {self.name}" if self.name else "the tree"
+            raise UserError(f"{label} has depth {self.max_depth} but the heads only predict {num_heads} "
+                            f"tokens ahead; use a tree of depth <= {num_heads}")
         ks = self.topk_per_depth()
         if ks and max(ks) > head_vocab:
             raise UserError(f"tree needs top-{max(ks)} guesses but the heads only have {head_vocab} outputs")

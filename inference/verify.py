@@ -30,8 +30,9 @@ sample   Exact: every generated token follows the backbone's own sampling distri
   draft="sampled". Children are drawn from q (the head's softmax with the same T / top-k /
          top-p filtering) without replacement: the i-th child (rank order; ranks then only
          mean draw order) of every node at depth d-1 carries the i-th draw of one Gumbel-top-k
-         sequence of head d-1, drawn before any target randomness. Recursive rejection: child x_i is accepted w.p. min(1, p_i(x_i)/q_i(x_i));
-         on rejection p_{i+1} = normalize(max(0, p_i - q_i)) and q_{i+1} = q_i with x_i removed,
+         sequence of head d-1, drawn before any target randomness. Recursive rejection:
+         child x_i is accepted w.p. min(1, p_i(x_i)/q_i(x_i)); on rejection
+         p_{i+1} = normalize(max(0, p_i - q_i)) and q_{i+1} = q_i with x_i removed and
          renormalised (the law of the next draw given the earlier ones); if every child is
          rejected the bonus is drawn from the residual p. Exact by induction on the number of
          siblings: each stage is one step of standard speculative sampling with target p_i and

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from inference.decode import (TreeDecoder, autoregressive_generate, autoregressive_stream, measure_head_accuracy,
+from inference.decode import (TreeDecoder, autoregressive_generate, autoregressive_stream, calibrated_tree,
+                              measure_head_accuracy,
                               measure_step_latency, medusa_generate, medusa_stream)
 from inference.errors import UserError
 from inference.tree import MedusaTree, default_tree
@@ -165,6 +166,16 @@ def test_calibration_counts_and_perfect_heads(m, model):
     rnd = measure_head_accuracy(m, [PROMPT, PROMPT[:3]], max_new_tokens=12, topk=5)
     assert rnd.per_rank.shape == (4, 5) and rnd.totals.tolist() == [22, 20, 18, 16]
     assert torch.all(rnd.topk <= 1.0) and torch.all(rnd.per_rank >= 0)
+
+
+def test_calibrated_tree_follows_the_measured_heads(m, model):
+    """Guards against calibration and growth not being wired together (perfect heads -> a chain)."""
+    seq = PROMPT + autoregressive_generate(m, PROMPT, max_new_tokens=40).tokens
+    oracle = wrap(model, OracleHeads(m, seq, num_heads=3))
+    tree, tau, acc = calibrated_tree(oracle, [PROMPT], num_nodes=8, max_new_tokens=20, topk=3)
+    assert tree.paths == ((0,), (0, 0), (0, 0, 0)) and tau == 4.0   # rank 0 is always right, others never
+    out = medusa_generate(oracle, PROMPT, tree=tree, max_new_tokens=20)
+    assert out.tokens == seq[len(PROMPT):len(PROMPT) + 20] and out.accept_lengths[0] == 4
 
 
 def test_step_latency_measurement_runs(m):
