@@ -53,7 +53,7 @@ class EvalConfig(RuntimeConfig):
 
 @dataclass
 class GenerateConfig(RuntimeConfig):
-    prompt: str = ""
+    prompt: Optional[str] = None
     tree: str = "tree4"
     system: Optional[str] = None
 
@@ -131,7 +131,7 @@ def run_generate(cfg) -> None:
     from .decode import medusa_stream
     from .errors import UserError
 
-    if not cfg.prompt.strip():
+    if not (cfg.prompt or "").strip():
         raise UserError('prompt="..." is required and must not be empty')
     m = _load(cfg)
     ids = m.encode_chat(cfg.prompt, system=cfg.system)
@@ -166,7 +166,8 @@ def _main(prog: str, schema, task, argv: Optional[list[str]]) -> None:
     except Exception as e:  # unknown key / wrong type: keep the lines that say what is wrong
         noise = ("full_key", "reference_type", "object_type")
         lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.strip().startswith(noise)]
-        _fail(prog, " ".join(lines) or type(e).__name__)
+        key = getattr(e, "full_key", None)
+        _fail(prog, (f"{key}: " if key else "") + (" ".join(lines) or type(e).__name__))
     try:
         task(cfg)
     except UserError as e:

@@ -263,11 +263,11 @@ def write_report(out_dir: Path, report: dict) -> list[Path]:
 
 
 def markdown(r: dict) -> str:
-    s = r["settings"]
-    lines = [f"# Medusa evaluation: {s['heads']}", "",
-             f"{r['num_samples']} prompts from `{s['prompts']}`, {s['max_new_tokens']} new tokens max, mode "
-             f"`{s['mode']}`, {r['machine'].get('gpu', r['machine']['cpu'])} ({r['machine']['threads']} threads), "
-             f"{s['dtype']}.", "",
+    s = r.get("settings") or {}
+    lines = [f"# Medusa evaluation: {s.get('heads', '')}", "",
+             f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
+             f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
+             f"({r['machine']['threads']} threads), {s.get('dtype', '')}.", "",
              "| method | tokens/s | speedup vs autoregressive | speedup vs HF generate |", "|---|---|---|---|"]
     tps = r["tokens_per_s"]
     ar, hf = tps.get("autoregressive"), tps.get("hf_generate")
