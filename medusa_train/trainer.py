@@ -97,6 +97,17 @@ def init_distributed(device: torch.device):
     import torch.distributed as dist
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines drown the progress bar
+    if device.type == "cpu":
+        # DeepSpeed's CPU shared-memory allreduce op is JIT-compiled on first use, leaves a
+        # 66 MB buffer per rank in /dev/shm after every multi-process run (RAM, never freed),
+        # and its bf16 kernels fault without AVX-512. gloo's allreduce is plenty for the heads.
+        # (sys.modules: ``import deepspeed.comm.torch as m`` binds the real torch, which
+        # deepspeed.comm re-exports under that name.)
+        import importlib
+        import sys
+
+        importlib.import_module("deepspeed.comm.torch")
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     try:
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
