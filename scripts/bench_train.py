@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--out", default="bench_train.json")
+    ap.add_argument("--out", default="runs/bench_train.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -96,6 +96,7 @@ def main() -> None:
             print(f"{mode:>9} x{heads}: forward {row['forward_tok_s']:.0f} tok/s, train step {row['train_tok_s']:.0f} "
                   f"tok/s, ratio {row['ratio']:.2f}, trainable {row['trainable_params_m']:.1f}M, "
                   f"peak RSS {row['peak_rss_gb']:.2f} GB", flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=2)
     print("\n| projection | heads | backbone forward tok/s | train step tok/s | ratio | trainable params | peak RSS |")
