@@ -167,7 +167,7 @@ def _main(prog: str, schema, task, argv: Optional[list[str]]) -> None:
         noise = ("full_key", "reference_type", "object_type")
         lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.strip().startswith(noise)]
         key = getattr(e, "full_key", None)
-        _fail(prog, (f"{key}: " if key else "") + (" ".join(lines) or type(e).__name__))
+        _fail(prog, (f"{key}: " if key else "") + (" ".join(lines) or type(e).__name__) + f" (see {prog} --help)")
     try:
         task(cfg)
     except UserError as e:

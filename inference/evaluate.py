@@ -89,9 +89,8 @@ def _turns(rec) -> list:
         return [rec]
     if not isinstance(rec, dict):
         return []
-    for key in ("turns",):
-        if isinstance(rec.get(key), list):
-            return rec[key]
+    if isinstance(rec.get("turns"), list):
+        return rec["turns"]
     for key in ("prompt", "text", "question"):
         if isinstance(rec.get(key), str):
             return [rec[key]]

@@ -84,7 +84,7 @@ def _precheck(recipe: str, overrides: list[str]) -> None:
         noise = ("full_key", "reference_type", "object_type", "To append", "Set the environment")
         text = str(e) + ("\n" + str(e.__cause__) if e.__cause__ is not None else "")
         lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith(noise)]
-        _fail(" ".join(lines) or type(e).__name__)
+        _fail((" ".join(lines) or type(e).__name__) + f" (list the keys: medusa-train {recipe} --cfg job)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -137,3 +137,20 @@ def clean_env(**extra: str) -> dict:
 @pytest.fixture
 def subprocess_env() -> dict:
     return clean_env()
+
+
+def labelled_runs(tok, enc) -> list[str]:
+    """The decoded text of each run of consecutive labelled tokens of an encoded conversation."""
+    from medusa_train.data.tokenize import IGNORE
+
+    runs, cur = [], []
+    for i, l in zip(enc.input_ids, enc.labels):
+        if l != IGNORE:
+            assert l == i  # a label is the token itself (the shift happens in the loss)
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]

@@ -16,7 +16,7 @@ from medusa_train.data.stream import (ConversationStream, MicroBatches, StreamSt
                                       token_frequencies)
 from medusa_train.data.tokenize import IGNORE, Encoded, encode_conversation
 
-from conftest import TINY_DATA
+from conftest import TINY_DATA, labelled_runs
 
 
 def _sharegpt(i: int) -> dict:
@@ -179,20 +179,6 @@ def test_read_stats_count_drops(tmp_path):
 
 
 # -- assistant-only labels -----------------------------------------------------------------------
-def _labelled_runs(tok, enc: Encoded) -> list[str]:
-    runs, cur = [], []
-    for i, l in zip(enc.input_ids, enc.labels):
-        if l != IGNORE:
-            assert l == i  # a label is the token itself (the shift happens in the loss)
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r) for r in runs]
-
-
 def test_labels_only_on_assistant_replies_multi_turn(tok):
     """Guards against: labels on user turns, the system prompt or role headers (the reference Medusa
     bug: its heads learn to predict the user's words); each reply must keep its end-of-turn marker."""
@@ -202,7 +188,7 @@ def test_labels_only_on_assistant_replies_multi_turn(tok):
         {"role": "assistant", "content": "6.\nDone"}]
     enc = encode_conversation(tok, messages, 1024)
     assert enc is not None and not enc.truncated
-    assert _labelled_runs(tok, enc) == ["It is 4 — ünïcode ok.<|im_end|>", "6.\nDone<|im_end|>"]
+    assert labelled_runs(tok, enc) == ["It is 4 — ünïcode ok.<|im_end|>", "6.\nDone<|im_end|>"]
     text = tok.decode(enc.input_ids)
     assert text == tok.apply_chat_template(messages, tokenize=False)
     # every token of the system prompt, user turns and role headers is ignored
@@ -233,7 +219,7 @@ def test_leading_assistant_turn_is_not_labelled(tok):
     messages = [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "ok"},
                 {"role": "assistant", "content": "Then me."}]
     enc = encode_conversation(tok, messages, 1024)
-    assert _labelled_runs(tok, enc) == ["Then me.<|im_end|>"]
+    assert labelled_runs(tok, enc) == ["Then me.<|im_end|>"]
 
 
 # -- stream --------------------------------------------------------------------------------------

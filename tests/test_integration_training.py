@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from conftest import labelled_runs
+
 pytestmark = pytest.mark.integration
 
 SMALL_RUN = ["trainer.max_steps=2", "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
@@ -65,7 +67,7 @@ def test_embedded_smollm2_loads_from_the_converted_cache(smollm2):
 def test_assistant_only_labels_with_the_real_chat_template(smollm2):
     """Guards against: the SmolLM2 template (which injects a default system prompt) shifting the
     assistant spans, so labels fall on the system prompt / user words or lose a reply's first token."""
-    from medusa_train.data.tokenize import IGNORE, encode_conversation
+    from medusa_train.data.tokenize import encode_conversation
 
     tok = smollm2.tokenizer
     messages = [{"role": "user", "content": "Hi there, what's 2+2?"},
@@ -73,16 +75,7 @@ def test_assistant_only_labels_with_the_real_chat_template(smollm2):
                 {"role": "user", "content": "Thanks!"},
                 {"role": "assistant", "content": " Leading space and\ttab.\n\nBye"}]
     enc = encode_conversation(tok, messages, 1024)
-    runs, cur = [], []
-    for i, l in zip(enc.input_ids, enc.labels):
-        if l != IGNORE:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    assert [tok.decode(r) for r in runs] == ["The answer is 4.<|im_end|>", " Leading space and\ttab.\n\nBye<|im_end|>"]
+    assert labelled_runs(tok, enc) == ["The answer is 4.<|im_end|>", " Leading space and\ttab.\n\nBye<|im_end|>"]
     assert "SmolLM" in tok.decode(enc.input_ids)  # the template's own system prompt is there, unlabelled
 
 

@@ -255,21 +255,26 @@ def test_resume_after_kill_between_checkpoints(compose_tiny, tmp_path, monkeypat
     assert train_losses(tmp_path / "b") == train_losses(tmp_path / "a")
 
 
-def test_resume_after_ctrl_c_matches_uninterrupted_run(compose_tiny, tmp_path, monkeypatch):
-    """Guards against: Ctrl-C mid-step (the README's 'rerun after a crash or Ctrl-C') losing training data:
-    the interrupt checkpoint must resume exactly where the last completed step left off."""
-    T.run(compose_tiny(*RESUME_OVERRIDES, out=tmp_path / "a"))
+def interrupt_at_forward(monkeypatch, n: int) -> None:
+    """Make the n-th training forward of the heads raise KeyboardInterrupt (a Ctrl-C mid-run)."""
     original = T.HeadsWithLoss.forward
     calls = {"n": 0}
 
     def forward(self, hidden, labels, doc_ids):
         if self.training:
             calls["n"] += 1
-            if calls["n"] == 6:
+            if calls["n"] == n:
                 raise KeyboardInterrupt
         return original(self, hidden, labels, doc_ids)
 
     monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
+
+
+def test_resume_after_ctrl_c_matches_uninterrupted_run(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: Ctrl-C mid-step (the README's 'rerun after a crash or Ctrl-C') losing training data:
+    the interrupt checkpoint must resume exactly where the last completed step left off."""
+    T.run(compose_tiny(*RESUME_OVERRIDES, out=tmp_path / "a"))
+    interrupt_at_forward(monkeypatch, 6)
     with pytest.raises(UserError, match="interrupted at step 5"):
         T.run(compose_tiny(*RESUME_OVERRIDES, out=tmp_path / "b"))
     monkeypatch.undo()
@@ -280,17 +285,7 @@ def test_resume_after_ctrl_c_matches_uninterrupted_run(compose_tiny, tmp_path, m
 def test_ctrl_c_saves_a_resumable_checkpoint(compose_tiny, out_dir, monkeypatch):
     """Guards against: Ctrl-C losing the run (no checkpoint) or ending with a traceback instead of a
     one-line message telling the user how to continue."""
-    original = T.HeadsWithLoss.forward
-    calls = {"n": 0}
-
-    def forward(self, hidden, labels, doc_ids):
-        if self.training:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise KeyboardInterrupt
-        return original(self, hidden, labels, doc_ids)
-
-    monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
+    interrupt_at_forward(monkeypatch, 3)
     with pytest.raises(UserError, match="interrupted at step 2.*step-000002.*again to resume"):
         T.run(compose_tiny(*RESUME_OVERRIDES))
     monkeypatch.undo()

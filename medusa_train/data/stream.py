@@ -162,7 +162,7 @@ class MicroBatches:
         data = self.stream.data
         buf: list[Encoded] = []
 
-        def flush(final: bool):
+        def flush():
             if data.packing:
                 rows = pack(buf, data.max_length)
                 for i in range(0, len(rows), self.micro):
@@ -175,10 +175,10 @@ class MicroBatches:
         for enc in self.stream.encoded(epoch):
             buf.append(enc)
             if len(buf) >= self.buffer:
-                yield from flush(False)
+                yield from flush()
                 buf = []
         if buf:
-            yield from flush(True)
+            yield from flush()
 
     def __iter__(self) -> Iterator[dict]:
         while True:
