@@ -29,6 +29,7 @@ import torch
 from .errors import UserError
 from .model import MedusaModel
 from .tree import MedusaTree, grow_tree, resolve_tree
+from .tree_draft import check_dependent_sampling, draft_dependent
 from .verify import SamplingConfig, choose_token, propose, verify
 
 
@@ -170,6 +171,9 @@ class TreeDecoder:
         self.tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
         self.buf = self.tree.buffers(m.device)
         self.cfg = sampling or SamplingConfig()
+        self.dependent = bool(getattr(m.heads, "sequential", False))
+        if self.dependent:
+            check_dependent_sampling(self.cfg)
         self.gen = _generator(m.device, seed)
         self.cache = None
         self.past = 0
@@ -189,8 +193,11 @@ class TreeDecoder:
     def step(self) -> list[int]:
         """One draft-verify-compact step; returns the accepted tokens + the bonus token."""
         m, buf, past = self.m, self.buf, self.past
-        cand, draft_q = propose(buf, m.head_logits(self.h_last, buf.max_depth), m.heads.to_vocab_ids, self.cfg,
-                                self.gen, m.vocab_size)
+        if self.dependent:  # heads fed the path they extend: drafted level by level
+            cand, draft_q = draft_dependent(buf, m.heads, self.h_last, self.root), None
+        else:
+            cand, draft_q = propose(buf, m.head_logits(self.h_last, buf.max_depth), m.heads.to_vocab_ids, self.cfg,
+                                    self.gen, m.vocab_size)
         tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
         positions = (buf.position_offsets + past)[None]
         h_tree = m.hidden(tokens[None], positions, self.cache, buf.additive_mask(past, m.dtype))[0]
@@ -344,7 +351,9 @@ def measure_head_accuracy(m: MedusaModel, prompts: Sequence[Sequence[int]], *, m
 
     For every position t from the last prompt token on, head k's top-k at t is compared with
     the greedy token at t+k+2 (the backbone's own output, not the dataset's text: what
-    greedy Medusa decoding will have to match).
+    greedy Medusa decoding will have to match). Dependent heads are fed the greedy tokens
+    t+1..t+k+1 (the path they extend when every earlier guess was right), so their accuracy
+    is conditional on a correct prefix, which is what a tree node's value multiplies.
     """
     if m.heads is None:
         raise UserError("this model has no Medusa heads to calibrate")
@@ -362,11 +371,17 @@ def measure_head_accuracy(m: MedusaModel, prompts: Sequence[Sequence[int]], *, m
         n0, n = len(prompt), len(seq)
         ids = torch.tensor([seq], device=m.device)
         h = m.hidden(ids, torch.arange(n, device=m.device)[None], m.new_cache(n))[0]
+        dependent = bool(getattr(m.heads, "sequential", False))
         for k in range(k_heads):
             t = torch.arange(n0 - 1, n - k - 2, device=m.device)   # positions with a target in range
             if t.numel() == 0:
                 continue
-            guesses = m.heads.to_vocab_ids(m.heads.head_logits(h[t], k).topk(topk, dim=-1).indices)
+            if dependent:
+                future = ids[0, t[:, None] + 1 + torch.arange(k + 1, device=m.device)]  # x_{t+1..t+k+1}
+                logits = m.heads.teacher_forced_logits(h[t], future, k)
+            else:
+                logits = m.heads.head_logits(h[t], k)
+            guesses = m.heads.to_vocab_ids(logits.topk(topk, dim=-1).indices)
             target = ids[0, t + k + 2]
             hits[k] += (guesses == target[:, None]).sum(0).cpu()
             totals[k] += t.numel()

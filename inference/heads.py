@@ -43,6 +43,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 PROJECTIONS = ("own", "shared", "truncated")
+KINDS = ("medusa", "hydra", "mlp_speculator")
 
 # Architecture fields that decide whether heads fit a backbone. Weights may differ (a
 # fine-tune of the same base keeps the fingerprint); shapes and numerics may not.
@@ -79,9 +80,16 @@ class HeadsSpec:
     base_model: str = ""
     base_model_fingerprint: str = ""
     kind: str = "medusa"
+    inner_dim: Optional[int] = None   # mlp_speculator: state width (None = hidden_size)
+    tie_weights: bool = False         # mlp_speculator: one emb/proj/ln/head for steps >= 2 (vLLM's tie_weights)
+    scale_input: bool = False         # mlp_speculator: RMS-normalise the backbone state first (vLLM's ln0)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise UserError(f"heads kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "mlp_speculator" and self.tie_weights and self.num_heads < 2:
+            raise UserError("mlp_speculator tie_weights needs at least 2 heads")
         if self.projection not in PROJECTIONS:
             raise UserError(f"heads projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.num_heads < 1 or self.num_layers < 0:
@@ -122,7 +130,88 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class ProjectedHeads(nn.Module):
+    """What every head family shares: K projections to the vocabulary in one of the three
+    ``HeadsSpec.projection`` modes, the truncated token map, and the backbone tensors a family
+    borrows without storing them (the lm_head for ``shared``, the input embeddings for Hydra).
+
+    Subclasses call ``_init_projection`` and define ``head_hidden``/``forward`` (Medusa) or the
+    ``sequential`` interface (``dependent_heads``). ``_projection_name`` is the state-dict
+    prefix of the projections (``projections`` here, ``head`` in vLLM's MLP speculator).
+    """
+
+    sequential = False          # True: head k also sees the drafted tokens (dependent_heads)
+    _projection_name = "projections"
+
+    def _init_projection(self, spec: HeadsSpec, in_dim: int) -> None:
+        self.spec = spec
+        if spec.projection == "shared":
+            if in_dim != spec.hidden_size:
+                raise UserError(f"shared projection needs head width {spec.hidden_size}, got {in_dim}")
+            setattr(self, self._projection_name, None)
+            # Not persistent: the export never stores the backbone's own matrix.
+            self.register_buffer("shared_weight", None, persistent=False)
+        else:
+            setattr(self, self._projection_name, nn.ModuleList(
+                nn.Linear(in_dim, spec.output_size, bias=False) for _ in range(spec.num_heads)))
+        if spec.projection == "truncated":
+            self.register_buffer("token_map", torch.arange(spec.output_size, dtype=torch.long))
+        else:
+            self.token_map = None
+
+    @property
+    def projections_list(self) -> Optional[nn.ModuleList]:
+        return getattr(self, self._projection_name)
+
+    def _init_projection_from_lm_head(self, lm_head_weight: torch.Tensor,
+                                      token_map: Optional[torch.Tensor]) -> None:
+        """Projections start as (rows of) the base lm_head, as Medusa does."""
+        spec, w = self.spec, lm_head_weight.detach()
+        if spec.projection == "shared":
+            self.attach_lm_head(w)
+            return
+        if spec.projection == "truncated":
+            if token_map is None or token_map.numel() != spec.output_size:
+                raise UserError("truncated heads need a token_map of truncated_vocab_size ids")
+            self.token_map.copy_(token_map.to(torch.long))
+            w = w[token_map.to(w.device)]
+        for proj in self.projections_list:
+            if proj.weight.shape == w.shape:
+                proj.weight.data.copy_(w)
+
+    def attach_lm_head(self, lm_head_weight: torch.Tensor) -> None:
+        """Point shared heads at the (frozen) backbone lm_head; a no-op for other modes."""
+        if self.spec.projection == "shared":
+            self.shared_weight = lm_head_weight.detach()
+
+    def attach_backbone(self, lm_head_weight: Optional[torch.Tensor] = None,
+                        input_embeddings: Optional[torch.Tensor] = None) -> None:
+        """Give the heads the frozen backbone tensors they borrow (see ``needs_*``)."""
+        if lm_head_weight is not None:
+            self.attach_lm_head(lm_head_weight)
+
+    @property
+    def needs_lm_head(self) -> bool:
+        return self.spec.projection == "shared"
+
+    @property
+    def needs_input_embeddings(self) -> bool:
+        return False
+
+    def project(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        projections = self.projections_list
+        if projections is None:
+            if self.shared_weight is None:
+                raise RuntimeError("shared heads need attach_lm_head(backbone lm_head weight) first")
+            return F.linear(x, self.shared_weight.to(x.dtype))
+        return projections[k](x)
+
+    def to_vocab_ids(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Map indices into a head's logits to vocabulary ids (identity unless truncated)."""
+        return local_ids if self.token_map is None else self.token_map[local_ids]
+
+
+class MedusaHeads(ProjectedHeads):
     """K heads over the backbone's last hidden state.
 
     ``forward(hidden)`` returns a list of K logit tensors (``[..., output_size]``). For
@@ -132,23 +221,11 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, spec: HeadsSpec):
         super().__init__()
-        self.spec = spec
         h = spec.hidden_size
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(h) for _ in range(spec.num_layers)]) for _ in range(spec.num_heads)
         )
-        if spec.projection == "shared":
-            self.projections = None
-            # Not persistent: the export never stores the backbone's own matrix.
-            self.register_buffer("shared_weight", None, persistent=False)
-        else:
-            self.projections = nn.ModuleList(
-                nn.Linear(h, spec.output_size, bias=False) for _ in range(spec.num_heads)
-            )
-        if spec.projection == "truncated":
-            self.register_buffer("token_map", torch.arange(spec.output_size, dtype=torch.long))
-        else:
-            self.token_map = None
+        self._init_projection(spec, h)
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -156,36 +233,13 @@ class MedusaHeads(nn.Module):
                      token_map: Optional[torch.Tensor] = None) -> "MedusaHeads":
         """Fresh heads whose projections start as (rows of) the base lm_head, as Medusa does."""
         heads = cls(spec)
-        w = lm_head_weight.detach()
-        if spec.projection == "shared":
-            heads.attach_lm_head(w)
-        elif spec.projection == "own":
-            for proj in heads.projections:
-                proj.weight.data.copy_(w)
-        else:
-            if token_map is None or token_map.numel() != spec.output_size:
-                raise UserError("truncated heads need a token_map of truncated_vocab_size ids")
-            heads.token_map.copy_(token_map.to(torch.long))
-            for proj in heads.projections:
-                proj.weight.data.copy_(w[token_map.to(w.device)])
+        heads._init_projection_from_lm_head(lm_head_weight, token_map)
         return heads
-
-    def attach_lm_head(self, lm_head_weight: torch.Tensor) -> None:
-        """Point shared heads at the (frozen) backbone lm_head; a no-op for other modes."""
-        if self.spec.projection == "shared":
-            self.shared_weight = lm_head_weight.detach()
 
     # -- compute -----------------------------------------------------------------------
     def head_hidden(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """The residual-block output of head k (0-based) before projection."""
         return self.blocks[k](hidden)
-
-    def project(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        if self.projections is None:
-            if self.shared_weight is None:
-                raise RuntimeError("shared heads need attach_lm_head(backbone lm_head weight) first")
-            return F.linear(x, self.shared_weight.to(x.dtype))
-        return self.projections[k](x)
 
     def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         return self.project(self.head_hidden(hidden, k), k)
@@ -193,18 +247,33 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         return [self.head_logits(hidden, k) for k in range(self.spec.num_heads)]
 
-    def to_vocab_ids(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """Map indices into a head's logits to vocabulary ids (identity unless truncated)."""
-        return local_ids if self.token_map is None else self.token_map[local_ids]
+
+def build_heads(spec: HeadsSpec) -> ProjectedHeads:
+    """An uninitialised module of the spec's family (``spec.kind``)."""
+    if spec.kind == "medusa":
+        return MedusaHeads(spec)
+    from .dependent_heads import HEAD_FAMILIES  # dependent_heads imports this module
+
+    return HEAD_FAMILIES[spec.kind](spec)
+
+
+def init_heads(spec: HeadsSpec, lm_head_weight: torch.Tensor, input_embeddings: Optional[torch.Tensor] = None,
+               token_map: Optional[torch.Tensor] = None) -> ProjectedHeads:
+    """Fresh heads of any family, initialised from the backbone as each family prescribes."""
+    if spec.kind == "medusa":
+        return MedusaHeads.from_lm_head(spec, lm_head_weight, token_map)
+    from .dependent_heads import HEAD_FAMILIES
+
+    return HEAD_FAMILIES[spec.kind].from_backbone(spec, lm_head_weight, input_embeddings, token_map)
 
 
 # -- export format ---------------------------------------------------------------------
-def heads_state_dict(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+def heads_state_dict(heads: ProjectedHeads) -> dict[str, torch.Tensor]:
     """The tensors the export stores: blocks, projections (unless shared), token map."""
     return {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
 
 
-def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike,
+def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
                state_dict: Optional[dict[str, torch.Tensor]] = None) -> Path:
     """Write the export atomically: a temp dir beside ``out_dir`` renamed into place.
 
@@ -238,8 +307,17 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike,
     return out
 
 
+def _foreign_importer(d: Path):
+    """``inference.formats.importers`` when ``d`` is a reference-Medusa / TGI / vLLM layout, else None."""
+    from .formats import importers  # lazy: it imports this module
+
+    return importers if importers.detect_layout(d) else None
+
+
 def read_heads_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
     d = Path(heads_dir)
+    if (foreign := _foreign_importer(d)) is not None:
+        return foreign.read_foreign_spec(d)
     if not d.is_dir():
         raise UserError(f"heads directory not found: {d}")
     missing = [f for f in EXPORT_FILES if not (d / f).is_file()]
@@ -275,12 +353,15 @@ def check_compatible(spec: HeadsSpec, backbone_config, where: str = "heads") -> 
 
 def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
                lm_head_weight: Optional[torch.Tensor] = None,
-               device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None) -> MedusaHeads:
+               device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
+               input_embeddings: Optional[torch.Tensor] = None) -> ProjectedHeads:
     """Load an export strictly; with ``backbone_config``, refuse heads made for another model."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     d = Path(heads_dir)
+    if (foreign := _foreign_importer(d)) is not None:
+        return foreign.import_heads(d, backbone_config, lm_head_weight, device=device, dtype=dtype)
     spec = read_heads_spec(d)
     if backbone_config is not None:
         check_compatible(spec, backbone_config, where=f"heads in {d}")
@@ -288,7 +369,7 @@ def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
         tensors = load_file(str(d / WEIGHTS_FILE), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{d / WEIGHTS_FILE} is corrupt or unreadable ({e})") from None
-    heads = MedusaHeads(spec)
+    heads = build_heads(spec)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -299,10 +380,11 @@ def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
             raise UserError(
                 f"{d / WEIGHTS_FILE}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
     heads.load_state_dict(tensors, strict=True)
-    if spec.projection == "shared":
-        if lm_head_weight is None:
-            raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
-        heads.attach_lm_head(lm_head_weight)
+    if heads.needs_lm_head and lm_head_weight is None:
+        raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
+    if heads.needs_input_embeddings and input_embeddings is None:
+        raise UserError(f"{spec.kind} heads in {d} read the backbone's input embeddings: pass the backbone to load them")
+    heads.attach_backbone(lm_head_weight, input_embeddings)
     if dtype is not None:
         heads.to(dtype=dtype)  # token_map stays long: .to(dtype) only casts floating tensors
     return heads.to(device).eval()

@@ -23,7 +23,7 @@ import torch
 from . import assets
 from .cache import TreeKVCache
 from .errors import UserError
-from .heads import MedusaHeads, check_compatible, load_heads, read_heads_spec
+from .heads import check_compatible, load_heads, read_heads_spec
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -215,15 +215,17 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         dt = parse_dtype(dtype) if dtype is not None else p.dtype
         model = model.to(device=dev, dtype=dt)
     lm_w = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
-    heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt)
+    emb = model.get_input_embeddings()
+    heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
+                       input_embeddings=emb.weight if emb is not None else None)
     return MedusaModel(model=model, tokenizer=tokenizer, heads=heads)
 
 
-def attach_heads(model, heads: MedusaHeads, tokenizer=None) -> MedusaModel:
+def attach_heads(model, heads, tokenizer=None) -> MedusaModel:
     """Wrap in-memory heads (e.g. fresh ``MedusaHeads.from_lm_head``) without an export round trip."""
     p = model.get_output_embeddings().weight
     check_compatible(heads.spec, model.config)
     heads = heads.to(device=p.device, dtype=p.dtype).eval()
-    if heads.spec.projection == "shared":
-        heads.attach_lm_head(p)
+    emb = model.get_input_embeddings()
+    heads.attach_backbone(p, emb.weight if emb is not None else None)
     return MedusaModel(model=model, tokenizer=tokenizer, heads=heads)

@@ -14,6 +14,12 @@ from typing import List, Optional
 from inference.errors import UserError
 
 
+class HeadKind(str, Enum):
+    medusa = "medusa"                   # K residual MLPs on h_t (Medusa-1)
+    hydra = "hydra"                     # + embeddings of the drafted tokens (inference/dependent_heads.py)
+    mlp_speculator = "mlp_speculator"   # vLLM's mlp_speculator layout (inference/dependent_heads.py)
+
+
 class Projection(str, Enum):
     own = "own"
     shared = "shared"
@@ -63,13 +69,21 @@ class DataConfig:
 
 @dataclass
 class HeadsConfig:
-    kind: str = "medusa"
+    kind: HeadKind = HeadKind.medusa
     num_heads: int = 3
     num_layers: int = 1
     projection: Projection = Projection.truncated
     truncated_vocab_size: int = 8192
     loss_decay: float = 0.8  # lambda_k = loss_decay ** k (k = 1..K), as the Medusa paper suggests
     loss_weights: Optional[List[float]] = None  # explicit lambda_1..lambda_K; overrides loss_decay
+    # mlp_speculator only (vLLM config keys): state width (0 = backbone width), one set of
+    # step weights after the first, RMS-normalise the backbone state first.
+    inner_dim: int = 0
+    tie_weights: bool = False
+    scale_input: bool = False
+    # Weight of a distillation term: CE against the backbone's own distribution of the token
+    # each head guesses (Hydra++'s teacher loss); 0 = labels only, 1 = teacher only.
+    teacher_weight: float = 0.0
 
 
 @dataclass
@@ -109,6 +123,46 @@ class LoggerConfig:
     plot: bool = True  # PNG of per-head loss/accuracy beside the export
 
 
+class Task(str, Enum):
+    train = "train"  # train heads (medusa_train.trainer)
+    distill = "distill"  # regenerate the data's assistant turns with the backbone (medusa_train.distill)
+
+
+@dataclass
+class DistillConfig:
+    """Self-distillation (``task: distill``): see medusa_train/distill.py."""
+
+    temperature: float = 0.3  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256  # per regenerated assistant turn
+    max_turns: Optional[int] = None  # assistant turns regenerated per conversation (later ones dropped)
+    max_conversations: Optional[int] = None  # source conversations taken, from the first
+    batch_size: int = 16  # prompts generated together (grouped by length)
+    shard_size: int = 64  # conversations per output shard = the unit of resume
+    # device, seed, CPU threads and the progress bar are trainer.device/seed/threads/progress_bar
+
+
+class FeaturesMode(str, Enum):
+    off = "off"  # run the backbone on every micro-batch (online)
+    build = "build"  # run it once over the training stream, store the hidden states, exit
+    train = "train"  # train from the stored hidden states (building what is missing first)
+
+
+class FeaturesDtype(str, Enum):
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+@dataclass
+class FeaturesConfig:
+    """Offline feature cache: see medusa_train/features.py."""
+
+    mode: FeaturesMode = FeaturesMode.off
+    cache_dir: Optional[str] = None  # default <output_dir>/features; share one cache between runs by path
+    dtype: FeaturesDtype = FeaturesDtype.bf16  # hidden states on disk (bf16: half the disk of fp32)
+    shard_batches: int = 64  # micro-batches per safetensors shard = the unit of resume
+
+
 @dataclass
 class RecipeConfig:
     recipe: str = "custom"
@@ -119,6 +173,9 @@ class RecipeConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    task: Task = Task.train
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
 
 def register_configs() -> None:
@@ -161,20 +218,26 @@ def loss_weights(heads: HeadsConfig) -> list[float]:
 def validate(cfg) -> None:
     """Checks that need more than a type: ranges and combinations, naming the key."""
     t, h, d = cfg.trainer, cfg.heads, cfg.data
+    kind = h.kind.value if isinstance(h.kind, HeadKind) else str(h.kind)
     checks = [
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
         (t.zero_stage in (0, 1, 2, 3), f"trainer.zero_stage must be 0..3, got {t.zero_stage}"),
         (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto|cpu|cuda, got {t.device!r}"),
         (h.num_heads >= 1, f"heads.num_heads must be >= 1, got {h.num_heads}"),
         (h.num_layers >= 0, f"heads.num_layers must be >= 0, got {h.num_layers}"),
-        (h.kind == "medusa", f"heads.kind={h.kind!r} is not available in this version (medusa)"),
+        (h.inner_dim >= 0, f"heads.inner_dim must be >= 0 (0 = backbone width), got {h.inner_dim}"),
+        (kind in [k.value for k in HeadKind], f"heads.kind must be one of {[k.value for k in HeadKind]}, got {kind!r}"),
+        (not h.tie_weights or (kind == HeadKind.mlp_speculator.value and h.num_heads >= 2),
+         "heads.tie_weights needs heads.kind=mlp_speculator and heads.num_heads >= 2"),
+        (0.0 <= h.teacher_weight <= 1.0, f"heads.teacher_weight must be in [0, 1], got {h.teacher_weight}"),
         (d.max_length >= 8, f"data.max_length must be >= 8, got {d.max_length}"),
         (Precision(t.precision) is Precision.fp32 or t.zero_stage >= 1,
          f"trainer.precision={Precision(t.precision).value} needs trainer.zero_stage >= 1: the ZeRO optimizer keeps "
          "the fp32 master weights that checkpoints save (stage 1 costs nothing on one device)"),
         (t.log_every >= 1, f"trainer.log_every must be >= 1, got {t.log_every}"),
         (t.eval_every >= 0 and t.save_every >= 0, "trainer.eval_every and trainer.save_every must be >= 0"),
-        (not (Projection(h.projection) is Projection.shared and h.num_layers == 0),
+        (not (Projection(h.projection) is Projection.shared and h.num_layers == 0
+              and kind == HeadKind.medusa.value),
          "heads.projection=shared with heads.num_layers=0 leaves nothing to train; use num_layers >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}"),
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
@@ -184,3 +247,25 @@ def validate(cfg) -> None:
         if not ok:
             raise UserError(msg)
     loss_weights(h)
+    _validate_distill_and_features(cfg)
+
+
+def _validate_distill_and_features(cfg) -> None:
+    ds, f = getattr(cfg, "distill", None), getattr(cfg, "features", None)
+    checks = []
+    if ds is not None:
+        checks += [
+            (ds.temperature >= 0, f"distill.temperature must be >= 0 (0 = greedy), got {ds.temperature}"),
+            (0 < ds.top_p <= 1, f"distill.top_p must be in (0, 1], got {ds.top_p}"),
+            (ds.max_new_tokens >= 1, f"distill.max_new_tokens must be >= 1, got {ds.max_new_tokens}"),
+            (ds.max_turns is None or ds.max_turns >= 1, f"distill.max_turns must be >= 1, got {ds.max_turns}"),
+            (ds.max_conversations is None or ds.max_conversations >= 1,
+             f"distill.max_conversations must be >= 1, got {ds.max_conversations}"),
+            (ds.batch_size >= 1, f"distill.batch_size must be >= 1, got {ds.batch_size}"),
+            (ds.shard_size >= 1, f"distill.shard_size must be >= 1, got {ds.shard_size}"),
+        ]
+    if f is not None:
+        checks.append((f.shard_batches >= 1, f"features.shard_batches must be >= 1, got {f.shard_batches}"))
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)

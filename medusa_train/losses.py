@@ -6,6 +6,15 @@ same packed conversation as position t.
 
 Heads are evaluated only at positions that have a target (gathered first), so the vocabulary
 projection — the dominant cost — is never spent on user turns or padding.
+
+Dependent heads (Hydra / MLP speculator) are also fed the true tokens t+1..t+k+1 of the
+sequence (teacher forcing, ``future_tokens``); their cheap recurrent part runs at every
+position, the projection still only where a target exists.
+
+Optional teacher term (``teacher_weight`` w): head k's loss becomes
+(1 - w) CE(label) + w CE(p_backbone), where p_backbone is the frozen backbone's own
+distribution of the same token, lm_head(h_{t+k+1}) — restricted to the token map for
+truncated heads. Hydra++ found this best: the heads learn what the backbone will verify.
 """
 
 from __future__ import annotations
@@ -31,6 +40,18 @@ def head_targets(labels: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.T
     later[~same_doc] = IGNORE
     tgt[:, :-shift] = later
     return tgt
+
+
+def future_tokens(input_ids: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, T, count]: ``out[:, t, j]`` = input_ids[:, t+1+j] (0 past the end of the row; such
+    positions never have a target, see ``head_targets``)."""
+    b, t = input_ids.shape
+    out = input_ids.new_zeros(b, t, count)
+    for j in range(count):
+        s = 1 + j
+        if t > s:
+            out[:, :-s, j] = input_ids[:, s:]
+    return out
 
 
 def vocab_to_local(token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
@@ -95,27 +116,39 @@ def simulated_tau(top1: list[float]) -> float:
 
 def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor,
                weights: list[float], inv_map: torch.Tensor | None,
-               metrics: HeadMetrics | None = None) -> torch.Tensor:
-    """sum_k lambda_k * CE_k over positions with a target; fills ``metrics`` if given.
+               metrics: HeadMetrics | None = None, input_ids: torch.Tensor | None = None,
+               teacher_weight: float = 0.0, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k lambda_k * loss_k over positions with a target; fills ``metrics`` if given.
 
     For truncated heads, targets outside the head's vocabulary are excluded from the CE
-    (they cannot be predicted) but counted as misses in the accuracy.
+    (they cannot be predicted) but counted as misses in the accuracy. ``input_ids`` is
+    needed by dependent heads; ``lm_head_weight`` by the teacher term.
     """
     total = hidden.new_zeros(())
+    dependent = bool(getattr(heads, "sequential", False))
+    if dependent:
+        if input_ids is None:
+            raise ValueError("dependent heads need the batch's input_ids")
+        feats = heads.teacher_forced_features(hidden, future_tokens(input_ids, len(weights)))
+    token_map = getattr(heads, "token_map", None)
     for k in range(len(weights)):
         tgt = head_targets(labels, doc_ids, k + 1)
         mask = tgt != IGNORE
         n = int(mask.sum())
         # The head runs even with no targets: under ZeRO-3 every rank must take part in
         # gathering its weights, or the ranks deadlock.
-        h = hidden[mask]
         tgt = tgt[mask]
         local = inv_map[tgt] if inv_map is not None else tgt
-        logits = heads.head_logits(h, k).float()
+        f = feats[k][mask] if dependent else heads.head_hidden(hidden[mask], k)
+        logits = heads.project(f, k).float()
         valid = local >= 0
         if bool(valid.any()):
             ce = F.cross_entropy(logits[valid], local[valid])
-            total = total + weights[k] * ce
+            loss = ce
+            if teacher_weight > 0:
+                loss = (1 - teacher_weight) * ce + teacher_weight * _teacher_ce(
+                    logits, hidden, mask, k, lm_head_weight, token_map)
+            total = total + weights[k] * loss
         else:
             ce = logits.sum() * 0.0  # nothing learnable here; keeps the graph connected
             total = total + ce
@@ -127,3 +160,16 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
                 cum += [cum[-1]] * (TOPK - len(cum))
                 metrics.add(k, float(ce), [int(c) for c in cum], n)
     return total
+
+
+def _teacher_ce(logits: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, k: int,
+                lm_head_weight: torch.Tensor | None, token_map: torch.Tensor | None) -> torch.Tensor:
+    """CE of head k's logits against the backbone's distribution at t+k+1 (the position whose
+    next token head k guesses from t)."""
+    if lm_head_weight is None:
+        raise ValueError("the teacher loss needs the backbone's lm_head weight")
+    rows, cols = mask.nonzero(as_tuple=True)
+    with torch.no_grad():
+        w = lm_head_weight if token_map is None else lm_head_weight[token_map]
+        teacher = torch.softmax(F.linear(hidden[rows, cols + k + 1], w.to(hidden.dtype)).float(), dim=-1)
+    return -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1).mean()

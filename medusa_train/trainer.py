@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from inference.errors import UserError
-from inference.heads import HeadsSpec, MedusaHeads, backbone_fingerprint, save_heads
-from . import checkpoint
+from inference.heads import HeadsSpec, ProjectedHeads, backbone_fingerprint, init_heads, save_heads
+from . import checkpoint, features
 from .backbone import body, lm_head_weight, load_backbone
-from .config import Precision, derived_batch, loss_weights, validate
+from .config import HeadKind, Precision, derived_batch, loss_weights, validate
 from .data.stream import ConversationStream, MicroBatches, eval_batches, token_frequencies
 from .deepspeed_config import check_consistent, deepspeed_config
 from .losses import HeadMetrics, heads_loss, vocab_to_local
@@ -47,15 +47,22 @@ from .tracking import Tracker
 class HeadsWithLoss(nn.Module):
     """What the DeepSpeed engine wraps: the heads, and their loss as ``forward``."""
 
-    def __init__(self, heads: MedusaHeads, weights: list[float], inv_map):
+    def __init__(self, heads: ProjectedHeads, weights: list[float], inv_map, teacher_weight: float = 0.0,
+                 lm_head_weight: torch.Tensor | None = None):
         super().__init__()
         self.heads = heads
         self.weights = weights
         self.inv_map = inv_map
+        self.teacher_weight = teacher_weight
+        # A plain attribute, not a parameter or buffer: the frozen backbone's matrix is never
+        # trained, cast, partitioned or checkpointed by DeepSpeed.
+        self.lm_head_weight = lm_head_weight if teacher_weight > 0 else None
         self.metrics: HeadMetrics | None = None
 
-    def forward(self, hidden, labels, doc_ids):
-        return heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics)
+    def forward(self, hidden, labels, doc_ids, input_ids=None):
+        return heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
+                          input_ids=input_ids, teacher_weight=self.teacher_weight,
+                          lm_head_weight=self.lm_head_weight)
 
 
 def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -160,10 +167,13 @@ class MedusaTrainer:
             num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
             vocab_size=hf_cfg.vocab_size, projection=cfg.heads.projection.value,
             truncated_vocab_size=cfg.heads.truncated_vocab_size if token_map is not None else None,
-            base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg))
-        heads = MedusaHeads.from_lm_head(spec, lm_head_weight(model).float(), token_map).to(self.device)
+            base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
+            kind=HeadKind(cfg.heads.kind).value, inner_dim=cfg.heads.inner_dim or None,
+            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input)
+        lm_w = lm_head_weight(model)
+        heads = init_heads(spec, lm_w.float(), model.get_input_embeddings().weight, token_map).to(self.device)
         inv = vocab_to_local(heads.token_map, spec.vocab_size)
-        self.module = HeadsWithLoss(heads, loss_weights(cfg.heads), inv)
+        self.module = HeadsWithLoss(heads, loss_weights(cfg.heads), inv, cfg.heads.teacher_weight, lm_w)
         self.spec = spec
         self._build_engine()
 
@@ -182,8 +192,10 @@ class MedusaTrainer:
                   "restarts its data shard at the saved epoch position of rank 0", flush=True)
         self.batches = MicroBatches(self.train_stream, self.plan.micro_batch_size, self.pad_id,
                                     buffer=cfg.data.bucket_buffer, **data_state)
-        self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.eval_set = eval_batches(self.eval_stream, max(self.plan.micro_batch_size, 4), self.pad_id)
+        if features.enabled(cfg):  # offline features: batches carry stored hidden states (features.py)
+            self.batches, self.eval_set = features.cached_batches(self, **data_state)
+        self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.output_dir.mkdir(parents=True, exist_ok=True)
         from omegaconf import OmegaConf
 
@@ -258,14 +270,20 @@ class MedusaTrainer:
             step_loss = 0.0
             for _ in range(self.plan.grad_accum):
                 batch = next(it)
-                hidden = self.hidden_states(batch)
-                loss = self.engine(hidden, batch["labels"].to(self.device), batch["doc_ids"].to(self.device))
+                hidden = batch["hidden"] if "hidden" in batch else self.hidden_states(batch)  # cached: no backbone
+                loss = self.engine(hidden, batch["labels"].to(self.device), batch["doc_ids"].to(self.device),
+                                   batch["input_ids"].to(self.device))
                 self._check_finite(loss)
                 self.engine.backward(loss)
+                if self.engine.is_gradient_accumulation_boundary():
+                    grad_norm = _grad_norm(self.engine, self.module)
                 self.engine.step()
                 metrics.batches += 1
                 step_loss += float(loss.detach()) / self.plan.grad_accum
                 window_tokens += int((batch["doc_ids"] > 0).sum()) * self.world_size
+            if grad_norm is None:
+                norm = self.engine.get_global_grad_norm()
+                grad_norm = float(norm) if norm is not None else float("nan")
             self.step += 1
             self.data_state = self.batches.state()
             loss_sum += step_loss
@@ -276,7 +294,7 @@ class MedusaTrainer:
                 n_steps = metrics.batches / self.plan.grad_accum
                 record = {"loss": loss_sum / max(n_steps, 1), **metrics.summary(),
                           "tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                          "lr": self.scheduler.get_last_lr()[0], "grad_norm": _grad_norm(self.engine),
+                          "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                           "padding_fraction": self.train_stream.stats.padding_fraction}
                 self.tracker.log(self.step, record)
                 metrics.reset()
@@ -310,8 +328,9 @@ class MedusaTrainer:
         self.engine.eval()
         losses = []
         for batch in self.eval_set:
-            hidden = self.hidden_states(batch)
-            losses.append(float(self.engine(hidden, batch["labels"].to(self.device), batch["doc_ids"].to(self.device))))
+            hidden = batch["hidden"] if "hidden" in batch else self.hidden_states(batch)
+            losses.append(float(self.engine(hidden, batch["labels"].to(self.device), batch["doc_ids"].to(self.device),
+                                            batch["input_ids"].to(self.device))))
             metrics.batches += 1
         self.engine.train()
         summary = {"loss": sum(losses) / max(len(losses), 1), **metrics.summary()}
@@ -375,12 +394,17 @@ def lr_factor(step: int, max_steps: int, optim) -> float:
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _grad_norm(engine) -> float:
-    try:
-        norm = engine.get_global_grad_norm()
-    except Exception:
-        return float("nan")
-    return float(norm) if norm is not None else float("nan")
+def _grad_norm(engine, module: nn.Module) -> float | None:
+    """Global gradient norm of the optimizer step about to be taken (call before ``engine.step``).
+
+    DeepSpeed's ZeRO / bf16 optimizers report the norm of the step they took last; its plain
+    fp32 stage-0 path computes it for clipping and discards it, so it is computed here from the
+    (already all-reduced) gradients.
+    """
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None   # the optimizer computes it during engine.step(): read it afterwards
+    grads = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
 
 
 def format_accuracy_table(summary: dict, num_heads: int) -> str:

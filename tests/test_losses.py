@@ -46,8 +46,8 @@ def test_heads_loss_without_any_target_still_runs_every_head():
     join each head's parameter gather, or the ranks deadlock); the loss must still backpropagate."""
     heads = _heads(n=3)
     calls = []
-    original = heads.head_logits
-    heads.head_logits = lambda h, k: (calls.append(k), original(h, k))[1]
+    original = heads.project
+    heads.project = lambda h, k: (calls.append(k), original(h, k))[1]
     labels = torch.full((1, 6), I)
     loss = heads_loss(heads, torch.randn(1, 6, 8), labels, torch.ones_like(labels), [1.0, 1.0, 1.0], None,
                       HeadMetrics(3))

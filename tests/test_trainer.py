@@ -455,3 +455,13 @@ def test_truncated_vocab_larger_than_backbone_vocab(compose_tiny):
     """Guards against: a truncated vocabulary bigger than the backbone's crashing in the token map."""
     with pytest.raises(UserError, match="truncated_vocab_size"):
         T.run(compose_tiny("heads.truncated_vocab_size=1000", "trainer.max_steps=1"))
+
+
+@pytest.mark.parametrize("extra", [[], ["trainer.precision=bf16", "trainer.zero_stage=1"]], ids=["fp32-stage0", "bf16-zero1"])
+def test_logged_grad_norm_is_a_real_number(extra, compose_tiny, out_dir):
+    """Guards against a grad_norm curve that is NaN on every step (DeepSpeed's plain fp32 path
+    computes the norm for clipping and discards it), which hides exploding gradients."""
+    T.run(compose_tiny("trainer.max_steps=2", "trainer.log_every=1", "trainer.save_every=0", "logger.plot=false",
+                       *extra))
+    norms = [r["grad_norm"] for r in read_metrics(out_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(norms) == 2 and all(math.isfinite(n) and n > 0 for n in norms), norms
