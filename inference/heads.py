@@ -17,6 +17,11 @@ Projection modes (``HeadsSpec.projection``):
              training data; ``token_map[i]`` is the vocabulary id of local index i
              (vLLM's ``token_map``, EAGLE-3's draft vocabulary). Cheapest on CPU.
 
+Head families (``HeadsSpec.kind``): ``medusa`` (this module) and the dependent heads that are
+also fed the drafted tokens, ``hydra`` and ``mlp_speculator`` (``dependent_heads``). All share
+``ProjectedHeads`` (projection modes, token map, borrowed backbone tensors); ``build_heads`` /
+``init_heads`` pick the class from the spec.
+
 Export directory (``save_heads``): exactly ``config.json`` and ``model.safetensors``
 (the token map is the ``token_map`` tensor inside it, where vLLM's loader reads it).
 """

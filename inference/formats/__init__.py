@@ -1,0 +1,29 @@
+"""Heads in the layouts serving engines load, and foreign Medusa checkpoints in our runtime.
+
+    medusa-export heads=runs/a/heads format=vllm out=runs/a/vllm
+    medusa-export heads=runs/a/heads format=tensorrt_llm out=runs/a/trtllm materialize=true
+
+Export (``export.export_heads``) writes one engine's directory: its config keys, weight names,
+shapes and dtypes, read from each engine's own loader (the sources are named in ``vllm.py`` and
+``reference.py``, and checked by ``tests/engine_specs.py``). Formats:
+
+  vllm          ``model_type: medusa`` dir: config.json + model.safetensors (vLLM's Medusa drafter)
+  tensorrt_llm  config.json + medusa_lm_head.safetensors, one projection per head (TensorRT-LLM's
+                ``examples/medusa/convert_checkpoint.py --medusa_model_dir``)
+  tgi           the same files; TGI's v2 layout (no projections, the base lm_head) for shared heads
+                with one layer (``text-generation-launcher --model-id <dir>``)
+  medusa_v1     the reference FasterDecoding/Medusa layout (config.json + medusa_lm_head.safetensors)
+
+Exporters live in a registry keyed by (format, head kind), so a new head kind (e.g. an
+``mlp_speculator`` -> vLLM exporter) plugs in with ``@register_exporter("vllm", "mlp_speculator")``
+without touching the formats here; a (format, kind) pair with no exporter is refused by name.
+
+Import (``importers``) reads reference Medusa checkpoints (``medusa_lm_head.safetensors`` or
+``medusa_lm_head.pt``, the latter only with ``torch.load(weights_only=True)``), TGI-v2 and vLLM
+Medusa dirs into ``MedusaHeads``; ``inference.heads.load_heads`` dispatches to it, so
+``load_medusa`` and ``medusa-eval`` accept those directories as they are.
+
+This ``__init__`` stays free of torch so that ``medusa-export --help`` is instant.
+"""
+
+FORMATS = ("vllm", "tensorrt_llm", "tgi", "medusa_v1")

@@ -1,0 +1,140 @@
+"""``medusa-export``: write trained heads in the layout a serving engine loads.
+
+    medusa-export heads=runs/a/heads format=vllm out=runs/a/vllm
+    medusa-export heads=runs/a/heads format=tgi out=runs/a/tgi base_model=HuggingFaceTB/SmolLM2-135M-Instruct
+    medusa-export heads=runs/a/heads format=tensorrt_llm out=runs/a/trtllm materialize=true dtype=float16
+    medusa-export heads=downloaded/medusa-vicuna-7b-v1.3 format=vllm out=vicuna-medusa-vllm overwrite=true
+
+Keys:
+  heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa dir (re-export)
+  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1
+  out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true
+  materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
+                    that need them (tensorrt_llm, medusa_v1, tgi with >1 layer); prints the size cost
+  backbone=NAME     where the lm_head of shared heads is read (default: the heads' base model)
+  base_model=NAME   the base model written into the engine config (default: the heads' own);
+                    use a hub id or path the engine can load
+  dtype=NAME        keep (default) | float16 | bfloat16 | float32
+
+User mistakes print one line and exit 2, like the other commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from ..cli import EXIT_USER_ERROR
+
+
+@dataclass
+class ExportConfig:
+    heads: str = "???"
+    format: str = "???"
+    out: str = "???"
+    overwrite: bool = False
+    materialize: bool = False
+    backbone: Optional[str] = None
+    base_model: Optional[str] = None
+    dtype: str = "keep"
+    trust_remote_code: bool = False
+
+
+def _fail(message: str) -> None:
+    print(f"medusa-export: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def run_export(cfg) -> None:
+    import warnings
+    from pathlib import Path
+
+    import torch
+
+    from ..errors import UserError
+    from ..heads import load_heads, read_heads_spec
+    from . import FORMATS
+    from .export import ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for, megabytes
+
+    for key in ("heads", "format", "out"):
+        if getattr(cfg, key) in ("???", "", None):
+            raise UserError(f"{key}= is required (see medusa-export --help)")
+    if cfg.format not in FORMATS:  # before any loading: a typo should cost nothing
+        raise UserError(f"unknown format {cfg.format!r}: choose one of {', '.join(FORMATS)}")
+    dtypes = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if cfg.dtype not in dtypes:
+        raise UserError(f"dtype must be one of {', '.join(dtypes)}, got {cfg.dtype!r}")
+    src, out = Path(cfg.heads), Path(cfg.out)
+    if out.resolve() == src.resolve():
+        raise UserError("out= must differ from heads= (the export would replace its own source)")
+    check_out_dir(out, cfg.overwrite)
+
+    with warnings.catch_warnings(record=True) as caught:  # one line each, not Python's two-line warnings
+        warnings.simplefilter("always", FormatWarning)
+        # The native loader's errors for a dir that is no heads at all, then the registry's for a
+        # kind this format has no exporter for, before anything is loaded.
+        exporter_for(cfg.format, read_heads_spec(src).kind)
+        # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
+        # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
+        heads = load_heads(src, lm_head_weight=torch.empty(0))
+    for message in dict.fromkeys(str(w.message) for w in caught):  # spec + load both see the same dir
+        print(f"medusa-export: warning: {message}", file=sys.stderr)
+    spec = heads.spec
+
+    loaded = {}
+
+    def backbone_lm_head():
+        if "w" not in loaded:
+            from ..heads import check_compatible
+            from ..model import load_backbone
+
+            name = cfg.backbone or spec.base_model
+            if not name:
+                raise UserError(f"heads in {src} do not record their backbone; pass backbone=")
+            print(f"reading the lm_head of {name} ...", file=sys.stderr)
+            # dtype "auto": the checkpoint's own dtype (a 7B model in bf16 needs half the memory of
+            # fp32); the matrix is then cast to the heads' dtype, losslessly for bf16/fp16 -> fp32.
+            model, _ = load_backbone(name, "cpu", "auto", cfg.trust_remote_code)
+            if not spec.vocab_size:  # TGI-v2 dir without vocab_size: the backbone's vocabulary
+                spec.vocab_size = model.config.vocab_size
+            check_compatible(spec, model.config, where=f"heads in {src}")
+            heads_dtype = next((p.dtype for p in heads.parameters()), torch.float32)
+            loaded["w"] = model.get_output_embeddings().weight.detach().to(heads_dtype).clone()
+        return loaded["w"]
+
+    options = ExportOptions(materialize=cfg.materialize, lm_head=backbone_lm_head,
+                            base_model=cfg.base_model or "", dtype=dtypes[cfg.dtype])
+    result = export_heads(heads, cfg.format, out, overwrite=cfg.overwrite, options=options)
+    for note in result.notes:
+        print(note)
+    base = cfg.base_model or spec.base_model
+    if not base or ":" in base.split("/")[0]:
+        print(f"note: the config records base model {base!r}, which engines cannot load: "
+              "pass base_model=<hub id or path>")
+    print(f"wrote {result.path} ({', '.join(result.files)}; weights {megabytes(result.weight_bytes)})")
+
+
+def export_main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__.strip())
+        return
+    bad = [a for a in argv if "=" not in a or a.startswith("-")]
+    if bad:
+        _fail(f"arguments are key=value overrides, got {bad[0]!r} (see medusa-export --help)")
+    from omegaconf import OmegaConf
+
+    from ..errors import UserError
+
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), OmegaConf.from_dotlist(argv))
+    except Exception as e:  # unknown key / wrong type: keep the lines that say what is wrong
+        noise = ("full_key", "reference_type", "object_type")
+        lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.strip().startswith(noise)]
+        key = getattr(e, "full_key", None)
+        _fail((f"{key}: " if key else "") + (" ".join(lines) or type(e).__name__) + " (see medusa-export --help)")
+    try:
+        run_export(cfg)
+    except UserError as e:
+        _fail(str(e))

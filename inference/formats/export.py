@@ -1,0 +1,222 @@
+"""The exporter registry, what an exporter returns, and the one atomic writer all formats share.
+
+An exporter is a pure function ``(heads, ExportOptions) -> ExportPlan``: it decides names,
+shapes, dtypes and config keys, or refuses with a ``UserError`` naming why the format cannot
+hold these heads. Writing is done here, once: a temp dir beside ``out`` renamed into place, so
+a crash leaves the previous directory or the new one, never a half-written engine checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import UserError
+from . import FORMATS
+
+# Modules whose import registers the built-in exporters. A teammate adding a kind registers
+# from their own module and appends it here (or imports it before calling export_heads).
+BUILTIN_EXPORTER_MODULES = ("inference.formats.vllm", "inference.formats.reference")
+
+_EXPORTERS: dict[tuple[str, str], Callable] = {}
+
+
+class FormatWarning(UserWarning):
+    """Something in a foreign checkpoint or an export the user should know, that is not an error."""
+
+
+@dataclasses.dataclass
+class ExportOptions:
+    """What an exporter may use besides the heads.
+
+    materialize: expand a shared / truncated projection into full per-head projections for a
+                 format that has no other way to hold it (size cost reported in the plan's notes).
+    lm_head:     a callable giving the backbone's lm_head weight [vocab, hidden]; called only by
+                 exporters that need it, so formats that do not never load the backbone.
+    base_model:  the name written into the engine config (hub id or path the engine can load).
+    dtype:       cast floating tensors to this dtype (None keeps the heads' own).
+    """
+
+    materialize: bool = False
+    lm_head: Optional[Callable[[], torch.Tensor]] = None
+    base_model: str = ""
+    dtype: Optional[torch.dtype] = None
+
+    def backbone_lm_head(self, heads) -> torch.Tensor:
+        """The lm_head matrix shared heads project with: the one attached to ``heads`` if any
+        (imported vLLM dirs carry their own copy), else the backbone's through ``lm_head``."""
+        w = getattr(heads, "shared_weight", None)
+        if w is None or w.numel() == 0:
+            if self.lm_head is None:
+                raise UserError("these heads share the backbone lm_head: pass backbone=<model> so it can be read")
+            w = self.lm_head()
+        spec = heads.spec
+        if tuple(w.shape) != (spec.vocab_size, spec.hidden_size):
+            raise UserError(f"the backbone lm_head has shape {tuple(w.shape)}, the heads need "
+                            f"({spec.vocab_size}, {spec.hidden_size}): wrong backbone")
+        return w.detach().cpu()
+
+
+@dataclasses.dataclass
+class ExportPlan:
+    """Exactly what goes on disk: ``config.json``, one safetensors file, and lines for the user."""
+
+    config: dict
+    weights_file: str
+    tensors: dict[str, torch.Tensor]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclasses.dataclass
+class ExportResult:
+    path: Path
+    files: list[str]
+    weight_bytes: int
+    notes: list[str]
+
+
+def register_exporter(format_name: str, kind: str):
+    """Decorator: ``fn(heads, ExportOptions) -> ExportPlan`` exports heads of ``kind`` to ``format_name``."""
+    if format_name not in FORMATS:
+        raise ValueError(f"unknown format {format_name!r}; add it to inference.formats.FORMATS first")
+
+    def add(fn):
+        _EXPORTERS[(format_name, kind)] = fn
+        return fn
+
+    return add
+
+
+def exporter_for(format_name: str, kind: str) -> Callable:
+    for module in BUILTIN_EXPORTER_MODULES:
+        importlib.import_module(module)
+    if format_name not in FORMATS:
+        raise UserError(f"unknown format {format_name!r}: choose one of {', '.join(FORMATS)}")
+    fn = _EXPORTERS.get((format_name, kind))
+    if fn is None:
+        kinds = sorted(k for f, k in _EXPORTERS if f == format_name)
+        raise UserError(f"format {format_name} has no exporter for heads of kind {kind!r} "
+                        f"(it exports kinds: {', '.join(kinds) or 'none'})")
+    return fn
+
+
+def plan_export(heads, format_name: str, options: Optional[ExportOptions] = None) -> ExportPlan:
+    """The plan (names, tensors, config) without writing anything: what the engine-spec tests check."""
+    options = options or ExportOptions()
+    kind = getattr(heads.spec, "kind", "medusa")
+    plan = exporter_for(format_name, kind)(heads, options)
+    if options.dtype is not None:
+        plan.tensors = {k: (v.to(options.dtype) if v.is_floating_point() else v) for k, v in plan.tensors.items()}
+        plan.config["torch_dtype"] = str(options.dtype).removeprefix("torch.")
+    plan.tensors = {k: v.detach().cpu().contiguous() for k, v in plan.tensors.items()}
+    return plan
+
+
+def export_heads(heads, format_name: str, out, *, overwrite: bool = False,
+                 options: Optional[ExportOptions] = None) -> ExportResult:
+    """Plan, then write ``out`` atomically. A non-empty ``out`` is refused unless ``overwrite``."""
+    out = Path(out)
+    check_out_dir(out, overwrite)
+    plan = plan_export(heads, format_name, options)
+    write_plan(plan, out)
+    return ExportResult(path=out, files=sorted(["config.json", plan.weights_file]),
+                        weight_bytes=plan.weight_bytes, notes=plan.notes)
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out={out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"out={out} is not empty: pass overwrite=true to replace it")
+
+
+def write_plan(plan: ExportPlan, out: Path) -> None:
+    """Write config + weights into a temp dir beside ``out``, then swap it in (old one removed last)."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        # metadata format=pt: transformers' and the engines' safetensors readers expect it.
+        save_file(plan.tensors, str(tmp / plan.weights_file), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+        # mkdtemp makes the dir 0700 (and safetensors its file 0600): an engine running as another
+        # user (a container) must read them, so give them the permissions a plain mkdir would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None:  # put the previous directory back rather than leave none
+                os.replace(old, out)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- helpers shared by exporters --------------------------------------------------------------
+def refuse_unless_kind(heads, kind: str = "medusa") -> None:
+    got = getattr(heads.spec, "kind", "medusa")
+    if got != kind:
+        raise UserError(f"this exporter handles {kind} heads, got kind {got!r}")
+
+
+def megabytes(n_bytes: int) -> str:
+    """A byte count for people: 512 B, 37.5 KiB, 258.0 MiB, 1.9 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.1f} {unit}"
+    return f"{n_bytes} B"
+
+
+def full_projection(heads, k: int, options: ExportOptions) -> tuple[torch.Tensor, bool]:
+    """Head k's projection as a full [vocab, hidden] matrix, and whether it had to be materialised.
+
+    own: the head's own matrix. shared: a copy of the backbone lm_head (exact: same logits).
+    truncated: zeros with the head's rows placed at their token ids. There is no bias in these
+    layouts, so a token outside the map gets logit exactly 0 instead of "never": it can outrank
+    the mapped tokens only when every mapped logit is negative. The engine verifies every draft
+    against the backbone, so outputs never change; at worst a draft is wasted.
+    """
+    spec = heads.spec
+    if spec.projection == "own":
+        return heads.projections[k].weight.detach(), False
+    if spec.projection == "shared":  # a copy per head: safetensors refuses tensors sharing memory
+        return options.backbone_lm_head(heads).clone(), True
+    local = heads.projections[k].weight.detach()
+    full = torch.zeros(spec.vocab_size, spec.hidden_size, dtype=local.dtype)
+    full[heads.token_map.cpu()] = local.cpu()
+    return full, True
+
+
+def materialise_note(heads, fmt: str, bytes_before: int, bytes_after: int) -> str:
+    spec = heads.spec
+    what = {"shared": "the shared backbone lm_head copied into every head",
+            "truncated": (f"each {spec.truncated_vocab_size}-token projection expanded to the full "
+                          f"{spec.vocab_size}-token vocabulary (tokens outside the map get logit 0, "
+                          "not -inf: a draft may be wasted when all mapped logits are negative; "
+                          "outputs are unchanged, the engine verifies every draft)")}[spec.projection]
+    return (f"materialised for {fmt}: {what}; projections {megabytes(bytes_before)} -> "
+            f"{megabytes(bytes_after)} (+{megabytes(bytes_after - bytes_before)})")

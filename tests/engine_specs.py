@@ -1,0 +1,258 @@
+"""Written specifications of how each serving engine loads Medusa heads, to check exports against.
+
+The engines do not run here, so each ``check_*`` function restates, in plain Python, what that
+engine's loader reads: file names, config keys (and the defaults it silently falls back to),
+tensor names, shapes and dtypes, and what it silently ignores. Each returns a list of problems
+(empty = the engine would load every weight where it belongs). They were read from:
+
+  vLLM          vllm-project/vllm
+                  vllm/model_executor/models/medusa.py       commit 01dbb08195ca9c70ac9044786a906a353e07fcdf
+                  vllm/transformers_utils/configs/medusa.py  commit 0531c2226a6a25cd96ccc856f3bda3f0bb4efb5f
+                  vllm/config/speculative.py (method auto-detected from model_type "medusa")
+  TensorRT-LLM  NVIDIA/TensorRT-LLM
+                  tensorrt_llm/models/medusa/weight.py (load_medusa_hf)  commit 27712aa7720aa3e6a594ad3cc678625490cb479d
+                  examples/medusa/convert_checkpoint.py                  commit 063e02f73410f2f9172a581ca5e3f41d0d3dab8e
+  TGI           huggingface/text-generation-inference
+                  server/text_generation_server/layers/medusa.py       commit 91560ed931b217ddb1ee152891d20440fef331d4
+                  server/text_generation_server/layers/speculative.py  commit c09f5bc93071e2701e201bb374d488e4673fac3d
+                  server/text_generation_server/models/__init__.py (get_model: "medusa_num_heads" in config)
+  Medusa        FasterDecoding/Medusa medusa/model/medusa_model.py     commit 60eeab92e98adb0e787987493b11fa38535a8260
+
+If an engine changes its loader, update the matching function here and the exporter with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _dtype_problems(tensors: dict[str, torch.Tensor], integer_names=()) -> list[str]:
+    out = []
+    for name, t in tensors.items():
+        if name in integer_names:
+            if t.dtype != torch.int64:
+                out.append(f"{name} must be int64 (it indexes logits), got {t.dtype}")
+        elif t.dtype not in FLOAT_DTYPES:
+            out.append(f"{name} has dtype {t.dtype}, engines load float32/float16/bfloat16")
+    return out
+
+
+# -- vLLM --------------------------------------------------------------------------------------
+def vllm_config(raw: dict) -> dict:
+    """``MedusaConfig.from_pretrained`` + ``__init__``: key renaming and silent defaults."""
+    cfg = dict(raw)
+    for k in list(cfg):
+        if "num" in k:
+            if "heads" in k:
+                cfg["num_heads"] = cfg.pop(k)
+            elif "layers" in k:
+                cfg["num_hidden_layers"] = cfg.pop(k)
+    defaults = dict(hidden_size=4096, vocab_size=32001, num_heads=5, num_hidden_layers=1)
+    for k, v in defaults.items():
+        cfg.setdefault(k, v)
+    if cfg.get("truncated_vocab_size") is None:
+        cfg["truncated_vocab_size"] = cfg["vocab_size"]
+    return cfg
+
+
+def check_vllm(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
+    """vLLM's Medusa drafter (``Medusa.__init__`` + ``load_weights``) against a directory."""
+    problems = []
+    if not (d / "config.json").is_file():
+        return ["config.json is missing"]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        return ["no *.safetensors weights"]
+    raw = json.loads((d / "config.json").read_text())
+    if raw.get("model_type") != "medusa":
+        problems.append("model_type must be 'medusa' (vLLM picks the Medusa drafter from it)")
+    for key in ("hidden_size", "vocab_size", "num_heads", "num_hidden_layers"):
+        if key not in raw:
+            problems.append(f"config lacks {key}: vLLM would silently use its default")
+    renamed = [k for k in raw if "num" in k and ("heads" in k or "layers" in k)
+               and k not in ("num_heads", "num_hidden_layers")]
+    if renamed:
+        problems.append(f"keys {renamed} are renamed to num_heads/num_hidden_layers by MedusaConfig")
+    cfg = vllm_config(raw)
+    if cfg["hidden_size"] != hidden_size or cfg["vocab_size"] != vocab_size:
+        problems.append(f"config sizes ({cfg['hidden_size']}, {cfg['vocab_size']}) differ from the backbone's "
+                        f"({hidden_size}, {vocab_size})")
+    K, L, T, V = cfg["num_heads"], cfg["num_hidden_layers"], cfg["truncated_vocab_size"], cfg["vocab_size"]
+    bias = bool(cfg.get("medusa_fc_bias", False))
+    original = bool(cfg.get("original_lm_head", False))
+    # Parameters Medusa.__init__ creates (lm head rows: truncated_vocab_size; vLLM pads internally).
+    params = {}
+    for h in range(K):
+        for l in range(L):
+            params[f"blocks.{h}.layers.{l}.weight"] = (cfg["hidden_size"], cfg["hidden_size"])
+            if bias:
+                params[f"blocks.{h}.layers.{l}.bias"] = (cfg["hidden_size"],)
+    if original:
+        params["lm_head.weight"] = (T, cfg["hidden_size"])
+    else:
+        for h in range(K):
+            params[f"lm_heads.{h}.weight"] = (T, cfg["hidden_size"])
+    tensors = {}
+    for f in files:
+        tensors.update({k.replace("medusa_heads.", ""): v for k, v in _tensors(f).items()})
+    problems += _dtype_problems(tensors, integer_names=("token_map",))
+    # load_weights: token_map used only when truncated; known params loaded; the rest ignored.
+    token_map = tensors.get("token_map") if T < V else None
+    loaded = set()
+    for name, t in tensors.items():
+        target = name
+        if name == "token_map":
+            if T < V and tuple(t.shape) != (T,):
+                problems.append(f"token_map has shape {tuple(t.shape)}, truncated_vocab_size is {T}")
+            if T < V and (t.min() < 0 or t.max() >= V or t.unique().numel() != t.numel()):
+                problems.append("token_map must hold distinct ids in [0, vocab_size)")
+            continue
+        if name not in params and original and name == "lm_heads.0.weight":
+            target = "lm_head.weight"
+        if target not in params:
+            problems.append(f"{name} is silently ignored by vLLM")
+            continue
+        shape = tuple(t.shape)
+        if "lm_head" in target and token_map is not None and shape[0] > token_map.shape[0]:
+            shape = (token_map.shape[0], shape[1])  # vLLM slices a full head by the token map
+        if shape != params[target]:
+            problems.append(f"{name} has shape {tuple(t.shape)}, vLLM expects {params[target]}")
+        loaded.add(target)
+    for name in sorted(set(params) - loaded):
+        problems.append(f"{name} is never loaded: vLLM keeps its random init (0% acceptance)")
+    if T < V and "token_map" not in tensors:
+        problems.append("truncated_vocab_size < vocab_size without a token_map: vLLM's loader asserts")
+    return problems
+
+
+# -- TensorRT-LLM ------------------------------------------------------------------------------
+def check_tensorrt_llm(d: Path, hidden_size: int, vocab_size: int, num_medusa_heads: int) -> list[str]:
+    """``load_medusa_hf`` as ``convert_checkpoint.py --num_medusa_heads K`` calls it (its default K is 4)."""
+    problems = []
+    if (d / "medusa_lm_head.pt").exists():
+        problems.append("medusa_lm_head.pt exists: TensorRT-LLM reads it before the safetensors file")
+    f = d / "medusa_lm_head.safetensors"
+    if not f.is_file() or not (d / "config.json").is_file():
+        return problems + ["needs config.json and medusa_lm_head.safetensors"]
+    cfg = json.loads((d / "config.json").read_text())
+    L = cfg.get("medusa_num_layers", 1)  # argparse default 1 when the key is missing
+    if "medusa_num_layers" not in cfg:
+        problems.append("config lacks medusa_num_layers: TensorRT-LLM would assume 1")
+    if cfg.get("medusa_num_heads") != num_medusa_heads:
+        problems.append(f"config medusa_num_heads {cfg.get('medusa_num_heads')} != {num_medusa_heads}")
+    tensors = _tensors(f)
+    problems += _dtype_problems(tensors)
+    wanted = {}
+    for h in range(num_medusa_heads):
+        for l in range(L):
+            wanted[f"{h}.{l}.linear.weight"] = (hidden_size, hidden_size)
+            wanted[f"{h}.{l}.linear.bias"] = (hidden_size,)
+        wanted[f"{h}.{L}.weight"] = (vocab_size, hidden_size)  # the head's own lm_head: required
+    for name, shape in wanted.items():
+        if name not in tensors:
+            problems.append(f"{name} is missing (KeyError in load_medusa_hf)")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    for name in sorted(set(tensors) - set(wanted)):
+        problems.append(f"{name} is never read by TensorRT-LLM")
+    return problems
+
+
+# -- TGI ---------------------------------------------------------------------------------------
+def tgi_layout(d: Path) -> str | None:
+    """Which of TGI's loaders succeeds: MedusaHeadV1 first, MedusaHeadV2 when V1 raises."""
+    cfg = json.loads((d / "config.json").read_text())
+    tensors = _tensors(d / "medusa_lm_head.safetensors")
+    K, L = cfg.get("medusa_num_heads"), cfg.get("medusa_num_layers")
+    if K is None or L is None:
+        return None
+    v1 = all(f"{h}.{l}.linear.{p}" in tensors for h in range(K) for l in range(L) for p in ("weight", "bias")) \
+        and all(f"{h}.{L}.weight" in tensors for h in range(K))
+    if v1:
+        return "v1"
+    v2 = L == 1 and all(f"{h}.0.linear.{p}" in tensors for h in range(K) for p in ("weight", "bias"))
+    return "v2" if v2 else None
+
+
+def check_tgi(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
+    """``get_model`` + ``SpeculativeHead.load`` + ``MedusaHeadV1`` / ``MedusaHeadV2``."""
+    problems = []
+    f = d / "medusa_lm_head.safetensors"
+    if not f.is_file() or not (d / "config.json").is_file():
+        return ["needs config.json and medusa_lm_head.safetensors (TGI reads no .pt)"]
+    cfg = json.loads((d / "config.json").read_text())
+    if "medusa_num_heads" not in cfg:
+        problems.append("no medusa_num_heads: TGI would treat the dir as a plain model")
+    if not cfg.get("base_model_name_or_path"):
+        problems.append("no base_model_name_or_path: TGI loads the backbone from it")
+    if "architectures" in cfg:
+        problems.append("an 'architectures' key makes TGI look for an MLP speculator and drop the heads")
+    if "medusa_num_layers" not in cfg:
+        problems.append("no medusa_num_layers: KeyError in both Medusa loaders")
+    tensors = _tensors(f)
+    problems += _dtype_problems(tensors)
+    layout = tgi_layout(d)
+    if layout is None:
+        return problems + ["neither MedusaHeadV1 nor MedusaHeadV2 can load these tensors"]
+    K, L = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if name.endswith(".linear.weight"):
+            expect = (hidden_size, hidden_size)
+        elif name.endswith(".linear.bias"):
+            expect = (hidden_size,)
+        elif len(parts) == 3 and parts[2] == "weight" and layout == "v1":
+            expect = (vocab_size, hidden_size)
+        else:
+            problems.append(f"{name} is never read by TGI ({layout})")
+            continue
+        if int(parts[0]) >= K or (name.endswith("linear.weight") or name.endswith("linear.bias")) and int(parts[1]) >= L:
+            problems.append(f"{name} is beyond medusa_num_heads/medusa_num_layers: never read")
+        if tuple(t.shape) != expect:
+            problems.append(f"{name} has shape {tuple(t.shape)}, TGI expects {expect}")
+    return problems
+
+
+# -- reference Medusa --------------------------------------------------------------------------
+def check_reference_medusa(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
+    """``MedusaModel.from_pretrained``: MedusaConfig keys and ``medusa_head.load_state_dict(strict=False)``.
+
+    The reference reads ``medusa_lm_head.pt``; exports are safetensors only (README explains the
+    one-line conversion), so the tensors are checked in the safetensors file."""
+    problems = []
+    f = d / "medusa_lm_head.safetensors"
+    if not f.is_file() or not (d / "config.json").is_file():
+        return ["needs config.json and medusa_lm_head.safetensors"]
+    cfg = json.loads((d / "config.json").read_text())
+    for key in ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"):
+        if key not in cfg:
+            problems.append(f"config lacks {key}: MedusaConfig would silently use its default")
+    K, L = cfg.get("medusa_num_heads", 4), cfg.get("medusa_num_layers", 1)
+    tensors = _tensors(f)
+    problems += _dtype_problems(tensors)
+    # The state dict of ModuleList([Sequential(*[ResBlock] * L, Linear(H, V, bias=False))] * K).
+    wanted = {}
+    for h in range(K):
+        for l in range(L):
+            wanted[f"{h}.{l}.linear.weight"] = (hidden_size, hidden_size)
+            wanted[f"{h}.{l}.linear.bias"] = (hidden_size,)
+        wanted[f"{h}.{L}.weight"] = (vocab_size, hidden_size)
+    for name, shape in wanted.items():
+        if name not in tensors:
+            problems.append(f"{name} is missing: strict=False loading would leave it at its initial value")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    for name in sorted(set(tensors) - set(wanted)):
+        problems.append(f"{name} is silently ignored (strict=False)")
+    return problems

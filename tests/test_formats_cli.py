@@ -1,0 +1,175 @@
+"""``medusa-export``: key=value overrides, one-line errors with exit code 2, backbone only when needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from conftest import console_script
+from engine_specs import check_tensorrt_llm, check_tgi, check_vllm
+from inference.formats.cli import export_main
+from inference.heads import save_heads
+from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
+
+VOCAB, HIDDEN = 259, 32  # 259: the byte tokenizer the saved backbone ships with
+
+
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory):
+    """A tiny Llama saved with a tokenizer, as a local backbone path ``load_backbone`` can read."""
+    from medusa_train.backbone import byte_tokenizer
+
+    d = tmp_path_factory.mktemp("backbone")
+    model = tiny_llama(vocab=VOCAB, hidden=HIDDEN)
+    model.save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    return d, model
+
+
+def heads_dir(tmp_path, model, projection="own", num_layers=1, base_model="random:llama"):
+    heads = random_heads(model, projection=projection, num_layers=num_layers,
+                         truncated=40 if projection == "truncated" else None)
+    heads.spec.base_model = base_model
+    return save_heads(heads, tmp_path / f"heads-{projection}")
+
+
+def run(argv, capsys):
+    """(exit code, stdout, stderr lines) of an in-process ``medusa-export`` call."""
+    code = 0
+    try:
+        export_main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, [l for l in err.splitlines() if l.strip()]
+
+
+def assert_one_line_error(code, err, *words):
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("medusa-export: error: "), err
+    for w in words:
+        assert w in err[0], (w, err[0])
+
+
+def test_export_to_vllm_writes_the_dir_and_says_how_to_serve(backbone_dir, tmp_path, capsys):
+    """Guards against: the command writing something other than the engine layout, or leaving the
+    user without the serve command and the warning that 'random:' is no engine-loadable model."""
+    _, model = backbone_dir
+    src = heads_dir(tmp_path, model)
+    code, out, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
+    assert code == 0, err
+    assert check_vllm(tmp_path / "v", HIDDEN, VOCAB) == []
+    assert "vllm serve" in out and "num_speculative_tokens\": 3" in out
+    assert "pass base_model=" in out and "wrote" in out
+
+
+def test_base_model_override_is_written_to_the_config(backbone_dir, tmp_path, capsys):
+    """Guards against: engines being pointed at the recorded name when the user gave the real hub id."""
+    _, model = backbone_dir
+    src = heads_dir(tmp_path, model)
+    code, out, err = run([f"heads={src}", "format=tgi", f"out={tmp_path / 'g'}", "base_model=org/real-model"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["base_model_name_or_path"] == "org/real-model"
+    assert check_tgi(tmp_path / "g", HIDDEN, VOCAB) == []
+
+
+def test_shared_heads_read_the_backbone_only_when_the_format_needs_it(backbone_dir, tmp_path, capsys):
+    """Guards against: loading a (possibly large) backbone for TGI v2, which needs no lm_head copy, and
+    materialising for TensorRT-LLM without the backbone's real lm_head."""
+    bdir, model = backbone_dir
+    src = heads_dir(tmp_path, model, projection="shared", base_model=str(bdir))
+    code, out, err = run([f"heads={src}", "format=tgi", f"out={tmp_path / 'g'}"], capsys)
+    assert code == 0 and not any("reading the lm_head" in l for l in err), err
+    code, out, err = run([f"heads={src}", "format=tensorrt_llm", f"out={tmp_path / 't'}", "materialize=true"], capsys)
+    assert code == 0, err
+    assert any("reading the lm_head" in l for l in err) and "materialised for tensorrt_llm" in out
+    assert check_tensorrt_llm(tmp_path / "t", HIDDEN, VOCAB, num_medusa_heads=3) == []
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "t" / "medusa_lm_head.safetensors"))["2.1.weight"],
+                       model.get_output_embeddings().weight)
+
+
+def test_not_a_heads_dir_is_one_line_exit_2(tmp_path, capsys):
+    """Guards against: a traceback for a directory that holds no heads."""
+    (tmp_path / "empty").mkdir()
+    code, _, err = run([f"heads={tmp_path / 'empty'}", "format=vllm", f"out={tmp_path / 'o'}"], capsys)
+    assert_one_line_error(code, err, "is not a heads export")
+
+
+def test_unknown_format_is_one_line_exit_2(backbone_dir, tmp_path, capsys):
+    """Guards against: a typo in format= loading anything or writing anything."""
+    code, _, err = run([f"heads={tmp_path}", "format=onnx", f"out={tmp_path / 'o'}"], capsys)
+    assert_one_line_error(code, err, "unknown format 'onnx'", "vllm", "tensorrt_llm")
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_empty_out_without_overwrite_is_one_line_exit_2(backbone_dir, tmp_path, capsys):
+    """Guards against: replacing a directory the user did not ask to replace."""
+    _, model = backbone_dir
+    src = heads_dir(tmp_path, model)
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("keep")
+    code, _, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'o'}"], capsys)
+    assert_one_line_error(code, err, "is not empty", "overwrite=true")
+    code, _, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'o'}", "overwrite=true"], capsys)
+    assert code == 0 and not (tmp_path / "o" / "x").exists()
+
+
+def test_other_head_kinds_are_refused_before_loading(tmp_path, capsys):
+    """Guards against: Hydra heads reaching a Medusa exporter, or failing on some load-time detail
+    instead of the one line that says this format has no exporter for their kind."""
+    d = tmp_path / "hydra"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_heads": 2, "num_layers": 1, "hidden_size": HIDDEN,
+                                               "vocab_size": VOCAB, "kind": "hydra"}))
+    (d / "model.safetensors").write_bytes(b"")
+    code, _, err = run([f"heads={d}", "format=tensorrt_llm", f"out={tmp_path / 'o'}"], capsys)
+    assert_one_line_error(code, err, "format tensorrt_llm has no exporter for heads of kind 'hydra'")
+
+
+def test_pickle_needing_code_is_one_line_exit_2(tmp_path, capsys):
+    """Guards against: re-exporting a downloaded .pt that would run code when unpickled."""
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    d = tmp_path / "evil"
+    d.mkdir()
+    torch.save({"0.0.linear.weight": Payload()}, d / "medusa_lm_head.pt")
+    code, out, err = run([f"heads={d}", "format=vllm", f"out={tmp_path / 'o'}"], capsys)
+    assert_one_line_error(code, err, "needs arbitrary code to unpickle")
+    assert "ran" not in out
+
+
+def test_reference_dir_reexports_with_the_weight_count_warning(tmp_path, capsys):
+    """Guards against: a wrong config head count being hidden from the user during re-export."""
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for h in range(2):
+        sd[f"{h}.0.linear.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g)
+        sd[f"{h}.0.linear.bias"] = torch.randn(HIDDEN, generator=g)
+        sd[f"{h}.1.weight"] = torch.randn(VOCAB, HIDDEN, generator=g)
+    d = tmp_path / "ref"
+    d.mkdir()
+    torch.save(sd, d / "medusa_lm_head.pt")
+    (d / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "medusa_num_layers": 1,
+                                               "base_model_name_or_path": "org/base"}))
+    code, out, err = run([f"heads={d}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
+    assert code == 0, err
+    assert err == ["medusa-export: warning: " + err[0].removeprefix("medusa-export: warning: ")]
+    assert "medusa_num_heads=5" in err[0] and "holds 2" in err[0]
+    assert check_vllm(tmp_path / "v", HIDDEN, VOCAB) == []
+
+
+def test_console_script_exits_2_with_one_line(tmp_path):
+    """Guards against: the installed entry point (not just export_main) losing the one-line / exit 2
+    contract, e.g. through an import-time crash."""
+    proc = subprocess.run([console_script("medusa-export"), f"heads={tmp_path}", "format=nope", f"out={tmp_path}/o"],
+                          capture_output=True, text=True, timeout=120)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "unknown format 'nope'" in lines[0], proc.stderr
