@@ -17,6 +17,9 @@ tensor names, shapes and dtypes, and what it silently ignores. Each returns a li
                   server/text_generation_server/layers/speculative.py  commit c09f5bc93071e2701e201bb374d488e4673fac3d
                   server/text_generation_server/models/__init__.py (get_model: "medusa_num_heads" in config)
   Medusa        FasterDecoding/Medusa medusa/model/medusa_model.py     commit 60eeab92e98adb0e787987493b11fa38535a8260
+  vLLM mlp_speculator  vllm/model_executor/models/mlp_speculator.py and
+                  vllm/transformers_utils/configs/mlp_speculator.py (v0.8-v0.10, read through the
+                  stored index; the MLPSpeculator class there: emb/proj/ln/head, tie_weights, scale_input)
 
 If an engine changes its loader, update the matching function here and the exporter with it.
 """
@@ -256,3 +259,58 @@ def check_reference_medusa(d: Path, hidden_size: int, vocab_size: int) -> list[s
     for name in sorted(set(tensors) - set(wanted)):
         problems.append(f"{name} is silently ignored (strict=False)")
     return problems
+
+
+# -- vLLM mlp_speculator ----------------------------------------------------------------------
+def check_vllm_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
+    """vLLM's ``MLPSpeculator.__init__`` + ``load_weights`` against a directory.
+
+    Config: ``MLPSpeculatorConfig(vocab_size, emb_dim, inner_dim (0 = emb_dim), n_predict,
+    top_k_tokens_per_head, n_candidates, tie_weights, scale_input)``; num_lookahead_tokens =
+    n_predict. Parameters: emb.{i}.weight [vocab, inner] (VocabParallelEmbedding),
+    proj.{i}.weight [inner, emb_dim if i == 0 else inner] (no bias), head.{i}.weight [vocab, inner]
+    (ParallelLMHead, no bias), ln.{i}.weight / ln.{i}.bias [inner]; with tie_weights one module is
+    repeated, so named_parameters holds emb.0, proj.0, proj.1, head.0, ln.0 only. ``load_weights``
+    strips "speculator." and skips names it does not know (silently: an uninitialised tensor).
+    """
+    problems = []
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        return ["missing config.json"]
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("model_type") != "mlp_speculator":
+        problems.append(f"model_type must be mlp_speculator, got {cfg.get('model_type')!r}")
+    for key in ("vocab_size", "emb_dim", "inner_dim", "n_predict", "tie_weights", "scale_input"):
+        if key not in cfg:
+            problems.append(f"config lacks {key} (vLLM would use its default)")
+    if problems:
+        return problems
+    if cfg["emb_dim"] != hidden_size:
+        problems.append(f"emb_dim {cfg['emb_dim']} != backbone hidden size {hidden_size}")
+    if cfg["vocab_size"] != vocab_size:
+        problems.append(f"vocab_size {cfg['vocab_size']} != backbone vocab {vocab_size}")
+    n, emb, inner = cfg["n_predict"], cfg["emb_dim"], cfg["inner_dim"] or cfg["emb_dim"]
+    tie = bool(cfg["tie_weights"])
+    expected = {}
+    for i in range(1 if tie else n):
+        expected[f"emb.{i}.weight"] = (cfg["vocab_size"], inner)
+        expected[f"head.{i}.weight"] = (cfg["vocab_size"], inner)
+        expected[f"ln.{i}.weight"] = (inner,)
+        expected[f"ln.{i}.bias"] = (inner,)
+    for i in range(2 if tie else n):
+        expected[f"proj.{i}.weight"] = (inner, emb if i == 0 else inner)
+    files = [f for f in d.iterdir() if f.suffix == ".safetensors"]
+    if not files:
+        return problems + ["no .safetensors weights"]
+    tensors = {}
+    for f in files:
+        tensors.update({k.removeprefix("speculator."): v for k, v in _tensors(f).items()})
+    for name, shape in expected.items():
+        if name not in tensors:
+            problems.append(f"missing {name} (would stay uninitialised)")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, vLLM allocates {shape}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        problems.append(f"names vLLM would silently skip: {extra[:4]}")
+    return problems + _dtype_problems(tensors)

@@ -322,3 +322,45 @@ def test_heads_kind_typo_is_refused_at_compose():
 
     with pytest.raises(Exception, match="kind"):
         compose_recipe("debug_tiny", ["heads.kind=hydar"])
+
+
+# -- export to serving formats ----------------------------------------------------------------
+@pytest.mark.parametrize("extra", [{}, {"tie_weights": True, "scale_input": True}], ids=["untied", "tied"])
+def test_mlp_speculator_exports_to_vllm_and_imports_bit_identically(model, extra, tmp_path):
+    """Guards against an mlp_speculator export vLLM would load with uninitialised or misplaced
+    tensors (it skips unknown names silently), and against an import that computes otherwise."""
+    from engine_specs import check_vllm_mlp_speculator
+    from inference.formats.export import export_heads
+    from inference.formats.importers import detect_layout, import_heads
+
+    heads = dependent_heads(model, "mlp_speculator", **extra)
+    export_heads(heads, "vllm", tmp_path / "vllm")
+    assert check_vllm_mlp_speculator(tmp_path / "vllm", H, V) == []
+    assert detect_layout(tmp_path / "vllm") == "vllm_mlp_speculator"
+    back = import_heads(tmp_path / "vllm", model.config)
+    g = torch.Generator().manual_seed(4)
+    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
+    for k in range(3):
+        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
+                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+    m = load_medusa(tmp_path / "vllm", backbone=model)
+    ref = autoregressive_generate(m, PROMPT, max_new_tokens=16).tokens
+    assert medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=16).tokens == ref
+
+
+def test_truncated_mlp_speculator_needs_materialize_and_hydra_has_no_vllm_layout(model, tmp_path):
+    """Guards against writing a vLLM directory whose head.{k} vLLM cannot hold (truncated), and
+    against exporting Hydra heads to a format that has no place for them."""
+    from engine_specs import check_vllm_mlp_speculator
+    from inference.formats.export import export_heads
+
+    truncated = dependent_heads(model, "mlp_speculator", projection="truncated")
+    with pytest.raises(UserError, match="materialize=true"):
+        export_heads(truncated, "vllm", tmp_path / "a")
+    from inference.formats.export import ExportOptions
+
+    result = export_heads(truncated, "vllm", tmp_path / "b", options=ExportOptions(materialize=True))
+    assert check_vllm_mlp_speculator(tmp_path / "b", H, V) == []
+    assert any("materialised" in n for n in result.notes)
+    with pytest.raises(UserError, match="kind 'hydra'"):
+        export_heads(dependent_heads(model, "hydra"), "vllm", tmp_path / "c")

@@ -231,11 +231,12 @@ def test_unknown_format_is_refused_by_name(backbone, tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_other_head_kinds_are_refused_per_format(tmp_path, fmt):
-    """Guards against: Hydra / MLP-speculator heads exported as if they were Medusa heads."""
-    stub = types.SimpleNamespace(spec=types.SimpleNamespace(kind="mlp_speculator"))
+    """Guards against: Hydra heads exported as if they were Medusa heads (no engine holds them;
+    MLP-speculator heads export to vLLM only, see tests/test_dependent_heads.py)."""
+    stub = types.SimpleNamespace(spec=types.SimpleNamespace(kind="hydra"))
     with pytest.raises(UserError) as e:
         export_heads(stub, fmt, tmp_path / "x")
-    assert f"format {fmt} has no exporter for heads of kind 'mlp_speculator'" in str(e.value)
+    assert f"format {fmt} has no exporter for heads of kind 'hydra'" in str(e.value)
 
 
 def test_registry_takes_an_exporter_for_a_new_kind(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from . import FORMATS
 
 # Modules whose import registers the built-in exporters. A teammate adding a kind registers
 # from their own module and appends it here (or imports it before calling export_heads).
-BUILTIN_EXPORTER_MODULES = ("inference.formats.vllm", "inference.formats.reference")
+BUILTIN_EXPORTER_MODULES = ("inference.formats.vllm", "inference.formats.reference", "inference.formats.mlp_speculator")
 
 _EXPORTERS: dict[tuple[str, str], Callable] = {}
 
@@ -202,11 +202,11 @@ def full_projection(heads, k: int, options: ExportOptions) -> tuple[torch.Tensor
     """
     spec = heads.spec
     if spec.projection == "own":
-        return heads.projections[k].weight.detach(), False
+        return heads.projections_list[k].weight.detach(), False
     if spec.projection == "shared":  # a copy per head: safetensors refuses tensors sharing memory
         return options.backbone_lm_head(heads).clone(), True
-    local = heads.projections[k].weight.detach()
-    full = torch.zeros(spec.vocab_size, spec.hidden_size, dtype=local.dtype)
+    local = heads.projections_list[k].weight.detach()
+    full = torch.zeros(spec.vocab_size, local.shape[1], dtype=local.dtype)
     full[heads.token_map.cpu()] = local.cpu()
     return full, True
 

@@ -7,6 +7,7 @@ native loader and its own errors. Layouts:
   reference  ``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt`` (+ config.json): reference
              Medusa, TensorRT-LLM and TGI v1 (per-head projections) or TGI v2 (shared lm_head)
   vllm       config.json with ``model_type: medusa`` + safetensors (vLLM's Medusa drafter)
+  vllm_mlp_speculator  config.json with ``model_type: mlp_speculator`` (vLLM / IBM fms-extras)
 
 The backbone of imported heads is their config's ``base_model_name_or_path`` when present;
 otherwise ``load_medusa`` asks for ``backbone=`` (its "do not record their backbone" error).
@@ -21,7 +22,7 @@ import torch
 
 from ..errors import UserError
 from ..heads import HeadsSpec, MedusaHeads, check_compatible
-from . import reference, vllm
+from . import mlp_speculator, reference, vllm
 
 
 def detect_layout(heads_dir) -> Optional[str]:
@@ -33,6 +34,8 @@ def detect_layout(heads_dir) -> Optional[str]:
         return "reference"
     if vllm.is_vllm_dir(d):
         return "vllm"
+    if mlp_speculator.is_mlp_speculator_dir(d):
+        return "vllm_mlp_speculator"
     return None
 
 
@@ -40,7 +43,7 @@ def _module(d: Path):
     layout = detect_layout(d)
     if layout is None:
         raise UserError(f"{d} is neither a heads export nor a reference-Medusa / TGI / vLLM Medusa directory")
-    return reference if layout == "reference" else vllm
+    return {"reference": reference, "vllm": vllm, "vllm_mlp_speculator": mlp_speculator}[layout]
 
 
 def read_foreign_spec(heads_dir) -> HeadsSpec:

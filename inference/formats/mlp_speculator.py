@@ -1,0 +1,112 @@
+"""vLLM's ``mlp_speculator`` directory: export our ``MLPSpeculatorHeads`` to it, import it back.
+
+Read from vLLM's loader (vllm/model_executor/models/mlp_speculator.py ``MLPSpeculator.__init__``
+/ ``load_weights``, and vllm/transformers_utils/configs/mlp_speculator.py ``MLPSpeculatorConfig``;
+v0.8-v0.10): a ``config.json`` with ``model_type: mlp_speculator``, ``vocab_size``, ``emb_dim``
+(the backbone width), ``inner_dim``, ``n_predict``, ``top_k_tokens_per_head``, ``n_candidates``,
+``tie_weights``, ``scale_input``; weights ``emb.{k}.weight`` [vocab, inner],
+``proj.{k}.weight`` [inner, emb_dim if k == 0 else inner], ``ln.{k}.weight/bias`` [inner],
+``head.{k}.weight`` [vocab, inner] — with ``tie_weights`` only emb.0, proj.0, proj.1, ln.0,
+head.0 (vLLM repeats one module, so ``named_parameters`` holds those names alone). ``ln0`` has
+no parameters. The loader strips a ``speculator.`` prefix and silently skips unknown names,
+so a wrong name would load as an uninitialised tensor: the names here are exactly its own.
+
+The head is a full-vocabulary matrix: ``projection=own`` exports as is; ``shared`` and
+``truncated`` only with ``materialize=true`` (as for Medusa heads, see ``full_projection``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..heads import HeadsSpec, build_heads
+from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter
+
+MODEL_TYPE = "mlp_speculator"
+WEIGHTS = "model.safetensors"
+
+
+@register_exporter("vllm", "mlp_speculator")
+def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
+    spec = heads.spec
+    if spec.projection != "own" and not options.materialize:
+        raise UserError(f"vLLM's mlp_speculator needs a full-vocabulary head.{{k}}; these heads use a "
+                        f"{spec.projection} projection: pass materialize=true to expand it")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in heads.state_dict().items():
+        if not name.startswith(("head.", "token_map")):
+            tensors[name] = t.detach()
+    notes = []
+    n_proj = 1 if spec.tie_weights else spec.num_heads
+    before = after = 0
+    for k in range(n_proj):
+        w, materialised = full_projection(heads, k, options)
+        if materialised:
+            local = heads.projections_list[k].weight if heads.projections_list is not None else None
+            before += 0 if local is None else local.numel() * local.element_size()
+            after += w.numel() * w.element_size()
+        tensors[f"head.{k}.weight"] = w
+    if after:
+        notes.append(materialise_note(heads, "vllm mlp_speculator", before, after))
+    inner = spec.inner_dim or spec.hidden_size
+    config = {
+        "architectures": ["MLPSpeculatorPreTrainedModel"],
+        "model_type": MODEL_TYPE,
+        "vocab_size": spec.vocab_size,
+        "emb_dim": spec.hidden_size,
+        "inner_dim": inner,
+        "n_predict": spec.num_heads,
+        "top_k_tokens_per_head": [1] * spec.num_heads,
+        "n_candidates": spec.num_heads,
+        "tie_weights": spec.tie_weights,
+        "scale_input": spec.scale_input,
+        "base_model_name_or_path": options.base_model or spec.base_model,
+        "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
+    }
+    notes.append(f"serve with: --speculative-config '{{\"model\": \"<this dir>\", \"num_speculative_tokens\": "
+                 f"{spec.num_heads}}}' (vLLM reads model_type {MODEL_TYPE})")
+    return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
+
+
+# -- import -------------------------------------------------------------------------------------
+def is_mlp_speculator_dir(d: Path) -> bool:
+    cfg = d / "config.json"
+    if not cfg.is_file() or not (d / WEIGHTS).is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("model_type") == MODEL_TYPE
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def read_spec(d: Path) -> HeadsSpec:
+    raw = json.loads((d / "config.json").read_text())
+    try:
+        emb_dim, vocab, n = int(raw["emb_dim"]), int(raw["vocab_size"]), int(raw["n_predict"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{d / 'config.json'} is not an mlp_speculator config (missing or bad {e})") from None
+    inner = int(raw.get("inner_dim") or 0) or emb_dim
+    return HeadsSpec(num_heads=n, num_layers=0, hidden_size=emb_dim, vocab_size=vocab, projection="own",
+                     base_model=str(raw.get("base_model_name_or_path") or ""), kind=MODEL_TYPE,
+                     inner_dim=inner if inner != emb_dim else None, tie_weights=bool(raw.get("tie_weights")),
+                     scale_input=bool(raw.get("scale_input")))
+
+
+def load(d: Path, spec: HeadsSpec):
+    from safetensors.torch import load_file
+
+    tensors = {k.removeprefix("speculator."): v for k, v in load_file(str(d / WEIGHTS)).items()}
+    heads = build_heads(spec)
+    expected = heads.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise UserError(f"{d / WEIGHTS} lacks {missing[:4]} for an mlp_speculator of {spec.num_heads} steps")
+    for name, t in expected.items():
+        if tuple(tensors[name].shape) != tuple(t.shape):
+            raise UserError(f"{d / WEIGHTS}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(t.shape)}")
+    heads.load_state_dict({k: tensors[k] for k in expected}, strict=True)
+    return heads, None
