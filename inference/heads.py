@@ -88,6 +88,7 @@ class HeadsSpec:
     inner_dim: Optional[int] = None   # mlp_speculator: state width (None = hidden_size)
     tie_weights: bool = False         # mlp_speculator: one emb/proj/ln/head for steps >= 2 (vLLM's tie_weights)
     scale_input: bool = False         # mlp_speculator: RMS-normalise the backbone state first (vLLM's ln0)
+    backbone_adapter: Optional[str] = None  # Medusa-2: LoRA adapter dir (relative) the backbone needs
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -279,11 +280,12 @@ def heads_state_dict(heads: ProjectedHeads) -> dict[str, torch.Tensor]:
 
 
 def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
-               state_dict: Optional[dict[str, torch.Tensor]] = None) -> Path:
+               state_dict: Optional[dict[str, torch.Tensor]] = None, extra=None) -> Path:
     """Write the export atomically: a temp dir beside ``out_dir`` renamed into place.
 
     A crash at any point leaves either the previous export or the new one, never a mix.
-    ``state_dict`` lets a distributed trainer pass gathered weights.
+    ``state_dict`` lets a distributed trainer pass gathered weights; ``extra(tmp_dir)`` writes
+    more files into the same atomic directory (Medusa-2's adapter).
     """
     from safetensors.torch import save_file
 
@@ -294,6 +296,8 @@ def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "kind": heads.spec.kind})
         (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
+        if extra is not None:
+            extra(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -194,7 +194,9 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     """Backbone + tokenizer + heads, checked to belong together.
 
     backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
-    ``*ForCausalLM`` (then ``tokenizer`` may be given too). device/dtype default to cpu/float32
+    ``*ForCausalLM`` (then ``tokenizer`` may be given too). Heads trained with a LoRA adapter
+    (Medusa-2, ``spec.backbone_adapter``) get it merged into a backbone loaded here; a model
+    object passed in is used as given (pass the merged model, e.g. ``<run>/merged``). device/dtype default to cpu/float32
     when loading, and to the given model's own when a model object is passed.
     """
     spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
@@ -206,6 +208,10 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         dt = parse_dtype(dtype or torch.float32)
         model, tok = load_backbone(name, dev, dt, trust_remote_code)
         tokenizer = tokenizer or tok
+        if spec.backbone_adapter:  # Medusa-2 heads: decode on the backbone they were trained with
+            from .adapter import merge_lora
+
+            merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
     else:
         model = backbone
         if not hasattr(model, "get_output_embeddings"):

@@ -97,6 +97,25 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Medusa-2: fine-tune the backbone jointly with the heads through LoRA (medusa_train/lora.py)."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    load_in_bits: int = 0  # 0 | 4 | 8: quantised frozen base (bitsandbytes, CUDA only)
+    backbone_loss: str = "kl"  # kl: KL(original || tuned), teacher = adapter disabled | ce: labels
+    backbone_weight: float = 1.0
+    heads_coefficient: float = 0.2  # c in loss = backbone + c * sum_k lambda_k CE_k (Medusa-2's 0.2)
+    heads_warmup_steps: int = 0  # c ramps linearly from 0 over these optimizer steps
+    heads_lr_multiplier: float = 4.0  # heads train at optim.lr x this, the adapter at optim.lr
+    init_heads: Optional[str] = None  # stage 2 of the two-stage recipe: a stage-1 heads export
+    merge: bool = False  # also write <output_dir>/merged: the backbone with the adapter merged in
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 200  # optimizer steps
     micro_batch_size: int = 2  # rows per forward pass per process
@@ -176,6 +195,7 @@ class RecipeConfig:
     task: Task = Task.train
     distill: DistillConfig = field(default_factory=DistillConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 def register_configs() -> None:
@@ -248,6 +268,27 @@ def validate(cfg) -> None:
             raise UserError(msg)
     loss_weights(h)
     _validate_distill_and_features(cfg)
+    _validate_lora(cfg)
+
+
+def _validate_lora(cfg) -> None:
+    lo = cfg.lora
+    if not lo.enabled:
+        return
+    checks = [
+        (lo.r >= 1 and lo.alpha > 0, f"lora.r must be >= 1 and lora.alpha > 0, got {lo.r}, {lo.alpha}"),
+        (0.0 <= lo.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lo.dropout}"),
+        (lo.backbone_loss in ("kl", "ce"), f"lora.backbone_loss must be kl or ce, got {lo.backbone_loss!r}"),
+        (lo.heads_coefficient >= 0 and lo.backbone_weight >= 0 and lo.heads_lr_multiplier > 0,
+         "lora.heads_coefficient, lora.backbone_weight must be >= 0 and lora.heads_lr_multiplier > 0"),
+        (bool(lo.target_modules), "lora.target_modules must name at least one linear layer (e.g. q_proj)"),
+        (FeaturesMode(cfg.features.mode) is FeaturesMode.off,
+         "lora.enabled=true trains the backbone, so cached features cannot stand in for it: use features.mode=off"),
+        (Task(cfg.task) is Task.train, "lora.enabled=true needs task=train"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
 
 
 def _validate_distill_and_features(cfg) -> None:

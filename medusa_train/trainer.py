@@ -35,7 +35,7 @@ from torch import nn
 
 from inference.errors import UserError
 from inference.heads import HeadsSpec, ProjectedHeads, backbone_fingerprint, init_heads, save_heads
-from . import checkpoint, features
+from . import checkpoint, features, lora
 from .backbone import body, lm_head_weight, load_backbone
 from .config import HeadKind, Precision, derived_batch, loss_weights, validate
 from .data.stream import ConversationStream, MicroBatches, eval_batches, token_frequencies
@@ -154,6 +154,10 @@ class MedusaTrainer:
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed)
         model, tok = self.backbone.model, self.backbone.tokenizer
         self.body = body(model)
+        self.peft_model = None
+        if cfg.lora.enabled:  # Medusa-2: the body runs with a LoRA adapter and gradients
+            self.peft_model = lora.apply_lora(model, cfg.lora, self.device)
+            self.body = body(self.peft_model.get_base_model())
         self.pad_id = tok.pad_token_id
         hf_cfg = model.config
 
@@ -170,10 +174,17 @@ class MedusaTrainer:
             base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
             kind=HeadKind(cfg.heads.kind).value, inner_dim=cfg.heads.inner_dim or None,
             tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input)
-        lm_w = lm_head_weight(model)
-        heads = init_heads(spec, lm_w.float(), model.get_input_embeddings().weight, token_map).to(self.device)
+        lm_w, emb_w = lm_head_weight(model), model.get_input_embeddings().weight
+        heads = init_heads(spec, lm_w.float(), emb_w, token_map).to(self.device)
+        if self.peft_model is not None:
+            spec.backbone_adapter = lora.ADAPTER_DIR
+            lora.init_heads_from(heads, cfg.lora.init_heads, lm_w, emb_w)
         inv = vocab_to_local(heads.token_map, spec.vocab_size)
-        self.module = HeadsWithLoss(heads, loss_weights(cfg.heads), inv, cfg.heads.teacher_weight, lm_w)
+        if self.peft_model is not None:
+            self.module = lora.JointWithLoss(self.peft_model, self.body, model.get_output_embeddings(), heads,
+                                             loss_weights(cfg.heads), inv, cfg.lora, cfg.heads.teacher_weight)
+        else:
+            self.module = HeadsWithLoss(heads, loss_weights(cfg.heads), inv, cfg.heads.teacher_weight, lm_w)
         self.spec = spec
         self._build_engine()
 
@@ -237,7 +248,10 @@ class MedusaTrainer:
         t, o = self.cfg.trainer, self.cfg.optim
         ds_cfg = deepspeed_config(t, self.plan)
         check_consistent(ds_cfg)
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.peft_model is not None:
+            params = lora.param_groups(self.module, o.lr, self.cfg.lora.heads_lr_multiplier)
+        else:
+            params = [p for p in self.module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                       weight_decay=o.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.max_steps, o))
@@ -259,6 +273,19 @@ class MedusaTrainer:
         out = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return out.last_hidden_state.to(self.compute_dtype)
 
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The engine's loss on one micro-batch: frozen features (online or cached) -> heads, or
+        Medusa-2's joint backbone + heads forward."""
+        dev = self.device
+        ids, labels, doc = batch["input_ids"].to(dev), batch["labels"].to(dev), batch["doc_ids"].to(dev)
+        if self.peft_model is not None:
+            self.module.step = self.step  # the heads-loss coefficient's warm-up
+            pos = batch["position_ids"].to(dev)
+            mask = block_causal_mask(doc, self.backbone.model.dtype) if self.cfg.data.packing else (doc > 0).long()
+            return self.engine(ids, pos, mask, labels, doc)
+        hidden = batch["hidden"] if "hidden" in batch else self.hidden_states(batch)  # cached: no backbone
+        return self.engine(hidden, labels, doc, ids)
+
     def train(self) -> None:
         t = self.cfg.trainer
         metrics = HeadMetrics(self.spec.num_heads)
@@ -270,9 +297,7 @@ class MedusaTrainer:
             step_loss = 0.0
             for _ in range(self.plan.grad_accum):
                 batch = next(it)
-                hidden = batch["hidden"] if "hidden" in batch else self.hidden_states(batch)  # cached: no backbone
-                loss = self.engine(hidden, batch["labels"].to(self.device), batch["doc_ids"].to(self.device),
-                                   batch["input_ids"].to(self.device))
+                loss = self.loss(batch)
                 self._check_finite(loss)
                 self.engine.backward(loss)
                 if self.engine.is_gradient_accumulation_boundary():
@@ -295,7 +320,8 @@ class MedusaTrainer:
                 record = {"loss": loss_sum / max(n_steps, 1), **metrics.summary(),
                           "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                           "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                          "padding_fraction": self.train_stream.stats.padding_fraction}
+                          "padding_fraction": self.train_stream.stats.padding_fraction,
+                          **getattr(self.module, "last_parts", {})}
                 self.tracker.log(self.step, record)
                 metrics.reset()
                 window_tokens, window_start, loss_sum = 0, time.perf_counter(), 0.0
@@ -328,9 +354,7 @@ class MedusaTrainer:
         self.engine.eval()
         losses = []
         for batch in self.eval_set:
-            hidden = batch["hidden"] if "hidden" in batch else self.hidden_states(batch)
-            losses.append(float(self.engine(hidden, batch["labels"].to(self.device), batch["doc_ids"].to(self.device),
-                                            batch["input_ids"].to(self.device))))
+            losses.append(float(self.loss(batch)))
             metrics.batches += 1
         self.engine.train()
         summary = {"loss": sum(losses) / max(len(losses), 1), **metrics.summary()}
@@ -369,10 +393,43 @@ class MedusaTrainer:
 
     def export(self) -> Path | None:
         state = self.full_state_dict()  # collective under ZeRO-3: every rank takes part
+        adapter = self._gathered_adapter() if self.peft_model is not None else None  # collective too
         if not self.is_main:
             return None
-        heads_dir = save_heads(self.engine.module.heads, self.output_dir / "heads", state_dict=state)
+        extra = None
+        if adapter is not None:
+            adapter = lora.adapter_state(self.peft_model, adapter)
+            extra = lambda tmp: lora.save_adapter(self.peft_model, adapter, tmp / lora.ADAPTER_DIR,  # noqa: E731
+                                                  self.backbone.name)
+        heads_dir = save_heads(self.engine.module.heads, self.output_dir / "heads", state_dict=state, extra=extra)
+        if self.peft_model is not None:
+            self._export_lora_extras()
         return heads_dir
+
+    def _gathered_adapter(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, p in self.engine.module.named_parameters():
+            if p.requires_grad and name.startswith("peft_model."):
+                full = safe_get_full_fp32_param(p)
+                out[name] = (full if full is not None else p.detach()).float().cpu()
+        return out
+
+    def _export_lora_extras(self) -> None:
+        """Medusa-2 only: how far the backbone drifted (held-out perplexity with / without the
+        adapter) and, with lora.merge=true, the merged backbone."""
+        import json
+
+        report = lora.drift(self.peft_model, self.body, self.backbone.model.get_output_embeddings(),
+                            self.eval_set, self.device)
+        (self.output_dir / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
+              f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
+              f"{report['argmax_agreement']:.1%}", flush=True)
+        if self.cfg.lora.merge:
+            merged = lora.save_merged(self.peft_model, self.backbone.tokenizer, self.output_dir / "merged")
+            print(f"merged backbone: {merged}", flush=True)
 
     def cleanup(self, plot: bool = True) -> Path | None:
         png = None

@@ -1,0 +1,229 @@
+"""Medusa-2: the backbone fine-tuned jointly with its heads through a LoRA adapter (``peft``).
+
+Medusa-1 freezes the backbone, so the heads chase a distribution they cannot change. Medusa-2
+(arXiv 2401.10774, sec. 2.3.2) trains a LoRA adapter on the backbone together with the heads:
+
+    loss = backbone_weight * L_backbone + c(step) * sum_k lambda_k CE_k(heads)
+
+L_backbone is ``kl`` (default): KL(teacher || student) on the assistant tokens, the teacher
+being the *same* model with the adapter disabled (``peft``'s ``disable_adapter``: no second
+copy of the weights in memory), which keeps the fine-tuned backbone close to the original
+(self-distillation, the paper's recipe when the original training data is unavailable); or
+``ce``: cross-entropy on the data's labels. c(step) warms up linearly from 0 to
+``heads_coefficient`` over ``heads_warmup_steps`` (fresh heads' large gradients would
+otherwise wreck the backbone early on); heads get their own learning rate
+(``optim.lr * heads_lr_multiplier``). Two-stage recipe: train heads alone first
+(``medusa1_*``), then start this one from them with ``lora.init_heads=<heads export>``.
+
+Export (``save_adapter``): the heads directory as for Medusa-1 with ``backbone_adapter:
+"adapter"`` in its config, plus ``heads/adapter/`` in peft format (``adapter_config.json`` +
+``adapter_model.safetensors``) and, with ``lora.merge=true``, ``<output_dir>/merged/``: the
+full backbone with the adapter merged in (safetensors + tokenizer). The runtime applies the
+adapter itself (``inference/adapter.py``, no peft needed) or loads the merged model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from inference.errors import UserError
+
+from .data.tokenize import IGNORE
+from .losses import heads_loss
+
+ADAPTER_DIR = "adapter"
+
+
+def apply_lora(model, lcfg, device: torch.device):
+    """Wrap ``model`` with a fresh LoRA adapter; base weights stay frozen. Returns the peft model."""
+    if lcfg.load_in_bits:
+        _check_quantization(lcfg.load_in_bits, device)
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in lcfg.target_modules if t not in names]
+    if missing:
+        raise UserError(f"lora.target_modules {missing} are not linear layers of this backbone "
+                        f"(it has: {', '.join(sorted(names))})")
+    peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                              target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    peft_model = get_peft_model(model, peft_cfg)
+    peft_model.train()  # LoRA dropout on; the backbone has no other dropout in Llama-style models
+    return peft_model
+
+
+def _check_quantization(bits: int, device: torch.device) -> None:
+    if bits not in (4, 8):
+        raise UserError(f"lora.load_in_bits must be 0, 4 or 8, got {bits}")
+    if device.type != "cuda":
+        raise UserError(f"lora.load_in_bits={bits} needs a CUDA GPU (bitsandbytes kernels); on CPU use 0")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError(f"lora.load_in_bits={bits} needs the bitsandbytes package: pip install bitsandbytes") from None
+
+
+def heads_coefficient(step: int, lcfg) -> float:
+    """c(step): linear warm-up from 0 to ``heads_coefficient`` over ``heads_warmup_steps``."""
+    if lcfg.heads_warmup_steps <= 0:
+        return lcfg.heads_coefficient
+    return lcfg.heads_coefficient * min(1.0, (step + 1) / lcfg.heads_warmup_steps)
+
+
+class JointWithLoss(nn.Module):
+    """What the DeepSpeed engine wraps in Medusa-2: the LoRA backbone, the heads, the joint loss.
+
+    ``forward(input_ids, position_ids, attention_mask, labels, doc_ids)`` runs the backbone with
+    gradients (through the adapter only), the teacher without the adapter under ``no_grad``,
+    and returns the total loss; the parts are left in ``last_parts`` for logging.
+    """
+
+    def __init__(self, peft_model, body, lm_head: nn.Module, heads, weights: list[float], inv_map,
+                 lcfg, teacher_weight: float = 0.0):
+        super().__init__()
+        self.peft_model = peft_model
+        self.heads = heads
+        self.weights = weights
+        self.inv_map = inv_map
+        self.lcfg = lcfg
+        self.teacher_weight = teacher_weight
+        self.step = 0
+        self.metrics = None
+        self.last_parts: dict[str, float] = {}
+        # Plain attributes (not submodules): reached through peft_model already; registering
+        # them twice would list their parameters twice.
+        self.__dict__["body"] = body
+        self.__dict__["lm_head"] = lm_head
+
+    def forward(self, input_ids, position_ids, attention_mask, labels, doc_ids):
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state
+        # Positions t whose next token is an assistant token of the same conversation.
+        nxt = torch.full_like(labels, IGNORE)
+        nxt[:, :-1] = labels[:, 1:]
+        same = torch.zeros_like(labels, dtype=torch.bool)
+        same[:, :-1] = (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
+        where = (nxt != IGNORE) & same
+        student = self.lm_head(hidden[where]).float()
+        if self.lcfg.backbone_loss == "kl":
+            with torch.no_grad(), self.peft_model.disable_adapter():
+                t_hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                     use_cache=False).last_hidden_state
+                teacher = torch.log_softmax(self.lm_head(t_hidden[where]).float(), dim=-1)
+            backbone = F.kl_div(torch.log_softmax(student, dim=-1), teacher, log_target=True,
+                                reduction="batchmean") if student.shape[0] else student.sum() * 0.0
+        else:
+            backbone = F.cross_entropy(student, nxt[where]) if student.shape[0] else student.sum() * 0.0
+        heads = heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
+                           input_ids=input_ids, teacher_weight=self.teacher_weight,
+                           lm_head_weight=self.lm_head.weight)
+        c = heads_coefficient(self.step, self.lcfg)
+        self.last_parts = {"backbone_loss": float(backbone.detach()), "heads_loss": float(heads.detach()),
+                           "heads_coefficient": c}
+        return self.lcfg.backbone_weight * backbone + c * heads
+
+
+def param_groups(module: JointWithLoss, lr: float, heads_multiplier: float) -> list[dict]:
+    """LoRA parameters at ``lr``, head parameters at ``lr * heads_multiplier``."""
+    head_ids = {id(p) for p in module.heads.parameters()}
+    lora = [p for p in module.peft_model.parameters() if p.requires_grad and id(p) not in head_ids]
+    heads = [p for p in module.heads.parameters() if p.requires_grad]
+    return [{"params": lora, "lr": lr, "name": "lora"}, {"params": heads, "lr": lr * heads_multiplier, "name": "heads"}]
+
+
+def adapter_state(peft_model, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in peft's file naming, from a gathered ``{name: tensor}`` of the joint
+    module (``peft_model.<peft name>``); peft drops the adapter name ("default") on save."""
+    out = {}
+    for name, t in full_state.items():
+        if not name.startswith("peft_model.") or "lora_" not in name:
+            continue
+        key = name.removeprefix("peft_model.").replace(".default.", ".")
+        out[key] = t.detach().cpu().contiguous()
+    return out
+
+
+def save_adapter(peft_model, tensors: dict[str, torch.Tensor], out_dir: Path, base_model: str) -> Path:
+    """peft-format adapter dir (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = peft_model.peft_config["default"].to_dict()
+    cfg["base_model_name_or_path"] = base_model
+    for k, v in list(cfg.items()):
+        if isinstance(v, set):
+            cfg[k] = sorted(v)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+    return out_dir
+
+
+def save_merged(peft_model, tokenizer, out_dir: Path) -> Path:
+    """The backbone with the adapter merged in, as a full transformers model directory."""
+    import copy
+
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    merged.save_pretrained(str(out_dir), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@torch.no_grad()
+def drift(peft_model, body, lm_head, batches, device) -> dict:
+    """Held-out perplexity with and without the adapter, and how often their argmax agrees."""
+    from .trainer import block_causal_mask
+
+    sums = {"nll_tuned": 0.0, "nll_base": 0.0, "agree": 0, "n": 0}
+    was_training = peft_model.training
+    peft_model.eval()
+    for batch in batches:
+        ids, pos, doc = batch["input_ids"].to(device), batch["position_ids"].to(device), batch["doc_ids"].to(device)
+        labels = batch["labels"].to(device)
+        mask = block_causal_mask(doc, lm_head.weight.dtype)
+        nxt = torch.full_like(labels, IGNORE)
+        nxt[:, :-1] = labels[:, 1:]
+        where = nxt != IGNORE
+        if not bool(where.any()):
+            continue
+        tuned = lm_head(body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[where]).float()
+        with peft_model.disable_adapter():
+            base = lm_head(body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[where]).float()
+        tgt = nxt[where]
+        sums["nll_tuned"] += float(F.cross_entropy(tuned, tgt, reduction="sum"))
+        sums["nll_base"] += float(F.cross_entropy(base, tgt, reduction="sum"))
+        sums["agree"] += int((tuned.argmax(-1) == base.argmax(-1)).sum())
+        sums["n"] += int(tgt.numel())
+    if was_training:
+        peft_model.train()
+    n = max(sums["n"], 1)
+    import math
+
+    return {"heldout_tokens": sums["n"], "perplexity_base": math.exp(sums["nll_base"] / n),
+            "perplexity_tuned": math.exp(sums["nll_tuned"] / n), "argmax_agreement": sums["agree"] / n}
+
+
+def init_heads_from(heads, heads_dir: Optional[str], lm_head_weight=None, input_embeddings=None) -> None:
+    """Stage 2 of the two-stage recipe: start from a stage-1 heads export of the same shape
+    (weights and, for truncated heads, its token map)."""
+    if not heads_dir:
+        return
+    from inference.heads import load_heads
+
+    loaded = load_heads(heads_dir, lm_head_weight=lm_head_weight, input_embeddings=input_embeddings)
+    keys = ("kind", "num_heads", "num_layers", "hidden_size", "vocab_size", "projection", "truncated_vocab_size",
+            "inner_dim", "tie_weights", "scale_input")
+    a, b = loaded.spec.to_dict(), heads.spec.to_dict()
+    diff = [k for k in keys if a[k] != b[k]]
+    if diff:
+        raise UserError(f"lora.init_heads={heads_dir} holds heads that differ from this recipe's in "
+                        + ", ".join(f"{k} ({a[k]} vs {b[k]})" for k in diff))
+    heads.load_state_dict(loaded.state_dict(), strict=True)

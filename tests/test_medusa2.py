@@ -1,0 +1,144 @@
+"""Medusa-2: LoRA backbone + heads trained jointly (medusa_train/lora.py), and the runtime's
+adapter merge (inference/adapter.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from inference.adapter import merge_lora
+from inference.decode import autoregressive_generate, medusa_generate
+from inference.errors import UserError
+from inference.model import load_medusa
+from medusa_train import lora
+from medusa_train import trainer as T
+from medusa_train.tracking import read_metrics
+
+LORA = ["lora.enabled=true", "trainer.save_every=0", "logger.plot=false", "trainer.log_every=1"]
+
+
+def make_trainer(cfg) -> T.MedusaTrainer:
+    trainer = T.MedusaTrainer(cfg)
+    trainer.setup()
+    return trainer
+
+
+def test_joint_training_moves_only_adapter_and_heads(compose_tiny):
+    """Guards against Medusa-2 touching the frozen base weights (they must stay bit-identical:
+    only LoRA matrices and heads train), an adapter that never trains, and a teacher that is not
+    the original model (adapter disabled must give the untouched backbone's logits)."""
+    trainer = make_trainer(compose_tiny(*LORA, "trainer.max_steps=3"))
+    peft_model = trainer.peft_model
+    base = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
+    adapter = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
+    heads = {n: p.detach().clone() for n, p in trainer.module.heads.named_parameters()}
+    assert adapter and all(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" not in n)
+    batch = next(iter(trainer.batches))
+    ids = batch["input_ids"][:1, :32]
+    with torch.no_grad():
+        before = trainer.backbone.model(input_ids=ids).logits.clone()
+    trainer.train()
+    for n, p in peft_model.named_parameters():
+        if "lora_" in n:
+            continue
+        assert torch.equal(p.detach(), base[n]), f"frozen weight {n} changed"
+    assert any(not torch.equal(p.detach(), adapter[n]) for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert any(not torch.equal(p.detach(), heads[n]) for n, p in trainer.module.heads.named_parameters())
+    peft_model.eval()
+    with torch.no_grad(), peft_model.disable_adapter():
+        teacher = trainer.backbone.model(input_ids=ids).logits
+        torch.testing.assert_close(teacher, before, atol=0, rtol=0)
+    with torch.no_grad():
+        assert not torch.allclose(trainer.backbone.model(input_ids=ids).logits, before)
+    records = [r for r in read_metrics(trainer.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert records and all(math.isfinite(r["backbone_loss"]) and math.isfinite(r["heads_loss"]) for r in records)
+    trainer.cleanup(plot=False)
+
+
+def test_heads_learn_faster_than_the_adapter_and_the_coefficient_warms_up(compose_tiny):
+    """Guards against the heads' learning-rate multiplier or the coefficient warm-up being
+    ignored (Medusa-2's recipe depends on both to keep fresh heads from wrecking the backbone)."""
+    trainer = make_trainer(compose_tiny(*LORA, "trainer.max_steps=2", "lora.heads_lr_multiplier=4.0",
+                                        "lora.heads_warmup_steps=4", "lora.heads_coefficient=0.2"))
+    groups = {g["name"]: g for g in trainer.optimizer.param_groups}
+    assert groups["heads"]["initial_lr"] == pytest.approx(4.0 * groups["lora"]["initial_lr"])
+    cfg = types.SimpleNamespace(heads_coefficient=0.2, heads_warmup_steps=4)
+    assert [lora.heads_coefficient(s, cfg) for s in range(5)] == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.2])
+    trainer.cleanup(plot=False)
+
+
+def test_export_with_adapter_decodes_losslessly_on_the_merged_backbone(compose_tiny, out_dir, tiny_backbone):
+    """Guards against an adapter export the runtime cannot apply, or applies differently from
+    peft (merged weights must reproduce the tuned model), and against lossy decoding on it."""
+    import copy
+
+    summary = T.run(compose_tiny(*LORA, "trainer.max_steps=3", "lora.merge=true"))
+    assert summary["step"] == 3
+    heads_dir = out_dir / "heads"
+    spec = json.loads((heads_dir / "config.json").read_text())
+    assert spec["backbone_adapter"] == "adapter"
+    assert (heads_dir / "adapter" / "adapter_config.json").is_file()
+    drift = json.loads((out_dir / "drift.json").read_text())
+    assert drift["heldout_tokens"] > 0 and 0 <= drift["argmax_agreement"] <= 1
+
+    model = copy.deepcopy(tiny_backbone.model)
+    assert merge_lora(model, heads_dir / "adapter") > 0
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out_dir / "merged", attn_implementation="sdpa")
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(model(input_ids=ids).logits, tiny_backbone.model(input_ids=ids).logits)
+    m = load_medusa(heads_dir, backbone=model)
+    ref = autoregressive_generate(m, [1, 2, 3, 4], max_new_tokens=20, eos_token_ids=()).tokens
+    assert medusa_generate(m, [1, 2, 3, 4], tree=[[0], [1], [0, 0]], max_new_tokens=20, eos_token_ids=()).tokens == ref
+
+
+def test_two_stage_recipe_starts_from_stage_one_heads(compose_tiny, tmp_path):
+    """Guards against stage 2 silently starting from fresh heads, or from heads of another shape."""
+    T.run(compose_tiny("trainer.max_steps=2", "trainer.save_every=0", "logger.plot=false", out=tmp_path / "s1"))
+    stage1 = tmp_path / "s1" / "heads"
+    trainer = make_trainer(compose_tiny(*LORA, "trainer.max_steps=1", f"lora.init_heads={stage1}",
+                                        out=tmp_path / "s2"))
+    from inference.heads import load_heads
+
+    loaded = load_heads(stage1)
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(trainer.module.heads.state_dict()[name], t), name
+    trainer.cleanup(plot=False)
+    with pytest.raises(UserError, match="num_heads"):
+        make_trainer(compose_tiny(*LORA, "heads.num_heads=2", f"lora.init_heads={stage1}", out=tmp_path / "s3"))
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["lora.target_modules=[q_proj,wq]"], "wq"),
+    (["lora.load_in_bits=4"], "CUDA"),
+    (["lora.backbone_loss=mse"], "lora.backbone_loss"),
+    (["features.mode=train"], "features.mode=off"),
+])
+def test_lora_mistakes_are_one_line_errors(compose_tiny, extra, fragment):
+    """Guards against a LoRA target typo adapting nothing, 4-bit silently ignored on CPU, and
+    cached features standing in for a backbone that is being trained."""
+    with pytest.raises(UserError, match=fragment.replace(".", r"\.")):
+        make_trainer(compose_tiny(*LORA, *extra))
+
+
+def test_runtime_refuses_a_broken_adapter(tmp_path, tiny_backbone):
+    """Guards against decoding on a half-applied adapter: a missing file or a layer the backbone
+    does not have is a clear error."""
+    with pytest.raises(UserError, match="not a LoRA adapter"):
+        merge_lora(tiny_backbone.model, tmp_path)
+    from safetensors.torch import save_file
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "peft_type": "LORA"}))
+    save_file({"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64),
+               "base_model.model.model.layers.9.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2)},
+              str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(UserError, match="does not have"):
+        merge_lora(tiny_backbone.model, tmp_path)
