@@ -4,17 +4,28 @@
     medusa-eval heads=runs/a/heads num_prompts=10 max_new_tokens=96 out=runs/a/eval
     medusa-eval heads=runs/a/heads tree=tree8 turns=both prompts=my_prompts.jsonl
     medusa-eval heads=runs/a/heads mode=sample temperature=0.7 methods=[medusa,autoregressive]
+    medusa-eval method=lookahead prompts=code                            # no heads: training-free methods
+    medusa-eval method=[draft,prompt_lookup] draft=self:8 draft_k=3      # + the autoregressive / HF baselines
+    medusa-eval compare=true prompts=code out=runs/compare_code          # every method: compare.md + .png
     medusa-generate heads=runs/a/heads prompt="Write a haiku about the sea." tree=runs/a/eval/tree.json
 
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra;
 only these entry points do. User mistakes print one line and exit 2.
+
+medusa-eval methods: medusa (needs heads=), draft (draft-model speculative sampling; draft=self:N
+shares the backbone's first N layers, or a model path/name with the same tokenizer), lookahead,
+prompt_lookup, autoregressive and hf_generate (the baselines). ``method=`` takes a name or a list
+and adds the baselines; ``methods=`` is the exact list; ``compare=true`` runs every available
+method and writes the trade-off matrix. Without heads= the backbone is ``backbone=`` (default
+embedded:smollm2). Prompt sets: embedded:mtbench (default), code (bundled code / structured-output
+prompts) or a JSONL file.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 EXIT_USER_ERROR = 2
 
@@ -40,10 +51,22 @@ class RuntimeConfig:
 
 @dataclass
 class EvalConfig(RuntimeConfig):
-    prompts: str = "embedded:mtbench"  # or a JSONL of prompts
+    heads: Optional[str] = None  # a heads export directory; needed only by method medusa
+    prompts: str = "embedded:mtbench"  # embedded:mtbench | code | a JSONL of prompts
     num_prompts: Optional[int] = None  # first N prompts (calibration prompts are taken after them)
     turns: str = "first"  # first | both
-    methods: List[str] = field(default_factory=lambda: ["medusa", "autoregressive", "hf_generate"])
+    method: Any = None  # a method name or a list of them; the baselines are added
+    methods: Optional[List[str]] = None  # the exact list (default: medusa, autoregressive, hf_generate)
+    compare: bool = False  # run every available method, write compare.md + compare.png
+    draft: str = "self:4"  # draft model: self:N (backbone's first N layers) | a path or hub id
+    draft_k: int = 4  # draft tokens per step
+    draft_adaptive: bool = False  # move K within 1..2*draft_k from the acceptance of the last step
+    lookahead_window: int = 5  # W: Jacobi window columns
+    lookahead_ngram: int = 4  # N: n-gram size (N-1 window levels)
+    lookahead_guesses: int = 5  # G: pool candidates verified per step
+    prompt_lookup_tokens: int = 10  # most tokens proposed per step
+    prompt_lookup_max_ngram: int = 3  # longest suffix looked up
+    prompt_lookup_min_ngram: int = 1  # shortest suffix looked up
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
@@ -87,42 +110,118 @@ def _sampling(cfg):
                           typical_delta=cfg.typical_delta)
 
 
+TRAINING_FREE = ("draft", "lookahead", "prompt_lookup")
+
+
+def eval_methods(cfg) -> list[str]:
+    """The methods an evaluation runs, from ``compare`` / ``method`` / ``methods`` and whether heads exist."""
+    from .errors import UserError
+    from .evaluate import DEFAULT_METHODS, check_methods
+
+    greedy = cfg.mode == "greedy"
+    baselines = ["autoregressive"] + (["hf_generate"] if greedy else [])
+    if sum([cfg.method is not None, cfg.methods is not None, bool(cfg.compare)]) > 1:
+        raise UserError("give one of method=, methods= or compare=true")
+    if cfg.compare:
+        return check_methods((["medusa"] if cfg.heads else []) + list(TRAINING_FREE) + baselines)
+    if cfg.method is not None:
+        names = cfg.method if not isinstance(cfg.method, str) else [x.strip() for x in cfg.method.split(",")]
+        names = [str(x) for x in names if str(x)]
+        return check_methods(names + [b for b in baselines if b not in names])
+    if cfg.methods is not None:
+        return check_methods(list(cfg.methods))
+    if not cfg.heads:
+        raise UserError("give heads=<export directory> to evaluate Medusa heads, or method=draft|lookahead|"
+                        "prompt_lookup (or compare=true) for the training-free methods")
+    return list(DEFAULT_METHODS) if greedy else ["medusa", "autoregressive"]
+
+
+def _load_eval(cfg, methods):
+    """Backbone (+ heads when given) on the chosen device; without heads the backbone is ``backbone=``."""
+    import torch
+
+    from .errors import UserError
+    from .model import MedusaModel, load_backbone, parse_device, parse_dtype
+
+    if "medusa" in methods and not cfg.heads:
+        raise UserError("method medusa needs heads=<export directory>")
+    if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
+        return _load(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_backbone(cfg.backbone or "embedded:smollm2", parse_device(device), parse_dtype(cfg.dtype),
+                               cfg.trust_remote_code)
+    return MedusaModel(model=model, tokenizer=tok, heads=None)
+
+
+def _method_options(cfg):
+    from .evaluate import MethodOptions
+    from .lookahead import LookaheadSettings
+    from .prompt_lookup import PromptLookupSettings
+    from .speculative import DraftSettings, parse_self_draft
+
+    parse_self_draft(cfg.draft)  # a malformed self:N fails before any model is loaded
+    return MethodOptions(draft=cfg.draft, draft_settings=DraftSettings(k=cfg.draft_k, adaptive=cfg.draft_adaptive),
+                         lookahead=LookaheadSettings(window=cfg.lookahead_window, ngram=cfg.lookahead_ngram,
+                                                     guesses=cfg.lookahead_guesses),
+                         prompt_lookup=PromptLookupSettings(num_tokens=cfg.prompt_lookup_tokens,
+                                                            max_ngram=cfg.prompt_lookup_max_ngram,
+                                                            min_ngram=cfg.prompt_lookup_min_ngram),
+                         trust_remote_code=cfg.trust_remote_code)
+
+
 def run_eval(cfg) -> dict:
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    from .evaluate import evaluate, load_prompts, write_report
+    from .evaluate import evaluate, load_prompts, write_compare, write_report
 
     sampling = _sampling(cfg)
+    methods = eval_methods(cfg)
+    options = _method_options(cfg)  # bad K / W / N -> one line before any model is loaded
     prompts = load_prompts(cfg.prompts)
     wanted = cfg.num_prompts
     if wanted is not None and wanted < 1:
         from .errors import UserError
 
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
+    calibrating = cfg.tree == "auto" and "medusa" in methods
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
-        prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if cfg.tree == "auto" \
-            else prompts[:wanted]
-    m = _load(cfg)
+        prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
+    m = _load_eval(cfg, methods)
     settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
-    report = evaluate(m, prompts, methods=list(cfg.methods), tree=cfg.tree, max_new_tokens=cfg.max_new_tokens,
+    settings["backbone"] = settings.get("backbone") or ("embedded:smollm2" if not cfg.heads else None)
+    settings["methods"] = methods
+    report = evaluate(m, prompts, methods=methods, tree=cfg.tree, max_new_tokens=cfg.max_new_tokens,
                       sampling=sampling, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
                       calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets), seed=cfg.seed,
-                      progress=cfg.progress_bar, settings=settings)
-    out = Path(cfg.out) if cfg.out else Path(cfg.heads).resolve().parent / "eval"
+                      progress=cfg.progress_bar, settings=settings, options=options)
+    if cfg.out:
+        out = Path(cfg.out)
+    elif cfg.heads:
+        out = Path(cfg.heads).resolve().parent / ("compare" if cfg.compare else "eval")
+    else:
+        out = Path("runs") / ("compare" if cfg.compare else "eval")
     paths = write_report(out, report)
+    if cfg.compare:
+        paths += write_compare(out, report)
     if report["tree"]["choices"]:
         from .tree import MedusaTree
 
         MedusaTree(report["tree"]["choices"], name=report["tree"]["name"]).save(out / "tree.json")
         paths.append(out / "tree.json")
-    tps = report["tokens_per_s"]
-    print(f"\ntau {report.get('tau', 1.0):.3f} | medusa {tps.get('medusa', 0):.2f} tok/s | "
-          f"autoregressive {tps.get('autoregressive', 0):.2f} tok/s | HF generate {tps.get('hf_generate', 0):.2f} tok/s")
-    print(f"speedup vs autoregressive {report.get('speedup_vs_autoregressive', float('nan')):.2f}x | "
-          f"vs HF generate {report.get('speedup_vs_hf_generate', float('nan')):.2f}x | "
-          f"identical to greedy: {report.get('greedy_identical_fraction', 'n/a')}")
+    print()
+    for meth, row in report["per_method"].items():
+        parts = [f"{meth:>14}: {row['tokens_per_s']:8.2f} tok/s", f"tau {row['tau']:.3f}"]
+        if "speedup_vs_autoregressive" in row:
+            parts.append(f"{row['speedup_vs_autoregressive']:.2f}x vs autoregressive")
+        if "speedup_vs_hf_generate" in row:
+            parts.append(f"{row['speedup_vs_hf_generate']:.2f}x vs HF generate")
+        if "greedy_identical_fraction" in row and meth != "autoregressive":
+            parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
+        print(" | ".join(parts))
     print("report: " + ", ".join(str(p) for p in paths))
     return report
 

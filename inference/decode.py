@@ -44,6 +44,13 @@ class GenerationOutput:
     step_s: list[float] = field(default_factory=list)     # wall time of each step
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    proposed: list[int] = field(default_factory=list)     # draft tokens each step put up for verification
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (the bonus token is not a draft token)."""
+        total = sum(self.proposed)
+        return sum(n - 1 for n in self.accept_lengths) / total if total else 0.0
 
     @property
     def steps(self) -> int:
@@ -190,8 +197,8 @@ class TreeDecoder:
         return self.root
 
     @torch.inference_mode()
-    def step(self) -> list[int]:
-        """One draft-verify-compact step; returns the accepted tokens + the bonus token."""
+    def step(self) -> tuple[list[int], int]:
+        """One draft-verify-compact step; returns (accepted tokens + the bonus token, nodes proposed)."""
         m, buf, past = self.m, self.buf, self.past
         if self.dependent:  # heads fed the path they extend: drafted level by level
             cand, draft_q = draft_dependent(buf, m.heads, self.h_last, self.root), None
@@ -207,33 +214,43 @@ class TreeDecoder:
         self.h_last = h_tree[verdict.path[-1]]
         self.past = past + len(verdict.path)
         self.root = verdict.bonus
-        return tokens[verdict.path[1:]].tolist() + [verdict.bonus]
+        return tokens[verdict.path[1:]].tolist() + [verdict.bonus], buf.num_nodes - 1
 
 
-def _medusa_steps(m: MedusaModel, input_ids, tree, max_new_tokens: int, cfg: SamplingConfig, seed, eos_token_ids,
-                  max_steps: Optional[int]):
-    dec = TreeDecoder(m, tree, cfg, seed)
+def run_decoder(decoder, m: MedusaModel, input_ids, max_new_tokens: int, eos_token_ids, max_steps: Optional[int]):
+    """Generator shared by every speculative method: prefill, then ``decoder.step()`` (returning
+    (new tokens, draft tokens proposed)) until EOS / max_new_tokens / max_steps. Yields each step's
+    emitted tokens and returns the ``GenerationOutput``: one timing and cut-off rule for all methods,
+    so they compare like for like."""
     prompt = _prompt_tensor(m, input_ids)
     _check_budget(m, prompt.shape[1], max_new_tokens)
     emit = _Emitter(max_new_tokens, _eos_set(m, eos_token_ids))
     out = GenerationOutput(tokens=emit.tokens, prompt_tokens=prompt.shape[1], finish_reason="length")
     t0 = time.perf_counter()
-    root = dec.prefill(prompt, max_new_tokens)
+    with torch.inference_mode():
+        root = decoder.prefill(prompt, max_new_tokens)
     _sync(m.device)
     out.prefill_s = time.perf_counter() - t0
     yield emit.add([root])
     while not emit.finish and (max_steps is None or out.steps < max_steps):
         t = time.perf_counter()
-        new = dec.step()
+        with torch.inference_mode():
+            new, proposed = decoder.step()
         _sync(m.device)
         out.step_s.append(time.perf_counter() - t)
         out.accept_lengths.append(len(new))
+        out.proposed.append(proposed)
         chunk = emit.add(new)
         if chunk:
             yield chunk
     out.decode_s = time.perf_counter() - t0 - out.prefill_s
     out.finish_reason = emit.finish or "steps"
     return out
+
+
+def _medusa_steps(m: MedusaModel, input_ids, tree, max_new_tokens: int, cfg: SamplingConfig, seed, eos_token_ids,
+                  max_steps: Optional[int]):
+    return run_decoder(TreeDecoder(m, tree, cfg, seed), m, input_ids, max_new_tokens, eos_token_ids, max_steps)
 
 
 def medusa_stream(m: MedusaModel, input_ids, *, tree="tree8", max_new_tokens: int = 128,

@@ -12,9 +12,22 @@ One place defines the metrics (ANCHORS.md gives the field's definitions):
   speedup_vs_*       medusa tokens/s over the runtime's own autoregressive loop (same cache,
                      same token choice) and over transformers' ``generate`` (greedy).
   greedy_identical_fraction  prompts whose Medusa output equals plain greedy decoding.
+The same numbers are computed for every method in ``per_method`` (tau and acceptance for the
+draft model, lookahead and prompt lookup use the tokens each step proposed: K for the draft
+model, the candidate trie's depth for lookahead, the looked-up length for prompt lookup).
 
-Methods run interleaved prompt by prompt (their order rotates), in one process, so the
-machine's background load hits them alike.
+Methods (``METHODS``): medusa (needs heads), draft (draft-model speculative sampling,
+``speculative.py``), lookahead (``lookahead.py``), prompt_lookup (``prompt_lookup.py``),
+autoregressive (the runtime's own one-token loop: the speedup baseline) and hf_generate
+(transformers' greedy ``generate``). They run interleaved prompt by prompt (their order
+rotates), in one process, so the machine's background load hits them alike.
+
+The trade-off matrix (``write_compare``: compare.md + compare.png) adds what each method costs:
+extra parameters loaded (counted from the real modules, tensors shared with the backbone
+excluded: a self-draft or heads projecting through the backbone's lm_head add nothing for
+it), extra KV cache (the cache slots a method allocates beyond plain decoding's prompt +
+max_new_tokens, in bytes at the run's longest prompt, from each model's KV shape and dtype)
+and the training it needs (none / heads / draft).
 
 Tree choice (``tree=auto``): per-depth, per-rank head accuracy is measured on calibration
 prompts (held out from the evaluated ones); a tree is grown greedily for each node budget;
@@ -32,7 +45,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -40,12 +53,52 @@ from . import assets
 from .decode import (GenerationOutput, autoregressive_generate, measure_head_accuracy, measure_step_latency,
                      medusa_generate)
 from .errors import UserError
+from .lookahead import LookaheadSettings, lookahead_generate
 from .model import MedusaModel
+from .prompt_lookup import PromptLookupSettings, prompt_lookup_generate
+from .speculative import DraftDecoder, DraftSettings, drive, load_draft
 from .tree import MedusaTree, expected_tau, grow_tree, resolve_tree
 from .verify import SamplingConfig
 
-METHODS = ("medusa", "autoregressive", "hf_generate")
+METHODS = ("medusa", "draft", "lookahead", "prompt_lookup", "autoregressive", "hf_generate")
+BASELINES = ("autoregressive", "hf_generate")
+DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+CODE_PROMPTS = Path(__file__).parent / "data" / "code_prompts.jsonl"
+PROMPT_SETS = {"code": CODE_PROMPTS, "embedded:code": CODE_PROMPTS}
+
+
+@dataclass
+class MethodOptions:
+    """Settings of the methods beside Medusa (the CLI's keys in brackets)."""
+
+    draft: Any = "self:4"  # [draft] "self:N", a model name/path, or a loaded MedusaModel
+    draft_settings: DraftSettings = field(default_factory=DraftSettings)          # [draft_k, draft_adaptive]
+    lookahead: LookaheadSettings = field(default_factory=LookaheadSettings)       # [lookahead_*]
+    prompt_lookup: PromptLookupSettings = field(default_factory=PromptLookupSettings)  # [prompt_lookup_*]
+    trust_remote_code: bool = False  # [trust_remote_code] for a draft checkpoint with custom code
+
+    def to_dict(self) -> dict:
+        d = self.draft if isinstance(self.draft, str) else type(self.draft).__name__
+        return {"draft": d, "draft_k": self.draft_settings.k, "draft_adaptive": self.draft_settings.adaptive,
+                "lookahead_window": self.lookahead.window, "lookahead_ngram": self.lookahead.ngram,
+                "lookahead_guesses": self.lookahead.guesses, "prompt_lookup_tokens": self.prompt_lookup.num_tokens,
+                "prompt_lookup_ngram": [self.prompt_lookup.max_ngram, self.prompt_lookup.min_ngram]}
+
+
+def check_methods(methods: Sequence[str], m: Optional[MedusaModel] = None) -> list[str]:
+    """Known names, no duplicates, heads present when Medusa is asked for; else one ``UserError`` line."""
+    if isinstance(methods, str) or not methods:
+        raise UserError(f"methods must be a non-empty list of names from {', '.join(METHODS)}")
+    unknown = [x for x in methods if x not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise UserError(f"a method is listed twice in {list(methods)}")
+    if m is not None and "medusa" in methods and m.heads is None:
+        raise UserError("method medusa needs Medusa heads (heads=<export directory>); the training-free "
+                        "methods draft, lookahead and prompt_lookup run without them")
+    return list(methods)
 
 
 # -- prompts -------------------------------------------------------------------------------
@@ -57,12 +110,16 @@ class Prompt:
 
 
 def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
-    """MT-Bench (``embedded:mtbench``) or a JSONL file of prompts.
+    """MT-Bench (``embedded:mtbench``), the bundled code/structured-output set (``code``) or a
+    JSONL file of prompts.
 
     A JSONL line may be ``{"prompt": str}``, ``{"text": str}``, ``{"turns": [str, ...]}``
     (MT-Bench's form) or ``{"messages": [{"role": "user", "content": str}, ...]}``.
     """
-    path = assets.mtbench_questions_path() if source == "embedded:mtbench" else Path(source).expanduser()
+    if source in ("embedded:mtbench", "mtbench"):
+        path = assets.mtbench_questions_path()
+    else:
+        path = PROMPT_SETS.get(source) or Path(source).expanduser()
     if not Path(path).is_file():
         raise UserError(f"prompts file not found: {source}")
     prompts: list[Prompt] = []
@@ -197,13 +254,26 @@ def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int) -> G
 
 
 def run_method(method: str, m: MedusaModel, prompt_ids: list[int], tree: Optional[MedusaTree],
-               max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationOutput:
+               max_new_tokens: int, sampling: SamplingConfig, seed: int, options: Optional[MethodOptions] = None,
+               draft: Optional[MedusaModel] = None) -> GenerationOutput:
+    """One generation with ``method``; ``draft`` is the loaded draft model for method "draft"."""
+    options = options or MethodOptions()
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
     if method == "medusa":
         if tree is None:  # the tree choice found plain decoding faster
-            return autoregressive_generate(m, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
-        return medusa_generate(m, prompt_ids, tree=tree, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+            return autoregressive_generate(m, prompt_ids, **kw)
+        return medusa_generate(m, prompt_ids, tree=tree, **kw)
+    if method == "draft":
+        if draft is None:
+            draft = load_draft(options.draft, m, options.trust_remote_code)
+        dec = DraftDecoder(m, draft, options.draft_settings, sampling, seed)
+        return drive(dec, m, prompt_ids, max_new_tokens, None, None, None)
+    if method == "lookahead":
+        return lookahead_generate(m, prompt_ids, settings=options.lookahead, **kw)
+    if method == "prompt_lookup":
+        return prompt_lookup_generate(m, prompt_ids, settings=options.prompt_lookup, **kw)
     if method == "autoregressive":
-        return autoregressive_generate(m, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+        return autoregressive_generate(m, prompt_ids, **kw)
     if method == "hf_generate":
         if not sampling.is_greedy:
             raise UserError("hf_generate is measured in greedy mode only")
@@ -211,8 +281,38 @@ def run_method(method: str, m: MedusaModel, prompt_ids: list[int], tree: Optiona
     raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
+def _proposed(out: GenerationOutput, method: str, depth: int) -> Optional[list[int]]:
+    """Draft tokens proposed per step: recorded by the chain methods; for Medusa the tree depth
+    (the most a step can accept), so a tree's acceptance rate compares with a chain's."""
+    if method == "medusa":
+        return [depth] * len(out.accept_lengths)
+    return list(out.proposed) if out.proposed else None
+
+
+def method_summary(samples: list[Sample], method: str, methods: Sequence[str], rates: dict, depth: int = 0) -> dict:
+    """tau, acceptance rate, tokens/s, speedups and greedy identity of one method (module docstring)."""
+    lengths = [n for s in samples for n in s.outputs[method].accept_lengths]
+    out: dict = {"tokens_per_s": round(rates[method], 3),
+                 "tau": round(sum(lengths) / len(lengths), 4) if lengths else 1.0}
+    if method not in BASELINES:
+        proposed = [_proposed(s.outputs[method], method, depth) for s in samples]
+        total = sum(sum(p) for p in proposed if p is not None)
+        accepted = sum(n - 1 for n in lengths)
+        out["acceptance_rate"] = round(accepted / total, 4) if total else 0.0
+        out["proposed_per_step"] = round(total / len(lengths), 3) if lengths else 0.0
+    for base, key in (("autoregressive", "speedup_vs_autoregressive"), ("hf_generate", "speedup_vs_hf_generate")):
+        if base in methods and rates[base] > 0:
+            out[key] = round(rates[method] / rates[base], 4)
+    if "autoregressive" in methods:
+        same = [s.tokens[method] == s.tokens["autoregressive"] for s in samples]
+        out["greedy_identical_fraction"] = round(sum(same) / len(same), 4)
+    return out
+
+
 def summarize(samples: list[Sample], methods: Sequence[str], tree: Optional[MedusaTree]) -> dict:
-    """The report's headline numbers from the per-sample outputs (definitions: module docstring)."""
+    """The report's headline numbers from the per-sample outputs (definitions: module docstring).
+
+    Top-level keys describe Medusa (as before); ``per_method`` has the same numbers per method."""
     def total(method, attr):
         return sum(getattr(s.outputs[method], attr) for s in samples)
 
@@ -221,26 +321,65 @@ def summarize(samples: list[Sample], methods: Sequence[str], tree: Optional[Medu
         tokens = sum(len(s.outputs[meth].tokens) for s in samples)
         secs = total(meth, "prefill_s") + total(meth, "decode_s")
         rates[meth] = tokens / secs if secs > 0 else 0.0
-    out: dict = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}}
+    depth = tree.max_depth if tree is not None else 0
+    out: dict = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()},
+                 "per_method": {meth: method_summary(samples, meth, methods, rates, depth) for meth in methods}}
     if "medusa" in methods:
         lengths = [n for s in samples for n in s.outputs["medusa"].accept_lengths]
-        depth = tree.max_depth if tree is not None else 0
         accepted = [n - 1 for n in lengths]
         out["tau"] = round(sum(lengths) / len(lengths), 4) if lengths else 1.0
         out["acceptance_rate"] = round(sum(accepted) / (depth * len(lengths)), 4) if depth and lengths else 0.0
         out["n_alpha"] = [round(sum(a >= n for a in accepted) / max(sum(a >= n - 1 for a in accepted), 1), 4)
                           for n in range(1, depth + 1)]
         out["accept_length_histogram"] = {str(k): lengths.count(k) for k in sorted(set(lengths))}
-        for base, key in (("autoregressive", "speedup_vs_autoregressive"), ("hf_generate", "speedup_vs_hf_generate")):
-            if base in methods and rates[base] > 0:
-                out[key] = round(rates["medusa"] / rates[base], 4)
-        if "autoregressive" in methods:
-            same = [s.tokens["medusa"] == s.tokens["autoregressive"] for s in samples]
-            out["greedy_identical_fraction"] = round(sum(same) / len(same), 4)
+        for key in ("speedup_vs_autoregressive", "speedup_vs_hf_generate", "greedy_identical_fraction"):
+            if key in out["per_method"]["medusa"]:
+                out[key] = out["per_method"]["medusa"][key]
     if "hf_generate" in methods and "autoregressive" in methods:
         same = [s.tokens["hf_generate"] == s.tokens["autoregressive"] for s in samples]
         out["hf_generate_identical_fraction"] = round(sum(same) / len(same), 4)
     return out
+
+
+# -- what each method costs --------------------------------------------------------------------
+def kv_bytes_per_token(m: MedusaModel) -> int:
+    """Bytes of keys + values one token occupies in ``m``'s KV cache (all layers)."""
+    cfg = m.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = torch.empty((), dtype=m.dtype).element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def extra_parameters(module, backbone) -> tuple[int, int]:
+    """(count, bytes) of ``module``'s parameters that are not tensors of ``backbone``."""
+    if module is None:
+        return 0, 0
+    shared = {p.data_ptr() for p in backbone.parameters()}
+    own = [p for p in module.parameters() if p.data_ptr() not in shared]
+    return sum(p.numel() for p in own), sum(p.numel() * p.element_size() for p in own)
+
+
+def method_costs(method: str, m: MedusaModel, tree: Optional[MedusaTree], options: MethodOptions,
+                 draft: Optional[MedusaModel], run_length: int) -> dict:
+    """Extra parameters, extra KV cache bytes (``run_length`` = prompt + max_new_tokens) and training."""
+    per_token = kv_bytes_per_token(m)
+    params, kv, training = (0, 0), 0, "none"
+    if method == "medusa":
+        params, training = extra_parameters(m.heads, m.model), "heads"
+        kv = (tree.num_nodes if tree is not None else 0) * per_token
+    elif method == "draft":
+        is_self = getattr(draft, "self_draft_layers", None) is not None
+        params = extra_parameters(draft.model, m.model) if draft is not None else (0, 0)
+        training = "none (self-draft)" if is_self else "draft"
+        slack = options.draft_settings.extra_kv_tokens
+        kv = slack * per_token + ((run_length + slack + 1) * kv_bytes_per_token(draft) if draft is not None else 0)
+    elif method == "lookahead":
+        kv = options.lookahead.extra_kv_tokens * per_token
+    elif method == "prompt_lookup":
+        kv = options.prompt_lookup.extra_kv_tokens * per_token
+    return {"extra_parameters": params[0], "extra_parameter_bytes": params[1], "extra_kv_cache_bytes": kv,
+            "training": training}
 
 
 def machine() -> dict:
@@ -269,23 +408,33 @@ def write_report(out_dir: Path, report: dict) -> list[Path]:
     return paths
 
 
+def _fmt(v, spec=".3f", default="-") -> str:
+    return default if v is None else format(v, spec)
+
+
+def _times(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def markdown(r: dict) -> str:
     s = r.get("settings") or {}
-    lines = [f"# Medusa evaluation: {s.get('heads', '')}", "",
+    title = f"Medusa evaluation: {s['heads']}" if s.get("heads") else f"Decoding evaluation: {s.get('backbone', '')}"
+    lines = [f"# {title}", "",
              f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
              f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
              f"({r['machine']['threads']} threads), {s.get('dtype', '')}.", "",
-             "| method | tokens/s | speedup vs autoregressive | speedup vs HF generate |", "|---|---|---|---|"]
-    tps = r["tokens_per_s"]
-    ar, hf = tps.get("autoregressive"), tps.get("hf_generate")
-    for meth, v in tps.items():
-        a = f"{v / ar:.2f}x" if ar else "-"
-        h = f"{v / hf:.2f}x" if hf else "-"
-        lines.append(f"| {meth} | {v:.2f} | {a} | {h} |")
-    lines += ["", f"- tau (tokens per verification step): **{r.get('tau', 1.0):.3f}**",
-              f"- acceptance rate: {r.get('acceptance_rate', 0):.3f}; n-alpha: {r.get('n_alpha', [])}",
-              f"- output identical to plain greedy: {r.get('greedy_identical_fraction', 'n/a')}",
-              f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}"]
+             "| method | tau | acceptance rate | tokens/s | speedup vs autoregressive | speedup vs HF generate |",
+             "|---|---|---|---|---|---|"]
+    per = r.get("per_method") or {}
+    for meth, v in r["tokens_per_s"].items():
+        row = per.get(meth, {})
+        a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
+        lines.append(f"| {meth} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | {v:.2f} | {a} | {h} |")
+    if "medusa" in r.get("methods", []):
+        lines += ["", f"- Medusa tau (tokens per verification step): **{r.get('tau', 1.0):.3f}**",
+                  f"- acceptance rate: {r.get('acceptance_rate', 0):.3f}; n-alpha: {r.get('n_alpha', [])}",
+                  f"- output identical to plain greedy: {r.get('greedy_identical_fraction', 'n/a')}",
+                  f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}"]
     acc = r.get("head_accuracy")
     if acc:
         lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]
@@ -328,18 +477,117 @@ def plot_report(out_dir: Path, r: dict) -> list[Path]:
     return paths
 
 
+# -- the trade-off matrix ----------------------------------------------------------------------
+COMPARE_FILES = ("compare.md", "compare.png")
+
+
+def _size(n: float, unit: str) -> str:
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".strip()
+
+
+def compare_markdown(r: dict) -> str:
+    """The trade-off matrix: one row per method (definitions: module docstring)."""
+    s = r.get("settings") or {}
+    per, costs, opts = r["per_method"], r.get("costs", {}), r.get("method_options", {})
+    greedy = s.get("mode", "greedy") == "greedy"
+    lines = [f"# Decoding methods compared: {s.get('backbone') or s.get('heads') or ''}", "",
+             f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
+             f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
+             f"({r['machine']['threads']} threads), {s.get('dtype', '')}; methods interleaved per prompt.", "",
+             "| method | tau | acceptance rate | tokens/s | speedup vs autoregressive | speedup vs HF generate "
+             "| extra parameters | extra KV cache | training needed | output = plain greedy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for meth in r["methods"]:
+        row, cost = per[meth], costs.get(meth, {})
+        a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
+        ident = row.get("greedy_identical_fraction")
+        if ident is None:
+            same = "-"
+        elif not greedy:
+            same = f"n/a (sampling; {ident:.0%} equal)"
+        else:
+            same = "yes" if ident == 1.0 else f"no ({ident:.0%} of prompts)"
+        params = cost.get("extra_parameters", 0)
+        p_txt = "0" if not params else f"{_size(params, '')} ({_size(cost.get('extra_parameter_bytes', 0), 'B')})"
+        kv = cost.get("extra_kv_cache_bytes", 0)
+        lines.append(f"| {meth} | {_fmt(row.get('tau'), '.2f')} | {_fmt(row.get('acceptance_rate'), '.3f')} | "
+                     f"{row['tokens_per_s']:.2f} | {a} | {h} | {p_txt} | {_size(kv, 'B') if kv else '0'} | "
+                     f"{cost.get('training', 'none')} | {same} |")
+    notes = []
+    if "medusa" in r["methods"]:
+        notes.append(f"medusa: tree {r['tree']['name']} ({r['tree']['nodes']} nodes)")
+    if "draft" in r["methods"]:
+        notes.append(f"draft: `{opts.get('draft')}`, K = {opts.get('draft_k')}"
+                     + (" (adaptive)" if opts.get("draft_adaptive") else ""))
+    if "lookahead" in r["methods"]:
+        notes.append(f"lookahead: W = {opts.get('lookahead_window')}, N = {opts.get('lookahead_ngram')}, "
+                     f"G = {opts.get('lookahead_guesses')}")
+    if "prompt_lookup" in r["methods"]:
+        ng = opts.get("prompt_lookup_ngram", ["?", "?"])
+        notes.append(f"prompt lookup: up to {opts.get('prompt_lookup_tokens')} tokens, n-grams {ng[0]}..{ng[1]}")
+    lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "",
+              "",
+              "tau = tokens per verification step (bonus included; plain decoding 1.0); acceptance rate = accepted "
+              "/ proposed draft tokens; tokens/s include prefill; speedups from the same run. Extra parameters: "
+              "loaded beyond the backbone, tensors shared with it not counted. Extra KV cache: cache allocated "
+              f"beyond plain decoding's, at {r.get('run_length', '?')} tokens (longest prompt + max_new_tokens)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_compare(path: Path, r: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = r["methods"]
+    per = r["per_method"]
+    panels = [("speedup vs autoregressive", [per[m].get("speedup_vs_autoregressive") or 0 for m in methods]),
+              ("tau (tokens / step)", [per[m].get("tau") or 0 for m in methods]),
+              ("tokens/s", [per[m]["tokens_per_s"] for m in methods])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (title, values) in zip(axes, panels):
+        ax.bar(range(len(methods)), values, color=[f"C{i}" for i in range(len(methods))])
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        if title.startswith("speedup"):
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    fig.suptitle(f"{r['settings'].get('prompts', '')}: {r['num_samples']} samples, "
+                 f"{r['settings'].get('max_new_tokens', '')} tokens max", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_compare(out_dir: Path, report: dict) -> list[Path]:
+    """compare.md (the trade-off matrix) and compare.png (speedup, tau, tokens/s per method)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / COMPARE_FILES[0]
+    md.write_text(compare_markdown(report))
+    return [md, plot_compare(out_dir / COMPARE_FILES[1], report)]
+
+
 # -- the whole evaluation ------------------------------------------------------------------
-def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = METHODS, tree="auto",
+def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = DEFAULT_METHODS, tree="auto",
              max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, turns: str = "first",
              calibration_prompts: int = 8, calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS,
              seed: int = 0, progress: bool = True, log: Callable[[str], None] = print,
-             settings: Optional[dict] = None) -> dict:
+             settings: Optional[dict] = None, options: Optional[MethodOptions] = None) -> dict:
+    """Run ``methods`` interleaved on ``prompts`` and summarise them (module docstring).
+
+    ``options`` sets the draft model, lookahead and prompt-lookup methods; ``m.heads`` may be
+    None when "medusa" is not among the methods."""
     sampling = sampling or SamplingConfig()
+    options = options or MethodOptions()
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    unknown = [x for x in methods if x not in METHODS]
-    if unknown:
-        raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    methods = check_methods(methods, m)
+    if "hf_generate" in methods and not sampling.is_greedy:
+        raise UserError("hf_generate is measured in greedy mode only")
     if turns not in ("first", "both"):
         raise UserError(f"turns must be first|both, got {turns!r}")
     calib: list[list[int]] = []
@@ -354,7 +602,10 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     else:
         t = resolve_tree(tree, m.num_heads) if "medusa" in methods else None
         choice = TreeChoice(t, "given")
-    log(f"tree: {choice.to_dict()['name']} ({choice.reason})")
+    if "medusa" in methods:
+        log(f"tree: {choice.to_dict()['name']} ({choice.reason})")
+    # the draft model is loaded once and reused for every prompt
+    draft = load_draft(options.draft, m, options.trust_remote_code) if "draft" in methods else None
 
     samples: list[Sample] = []
     jobs = [(p, 0) for p in prompts]
@@ -371,7 +622,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
             sample = Sample(p.id, turn + 1)
             order = list(methods[i % len(methods):]) + list(methods[: i % len(methods)])
             for meth in order:
-                g = run_method(meth, m, ids, choice.tree, max_new_tokens, sampling, seed + i)
+                g = run_method(meth, m, ids, choice.tree, max_new_tokens, sampling, seed + i, options, draft)
                 sample.outputs[meth] = g
                 sample.tokens[meth] = list(g.tokens)
             samples.append(sample)
@@ -383,8 +634,11 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     if bar is not None:
         bar.close()
 
+    run_length = max((s.outputs[methods[0]].prompt_tokens for s in samples), default=0) + max_new_tokens
     report = {"settings": settings or {}, "machine": machine(), "num_samples": len(samples),
-              "methods": list(methods), "tree": choice.to_dict(), **summarize(samples, methods, choice.tree)}
+              "methods": list(methods), "tree": choice.to_dict(), **summarize(samples, methods, choice.tree),
+              "method_options": options.to_dict(), "run_length": run_length,
+              "costs": {meth: method_costs(meth, m, choice.tree, options, draft, run_length) for meth in methods}}
     if choice.accuracies is not None:
         cum = torch.tensor(choice.accuracies).cumsum(1)
         report["head_accuracy"] = {"per_rank": choice.accuracies, "topk": cum.tolist(),
@@ -393,6 +647,6 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
             report["tree"]["expected_tau"] = round(expected_tau(choice.tree, choice.accuracies), 4)
     report["samples"] = [{"prompt_id": s.prompt_id, "turn": s.turn,
                           **{f"{k}_tokens": len(v.tokens) for k, v in s.outputs.items()},
-                          **({"medusa_tau": round(s.outputs["medusa"].tau, 3)} if "medusa" in s.outputs else {})}
+                          **{f"{k}_tau": round(v.tau, 3) for k, v in s.outputs.items() if k not in BASELINES}}
                          for s in samples]
     return report

@@ -119,3 +119,20 @@ def sequential_kv(m: MedusaModel, tokens: list[int]) -> list[tuple[torch.Tensor,
         for i, t in enumerate(tokens):
             m.hidden(torch.tensor([[t]]), torch.tensor([[i]]), cache)
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+PLAIN_PROMPT = [5, 17, 3, 88, 41, 9]
+
+
+@pytest.fixture(scope="module", name="m")
+def plain_model():
+    """A tiny random Llama without heads (the training-free methods' tests); fixture name ``m``."""
+    return MedusaModel(model=tiny_llama(vocab=96, seed=0), tokenizer=None, heads=None)
+
+
+@pytest.fixture(scope="module", name="greedy")
+def plain_greedy(m):
+    """The plain model's own greedy continuation of PLAIN_PROMPT (48 tokens); fixture name ``greedy``."""
+    from inference.decode import autoregressive_generate
+
+    return autoregressive_generate(m, PLAIN_PROMPT, max_new_tokens=48).tokens

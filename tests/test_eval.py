@@ -39,6 +39,24 @@ def test_summary_metrics_follow_the_documented_definitions():
     assert r["accept_length_histogram"] == {"1": 1, "2": 1, "3": 1}
 
 
+def test_per_method_acceptance_uses_each_steps_proposed_tokens():
+    """Guards against: the chain methods' acceptance rate computed against the tree depth (or the
+    bonus counted as accepted) instead of accepted / proposed draft tokens per step."""
+    from inference.speculative import SpeculativeOutput
+
+    s = Sample("1", 1)
+    spec = SpeculativeOutput(tokens=list(range(9)), prompt_tokens=3, finish_reason="length",
+                             accept_lengths=[3, 1, 5], proposed=[4, 0, 4])
+    spec.decode_s = 1.0
+    s.outputs = {"prompt_lookup": spec, "autoregressive": _gen(range(9), [1] * 9, secs=3.0)}
+    s.tokens = {k: list(v.tokens) for k, v in s.outputs.items()}
+    r = summarize([s], ["prompt_lookup", "autoregressive"], None)
+    row = r["per_method"]["prompt_lookup"]
+    assert row["tau"] == pytest.approx(3.0) and row["acceptance_rate"] == pytest.approx(6 / 8)
+    assert row["speedup_vs_autoregressive"] == pytest.approx(3.0) and row["greedy_identical_fraction"] == 1.0
+    assert "acceptance_rate" not in r["per_method"]["autoregressive"] and "tau" not in r   # no Medusa keys
+
+
 def test_identity_fraction_counts_differing_outputs():
     """Guards against: reporting lossless output when Medusa's tokens differ from plain greedy."""
     a, b = Sample("1", 1), Sample("2", 1)

@@ -74,7 +74,7 @@ def test_forced_acceptance_lengths_and_compacted_cache(model, greedy, case):
     m = wrap(model, FixedHeads(V, [list(r) for r in ranked]))
     dec = TreeDecoder(m, TREE)
     assert dec.prefill(torch.tensor([PROMPT]), max_new_tokens=16) == g[0]
-    new = dec.step()
+    new, _ = dec.step()
     n = len(expected_path)
     assert dec.last_path == expected_path
     assert new == g[1:1 + n]                      # accepted tokens + the bonus token
@@ -83,7 +83,7 @@ def test_forced_acceptance_lengths_and_compacted_cache(model, greedy, case):
     for layer, (k_ref, v_ref) in zip(dec.cache.layers, reference):
         torch.testing.assert_close(layer.keys, k_ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.values, v_ref, atol=1e-5, rtol=0)
-    assert dec.root == g[n] and dec.step()[0] == g[n + 1]   # decoding continues from the compacted cache
+    assert dec.root == g[n] and dec.step()[0][0] == g[n + 1]   # decoding continues from the compacted cache
 
 
 @pytest.mark.parametrize("tree", ["chain2", "chain4", "tree4", "tree8", "tree16", "tree64", "mc_sim_7b_63"])

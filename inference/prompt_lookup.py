@@ -1,0 +1,130 @@
+"""Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
+
+Training-free and model-free: the proposal for the next tokens is what followed the latest
+earlier occurrence of the context's last n tokens (prompt + generated text), trying
+n = max_ngram down to min_ngram and taking the longest n that matches. Summaries, code edits,
+answers that quote their question and structured output repeat their context, so the guess
+is often right; when nothing matches, the step is a plain decoding step.
+
+Each step: propose up to ``num_tokens`` tokens, score root + proposal in ONE target forward
+(a chain), accept through ``verify.verify`` (greedy: token-identical to plain greedy; sample:
+exact, since a looked-up proposal is a fixed guess; typical: Medusa's lossy rule), roll the
+cache back to prompt + accepted tokens (``speculative.verify_chain``).
+
+The lookup is incremental: ``NGramIndex`` remembers, for every n-gram of every size, where
+the latest occurrence that already has a following token ends, updated in O(max_ngram) per
+new token, so a step never rescans the context. An occurrence counts only once its next token
+exists, so the current suffix never matches itself.
+Proposed per step = the proposal's length (0 when nothing matched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .decode import TokenStream, _generator, _prefill
+from .errors import UserError
+from .model import MedusaModel
+from .speculative import SpeculativeOutput, drive, run_speculative, verify_chain
+from .verify import SamplingConfig
+
+
+@dataclass
+class PromptLookupSettings:
+    """num_tokens: most tokens proposed per step; max_ngram/min_ngram: suffix lengths tried."""
+
+    num_tokens: int = 10
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        for name in ("num_tokens", "max_ngram", "min_ngram"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"prompt lookup {name} must be an integer >= 1, got {v!r}")
+        if self.min_ngram > self.max_ngram:
+            raise UserError(f"prompt lookup min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
+
+    @property
+    def extra_kv_tokens(self) -> int:
+        return self.num_tokens + 1
+
+
+class NGramIndex:
+    """The context and, per n-gram size, n-gram -> index of the token after its latest occurrence."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.sizes = range(min_ngram, max_ngram + 1)
+        self.seq: list[int] = []
+        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.seq.append(int(t))
+            end = len(self.seq) - 1          # the n-grams ending just before it now have a next token
+            for n in self.sizes:
+                if end >= n:
+                    self.after[n][tuple(self.seq[end - n:end])] = end
+
+    def propose(self, count: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching suffix (<= count)."""
+        for n in reversed(self.sizes):
+            if len(self.seq) < n:
+                continue
+            start = self.after[n].get(tuple(self.seq[-n:]))
+            if start is not None:
+                return self.seq[start:start + count]
+        return []
+
+
+class PromptLookupDecoder:
+    """Prompt lookup decoding state for one sequence; see the module docstring."""
+
+    def __init__(self, m: MedusaModel, settings: Optional[PromptLookupSettings] = None,
+                 sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None):
+        self.m = m
+        self.s = settings or PromptLookupSettings()
+        self.cfg = sampling or SamplingConfig()
+        self.gen = _generator(m.device, seed)
+        self.index = NGramIndex(self.s.min_ngram, self.s.max_ngram)
+        self.cache = None
+        self.past = 0
+        self.root: Optional[int] = None
+
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        n = prompt.shape[1]
+        self.cache = self.m.new_cache(n + max_new_tokens + self.s.extra_kv_tokens)
+        _, self.root = _prefill(self.m, prompt, self.cache, self.cfg, self.gen)
+        self.index.extend(prompt[0].tolist() + [self.root])
+        self.past = n
+        return self.root
+
+    def step(self) -> tuple[list[int], int]:
+        proposal = self.index.propose(self.s.num_tokens)
+        accepted, bonus = verify_chain(self.m, self.cache, self.past, self.root, proposal, self.cfg, self.gen)
+        new = accepted + [bonus]
+        self.index.extend(new)
+        self.past += 1 + len(accepted)
+        self.root = bonus
+        return new, len(proposal)
+
+
+def prompt_lookup_stream(m: MedusaModel, input_ids, *, settings: Optional[PromptLookupSettings] = None,
+                         max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
+                         seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
+                         max_steps: Optional[int] = None) -> TokenStream:
+    dec = PromptLookupDecoder(m, settings, sampling, seed)
+    return TokenStream(run_speculative(dec, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
+
+
+def prompt_lookup_generate(m: MedusaModel, input_ids, *, settings: Optional[PromptLookupSettings] = None,
+                           max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
+                           seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
+                           max_steps: Optional[int] = None,
+                           on_tokens: Optional[Callable[[list[int]], None]] = None) -> SpeculativeOutput:
+    """Run prompt lookup decoding to the end (see module docstring)."""
+    return drive(PromptLookupDecoder(m, settings, sampling, seed), m, input_ids, max_new_tokens, eos_token_ids,
+                 max_steps, on_tokens)

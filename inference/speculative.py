@@ -1,0 +1,319 @@
+"""Draft-model speculative sampling, and the step loop every chain-style method shares.
+
+Draft-model speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batch size 1:
+  1. the root is the token the target already chose (prefill or the previous step's bonus);
+  2. the draft model, a smaller causal LM with the target's tokenizer, proposes K tokens
+     x_1..x_K one forward at a time, each from its own distribution q_i (the argmax in
+     greedy/typical mode);
+  3. the target scores root, x_1..x_K in ONE forward (a chain: position past+i, causal mask),
+     giving p_1..p_{K+1};
+  4. greedy: accept the longest prefix with x_i = argmax p_i, bonus = argmax p_{n+1}
+     (token-identical to plain greedy decoding). sample: accept x_i with probability
+     min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the next token from
+     normalize(max(0, p_i - q_i)) and stop; if all K are accepted draw a bonus from p_{K+1}.
+     Every emitted token then follows p exactly, whatever the draft (``accept_drafts``).
+     typical: Medusa's lossy rule on the chain (``verify.verify``);
+  5. both KV caches roll back to prompt + accepted tokens (``TreeKVCache.truncate``). The draft
+     never ran x_K, so after a fully accepted step it first catches up on x_K and the new root,
+     in one forward.
+Tokens per step (tau) = accepted + 1; proposed per step = K. ``adaptive`` moves K like
+transformers' "heuristic" schedule: +2 after a fully accepted step, -1 otherwise, within 1..2K.
+
+Draft = another checkpoint (``load_draft("path or hub id")``; its vocabulary, token strings and
+special tokens must equal the target's, or it is refused), or a self-draft
+(``load_draft("self:4")``): the target's first n decoder layers + its final norm + lm_head.
+The self-draft is a shallow copy of the target's module objects that shares every weight
+tensor, so it costs no download and no parameter memory, only its own (n-layer) KV cache. It
+is untrained for the job (early-exit hidden states are not what the final norm/lm_head
+expect), so its acceptance is low unless n is close to the full depth.
+
+The shared loop (``run_speculative``) drives any decoder object with ``prefill(prompt,
+max_new_tokens) -> first token`` and ``step() -> (new tokens, proposed count)``; the
+lookahead and prompt-lookup decoders use it too, and ``verify_chain`` (one forward over root
++ proposal, verification through ``verify.verify`` with a chain tree, cache roll-back) is how
+prompt lookup checks its guesses. ``SpeculativeOutput`` adds the proposed counts to
+``GenerationOutput`` so the harness can compute acceptance = accepted / proposed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
+from .errors import UserError
+from .model import MedusaModel
+from .tree import TreeBuffers, chain_tree
+from .verify import SamplingConfig, target_probs, verify
+
+# Kept as a name for the output of these methods: ``GenerationOutput`` carries the proposed
+# counts and the acceptance rate for every method.
+SpeculativeOutput = GenerationOutput
+
+# -- shared plumbing ----------------------------------------------------------------------
+_CHAINS: dict[int, object] = {}
+
+def chain_buffers(length: int, device) -> TreeBuffers:
+    """Tree buffers of a chain of ``length`` tokens (root included), built once per length/device."""
+    if length not in _CHAINS:
+        _CHAINS[length] = chain_tree(length)
+    return _CHAINS[length].buffers(device)
+
+def chain_sampling(cfg: SamplingConfig) -> SamplingConfig:
+    """The config ``verify`` gets for a deterministic proposal. In sample mode the "topk" rule
+    (draw Y ~ p, accept the child that carries Y) is exact for point-mass proposals, which is
+    what a chain of fixed guesses is (see verify.py); "sampled" would need a q we do not have."""
+    return cfg if cfg.draft == "topk" else dataclasses.replace(cfg, draft="topk")
+
+def _forward_chain(m: MedusaModel, tokens: list[int], past: int, cache) -> torch.Tensor:
+    """Run ``tokens`` at positions past.. (causal) into ``cache``; returns hidden [n, H]."""
+    buf = chain_buffers(len(tokens), m.device)
+    ids = torch.tensor([tokens], dtype=torch.long, device=m.device)
+    return m.hidden(ids, (buf.position_offsets + past)[None], cache, buf.additive_mask(past, m.dtype))[0]
+
+def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int], cfg: SamplingConfig,
+                 gen: Optional[torch.Generator]) -> tuple[list[int], int]:
+    """Score root + a fixed proposal in one target forward, keep the accepted prefix in ``cache``.
+
+    Returns (accepted proposal tokens, bonus token); afterwards ``cache`` holds
+    ``past + 1 + len(accepted)`` entries (prefix, root, accepted tokens).
+    """
+    tokens = [root] + list(proposal)
+    h = _forward_chain(m, tokens, past, cache)
+    buf = chain_buffers(len(tokens), m.device)
+    verdict = verify(buf, torch.tensor(tokens, device=m.device), m.logits(h), chain_sampling(cfg), None, gen)
+    n = len(verdict.path) - 1
+    cache.truncate(past + 1 + n)
+    return list(proposal[:n]), verdict.bonus
+
+run_speculative = run_decoder  # the loop lives in decode.py, shared with Medusa
+
+def drive(decoder, m, input_ids, max_new_tokens, eos_token_ids, max_steps, on_tokens) -> SpeculativeOutput:
+    stream = TokenStream(run_speculative(decoder, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
+    for chunk in stream:
+        if on_tokens is not None:
+            on_tokens(chunk)
+    return stream.result
+
+# -- the draft model ----------------------------------------------------------------------
+@dataclass
+class DraftSettings:
+    """k: draft tokens per step; adaptive: move k within 1..2k from the last step's acceptance."""
+
+    k: int = 4
+    adaptive: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise UserError(f"draft_k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
+
+    @property
+    def k_max(self) -> int:
+        return 2 * self.k if self.adaptive else self.k
+
+    @property
+    def extra_kv_tokens(self) -> int:
+        """Target cache slots beyond prompt + max_new_tokens (one verification chain); the draft's
+        own cache holds prompt + max_new_tokens + this + 1."""
+        return self.k_max + 1
+
+def self_draft(target: MedusaModel, num_layers: int) -> MedusaModel:
+    """The target's first ``num_layers`` decoder layers + final norm + lm_head, sharing weights.
+
+    Shallow copies of the causal-LM wrapper and the decoder body get their own module dict,
+    a config saying ``num_layers`` layers, and a ModuleList holding the first layers (the same
+    objects, so no tensor is copied). transformers' decoders loop over
+    ``layers[:config.num_hidden_layers]`` and build masks from the config, so the stock
+    forward runs the shallow stack.
+    """
+    model = target.model
+    prefix = model.base_model_prefix
+    body = getattr(model, prefix)
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UserError(f"{type(body).__name__} keeps no `layers` list: a self-draft needs a standard decoder stack")
+    total = len(layers)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+        raise UserError(f"a self-draft takes 1..{total} of the backbone's layers, got {num_layers!r}")
+    cfg = copy.deepcopy(body.config)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types)[:num_layers]
+    cfg.num_hidden_layers = num_layers
+    short_body = copy.copy(body)
+    short_body._modules = dict(body._modules)       # its own module table: the target's stays intact
+    short_body.layers = torch.nn.ModuleList(list(layers)[:num_layers])
+    short_body.config = cfg
+    short = copy.copy(model)
+    short._modules = dict(model._modules)
+    setattr(short, prefix, short_body)
+    short.config = cfg
+    draft = MedusaModel(model=short, tokenizer=target.tokenizer, heads=None, eos_token_ids=list(target.eos_token_ids))
+    draft.self_draft_layers = num_layers
+    return draft
+
+def check_draft_compatible(target: MedusaModel, draft: MedusaModel) -> None:
+    """Refuse a draft that does not speak the target's tokens (one line, ``UserError``)."""
+    tv, dv = target.vocab_size, draft.vocab_size
+    if tv != dv:
+        raise UserError(f"the draft model's vocabulary has {dv} entries, the target's {tv}: "
+                        "a draft must use the target's tokenizer")
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is None or dt is None or tt is dt:
+        return
+    if tt.get_vocab() != dt.get_vocab():
+        raise UserError("the draft model's tokenizer maps tokens to other ids than the target's: "
+                        "a draft must use the target's tokenizer")
+    specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    for name in specials:
+        if getattr(tt, name, None) != getattr(dt, name, None):
+            raise UserError(f"the draft model's tokenizer has another {name} ({getattr(dt, name, None)} vs "
+                            f"{getattr(tt, name, None)}): a draft must use the target's tokenizer")
+    if sorted(tt.all_special_ids) != sorted(dt.all_special_ids):
+        raise UserError("the draft model's tokenizer has other special tokens than the target's: "
+                        "a draft must use the target's tokenizer")
+
+def parse_self_draft(spec) -> Optional[int]:
+    """The layer count of a ``self:N`` spec (0 for bare ``self``: a quarter of the layers), None
+    for any other spec; a malformed ``self...`` spec is a ``UserError`` (checked before loading)."""
+    if not isinstance(spec, str) or not (spec == "self" or spec.startswith("self:")):
+        return None
+    arg = spec.partition(":")[2]
+    if spec == "self":
+        return 0
+    if not arg.isdigit():
+        raise UserError(f"self-draft must be written self:N (N layers of the backbone), got {spec!r}")
+    return int(arg)
+
+def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> MedusaModel:
+    """``"self:N"`` (the target's first N layers), a loaded ``MedusaModel`` / causal LM, or a
+    name/path of a checkpoint with the target's tokenizer (loaded on the target's device/dtype)."""
+    layers = parse_self_draft(spec)
+    if layers is not None:
+        return self_draft(target, max(1, target.config.num_hidden_layers // 4) if spec == "self" else layers)
+    if isinstance(spec, MedusaModel):
+        draft = spec
+    elif isinstance(spec, str):
+        from .model import load_backbone
+
+        model, tok = load_backbone(spec, target.device, target.dtype, trust_remote_code)
+        draft = MedusaModel(model=model, tokenizer=tok, heads=None)
+    elif hasattr(spec, "get_output_embeddings"):
+        draft = MedusaModel(model=spec, tokenizer=None, heads=None)
+    else:
+        raise UserError(f"draft must be self:N, a model name/path or a causal LM, got {type(spec).__name__}")
+    check_draft_compatible(target, draft)
+    if draft.device != target.device:
+        raise UserError(f"the draft model is on {draft.device}, the target on {target.device}")
+    return draft
+
+def accept_drafts(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                  gen: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's accept/resample rule for B independent trials.
+
+    drafts [B, K] with x_i ~ q[:, i]; p [B, K+1, V] the target at root, x_1, .., x_K; q [B, K, V].
+    Returns (accepted [B], next token [B]): x_i is kept with probability min(1, p_i/q_i) until
+    the first rejection, whose replacement is drawn from normalize(max(0, p_n - q_n)); when all
+    K are kept the next token is a bonus draw from p_{K+1}. Exact: P(emit y) = min(p, q)(y) +
+    (1 - sum min(p, q)) * (p - q)+(y) / sum (p - q)+ = p(y), one position at a time.
+    """
+    B, K = drafts.shape
+    rows = torch.arange(B, device=drafts.device)
+    px = p[:, :K].gather(-1, drafts[..., None])[..., 0]
+    qx = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(B, K, generator=gen, device=drafts.device)
+    keep = u * qx < px                                    # u < p/q, without dividing by q
+    n = keep.int().cumprod(1).sum(1)                      # accepted before the first rejection
+    p_n = p[rows, n].float()
+    q_n = torch.where((n < K)[:, None], q[rows, n.clamp(max=K - 1)].float(), torch.zeros_like(p_n))
+    resid = (p_n - q_n).clamp(min=0)
+    mass = resid.sum(-1, keepdim=True)
+    # mass == 0 only when p_n == q_n, where a rejection has probability 0: p_n is then correct
+    dist = torch.where(mass > 0, resid / mass.clamp(min=1e-30), p_n)
+    nxt = torch.multinomial(dist, 1, generator=gen)[:, 0]
+    return n, nxt
+
+class DraftDecoder:
+    """Speculative decoding state for one sequence (target + draft caches); see module docstring."""
+
+    def __init__(self, target: MedusaModel, draft: MedusaModel, settings: Optional[DraftSettings] = None,
+                 sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None):
+        check_draft_compatible(target, draft)
+        self.m, self.draft = target, draft
+        self.settings = settings or DraftSettings()
+        self.cfg = sampling or SamplingConfig()
+        self.gen = _generator(target.device, seed)
+        self.k = self.settings.k
+        self.cache = self.dcache = None
+        self.seq: list[int] = []     # prompt + every emitted token; seq[-1] is the root
+        self.past = 0                # target cache length = len(seq) - 1
+
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        n = prompt.shape[1]
+        capacity = n + max_new_tokens + self.settings.extra_kv_tokens
+        self.cache = self.m.new_cache(capacity)
+        self.dcache = self.draft.new_cache(capacity + 1)
+        _, root = _prefill(self.m, prompt, self.cache, self.cfg, self.gen)
+        self.draft.hidden(prompt, torch.arange(n, device=prompt.device)[None], self.dcache)
+        self.seq = prompt[0].tolist() + [root]
+        self.past = n
+        return root
+
+    def _propose(self, k: int) -> tuple[list[int], Optional[torch.Tensor]]:
+        """k draft tokens (and their q rows in sample mode); the draft cache gains all but x_k."""
+        d, sample = self.draft, not self.cfg.is_greedy and self.cfg.mode == "sample"
+        feed = self.seq[self.dcache.length:]          # the root, after a full acceptance x_K first
+        drafts, qs = [], []
+        for _ in range(k):
+            h = _forward_chain(d, feed, self.dcache.length, self.dcache)[-1]
+            logits = d.logits(h)
+            if sample:
+                q = target_probs(logits, self.cfg)
+                tok = int(torch.multinomial(q, 1, generator=self.gen))
+                qs.append(q)
+            else:
+                tok = int(logits.argmax(-1))
+            drafts.append(tok)
+            feed = [tok]                               # x_k itself runs only once accepted (next step)
+        return drafts, (torch.stack(qs) if sample else None)
+
+    def step(self) -> tuple[list[int], int]:
+        k, past, root = self.k, self.past, self.seq[-1]
+        drafts, q = self._propose(k)
+        if q is None:                                  # greedy / typical: verify the fixed chain
+            accepted, bonus = verify_chain(self.m, self.cache, past, root, drafts, self.cfg, self.gen)
+            n = len(accepted)
+        else:
+            h = _forward_chain(self.m, [root] + drafts, past, self.cache)
+            p = target_probs(self.m.logits(h), self.cfg)
+            n_t, nxt = accept_drafts(torch.tensor([drafts], device=self.m.device), p[None], q[None], self.gen)
+            n, bonus = int(n_t[0]), int(nxt[0])
+            self.cache.truncate(past + 1 + n)
+        new = drafts[:n] + [bonus]
+        self.dcache.truncate(min(self.dcache.length, past + 1 + n))   # drop rejected draft entries
+        self.seq += new
+        self.past = past + 1 + n
+        if self.settings.adaptive:
+            self.k = min(self.k + 2, self.settings.k_max) if n == k else max(1, self.k - 1)
+        return new, k
+
+def speculative_stream(target: MedusaModel, draft, input_ids, *, settings: Optional[DraftSettings] = None,
+                       max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
+                       seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
+                       max_steps: Optional[int] = None) -> TokenStream:
+    """Stream draft-model speculative decoding; ``draft``: a ``MedusaModel``, ``"self:N"`` or a path."""
+    dec = DraftDecoder(target, load_draft(draft, target), settings, sampling, seed)
+    return TokenStream(run_speculative(dec, target, input_ids, max_new_tokens, eos_token_ids, max_steps))
+
+def speculative_generate(target: MedusaModel, draft, input_ids, *, settings: Optional[DraftSettings] = None,
+                         max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
+                         seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
+                         max_steps: Optional[int] = None,
+                         on_tokens: Optional[Callable[[list[int]], None]] = None) -> SpeculativeOutput:
+    """Run draft-model speculative decoding to the end (see module docstring)."""
+    dec = DraftDecoder(target, load_draft(draft, target), settings, sampling, seed)
+    return drive(dec, target, input_ids, max_new_tokens, eos_token_ids, max_steps, on_tokens)

@@ -1,0 +1,141 @@
+"""The trade-off matrix (inference/evaluate.py ``write_compare``, ``medusa-eval compare=true``):
+every method in one interleaved run, its report files, the cost columns, the bundled code
+prompts, and the bad-input paths of the method selection."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from inference.errors import UserError
+from inference.evaluate import (COMPARE_FILES, METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token,
+                                load_prompts, write_compare, write_report)
+from inference.lookahead import LookaheadSettings
+from inference.model import MedusaModel
+from inference.prompt_lookup import PromptLookupSettings
+from inference.speculative import DraftSettings
+
+from runtime_support import one_thread, random_heads  # noqa: F401 (autouse fixture)
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    from medusa_train.backbone import random_backbone
+
+    return random_backbone(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def with_heads(backbone):
+    return MedusaModel(model=backbone.model.eval(), tokenizer=backbone.tokenizer,
+                       heads=random_heads(backbone.model, num_heads=2))
+
+
+OPTIONS = MethodOptions(draft="self:1", draft_settings=DraftSettings(k=3),
+                        lookahead=LookaheadSettings(window=3, ngram=3, guesses=3),
+                        prompt_lookup=PromptLookupSettings(num_tokens=4))
+
+
+def test_compare_runs_every_method_and_writes_the_matrix(with_heads, tmp_path):
+    """Guards against: a method missing from the matrix, a method losing greedy identity in the
+    harness, cost columns not following their definitions, or a missing report file."""
+    prompts = [Prompt(str(i), [f"repeat after me: abc abc abc {i}"]) for i in range(3)]
+    settings = {"prompts": "tiny", "max_new_tokens": 10, "mode": "greedy", "backbone": "random:llama"}
+    report = evaluate(with_heads, prompts, methods=list(METHODS), tree="chain3", max_new_tokens=10, progress=False,
+                      log=lambda s: None, settings=settings, options=OPTIONS)
+    assert report["methods"] == list(METHODS)
+    for meth in METHODS:
+        row = report["per_method"][meth]
+        assert row["greedy_identical_fraction"] == 1.0, meth
+        assert {"tau", "tokens_per_s", "speedup_vs_autoregressive", "speedup_vs_hf_generate"} <= set(row), meth
+        if meth not in ("autoregressive", "hf_generate"):
+            assert 0 <= row["acceptance_rate"] <= 1 and row["tau"] >= 1.0, meth
+    costs, per_token = report["costs"], kv_bytes_per_token(with_heads)
+    assert costs["draft"]["extra_parameters"] == 0 and costs["draft"]["training"].startswith("none")
+    assert costs["medusa"]["extra_parameters"] > 0 and costs["medusa"]["training"] == "heads"
+    assert costs["prompt_lookup"]["extra_kv_cache_bytes"] == 5 * per_token
+    assert costs["lookahead"]["extra_kv_cache_bytes"] == (1 + 2 * (3 + 3)) * per_token
+    assert costs["draft"]["extra_kv_cache_bytes"] == 4 * per_token + (report["run_length"] + 5) * per_token // 2
+    assert costs["autoregressive"]["extra_kv_cache_bytes"] == 0
+
+    paths = write_report(tmp_path, report) + write_compare(tmp_path, report)
+    assert {p.name for p in paths} >= {"report.json", "report.md", *COMPARE_FILES}
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    table = [line for line in (tmp_path / "compare.md").read_text().splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| method | tau | acceptance rate | tokens/s")
+    assert [line.split("|")[1].strip() for line in table[1:]] == list(METHODS)
+    assert all(line.rstrip(" |").endswith("yes") for line in table[1:])
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["per_method"]["lookahead"]["tau"] == report["per_method"]["lookahead"]["tau"]
+
+
+def test_training_free_methods_run_without_heads(backbone):
+    """Guards against: the harness requiring heads for methods that need none, and method medusa
+    without heads failing late or with a traceback instead of one clear error."""
+    bare = MedusaModel(model=backbone.model.eval(), tokenizer=backbone.tokenizer, heads=None)
+    prompts = [Prompt("a", ["hello there"])]
+    r = evaluate(bare, prompts, methods=["lookahead", "prompt_lookup", "draft", "autoregressive"], max_new_tokens=6,
+                 progress=False, log=lambda s: None, options=OPTIONS)
+    assert r["per_method"]["draft"]["greedy_identical_fraction"] == 1.0 and "tau" not in r
+    with pytest.raises(UserError, match="heads"):
+        evaluate(bare, prompts, methods=["medusa", "autoregressive"], progress=False, log=lambda s: None)
+    for bad, words in ((["beam"], "unknown method"), (["draft", "draft"], "twice")):
+        with pytest.raises(UserError, match=words):
+            evaluate(bare, prompts, methods=bad, progress=False, log=lambda s: None)
+
+
+def test_code_prompt_set_is_bundled():
+    """Guards against the code / structured-output prompt set missing from the package."""
+    prompts = load_prompts("code")
+    assert len(prompts) >= 20 and all(p.turns[0].strip() for p in prompts)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert load_prompts("embedded:code", limit=3)[2].id == prompts[2].id
+
+
+def _eval_cli(args, timeout=180):
+    code = "import sys; from inference.cli import eval_main; eval_main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["method=beam"], "unknown method"),
+    (["method=draft", "draft_k=0"], "draft_k"),
+    (["method=lookahead", "lookahead_window=1"], "window"),
+    (["method=lookahead", "lookahead_ngram=1"], "ngram"),
+    (["method=draft", "draft=self:x"], "self:N"),
+    (["method=medusa"], "heads"),
+    ([], "heads="),
+    (["method=draft", "methods=[draft]"], "one of"),
+])
+def test_cli_method_selection_errors_are_one_line_and_exit_2(args, words):
+    """Guards against bad method names or settings ending in a traceback, a zero exit status, or
+    only after minutes of model loading (they are checked first)."""
+    proc = _eval_cli(args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_cli_compare_end_to_end_on_a_local_tiny_backbone(backbone, tmp_path):
+    """Guards against the compare command failing to wire backbone=, the method settings, the
+    prompts and the output files together (a saved random model: no network, no heads)."""
+    model_dir = tmp_path / "tiny"
+    backbone.model.save_pretrained(model_dir)
+    backbone.tokenizer.save_pretrained(model_dir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"say {w} {w} {w}"}) for w in ("one", "two")) + "\n")
+    out = tmp_path / "cmp"
+    proc = _eval_cli([f"backbone={model_dir}", f"prompts={prompts}", "compare=true", "max_new_tokens=6",
+                      "draft=self:1", "draft_k=2", "lookahead_window=2", "lookahead_ngram=2", "threads=1",
+                      "progress_bar=false", f"out={out}"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", *COMPARE_FILES}
+    report = json.loads((out / "report.json").read_text())
+    assert report["methods"] == ["draft", "lookahead", "prompt_lookup", "autoregressive", "hf_generate"]
+    assert report["method_options"]["draft"] == "self:1" and report["method_options"]["lookahead_window"] == 2
