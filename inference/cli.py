@@ -47,6 +47,9 @@ class RuntimeConfig:
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = default)
     trust_remote_code: bool = False
+    # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
+    # backbone is the one the heads record (no backbone= given); set false for a merged model.
+    apply_adapter: Optional[bool] = None
 
 
 @dataclass
@@ -99,7 +102,7 @@ def _load(cfg):
         raise UserError("heads=<export directory> is required")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     return load_medusa(cfg.heads, backbone=cfg.backbone, device=device, dtype=cfg.dtype,
-                       trust_remote_code=cfg.trust_remote_code)
+                       trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter)
 
 
 def _sampling(cfg):
@@ -198,6 +201,21 @@ def run_eval(cfg) -> dict:
                       sampling=sampling, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
                       calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets), seed=cfg.seed,
                       progress=cfg.progress_bar, settings=settings, options=options)
+    spec = getattr(m.heads, "spec", None)
+    if getattr(spec, "backbone_adapter", None) and m.adapter_applied:
+        # Medusa-2 heads decode on the adapted backbone: say how far it is from the original.
+        from .drift import greedy_drift
+        from .model import MedusaModel, load_backbone, parse_dtype
+
+        original, _ = load_backbone(cfg.backbone or spec.base_model, m.device, parse_dtype(cfg.dtype),
+                                    cfg.trust_remote_code)
+        evaluated = prompts[:wanted] if wanted is not None else prompts
+        ids = [m.encode_chat(p.turns[0]) for p in evaluated[:8]]
+        report["backbone_drift"] = greedy_drift(m, MedusaModel(model=original, tokenizer=None, heads=None), ids,
+                                                cfg.max_new_tokens)
+        print(f"backbone drift vs the original ({len(ids)} prompts): greedy token agreement "
+              f"{report['backbone_drift']['greedy_token_agreement']:.1%}, identical answers "
+              f"{report['backbone_drift']['identical_answers']:.1%}")
     if cfg.out:
         out = Path(cfg.out)
     elif cfg.heads:

@@ -67,6 +67,7 @@ class MedusaModel:
     tokenizer: Any
     heads: Any
     eos_token_ids: list[int] = field(default_factory=list)
+    adapter_applied: bool = False  # a Medusa-2 LoRA adapter was merged into ``model`` at load time
 
     def __post_init__(self):
         self.model.eval()
@@ -190,16 +191,18 @@ def load_backbone(name_or_path: str, device="cpu", dtype=torch.float32, trust_re
 
 
 def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
-                tokenizer=None) -> MedusaModel:
+                tokenizer=None, apply_adapter: Optional[bool] = None) -> MedusaModel:
     """Backbone + tokenizer + heads, checked to belong together.
 
     backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
     ``*ForCausalLM`` (then ``tokenizer`` may be given too). Heads trained with a LoRA adapter
-    (Medusa-2, ``spec.backbone_adapter``) get it merged into a backbone loaded here; a model
-    object passed in is used as given (pass the merged model, e.g. ``<run>/merged``). device/dtype default to cpu/float32
+    (Medusa-2, ``spec.backbone_adapter``) get it merged into the backbone when that backbone is
+    the one their config records (``backbone=None``); a backbone given explicitly is used as
+    is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
     when loading, and to the given model's own when a model object is passed.
     """
     spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
+    adapter_applied = False
     if backbone is None or isinstance(backbone, (str, Path)):
         name = str(backbone) if backbone is not None else spec.base_model
         if not name:
@@ -208,10 +211,12 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         dt = parse_dtype(dtype or torch.float32)
         model, tok = load_backbone(name, dev, dt, trust_remote_code)
         tokenizer = tokenizer or tok
-        if spec.backbone_adapter:  # Medusa-2 heads: decode on the backbone they were trained with
+        apply = apply_adapter if apply_adapter is not None else backbone is None
+        if spec.backbone_adapter and apply:  # Medusa-2 heads: decode on the backbone they were trained with
             from .adapter import merge_lora
 
             merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
+            adapter_applied = True
     else:
         model = backbone
         if not hasattr(model, "get_output_embeddings"):
@@ -222,9 +227,14 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         model = model.to(device=dev, dtype=dt)
     lm_w = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
     emb = model.get_input_embeddings()
+    if spec.backbone_adapter and apply_adapter and not adapter_applied:
+        from .adapter import merge_lora
+
+        merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
+        adapter_applied = True
     heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
                        input_embeddings=emb.weight if emb is not None else None)
-    return MedusaModel(model=model, tokenizer=tokenizer, heads=heads)
+    return MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied)
 
 
 def attach_heads(model, heads, tokenizer=None) -> MedusaModel:

@@ -142,3 +142,26 @@ def test_runtime_refuses_a_broken_adapter(tmp_path, tiny_backbone):
               str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(UserError, match="does not have"):
         merge_lora(tiny_backbone.model, tmp_path)
+
+
+def test_runtime_applies_the_adapter_from_a_path_and_reports_drift(compose_tiny, out_dir, tiny_backbone, tmp_path):
+    """Guards against Medusa-2 heads evaluated on the original backbone (their acceptance would
+    be measured on a model they were not trained with) and against a drift report that cannot
+    tell the tuned model from the original."""
+    from inference.drift import greedy_drift
+
+    T.run(compose_tiny(*LORA, "trainer.max_steps=3", "optim.lr=3e-2"))
+    base_dir = tmp_path / "base"
+    tiny_backbone.model.save_pretrained(base_dir)
+    tiny_backbone.tokenizer.save_pretrained(base_dir)
+    plain = load_medusa(out_dir / "heads", backbone=str(base_dir), apply_adapter=False)
+    tuned = load_medusa(out_dir / "heads", backbone=str(base_dir), apply_adapter=True)
+    assert tuned.adapter_applied and not plain.adapter_applied
+    prompts = [[1, 2, 3, 4], [7, 8, 9]]
+    same = greedy_drift(plain, plain, prompts, max_new_tokens=12)
+    assert same == {"prompts": 2, "greedy_token_agreement": 1.0, "identical_answers": 1.0}
+    drift = greedy_drift(tuned, plain, prompts, max_new_tokens=12)
+    assert 0.0 <= drift["greedy_token_agreement"] <= 1.0
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        assert not torch.equal(tuned.model(input_ids=ids).logits, plain.model(input_ids=ids).logits)
