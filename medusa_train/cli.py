@@ -59,8 +59,7 @@ def _task(cfg) -> None:
         from hydra.types import RunMode
         from omegaconf import open_dict
 
-        from .trainer import run
-
+        run = task_runner(cfg)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:  # each sweep job trains into its own folder
             with open_dict(cfg):
@@ -68,6 +67,21 @@ def _task(cfg) -> None:
         run(cfg)
     except UserError as e:
         _fail(str(e))
+
+
+def task_runner(cfg):
+    """What a recipe runs: ``task: distill`` -> distill.run; ``features.mode=build`` -> features.run_build;
+    otherwise the trainer (which reads the feature cache itself under ``features.mode=train``)."""
+    def name(enum_or_str) -> str:
+        return str(getattr(enum_or_str, "value", enum_or_str))
+
+    if name(cfg.task) == "distill":
+        from .distill import run
+    elif name(cfg.features.mode) == "build":
+        from .features import run_build as run
+    else:
+        from .trainer import run
+    return run
 
 
 def _precheck(recipe: str, overrides: list[str]) -> None:

@@ -15,6 +15,7 @@ ZeRO 0-3, fp32/bf16/fp16, accumulation     trainer.zero_stage, trainer.precision
 checkpoints every N steps, keep last M     trainer.save_every, trainer.keep_last
 resume after a crash or kill               trainer.resume=auto|never|<dir>
 wandb (offline default), JSONL, PNG        logger.*
+offline hidden-state cache (features.py)   features.mode=off|build|train, features.cache_dir, .dtype
 
 The backbone is outside the DeepSpeed engine: no gradients, no optimizer state, eval mode,
 run under ``torch.no_grad`` through its body only (the heads need the final hidden state,

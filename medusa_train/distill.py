@@ -1,0 +1,484 @@
+"""Self-distillation data: regenerate every assistant turn of a chat dataset with the backbone.
+
+Heads trained on someone else's replies (ShareGPT was written by another model) learn a
+distribution the backbone does not follow. This task keeps the user turns of a conversation
+dataset and replaces each assistant turn by the backbone's own reply, so the heads learn to
+guess what the backbone will say::
+
+    medusa-train distill_smollm2                                   # writes runs/distill_smollm2/
+    medusa-train distill_smollm2 distill.temperature=0 distill.max_conversations=200
+    deepspeed --num_gpus 8 --module medusa_train.cli distill_smollm2 trainer.device=cuda distill.batch_size=64
+    medusa-train medusa1_smollm2_distilled                         # train heads on the result
+
+Feature                                        config key
+---------------------------------------------  -----------------------------------------------
+source conversations (same readers as training)  data.source, data.split, data.system_prompt
+sampling temperature (0 = greedy), nucleus       distill.temperature (default 0.3), distill.top_p
+limits                                           distill.max_conversations, distill.max_new_tokens
+                                                 (per turn), distill.max_turns, data.max_length
+                                                 (a turn whose prompt already has that many tokens
+                                                 ends the conversation: training would cut it off)
+batched generation with a KV cache               distill.batch_size (prompts grouped by length)
+resume unit / output shard size                  distill.shard_size
+device, seed, CPU threads, progress bar          trainer.device, trainer.seed, trainer.threads,
+                                                 trainer.progress_bar
+
+Multi-turn conversations are replayed turn by turn: the prompt of turn i holds the original
+user turns and the *regenerated* replies 1..i-1, as in a real chat with the backbone.
+Generation is transformers' ``generate`` on left-padded batches with its KV cache; within a
+shard all conversations' turn-i prompts are sorted by length before batching, so a batch
+wastes little on padding.
+
+Output (``output_dir``)::
+
+    distill.json                 manifest: settings, backbone + weight fingerprint, source, counts, tokens/s
+    data/shard-000000.jsonl      {"messages": [{role, content}...], "source_index": i, ...} per line
+    progress/shard-000000.json   per-shard counts and timing, written just before its shard
+
+Train on it with ``data.source=<output_dir>/data`` (the manifest and progress files live
+outside ``data/`` so the trainer's folder reader never mistakes them for conversations).
+
+Resume and sharding: source conversation i belongs to shard i // shard_size, and process r of
+a launcher's world W (RANK / WORLD_SIZE, as ``deepspeed`` or ``torchrun`` set them) does shards
+k with k % W == r. A shard is written to a temporary name and renamed when complete, so a
+SIGTERM, Ctrl-C or crash loses at most the shard in progress; the same command continues with
+the shards that are missing (with any world size), never duplicating or losing a
+conversation. Each shard's sampling is seeded by (seed, shard), so a resumed shard is the
+shard the uninterrupted run would have written. An output directory holding a different
+run's data (other settings, backbone or source) is refused, naming what differs. The last
+process to finish writes the final counts into ``distill.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from inference.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "distill.json"
+DATA_DIR = "data"
+PROGRESS_DIR = "progress"
+
+
+# -- identity of a run: what must match for a directory to be continued ----------------------------
+def run_identity(cfg) -> dict:
+    """Settings that decide what the output holds; another value here means another dataset."""
+    from omegaconf import OmegaConf
+
+    b, d, g = cfg.backbone, cfg.data, cfg.distill
+    random_init = OmegaConf.to_container(b.random_init) if OmegaConf.is_config(b.random_init) else b.random_init
+    return {
+        "backbone": {"name_or_path": b.name_or_path, "gguf_file": b.gguf_file, "revision": b.revision,
+                     "random_init": random_init, "dtype": b.dtype},
+        "data": {"source": d.source, "split": d.split, "system_prompt": d.system_prompt, "max_length": d.max_length},
+        "distill": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
+                    "max_turns": g.max_turns, "max_conversations": g.max_conversations,
+                    "shard_size": g.shard_size},
+        "trainer": {"seed": cfg.trainer.seed},
+    }
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "random_init":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """``key: old there, new here`` for every setting that differs."""
+    a, b = _flatten(old), _flatten(new)
+    return [f"{k}={a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write beside the target, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None) -> dict:
+    """Create the manifest, or check that ``out`` holds this very run's data; refuse otherwise."""
+    manifest_path = out / MANIFEST
+    data = out / DATA_DIR
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError:
+            raise UserError(f"{manifest_path} is not valid JSON; delete {out} to start over") from None
+        if manifest.get("task") != "distill" or manifest.get("format") != FORMAT_VERSION:
+            raise UserError(f"{out} holds something other than distillation data of this version ({MANIFEST}); "
+                            "use another output_dir")
+        diff = differences(manifest.get("identity", {}), identity)
+        if diff:
+            raise UserError(f"{out} already holds distillation data of another run ({'; '.join(diff[:3])}); "
+                            "use another output_dir or delete it")
+        old_fp = manifest.get("backbone_fingerprint")
+        if fingerprint is not None and old_fp is not None and old_fp != fingerprint:
+            raise UserError(f"{out} was generated by a backbone with other weights or architecture "
+                            f"(fingerprint {old_fp} there, {fingerprint} here); use another output_dir")
+        if fingerprint is not None and old_fp is None:
+            manifest["backbone_fingerprint"] = fingerprint
+            write_json_atomic(manifest_path, manifest)
+        return manifest
+    if data.is_dir() and any(data.iterdir()):
+        raise UserError(f"{data} holds files but {out} has no {MANIFEST}: not a distillation run of this tool; "
+                        "use another output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"task": "distill", "format": FORMAT_VERSION, "identity": identity,
+                "backbone_fingerprint": fingerprint, "complete": False}
+    write_json_atomic(manifest_path, manifest)  # every rank may do this: same content, atomic rename
+    return manifest
+
+
+# -- conversations and turns -------------------------------------------------------------------------------
+@dataclass
+class Replay:
+    """One conversation being regenerated: source messages, what has been rebuilt so far."""
+
+    index: int
+    source: list[dict]
+    cursor: int = 0  # next source message to consume
+    messages: list[dict] = field(default_factory=list)  # rebuilt conversation (ends with an assistant turn)
+    turns: int = 0
+    tokens: int = 0
+    truncated_turns: int = 0
+    done: bool = False
+    pending: list[dict] = field(default_factory=list)  # user/system turns before the reply being generated
+    ended_by: str = ""  # why the replay stopped early (counted in the manifest)
+
+    def next_prompt(self, max_turns: Optional[int]) -> Optional[list[dict]]:
+        """Messages up to the next assistant turn (None when the conversation is finished)."""
+        if self.done or (max_turns is not None and self.turns >= max_turns):
+            self.done = True
+            return None
+        pending = []
+        while self.cursor < len(self.source) and self.source[self.cursor]["role"] != "assistant":
+            pending.append(self.source[self.cursor])
+            self.cursor += 1
+        if self.cursor >= len(self.source):
+            self.done = True
+            return None
+        self.cursor += 1  # the assistant turn we replace
+        if not any(m["role"] == "user" for m in self.messages + pending):
+            return self.next_prompt(max_turns)  # a reply to no user turn: nothing to regenerate from
+        self.pending = pending
+        return self.messages + pending
+
+    def accept(self, reply: str, n_tokens: int, hit_eos: bool) -> None:
+        self.tokens += n_tokens
+        if not reply.strip():  # an empty turn would merge the user turns around it; stop here
+            self.done, self.ended_by = True, "empty reply"
+            return
+        self.messages = self.messages + self.pending + [{"role": "assistant", "content": reply}]
+        self.turns += 1
+        self.truncated_turns += int(not hit_eos)
+        self.pending = []
+
+    def record(self) -> dict:
+        return {"messages": self.messages, "source_index": self.index, "regenerated_turns": self.turns,
+                "generated_tokens": self.tokens}
+
+
+def source_conversations(cfg, read_stats=None) -> Iterator[tuple[int, list[dict]]]:
+    """(source index, messages) of the usable conversations, in source order, up to the limit."""
+    from .data.readers import ReadStats, iter_conversations
+
+    d, limit = cfg.data, cfg.distill.max_conversations
+    stats = read_stats if read_stats is not None else ReadStats()
+    for i, messages in enumerate(iter_conversations(d.source, d.split, stats, d.system_prompt)):
+        if limit is not None and i >= limit:
+            return
+        yield i, messages
+
+
+def shards_of(conversations, shard_size: int) -> Iterator[tuple[int, list[tuple[int, list[dict]]]]]:
+    """Group (index, messages) into (shard, members); shard k holds indices [k*S, (k+1)*S)."""
+    shard, members = None, []
+    for i, messages in conversations:
+        k = i // shard_size
+        if shard is not None and k != shard:
+            yield shard, members
+            members = []
+        shard = k
+        members.append((i, messages))
+    if members:
+        yield shard, members
+
+
+# -- generation -----------------------------------------------------------------------------------------------
+class Generator:
+    """Batched generation with transformers' ``generate`` (left padding, KV cache)."""
+
+    def __init__(self, model, tokenizer, cfg, device):
+        from transformers import GenerationConfig
+
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        g = cfg.distill
+        self.eos = sorted(eos_ids(model, tokenizer))
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
+        sample = g.temperature > 0
+        self.config = GenerationConfig(
+            max_new_tokens=g.max_new_tokens, do_sample=sample, temperature=g.temperature if sample else None,
+            top_p=g.top_p if sample else None, top_k=0 if sample else None, eos_token_id=self.eos,
+            pad_token_id=self.pad, use_cache=True)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # as training tokenises
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """New tokens of each prompt (without the end-of-turn token) and whether it ended the turn."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  generation_config=self.config)
+        results = []
+        for row in out[:, width:].tolist():
+            ends = [j for j, t in enumerate(row) if t in self.eos]
+            results.append((row[:ends[0]], True) if ends else (row, False))
+        return results
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        ids.update([e] if isinstance(e, int) else (e or []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise UserError("the backbone's tokenizer and config name no end-of-sequence token; cannot end a reply")
+    return ids
+
+
+@dataclass
+class ShardResult:
+    records: list[dict]
+    stats: dict
+
+
+def distill_shard(gen: Generator, members: list[tuple[int, list[dict]]], cfg, on_batch=None) -> ShardResult:
+    """Regenerate one shard: round i generates turn i of every conversation still going."""
+    g, max_prompt = cfg.distill, cfg.data.max_length
+    replays = [Replay(i, messages) for i, messages in members]
+    tokens, seconds = 0, 0.0
+    stats = {"conversations": len(members), "written": 0, "turns": 0, "truncated_turns": 0,
+             "ended": {}, "generated_tokens": 0, "generate_s": 0.0}
+    while True:
+        todo = []
+        for rep in replays:
+            prompt = rep.next_prompt(g.max_turns)
+            if prompt is None:
+                continue
+            ids = gen.encode(prompt)
+            if len(ids) >= max_prompt:  # training would truncate before this reply: stop the replay here
+                rep.done, rep.ended_by = True, "prompt reached data.max_length"
+                continue
+            todo.append((rep, ids))
+        if not todo:
+            break
+        todo.sort(key=lambda x: len(x[1]), reverse=True)  # similar lengths together; the longest first
+        for b in range(0, len(todo), g.batch_size):
+            batch = todo[b:b + g.batch_size]
+            t0 = time.perf_counter()
+            outs = gen.generate([ids for _, ids in batch])
+            dt = time.perf_counter() - t0
+            n = 0
+            for (rep, _), (new, hit_eos) in zip(batch, outs):
+                k = len(new) + int(hit_eos)
+                n += k
+                rep.accept(gen.decode(new), k, hit_eos)
+            tokens, seconds = tokens + n, seconds + dt
+            if on_batch is not None:
+                on_batch(n, dt)
+    records = []
+    for rep in replays:
+        if rep.ended_by:
+            stats["ended"][rep.ended_by] = stats["ended"].get(rep.ended_by, 0) + 1
+        stats["turns"] += rep.turns
+        stats["truncated_turns"] += rep.truncated_turns
+        if rep.turns:
+            records.append(rep.record())
+    stats.update(written=len(records), generated_tokens=tokens, generate_s=round(seconds, 3))
+    return ShardResult(records, stats)
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+def shard_path(out: Path, k: int) -> Path:
+    return out / DATA_DIR / f"shard-{k:06d}.jsonl"
+
+
+def progress_path(out: Path, k: int) -> Path:
+    return out / PROGRESS_DIR / f"shard-{k:06d}.json"
+
+
+def write_shard(out: Path, k: int, result: ShardResult) -> Path:
+    """Progress first, then the shard by rename: a shard on disk is always whole and accounted for."""
+    final = shard_path(out, k)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    progress_path(out, k).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(progress_path(out, k), result.stats)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")  # not *.jsonl: readers never pick it up
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in result.records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return final
+
+
+def _remove_leftovers(out: Path, k: int) -> None:
+    for tmp in (out / DATA_DIR).glob(f"shard-{k:06d}.jsonl.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
+def finalize(out: Path, n_shards: int, n_source: int, extra: dict) -> Optional[dict]:
+    """Sum the per-shard counts into the manifest once every shard exists (any process may do it)."""
+    if any(not shard_path(out, k).is_file() for k in range(n_shards)):
+        return None
+    totals = {"source_conversations": n_source, "conversations": 0, "turns": 0, "truncated_turns": 0,
+              "generated_tokens": 0, "generate_s": 0.0, "ended": {}}
+    for k in range(n_shards):
+        p = progress_path(out, k)
+        st = json.loads(p.read_text()) if p.is_file() else {}
+        totals["conversations"] += st.get("written", 0)
+        for key in ("turns", "truncated_turns", "generated_tokens", "generate_s"):
+            totals[key] += st.get(key, 0)
+        for why, n in st.get("ended", {}).items():
+            totals["ended"][why] = totals["ended"].get(why, 0) + n
+    totals["generate_s"] = round(totals["generate_s"], 2)
+    totals["tokens_per_s_per_process"] = round(totals["generated_tokens"] / max(totals["generate_s"], 1e-9), 1)
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest.update(complete=True, shards=[shard_path(out, k).name for k in range(n_shards)], counts=totals, **extra)
+    write_json_atomic(out / MANIFEST, manifest)
+    for tmp in (out / DATA_DIR).glob("*.tmp-*"):
+        tmp.unlink(missing_ok=True)  # leftovers of killed runs
+    return manifest
+
+
+# -- the task -------------------------------------------------------------------------------------------------
+def _launcher_rank() -> tuple[int, int, int]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world, int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run(cfg) -> dict:
+    """The distillation task; returns the manifest when this process finished the last shard."""
+    from .backbone import load_backbone
+    from .config import validate
+    from .data.readers import ReadStats
+    from .features import backbone_identity
+    from .trainer import resolve_device
+
+    validate(cfg)
+    t, g = cfg.trainer, cfg.distill
+    out = Path(cfg.output_dir)
+    rank, world, local = _launcher_rank()
+    identity = run_identity(cfg)
+    claim_output(out, identity)  # refuse a foreign directory before loading anything
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    device = resolve_device(t.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+    backbone = load_backbone(cfg.backbone, device, seed=t.seed)
+    claim_output(out, identity, backbone_identity(backbone))
+    gen = Generator(backbone.model, backbone.tokenizer, cfg, device)
+    main = rank == 0
+
+    bar = None
+    if t.progress_bar and main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=g.max_conversations, desc=f"distill (rank 0 of {world})", unit="conv", dynamic_ncols=True)
+    rate = {"tokens": 0, "s": 0.0}
+
+    def on_batch(n: int, dt: float) -> None:
+        rate["tokens"] += n
+        rate["s"] += dt
+        if bar is not None:
+            bar.set_postfix_str(f"{rate['tokens'] / max(rate['s'], 1e-9):.1f} tok/s")
+
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+    read_stats = ReadStats()
+    n_source, n_shards, done_here, skipped = 0, 0, 0, 0
+    started = time.perf_counter()
+    try:
+        for k, members in shards_of(source_conversations(cfg, read_stats), g.shard_size):
+            n_source = members[-1][0] + 1
+            n_shards = k + 1
+            if k % world != rank:
+                continue
+            if shard_path(out, k).is_file():
+                skipped += 1
+                if bar is not None:
+                    bar.update(len(members))
+                continue
+            _remove_leftovers(out, k)
+            torch.manual_seed(t.seed * 1_000_003 + k)  # the shard's samples do not depend on what ran before
+            result = distill_shard(gen, members, cfg, on_batch)
+            write_shard(out, k, result)
+            done_here += 1
+            if bar is not None:
+                bar.update(len(members))
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: {done_here} shard(s) written by this run under {out / DATA_DIR} "
+                        f"(rank {rank}); run the same command again to continue") from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if bar is not None:
+            bar.close()
+    if n_source == 0:
+        raise UserError(f"data source {cfg.data.source!r} gave no conversations to distill ({read_stats.summary()})")
+    wall = time.perf_counter() - started
+    this_run = {"shards_written": done_here, "shards_found_done": skipped, "world_size": world,
+                "batch_size": g.batch_size, "device": str(device), "generated_tokens": rate["tokens"],
+                "tokens_per_s": round(rate["tokens"] / max(rate["s"], 1e-9), 1), "wall_s": round(wall, 1)}
+    print(f"[distill] rank {rank}: {done_here} shard(s) written ({skipped} already done), "
+          f"{rate['tokens']} tokens at {this_run['tokens_per_s']} tok/s", flush=True)
+    manifest = finalize(out, n_shards, n_source, {"last_run": this_run, "source_read": read_stats.summary(),
+                                                  "backbone": backbone.name})
+    if manifest is not None:
+        c = manifest["counts"]
+        print(f"[distill] complete: {c['conversations']} of {c['source_conversations']} conversations, "
+              f"{c['turns']} turns, {c['generated_tokens']} tokens ({c['tokens_per_s_per_process']} tok/s per process) "
+              f"in {out / DATA_DIR}; train on it with data.source={out / DATA_DIR}", flush=True)
+    return manifest or {}
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

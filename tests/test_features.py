@@ -1,0 +1,169 @@
+"""Offline feature cache (``features.mode``) on the tiny random backbone: same losses as the online path,
+no backbone forward when training from it, refusal of a cache for another backbone or data, the disk
+check, and no half-written shard after a failure mid-write."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.errors import UserError
+from medusa_train import features
+from medusa_train import trainer as T
+from medusa_train.tracking import read_metrics
+
+RUN = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.save_every=0", "logger.plot=false"]
+
+
+def losses(out: Path, kind: str) -> list[float]:
+    return [r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == kind]
+
+
+def shard_files(root: Path) -> list[str]:
+    return sorted(p.name for p in Path(root).iterdir() if p.suffix == ".safetensors" or ".tmp" in p.name)
+
+
+def test_cached_training_gives_the_online_losses_without_running_the_backbone(compose_tiny, tmp_path):
+    """Guards against: cached batches that differ from the online stream (other order, packing, labels or
+    positions), hidden states stored other than the trainer computes them, cached eval batches that differ,
+    and a cached run that still forwards the backbone (it must not: that is the point of the cache)."""
+    online = tmp_path / "online"
+    T.run(compose_tiny(*RUN, out=online))
+
+    cached = tmp_path / "cached"
+    cfg = compose_tiny(*RUN, "features.mode=train", "features.dtype=fp32", "features.shard_batches=3", out=cached)
+    features.run_build(cfg)  # build first, so the training run below never needs the backbone
+    manifest = json.loads((cached / "features" / features.MANIFEST).read_text())
+    assert manifest["batches"] >= 4 and manifest["shards"][0] == 3  # two shards: reading crosses a boundary
+
+    trainer = T.MedusaTrainer(compose_tiny(*RUN, "features.mode=train", "features.dtype=fp32",
+                                           "features.shard_batches=3", out=cached))
+    trainer.setup()
+
+    def no_backbone(*args, **kwargs):
+        raise AssertionError("the backbone ran on a cached batch")
+
+    trainer.body = no_backbone
+    trainer.train()
+    summary = trainer.evaluate()
+    trainer.cleanup(plot=False)
+    assert losses(cached, "train") == losses(online, "train")  # fp32 cache: bit-identical
+    assert summary["loss"] == losses(online, "eval")[-1]
+    assert json.loads((cached / "features" / features.MANIFEST).read_text())["identity"]["dtype"] == "fp32"
+
+
+def test_bf16_cache_is_the_default_and_close(compose_tiny, tmp_path):
+    """Guards against: the default cache storing fp32 (twice the disk) or bf16 storage shifting the losses
+    by more than rounding explains."""
+    online, cached = tmp_path / "online", tmp_path / "cached"
+    T.run(compose_tiny(*RUN, out=online))
+    T.run(compose_tiny(*RUN, "features.mode=train", out=cached))  # builds the missing cache, then trains
+    from safetensors import safe_open
+
+    with safe_open(str(cached / "features" / "train-000000.safetensors"), framework="pt") as f:
+        assert f.get_tensor("0.hidden").dtype == torch.bfloat16
+    for a, b in zip(losses(cached, "train"), losses(online, "train")):
+        assert a == pytest.approx(b, rel=1e-3)
+
+
+@pytest.mark.parametrize("change, words", [
+    (["++backbone.random_init.initializer_range=0.5"], ["another backbone", "weights"]),
+    (["data.max_length=128"], ["data.max_length"]),
+    (["trainer.seed=1"], ["seed"]),
+], ids=["weights", "data", "seed"])
+def test_cache_for_another_backbone_or_data_is_refused(change, words, compose_tiny, tmp_path):
+    """Guards against: training on hidden states of another backbone (same architecture, other weights) or of
+    other data settings, which would train heads for a model or stream they will never see."""
+    cache = tmp_path / "shared_cache"
+    features.run_build(compose_tiny(*RUN, "features.mode=build", f"features.cache_dir={cache}", out=tmp_path / "a"))
+    before = shard_files(cache)
+    with pytest.raises(UserError) as err:
+        T.run(compose_tiny(*RUN, "features.mode=train", f"features.cache_dir={cache}", *change, out=tmp_path / "b"))
+    assert all(w in str(err.value) for w in words) and "\n" not in str(err.value), str(err.value)
+    assert shard_files(cache) == before
+
+
+def test_disk_without_room_is_refused_before_writing(compose_tiny, out_dir, monkeypatch, capsys):
+    """Guards against: starting a cache the disk cannot hold (and filling it) instead of saying so up front,
+    with the estimate printed first."""
+    real = features.shutil.disk_usage
+
+    def tiny_disk(path):
+        return real(path)._replace(free=10_000)
+
+    monkeypatch.setattr(features.shutil, "disk_usage", tiny_disk)
+    with pytest.raises(UserError, match="features cache needs ~.* free"):
+        features.run_build(compose_tiny(*RUN, "features.mode=build"))
+    printed = capsys.readouterr().out
+    assert "x hidden 64 x 2 bytes (bf16)" in printed
+    assert shard_files(out_dir / "features") == []
+
+
+def test_failure_mid_write_leaves_no_half_written_shard(compose_tiny, out_dir, monkeypatch):
+    """Guards against: a full disk (or a kill) during a shard write leaving a truncated file under the final
+    name that a later run would read as complete; the rerun must finish the cache and train."""
+    real = features.save_file
+    calls = {"n": 0}
+
+    def disk_full_on_third(tensors, filename, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 3:  # eval, first train shard, then this one
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 100)  # part of the file made it to disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(features, "save_file", disk_full_on_third)
+    cfg = [*RUN, "features.mode=train", "features.shard_batches=1"]
+    with pytest.raises(UserError, match="No space left on device.*1 complete shard.*none half-written"):
+        T.run(compose_tiny(*cfg))
+    root = out_dir / "features"
+    assert shard_files(root) == ["eval.safetensors", "train-000000.safetensors"]
+    assert json.loads((root / features.MANIFEST).read_text())["shards"] == []  # not listed as built
+
+    monkeypatch.setattr(features, "save_file", real)
+    T.run(compose_tiny(*cfg))
+    assert shard_files(root) == ["eval.safetensors"] + [f"train-{k:06d}.safetensors" for k in range(4)]
+    assert len(losses(out_dir, "train")) == 4
+
+
+def test_cached_batches_order_ranks_and_resume(tmp_path):
+    """Guards against: epoch 0 not in stream order (breaks equivalence with the online path), later epochs
+    not covering every batch, ranks sharing batches, and a resumed position not continuing exactly."""
+    manifest = {"shard_batches": 4, "batches": 10}
+
+    class Fake(features.CachedBatches):
+        def batch(self, i):
+            return {"i": i, "doc_ids": torch.ones(1, 1, dtype=torch.long), "labels": torch.ones(1, 1, dtype=torch.long)}
+
+    one = Fake(None, manifest, 0, 1, 0, "cpu", torch.float32)
+    assert one.order(0) == list(range(10))
+    assert sorted(one.order(1)) == list(range(10)) and one.order(1) != one.order(2)
+    r0, r1 = (Fake(None, manifest, r, 2, 0, "cpu", torch.float32) for r in (0, 1))
+    for epoch in (0, 1):
+        assert sorted(r0.order(epoch) + r1.order(epoch)) == list(range(10))
+    it = iter(one)
+    first = [next(it)["i"] for _ in range(13)]
+    state = one.state()
+    assert state == {"epoch": 1, "index": 3}
+    resumed = iter(Fake(None, manifest, 0, 1, 0, "cpu", torch.float32, **state))
+    assert [next(resumed)["i"] for _ in range(5)] == [next(it)["i"] for _ in range(5)]
+    assert first[:10] == list(range(10))
+
+
+def test_cache_grows_when_more_steps_are_asked(compose_tiny, out_dir):
+    """Guards against: a cache built for a short run silently cycling its few batches in a longer run
+    (instead of extending), and rebuilding shards that are already complete."""
+    features.run_build(compose_tiny("trainer.max_steps=2", "features.mode=build", "features.shard_batches=2"))
+    root = out_dir / "features"
+    first = root / "train-000000.safetensors"
+    stamp = first.stat().st_mtime_ns
+    assert json.loads((root / features.MANIFEST).read_text())["batches"] == 2
+    features.run_build(compose_tiny("trainer.max_steps=4", "features.mode=build", "features.shard_batches=2"))
+    assert json.loads((root / features.MANIFEST).read_text())["batches"] == 4
+    assert first.stat().st_mtime_ns == stamp
