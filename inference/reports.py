@@ -1,0 +1,185 @@
+"""Writing what ``evaluate`` measured: report.json / report.md / PNGs, and the trade-off matrix
+(compare.md + compare.png). The metric definitions live in ``evaluate``'s docstring; this module
+only formats them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+# -- reports ---------------------------------------------------------------------------------
+def write_report(out_dir: Path, report: dict) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "report.json", out_dir / "report.md"]
+    tmp = out_dir / ".report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, paths[0])
+    paths[1].write_text(markdown(report))
+    paths += plot_report(out_dir, report)
+    return paths
+
+
+def _fmt(v, spec=".3f", default="-") -> str:
+    return default if v is None else format(v, spec)
+
+
+def _times(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def markdown(r: dict) -> str:
+    s = r.get("settings") or {}
+    title = f"Medusa evaluation: {s['heads']}" if s.get("heads") else f"Decoding evaluation: {s.get('backbone', '')}"
+    lines = [f"# {title}", "",
+             f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
+             f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
+             f"({r['machine']['threads']} threads), {s.get('dtype', '')}.", "",
+             "| method | tau | acceptance rate | tokens/s | speedup vs autoregressive | speedup vs HF generate |",
+             "|---|---|---|---|---|---|"]
+    per = r.get("per_method") or {}
+    for meth, v in r["tokens_per_s"].items():
+        row = per.get(meth, {})
+        a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
+        lines.append(f"| {meth} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | {v:.2f} | {a} | {h} |")
+    if "medusa" in r.get("methods", []):
+        lines += ["", f"- Medusa tau (tokens per verification step): **{r.get('tau', 1.0):.3f}**",
+                  f"- acceptance rate: {r.get('acceptance_rate', 0):.3f}; n-alpha: {r.get('n_alpha', [])}",
+                  f"- output identical to plain greedy: {r.get('greedy_identical_fraction', 'n/a')}",
+                  f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}"]
+    acc = r.get("head_accuracy")
+    if acc:
+        lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]
+        for k, row in enumerate(acc["topk"], start=1):
+            lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in row[:5]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(out_dir: Path, r: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    hist = r.get("accept_length_histogram")
+    if hist:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar([int(k) for k in hist], list(hist.values()))
+        ax.set(xlabel="tokens accepted per step (bonus included)", ylabel="steps",
+               title=f"acceptance length, tau = {r.get('tau', 1):.2f}")
+        fig.tight_layout()
+        paths.append(out_dir / "acceptance_histogram.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    acc = r.get("head_accuracy")
+    if acc:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        topk = acc["topk"]
+        width = 0.8 / max(len(topk), 1)
+        for k, row in enumerate(topk):
+            ax.bar([j + k * width for j in range(min(5, len(row)))], row[:5], width, label=f"head {k + 1}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(5)], [f"top-{j}" for j in range(1, 6)])
+        ax.set(ylabel="accuracy vs backbone greedy", title="per-head accuracy")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "head_accuracy.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+# -- the trade-off matrix ----------------------------------------------------------------------
+COMPARE_FILES = ("compare.md", "compare.png")
+
+
+def _size(n: float, unit: str) -> str:
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".strip()
+
+
+def compare_markdown(r: dict) -> str:
+    """The trade-off matrix: one row per method (definitions: module docstring)."""
+    s = r.get("settings") or {}
+    per, costs, opts = r["per_method"], r.get("costs", {}), r.get("method_options", {})
+    greedy = s.get("mode", "greedy") == "greedy"
+    lines = [f"# Decoding methods compared: {s.get('backbone') or s.get('heads') or ''}", "",
+             f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
+             f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
+             f"({r['machine']['threads']} threads), {s.get('dtype', '')}; methods interleaved per prompt.", "",
+             "| method | tau | acceptance rate | tokens/s | speedup vs autoregressive | speedup vs HF generate "
+             "| extra parameters | extra KV cache | training needed | output = plain greedy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for meth in r["methods"]:
+        row, cost = per[meth], costs.get(meth, {})
+        a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
+        ident = row.get("greedy_identical_fraction")
+        if ident is None:
+            same = "-"
+        elif not greedy:
+            same = f"n/a (sampling; {ident:.0%} equal)"
+        else:
+            same = "yes" if ident == 1.0 else f"no ({ident:.0%} of prompts)"
+        params = cost.get("extra_parameters", 0)
+        p_txt = "0" if not params else f"{_size(params, '')} ({_size(cost.get('extra_parameter_bytes', 0), 'B')})"
+        kv = cost.get("extra_kv_cache_bytes", 0)
+        lines.append(f"| {meth} | {_fmt(row.get('tau'), '.2f')} | {_fmt(row.get('acceptance_rate'), '.3f')} | "
+                     f"{row['tokens_per_s']:.2f} | {a} | {h} | {p_txt} | {_size(kv, 'B') if kv else '0'} | "
+                     f"{cost.get('training', 'none')} | {same} |")
+    notes = []
+    if "medusa" in r["methods"]:
+        notes.append(f"medusa: tree {r['tree']['name']} ({r['tree']['nodes']} nodes)")
+    if "draft" in r["methods"]:
+        notes.append(f"draft: `{opts.get('draft')}`, K = {opts.get('draft_k')}"
+                     + (" (adaptive)" if opts.get("draft_adaptive") else ""))
+    if "lookahead" in r["methods"]:
+        notes.append(f"lookahead: W = {opts.get('lookahead_window')}, N = {opts.get('lookahead_ngram')}, "
+                     f"G = {opts.get('lookahead_guesses')}")
+    if "prompt_lookup" in r["methods"]:
+        ng = opts.get("prompt_lookup_ngram", ["?", "?"])
+        notes.append(f"prompt lookup: up to {opts.get('prompt_lookup_tokens')} tokens, n-grams {ng[0]}..{ng[1]}")
+    lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "",
+              "",
+              "tau = tokens per verification step (bonus included; plain decoding 1.0); acceptance rate = accepted "
+              "/ proposed draft tokens; tokens/s include prefill; speedups from the same run. Extra parameters: "
+              "loaded beyond the backbone, tensors shared with it not counted. Extra KV cache: cache allocated "
+              f"beyond plain decoding's, at {r.get('run_length', '?')} tokens (longest prompt + max_new_tokens)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_compare(path: Path, r: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = r["methods"]
+    per = r["per_method"]
+    panels = [("speedup vs autoregressive", [per[m].get("speedup_vs_autoregressive") or 0 for m in methods]),
+              ("tau (tokens / step)", [per[m].get("tau") or 0 for m in methods]),
+              ("tokens/s", [per[m]["tokens_per_s"] for m in methods])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (title, values) in zip(axes, panels):
+        ax.bar(range(len(methods)), values, color=[f"C{i}" for i in range(len(methods))])
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        if title.startswith("speedup"):
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    fig.suptitle(f"{r['settings'].get('prompts', '')}: {r['num_samples']} samples, "
+                 f"{r['settings'].get('max_new_tokens', '')} tokens max", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_compare(out_dir: Path, report: dict) -> list[Path]:
+    """compare.md (the trade-off matrix) and compare.png (speedup, tau, tokens/s per method)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / COMPARE_FILES[0]
+    md.write_text(compare_markdown(report))
+    return [md, plot_compare(out_dir / COMPARE_FILES[1], report)]
