@@ -36,7 +36,9 @@ class RuntimeConfig:
     backbone: Optional[str] = None  # default: the base model recorded in the heads' config.json
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    tree: str = "auto"  # auto (measured) | a default name (tree8, chain3, ...) | a tree JSON path
+    # auto (measured: accuracy and latency) | calibrated:N (the best N-node tree for these heads,
+    # kept whatever its speed: compare heads at one budget) | a default name (tree8, chain3) | a JSON path
+    tree: str = "auto"
     mode: str = "greedy"  # greedy (lossless) | typical (lossy) | sample (exact)
     temperature: float = 0.7
     top_p: float = 1.0
@@ -190,7 +192,7 @@ def run_eval(cfg) -> dict:
         from .errors import UserError
 
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
-    calibrating = cfg.tree == "auto" and "medusa" in methods
+    calibrating = (cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:")) and "medusa" in methods
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
     m = _load_eval(cfg, methods)

@@ -181,13 +181,30 @@ def _median_ar_step(m: MedusaModel, prompt_ids: list[int], steps: int = 8) -> fl
     return statistics.median(out.step_s[2:]) if len(out.step_s) > 2 else statistics.median(out.step_s)
 
 
+def calibrated_choice(tree_setting: str) -> Optional[int]:
+    """N for ``tree=calibrated:N`` (grow the best N-node tree from measured accuracy and use it
+    whatever its speed: the same node budget for every set of heads being compared), else None."""
+    if not isinstance(tree_setting, str) or not tree_setting.startswith("calibrated:"):
+        return None
+    n = tree_setting.split(":", 1)[1]
+    if not n.isdigit() or int(n) < 2:
+        raise UserError(f"tree=calibrated:N needs N >= 2 nodes (root included), got {tree_setting!r}")
+    return int(n)
+
+
 def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
                 budgets: Sequence[int] = DEFAULT_BUDGETS, calibration_tokens: int = 48, topk: int = 10,
                 latency_steps: int = 6, latency_rounds: int = 2,
-                log: Callable[[str], None] = print) -> TreeChoice:
-    """Grow a tree per budget from measured accuracy; keep the one with the best tau / step time."""
+                log: Callable[[str], None] = print, fixed_nodes: Optional[int] = None) -> TreeChoice:
+    """Grow a tree per budget from measured accuracy; keep the one with the best tau / step time.
+    With ``fixed_nodes`` grow that one tree and keep it (no latency measurement)."""
     acc = measure_head_accuracy(m, calibration, max_new_tokens=calibration_tokens, topk=topk)
     per_rank = acc.per_rank.tolist()
+    if fixed_nodes is not None:
+        tree, tau = grow_tree(per_rank, fixed_nodes - 1, name=f"calibrated{fixed_nodes}", fill=True)
+        log(f"  tree {tree.name}: {tree.num_nodes} nodes, expected tau {tau:.3f} (fixed budget)")
+        return TreeChoice(tree, f"fixed budget of {fixed_nodes} nodes grown from measured accuracy", per_rank,
+                          [{"name": tree.name, "nodes": tree.num_nodes, "expected_tau": round(tau, 4)}])
     trees = []
     seen = set()
     for b in sorted(set(budgets)):
@@ -418,14 +435,16 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     if turns not in ("first", "both"):
         raise UserError(f"turns must be first|both, got {turns!r}")
     calib: list[list[int]] = []
-    if tree == "auto" and "medusa" in methods:
+    fixed = calibrated_choice(tree)
+    if (tree == "auto" or fixed) and "medusa" in methods:
         if len(prompts) > calibration_prompts >= 1:
             calib_src, prompts = prompts[-calibration_prompts:], prompts[:-calibration_prompts]
         else:
             calib_src = prompts[:max(calibration_prompts, 1)]
         calib = [m.encode_chat(p.turns[0]) for p in calib_src]
         log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")
-        choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log)
+        choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log,
+                             fixed_nodes=fixed)
     else:
         t = resolve_tree(tree, m.num_heads) if "medusa" in methods else None
         choice = TreeChoice(t, "given")

@@ -292,11 +292,12 @@ def expected_tau(tree: MedusaTree, accuracies) -> float:
     return 1.0 + sum(path_value(p, acc) for p in tree.paths)
 
 
-def grow_tree(accuracies, budget: int, name: Optional[str] = None) -> tuple[MedusaTree, float]:
+def grow_tree(accuracies, budget: int, name: Optional[str] = None, fill: bool = False) -> tuple[MedusaTree, float]:
     """Greedy tree under a node budget (root excluded); returns (tree, expected tau).
 
     Ties are broken towards shallower, then lexicographically smaller paths, so the result
-    is deterministic. Growth stops early when no frontier node has a positive value.
+    is deterministic. Growth stops early when no frontier node has a positive value, unless
+    ``fill`` (then the tree has exactly ``budget`` nodes, as far as depth x top-k allows).
     """
     acc = _check_accuracies(accuracies)
     if budget < 0:
@@ -307,7 +308,7 @@ def grow_tree(accuracies, budget: int, name: Optional[str] = None) -> tuple[Medu
     chosen, total = [], 0.0
     while heap and len(chosen) < budget:
         neg, _, path = heapq.heappop(heap)
-        if -neg <= 0.0:
+        if -neg <= 0.0 and not fill:
             break
         chosen.append(path)
         total += -neg

@@ -132,6 +132,19 @@ def test_fixed_tree_and_sampling_mode_run(tiny_medusa):
         evaluate(tiny_medusa, prompts, methods=["nope"], tree="chain3", progress=False, log=lambda s: None)
 
 
+def test_calibrated_budget_keeps_its_tree_whatever_its_speed(tiny_medusa):
+    """Guards against comparing head families at different tree sizes: tree=calibrated:N must
+    grow an N-node tree from the heads' own accuracy and decode with it (never fall back), and
+    a bad N is one clear error."""
+    prompts = [Prompt(str(i), [f"question {i}?"]) for i in range(4)]
+    r = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="calibrated:4", max_new_tokens=8,
+                 calibration_prompts=2, calibration_tokens=8, progress=False, log=lambda s: None)
+    assert r["tree"]["nodes"] == 4 and r["tree"]["name"] == "calibrated4"
+    assert r["greedy_identical_fraction"] == 1.0
+    with pytest.raises(UserError, match="calibrated:N"):
+        evaluate(tiny_medusa, prompts, tree="calibrated:1", max_new_tokens=4, progress=False, log=lambda s: None)
+
+
 @pytest.mark.parametrize("cmd, args, words", [
     ("eval_main", ["heads=/nonexistent/heads"], "not found"),
     ("eval_main", ["heads=/x", "nope=1"], "nope"),
