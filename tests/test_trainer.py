@@ -260,12 +260,12 @@ def interrupt_at_forward(monkeypatch, n: int) -> None:
     original = T.HeadsWithLoss.forward
     calls = {"n": 0}
 
-    def forward(self, hidden, labels, doc_ids):
+    def forward(self, hidden, labels, doc_ids, input_ids=None):
         if self.training:
             calls["n"] += 1
             if calls["n"] == n:
                 raise KeyboardInterrupt
-        return original(self, hidden, labels, doc_ids)
+        return original(self, hidden, labels, doc_ids, input_ids)
 
     monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
 
@@ -302,12 +302,12 @@ def test_sigterm_saves_a_checkpoint_and_restores_the_handler(compose_tiny, out_d
     original = T.HeadsWithLoss.forward
     calls = {"n": 0}
 
-    def forward(self, hidden, labels, doc_ids):
+    def forward(self, hidden, labels, doc_ids, input_ids=None):
         if self.training:
             calls["n"] += 1
             if calls["n"] == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, hidden, labels, doc_ids)
+        return original(self, hidden, labels, doc_ids, input_ids)
 
     monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
     with pytest.raises(UserError, match="interrupted at step 2"):
@@ -410,8 +410,8 @@ def test_nan_loss_stops_with_last_good_checkpoint(compose_tiny, out_dir, monkeyp
     original = T.HeadsWithLoss.forward
     calls = {"n": 0}
 
-    def forward(self, hidden, labels, doc_ids):
-        loss = original(self, hidden, labels, doc_ids)
+    def forward(self, hidden, labels, doc_ids, input_ids=None):
+        loss = original(self, hidden, labels, doc_ids, input_ids)
         if self.training:
             calls["n"] += 1
             if calls["n"] == 5:
