@@ -217,8 +217,12 @@ class MedusaTrainer:
         if self.is_main:
             n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
             n_back = sum(p.numel() for p in model.parameters())
+            frozen = "frozen"
+            if self.peft_model is not None:
+                n_lora = sum(p.numel() for p in self.peft_model.parameters() if p.requires_grad)
+                frozen = f"LoRA r={cfg.lora.r}: {n_lora / 1e6:.2f}M adapter parameters train"
             self.tracker.write(
-                f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, frozen) on {self.device}; "
+                f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, {frozen}) on {self.device}; "
                 f"{spec.num_heads} heads x {spec.num_layers} layers, projection {spec.projection} "
                 f"({n_train / 1e6:.2f}M trainable); world {self.world_size}, micro {self.plan.micro_batch_size}, "
                 f"accum {self.plan.grad_accum}, global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
