@@ -510,5 +510,15 @@ def run(cfg) -> dict:
         png = trainer.cleanup()
     if trainer.is_main and png:
         print(f"curves: {png}", flush=True)
+    if trainer.world_size > 1:
+        # Leave the process group before the interpreter exits: gloo's threads torn down by
+        # static destructors instead sometimes abort a rank ("terminate called without an
+        # active exception", exit 250) after a run that succeeded. Success path only: a rank
+        # that failed must not wait at a barrier its peers never reach.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
     summary["step"] = trainer.step
     return summary
