@@ -298,22 +298,28 @@ def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
         (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
         if extra is not None:
             extra(tmp)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except BaseException:
-            if old is not None:  # put the previous export back rather than leave none
-                os.replace(old, out)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_dir_into_place(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def swap_dir_into_place(tmp: Path, out: Path) -> None:
+    """Rename a complete ``tmp`` directory to ``out``; an existing ``out`` is replaced only once the
+    new one is in place (and put back if the rename fails), so a crash never leaves neither."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _foreign_importer(d: Path):

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import UserError
+from ..heads import swap_dir_into_place
 from . import FORMATS
 
 # Modules whose import registers the built-in exporters. A teammate adding a kind registers
@@ -159,18 +160,7 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
         os.chmod(tmp, 0o777 & ~umask)
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except BaseException:
-            if old is not None:  # put the previous directory back rather than leave none
-                os.replace(old, out)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_dir_into_place(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
