@@ -48,6 +48,7 @@ class RuntimeConfig:
     max_new_tokens: int = 128
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = default)
+    kernels: str = "auto"  # auto: skinny CPU products take the faster formulation (linear_kernels) | stock
     trust_remote_code: bool = False
     # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
     # backbone is the one the heads record (no backbone= given); set false for a merged model.
@@ -104,7 +105,7 @@ def _load(cfg):
         raise UserError("heads=<export directory> is required")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     return load_medusa(cfg.heads, backbone=cfg.backbone, device=device, dtype=cfg.dtype,
-                       trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter)
+                       trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter, kernels=cfg.kernels)
 
 
 def _sampling(cfg):
@@ -146,8 +147,10 @@ def _load_eval(cfg, methods):
     import torch
 
     from .errors import UserError
-    from .model import MedusaModel, load_backbone, parse_device, parse_dtype
+    from .model import KERNEL_MODES, MedusaModel, load_backbone, parse_device, parse_dtype
 
+    if cfg.kernels not in KERNEL_MODES:
+        raise UserError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {cfg.kernels!r}")
     if "medusa" in methods and not cfg.heads:
         raise UserError("method medusa needs heads=<export directory>")
     if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
@@ -157,7 +160,10 @@ def _load_eval(cfg, methods):
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_backbone(cfg.backbone or "embedded:smollm2", parse_device(device), parse_dtype(cfg.dtype),
                                cfg.trust_remote_code)
-    return MedusaModel(model=model, tokenizer=tok, heads=None)
+    m = MedusaModel(model=model, tokenizer=tok, heads=None)
+    if cfg.kernels == "auto":
+        m.route_kernels()
+    return m
 
 
 def _method_options(cfg):

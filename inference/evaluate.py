@@ -53,6 +53,7 @@ from . import assets
 from .decode import (GenerationOutput, autoregressive_generate, measure_head_accuracy, measure_step_latency,
                      medusa_generate)
 from .errors import UserError
+from .linear_kernels import routing_summary
 from .lookahead import LookaheadSettings, lookahead_generate
 from .model import MedusaModel
 from .prompt_lookup import PromptLookupSettings, prompt_lookup_generate
@@ -250,12 +251,15 @@ class Sample:
 
 
 def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int) -> GenerationOutput:
-    """transformers' own greedy ``generate`` (its default cache), timed like the others."""
+    """transformers' own greedy ``generate`` (its default cache), timed like the others, with stock
+    kernels (no ``linear_kernels`` routing): the baseline is what a user gets from transformers."""
+    from .linear_kernels import stock_kernels
+
     ids = torch.tensor([prompt_ids], device=m.device)
     eos = list(m.eos_token_ids)
     pad = m.tokenizer.pad_token_id if m.tokenizer is not None and m.tokenizer.pad_token_id is not None else eos[0]
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), stock_kernels():
         out = m.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                do_sample=False, eos_token_id=eos, pad_token_id=pad)
     if m.device.type == "cuda":
@@ -484,7 +488,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     report = {"settings": settings or {}, "machine": machine(), "num_samples": len(samples),
               "methods": list(methods), "tree": choice.to_dict(), **summarize(samples, methods, choice.tree),
               "method_options": options.to_dict(), "run_length": run_length,
-              "costs": {meth: method_costs(meth, m, choice.tree, options, draft, run_length) for meth in methods}}
+              "costs": {meth: method_costs(meth, m, choice.tree, options, draft, run_length) for meth in methods},
+              "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock"}
     if choice.accuracies is not None:
         cum = torch.tensor(choice.accuracies).cumsum(1)
         report["head_accuracy"] = {"per_rank": choice.accuracies, "topk": cum.tolist(),

@@ -28,6 +28,7 @@ from .heads import check_compatible, load_heads, read_heads_spec
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 _MASKING_ATTENTION = ("sdpa", "eager")
+KERNEL_MODES = ("auto", "stock")
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -68,6 +69,7 @@ class MedusaModel:
     heads: Any
     eos_token_ids: list[int] = field(default_factory=list)
     adapter_applied: bool = False  # a Medusa-2 LoRA adapter was merged into ``model`` at load time
+    kernel_plans: list = field(default_factory=list)  # linear_kernels routing (CPU), empty = stock kernels
 
     def __post_init__(self):
         self.model.eval()
@@ -135,6 +137,13 @@ class MedusaModel:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
 
+    def route_kernels(self) -> None:
+        """Let each linear of backbone and heads pick its faster CPU product per row count
+        (``linear_kernels``; measured on first use, no extra memory). No-op off CPU."""
+        from .linear_kernels import route_linear_kernels
+
+        self.kernel_plans = route_linear_kernels(self.model, extra=[self.heads] if self.heads is not None else [])
+
     def head_logits(self, hidden: torch.Tensor, count: Optional[int] = None) -> list[torch.Tensor]:
         """The first ``count`` (default: all) heads' logits at ``hidden`` (local vocabulary for
         truncated heads). A tree of depth d needs only heads 0..d-1; each costs a projection."""
@@ -191,7 +200,7 @@ def load_backbone(name_or_path: str, device="cpu", dtype=torch.float32, trust_re
 
 
 def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
-                tokenizer=None, apply_adapter: Optional[bool] = None) -> MedusaModel:
+                tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None) -> MedusaModel:
     """Backbone + tokenizer + heads, checked to belong together.
 
     backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
@@ -199,8 +208,15 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     (Medusa-2, ``spec.backbone_adapter``) get it merged into the backbone when that backbone is
     the one their config records (``backbone=None``); a backbone given explicitly is used as
     is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
-    when loading, and to the given model's own when a model object is passed.
+    when loading, and to the given model's own when a model object is passed. kernels: ``auto``
+    routes skinny CPU products through the faster formulation (``linear_kernels``; it changes the
+    class of the model's linears in place), ``stock`` leaves transformers' as they are; default
+    ``auto`` for a backbone loaded here, ``stock`` for a model object passed in.
     """
+    if kernels is None:
+        kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
+    if kernels not in KERNEL_MODES:
+        raise UserError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
     spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
     adapter_applied = False
     if backbone is None or isinstance(backbone, (str, Path)):
@@ -234,7 +250,10 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         adapter_applied = True
     heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
                        input_embeddings=emb.weight if emb is not None else None)
-    return MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied)
+    m = MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied)
+    if kernels == "auto":
+        m.route_kernels()
+    return m
 
 
 def attach_heads(model, heads, tokenizer=None) -> MedusaModel:

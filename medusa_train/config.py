@@ -84,6 +84,13 @@ class HeadsConfig:
     # Weight of a distillation term: CE against the backbone's own distribution of the token
     # each head guesses (Hydra++'s teacher loss); 0 = labels only, 1 = teacher only.
     teacher_weight: float = 0.0
+    # What head k at t learns to predict: "data" = the dataset token t+k+1 (the labels);
+    # "backbone" = the frozen backbone's greedy token there (argmax after the true prefix up to
+    # t+k), which is what greedy verification accepts (losses.backbone_labels).
+    targets: str = "data"
+
+
+TARGETS = ("data", "backbone")
 
 
 @dataclass
@@ -250,6 +257,7 @@ def validate(cfg) -> None:
         (not h.tie_weights or (kind == HeadKind.mlp_speculator.value and h.num_heads >= 2),
          "heads.tie_weights needs heads.kind=mlp_speculator and heads.num_heads >= 2"),
         (0.0 <= h.teacher_weight <= 1.0, f"heads.teacher_weight must be in [0, 1], got {h.teacher_weight}"),
+        (h.targets in TARGETS, f"heads.targets must be data or backbone, got {h.targets!r}"),
         (d.max_length >= 8, f"data.max_length must be >= 8, got {d.max_length}"),
         (Precision(t.precision) is Precision.fp32 or t.zero_stage >= 1,
          f"trainer.precision={Precision(t.precision).value} needs trainer.zero_stage >= 1: the ZeRO optimizer keeps "
@@ -285,6 +293,9 @@ def _validate_lora(cfg) -> None:
         (FeaturesMode(cfg.features.mode) is FeaturesMode.off,
          "lora.enabled=true trains the backbone, so cached features cannot stand in for it: use features.mode=off"),
         (Task(cfg.task) is Task.train, "lora.enabled=true needs task=train"),
+        (cfg.heads.targets != "backbone",
+         "heads.targets=backbone needs a frozen backbone, but lora.enabled=true trains it (its greedy tokens move "
+         "during training): use heads.targets=data"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -22,10 +22,14 @@ Config (``features.*``, defaults in recipes/base/run.yaml):
 What is cached: the first N micro-batches of the training stream exactly as the online
 trainer would see them on one process (same seed, shuffle, packing), N = min(one epoch,
 ``trainer.max_steps`` x accumulation x world size), each with ``input_ids``, ``labels``,
-``doc_ids``, ``position_ids`` and ``hidden`` (what ``MedusaTrainer.hidden_states`` returns),
-plus the held-out evaluation batches. Training reads them in that order in epoch 0, so with an
-fp32 cache the losses equal the online run's; later epochs replay the same batches in a new
-seeded order (the online stream would re-shuffle and re-pack the conversations instead).
+``doc_ids``, ``position_ids``, ``hidden`` (what ``MedusaTrainer.hidden_states`` returns) and
+``greedy`` (int32: the backbone's argmax where ``heads.targets=backbone`` needs it, IGNORE elsewhere;
+``MedusaTrainer.greedy_ids``, computed from the backbone-dtype hidden states, not the stored
+rounding), plus the held-out evaluation batches. Greedy ids are always stored, whatever
+``heads.targets`` is, so one cache serves both settings (``heads.targets`` is not part of its
+identity). Training reads them in that order in epoch 0, so with an fp32 cache the losses
+equal the online run's; later epochs replay the same batches in a new seeded order (the
+online stream would re-shuffle and re-pack the conversations instead).
 With W processes, process r takes the batches at positions r, r+W, ... so one cache serves
 any world size (the online path splits the conversation stream instead, so W > 1 runs differ
 from online ones in which batch each rank sees, not in what is learned). Raising
@@ -37,7 +41,7 @@ needed) but never run on a cached batch.
 Layout::
 
     features.json                 manifest: backbone fingerprint (config + weights), data settings, shards
-    eval.safetensors              held-out batches ({j}.hidden, {j}.input_ids, ...)
+    eval.safetensors              held-out batches ({j}.hidden, {j}.greedy, {j}.input_ids, ...)
     train-000000.safetensors      micro-batches 0..S-1 of the stream (metadata: first, count)
 
 Safety: before writing, the disk needed (positions x hidden x bytes, plus the ids) is
@@ -46,6 +50,9 @@ shard is written under a temporary name and renamed when complete, so a full dis
 a crash mid-write never leaves a shard that looks complete (the error says how many are
 kept; the same command continues). A cache built for another backbone (weights or
 architecture), other data settings, seed or micro-batch size is refused, naming what differs.
+
+Formats: 2 stores ``greedy``; 1 (built before) does not, and still trains ``heads.targets=data``
+(``heads.targets=backbone`` asks for a rebuild). Extending a format-1 cache keeps it format 1.
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ from safetensors.torch import save_file
 
 from inference.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy)
+READABLE_FORMATS = (1, 2)  # 1: no greedy ids (heads.targets=data only)
+GREEDY_FORMAT = 2
 MANIFEST = "features.json"
 EVAL_FILE = "eval.safetensors"
 KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
@@ -103,6 +112,11 @@ def backbone_identity(backbone) -> dict:
     model = backbone.model
     return {"name": backbone.name, "config": backbone_fingerprint(model.config),
             "weights": weights_fingerprint(model)}
+
+
+def no_greedy_message(root) -> str:
+    return (f"features cache {root} has no backbone targets (built before greedy ids were stored), so it cannot "
+            f"train heads.targets=backbone; rebuild it: delete {root} or use another features.cache_dir")
 
 
 def cache_dir(cfg) -> Path:
@@ -145,7 +159,7 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
 class FeatureCache:
     def __init__(self, root: Path):
         self.root = Path(root)
-        self._open: tuple[Optional[int], object] = (None, None)
+        self._open: tuple[Optional[str], object, set] = (None, None, set())
 
     @property
     def manifest_path(self) -> Path:
@@ -161,7 +175,7 @@ class FeatureCache:
                 manifest = self.manifest()
             except json.JSONDecodeError:
                 raise UserError(f"{self.manifest_path} is not valid JSON; delete {self.root} to rebuild") from None
-            if manifest.get("format") != FORMAT_VERSION:
+            if manifest.get("format") not in READABLE_FORMATS:
                 raise UserError(f"{self.root} holds a features cache of another format; delete it to rebuild")
             diff = _differences(manifest.get("identity", {}), identity)
             if diff:
@@ -192,7 +206,8 @@ class FeatureCache:
 
     def write(self, path: Path, batches: list[dict], first: int) -> None:
         """Temp file, fsync, rename: a shard either exists whole or not at all."""
-        tensors = {f"{j}.{key}": b[key].contiguous() for j, b in enumerate(batches) for key in (*KEYS, "hidden")}
+        tensors = {f"{j}.{key}": b[key].contiguous() for j, b in enumerate(batches)
+                   for key in (*KEYS, "hidden", "greedy") if key in b}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             save_file(tensors, str(tmp), metadata={"first": str(first), "count": str(len(batches)),
@@ -212,10 +227,13 @@ class FeatureCache:
     def read(self, path: Path, j: int, device, dtype) -> dict:
         key = str(path)
         if self._open[0] != key:
-            self._open = (key, safe_open(key, framework="pt"))
-        f = self._open[1]
+            f = safe_open(key, framework="pt")
+            self._open = (key, f, set(f.keys()))
+        _, f, names = self._open
         batch = {k: f.get_tensor(f"{j}.{k}") for k in KEYS}
         batch["hidden"] = f.get_tensor(f"{j}.hidden").to(device=device, dtype=dtype)
+        if f"{j}.greedy" in names:  # absent in format-1 caches
+            batch["greedy"] = f.get_tensor(f"{j}.greedy").long()
         return batch
 
     def eval_batches(self, device, dtype) -> list[dict]:
@@ -273,7 +291,7 @@ def build(trainer, cache: FeatureCache, manifest: dict, needed: int) -> dict:
     todo = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) != c]
     hidden_size = trainer.backbone.model.config.hidden_size
     dtype_name = _value(trainer.cfg.features.dtype)
-    per_pos = hidden_size * _BYTES[dtype_name] + 8 * len(KEYS)
+    per_pos = hidden_size * _BYTES[dtype_name] + 8 * len(KEYS) + 4  # + int32 greedy id
     positions = sum(b * w for k in todo for (b, w) in shapes[k * S:k * S + counts[k]])
     eval_missing = not (cache.root / EVAL_FILE).is_file()
     if eval_missing:
@@ -292,9 +310,15 @@ def build(trainer, cache: FeatureCache, manifest: dict, needed: int) -> dict:
                         "trainer.max_steps / data.max_conversations")
 
     store = _DTYPES[dtype_name]
+
+    def features_of(batch: dict) -> dict:
+        """The stored tensors of one batch: the heads' hidden states and the backbone's greedy ids."""
+        raw = trainer.backbone_hidden(batch)  # one backbone forward serves both
+        greedy = trainer.greedy_ids(raw, batch["labels"], batch["doc_ids"])
+        return {"hidden": raw.to(trainer.compute_dtype).to("cpu", store), "greedy": greedy.to("cpu", torch.int32)}
+
     if eval_missing and main:
-        evals = [{**{k: e[k] for k in KEYS}, "hidden": trainer.hidden_states(e).to("cpu", store)}
-                 for e in trainer.eval_set]
+        evals = [{**{k: e[k] for k in KEYS}, **features_of(e)} for e in trainer.eval_set]
         cache.write(cache.root / EVAL_FILE, evals, 0)
     mine = [k for k in todo if k % world == rank]
     bar = None
@@ -311,7 +335,7 @@ def build(trainer, cache: FeatureCache, manifest: dict, needed: int) -> dict:
             k = i // S
             if k not in mine:
                 continue
-            pending.append({**batch, "hidden": trainer.hidden_states(batch).to("cpu", store)})
+            pending.append({**batch, **features_of(batch)})
             if bar is not None:
                 bar.update(1)
             if len(pending) == counts[k]:
@@ -389,6 +413,8 @@ def cached_batches(trainer, epoch: int = 0, index: int = 0) -> tuple[CachedBatch
     cfg = trainer.cfg
     cache = FeatureCache(cache_dir(cfg))
     manifest = cache.claim(cache_identity(cfg, trainer.backbone), cfg.features.shard_batches)
+    if trainer.backbone_targets and manifest.get("format", 1) < GREEDY_FORMAT:
+        raise UserError(no_greedy_message(cache.root))  # before building or training anything
     needed = cfg.trainer.max_steps * trainer.plan.grad_accum * trainer.world_size
     manifest = build(trainer, cache, manifest, needed)
     counts = manifest.get("stream", {})  # what tokenising the cached batches saw: for the run's summary line

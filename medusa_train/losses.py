@@ -11,6 +11,10 @@ Dependent heads (Hydra / MLP speculator) are also fed the true tokens t+1..t+k+1
 sequence (teacher forcing, ``future_tokens``); their cheap recurrent part runs at every
 position, the projection still only where a target exists.
 
+Backbone targets (``heads.targets=backbone``): the labels are replaced by the backbone's own
+greedy tokens (``backbone_labels``) before anything here sees them, so every head family,
+projection and metric trains on / reports against what greedy verification will accept.
+
 Optional teacher term (``teacher_weight`` w): head k's loss becomes
 (1 - w) CE(label) + w CE(p_backbone), where p_backbone is the frozen backbone's own
 distribution of the same token, lm_head(h_{t+k+1}) — restricted to the token map for
@@ -40,6 +44,43 @@ def head_targets(labels: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.T
     later[~same_doc] = IGNORE
     tgt[:, :-shift] = later
     return tgt
+
+
+def backbone_label_positions(labels: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: positions j that get a backbone label (j is labelled, j-1 is in the same document)."""
+    keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    if labels.shape[1] > 1:
+        keep[:, 1:] = ((labels[:, 1:] != IGNORE) & (doc_ids[:, 1:] == doc_ids[:, :-1])
+                       & (doc_ids[:, 1:] > 0))
+    return keep
+
+
+def greedy_positions(labels: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions j-1 whose backbone argmax ``backbone_labels`` reads (only these
+    need the backbone's vocabulary projection)."""
+    keep = backbone_label_positions(labels, doc_ids)
+    need = torch.zeros_like(keep)
+    need[:, :-1] = keep[:, 1:]
+    return need
+
+
+def backbone_labels(labels: torch.Tensor, doc_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Labels of ``heads.targets=backbone``: ``out[j] = greedy[j-1]`` where ``labels[j]`` is set and
+    j-1 is in the same packed document as j, IGNORE elsewhere.
+
+    ``greedy[j]`` is the backbone's argmax at j (its next token given the true prefix up to j),
+    needed only where ``greedy_positions`` is true. Why: greedy Medusa verification accepts a draft
+    only when it equals the backbone's own greedy token, so that token — not the dataset's — is
+    what a head should predict. Head k at t is then trained on greedy[t+k], the backbone's choice
+    after the true tokens up to t+k; for Hydra head 1 (fed the true token t+1) this is exactly its
+    conditional target. Drop-in for ``labels`` everywhere (``head_targets``, ``heads_loss``, metrics).
+    """
+    keep = backbone_label_positions(labels, doc_ids)
+    out = torch.full_like(labels, IGNORE)
+    if labels.shape[1] > 1:
+        shifted = greedy[:, :-1].to(device=labels.device, dtype=labels.dtype)
+        out[:, 1:] = torch.where(keep[:, 1:], shifted, out[:, 1:])
+    return out
 
 
 def future_tokens(input_ids: torch.Tensor, count: int) -> torch.Tensor:

@@ -16,10 +16,12 @@ checkpoints every N steps, keep last M     trainer.save_every, trainer.keep_last
 resume after a crash or kill               trainer.resume=auto|never|<dir>
 wandb (offline default), JSONL, PNG        logger.*
 offline hidden-state cache (features.py)   features.mode=off|build|train, features.cache_dir, .dtype
+targets: dataset or backbone greedy tokens  heads.targets=data|backbone
 
 The backbone is outside the DeepSpeed engine: no gradients, no optimizer state, eval mode,
 run under ``torch.no_grad`` through its body only (the heads need the final hidden state,
-not the backbone's 49k-vocabulary logits).
+not the backbone's 49k-vocabulary logits). With ``heads.targets=backbone`` its lm_head also runs,
+in chunks, but only at the positions whose greedy token a target needs (``greedy_ids``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from . import checkpoint, features, lora
 from .backbone import body, lm_head_weight, load_backbone
 from .config import HeadKind, Precision, derived_batch, loss_weights, validate
 from .data.stream import ConversationStream, MicroBatches, eval_batches, token_frequencies
+from .data.tokenize import IGNORE
 from .deepspeed_config import check_consistent, deepspeed_config
-from .losses import HeadMetrics, heads_loss, vocab_to_local
+from .losses import HeadMetrics, backbone_labels, greedy_positions, heads_loss, vocab_to_local
 from .tracking import Tracker
 
 
@@ -75,6 +78,22 @@ def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+GREEDY_CHUNK = 1024  # rows per backbone lm_head product for greedy targets: bounds the [rows, vocab] logits
+
+
+def backbone_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The backbone's next-token logits at ``hidden``, scaled the way the runtime's verification
+    scales them (``inference.model.MedusaModel.logits``), so the greedy targets are its argmax."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    logits = model.get_output_embeddings()(hidden)
+    scale, softcap = getattr(cfg, "logit_scale", None), getattr(cfg, "final_logit_softcapping", None)
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 def _free_port() -> int:
@@ -130,6 +149,7 @@ class MedusaTrainer:
     def __init__(self, cfg):
         validate(cfg)
         self.cfg = cfg
+        self.backbone_targets = cfg.heads.targets == "backbone"  # losses.backbone_labels
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
         self.tracker: Tracker | None = None
@@ -224,8 +244,9 @@ class MedusaTrainer:
             self.tracker.write(
                 f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, {frozen}) on {self.device}; "
                 f"{spec.num_heads} heads x {spec.num_layers} layers, projection {spec.projection} "
-                f"({n_train / 1e6:.2f}M trainable); world {self.world_size}, micro {self.plan.micro_batch_size}, "
-                f"accum {self.plan.grad_accum}, global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+                f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
+                f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
+                f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
 
     def _token_map(self, vocab_size: int) -> torch.Tensor:
         """Top-N assistant tokens of the training data (plus EOS), most frequent first."""
@@ -268,7 +289,8 @@ class MedusaTrainer:
 
     # -- train -------------------------------------------------------------------------
     @torch.no_grad()
-    def hidden_states(self, batch: dict) -> torch.Tensor:
+    def backbone_hidden(self, batch: dict) -> torch.Tensor:
+        """The backbone's last hidden states in its own dtype (before the cast to the heads' precision)."""
         dev = self.device
         ids, pos, doc = batch["input_ids"].to(dev), batch["position_ids"].to(dev), batch["doc_ids"].to(dev)
         if self.cfg.data.packing:
@@ -276,7 +298,25 @@ class MedusaTrainer:
         else:
             mask = (doc > 0).long()
         out = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-        return out.last_hidden_state.to(self.compute_dtype)
+        return out.last_hidden_state
+
+    def hidden_states(self, batch: dict) -> torch.Tensor:
+        """What the heads are fed: the last hidden states in the training precision."""
+        return self.backbone_hidden(batch).to(self.compute_dtype)
+
+    @torch.no_grad()
+    def greedy_ids(self, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] the backbone's argmax over its full vocabulary where ``backbone_labels`` reads it,
+        IGNORE elsewhere. ``hidden`` comes from ``backbone_hidden`` (backbone dtype, not the heads'
+        rounding); the lm_head runs on ``GREEDY_CHUNK`` rows at a time so a 49k vocabulary stays small."""
+        need = greedy_positions(labels.to(hidden.device), doc_ids.to(hidden.device))
+        out = torch.full(need.shape, IGNORE, dtype=torch.long, device=hidden.device)
+        rows = hidden[need]
+        if rows.shape[0]:
+            model = self.backbone.model
+            out[need] = torch.cat([backbone_logits(model, rows[s:s + GREEDY_CHUNK]).argmax(-1)
+                                   for s in range(0, rows.shape[0], GREEDY_CHUNK)])
+        return out
 
     def loss(self, batch: dict) -> torch.Tensor:
         """The engine's loss on one micro-batch: frozen features (online or cached) -> heads, or
@@ -288,7 +328,16 @@ class MedusaTrainer:
             pos = batch["position_ids"].to(dev)
             mask = block_causal_mask(doc, self.backbone.model.dtype) if self.cfg.data.packing else (doc > 0).long()
             return self.engine(ids, pos, mask, labels, doc)
-        hidden = batch["hidden"] if "hidden" in batch else self.hidden_states(batch)  # cached: no backbone
+        if "hidden" in batch:  # cached: no backbone (greedy ids were stored with the hidden states)
+            hidden, greedy = batch["hidden"], batch.get("greedy")
+        else:
+            raw = self.backbone_hidden(batch)
+            hidden = raw.to(self.compute_dtype)
+            greedy = self.greedy_ids(raw, labels, doc) if self.backbone_targets else None
+        if self.backbone_targets:
+            if greedy is None:
+                raise UserError(features.no_greedy_message(features.cache_dir(self.cfg)))
+            labels = backbone_labels(labels, doc, greedy.to(dev))
         return self.engine(hidden, labels, doc, ids)
 
     def train(self) -> None:
@@ -362,7 +411,8 @@ class MedusaTrainer:
             losses.append(float(self.loss(batch)))
             metrics.batches += 1
         self.engine.train()
-        summary = {"loss": sum(losses) / max(len(losses), 1), **metrics.summary()}
+        # the accuracies are against the training targets (dataset or backbone greedy tokens): say which
+        summary = {"loss": sum(losses) / max(len(losses), 1), **metrics.summary(), "targets": self.cfg.heads.targets}
         if self.tracker:
             self.tracker.log(self.step, summary, kind="eval")
         self.module.metrics = previous
@@ -470,7 +520,10 @@ def _grad_norm(engine, module: nn.Module) -> float | None:
 
 
 def format_accuracy_table(summary: dict, num_heads: int) -> str:
-    lines = ["head  top1   top2   top3   top4   top5   loss"]
+    lines = []
+    if summary.get("targets") == "backbone":
+        lines.append("held-out accuracy against the backbone's greedy tokens (heads.targets=backbone)")
+    lines.append("head  top1   top2   top3   top4   top5   loss")
     for k in range(1, num_heads + 1):
         accs = "  ".join(f"{summary[f'head{k}/top{j}']:.3f}" for j in range(1, 6))
         lines.append(f"{k:>4}  {accs}  {summary[f'head{k}/loss']:.3f}")
