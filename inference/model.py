@@ -31,6 +31,16 @@ _MASKING_ATTENTION = ("sdpa", "eager")
 KERNEL_MODES = ("auto", "stock")
 
 
+def scale_logits(logits: torch.Tensor, logit_scale: Optional[float], softcap: Optional[float]) -> torch.Tensor:
+    """The backbone's own post-lm_head transforms (Cohere's ``logit_scale``, Gemma's final soft-cap):
+    verification and training targets must take the argmax of the logits the model itself samples from."""
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
 def parse_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -130,12 +140,7 @@ class MedusaModel:
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self._logit_scale is not None:
-            logits = logits * self._logit_scale
-        if self._softcap is not None:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return logits
+        return scale_logits(self.lm_head(hidden), self._logit_scale, self._softcap)
 
     def route_kernels(self) -> None:
         """Let each linear of backbone and heads pick its faster CPU product per row count

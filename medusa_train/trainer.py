@@ -86,14 +86,11 @@ GREEDY_CHUNK = 1024  # rows per backbone lm_head product for greedy targets: bou
 def backbone_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The backbone's next-token logits at ``hidden``, scaled the way the runtime's verification
     scales them (``inference.model.MedusaModel.logits``), so the greedy targets are its argmax."""
+    from inference.model import scale_logits
+
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    logits = model.get_output_embeddings()(hidden)
-    scale, softcap = getattr(cfg, "logit_scale", None), getattr(cfg, "final_logit_softcapping", None)
-    if scale is not None:
-        logits = logits * scale
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+    return scale_logits(model.get_output_embeddings()(hidden), getattr(cfg, "logit_scale", None),
+                        getattr(cfg, "final_logit_softcapping", None))
 
 
 def _free_port() -> int:
