@@ -134,3 +134,22 @@ def test_load_medusa_kernels_option(tmp_path):
     assert m.kernel_plans and any(type(x) is lk.RoutedLinear for x in m.heads.modules())
     with pytest.raises(UserError, match="kernels must be one of"):
         load_medusa(tmp_path / "heads", backbone=model, kernels="fast")
+
+
+def test_hf_generate_baseline_runs_stock_kernels(monkeypatch):
+    """Guards against the transformers `generate` baseline silently using the routed kernels in
+    medusa-eval (speedup_vs_hf_generate would then compare against a faster-than-stock baseline)."""
+    from inference.evaluate import hf_generate
+    from inference.model import MedusaModel
+
+    model = tiny_llama()
+    m = MedusaModel(model=model, tokenizer=None, heads=None, eos_token_ids=[0])
+    m.route_kernels()
+    _force(m.kernel_plans, lk.COLUMNS)
+    used = []
+    real = lk._columns_product
+    monkeypatch.setattr(lk, "_columns_product", lambda *a: used.append(1) or real(*a))
+    out = hf_generate(m, [5, 6, 7], max_new_tokens=4)
+    assert len(out.tokens) >= 1 and not used
+    autoregressive_generate(m, [5, 6, 7], max_new_tokens=4, eos_token_ids=())
+    assert used  # the runtime's own loop does use them
