@@ -6,6 +6,7 @@
     medusa-eval heads=runs/a/heads mode=sample temperature=0.7 methods=[medusa,autoregressive]
     medusa-eval method=lookahead prompts=code                            # no heads: training-free methods
     medusa-eval method=[draft,prompt_lookup] draft=self:8 draft_k=3      # + the autoregressive / HF baselines
+    medusa-eval heads=runs/a/heads method=medusa_lookup prompts=code     # Medusa tree + prompt lookup branch
     medusa-eval compare=true prompts=code out=runs/compare_code          # every method: compare.md + .png
     medusa-generate heads=runs/a/heads prompt="Write a haiku about the sea." tree=runs/a/eval/tree.json
 
@@ -14,11 +15,12 @@ only these entry points do. User mistakes print one line and exit 2.
 
 medusa-eval methods: medusa (needs heads=), draft (draft-model speculative sampling; draft=self:N
 shares the backbone's first N layers, or a model path/name with the same tokenizer), lookahead,
-prompt_lookup, autoregressive and hf_generate (the baselines). ``method=`` takes a name or a list
-and adds the baselines; ``methods=`` is the exact list; ``compare=true`` runs every available
-method and writes the trade-off matrix. Without heads= the backbone is ``backbone=`` (default
-embedded:smollm2). Prompt sets: embedded:mtbench (default), code (bundled code / structured-output
-prompts) or a JSONL file.
+prompt_lookup, medusa_lookup (needs heads=: medusa's tree plus a prompt-lookup branch verified in the
+same forward; takes tree= and the prompt_lookup_* settings), autoregressive and hf_generate (the
+baselines). ``method=`` takes a name or a list and adds the baselines; ``methods=`` is the exact
+list; ``compare=true`` runs every available method and writes the trade-off matrix. Without heads=
+the backbone is ``backbone=`` (default embedded:smollm2). Prompt sets: embedded:mtbench (default),
+code (bundled code / structured-output prompts) or a JSONL file.
 """
 
 from __future__ import annotations
@@ -129,17 +131,29 @@ def eval_methods(cfg) -> list[str]:
     if sum([cfg.method is not None, cfg.methods is not None, bool(cfg.compare)]) > 1:
         raise UserError("give one of method=, methods= or compare=true")
     if cfg.compare:
-        return check_methods((["medusa"] if cfg.heads else []) + list(TRAINING_FREE) + baselines)
+        return check_methods((["medusa"] if cfg.heads else []) + list(TRAINING_FREE)
+                             + (["medusa_lookup"] if cfg.heads else []) + baselines)
     if cfg.method is not None:
         names = cfg.method if not isinstance(cfg.method, str) else [x.strip() for x in cfg.method.split(",")]
         names = [str(x) for x in names if str(x)]
-        return check_methods(names + [b for b in baselines if b not in names])
+        return _needs_heads(cfg, check_methods(names + [b for b in baselines if b not in names]))
     if cfg.methods is not None:
-        return check_methods(list(cfg.methods))
+        return _needs_heads(cfg, check_methods(list(cfg.methods)))
     if not cfg.heads:
         raise UserError("give heads=<export directory> to evaluate Medusa heads, or method=draft|lookahead|"
                         "prompt_lookup (or compare=true) for the training-free methods")
     return list(DEFAULT_METHODS) if greedy else ["medusa", "autoregressive"]
+
+
+def _needs_heads(cfg, methods: list[str]) -> list[str]:
+    """Refuse a method that needs heads when none are given (before anything is loaded)."""
+    from .errors import UserError
+    from .evaluate import HEAD_METHODS
+
+    needing = [x for x in methods if x in HEAD_METHODS]
+    if needing and not cfg.heads:
+        raise UserError(f"method {needing[0]} needs heads=<export directory>")
+    return methods
 
 
 def _load_eval(cfg, methods):
@@ -198,7 +212,8 @@ def run_eval(cfg) -> dict:
         from .errors import UserError
 
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
-    calibrating = (cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:")) and "medusa" in methods
+    calibrating = ((cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"))
+                   and ("medusa" in methods or "medusa_lookup" in methods))
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
     m = _load_eval(cfg, methods)

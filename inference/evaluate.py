@@ -14,12 +14,15 @@ One place defines the metrics (ANCHORS.md gives the field's definitions):
   greedy_identical_fraction  prompts whose Medusa output equals plain greedy decoding.
 The same numbers are computed for every method in ``per_method`` (tau and acceptance for the
 draft model, lookahead and prompt lookup use the tokens each step proposed: K for the draft
-model, the candidate trie's depth for lookahead, the looked-up length for prompt lookup).
+model, the candidate trie's depth for lookahead, the looked-up length for prompt lookup, the
+trie's nodes (tree + grafted lookup tokens) for medusa_lookup).
 
 Methods (``METHODS``): medusa (needs heads), draft (draft-model speculative sampling,
 ``speculative.py``), lookahead (``lookahead.py``), prompt_lookup (``prompt_lookup.py``),
-autoregressive (the runtime's own one-token loop: the speedup baseline) and hf_generate
-(transformers' greedy ``generate``). They run interleaved prompt by prompt (their order
+medusa_lookup (needs heads: Medusa's tree + a prompt-lookup branch verified in one forward,
+``hybrid.py``; it uses medusa's tree and the prompt_lookup settings), autoregressive (the
+runtime's own one-token loop: the speedup baseline) and hf_generate (transformers' greedy
+``generate``). They run interleaved prompt by prompt (their order
 rotates), in one process, so the machine's background load hits them alike.
 
 The trade-off matrix (``write_compare``: compare.md + compare.png) adds what each method costs:
@@ -33,7 +36,8 @@ Tree choice (``tree=auto``): per-depth, per-rank head accuracy is measured on ca
 prompts (held out from the evaluated ones); a tree is grown greedily for each node budget;
 each candidate's verification-step latency is measured on this device; the tree maximising
 expected tau / step time wins — or none, when no tree beats plain decoding's rate, in which
-case "medusa" decodes autoregressively and says so (weak heads must never make it slower).
+case "medusa" decodes autoregressively and says so (weak heads must never make it slower), and
+"medusa_lookup" runs prompt lookup alone. medusa_lookup uses the same tree as medusa.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from . import assets
 from .decode import (GenerationOutput, autoregressive_generate, measure_head_accuracy, measure_step_latency,
                      medusa_generate)
 from .errors import UserError
+from .hybrid import hybrid_generate
 from .linear_kernels import routing_summary
 from .lookahead import LookaheadSettings, lookahead_generate
 from .model import MedusaModel
@@ -63,7 +68,8 @@ from .verify import SamplingConfig
 from .reports import (COMPARE_FILES, compare_markdown, markdown, plot_compare, plot_report,  # noqa: F401
                       write_compare, write_report)
 
-METHODS = ("medusa", "draft", "lookahead", "prompt_lookup", "autoregressive", "hf_generate")
+METHODS = ("medusa", "draft", "lookahead", "prompt_lookup", "medusa_lookup", "autoregressive", "hf_generate")
+HEAD_METHODS = ("medusa", "medusa_lookup")  # need heads and a tree
 BASELINES = ("autoregressive", "hf_generate")
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -98,8 +104,9 @@ def check_methods(methods: Sequence[str], m: Optional[MedusaModel] = None) -> li
         raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     if len(set(methods)) != len(methods):
         raise UserError(f"a method is listed twice in {list(methods)}")
-    if m is not None and "medusa" in methods and m.heads is None:
-        raise UserError("method medusa needs Medusa heads (heads=<export directory>); the training-free "
+    needing = [x for x in HEAD_METHODS if x in methods]
+    if m is not None and needing and m.heads is None:
+        raise UserError(f"method {needing[0]} needs Medusa heads (heads=<export directory>); the training-free "
                         "methods draft, lookahead and prompt_lookup run without them")
     return list(methods)
 
@@ -295,6 +302,10 @@ def run_method(method: str, m: MedusaModel, prompt_ids: list[int], tree: Optiona
         return lookahead_generate(m, prompt_ids, settings=options.lookahead, **kw)
     if method == "prompt_lookup":
         return prompt_lookup_generate(m, prompt_ids, settings=options.prompt_lookup, **kw)
+    if method == "medusa_lookup":
+        if tree is None:  # the tree choice found plain decoding faster than any tree: lookup alone
+            return prompt_lookup_generate(m, prompt_ids, settings=options.prompt_lookup, **kw)
+        return hybrid_generate(m, prompt_ids, tree=tree, settings=options.prompt_lookup, **kw)
     if method == "autoregressive":
         return autoregressive_generate(m, prompt_ids, **kw)
     if method == "hf_generate":
@@ -401,6 +412,9 @@ def method_costs(method: str, m: MedusaModel, tree: Optional[MedusaTree], option
         kv = options.lookahead.extra_kv_tokens * per_token
     elif method == "prompt_lookup":
         kv = options.prompt_lookup.extra_kv_tokens * per_token
+    elif method == "medusa_lookup":
+        params, training = extra_parameters(m.heads, m.model), "heads"
+        kv = ((tree.num_nodes if tree is not None else 1) + options.prompt_lookup.num_tokens) * per_token
     return {"extra_parameters": params[0], "extra_parameter_bytes": params[1], "extra_kv_cache_bytes": kv,
             "training": training}
 
@@ -440,7 +454,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         raise UserError(f"turns must be first|both, got {turns!r}")
     calib: list[list[int]] = []
     fixed = calibrated_choice(tree)
-    if (tree == "auto" or fixed) and "medusa" in methods:
+    with_tree = any(x in methods for x in HEAD_METHODS)
+    if (tree == "auto" or fixed) and with_tree:
         if len(prompts) > calibration_prompts >= 1:
             calib_src, prompts = prompts[-calibration_prompts:], prompts[:-calibration_prompts]
         else:
@@ -450,9 +465,9 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log,
                              fixed_nodes=fixed)
     else:
-        t = resolve_tree(tree, m.num_heads) if "medusa" in methods else None
+        t = resolve_tree(tree, m.num_heads) if with_tree else None
         choice = TreeChoice(t, "given")
-    if "medusa" in methods:
+    if with_tree:
         log(f"tree: {choice.to_dict()['name']} ({choice.reason})")
     # the draft model is loaded once and reused for every prompt
     draft = load_draft(options.draft, m, options.trust_remote_code) if "draft" in methods else None

@@ -139,9 +139,12 @@ def compare_markdown(r: dict) -> str:
     if "lookahead" in r["methods"]:
         notes.append(f"lookahead: W = {opts.get('lookahead_window')}, N = {opts.get('lookahead_ngram')}, "
                      f"G = {opts.get('lookahead_guesses')}")
-    if "prompt_lookup" in r["methods"]:
+    if "prompt_lookup" in r["methods"] or "medusa_lookup" in r["methods"]:
         ng = opts.get("prompt_lookup_ngram", ["?", "?"])
         notes.append(f"prompt lookup: up to {opts.get('prompt_lookup_tokens')} tokens, n-grams {ng[0]}..{ng[1]}")
+    if "medusa_lookup" in r["methods"]:
+        notes.append("medusa_lookup: the Medusa tree plus the prompt-lookup continuation as one more branch, "
+                     "merged into one trie and verified in one forward")
     lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "",
               "",
               "tau = tokens per verification step (bonus included; plain decoding 1.0); acceptance rate = accepted "

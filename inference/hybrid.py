@@ -1,0 +1,196 @@
+"""Medusa + prompt lookup in one verification forward (method ``medusa_lookup``).
+
+Prompt lookup (``prompt_lookup.py``) hits when the answer copies its context; Medusa heads hit on
+common continuations. Each step of ``HybridDecoder`` puts up both and verifies them together:
+
+  1. the heads draft the fixed Medusa tree exactly as ``decode.TreeDecoder.step`` does
+     (``verify.propose`` for Medusa heads, ``tree_draft.draft_dependent`` for Hydra / MLP
+     speculator heads);
+  2. ``prompt_lookup.NGramIndex`` (incremental, as in ``PromptLookupDecoder``) proposes up to
+     ``num_tokens`` tokens after the root;
+  3. the proposal is merged into the tree as a trie: it walks down the tree while a child carries
+     its next token (identical prefixes share nodes), and the rest of it becomes one new chain
+     under the last matched node (the graft). The trie has at most
+     ``tree nodes + num_tokens`` nodes; the tree's nodes keep their tokens, and the trie is an
+     ordinary ``MedusaTree`` (the tree's paths + the chain's), so its buffers (mask, positions,
+     retrieve indices, children) come from the same code as every tree's and are built once per
+     (tree, graft point, chain length) and reused;
+  4. ONE forward of the backbone over root + trie nodes (position past + depth, the trie's 4D
+     additive mask), ``verify.verify`` on the trie, ``TreeKVCache.keep`` to the accepted path;
+     the accepted tokens and the bonus are emitted and fed to the n-gram index.
+
+When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly
+a Medusa step with the fixed tree (same buffers, same tokens, same proposed count).
+
+Modes: greedy is token-identical to plain greedy decoding (whatever the guesses). typical:
+Medusa's lossy rule on the trie. sample: exact, with the deterministic-candidate rule
+(``draft="topk"``: draw Y ~ p at an accepted node, descend into the child carrying Y, else Y is
+the bonus; see verify.py): the heads' top-k tokens and the looked-up tokens are all fixed before
+any target randomness, which is what that rule needs. ``draft="sampled"`` would need a draft
+distribution q for the looked-up tokens, which does not exist, so it is replaced by "topk" here
+(as lookahead and prompt lookup do, ``speculative.chain_sampling``).
+
+Proposed per step = trie nodes - 1 (the tree's nodes + the grafted lookup tokens), as
+``TreeDecoder.step`` counts its tree's nodes. Extra KV cache: tree nodes + ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
+from .errors import UserError
+from .model import MedusaModel
+from .prompt_lookup import NGramIndex, PromptLookupSettings
+from .speculative import chain_sampling
+from .tree import MedusaTree, TreeBuffers, resolve_tree
+from .tree_draft import draft_dependent
+from .verify import SamplingConfig, propose, verify
+
+# (tree paths, device) -> {(graft node, chain length): (trie buffers, token gather index)}.
+# Bounded by nodes x num_tokens per tree; shared by every decoder on the same tree.
+_GRAFTS: dict[tuple, dict[tuple[int, int], tuple[TreeBuffers, torch.Tensor]]] = {}
+
+
+def match_prefix(tree: MedusaTree, node_tokens: Sequence[int], proposal: Sequence[int]) -> tuple[int, int]:
+    """Walk ``proposal`` down ``tree`` from the root while a child carries its next token.
+
+    ``node_tokens[i]`` is the token of tree node i (node 0 = the root). Returns (the last matched
+    node, how many proposal tokens it matched); the unmatched rest is what the trie adds."""
+    node, n = 0, 0
+    for tok in proposal:
+        nxt = next((c for c in tree.children[node] if node_tokens[c] == tok), None)
+        if nxt is None:
+            break
+        node, n = nxt, n + 1
+    return node, n
+
+
+def graft_tree(tree: MedusaTree, node: int, length: int) -> tuple[MedusaTree, list[int]]:
+    """``tree`` with a chain of ``length`` new nodes under ``node`` (ranked after its children).
+
+    Returns (the trie, source of each trie node): source i < N is tree node i, source N + j is
+    the chain's j-th token, so trie tokens = cat(tree tokens, chain tokens)[source]."""
+    if length < 1:
+        raise ValueError("a graft adds at least one node")
+    base = tree.paths[node - 1] if node else ()
+    first = base + (len(tree.children[node]),)
+    chain = [first + (0,) * j for j in range(length)]
+    trie = MedusaTree(list(tree.paths) + chain, name=f"{tree.name or 'tree'}+lookup")
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    n = tree.num_nodes
+    source = [0] + [index[p] if p in index else n + len(p) - len(first) for p in trie.paths]
+    return trie, source
+
+
+class HybridDecoder:
+    """Medusa tree + prompt-lookup branch, one forward per step; see the module docstring.
+
+    After each step: ``cache`` holds prompt + every emitted token except ``root``; ``last_path``
+    is the accepted trie path and ``last_trie`` the trie's buffers (the tree's own when nothing
+    was grafted)."""
+
+    def __init__(self, m: MedusaModel, tree, settings: Optional[PromptLookupSettings] = None,
+                 sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None):
+        if m.heads is None:
+            raise UserError("method medusa_lookup needs Medusa heads (heads=<export directory>); "
+                            "prompt_lookup alone runs without them")
+        self.m = m
+        self.tree: MedusaTree = resolve_tree(tree, m.num_heads)
+        self.tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+        self.buf = self.tree.buffers(m.device)
+        self.s = settings or PromptLookupSettings()
+        self.cfg = chain_sampling(sampling or SamplingConfig())   # sample mode: the exact fixed-candidate rule
+        self.dependent = bool(getattr(m.heads, "sequential", False))
+        self.gen = _generator(m.device, seed)
+        self.index = NGramIndex(self.s.min_ngram, self.s.max_ngram)
+        self._grafts = _GRAFTS.setdefault((self.tree.paths, str(m.device)), {})
+        self.cache = None
+        self.past = 0
+        self.root: Optional[int] = None
+        self.h_last: Optional[torch.Tensor] = None
+        self.last_path: list[int] = []
+        self.last_trie: TreeBuffers = self.buf
+
+    @property
+    def extra_kv_tokens(self) -> int:
+        """Cache slots beyond prompt + max_new_tokens: the largest trie."""
+        return self.buf.num_nodes + self.s.num_tokens
+
+    def _graft(self, node: int, length: int) -> tuple[TreeBuffers, torch.Tensor]:
+        key = (node, length)
+        if key not in self._grafts:
+            trie, source = graft_tree(self.tree, node, length)
+            self._grafts[key] = (trie.buffers(self.m.device),
+                                 torch.tensor(source, dtype=torch.long, device=self.m.device))
+        return self._grafts[key]
+
+    @torch.inference_mode()
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        self.past = prompt.shape[1]
+        self.cache = self.m.new_cache(self.past + max_new_tokens + self.extra_kv_tokens)
+        self.h_last, self.root = _prefill(self.m, prompt, self.cache, self.cfg, self.gen)
+        self.index.extend(prompt[0].tolist() + [self.root])
+        return self.root
+
+    def trie_tokens(self) -> tuple[TreeBuffers, torch.Tensor]:
+        """This step's trie and its tokens [T] (node 0 = the root): heads' tree + lookup branch."""
+        m, buf = self.m, self.buf
+        if self.dependent:
+            cand = draft_dependent(buf, m.heads, self.h_last, self.root)
+        else:
+            cand, _ = propose(buf, m.head_logits(self.h_last, buf.max_depth), m.heads.to_vocab_ids, self.cfg,
+                              self.gen, m.vocab_size)     # draft_q is None: cfg.draft is "topk"
+        tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
+        proposal = self.index.propose(self.s.num_tokens)
+        if not proposal:
+            return buf, tokens
+        node, n = match_prefix(self.tree, tokens.tolist(), proposal)
+        if n == len(proposal):                            # already in the tree: a plain Medusa step
+            return buf, tokens
+        trie, source = self._graft(node, len(proposal) - n)
+        rest = torch.tensor(proposal[n:], dtype=torch.long, device=m.device)
+        return trie, torch.cat([tokens, rest])[source]
+
+    @torch.inference_mode()
+    def step(self) -> tuple[list[int], int]:
+        """One draft-verify-compact step; returns (accepted tokens + the bonus token, the trie's depth).
+
+        "Proposed" is the depth (the most one step can accept), as the harness counts Medusa's
+        tree and lookahead's trie, so acceptance rates compare across methods."""
+        m, past = self.m, self.past
+        trie, tokens = self.trie_tokens()
+        positions = (trie.position_offsets + past)[None]
+        h = m.hidden(tokens[None], positions, self.cache, trie.additive_mask(past, m.dtype))[0]
+        verdict = verify(trie, tokens, m.logits(h), self.cfg, None, self.gen)
+        self.cache.keep(past, verdict.path)
+        new = tokens[verdict.path[1:]].tolist() + [verdict.bonus]
+        self.index.extend(new)
+        self.last_path, self.last_trie = verdict.path, trie
+        self.h_last = h[verdict.path[-1]]
+        self.past = past + len(verdict.path)
+        self.root = verdict.bonus
+        return new, trie.max_depth
+
+
+def hybrid_stream(m: MedusaModel, input_ids, *, tree="tree8", settings: Optional[PromptLookupSettings] = None,
+                  max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
+                  eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None) -> TokenStream:
+    """Stream Medusa + prompt lookup decoding (module docstring); ``tree`` as in ``medusa_stream``."""
+    dec = HybridDecoder(m, tree, settings, sampling, seed)
+    return TokenStream(run_decoder(dec, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
+
+
+def hybrid_generate(m: MedusaModel, input_ids, *, tree="tree8", settings: Optional[PromptLookupSettings] = None,
+                    max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
+                    eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
+                    on_tokens: Optional[Callable[[list[int]], None]] = None) -> GenerationOutput:
+    """Run Medusa + prompt lookup decoding to the end; ``on_tokens`` gets each step's new tokens."""
+    stream = hybrid_stream(m, input_ids, tree=tree, settings=settings, max_new_tokens=max_new_tokens,
+                           sampling=sampling, seed=seed, eos_token_ids=eos_token_ids, max_steps=max_steps)
+    for chunk in stream:
+        if on_tokens is not None:
+            on_tokens(chunk)
+    return stream.result
