@@ -20,7 +20,7 @@ common continuations. Each step of ``HybridDecoder`` puts up both and verifies t
      the accepted tokens and the bonus are emitted and fed to the n-gram index.
 
 When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly
-a Medusa step with the fixed tree (same buffers, same tokens, same proposed count).
+a Medusa step with the fixed tree (same buffers, same tokens, same accepted path).
 
 Modes: greedy is token-identical to plain greedy decoding (whatever the guesses). typical:
 Medusa's lossy rule on the trie. sample: exact, with the deterministic-candidate rule
@@ -30,8 +30,8 @@ any target randomness, which is what that rule needs. ``draft="sampled"`` would 
 distribution q for the looked-up tokens, which does not exist, so it is replaced by "topk" here
 (as lookahead and prompt lookup do, ``speculative.chain_sampling``).
 
-Proposed per step = trie nodes - 1 (the tree's nodes + the grafted lookup tokens), as
-``TreeDecoder.step`` counts its tree's nodes. Extra KV cache: tree nodes + ``num_tokens``.
+Proposed per step = the trie's depth (the most one step can accept), as the evaluation harness
+counts Medusa's tree and lookahead's trie. Extra KV cache: tree nodes + ``num_tokens``.
 """
 
 from __future__ import annotations
