@@ -160,13 +160,9 @@ def _load_eval(cfg, methods):
     """Backbone (+ heads when given) on the chosen device; without heads the backbone is ``backbone=``."""
     import torch
 
-    from .errors import UserError
-    from .model import KERNEL_MODES, MedusaModel, load_backbone, parse_device, parse_dtype
+    from .model import MedusaModel, apply_kernels, check_kernels, load_backbone, parse_device, parse_dtype
 
-    if cfg.kernels not in KERNEL_MODES:
-        raise UserError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {cfg.kernels!r}")
-    if "medusa" in methods and not cfg.heads:
-        raise UserError("method medusa needs heads=<export directory>")
+    check_kernels(cfg.kernels)
     if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
         return _load(cfg)
     if cfg.threads:
@@ -174,10 +170,7 @@ def _load_eval(cfg, methods):
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_backbone(cfg.backbone or "embedded:smollm2", parse_device(device), parse_dtype(cfg.dtype),
                                cfg.trust_remote_code)
-    m = MedusaModel(model=model, tokenizer=tok, heads=None)
-    if cfg.kernels == "auto":
-        m.route_kernels()
-    return m
+    return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels)
 
 
 def _method_options(cfg):

@@ -15,7 +15,7 @@ One place defines the metrics (ANCHORS.md gives the field's definitions):
 The same numbers are computed for every method in ``per_method`` (tau and acceptance for the
 draft model, lookahead and prompt lookup use the tokens each step proposed: K for the draft
 model, the candidate trie's depth for lookahead, the looked-up length for prompt lookup, the
-trie's nodes (tree + grafted lookup tokens) for medusa_lookup).
+merged trie's depth for medusa_lookup).
 
 Methods (``METHODS``): medusa (needs heads), draft (draft-model speculative sampling,
 ``speculative.py``), lookahead (``lookahead.py``), prompt_lookup (``prompt_lookup.py``),

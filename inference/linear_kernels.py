@@ -66,10 +66,6 @@ class KernelPlan:
         self.choice[rows] = COLUMNS if t[COLUMNS] < self.margin * t[STOCK] else STOCK
         return self.choice[rows]
 
-    def to_dict(self) -> dict:
-        return {"shape": list(self.shape), "choice": {str(r): c for r, c in sorted(self.choice.items())},
-                "ms": {str(r): {k: round(v, 3) for k, v in t.items()} for r, t in sorted(self.timings.items())}}
-
 
 class RoutedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward follows its shape's ``KernelPlan`` (same parameters, same state dict)."""

@@ -220,8 +220,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     """
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
-    if kernels not in KERNEL_MODES:
-        raise UserError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
+    check_kernels(kernels)  # before any loading
     spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
     adapter_applied = False
     if backbone is None or isinstance(backbone, (str, Path)):
@@ -255,10 +254,21 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         adapter_applied = True
     heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
                        input_embeddings=emb.weight if emb is not None else None)
-    m = MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied)
+    return apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
+                         kernels)
+
+
+def apply_kernels(m: MedusaModel, kernels: str) -> MedusaModel:
+    """``auto``: route the model's linears (``MedusaModel.route_kernels``); ``stock``: leave them."""
+    check_kernels(kernels)
     if kernels == "auto":
         m.route_kernels()
     return m
+
+
+def check_kernels(kernels: str) -> None:
+    if kernels not in KERNEL_MODES:
+        raise UserError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
 
 
 def attach_heads(model, heads, tokenizer=None) -> MedusaModel:

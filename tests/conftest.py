@@ -127,6 +127,29 @@ DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAST
                    "CROSS_RANK", "CROSS_SIZE", "DS_ACCELERATOR", "HYDRA_FULL_ERROR")
 
 
+def losses(out: Path, kind: str) -> list[float]:
+    """The logged loss of every ``kind`` ("train" / "eval") record of a run, in order."""
+    from medusa_train.tracking import read_metrics
+
+    return [r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == kind]
+
+
+def train_without_backbone(trainer, *also: str) -> dict:
+    """Train and evaluate a cached run with the backbone's body (and the trainer methods named in
+    ``also``) replaced by a failure, so a cached batch that reaches the backbone fails the test;
+    returns the evaluation summary."""
+
+    def no_backbone(*args, **kwargs):
+        raise AssertionError("the backbone ran on a cached batch")
+
+    for name in ("body", *also):
+        setattr(trainer, name, no_backbone)
+    trainer.train()
+    summary = trainer.evaluate()
+    trainer.cleanup(plot=False)
+    return summary
+
+
 def clean_env(**extra: str) -> dict:
     """The environment for a CLI / launcher subprocess: no inherited process-group variables, no wandb."""
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}

@@ -23,13 +23,11 @@ from medusa_train.config import validate
 from medusa_train.losses import backbone_labels, greedy_positions, head_targets
 from medusa_train.tracking import read_metrics
 
+from conftest import losses, train_without_backbone
+
 I = -100  # IGNORE
 RUN = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.save_every=0", "logger.plot=false"]
 BACKBONE = "heads.targets=backbone"
-
-
-def losses(out: Path, kind: str) -> list[float]:
-    return [r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == kind]
 
 
 def make_trainer(cfg) -> T.MedusaTrainer:
@@ -138,15 +136,7 @@ def test_cache_stores_the_online_greedy_ids_and_trains_to_the_online_losses(comp
         need = greedy_positions(stored["labels"], stored["doc_ids"])
         assert torch.equal(stored["greedy"][need], full_logits_argmax(trainer, stored)[need])
     reference.cleanup(plot=False)
-
-    def no_backbone(*args, **kwargs):
-        raise AssertionError("the backbone ran on a cached batch")
-
-    trainer.body = no_backbone
-    trainer.greedy_ids = no_backbone
-    trainer.train()
-    summary = trainer.evaluate()
-    trainer.cleanup(plot=False)
+    summary = train_without_backbone(trainer, "greedy_ids")
     assert losses(cached, "train") == losses(online, "train")  # fp32 cache: bit-identical
     assert summary["loss"] == losses(online, "eval")[-1]
 

@@ -15,13 +15,10 @@ import torch
 from inference.errors import UserError
 from medusa_train import features
 from medusa_train import trainer as T
-from medusa_train.tracking import read_metrics
+
+from conftest import losses, train_without_backbone
 
 RUN = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.save_every=0", "logger.plot=false"]
-
-
-def losses(out: Path, kind: str) -> list[float]:
-    return [r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == kind]
 
 
 def shard_files(root: Path) -> list[str]:
@@ -44,14 +41,7 @@ def test_cached_training_gives_the_online_losses_without_running_the_backbone(co
     trainer = T.MedusaTrainer(compose_tiny(*RUN, "features.mode=train", "features.dtype=fp32",
                                            "features.shard_batches=3", out=cached))
     trainer.setup()
-
-    def no_backbone(*args, **kwargs):
-        raise AssertionError("the backbone ran on a cached batch")
-
-    trainer.body = no_backbone
-    trainer.train()
-    summary = trainer.evaluate()
-    trainer.cleanup(plot=False)
+    summary = train_without_backbone(trainer)
     assert losses(cached, "train") == losses(online, "train")  # fp32 cache: bit-identical
     assert summary["loss"] == losses(online, "eval")[-1]
     assert json.loads((cached / "features" / features.MANIFEST).read_text())["identity"]["dtype"] == "fp32"
