@@ -29,7 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-EXIT_USER_ERROR = 2
+from .cli_support import run_cli
+
 
 
 @dataclass
@@ -87,11 +88,6 @@ class GenerateConfig(RuntimeConfig):
     prompt: Optional[str] = None
     tree: str = "tree4"
     system: Optional[str] = None
-
-
-def _fail(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
 
 
 def _load(cfg):
@@ -160,7 +156,8 @@ def _load_eval(cfg, methods):
     """Backbone (+ heads when given) on the chosen device; without heads the backbone is ``backbone=``."""
     import torch
 
-    from .model import MedusaModel, apply_kernels, check_kernels, load_backbone, parse_device, parse_dtype
+    from .backbone import load_backbone
+    from .model import MedusaModel, apply_kernels, check_kernels
 
     check_kernels(cfg.kernels)
     if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
@@ -168,8 +165,8 @@ def _load_eval(cfg, methods):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_backbone(cfg.backbone or "embedded:smollm2", parse_device(device), parse_dtype(cfg.dtype),
-                               cfg.trust_remote_code)
+    model, tok, _ = load_backbone(cfg.backbone or "embedded:smollm2", device=device, dtype=cfg.dtype,
+                                  trust_remote_code=cfg.trust_remote_code)
     return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels)
 
 
@@ -221,10 +218,11 @@ def run_eval(cfg) -> dict:
     if getattr(spec, "backbone_adapter", None) and m.adapter_applied:
         # Medusa-2 heads decode on the adapted backbone: say how far it is from the original.
         from .drift import greedy_drift
-        from .model import MedusaModel, load_backbone, parse_dtype
+        from .backbone import load_backbone
+        from .model import MedusaModel
 
-        original, _ = load_backbone(cfg.backbone or spec.base_model, m.device, parse_dtype(cfg.dtype),
-                                    cfg.trust_remote_code)
+        original, _, _ = load_backbone(cfg.backbone or spec.base_model, device=m.device, dtype=cfg.dtype,
+                                       trust_remote_code=cfg.trust_remote_code)
         evaluated = prompts[:wanted] if wanted is not None else prompts
         ids = [m.encode_chat(p.turns[0]) for p in evaluated[:8]]
         report["backbone_drift"] = greedy_drift(m, MedusaModel(model=original, tokenizer=None, heads=None), ids,
@@ -282,34 +280,9 @@ def run_generate(cfg) -> None:
           f"finish: {out.finish_reason}]", file=sys.stderr)
 
 
-def _main(prog: str, schema, task, argv: Optional[list[str]]) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help", "help"):
-        print(__doc__.strip())
-        return
-    if any(not ("=" in a) or a.startswith("-") for a in argv):
-        bad = [a for a in argv if "=" not in a or a.startswith("-")][0]
-        _fail(prog, f"arguments are key=value overrides, got {bad!r} (see {prog} --help)")
-    from omegaconf import OmegaConf
-
-    from .errors import UserError
-
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv))
-    except Exception as e:  # unknown key / wrong type: keep the lines that say what is wrong
-        noise = ("full_key", "reference_type", "object_type")
-        lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.strip().startswith(noise)]
-        key = getattr(e, "full_key", None)
-        _fail(prog, (f"{key}: " if key else "") + (" ".join(lines) or type(e).__name__) + f" (see {prog} --help)")
-    try:
-        task(cfg)
-    except UserError as e:
-        _fail(prog, str(e))
-
-
 def eval_main(argv: Optional[list[str]] = None) -> None:
-    _main("medusa-eval", EvalConfig, run_eval, argv)
+    run_cli("medusa-eval", __doc__, EvalConfig, run_eval, argv)
 
 
 def generate_main(argv: Optional[list[str]] = None) -> None:
-    _main("medusa-generate", GenerateConfig, run_generate, argv)
+    run_cli("medusa-generate", __doc__, GenerateConfig, run_generate, argv)

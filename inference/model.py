@@ -21,49 +21,13 @@ from typing import Any, Optional
 import torch
 
 from . import assets
+from .backbone import eos_token_ids, load_backbone, parse_device, parse_dtype, scale_logits, text_config
 from .cache import TreeKVCache
 from .errors import UserError
 from .heads import check_compatible, load_heads, read_heads_spec
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 _MASKING_ATTENTION = ("sdpa", "eager")
 KERNEL_MODES = ("auto", "stock")
-
-
-def scale_logits(logits: torch.Tensor, logit_scale: Optional[float], softcap: Optional[float]) -> torch.Tensor:
-    """The backbone's own post-lm_head transforms (Cohere's ``logit_scale``, Gemma's final soft-cap):
-    verification and training targets must take the argmax of the logits the model itself samples from."""
-    if logit_scale is not None:
-        logits = logits * logit_scale
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise UserError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise UserError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-
-
-def parse_device(device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"device {device} requested but CUDA is not available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"device {device} requested but only {torch.cuda.device_count()} GPU(s) exist")
-    elif dev.type != "cpu":
-        raise UserError(f"unsupported device {device!r} (use cpu, cuda or cuda:N)")
-    return dev
 
 
 @dataclass
@@ -92,9 +56,7 @@ class MedusaModel:
         if base is None or self.model.get_output_embeddings() is None:
             raise UserError(f"{type(self.model).__name__} has no decoder body + lm_head; Medusa needs a causal LM")
         self.body, self.lm_head = base, self.model.get_output_embeddings()
-        cfg = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
-            else self.model.config
-        self.config = cfg
+        self.config = cfg = text_config(self.model)
         layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise UserError(f"backbones with {sorted(layer_types - {'full_attention'})} layers are not supported "
@@ -105,7 +67,7 @@ class MedusaModel:
         params = inspect.signature(self.body.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if not self.eos_token_ids:
-            self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+            self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
 
     # -- properties --------------------------------------------------------------------
     @property
@@ -170,40 +132,6 @@ class MedusaModel:
         return list(ids)
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for src in (getattr(model, "generation_config", None), model.config):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if e is not None:
-            ids.extend(e if isinstance(e, (list, tuple)) else [e])
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
-
-
-def load_backbone(name_or_path: str, device="cpu", dtype=torch.float32, trust_remote_code: bool = False):
-    """(model, tokenizer) from an ``embedded:`` name, a local directory or a hub id, with SDPA."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name_or_path.startswith("random:"):
-        raise UserError(f"backbone {name_or_path!r} is a random test model that cannot be rebuilt; "
-                        "pass the backbone model itself")
-    path, _ = assets.resolve_backbone_path(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                     trust_remote_code=trust_remote_code)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load backbone {name_or_path!r}: {first}") from None
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise UserError(f"backbone {name_or_path!r} needs custom code: pass trust_remote_code=True "
-                            "only if you trust its source") from None
-        raise
-    return model.to(device), tokenizer
-
-
 def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
                 tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None) -> MedusaModel:
     """Backbone + tokenizer + heads, checked to belong together.
@@ -229,7 +157,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
             raise UserError(f"heads in {heads_dir} do not record their backbone; pass backbone=")
         dev = parse_device(device or "cpu")
         dt = parse_dtype(dtype or torch.float32)
-        model, tok = load_backbone(name, dev, dt, trust_remote_code)
+        model, tok, _ = load_backbone(name, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
         tokenizer = tokenizer or tok
         apply = apply_adapter if apply_adapter is not None else backbone is None
         if spec.backbone_adapter and apply:  # Medusa-2 heads: decode on the backbone they were trained with

@@ -198,9 +198,9 @@ def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> Me
     if isinstance(spec, MedusaModel):
         draft = spec
     elif isinstance(spec, str):
-        from .model import load_backbone
+        from .backbone import load_backbone
 
-        model, tok = load_backbone(spec, target.device, target.dtype, trust_remote_code)
+        model, tok, _ = load_backbone(spec, device=target.device, dtype=target.dtype, trust_remote_code=trust_remote_code)
         draft = MedusaModel(model=model, tokenizer=tok, heads=None)
     elif hasattr(spec, "get_output_embeddings"):
         draft = MedusaModel(model=spec, tokenizer=None, heads=None)

@@ -1,6 +1,7 @@
 """Load the backbone (frozen) and its tokenizer: embedded SmolLM2, any HF id/path, or tiny random.
 
-The backbone never trains in Medusa-1: it is put in eval mode with ``requires_grad=False``
+Pretrained backbones go through the runtime's own loader (``inference.backbone``), so what
+trains also decodes. The backbone never trains in Medusa-1: it is put in eval mode with ``requires_grad=False``
 on every parameter, and the trainer runs it under ``torch.no_grad``. Only its body is run
 during training (the heads need the last hidden state, not the backbone's own logits), which
 skips the 49k-vocabulary lm_head product on every token.
@@ -8,16 +9,14 @@ skips the 49k-vocabulary lm_head product on every token.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from inference import backbone as runtime_backbone
+from inference.backbone import parse_dtype
 from inference.errors import UserError
-from inference import assets
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -76,7 +75,7 @@ def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0) -> Bac
         backbone = _load_pretrained(cfg)
     model = backbone.model
     if cfg.dtype != "auto":
-        model.to(_DTYPES[cfg.dtype])
+        model.to(parse_dtype(cfg.dtype))
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -88,39 +87,7 @@ def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0) -> Bac
 
 
 def _load_pretrained(cfg) -> Backbone:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path, name = assets.resolve_backbone_path(cfg.name_or_path, cfg.gguf_file)
-    looks_local = path.startswith((".", "/", "~")) or os.path.sep in path and path.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise UserError(f"backbone path not found: {path}")
-    kwargs = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_DTYPES.get(cfg.dtype, "auto"), attn_implementation=cfg.attn_implementation, **kwargs)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load backbone {cfg.name_or_path!r} (not a local model folder, and the hub has no "
-                        f"such model or cannot be reached): {first}") from None
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise UserError(f"backbone {cfg.name_or_path!r} needs custom code: set backbone.trust_remote_code=true "
-                            "only if you trust its source") from None
-        raise
+    model, tokenizer, name = runtime_backbone.load_backbone(
+        cfg.name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,
+        gguf_file=cfg.gguf_file, attn_implementation=cfg.attn_implementation)
     return Backbone(model, tokenizer, name)
-
-
-def lm_head_weight(model) -> torch.Tensor:
-    head = model.get_output_embeddings()
-    if head is None:
-        raise UserError(f"{type(model).__name__} has no output embedding (lm_head); Medusa heads need one")
-    return head.weight
-
-
-def body(model):
-    """The decoder stack without lm_head (``model.model`` for Llama/Qwen/Mistral/Gemma)."""
-    base = getattr(model, model.base_model_prefix, None)
-    if base is None:
-        raise UserError(f"cannot find the decoder body of {type(model).__name__}")
-    return base

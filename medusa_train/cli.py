@@ -17,8 +17,9 @@ from __future__ import annotations
 import sys
 from importlib import resources
 
+from inference.cli_support import config_error_line, enum_value, fail
+
 RECIPE_PACKAGE = "recipes"
-EXIT_USER_ERROR = 2
 
 
 def available_recipes() -> list[str]:
@@ -47,8 +48,7 @@ def usage() -> str:
 
 
 def _fail(message: str) -> None:
-    print(f"medusa-train: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
+    fail("medusa-train", message)
 
 
 def _task(cfg) -> None:
@@ -72,12 +72,9 @@ def _task(cfg) -> None:
 def task_runner(cfg):
     """What a recipe runs: ``task: distill`` -> distill.run; ``features.mode=build`` -> features.run_build;
     otherwise the trainer (which reads the feature cache itself under ``features.mode=train``)."""
-    def name(enum_or_str) -> str:
-        return str(getattr(enum_or_str, "value", enum_or_str))
-
-    if name(cfg.task) == "distill":
+    if enum_value(cfg.task) == "distill":
         from .distill import run
-    elif name(cfg.features.mode) == "build":
+    elif enum_value(cfg.features.mode) == "build":
         from .features import run_build as run
     else:
         from .trainer import run
@@ -94,11 +91,8 @@ def _precheck(recipe: str, overrides: list[str]) -> None:
         validate(compose_recipe(recipe, overrides))
     except UserError as e:
         _fail(str(e))
-    except Exception as e:  # Hydra / OmegaConf composition errors: keep the lines that say what is wrong
-        noise = ("full_key", "reference_type", "object_type", "To append", "Set the environment")
-        text = str(e) + ("\n" + str(e.__cause__) if e.__cause__ is not None else "")
-        lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith(noise)]
-        _fail((" ".join(lines) or type(e).__name__) + f" (list the keys: medusa-train {recipe} --cfg job)")
+    except Exception as e:  # Hydra / OmegaConf composition errors
+        _fail(f"{config_error_line(e)} (list the keys: medusa-train {recipe} --cfg job)")
 
 
 def main(argv: list[str] | None = None) -> None:

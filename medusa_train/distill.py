@@ -61,6 +61,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from inference.backbone import eos_token_ids
 from inference.errors import UserError
 
 FORMAT_VERSION = 1
@@ -228,7 +229,9 @@ class Generator:
 
         self.model, self.tokenizer, self.device = model, tokenizer, device
         g = cfg.distill
-        self.eos = sorted(eos_ids(model, tokenizer))
+        self.eos = eos_token_ids(model, tokenizer)
+        if not self.eos:
+            raise UserError("the backbone's tokenizer and config name no end-of-sequence token; cannot end a reply")
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
         sample = g.temperature > 0
         self.config = GenerationConfig(
@@ -259,18 +262,6 @@ class Generator:
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        ids.update([e] if isinstance(e, int) else (e or []))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise UserError("the backbone's tokenizer and config name no end-of-sequence token; cannot end a reply")
-    return ids
 
 
 @dataclass

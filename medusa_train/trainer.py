@@ -39,7 +39,8 @@ from torch import nn
 from inference.errors import UserError
 from inference.heads import HeadsSpec, ProjectedHeads, backbone_fingerprint, init_heads, save_heads
 from . import checkpoint, features, lora
-from .backbone import body, lm_head_weight, load_backbone
+from inference.backbone import backbone_logits, decoder_body as body, lm_head_weight
+from .backbone import load_backbone
 from .config import HeadKind, Precision, derived_batch, loss_weights, validate
 from .data.stream import ConversationStream, MicroBatches, eval_batches, token_frequencies
 from .data.tokenize import IGNORE
@@ -81,16 +82,6 @@ def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 GREEDY_CHUNK = 1024  # rows per backbone lm_head product for greedy targets: bounds the [rows, vocab] logits
-
-
-def backbone_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The backbone's next-token logits at ``hidden``, scaled the way the runtime's verification
-    scales them (``inference.model.MedusaModel.logits``), so the greedy targets are its argmax."""
-    from inference.model import scale_logits
-
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return scale_logits(model.get_output_embeddings()(hidden), getattr(cfg, "logit_scale", None),
-                        getattr(cfg, "final_logit_softcapping", None))
 
 
 def _free_port() -> int:

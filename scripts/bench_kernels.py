@@ -19,7 +19,8 @@ import time
 import torch
 
 from inference.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
-from inference.model import MedusaModel, load_backbone, load_medusa
+from inference.backbone import load_backbone
+from inference.model import MedusaModel, load_medusa
 
 NODES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 
@@ -36,7 +37,7 @@ def main() -> None:
     if args.heads:
         m = load_medusa(args.heads, dtype=args.dtype, kernels="stock")
     else:
-        model, tok = load_backbone("embedded:smollm2", torch.device("cpu"), getattr(torch, args.dtype))
+        model, tok, _ = load_backbone("embedded:smollm2", dtype=args.dtype)
         m = MedusaModel(model=model, tokenizer=tok, heads=None)
     plans = route_linear_kernels(m.model)
     prompt = m.encode_chat("Explain how a hash map works, with an example.")

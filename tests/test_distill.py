@@ -13,6 +13,7 @@ import torch
 from inference.decode import autoregressive_generate
 from inference.errors import UserError
 from medusa_train import distill
+from inference.backbone import eos_token_ids
 from medusa_train.backbone import load_backbone
 from medusa_train.data.readers import ReadStats, iter_conversations
 
@@ -50,7 +51,7 @@ def test_greedy_replies_are_the_backbones_own_output_turn_by_turn(compose_tiny, 
     source = [m for _, m in zip(range(16), iter_conversations(str(tiny_data)))]
 
     model, tok = varied_backbone.model, varied_backbone.tokenizer
-    eos = sorted(distill.eos_ids(model, tok))
+    eos = eos_token_ids(model, tok)
     multi_turn = 0
     for row in rows:
         msgs = row["messages"]

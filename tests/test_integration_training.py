@@ -85,7 +85,7 @@ def test_two_step_medusa1_smollm2_run_exports_loadable_heads(smollm2, tmp_path):
     against the backbone they were trained on."""
     from inference.heads import load_heads
     from medusa_train import trainer as T
-    from medusa_train.backbone import lm_head_weight
+    from inference.backbone import lm_head_weight
     from medusa_train.cli import compose_recipe
     from medusa_train.tracking import read_metrics
 

@@ -14,7 +14,8 @@ from inference import assets
 from inference.decode import autoregressive_generate
 from inference.evaluate import extra_parameters
 from inference.lookahead import LookaheadSettings, lookahead_generate
-from inference.model import MedusaModel, load_backbone
+from inference.backbone import load_backbone
+from inference.model import MedusaModel
 from inference.prompt_lookup import prompt_lookup_generate
 from inference.speculative import DraftSettings, load_draft, speculative_generate
 
@@ -28,7 +29,7 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def smollm2():
-    model, tok = load_backbone("embedded:smollm2")
+    model, tok, _ = load_backbone("embedded:smollm2")
     return MedusaModel(model=model, tokenizer=tok, heads=None)
 
 

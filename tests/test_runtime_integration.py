@@ -14,7 +14,8 @@ import torch
 from inference import assets
 from inference.decode import autoregressive_generate, medusa_generate
 from inference.heads import HeadsSpec, MedusaHeads, backbone_fingerprint, save_heads
-from inference.model import load_backbone, load_medusa
+from inference.backbone import load_backbone
+from inference.model import load_medusa
 
 from runtime_support import one_thread  # noqa: F401 (autouse: 1 thread is ~3x faster on the shared box)
 
@@ -26,7 +27,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def medusa(tmp_path_factory):
-    model, _ = load_backbone("embedded:smollm2")
+    model, _, _ = load_backbone("embedded:smollm2")
     cfg = model.config
     spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                      projection="truncated", truncated_vocab_size=8192, base_model="embedded:smollm2",

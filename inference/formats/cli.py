@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from ..cli import EXIT_USER_ERROR
+from ..cli_support import run_cli
 
 
 @dataclass
@@ -39,11 +39,6 @@ class ExportConfig:
     base_model: Optional[str] = None
     dtype: str = "keep"
     trust_remote_code: bool = False
-
-
-def _fail(message: str) -> None:
-    print(f"medusa-export: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
 
 
 def run_export(cfg) -> None:
@@ -87,7 +82,7 @@ def run_export(cfg) -> None:
     def backbone_lm_head():
         if "w" not in loaded:
             from ..heads import check_compatible
-            from ..model import load_backbone
+            from ..backbone import load_backbone
 
             name = cfg.backbone or spec.base_model
             if not name:
@@ -95,7 +90,7 @@ def run_export(cfg) -> None:
             print(f"reading the lm_head of {name} ...", file=sys.stderr)
             # dtype "auto": the checkpoint's own dtype (a 7B model in bf16 needs half the memory of
             # fp32); the matrix is then cast to the heads' dtype, losslessly for bf16/fp16 -> fp32.
-            model, _ = load_backbone(name, "cpu", "auto", cfg.trust_remote_code)
+            model, _, _ = load_backbone(name, dtype="auto", trust_remote_code=cfg.trust_remote_code)
             if not spec.vocab_size:  # TGI-v2 dir without vocab_size: the backbone's vocabulary
                 spec.vocab_size = model.config.vocab_size
             check_compatible(spec, model.config, where=f"heads in {src}")
@@ -116,25 +111,4 @@ def run_export(cfg) -> None:
 
 
 def export_main(argv: Optional[list[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(__doc__.strip())
-        return
-    bad = [a for a in argv if "=" not in a or a.startswith("-")]
-    if bad:
-        _fail(f"arguments are key=value overrides, got {bad[0]!r} (see medusa-export --help)")
-    from omegaconf import OmegaConf
-
-    from ..errors import UserError
-
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), OmegaConf.from_dotlist(argv))
-    except Exception as e:  # unknown key / wrong type: keep the lines that say what is wrong
-        noise = ("full_key", "reference_type", "object_type")
-        lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.strip().startswith(noise)]
-        key = getattr(e, "full_key", None)
-        _fail((f"{key}: " if key else "") + (" ".join(lines) or type(e).__name__) + " (see medusa-export --help)")
-    try:
-        run_export(cfg)
-    except UserError as e:
-        _fail(str(e))
+    run_cli("medusa-export", __doc__, ExportConfig, run_export, argv, help_when_empty=True)

@@ -1,0 +1,144 @@
+"""The backbone, loaded once for both halves: one loader, one dtype table, one EOS rule.
+
+The trainer (``medusa_train.backbone``) and the runtime (``inference.model``) both load their
+backbone here, so a model that trains also decodes, with the same dtype spelling, the same
+end-of-sequence ids and the same errors. Anything the backbone name can be is resolved by
+``assets.resolve_backbone_path``: ``embedded:smollm2``, a local folder (optionally a GGUF file
+inside it), or a hub id.
+
+Attention defaults to SDPA: tree verification passes custom 4D masks, which sdpa and eager
+apply and flash-attention kernels ignore.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import assets
+from .errors import UserError
+
+# Every spelling a user, a recipe or a config may use for the three float types.
+DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """A ``torch.dtype`` from any spelling in ``DTYPES`` (or a float dtype itself)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise UserError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise UserError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name (``float32``, ``bfloat16``, ``float16``) configs and reports write."""
+    return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+def parse_device(device) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` (``auto``: CUDA when available), checked against this machine."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {device} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"device {device} requested but only {torch.cuda.device_count()} GPU(s) exist")
+    elif dev.type != "cpu":
+        raise UserError(f"unsupported device {device!r} (use cpu, cuda or cuda:N)")
+    return dev
+
+
+def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_remote_code: bool = False,
+                  revision: Optional[str] = None, gguf_file: Optional[str] = None,
+                  attn_implementation: str = "sdpa"):
+    """(model, tokenizer, name): a causal LM and its tokenizer from an ``embedded:`` name, a local
+    folder or a hub id; ``name`` is what heads record as their base model. ``dtype="auto"`` keeps
+    the checkpoint's own. Any failure to find or build it is one ``UserError`` line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path.startswith("random:"):
+        raise UserError(f"backbone {name_or_path!r} is a random test model that cannot be rebuilt; "
+                        "pass the backbone model itself")
+    path, name = assets.resolve_backbone_path(name_or_path, gguf_file)
+    looks_local = path.startswith((".", "/", "~")) or (os.path.sep in path and path.count("/") > 1)
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise UserError(f"cannot load backbone {name_or_path!r}: path not found ({path})")
+    kwargs = dict(trust_remote_code=trust_remote_code, revision=revision)
+    torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation, **kwargs)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load backbone {name_or_path!r} (not a local model folder, and the hub has no "
+                        f"such model or cannot be reached): {first}") from None
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"backbone {name_or_path!r} needs custom code: set trust_remote_code=true "
+                            "only if you trust its source") from None
+        raise
+    return model.to(parse_device(device)), tokenizer, name
+
+
+def eos_token_ids(model, tokenizer=None) -> list[int]:
+    """Every id that ends a reply: the generation config's, the model config's and the tokenizer's
+    (chat models often end turns with a token that only one of them names)."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is not None:
+            ids.update(e if isinstance(e, (list, tuple)) else [e])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(int(i) for i in ids)
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if head is None:
+        raise UserError(f"{type(model).__name__} has no output embedding (lm_head); draft heads need one")
+    return head.weight
+
+
+def decoder_body(model):
+    """The decoder stack without lm_head (``model.model`` for Llama/Qwen/Mistral/Gemma)."""
+    base = getattr(model, model.base_model_prefix, None)
+    if base is None:
+        raise UserError(f"cannot find the decoder body of {type(model).__name__}")
+    return base
+
+
+def text_config(model_or_config):
+    """The decoder's own config (multimodal models nest it)."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def scale_logits(logits: torch.Tensor, logit_scale: Optional[float], softcap: Optional[float]) -> torch.Tensor:
+    """The backbone's own post-lm_head transforms (Cohere's ``logit_scale``, Gemma's final soft-cap):
+    verification and training targets must take the argmax of the logits the model itself samples from."""
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def backbone_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The backbone's next-token logits at ``hidden`` (lm_head, then its own scaling)."""
+    cfg = text_config(model)
+    return scale_logits(model.get_output_embeddings()(hidden), getattr(cfg, "logit_scale", None),
+                        getattr(cfg, "final_logit_softcapping", None))

@@ -1,0 +1,64 @@
+"""What every command line of the toolkit shares: one error line, one exit code, one way to read
+``key=value`` overrides into a typed config.
+
+``medusa-eval``, ``medusa-generate``, ``medusa-export`` (OmegaConf dataclass schemas) and
+``medusa-train`` (Hydra recipes) all end a user mistake the same way: ``<prog>: error: <one
+line>`` on stderr and exit code 2, before anything heavy is loaded. OmegaConf's own messages are
+several lines long (the key, then its reference type, object type, hints); ``config_error_line``
+keeps the lines that say what is wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NoReturn, Optional
+
+EXIT_USER_ERROR = 2
+_OMEGACONF_NOISE = ("full_key", "reference_type", "object_type", "To append", "Set the environment")
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def config_error_line(e: BaseException) -> str:
+    """An OmegaConf / Hydra composition error as one line, naming the key when it is known."""
+    text = str(e) + ("\n" + str(e.__cause__) if e.__cause__ is not None else "")
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith(_OMEGACONF_NOISE)]
+    key = getattr(e, "full_key", None)
+    return (f"{key}: " if key and not any(str(key) in l for l in lines) else "") + (" ".join(lines) or type(e).__name__)
+
+
+def parse_overrides(prog: str, schema, argv: list[str]):
+    """``key=value`` arguments merged onto the dataclass ``schema``; one error line for anything else."""
+    bad = [a for a in argv if "=" not in a or a.startswith("-")]
+    if bad:
+        fail(prog, f"arguments are key=value overrides, got {bad[0]!r} (see {prog} --help)")
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv))
+    except Exception as e:  # unknown key / wrong type
+        fail(prog, f"{config_error_line(e)} (see {prog} --help)")
+
+
+def enum_value(x: Any) -> Any:
+    """A config enum's value (Hydra hands enums to the code; reports and JSON want their strings)."""
+    return getattr(x, "value", x)
+
+
+def run_cli(prog: str, doc: str, schema, task, argv: Optional[list[str]], help_when_empty: bool = False) -> None:
+    """``--help`` (or no argument at all, with ``help_when_empty``) prints ``doc``; otherwise parse ``argv`` onto ``schema`` and run ``task(cfg)``,
+    turning a ``UserError`` into one line and exit 2."""
+    from .errors import UserError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (not argv and help_when_empty) or (argv and argv[0] in ("-h", "--help", "help")):
+        print(doc.strip())
+        return
+    cfg = parse_overrides(prog, schema, argv)
+    try:
+        task(cfg)
+    except UserError as e:
+        fail(prog, str(e))
