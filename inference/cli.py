@@ -93,7 +93,7 @@ class GenerateConfig(RuntimeConfig):
 def _load(cfg):
     import torch
 
-    from .model import load_medusa
+    from .runtime.model import load_medusa
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -107,7 +107,7 @@ def _load(cfg):
 
 
 def _sampling(cfg):
-    from .verify import SamplingConfig
+    from .runtime.verify import SamplingConfig
 
     return SamplingConfig(mode=cfg.mode, temperature=cfg.temperature if cfg.mode != "greedy" else 1.0,
                           top_k=cfg.top_k, top_p=cfg.top_p, typical_epsilon=cfg.typical_epsilon,
@@ -120,7 +120,7 @@ TRAINING_FREE = ("draft", "lookahead", "prompt_lookup")
 def eval_methods(cfg) -> list[str]:
     """The methods an evaluation runs, from ``compare`` / ``method`` / ``methods`` and whether heads exist."""
     from .errors import UserError
-    from .evaluate import DEFAULT_METHODS, check_methods
+    from .evaluation.evaluate import DEFAULT_METHODS, check_methods
 
     greedy = cfg.mode == "greedy"
     baselines = ["autoregressive"] + (["hf_generate"] if greedy else [])
@@ -144,7 +144,7 @@ def eval_methods(cfg) -> list[str]:
 def _needs_heads(cfg, methods: list[str]) -> list[str]:
     """Refuse a method that needs heads when none are given (before anything is loaded)."""
     from .errors import UserError
-    from .evaluate import HEAD_METHODS
+    from .evaluation.evaluate import HEAD_METHODS
 
     needing = [x for x in methods if x in HEAD_METHODS]
     if needing and not cfg.heads:
@@ -157,7 +157,7 @@ def _load_eval(cfg, methods):
     import torch
 
     from .backbone import load_backbone
-    from .model import MedusaModel, apply_kernels, check_kernels
+    from .runtime.model import MedusaModel, apply_kernels, check_kernels
 
     check_kernels(cfg.kernels)
     if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
@@ -171,10 +171,10 @@ def _load_eval(cfg, methods):
 
 
 def _method_options(cfg):
-    from .evaluate import MethodOptions
-    from .lookahead import LookaheadSettings
-    from .prompt_lookup import PromptLookupSettings
-    from .speculative import DraftSettings, parse_self_draft
+    from .evaluation.evaluate import MethodOptions
+    from .methods.lookahead import LookaheadSettings
+    from .methods.prompt_lookup import PromptLookupSettings
+    from .methods.draft import DraftSettings, parse_self_draft
 
     parse_self_draft(cfg.draft)  # a malformed self:N fails before any model is loaded
     return MethodOptions(draft=cfg.draft, draft_settings=DraftSettings(k=cfg.draft_k, adaptive=cfg.draft_adaptive),
@@ -191,7 +191,7 @@ def run_eval(cfg) -> dict:
 
     from omegaconf import OmegaConf
 
-    from .evaluate import evaluate, load_prompts, write_compare, write_report
+    from .evaluation.evaluate import evaluate, load_prompts, write_compare, write_report
 
     sampling = _sampling(cfg)
     methods = eval_methods(cfg)
@@ -217,9 +217,9 @@ def run_eval(cfg) -> dict:
     spec = getattr(m.heads, "spec", None)
     if getattr(spec, "backbone_adapter", None) and m.adapter_applied:
         # Medusa-2 heads decode on the adapted backbone: say how far it is from the original.
-        from .drift import greedy_drift
+        from .evaluation.drift import greedy_drift
         from .backbone import load_backbone
-        from .model import MedusaModel
+        from .runtime.model import MedusaModel
 
         original, _, _ = load_backbone(cfg.backbone or spec.base_model, device=m.device, dtype=cfg.dtype,
                                        trust_remote_code=cfg.trust_remote_code)
@@ -240,7 +240,7 @@ def run_eval(cfg) -> dict:
     if cfg.compare:
         paths += write_compare(out, report)
     if report["tree"]["choices"]:
-        from .tree import MedusaTree
+        from .runtime.tree import MedusaTree
 
         MedusaTree(report["tree"]["choices"], name=report["tree"]["name"]).save(out / "tree.json")
         paths.append(out / "tree.json")
@@ -259,7 +259,7 @@ def run_eval(cfg) -> dict:
 
 
 def run_generate(cfg) -> None:
-    from .decode import medusa_stream
+    from .runtime.decode import medusa_stream
     from .errors import UserError
 
     if not (cfg.prompt or "").strip():

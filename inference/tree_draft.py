@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserError
-from .tree import TreeBuffers
-from .verify import SamplingConfig
+from .runtime.tree import TreeBuffers
+from .runtime.verify import SamplingConfig
 
 
 @dataclass

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from inference.decode import measure_step_latency
-from inference.model import load_medusa
-from inference.tree import resolve_tree
+from inference.runtime.decode import measure_step_latency
+from inference.runtime.model import load_medusa
+from inference.runtime.tree import resolve_tree
 from inference.tree_draft import draft_dependent
-from inference.verify import SamplingConfig, propose
+from inference.runtime.verify import SamplingConfig, propose
 
 TREES = ("chain3", "tree4", "tree8")
 

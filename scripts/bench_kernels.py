@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from inference.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
+from inference.runtime.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
 from inference.backbone import load_backbone
-from inference.model import MedusaModel, load_medusa
+from inference.runtime.model import MedusaModel, load_medusa
 
 NODES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 

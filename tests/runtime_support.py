@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from inference.heads import HeadsSpec, MedusaHeads
-from inference.model import MedusaModel, attach_heads
+from inference.runtime.model import MedusaModel, attach_heads
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -133,6 +133,6 @@ def plain_model():
 @pytest.fixture(scope="module", name="greedy")
 def plain_greedy(m):
     """The plain model's own greedy continuation of PLAIN_PROMPT (48 tokens); fixture name ``greedy``."""
-    from inference.decode import autoregressive_generate
+    from inference.runtime.decode import autoregressive_generate
 
     return autoregressive_generate(m, PLAIN_PROMPT, max_new_tokens=48).tokens

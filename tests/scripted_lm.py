@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from inference.cache import TreeKVCache
+from inference.runtime.cache import TreeKVCache
 
 
 class ScriptedLM:

@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inference.errors import UserError
-from inference.decode import autoregressive_generate, medusa_generate
-from inference.model import load_medusa
-from inference.tree import MedusaTree
+from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.runtime.model import load_medusa
+from inference.runtime.tree import MedusaTree
 from medusa_train import features
 from medusa_train import trainer as T
 from medusa_train.config import validate

@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from inference.errors import UserError
-from inference.evaluate import (COMPARE_FILES, METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token,
+from inference.evaluation.evaluate import (COMPARE_FILES, METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token,
                                 load_prompts, write_compare, write_report)
-from inference.lookahead import LookaheadSettings
-from inference.model import MedusaModel
-from inference.prompt_lookup import PromptLookupSettings
-from inference.speculative import DraftSettings
+from inference.methods.lookahead import LookaheadSettings
+from inference.runtime.model import MedusaModel
+from inference.methods.prompt_lookup import PromptLookupSettings
+from inference.methods.draft import DraftSettings
 
 from runtime_support import one_thread, random_heads  # noqa: F401 (autouse fixture)
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.decode import autoregressive_generate, measure_head_accuracy, medusa_generate
+from inference.runtime.decode import autoregressive_generate, measure_head_accuracy, medusa_generate
 from inference.dependent_heads import HydraHeads, MLPSpeculatorHeads
 from inference.errors import UserError
 from inference.heads import HeadsSpec, init_heads, load_heads, save_heads
-from inference.model import attach_heads, load_medusa
-from inference.tree import MedusaTree
+from inference.runtime.model import attach_heads, load_medusa
+from inference.runtime.tree import MedusaTree
 from inference.tree_draft import draft_dependent
-from inference.verify import SamplingConfig
+from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, tiny_llama  # noqa: F401
 

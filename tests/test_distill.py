@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.decode import autoregressive_generate
+from inference.runtime.decode import autoregressive_generate
 from inference.errors import UserError
 from medusa_train import distill
 from inference.backbone import eos_token_ids

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from inference.decode import GenerationOutput
+from inference.runtime.decode import GenerationOutput
 from inference.errors import UserError
-from inference.evaluate import Prompt, Sample, evaluate, load_prompts, summarize, write_report
-from inference.model import MedusaModel
-from inference.tree import chain_tree
+from inference.evaluation.evaluate import Prompt, Sample, evaluate, load_prompts, summarize, write_report
+from inference.runtime.model import MedusaModel
+from inference.runtime.tree import chain_tree
 from tests.runtime_support import one_thread, random_heads  # noqa: F401  (fixture)
 
 
@@ -42,7 +42,7 @@ def test_summary_metrics_follow_the_documented_definitions():
 def test_per_method_acceptance_uses_each_steps_proposed_tokens():
     """Guards against: the chain methods' acceptance rate computed against the tree depth (or the
     bonus counted as accepted) instead of accepted / proposed draft tokens per step."""
-    from inference.speculative import SpeculativeOutput
+    from inference.methods.draft import SpeculativeOutput
 
     s = Sample("1", 1)
     spec = SpeculativeOutput(tokens=list(range(9)), prompt_tokens=3, finish_reason="length",
@@ -117,7 +117,7 @@ def test_end_to_end_evaluation_on_a_tiny_model(tiny_medusa, tmp_path):
 def test_fixed_tree_and_sampling_mode_run(tiny_medusa):
     """Guards against: a given tree or the exact-sampling mode breaking the harness (hf_generate
     is greedy-only and must be refused in sample mode with a clear error)."""
-    from inference.verify import SamplingConfig
+    from inference.runtime.verify import SamplingConfig
 
     prompts = [Prompt("a", ["hello there"])]
     r = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="chain3", max_new_tokens=8,

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from inference.decode import autoregressive_generate, medusa_generate
+from inference.runtime.decode import autoregressive_generate, medusa_generate
 from inference.errors import UserError
 from inference.formats.export import FormatWarning
 from inference.heads import load_heads, read_heads_spec
-from inference.model import load_medusa
+from inference.runtime.model import load_medusa
 from runtime_support import one_thread, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 
 VOCAB, HIDDEN = 96, 64

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from inference import linear_kernels as lk
-from inference.decode import autoregressive_generate, medusa_generate
+from inference.runtime.decode import autoregressive_generate, medusa_generate
 from inference.errors import UserError
 from inference.heads import save_heads
-from inference.model import load_medusa
+from inference.runtime.model import load_medusa
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401
 
 
@@ -139,8 +139,8 @@ def test_load_medusa_kernels_option(tmp_path):
 def test_hf_generate_baseline_runs_stock_kernels(monkeypatch):
     """Guards against the transformers `generate` baseline silently using the routed kernels in
     medusa-eval (speedup_vs_hf_generate would then compare against a faster-than-stock baseline)."""
-    from inference.evaluate import hf_generate
-    from inference.model import MedusaModel
+    from inference.evaluation.evaluate import hf_generate
+    from inference.runtime.model import MedusaModel
 
     model = tiny_llama()
     m = MedusaModel(model=model, tokenizer=None, heads=None, eos_token_ids=[0])

@@ -10,10 +10,10 @@ import types
 import pytest
 import torch
 
-from inference.adapter import merge_lora
-from inference.decode import autoregressive_generate, medusa_generate
+from inference.runtime.adapter import merge_lora
+from inference.runtime.decode import autoregressive_generate, medusa_generate
 from inference.errors import UserError
-from inference.model import load_medusa
+from inference.runtime.model import load_medusa
 from medusa_train import lora
 from medusa_train import trainer as T
 from medusa_train.tracking import read_metrics
@@ -148,7 +148,7 @@ def test_runtime_applies_the_adapter_from_a_path_and_reports_drift(compose_tiny,
     """Guards against Medusa-2 heads evaluated on the original backbone (their acceptance would
     be measured on a model they were not trained with) and against a drift report that cannot
     tell the tuned model from the original."""
-    from inference.drift import greedy_drift
+    from inference.evaluation.drift import greedy_drift
 
     T.run(compose_tiny(*LORA, "trainer.max_steps=3", "optim.lr=3e-2"))
     base_dir = tmp_path / "base"

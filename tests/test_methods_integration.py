@@ -11,13 +11,13 @@ import json
 import pytest
 
 from inference import assets
-from inference.decode import autoregressive_generate
-from inference.evaluate import extra_parameters
-from inference.lookahead import LookaheadSettings, lookahead_generate
+from inference.runtime.decode import autoregressive_generate
+from inference.evaluation.evaluate import extra_parameters
+from inference.methods.lookahead import LookaheadSettings, lookahead_generate
 from inference.backbone import load_backbone
-from inference.model import MedusaModel
-from inference.prompt_lookup import prompt_lookup_generate
-from inference.speculative import DraftSettings, load_draft, speculative_generate
+from inference.runtime.model import MedusaModel
+from inference.methods.prompt_lookup import prompt_lookup_generate
+from inference.methods.draft import DraftSettings, load_draft, speculative_generate
 
 from runtime_support import one_thread  # noqa: F401 (autouse: 1 thread is ~3x faster on the shared box)
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from inference.decode import (TreeDecoder, autoregressive_generate, autoregressive_stream, calibrated_tree,
+from inference.runtime.decode import (TreeDecoder, autoregressive_generate, autoregressive_stream, calibrated_tree,
                               measure_head_accuracy,
                               measure_step_latency, medusa_generate, medusa_stream)
 from inference.errors import UserError
-from inference.tree import MedusaTree, default_tree
-from inference.verify import SamplingConfig
+from inference.runtime.tree import MedusaTree, default_tree
+from inference.runtime.verify import SamplingConfig
 
 from runtime_support import (FixedHeads, OracleHeads, one_thread, random_heads, sequential_kv,  # noqa: F401
                              tiny_llama, wrap)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from inference.decode import autoregressive_generate, medusa_generate
-from inference.verify import SamplingConfig
+from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.runtime.verify import SamplingConfig
 
 from runtime_support import random_heads, tiny_llama, wrap
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from inference.cli import EvalConfig, eval_methods
-from inference.decode import TreeDecoder, autoregressive_generate
+from inference.runtime.decode import TreeDecoder, autoregressive_generate
 from inference.errors import UserError
-from inference.evaluate import METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token, method_costs
+from inference.evaluation.evaluate import METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token, method_costs
 from inference.heads import HeadsSpec, init_heads
-from inference.hybrid import HybridDecoder, graft_tree, hybrid_generate, match_prefix
-from inference.model import MedusaModel, attach_heads
-from inference.prompt_lookup import PromptLookupSettings
-from inference.tree import MedusaTree, default_tree
-from inference.verify import SamplingConfig, verify_sample
+from inference.methods.medusa_lookup import HybridDecoder, graft_tree, hybrid_generate, match_prefix
+from inference.runtime.model import MedusaModel, attach_heads
+from inference.methods.prompt_lookup import PromptLookupSettings
+from inference.runtime.tree import MedusaTree, default_tree
+from inference.runtime.verify import SamplingConfig, verify_sample
 
 from runtime_support import FixedHeads, one_thread, random_heads, sequential_kv, tiny_llama, wrap  # noqa: F401
 from scripted_lm import ScriptedLM, cached_tokens

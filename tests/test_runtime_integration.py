@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from inference import assets
-from inference.decode import autoregressive_generate, medusa_generate
+from inference.runtime.decode import autoregressive_generate, medusa_generate
 from inference.heads import HeadsSpec, MedusaHeads, backbone_fingerprint, save_heads
 from inference.backbone import load_backbone
-from inference.model import load_medusa
+from inference.runtime.model import load_medusa
 
 from runtime_support import one_thread  # noqa: F401 (autouse: 1 thread is ~3x faster on the shared box)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.lookahead import LookaheadDecoder, LookaheadSettings, NGramPool, build_trie, lookahead_generate
-from inference.verify import SamplingConfig
+from inference.methods.lookahead import LookaheadDecoder, LookaheadSettings, NGramPool, build_trie, lookahead_generate
+from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, sequential_kv  # noqa: F401 (autouse fixture)
 from runtime_support import PLAIN_PROMPT, plain_greedy, plain_model  # noqa: F401  (fixtures m, greedy)

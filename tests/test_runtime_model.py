@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from inference.decode import medusa_generate
+from inference.runtime.decode import medusa_generate
 from inference.errors import IncompatibleHeadsError, UserError
 from inference.heads import backbone_fingerprint, save_heads
-from inference.model import MedusaModel, load_medusa
+from inference.runtime.model import MedusaModel, load_medusa
 
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, prompt_lookup_generate
-from inference.verify import SamplingConfig
+from inference.methods.prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, prompt_lookup_generate
+from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, sequential_kv  # noqa: F401 (autouse fixture)
 from runtime_support import PLAIN_PROMPT, plain_greedy, plain_model  # noqa: F401  (fixtures m, greedy)

@@ -12,10 +12,10 @@ see a bias. A smaller end-to-end run through ``medusa_generate`` checks the deco
 import pytest
 import torch
 
-from inference.decode import medusa_generate
+from inference.runtime.decode import medusa_generate
 from inference.heads import HeadsSpec, MedusaHeads
-from inference.tree import MedusaTree
-from inference.verify import SamplingConfig, filter_probs, propose, verify_sample
+from inference.runtime.tree import MedusaTree
+from inference.runtime.verify import SamplingConfig, filter_probs, propose, verify_sample
 
 from runtime_support import one_thread, tiny_llama, wrap  # noqa: F401 (autouse fixture)
 

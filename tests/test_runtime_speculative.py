@@ -5,13 +5,13 @@ and exactness of the sampler by chi-square (with broken rules that must fail the
 import pytest
 import torch
 
-from inference.decode import autoregressive_generate
+from inference.runtime.decode import autoregressive_generate
 from inference.errors import UserError
-from inference.evaluate import extra_parameters
-from inference.model import MedusaModel
-from inference.speculative import (DraftDecoder, DraftSettings, accept_drafts, check_draft_compatible, load_draft,
+from inference.evaluation.evaluate import extra_parameters
+from inference.runtime.model import MedusaModel
+from inference.methods.draft import (DraftDecoder, DraftSettings, accept_drafts, check_draft_compatible, load_draft,
                                    self_draft, speculative_generate, speculative_stream)
-from inference.verify import SamplingConfig, filter_probs
+from inference.runtime.verify import SamplingConfig, filter_probs
 
 from runtime_support import one_thread, sequential_kv, tiny_llama  # noqa: F401 (autouse fixture)
 from scripted_lm import ScriptedLM, cached_tokens

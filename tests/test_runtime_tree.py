@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.tree import (MC_SIM_7B_63, MedusaTree, chain_tree, default_tree, expected_tau, grow_tree,
+from inference.runtime.tree import (MC_SIM_7B_63, MedusaTree, chain_tree, default_tree, expected_tau, grow_tree,
                             resolve_tree)
 
 # Given unsorted on purpose: nodes must come out sorted by (depth, path).

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.tree import MedusaTree
-from inference.verify import SamplingConfig, filter_probs, propose, verify_greedy, verify_typical
+from inference.runtime.tree import MedusaTree
+from inference.runtime.verify import SamplingConfig, filter_probs, propose, verify_greedy, verify_typical
 
 # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
 TREE = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])

@@ -39,12 +39,12 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .decode import TokenStream, _generator, _prefill
-from .errors import UserError
-from .model import MedusaModel
-from .speculative import SpeculativeOutput, chain_sampling, drive, run_speculative
-from .tree import MedusaTree, TreeBuffers
-from .verify import SamplingConfig, choose_token, verify
+from ..runtime.decode import TokenStream, _generator, _prefill
+from ..errors import UserError
+from ..runtime.model import MedusaModel
+from .draft import SpeculativeOutput, chain_sampling, drive, run_speculative
+from ..runtime.tree import MedusaTree, TreeBuffers
+from ..runtime.verify import SamplingConfig, choose_token, verify
 
 
 @dataclass

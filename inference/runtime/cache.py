@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .errors import UserError
+from ..errors import UserError
 
 
 class _PreallocLayer(DynamicLayer):

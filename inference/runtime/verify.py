@@ -54,7 +54,7 @@ from typing import Optional
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 from .tree import TreeBuffers
 
 MODES = ("greedy", "typical", "sample")

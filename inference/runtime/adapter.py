@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

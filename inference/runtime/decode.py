@@ -26,10 +26,10 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 from .model import MedusaModel
 from .tree import MedusaTree, grow_tree, resolve_tree
-from .tree_draft import check_dependent_sampling, draft_dependent
+from ..tree_draft import check_dependent_sampling, draft_dependent
 from .verify import SamplingConfig, choose_token, propose, verify
 
 

@@ -53,18 +53,18 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import assets
-from .decode import (GenerationOutput, autoregressive_generate, measure_head_accuracy, measure_step_latency,
+from .. import assets
+from ..runtime.decode import (GenerationOutput, autoregressive_generate, measure_head_accuracy, measure_step_latency,
                      medusa_generate)
-from .errors import UserError
-from .hybrid import hybrid_generate
-from .linear_kernels import routing_summary
-from .lookahead import LookaheadSettings, lookahead_generate
-from .model import MedusaModel
-from .prompt_lookup import PromptLookupSettings, prompt_lookup_generate
-from .speculative import DraftDecoder, DraftSettings, drive, load_draft
-from .tree import MedusaTree, expected_tau, grow_tree, resolve_tree
-from .verify import SamplingConfig
+from ..errors import UserError
+from ..methods.medusa_lookup import hybrid_generate
+from ..runtime.linear_kernels import routing_summary
+from ..methods.lookahead import LookaheadSettings, lookahead_generate
+from ..runtime.model import MedusaModel
+from ..methods.prompt_lookup import PromptLookupSettings, prompt_lookup_generate
+from ..methods.draft import DraftDecoder, DraftSettings, drive, load_draft
+from ..runtime.tree import MedusaTree, expected_tau, grow_tree, resolve_tree
+from ..runtime.verify import SamplingConfig
 from .reports import (COMPARE_FILES, compare_markdown, markdown, plot_compare, plot_report,  # noqa: F401
                       write_compare, write_report)
 
@@ -260,7 +260,7 @@ class Sample:
 def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int) -> GenerationOutput:
     """transformers' own greedy ``generate`` (its default cache), timed like the others, with stock
     kernels (no ``linear_kernels`` routing): the baseline is what a user gets from transformers."""
-    from .linear_kernels import stock_kernels
+    from ..runtime.linear_kernels import stock_kernels
 
     ids = torch.tensor([prompt_ids], device=m.device)
     eos = list(m.eos_token_ids)

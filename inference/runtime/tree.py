@@ -37,7 +37,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 TREE_FORMAT = "medusa-tree"
 TREE_FORMAT_VERSION = 1

@@ -45,11 +45,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
-from .errors import UserError
-from .model import MedusaModel
-from .tree import TreeBuffers, chain_tree
-from .verify import SamplingConfig, target_probs, verify
+from ..runtime.decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
+from ..errors import UserError
+from ..runtime.model import MedusaModel
+from ..runtime.tree import TreeBuffers, chain_tree
+from ..runtime.verify import SamplingConfig, target_probs, verify
 
 # Kept as a name for the output of these methods: ``GenerationOutput`` carries the proposed
 # counts and the acceptance rate for every method.
@@ -198,7 +198,7 @@ def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> Me
     if isinstance(spec, MedusaModel):
         draft = spec
     elif isinstance(spec, str):
-        from .backbone import load_backbone
+        from ..backbone import load_backbone
 
         model, tok, _ = load_backbone(spec, device=target.device, dtype=target.dtype, trust_remote_code=trust_remote_code)
         draft = MedusaModel(model=model, tokenizer=tok, heads=None)

@@ -20,11 +20,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import assets
-from .backbone import eos_token_ids, load_backbone, parse_device, parse_dtype, scale_logits, text_config
+from .. import assets
+from ..backbone import eos_token_ids, load_backbone, parse_device, parse_dtype, scale_logits, text_config
 from .cache import TreeKVCache
-from .errors import UserError
-from .heads import check_compatible, load_heads, read_heads_spec
+from ..errors import UserError
+from ..heads import check_compatible, load_heads, read_heads_spec
 
 _MASKING_ATTENTION = ("sdpa", "eager")
 KERNEL_MODES = ("auto", "stock")

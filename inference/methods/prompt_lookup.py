@@ -25,11 +25,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .decode import TokenStream, _generator, _prefill
-from .errors import UserError
-from .model import MedusaModel
-from .speculative import SpeculativeOutput, drive, run_speculative, verify_chain
-from .verify import SamplingConfig
+from ..runtime.decode import TokenStream, _generator, _prefill
+from ..errors import UserError
+from ..runtime.model import MedusaModel
+from .draft import SpeculativeOutput, drive, run_speculative, verify_chain
+from ..runtime.verify import SamplingConfig
 
 
 @dataclass

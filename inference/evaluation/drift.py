@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .decode import autoregressive_generate
-from .model import MedusaModel
+from ..runtime.decode import autoregressive_generate
+from ..runtime.model import MedusaModel
 
 
 def greedy_drift(tuned: MedusaModel, original: MedusaModel, prompts: Sequence[Sequence[int]],

@@ -40,14 +40,14 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
-from .errors import UserError
-from .model import MedusaModel
+from ..runtime.decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
+from ..errors import UserError
+from ..runtime.model import MedusaModel
 from .prompt_lookup import NGramIndex, PromptLookupSettings
-from .speculative import chain_sampling
-from .tree import MedusaTree, TreeBuffers, resolve_tree
-from .tree_draft import draft_dependent
-from .verify import SamplingConfig, propose, verify
+from .draft import chain_sampling
+from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
+from ..tree_draft import draft_dependent
+from ..runtime.verify import SamplingConfig, propose, verify
 
 # (tree paths, device) -> {(graft node, chain length): (trie buffers, token gather index)}.
 # Bounded by nodes x num_tokens per tree; shared by every decoder on the same tree.

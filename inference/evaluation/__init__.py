@@ -1,0 +1,1 @@
+"""Measuring decoding methods: prompts, calibration, tree choice, interleaved timing, reports."""

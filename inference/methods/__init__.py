@@ -1,0 +1,1 @@
+"""Decoding methods: each one file that registers itself (see ``inference.methods.registry``)."""
