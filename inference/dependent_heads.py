@@ -44,12 +44,11 @@ import torch.nn.functional as F
 
 from .errors import UserError
 from .heads import HeadsSpec, ProjectedHeads, ResBlock
+from .tree_draft import PathDrafting
 
 
-class DependentHeads(ProjectedHeads):
+class DependentHeads(PathDrafting, ProjectedHeads):
     """Shared driver of the recurrent interface; subclasses define ``init_state``/``step``."""
-
-    sequential = True
 
     def init_state(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

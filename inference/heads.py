@@ -42,6 +42,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .errors import IncompatibleHeadsError, UserError
+from .tree_draft import IndependentDrafting
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -146,7 +147,6 @@ class ProjectedHeads(nn.Module):
     prefix of the projections (``projections`` here, ``head`` in vLLM's MLP speculator).
     """
 
-    sequential = False          # True: head k also sees the drafted tokens (dependent_heads)
     _projection_name = "projections"
 
     def _init_projection(self, spec: HeadsSpec, in_dim: int) -> None:
@@ -217,7 +217,7 @@ class ProjectedHeads(nn.Module):
         return local_ids if self.token_map is None else self.token_map[local_ids]
 
 
-class MedusaHeads(ProjectedHeads):
+class MedusaHeads(IndependentDrafting, ProjectedHeads):
     """K heads over the backbone's last hidden state.
 
     ``forward(hidden)`` returns a list of K logit tensors (``[..., output_size]``). For

@@ -1,4 +1,18 @@
-"""Drafting a tree with dependent heads (Hydra / MLP speculator), level by level.
+"""How heads fill a draft tree: the drafting interface every head family provides.
+
+A decoding method never asks which family it holds; it calls three methods every heads module
+has (from one of the two mixins below):
+
+  ``check_sampling(cfg)``            refuse a sampling setting the family cannot draft exactly
+  ``draft_tree(buf, h_last, root, cfg, gen, vocab_size)``
+                                     tokens of tree nodes 1..N-1 (tree order) and the draft
+                                     distributions (``None`` for deterministic top-k drafts)
+  ``path_logits(hidden, future, k)`` head k's logits at ``hidden`` given the path tokens
+                                     ``future[..., :k+1]`` (ignored by heads that see h_t alone):
+                                     what calibration and training score
+
+``IndependentDrafting`` is for heads that see only h_t (Medusa); ``PathDrafting`` for heads
+fed the path they extend (Hydra, MLP speculator), drafted level by level as below.
 
 Medusa heads see only h_t, so one call per head fills a whole depth of the tree
 (``verify.propose``). A dependent head must be fed the path it extends: the head for depth
@@ -21,7 +35,7 @@ import torch
 
 from .errors import UserError
 from .runtime.tree import TreeBuffers
-from .runtime.verify import SamplingConfig
+from .runtime.verify import SamplingConfig, propose
 
 
 @dataclass
@@ -85,3 +99,38 @@ def draft_dependent(buf: TreeBuffers, heads, h_last: torch.Tensor, root: int) ->
         tokens[level.nodes] = heads.to_vocab_ids(guesses[level.from_parent, level.rank])
         state = new_state[level.from_parent]         # level d: one row per node, tree order
     return tokens[1:]
+
+
+class IndependentDrafting:
+    """Drafting for heads that see h_t only: one call per head fills a whole depth of the tree
+    (needs ``head_logits(hidden, k)`` and ``to_vocab_ids``)."""
+
+    sequential = False  # head k is not fed the drafted tokens
+
+    def check_sampling(self, cfg: SamplingConfig) -> None:
+        """Every sampling setting drafts exactly from independent heads."""
+
+    def draft_tree(self, buf: TreeBuffers, h_last: torch.Tensor, root: int, cfg: SamplingConfig,
+                   gen, vocab_size: int):
+        logits = [self.head_logits(h_last, k) for k in range(buf.max_depth)]
+        return propose(buf, logits, self.to_vocab_ids, cfg, gen, vocab_size)
+
+    def path_logits(self, hidden: torch.Tensor, future: torch.Tensor, k: int) -> torch.Tensor:
+        return self.head_logits(hidden, k)
+
+
+class PathDrafting:
+    """Drafting for heads fed the path they extend (needs ``init_state``, ``step``, ``project``,
+    ``to_vocab_ids`` and ``teacher_forced_logits``): level by level, top-k per parent."""
+
+    sequential = True  # head k is fed the tokens of the path it extends
+
+    def check_sampling(self, cfg: SamplingConfig) -> None:
+        check_dependent_sampling(cfg)
+
+    def draft_tree(self, buf: TreeBuffers, h_last: torch.Tensor, root: int, cfg: SamplingConfig,
+                   gen, vocab_size: int):
+        return draft_dependent(buf, self, h_last, root), None
+
+    def path_logits(self, hidden: torch.Tensor, future: torch.Tensor, k: int) -> torch.Tensor:
+        return self.teacher_forced_logits(hidden, future, k)

@@ -19,8 +19,7 @@ import torch
 from inference.runtime.decode import measure_step_latency
 from inference.runtime.model import load_medusa
 from inference.runtime.tree import resolve_tree
-from inference.tree_draft import draft_dependent
-from inference.runtime.verify import SamplingConfig, propose
+from inference.runtime.verify import SamplingConfig
 
 TREES = ("chain3", "tree4", "tree8")
 
@@ -33,10 +32,7 @@ def proposal_ms(m, tree, repeats: int = 50) -> float:
     with torch.inference_mode():
         for _ in range(repeats):
             t = time.perf_counter()
-            if getattr(m.heads, "sequential", False):
-                draft_dependent(buf, m.heads, h, 1)
-            else:
-                propose(buf, m.head_logits(h, buf.max_depth), m.heads.to_vocab_ids, cfg, None, m.vocab_size)
+            m.heads.draft_tree(buf, h, 1, cfg, None, m.vocab_size)
             times.append(time.perf_counter() - t)
     return statistics.median(times[5:]) * 1e3
 

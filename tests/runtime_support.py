@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from inference.heads import HeadsSpec, MedusaHeads
 from inference.runtime.model import MedusaModel, attach_heads
+from inference.tree_draft import IndependentDrafting
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -66,7 +67,7 @@ def one_hot_ranked(vocab: int, ranked: list[int]) -> torch.Tensor:
     return logits
 
 
-class FixedHeads(torch.nn.Module):
+class FixedHeads(IndependentDrafting, torch.nn.Module):
     """Stub heads: head k always ranks ``ranked[k]`` first, whatever the hidden state."""
 
     def __init__(self, vocab: int, ranked: list[list[int]]):
@@ -81,7 +82,7 @@ class FixedHeads(torch.nn.Module):
         return ids
 
 
-class OracleHeads(torch.nn.Module):
+class OracleHeads(IndependentDrafting, torch.nn.Module):
     """Stub heads that know the backbone's own greedy future: perfect guesses.
 
     ``reference`` holds the hidden state of every position of prompt + greedy continuation

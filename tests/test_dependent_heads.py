@@ -14,7 +14,7 @@ from inference.errors import UserError
 from inference.heads import HeadsSpec, init_heads, load_heads, save_heads
 from inference.runtime.model import attach_heads, load_medusa
 from inference.runtime.tree import MedusaTree
-from inference.tree_draft import draft_dependent
+from inference.tree_draft import PathDrafting, draft_dependent
 from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, tiny_llama  # noqa: F401
@@ -75,11 +75,9 @@ def test_teacher_forcing_equals_the_decoding_recurrence(model, kind):
         torch.testing.assert_close(f, batched[k])
 
 
-class TokenChainHeads(torch.nn.Module):
+class TokenChainHeads(PathDrafting, torch.nn.Module):
     """Stub dependent heads whose guesses depend only on the fed token: head k ranks
     (token + 10 (k + 1) + r) % V at rank r, so the expected tree can be written by hand."""
-
-    sequential = True
 
     def __init__(self, num_heads=3):
         super().__init__()

@@ -4,8 +4,8 @@ Prompt lookup (``prompt_lookup.py``) hits when the answer copies its context; Me
 common continuations. Each step of ``HybridDecoder`` puts up both and verifies them together:
 
   1. the heads draft the fixed Medusa tree exactly as ``decode.TreeDecoder.step`` does
-     (``verify.propose`` for Medusa heads, ``tree_draft.draft_dependent`` for Hydra / MLP
-     speculator heads);
+     (the family's ``draft_tree``: one call per depth for Medusa heads, level by level for
+     Hydra / MLP speculator heads);
   2. ``prompt_lookup.NGramIndex`` (incremental, as in ``PromptLookupDecoder``) proposes up to
      ``num_tokens`` tokens after the root;
   3. the proposal is merged into the tree as a trie: it walks down the tree while a child carries
@@ -46,8 +46,7 @@ from ..runtime.model import MedusaModel
 from .prompt_lookup import NGramIndex, PromptLookupSettings
 from .draft import chain_sampling
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
-from ..tree_draft import draft_dependent
-from ..runtime.verify import SamplingConfig, propose, verify
+from ..runtime.verify import SamplingConfig, verify
 
 # (tree paths, device) -> {(graft node, chain length): (trie buffers, token gather index)}.
 # Bounded by nodes x num_tokens per tree; shared by every decoder on the same tree.
@@ -103,7 +102,7 @@ class HybridDecoder:
         self.buf = self.tree.buffers(m.device)
         self.s = settings or PromptLookupSettings()
         self.cfg = chain_sampling(sampling or SamplingConfig())   # sample mode: the exact fixed-candidate rule
-        self.dependent = bool(getattr(m.heads, "sequential", False))
+        m.heads.check_sampling(self.cfg)
         self.gen = _generator(m.device, seed)
         self.index = NGramIndex(self.s.min_ngram, self.s.max_ngram)
         self._grafts = _GRAFTS.setdefault((self.tree.paths, str(m.device)), {})
@@ -138,11 +137,8 @@ class HybridDecoder:
     def trie_tokens(self) -> tuple[TreeBuffers, torch.Tensor]:
         """This step's trie and its tokens [T] (node 0 = the root): heads' tree + lookup branch."""
         m, buf = self.m, self.buf
-        if self.dependent:
-            cand = draft_dependent(buf, m.heads, self.h_last, self.root)
-        else:
-            cand, _ = propose(buf, m.head_logits(self.h_last, buf.max_depth), m.heads.to_vocab_ids, self.cfg,
-                              self.gen, m.vocab_size)     # draft_q is None: cfg.draft is "topk"
+        cand, _ = m.heads.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen,
+                                     m.vocab_size)     # draft_q is None: cfg.draft is "topk"
         tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
         proposal = self.index.propose(self.s.num_tokens)
         if not proposal:

@@ -29,8 +29,7 @@ import torch
 from ..errors import UserError
 from .model import MedusaModel
 from .tree import MedusaTree, grow_tree, resolve_tree
-from ..tree_draft import check_dependent_sampling, draft_dependent
-from .verify import SamplingConfig, choose_token, propose, verify
+from .verify import SamplingConfig, choose_token, verify
 
 
 @dataclass
@@ -178,9 +177,7 @@ class TreeDecoder:
         self.tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
         self.buf = self.tree.buffers(m.device)
         self.cfg = sampling or SamplingConfig()
-        self.dependent = bool(getattr(m.heads, "sequential", False))
-        if self.dependent:
-            check_dependent_sampling(self.cfg)
+        m.heads.check_sampling(self.cfg)
         self.gen = _generator(m.device, seed)
         self.cache = None
         self.past = 0
@@ -200,11 +197,7 @@ class TreeDecoder:
     def step(self) -> tuple[list[int], int]:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, nodes proposed)."""
         m, buf, past = self.m, self.buf, self.past
-        if self.dependent:  # heads fed the path they extend: drafted level by level
-            cand, draft_q = draft_dependent(buf, m.heads, self.h_last, self.root), None
-        else:
-            cand, draft_q = propose(buf, m.head_logits(self.h_last, buf.max_depth), m.heads.to_vocab_ids, self.cfg,
-                                    self.gen, m.vocab_size)
+        cand, draft_q = m.heads.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen, m.vocab_size)
         tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
         positions = (buf.position_offsets + past)[None]
         h_tree = m.hidden(tokens[None], positions, self.cache, buf.additive_mask(past, m.dtype))[0]
@@ -388,16 +381,12 @@ def measure_head_accuracy(m: MedusaModel, prompts: Sequence[Sequence[int]], *, m
         n0, n = len(prompt), len(seq)
         ids = torch.tensor([seq], device=m.device)
         h = m.hidden(ids, torch.arange(n, device=m.device)[None], m.new_cache(n))[0]
-        dependent = bool(getattr(m.heads, "sequential", False))
         for k in range(k_heads):
             t = torch.arange(n0 - 1, n - k - 2, device=m.device)   # positions with a target in range
             if t.numel() == 0:
                 continue
-            if dependent:
-                future = ids[0, t[:, None] + 1 + torch.arange(k + 1, device=m.device)]  # x_{t+1..t+k+1}
-                logits = m.heads.teacher_forced_logits(h[t], future, k)
-            else:
-                logits = m.heads.head_logits(h[t], k)
+            future = ids[0, t[:, None] + 1 + torch.arange(k + 1, device=m.device)]  # x_{t+1..t+k+1}
+            logits = m.heads.path_logits(h[t], future, k)
             guesses = m.heads.to_vocab_ids(logits.topk(topk, dim=-1).indices)
             target = ids[0, t + k + 2]
             hits[k] += (guesses == target[:, None]).sum(0).cpu()
