@@ -38,9 +38,16 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv))
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv))
     except Exception as e:  # unknown key / wrong type
         fail(prog, f"{config_error_line(e)} (see {prog} --help)")
+    # A required key ("???" in the schema) left unset would otherwise surface as OmegaConf's
+    # MissingMandatoryValue traceback the first time the code reads it.
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        fail(prog, f"{' and '.join(k + '=' for k in missing)} {'is' if len(missing) == 1 else 'are'} required "
+                   f"(see {prog} --help)")
+    return cfg
 
 
 def enum_value(x: Any) -> Any:

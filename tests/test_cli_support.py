@@ -1,0 +1,73 @@
+"""The one error path every command line shares (``inference.cli_support``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from inference.cli_support import EXIT_USER_ERROR, config_error_line, enum_value, parse_overrides, run_cli
+from inference.errors import UserError
+
+
+@dataclass
+class Schema:
+    heads: str = "???"
+    out: str = "???"
+    steps: int = 3
+    name: Optional[str] = None
+
+
+def _exit_line(capsys, fn, *args):
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_USER_ERROR
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_missing_required_keys_are_one_line_not_a_traceback(capsys):
+    """Guards against OmegaConf's MissingMandatoryValue traceback when a required key is unset:
+    the user gets one line naming every missing key, exit 2, before the task runs."""
+    ran = []
+    line = _exit_line(capsys, run_cli, "prog", "doc", Schema, ran.append, ["heads=x"])
+    assert line == "prog: error: out= is required (see prog --help)"
+    line = _exit_line(capsys, run_cli, "prog", "doc", Schema, ran.append, ["steps=4"])
+    assert "heads= and out= are required" in line
+    assert ran == []
+
+
+def test_unknown_key_wrong_type_and_bare_word_are_one_line(capsys):
+    """Guards against OmegaConf's multi-line messages (reference_type, object_type ...) or a
+    traceback reaching the user for a mistyped key, a wrong type or a word without '='."""
+    assert "stepz" in _exit_line(capsys, parse_overrides, "prog", Schema, ["heads=a", "out=b", "stepz=1"])
+    assert "steps" in _exit_line(capsys, parse_overrides, "prog", Schema, ["heads=a", "out=b", "steps=many"])
+    assert "'train'" in _exit_line(capsys, parse_overrides, "prog", Schema, ["train"])
+
+
+def test_user_error_in_the_task_is_one_line(capsys):
+    """Guards against a UserError raised by the task escaping as a traceback."""
+    def task(cfg):
+        raise UserError(f"bad heads {cfg.heads}")
+
+    assert _exit_line(capsys, run_cli, "prog", "doc", Schema, task, ["heads=a", "out=b"]) == "prog: error: bad heads a"
+
+
+def test_help_and_values(capsys):
+    """Guards against --help running the task, and against enums reaching reports unwrapped."""
+    import enum
+
+    run_cli("prog", "the doc", Schema, lambda cfg: pytest.fail("ran"), ["--help"])
+    assert capsys.readouterr().out.strip() == "the doc"
+    run_cli("prog", "the doc", Schema, lambda cfg: pytest.fail("ran"), [], help_when_empty=True)
+    assert capsys.readouterr().out.strip() == "the doc"
+    cfg = parse_overrides("prog", Schema, ["heads=a", "out=b", "steps=5"])
+    assert (cfg.heads, cfg.out, cfg.steps) == ("a", "b", 5)
+
+    class Color(enum.Enum):
+        red = "red"
+
+    assert enum_value(Color.red) == "red" and enum_value("blue") == "blue"
+    assert config_error_line(ValueError("first\n    full_key: x\n    object_type=Schema")) == "first"
