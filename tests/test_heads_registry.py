@@ -8,14 +8,17 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from inference.errors import UserError
+from inference.formats import importers, load_builtin_formats
 from inference.formats.export import exporter_for
-from inference.formats.importers import importer_for
+from inference.formats.importers import detect_layout, importer_for, register_importer
 from inference.heads import KINDS, registry
 from inference.heads.drafting import IndependentDrafting, PathDrafting
-from inference.heads.native import save_heads
+from inference.heads.medusa import MedusaHeads
+from inference.heads.native import heads_state_dict, save_heads
 from inference.heads.projection import ProjectedHeads
 from inference.heads.registry import HeadFamily, family, init_heads, register_family
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
@@ -50,7 +53,10 @@ def register_toy():
 
 @pytest.fixture
 def fresh_registry(monkeypatch):
-    """Families registered by a test vanish after it."""
+    """Families registered by a test vanish after it (the built-in ones are registered first, so
+    they are not lost with the copy)."""
+    for kind in KINDS:
+        family(kind)
     monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
 
 
@@ -77,6 +83,39 @@ def test_a_family_registered_in_one_call_is_built_saved_loaded_and_drafts(fresh_
     ref = autoregressive_generate(m, PROMPT, max_new_tokens=16).tokens
     out = medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=16)
     assert out.tokens == ref
+
+
+# -- a toy foreign layout: everything a new format's importer has to write --------------------------
+def register_toy_layout():
+    def read_spec(d):
+        return HeadsSpec.from_dict(json.loads((d / "toy.json").read_text()))
+
+    def load(d, spec):
+        heads = MedusaHeads(spec)
+        heads.load_state_dict(load_file(str(d / "toy.safetensors")), strict=True)
+        return heads, None
+
+    register_importer("toy", detect=lambda d: (d / "toy.json").is_file(), read_spec=read_spec, load=load)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_layout_registered_in_one_call_loads_through_load_heads_and_load_medusa(monkeypatch, tmp_path):
+    """Guards against a loader that still dispatches foreign layouts through a fixed table, so a
+    new engine layout needs edits in the core loader."""
+    load_builtin_formats()  # registered before the copy below, so they outlive this test
+    monkeypatch.setattr(importers, "_IMPORTERS", dict(importers._IMPORTERS))
+    register_toy_layout()
+    model = tiny_llama(vocab=V, hidden=H, seed=0)
+    spec = HeadsSpec(num_heads=2, num_layers=1, hidden_size=H, vocab_size=V, base_model="random:llama")
+    heads = init_heads(spec, model.lm_head.weight)
+    d = tmp_path / "toy"
+    d.mkdir()
+    (d / "toy.json").write_text(json.dumps(spec.to_dict()))
+    save_file(heads_state_dict(heads), str(d / "toy.safetensors"))
+    assert detect_layout(d) == "toy" and read_heads_spec(d) == spec
+    x = torch.randn(3, H)
+    assert torch.equal(load_heads(d, backbone_config=model.config).head_logits(x, 1), heads.head_logits(x, 1))
+    assert torch.equal(load_medusa(d, backbone=model).heads.head_logits(x, 0), heads.head_logits(x, 0))
 
 
 def test_unknown_kind_is_refused_in_one_line_listing_the_kinds(tmp_path):
