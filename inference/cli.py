@@ -93,7 +93,7 @@ class GenerateConfig(RuntimeConfig):
 def _load(cfg):
     import torch
 
-    from .runtime.model import load_medusa
+    from .loading import load_medusa
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -107,7 +107,7 @@ def weights_fingerprint(model) -> str:
 
 def backbone_identity(backbone) -> dict:
     """What generated data or cached features depend on: architecture and weights."""
-    from inference.heads import backbone_fingerprint
+    from inference.heads.spec import backbone_fingerprint
 
     model = backbone.model
     return {"name": backbone.name, "config": backbone_fingerprint(model.config),

@@ -216,7 +216,7 @@ def init_heads_from(heads, heads_dir: Optional[str], lm_head_weight=None, input_
     (weights and, for truncated heads, its token map)."""
     if not heads_dir:
         return
-    from inference.heads import load_heads
+    from inference.loading import load_heads
 
     loaded = load_heads(heads_dir, lm_head_weight=lm_head_weight, input_embeddings=input_embeddings)
     keys = ("kind", "num_heads", "num_layers", "hidden_size", "vocab_size", "projection", "truncated_vocab_size",

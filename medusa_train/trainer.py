@@ -37,7 +37,10 @@ import torch
 from torch import nn
 
 from inference.errors import UserError
-from inference.heads import HeadsSpec, ProjectedHeads, backbone_fingerprint, init_heads, save_heads
+from inference.heads.native import save_heads
+from inference.heads.projection import ProjectedHeads
+from inference.heads.registry import init_heads
+from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from . import checkpoint, features, lora
 from inference.backbone import backbone_logits, decoder_body as body, lm_head_weight
 from .backbone import load_backbone

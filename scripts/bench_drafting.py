@@ -17,7 +17,7 @@ import time
 import torch
 
 from inference.runtime.decode import measure_step_latency
-from inference.runtime.model import load_medusa
+from inference.loading import load_medusa
 from inference.runtime.tree import resolve_tree
 from inference.runtime.verify import SamplingConfig
 

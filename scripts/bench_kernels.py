@@ -20,7 +20,8 @@ import torch
 
 from inference.runtime.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
 from inference.backbone import load_backbone
-from inference.runtime.model import MedusaModel, load_medusa
+from inference.loading import load_medusa
+from inference.runtime.model import MedusaModel
 
 NODES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from inference.heads import HeadsSpec, MedusaHeads
+from inference.heads.drafting import IndependentDrafting
+from inference.heads.medusa import MedusaHeads
+from inference.heads.spec import HeadsSpec
 from inference.runtime.model import MedusaModel, attach_heads
-from inference.tree_draft import IndependentDrafting
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from inference.errors import UserError
 from inference.runtime.decode import autoregressive_generate, medusa_generate
-from inference.runtime.model import load_medusa
+from inference.loading import load_medusa
 from inference.runtime.tree import MedusaTree
 from medusa_train import features
 from medusa_train import trainer as T

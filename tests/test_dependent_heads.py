@@ -9,12 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from inference.runtime.decode import autoregressive_generate, measure_head_accuracy, medusa_generate
-from inference.dependent_heads import HydraHeads, MLPSpeculatorHeads
 from inference.errors import UserError
-from inference.heads import HeadsSpec, init_heads, load_heads, save_heads
-from inference.runtime.model import attach_heads, load_medusa
+from inference.heads.drafting import PathDrafting, draft_dependent
+from inference.heads.hydra import HydraHeads
+from inference.heads.mlp_speculator import MLPSpeculatorHeads
+from inference.heads.native import save_heads
+from inference.heads.registry import init_heads
+from inference.heads.spec import HeadsSpec
+from inference.loading import load_heads, load_medusa
+from inference.runtime.model import attach_heads
 from inference.runtime.tree import MedusaTree
-from inference.tree_draft import PathDrafting, draft_dependent
 from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, tiny_llama  # noqa: F401
@@ -329,7 +333,8 @@ def test_mlp_speculator_exports_to_vllm_and_imports_bit_identically(model, extra
     tensors (it skips unknown names silently), and against an import that computes otherwise."""
     from engine_specs import check_vllm_mlp_speculator
     from inference.formats.export import export_heads
-    from inference.formats.importers import detect_layout, import_heads
+    from inference.formats.importers import detect_layout
+    from inference.loading import import_heads
 
     heads = dependent_heads(model, "mlp_speculator", **extra)
     export_heads(heads, "vllm", tmp_path / "vllm")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import TINY_DATA, clean_env, console_script
-from inference.heads import load_heads
+from inference.loading import load_heads
 from medusa_train.checkpoint import read_state
 from medusa_train.tracking import read_metrics
 

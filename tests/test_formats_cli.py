@@ -11,7 +11,7 @@ import torch
 from conftest import console_script
 from engine_specs import check_tensorrt_llm, check_tgi, check_vllm
 from inference.formats.cli import export_main
-from inference.heads import save_heads
+from inference.heads.native import save_heads
 from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 
 VOCAB, HIDDEN = 259, 32  # 259: the byte tokenizer the saved backbone ships with

@@ -14,7 +14,7 @@ from inference.errors import UserError
 from inference.formats import FORMATS
 from inference.formats import export as export_mod
 from inference.formats.export import ExportOptions, export_heads, register_exporter
-from inference.heads import load_heads, read_heads_spec
+from inference.loading import load_heads, read_heads_spec
 from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 
 VOCAB, HIDDEN, TRUNC = 96, 64, 20

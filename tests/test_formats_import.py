@@ -14,8 +14,7 @@ from torch import nn
 from inference.runtime.decode import autoregressive_generate, medusa_generate
 from inference.errors import UserError
 from inference.formats.export import FormatWarning
-from inference.heads import load_heads, read_heads_spec
-from inference.runtime.model import load_medusa
+from inference.loading import load_heads, load_medusa, read_heads_spec
 from runtime_support import one_thread, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 
 VOCAB, HIDDEN = 96, 64

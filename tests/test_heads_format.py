@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from inference import heads as heads_mod
+from inference.heads import native as heads_mod
 from inference.errors import IncompatibleHeadsError, UserError
-from inference.heads import (EXPORT_FILES, HeadsSpec, MedusaHeads, backbone_fingerprint, load_heads, read_heads_spec,
-                             save_heads)
+from inference.heads.medusa import MedusaHeads
+from inference.heads.native import EXPORT_FILES, save_heads
+from inference.heads.spec import HeadsSpec, backbone_fingerprint
+from inference.loading import load_heads, read_heads_spec
 
 HIDDEN, VOCAB = 16, 40
 

@@ -83,7 +83,7 @@ def test_two_step_medusa1_smollm2_run_exports_loadable_heads(smollm2, tmp_path):
     """Guards against: the shipped default recipe failing on the real backbone and data (vocabulary
     scan, packing at 256 tokens, the truncated projection) or exporting heads that do not load
     against the backbone they were trained on."""
-    from inference.heads import load_heads
+    from inference.loading import load_heads
     from medusa_train import trainer as T
     from inference.backbone import lm_head_weight
     from medusa_train.cli import compose_recipe

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from inference import linear_kernels as lk
+from inference.runtime import linear_kernels as lk
 from inference.runtime.decode import autoregressive_generate, medusa_generate
 from inference.errors import UserError
-from inference.heads import save_heads
-from inference.runtime.model import load_medusa
+from inference.heads.native import save_heads
+from inference.loading import load_medusa
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.heads import HeadsSpec, MedusaHeads
+from inference.heads.medusa import MedusaHeads
+from inference.heads.spec import HeadsSpec
 from medusa_train.losses import HeadMetrics, head_targets, heads_loss, simulated_tau, vocab_to_local
 
 I = -100  # IGNORE

@@ -13,7 +13,7 @@ import torch
 from inference.runtime.adapter import merge_lora
 from inference.runtime.decode import autoregressive_generate, medusa_generate
 from inference.errors import UserError
-from inference.runtime.model import load_medusa
+from inference.loading import load_medusa
 from medusa_train import lora
 from medusa_train import trainer as T
 from medusa_train.tracking import read_metrics
@@ -106,7 +106,7 @@ def test_two_stage_recipe_starts_from_stage_one_heads(compose_tiny, tmp_path):
     stage1 = tmp_path / "s1" / "heads"
     trainer = make_trainer(compose_tiny(*LORA, "trainer.max_steps=1", f"lora.init_heads={stage1}",
                                         out=tmp_path / "s2"))
-    from inference.heads import load_heads
+    from inference.loading import load_heads
 
     loaded = load_heads(stage1)
     for name, t in loaded.state_dict().items():

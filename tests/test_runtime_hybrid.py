@@ -14,7 +14,8 @@ from inference.cli import EvalConfig, eval_methods
 from inference.runtime.decode import TreeDecoder, autoregressive_generate
 from inference.errors import UserError
 from inference.evaluation.evaluate import METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token, method_costs
-from inference.heads import HeadsSpec, init_heads
+from inference.heads.registry import init_heads
+from inference.heads.spec import HeadsSpec
 from inference.methods.medusa_lookup import HybridDecoder, graft_tree, hybrid_generate, match_prefix
 from inference.runtime.model import MedusaModel, attach_heads
 from inference.methods.prompt_lookup import PromptLookupSettings

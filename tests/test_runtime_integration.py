@@ -13,9 +13,11 @@ import torch
 
 from inference import assets
 from inference.runtime.decode import autoregressive_generate, medusa_generate
-from inference.heads import HeadsSpec, MedusaHeads, backbone_fingerprint, save_heads
+from inference.heads.medusa import MedusaHeads
+from inference.heads.native import save_heads
+from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from inference.backbone import load_backbone
-from inference.runtime.model import load_medusa
+from inference.loading import load_medusa
 
 from runtime_support import one_thread  # noqa: F401 (autouse: 1 thread is ~3x faster on the shared box)
 

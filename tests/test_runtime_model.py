@@ -7,8 +7,10 @@ import torch
 
 from inference.runtime.decode import medusa_generate
 from inference.errors import IncompatibleHeadsError, UserError
-from inference.heads import backbone_fingerprint, save_heads
-from inference.runtime.model import MedusaModel, load_medusa
+from inference.heads.native import save_heads
+from inference.heads.spec import backbone_fingerprint
+from inference.loading import load_medusa
+from inference.runtime.model import MedusaModel
 
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401
 

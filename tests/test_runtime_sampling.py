@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from inference.runtime.decode import medusa_generate
-from inference.heads import HeadsSpec, MedusaHeads
+from inference.heads.medusa import MedusaHeads
+from inference.heads.spec import HeadsSpec
 from inference.runtime.tree import MedusaTree
 from inference.runtime.verify import SamplingConfig, filter_probs, propose, verify_sample
 

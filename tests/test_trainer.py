@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.heads import load_heads
+from inference.loading import load_heads
 from medusa_train import checkpoint
 from medusa_train import trainer as T
 from medusa_train.data.tokenize import encode_conversation

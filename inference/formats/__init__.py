@@ -18,12 +18,31 @@ Exporters live in a registry keyed by (format, head kind), so a new head kind (e
 ``mlp_speculator`` -> vLLM exporter) plugs in with ``@register_exporter("vllm", "mlp_speculator")``
 without touching the formats here; a (format, kind) pair with no exporter is refused by name.
 
-Import (``importers``) reads reference Medusa checkpoints (``medusa_lm_head.safetensors`` or
-``medusa_lm_head.pt``, the latter only with ``torch.load(weights_only=True)``), TGI-v2 and vLLM
-Medusa dirs into ``MedusaHeads``; ``inference.heads.load_heads`` dispatches to it, so
-``load_medusa`` and ``medusa-eval`` accept those directories as they are.
+Importers live in a registry too (``importers.register_importer``): each foreign layout registers
+how to recognise, read and load its directory from its own module — reference Medusa checkpoints
+(``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt``, the latter only with
+``torch.load(weights_only=True)``), TGI v2, vLLM Medusa and vLLM mlp_speculator dirs.
+``inference.loading.load_heads`` asks them before the native loader, so ``load_medusa`` and
+``medusa-eval`` accept those directories as they are.
 
+The formats sit above ``inference.heads``: they import the head families, never the reverse.
 This ``__init__`` stays free of torch so that ``medusa-export --help`` is instant.
 """
 
 FORMATS = ("vllm", "tensorrt_llm", "tgi", "medusa_v1")
+
+# The built-in format modules, one line each: importing one registers its exporters and importers.
+# Importers are asked in this order whether a directory is theirs.
+BUILTIN_MODULES = (
+    "inference.formats.reference",
+    "inference.formats.vllm",
+    "inference.formats.mlp_speculator",
+)
+
+
+def load_builtin_formats() -> None:
+    """Register the built-in exporters and importers (each module once; cheap after the first call)."""
+    import importlib
+
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)

@@ -48,7 +48,7 @@ def run_export(cfg) -> None:
     import torch
 
     from ..errors import UserError
-    from ..heads import load_heads, read_heads_spec
+    from ..loading import load_heads, read_heads_spec
     from . import FORMATS
     from .export import ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for, megabytes
 
@@ -81,7 +81,7 @@ def run_export(cfg) -> None:
 
     def backbone_lm_head():
         if "w" not in loaded:
-            from ..heads import check_compatible
+            from ..heads.spec import check_compatible
             from ..backbone import load_backbone
 
             name = cfg.backbone or spec.base_model

@@ -9,7 +9,6 @@ a crash leaves the previous directory or the new one, never a half-written engin
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import shutil
@@ -20,12 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import UserError
-from ..heads import swap_dir_into_place
-from . import FORMATS
-
-# Modules whose import registers the built-in exporters. A teammate adding a kind registers
-# from their own module and appends it here (or imports it before calling export_heads).
-BUILTIN_EXPORTER_MODULES = ("inference.formats.vllm", "inference.formats.reference", "inference.formats.mlp_speculator")
+from ..heads.native import swap_dir_into_place
+from . import FORMATS, load_builtin_formats
 
 _EXPORTERS: dict[tuple[str, str], Callable] = {}
 
@@ -101,8 +96,7 @@ def register_exporter(format_name: str, kind: str):
 
 
 def exporter_for(format_name: str, kind: str) -> Callable:
-    for module in BUILTIN_EXPORTER_MODULES:
-        importlib.import_module(module)
+    load_builtin_formats()
     if format_name not in FORMATS:
         raise UserError(f"unknown format {format_name!r}: choose one of {', '.join(FORMATS)}")
     fn = _EXPORTERS.get((format_name, kind))

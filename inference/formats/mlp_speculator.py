@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..heads import HeadsSpec, build_heads
+from ..heads.registry import build_heads
+from ..heads.spec import HeadsSpec
 from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter
+from .importers import register_importer
 
 MODEL_TYPE = "mlp_speculator"
 WEIGHTS = "model.safetensors"
@@ -110,3 +112,6 @@ def load(d: Path, spec: HeadsSpec):
             raise UserError(f"{d / WEIGHTS}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(t.shape)}")
     heads.load_state_dict({k: tensors[k] for k in expected}, strict=True)
     return heads, None
+
+
+register_importer("vllm_mlp_speculator", detect=is_mlp_speculator_dir, read_spec=read_spec, load=load)

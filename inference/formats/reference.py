@@ -37,9 +37,11 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..heads import HeadsSpec, MedusaHeads
+from ..heads.medusa import MedusaHeads
+from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, full_projection, materialise_note,
                      megabytes, refuse_unless_kind, register_exporter)
+from .importers import register_importer
 
 WEIGHTS_SAFETENSORS = "medusa_lm_head.safetensors"
 WEIGHTS_PICKLE = "medusa_lm_head.pt"
@@ -265,3 +267,6 @@ def load(d: Path, spec: HeadsSpec) -> tuple[MedusaHeads, None]:
             raise UserError(f"{d}: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}")
     heads.load_state_dict(state, strict=True)
     return heads, None
+
+
+register_importer("reference", detect=is_reference_dir, read_spec=read_spec, load=load)

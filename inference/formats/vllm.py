@@ -31,9 +31,11 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..heads import HeadsSpec, MedusaHeads
+from ..heads.medusa import MedusaHeads
+from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, megabytes, refuse_unless_kind,
                      register_exporter)
+from .importers import register_importer
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
 LM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
@@ -236,3 +238,6 @@ def load(d: Path, spec: HeadsSpec) -> tuple[MedusaHeads, torch.Tensor | None]:
             raise UserError(f"{d}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
     heads.load_state_dict(state, strict=True)
     return heads, shared
+
+
+register_importer("vllm", detect=is_vllm_dir, read_spec=read_spec, load=load)

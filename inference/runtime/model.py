@@ -1,11 +1,8 @@
-"""Load a backbone with its Medusa heads, and run the three kinds of forward decoding needs.
+"""A backbone with its heads, and the three kinds of forward decoding needs.
 
-``load_medusa`` resolves the backbone the heads were trained on (``spec.base_model``: an
-``embedded:`` name, a local path or hub id) unless one is given, loads it with SDPA attention
-(custom 4D tree masks need an attention implementation that applies them: sdpa or eager;
-flash-attention kernels ignore them), and loads the heads strictly through
-``heads.load_heads``, which refuses heads made for another backbone (hidden size, vocabulary,
-config fingerprint) and missing or corrupt files, as ``UserError``s.
+Loading both from disk is ``inference.loading.load_medusa``; ``attach_heads`` wraps heads already
+in memory. ``MedusaModel`` refuses attention implementations that ignore custom 4D tree masks
+(sdpa and eager apply them; flash-attention kernels do not).
 
 ``MedusaModel`` runs the decoder body (not ``*ForCausalLM.forward``) so the 49k-vocabulary
 lm_head is applied only where logits are needed: the last prompt position, the tree nodes.
@@ -15,16 +12,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from .. import assets
-from ..backbone import eos_token_ids, load_backbone, parse_device, parse_dtype, scale_logits, text_config
+from ..backbone import eos_token_ids, scale_logits, text_config
 from .cache import TreeKVCache
 from ..errors import UserError
-from ..heads import check_compatible, load_heads, read_heads_spec
+from ..heads.spec import check_compatible
 
 _MASKING_ATTENTION = ("sdpa", "eager")
 KERNEL_MODES = ("auto", "stock")
@@ -130,60 +125,6 @@ class MedusaModel:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
-
-
-def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
-                tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None) -> MedusaModel:
-    """Backbone + tokenizer + heads, checked to belong together.
-
-    backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
-    ``*ForCausalLM`` (then ``tokenizer`` may be given too). Heads trained with a LoRA adapter
-    (Medusa-2, ``spec.backbone_adapter``) get it merged into the backbone when that backbone is
-    the one their config records (``backbone=None``); a backbone given explicitly is used as
-    is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
-    when loading, and to the given model's own when a model object is passed. kernels: ``auto``
-    routes skinny CPU products through the faster formulation (``linear_kernels``; it changes the
-    class of the model's linears in place), ``stock`` leaves transformers' as they are; default
-    ``auto`` for a backbone loaded here, ``stock`` for a model object passed in.
-    """
-    if kernels is None:
-        kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
-    check_kernels(kernels)  # before any loading
-    spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
-    adapter_applied = False
-    if backbone is None or isinstance(backbone, (str, Path)):
-        name = str(backbone) if backbone is not None else spec.base_model
-        if not name:
-            raise UserError(f"heads in {heads_dir} do not record their backbone; pass backbone=")
-        dev = parse_device(device or "cpu")
-        dt = parse_dtype(dtype or torch.float32)
-        model, tok, _ = load_backbone(name, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
-        tokenizer = tokenizer or tok
-        apply = apply_adapter if apply_adapter is not None else backbone is None
-        if spec.backbone_adapter and apply:  # Medusa-2 heads: decode on the backbone they were trained with
-            from .adapter import merge_lora
-
-            merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
-            adapter_applied = True
-    else:
-        model = backbone
-        if not hasattr(model, "get_output_embeddings"):
-            raise UserError(f"backbone must be a name, a path or a transformers causal LM, got {type(model).__name__}")
-        p = next(model.parameters())
-        dev = parse_device(device) if device is not None else p.device
-        dt = parse_dtype(dtype) if dtype is not None else p.dtype
-        model = model.to(device=dev, dtype=dt)
-    lm_w = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
-    emb = model.get_input_embeddings()
-    if spec.backbone_adapter and apply_adapter and not adapter_applied:
-        from .adapter import merge_lora
-
-        merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
-        adapter_applied = True
-    heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
-                       input_embeddings=emb.weight if emb is not None else None)
-    return apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
-                         kernels)
 
 
 def apply_kernels(m: MedusaModel, kernels: str) -> MedusaModel:

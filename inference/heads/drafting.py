@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
-from .runtime.tree import TreeBuffers
-from .runtime.verify import SamplingConfig, propose
+from ..errors import UserError
+from ..runtime.tree import TreeBuffers
+from ..runtime.verify import SamplingConfig, propose
 
 
 @dataclass

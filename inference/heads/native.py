@@ -1,0 +1,144 @@
+"""The native export directory: what the trainer writes and the runtime loads first.
+
+Exactly two files: ``config.json`` (``HeadsSpec.to_dict()``, ``format_version`` 1) and
+``model.safetensors`` (the module's state dict: blocks, projections unless shared, the
+``token_map`` tensor of truncated heads, where vLLM's loader reads it too). Only safetensors,
+never pickle. Loading is strict: a missing, extra or mis-shaped tensor is refused, as is a
+config written by a newer medusa-train.
+
+Writes are atomic (``swap_dir_into_place``): a crash leaves the previous export or the new one,
+never a mix. The format exporters above reuse that swap for their own directories.
+
+Foreign layouts (reference Medusa, TGI, vLLM) are not known here: ``inference.loading`` asks the
+format importers first and falls back to ``read_native_spec`` / ``load_native``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import UserError
+from .projection import ProjectedHeads
+from .registry import build_heads
+from .spec import FORMAT_VERSION, HeadsSpec, check_compatible
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+
+
+def heads_state_dict(heads: ProjectedHeads) -> dict[str, torch.Tensor]:
+    """The tensors the export stores: blocks, projections (unless shared), token map."""
+    return {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+
+
+def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
+               state_dict: Optional[dict[str, torch.Tensor]] = None, extra=None) -> Path:
+    """Write the export atomically: a temp dir beside ``out_dir`` renamed into place.
+
+    A crash at any point leaves either the previous export or the new one, never a mix.
+    ``state_dict`` lets a distributed trainer pass gathered weights; ``extra(tmp_dir)`` writes
+    more files into the same atomic directory (Medusa-2's adapter).
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict if state_dict is not None else heads_state_dict(heads)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "kind": heads.spec.kind})
+        (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
+        if extra is not None:
+            extra(tmp)
+        swap_dir_into_place(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def swap_dir_into_place(tmp: Path, out: Path) -> None:
+    """Rename a complete ``tmp`` directory to ``out``; an existing ``out`` is replaced only once the
+    new one is in place (and put back if the rename fails), so a crash never leaves neither."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_native_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
+    """The spec of a native export, or a one-line ``UserError`` saying why the dir is not one."""
+    d = Path(heads_dir)
+    if not d.is_dir():
+        raise UserError(f"heads directory not found: {d}")
+    missing = [f for f in EXPORT_FILES if not (d / f).is_file()]
+    if missing:
+        raise UserError(f"{d} is not a heads export: missing {', '.join(missing)}")
+    try:
+        raw = json.loads((d / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{d / CONFIG_FILE} is not valid JSON ({e})") from None
+    if raw.get("format_version", 0) > FORMAT_VERSION:
+        raise UserError(f"{d} was written by a newer medusa-train (format {raw['format_version']})")
+    try:
+        return HeadsSpec.from_dict(raw)
+    except TypeError as e:
+        raise UserError(f"{d / CONFIG_FILE} is not a heads config ({e})") from None
+
+
+def load_native(heads_dir: str | os.PathLike, backbone_config=None,
+                lm_head_weight: Optional[torch.Tensor] = None,
+                device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
+                input_embeddings: Optional[torch.Tensor] = None) -> ProjectedHeads:
+    """Load a native export strictly; with ``backbone_config``, refuse heads made for another model."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = Path(heads_dir)
+    spec = read_native_spec(d)
+    if backbone_config is not None:
+        check_compatible(spec, backbone_config, where=f"heads in {d}")
+    try:
+        tensors = load_file(str(d / WEIGHTS_FILE), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{d / WEIGHTS_FILE} is corrupt or unreadable ({e})") from None
+    heads = build_heads(spec)
+    expected = heads.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise UserError(f"{d / WEIGHTS_FILE} does not match its config: missing {missing[:4]}, unexpected {extra[:4]}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise UserError(
+                f"{d / WEIGHTS_FILE}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
+    heads.load_state_dict(tensors, strict=True)
+    if heads.needs_lm_head and lm_head_weight is None:
+        raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
+    if heads.needs_input_embeddings and input_embeddings is None:
+        raise UserError(f"{spec.kind} heads in {d} read the backbone's input embeddings: pass the backbone to load them")
+    heads.attach_backbone(lm_head_weight, input_embeddings)
+    return place(heads, device, dtype)
+
+
+def place(heads: ProjectedHeads, device, dtype: Optional[torch.dtype]) -> ProjectedHeads:
+    """Cast (floating tensors only: token_map stays long) and move loaded heads, in eval mode."""
+    if dtype is not None:
+        heads.to(dtype=dtype)
+    return heads.to(device).eval()

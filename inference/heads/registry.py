@@ -1,0 +1,84 @@
+"""The head-family registry: what the rest of the code asks instead of naming families.
+
+A ``HeadFamily`` record says everything generic code needs about one kind of heads: the module
+class that holds them, how fresh heads start from the backbone, which ``HeadsSpec`` fields only
+this family reads and how they are validated, and which drafting mixin it drafts trees with.
+The spec, the native loader, the trainer and the formats go through ``family(kind)``, so a new
+family is one module that calls ``register_family`` (plus one line in ``FAMILY_MODULES`` for a
+built-in one) and touches nothing else.
+
+Built-in families register when their module is first imported; ``family`` imports it on demand
+(from the table in ``inference.heads``), which keeps importing this module free of torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Optional
+
+from ..errors import UserError
+from . import FAMILY_MODULES, KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadFamily:
+    """One kind of heads.
+
+    kind:      the ``HeadsSpec.kind`` / config.json ``kind`` value.
+    module:    the ``nn.Module`` class; ``module(spec)`` builds uninitialised heads (what a loader
+               fills from a state dict).
+    drafting:  the drafting mixin ``module`` derives from (``IndependentDrafting`` for heads that
+               see h_t only, ``PathDrafting`` for heads fed the path they extend).
+    init:      ``(spec, lm_head_weight, input_embeddings, token_map) -> heads``: fresh heads started
+               from the backbone; default ``module.from_backbone``.
+    fields:    the ``HeadsSpec`` fields only this family reads (stored flat in config.json).
+    validate:  ``(spec) -> None``, raising a one-line ``UserError`` for a bad value of those fields.
+    """
+
+    kind: str
+    module: type
+    drafting: type
+    init: Optional[Callable] = None
+    fields: tuple[str, ...] = ()
+    validate: Optional[Callable] = None
+
+    def fresh(self, spec, lm_head_weight, input_embeddings=None, token_map=None):
+        init = self.init or self.module.from_backbone
+        return init(spec, lm_head_weight, input_embeddings, token_map)
+
+
+_FAMILIES: dict[str, HeadFamily] = {}
+
+
+def register_family(fam: HeadFamily) -> HeadFamily:
+    """Make ``fam.kind`` buildable, loadable and draftable everywhere (replaces a previous record)."""
+    if not issubclass(fam.module, fam.drafting):
+        raise TypeError(f"{fam.module.__name__} must derive from its drafting mixin {fam.drafting.__name__}")
+    _FAMILIES[fam.kind] = fam
+    return fam
+
+
+def kinds() -> tuple[str, ...]:
+    """The built-in kinds, then any registered at run time (a plug-in or a test)."""
+    return tuple(dict.fromkeys([*KINDS, *_FAMILIES]))
+
+
+def family(kind: str) -> HeadFamily:
+    """The record of ``kind``; an unknown kind is refused in one line that lists the known ones."""
+    if kind not in _FAMILIES and kind in FAMILY_MODULES:
+        importlib.import_module(FAMILY_MODULES[kind])  # registers it
+    fam = _FAMILIES.get(kind)
+    if fam is None:
+        raise UserError(f"heads kind must be one of {kinds()}, got {kind!r}")
+    return fam
+
+
+def build_heads(spec):
+    """An uninitialised module of the spec's family (``spec.kind``)."""
+    return family(spec.kind).module(spec)
+
+
+def init_heads(spec, lm_head_weight, input_embeddings=None, token_map=None):
+    """Fresh heads of any family, initialised from the backbone as each family prescribes."""
+    return family(spec.kind).fresh(spec, lm_head_weight, input_embeddings, token_map)

@@ -1,0 +1,130 @@
+"""The one heads loader: native exports and every registered foreign layout, and ``load_medusa``.
+
+It sits above both ``inference.heads`` (the native format, which knows no engine layout) and
+``inference.formats`` (the importers, which register themselves): ``read_heads_spec`` /
+``load_heads`` ask the registered importers whether a directory is a foreign layout (reference
+Medusa, TGI, vLLM) and otherwise use the native reader, so ``load_medusa``, ``medusa-eval`` and
+``medusa-export`` accept any of them as they are, with the same checks.
+
+``load_medusa`` resolves the backbone the heads were trained on (``spec.base_model``: an
+``embedded:`` name, a local path or hub id) unless one is given, loads it with SDPA attention
+(custom 4D tree masks need an attention implementation that applies them: sdpa or eager;
+flash-attention kernels ignore them), and loads the heads strictly, refusing heads made for
+another backbone (hidden size, vocabulary, config fingerprint) and missing or corrupt files, as
+``UserError``s.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .backbone import load_backbone, parse_device, parse_dtype
+from .errors import UserError
+from .formats.importers import detect_layout, importer_for
+from .heads.native import load_native, place, read_native_spec
+from .heads.spec import HeadsSpec, check_compatible
+from .runtime.model import MedusaModel, apply_kernels, check_kernels
+
+
+def read_heads_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
+    """The spec of any loadable heads directory, without loading weights."""
+    d = Path(heads_dir)
+    layout = detect_layout(d)
+    if layout is not None:
+        return importer_for(layout).read_spec(d)
+    return read_native_spec(d)
+
+
+def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
+               lm_head_weight: Optional[torch.Tensor] = None,
+               device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
+               input_embeddings: Optional[torch.Tensor] = None):
+    """Load heads strictly; with ``backbone_config``, refuse heads made for another model."""
+    d = Path(heads_dir)
+    if detect_layout(d) is not None:
+        return import_heads(d, backbone_config, lm_head_weight, device=device, dtype=dtype)
+    return load_native(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
+                       input_embeddings=input_embeddings)
+
+
+def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch.Tensor] = None,
+                 device="cpu", dtype: Optional[torch.dtype] = None):
+    """Load a foreign directory, with the checks ``load_heads`` makes for ours."""
+    d = Path(heads_dir)
+    layout = detect_layout(d)
+    if layout is None:
+        raise UserError(f"{d} is neither a heads export nor a reference-Medusa / TGI / vLLM Medusa directory")
+    importer = importer_for(layout)
+    spec = importer.read_spec(d)
+    if not spec.vocab_size:  # TGI v2 without vocab_size in its config: the backbone's vocabulary
+        known = backbone_config.vocab_size if backbone_config is not None else \
+            lm_head_weight.shape[0] if lm_head_weight is not None else 0
+        spec.vocab_size = int(known)
+    if backbone_config is not None:
+        check_compatible(spec, backbone_config, where=f"heads in {d}")
+    heads, own_lm_head = importer.load(d, spec)
+    if spec.projection == "shared":
+        # A vLLM dir carries its own lm_head copy: run what the engine would run.
+        weight = own_lm_head if own_lm_head is not None else lm_head_weight
+        if weight is None:
+            raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
+        heads.attach_lm_head(weight)
+    return place(heads, device, dtype)
+
+
+def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
+                tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None) -> MedusaModel:
+    """Backbone + tokenizer + heads, checked to belong together.
+
+    backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
+    ``*ForCausalLM`` (then ``tokenizer`` may be given too). Heads trained with a LoRA adapter
+    (Medusa-2, ``spec.backbone_adapter``) get it merged into the backbone when that backbone is
+    the one their config records (``backbone=None``); a backbone given explicitly is used as
+    is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
+    when loading, and to the given model's own when a model object is passed. kernels: ``auto``
+    routes skinny CPU products through the faster formulation (``linear_kernels``; it changes the
+    class of the model's linears in place), ``stock`` leaves transformers' as they are; default
+    ``auto`` for a backbone loaded here, ``stock`` for a model object passed in.
+    """
+    if kernels is None:
+        kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
+    check_kernels(kernels)  # before any loading
+    spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
+    adapter_applied = False
+    if backbone is None or isinstance(backbone, (str, Path)):
+        name = str(backbone) if backbone is not None else spec.base_model
+        if not name:
+            raise UserError(f"heads in {heads_dir} do not record their backbone; pass backbone=")
+        dev = parse_device(device or "cpu")
+        dt = parse_dtype(dtype or torch.float32)
+        model, tok, _ = load_backbone(name, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
+        tokenizer = tokenizer or tok
+        apply = apply_adapter if apply_adapter is not None else backbone is None
+        if spec.backbone_adapter and apply:  # Medusa-2 heads: decode on the backbone they were trained with
+            from .runtime.adapter import merge_lora
+
+            merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
+            adapter_applied = True
+    else:
+        model = backbone
+        if not hasattr(model, "get_output_embeddings"):
+            raise UserError(f"backbone must be a name, a path or a transformers causal LM, got {type(model).__name__}")
+        p = next(model.parameters())
+        dev = parse_device(device) if device is not None else p.device
+        dt = parse_dtype(dtype) if dtype is not None else p.dtype
+        model = model.to(device=dev, dtype=dt)
+    lm_w = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
+    emb = model.get_input_embeddings()
+    if spec.backbone_adapter and apply_adapter and not adapter_applied:
+        from .runtime.adapter import merge_lora
+
+        merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
+        adapter_applied = True
+    heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
+                       input_embeddings=emb.weight if emb is not None else None)
+    return apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
+                         kernels)
