@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from inference import linear_kernels as lk
+from inference.runtime import linear_kernels as lk
 from inference.methods import generate
 from inference.errors import UserError
 from inference.heads import save_heads
