@@ -1,35 +1,31 @@
-"""``medusa-eval`` and ``medusa-generate``: measure heads, or decode with them.
+"""``medusa-eval`` and ``medusa-generate``: measure decoding methods, or decode with Medusa heads.
 
     medusa-eval heads=runs/medusa1_smollm2/heads                       # MT-Bench first turns, tree=auto
     medusa-eval heads=runs/a/heads num_prompts=10 max_new_tokens=96 out=runs/a/eval
     medusa-eval heads=runs/a/heads tree=tree8 turns=both prompts=my_prompts.jsonl
-    medusa-eval heads=runs/a/heads mode=sample temperature=0.7 methods=[medusa,autoregressive]
-    medusa-eval method=lookahead prompts=code                            # no heads: training-free methods
-    medusa-eval method=[draft,prompt_lookup] draft=self:8 draft_k=3      # + the autoregressive / HF baselines
-    medusa-eval heads=runs/a/heads method=medusa_lookup prompts=code     # Medusa tree + prompt lookup branch
+    medusa-eval heads=runs/a/heads mode=sample temperature=0.7 methods=[medusa]
+    medusa-eval methods=[lookahead] prompts=code                         # no heads: training-free methods
+    medusa-eval methods=[draft,prompt_lookup] draft=self:8 draft_k=3     # + the autoregressive / HF baselines
+    medusa-eval heads=runs/a/heads methods=[medusa_lookup] prompts=code  # Medusa tree + prompt lookup branch
     medusa-eval compare=true prompts=code out=runs/compare_code          # every method: compare.md + .png
     medusa-generate heads=runs/a/heads prompt="Write a haiku about the sea." tree=runs/a/eval/tree.json
 
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra;
 only these entry points do. User mistakes print one line and exit 2.
 
-medusa-eval methods: medusa (needs heads=), draft (draft-model speculative sampling; draft=self:N
-shares the backbone's first N layers, or a model path/name with the same tokenizer), lookahead,
-prompt_lookup, medusa_lookup (needs heads=: medusa's tree plus a prompt-lookup branch verified in the
-same forward; takes tree= and the prompt_lookup_* settings), autoregressive and hf_generate (the
-baselines). ``method=`` takes a name or a list and adds the baselines; ``methods=`` is the exact
-list; ``compare=true`` runs every available method and writes the trade-off matrix. Without heads=
-the backbone is ``backbone=`` (default embedded:smollm2). Prompt sets: embedded:mtbench (default),
-code (bundled code / structured-output prompts) or a JSONL file.
+medusa-eval picks its methods with ``methods=[...]`` (default: medusa); ``compare=true`` is short
+for every available method (those needing heads only with heads=) and also writes the trade-off
+matrix. The baselines are always added: autoregressive, and hf_generate in greedy mode. Without
+heads= the backbone is ``backbone=`` (default embedded:smollm2). Prompt sets: embedded:mtbench
+(default), code (bundled code / structured-output prompts) or a JSONL file.
 """
-
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from .cli_support import run_cli
+from .cli_support import enum_value, run_cli
 
 
 
@@ -60,12 +56,12 @@ class RuntimeConfig:
 
 @dataclass
 class EvalConfig(RuntimeConfig):
-    heads: Optional[str] = None  # a heads export directory; needed only by method medusa
+    heads: Optional[str] = None  # a heads export directory; needed only by the methods that use heads
     prompts: str = "embedded:mtbench"  # embedded:mtbench | code | a JSONL of prompts
     num_prompts: Optional[int] = None  # first N prompts (calibration prompts are taken after them)
     turns: str = "first"  # first | both
-    method: Any = None  # a method name or a list of them; the baselines are added
-    methods: Optional[List[str]] = None  # the exact list (default: medusa, autoregressive, hf_generate)
+    method: Any = None  # removed: refused with a pointer to methods=
+    methods: Optional[List[str]] = None  # the methods to measure (default: medusa); the baselines are added
     compare: bool = False  # run every available method, write compare.md + compare.png
     draft: str = "self:4"  # draft model: self:N (backbone's first N layers) | a path or hub id
     draft_k: int = 4  # draft tokens per step
@@ -114,39 +110,30 @@ def _sampling(cfg):
                           typical_delta=cfg.typical_delta)
 
 
-TRAINING_FREE = ("draft", "lookahead", "prompt_lookup")
-
-
 def eval_methods(cfg) -> list[str]:
-    """The methods an evaluation runs, from ``compare`` / ``method`` / ``methods`` and whether heads exist."""
+    """The methods an evaluation runs, from ``methods`` / ``compare``, the mode and whether heads exist."""
     from .errors import UserError
-    from .evaluation.evaluate import DEFAULT_METHODS, check_methods
+    from .methods import get, names
+    from .methods.registry import check_methods
 
-    greedy = cfg.mode == "greedy"
-    baselines = ["autoregressive"] + (["hf_generate"] if greedy else [])
-    if sum([cfg.method is not None, cfg.methods is not None, bool(cfg.compare)]) > 1:
-        raise UserError("give one of method=, methods= or compare=true")
-    if cfg.compare:
-        return check_methods((["medusa"] if cfg.heads else []) + list(TRAINING_FREE)
-                             + (["medusa_lookup"] if cfg.heads else []) + baselines)
     if cfg.method is not None:
-        names = cfg.method if not isinstance(cfg.method, str) else [x.strip() for x in cfg.method.split(",")]
-        names = [str(x) for x in names if str(x)]
-        return _needs_heads(cfg, check_methods(names + [b for b in baselines if b not in names]))
-    if cfg.methods is not None:
-        return _needs_heads(cfg, check_methods(list(cfg.methods)))
-    if not cfg.heads:
-        raise UserError("give heads=<export directory> to evaluate Medusa heads, or method=draft|lookahead|"
-                        "prompt_lookup (or compare=true) for the training-free methods")
-    return list(DEFAULT_METHODS) if greedy else ["medusa", "autoregressive"]
-
-
-def _needs_heads(cfg, methods: list[str]) -> list[str]:
-    """Refuse a method that needs heads when none are given (before anything is loaded)."""
-    from .errors import UserError
-    from .evaluation.evaluate import HEAD_METHODS
-
-    needing = [x for x in methods if x in HEAD_METHODS]
+        raise UserError("method= is gone: give methods=[name, ...] (the baselines are added)")
+    if cfg.methods is not None and cfg.compare:
+        raise UserError("give one of methods= or compare=true")
+    greedy = enum_value(cfg.mode) == "greedy"
+    baselines = [x for x in names() if get(x).baseline and (greedy or not get(x).greedy_only)]
+    if cfg.compare:
+        chosen = [x for x in names() if not get(x).baseline and (cfg.heads or not get(x).needs_heads)]
+    elif cfg.methods is not None:
+        chosen = [str(x) for x in (cfg.methods if not isinstance(cfg.methods, str) else cfg.methods.split(","))]
+    elif cfg.heads:
+        chosen = ["medusa"]
+    else:
+        free = "|".join(x for x in names() if not get(x).needs_heads and not get(x).baseline)
+        raise UserError(f"give heads=<export directory> to evaluate Medusa heads, or methods=[{free}] "
+                        "(or compare=true) for the training-free methods")
+    methods = check_methods(chosen + [b for b in baselines if b not in chosen])
+    needing = [x for x in methods if get(x).needs_heads]
     if needing and not cfg.heads:
         raise UserError(f"method {needing[0]} needs heads=<export directory>")
     return methods
@@ -170,20 +157,11 @@ def _load_eval(cfg, methods):
     return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels)
 
 
-def _method_options(cfg):
-    from .evaluation.evaluate import MethodOptions
-    from .methods.lookahead import LookaheadSettings
-    from .methods.prompt_lookup import PromptLookupSettings
-    from .methods.draft import DraftSettings, parse_self_draft
+def _method_options(cfg, methods: list[str]) -> dict:
+    """Each method's typed options from its keys (bad K / W / N -> one line before any model loads)."""
+    from .methods.registry import options_from_keys
 
-    parse_self_draft(cfg.draft)  # a malformed self:N fails before any model is loaded
-    return MethodOptions(draft=cfg.draft, draft_settings=DraftSettings(k=cfg.draft_k, adaptive=cfg.draft_adaptive),
-                         lookahead=LookaheadSettings(window=cfg.lookahead_window, ngram=cfg.lookahead_ngram,
-                                                     guesses=cfg.lookahead_guesses),
-                         prompt_lookup=PromptLookupSettings(num_tokens=cfg.prompt_lookup_tokens,
-                                                            max_ngram=cfg.prompt_lookup_max_ngram,
-                                                            min_ngram=cfg.prompt_lookup_min_ngram),
-                         trust_remote_code=cfg.trust_remote_code)
+    return {meth: options_from_keys(meth, cfg) for meth in methods}
 
 
 def run_eval(cfg) -> dict:
@@ -191,11 +169,14 @@ def run_eval(cfg) -> dict:
 
     from omegaconf import OmegaConf
 
-    from .evaluation.evaluate import evaluate, load_prompts, write_compare, write_report
+    from .evaluation.evaluate import evaluate
+    from .evaluation.prompts import load_prompts
+    from .evaluation.reports import write_compare, write_report
+    from .methods import get
 
     sampling = _sampling(cfg)
     methods = eval_methods(cfg)
-    options = _method_options(cfg)  # bad K / W / N -> one line before any model is loaded
+    options = _method_options(cfg, methods)
     prompts = load_prompts(cfg.prompts)
     wanted = cfg.num_prompts
     if wanted is not None and wanted < 1:
@@ -203,7 +184,7 @@ def run_eval(cfg) -> dict:
 
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
     calibrating = ((cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"))
-                   and ("medusa" in methods or "medusa_lookup" in methods))
+                   and any(get(x).needs_tree for x in methods))
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
     m = _load_eval(cfg, methods)
@@ -259,14 +240,14 @@ def run_eval(cfg) -> dict:
 
 
 def run_generate(cfg) -> None:
-    from .runtime.decode import medusa_stream
     from .errors import UserError
+    from .methods import stream as decode_stream
 
     if not (cfg.prompt or "").strip():
         raise UserError('prompt="..." is required and must not be empty')
     m = _load(cfg)
     ids = m.encode_chat(cfg.prompt, system=cfg.system)
-    stream = medusa_stream(m, ids, tree=cfg.tree, max_new_tokens=cfg.max_new_tokens, sampling=_sampling(cfg),
+    stream = decode_stream(m, ids, "medusa", tree=cfg.tree, max_new_tokens=cfg.max_new_tokens, sampling=_sampling(cfg),
                            seed=cfg.seed)
     shown, tokens = "", []
     for chunk in stream:  # decode the whole answer each time: multi-byte characters span tokens
@@ -280,8 +261,15 @@ def run_generate(cfg) -> None:
           f"finish: {out.finish_reason}]", file=sys.stderr)
 
 
+def eval_help() -> str:
+    """``medusa-eval --help``: the module docstring and the registered methods (imports the runtime)."""
+    from .methods.registry import describe
+
+    return __doc__.strip() + "\n\nmedusa-eval methods ([their keys]):\n" + describe() + "\n"
+
+
 def eval_main(argv: Optional[list[str]] = None) -> None:
-    run_cli("medusa-eval", __doc__, EvalConfig, run_eval, argv)
+    run_cli("medusa-eval", eval_help(), EvalConfig, run_eval, argv)
 
 
 def generate_main(argv: Optional[list[str]] = None) -> None:

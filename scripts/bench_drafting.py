@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from inference.runtime.decode import measure_step_latency
+from inference.evaluation.tree_choice import measure_step_latency
 from inference.loading import load_medusa
 from inference.runtime.tree import resolve_tree
 from inference.runtime.verify import SamplingConfig

@@ -135,6 +135,6 @@ def plain_model():
 @pytest.fixture(scope="module", name="greedy")
 def plain_greedy(m):
     """The plain model's own greedy continuation of PLAIN_PROMPT (48 tokens); fixture name ``greedy``."""
-    from inference.runtime.decode import autoregressive_generate
+    from inference.methods import generate
 
-    return autoregressive_generate(m, PLAIN_PROMPT, max_new_tokens=48).tokens
+    return generate(m, PLAIN_PROMPT, "autoregressive", max_new_tokens=48).tokens

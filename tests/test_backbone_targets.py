@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inference.errors import UserError
-from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.methods import generate
 from inference.loading import load_medusa
 from inference.runtime.tree import MedusaTree
 from medusa_train import features
@@ -200,8 +200,8 @@ def test_hydra_trains_on_backbone_targets_and_exports(compose_tiny, out_dir, tin
     assert summary["step"] == 3 and math.isfinite(summary["loss"]) and summary["targets"] == "backbone"
     m = load_medusa(out_dir / "heads", backbone=tiny_backbone.model)
     assert m.heads.spec.kind == "hydra" and m.heads.sequential
-    ref = autoregressive_generate(m, [1, 2, 3, 4, 5], max_new_tokens=16, eos_token_ids=()).tokens
-    out = medusa_generate(m, [1, 2, 3, 4, 5], tree=MedusaTree([[0], [1], [0, 0]]), max_new_tokens=16,
+    ref = generate(m, [1, 2, 3, 4, 5], "autoregressive", max_new_tokens=16, eos_token_ids=()).tokens
+    out = generate(m, [1, 2, 3, 4, 5], tree=MedusaTree([[0], [1], [0, 0]]), max_new_tokens=16,
                           eos_token_ids=())
     assert out.tokens == ref
     evals = [r for r in read_metrics(out_dir / "metrics.jsonl") if r["kind"] == "eval"]

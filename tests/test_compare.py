@@ -11,8 +11,12 @@ import sys
 import pytest
 
 from inference.errors import UserError
-from inference.evaluation.evaluate import (COMPARE_FILES, METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token,
-                                load_prompts, write_compare, write_report)
+from inference.evaluation.evaluate import evaluate
+from inference.evaluation.prompts import Prompt, load_prompts
+from inference.evaluation.reports import COMPARE_FILES, write_compare, write_report
+from inference.methods import names
+from inference.methods.medusa_lookup import MedusaLookupOptions
+from inference.methods.registry import kv_bytes_per_token
 from inference.methods.lookahead import LookaheadSettings
 from inference.runtime.model import MedusaModel
 from inference.methods.prompt_lookup import PromptLookupSettings
@@ -37,9 +41,9 @@ def with_heads(backbone):
                        heads=random_heads(backbone.model, num_heads=2))
 
 
-OPTIONS = MethodOptions(draft="self:1", draft_settings=DraftSettings(k=3),
-                        lookahead=LookaheadSettings(window=3, ngram=3, guesses=3),
-                        prompt_lookup=PromptLookupSettings(num_tokens=4))
+METHODS = names()
+OPTIONS = {"draft": DraftSettings(draft="self:1", k=3), "lookahead": LookaheadSettings(window=3, ngram=3, guesses=3),
+           "prompt_lookup": PromptLookupSettings(num_tokens=4), "medusa_lookup": MedusaLookupOptions(num_tokens=4)}
 
 
 def test_compare_runs_every_method_and_writes_the_matrix(with_heads, tmp_path):
@@ -82,7 +86,7 @@ def test_training_free_methods_run_without_heads(backbone):
     prompts = [Prompt("a", ["hello there"])]
     r = evaluate(bare, prompts, methods=["lookahead", "prompt_lookup", "draft", "autoregressive"], max_new_tokens=6,
                  progress=False, log=lambda s: None, options=OPTIONS)
-    assert r["per_method"]["draft"]["greedy_identical_fraction"] == 1.0 and "tau" not in r
+    assert r["per_method"]["draft"]["greedy_identical_fraction"] == 1.0 and "medusa" not in r["per_method"]
     with pytest.raises(UserError, match="heads"):
         evaluate(bare, prompts, methods=["medusa", "autoregressive"], progress=False, log=lambda s: None)
     for bad, words in ((["beam"], "unknown method"), (["draft", "draft"], "twice")):
@@ -104,14 +108,15 @@ def _eval_cli(args, timeout=180):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["method=beam"], "unknown method"),
-    (["method=draft", "draft_k=0"], "draft_k"),
-    (["method=lookahead", "lookahead_window=1"], "window"),
-    (["method=lookahead", "lookahead_ngram=1"], "ngram"),
-    (["method=draft", "draft=self:x"], "self:N"),
-    (["method=medusa"], "heads"),
+    (["methods=[beam]"], "unknown method"),
+    (["methods=[draft]", "draft_k=0"], "draft_k"),
+    (["methods=[lookahead]", "lookahead_window=1"], "window"),
+    (["methods=[lookahead]", "lookahead_ngram=1"], "ngram"),
+    (["methods=[draft]", "draft=self:x"], "self:N"),
+    (["methods=[medusa]"], "heads"),
     ([], "heads="),
-    (["method=draft", "methods=[draft]"], "one of"),
+    (["compare=true", "methods=[draft]"], "one of"),
+    (["method=draft"], "methods=["),
 ])
 def test_cli_method_selection_errors_are_one_line_and_exit_2(args, words):
     """Guards against bad method names or settings ending in a traceback, a zero exit status, or
@@ -138,4 +143,5 @@ def test_cli_compare_end_to_end_on_a_local_tiny_backbone(backbone, tmp_path):
     assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", *COMPARE_FILES}
     report = json.loads((out / "report.json").read_text())
     assert report["methods"] == ["draft", "lookahead", "prompt_lookup", "autoregressive", "hf_generate"]
-    assert report["method_options"]["draft"] == "self:1" and report["method_options"]["lookahead_window"] == 2
+    opts = report["method_options"]
+    assert opts["draft"]["draft"] == "self:1" and opts["lookahead"]["lookahead_window"] == 2

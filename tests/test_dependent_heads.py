@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.runtime.decode import autoregressive_generate, measure_head_accuracy, medusa_generate
+from inference.methods import generate
+from inference.evaluation.tree_choice import measure_head_accuracy
 from inference.errors import UserError
 from inference.heads.drafting import PathDrafting, draft_dependent
 from inference.heads.hydra import HydraHeads
@@ -127,9 +128,9 @@ def test_tree_drafting_feeds_each_node_its_parent_token():
 def test_greedy_decoding_is_token_identical(model, kind, projection):
     """Guards against lossy tree verification with dependent heads, in every projection mode."""
     m = attach_heads(model, dependent_heads(model, kind, projection))
-    ref = autoregressive_generate(m, PROMPT, max_new_tokens=40).tokens
+    ref = generate(m, PROMPT, "autoregressive", max_new_tokens=40).tokens
     for tree in (TREE, MedusaTree([[0], [0, 0], [0, 0, 0]])):
-        assert medusa_generate(m, PROMPT, tree=tree, max_new_tokens=40).tokens == ref
+        assert generate(m, PROMPT, tree=tree, max_new_tokens=40).tokens == ref
 
 
 class SuccessorHeads(TokenChainHeads):
@@ -154,13 +155,13 @@ def test_heads_that_follow_the_path_are_accepted(model):
     successor of the token they are fed must get whole chains accepted, which only happens
     when depth d is drafted from the node at depth d-1."""
     m = attach_heads(model, dependent_heads(model, "hydra"))
-    ref = autoregressive_generate(m, PROMPT, max_new_tokens=30).tokens
+    ref = generate(m, PROMPT, "autoregressive", max_new_tokens=30).tokens
     seq = PROMPT[-1:] + ref
     successor = {}
     for a, b in zip(seq, seq[1:]):
         successor.setdefault(a, b)
     m.heads = SuccessorHeads(successor)
-    out = medusa_generate(m, PROMPT, tree=MedusaTree([[0], [0, 0], [0, 0, 0]]), max_new_tokens=30)
+    out = generate(m, PROMPT, tree=MedusaTree([[0], [0, 0], [0, 0, 0]]), max_new_tokens=30)
     assert out.tokens == ref
     predictable = sum(successor[a] == b for a, b in zip(seq, seq[1:])) / (len(seq) - 1)
     if predictable == 1.0:
@@ -175,11 +176,11 @@ def test_sampling_modes_run_and_sampled_drafts_are_refused(model, kind):
     using the per-depth draft distribution that sampled drafts assume (not defined here)."""
     m = attach_heads(model, dependent_heads(model, kind))
     for cfg in (SamplingConfig(mode="typical", temperature=0.7), SamplingConfig(mode="sample", temperature=0.8)):
-        out = medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=20, sampling=cfg, seed=0)
-        again = medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=20, sampling=cfg, seed=0)
+        out = generate(m, PROMPT, tree=TREE, max_new_tokens=20, sampling=cfg, seed=0)
+        again = generate(m, PROMPT, tree=TREE, max_new_tokens=20, sampling=cfg, seed=0)
         assert out.tokens == again.tokens and len(out.tokens) == 20
     with pytest.raises(UserError, match="draft=sampled"):
-        medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=5,
+        generate(m, PROMPT, tree=TREE, max_new_tokens=5,
                         sampling=SamplingConfig(mode="sample", temperature=0.8, draft="sampled"))
 
 
@@ -188,7 +189,7 @@ def test_calibration_feeds_the_greedy_path(model):
     path): head k at t is fed greedy tokens t+1..t+k+1, so successor heads score exactly the
     positions where the successor map predicts token t+k+2."""
     m = attach_heads(model, dependent_heads(model, "hydra"))
-    ref = autoregressive_generate(m, PROMPT, max_new_tokens=24).tokens
+    ref = generate(m, PROMPT, "autoregressive", max_new_tokens=24).tokens
     seq = PROMPT + ref
     successor = {}
     for a, b in zip(seq[len(PROMPT) - 1:], seq[len(PROMPT):]):
@@ -302,8 +303,8 @@ def test_dependent_heads_train_export_and_decode_losslessly(kind, extra, compose
                        m.heads.token_map)
     moved = [n for n, p in m.heads.named_parameters() if not torch.equal(p, dict(fresh.named_parameters())[n])]
     assert moved, "no head parameter changed in training"
-    ref = autoregressive_generate(m, [1, 2, 3, 4, 5], max_new_tokens=24, eos_token_ids=()).tokens
-    out = medusa_generate(m, [1, 2, 3, 4, 5], tree=MedusaTree([[0], [1], [0, 0]]), max_new_tokens=24,
+    ref = generate(m, [1, 2, 3, 4, 5], "autoregressive", max_new_tokens=24, eos_token_ids=()).tokens
+    out = generate(m, [1, 2, 3, 4, 5], tree=MedusaTree([[0], [1], [0, 0]]), max_new_tokens=24,
                           eos_token_ids=())
     assert out.tokens == ref
 
@@ -347,8 +348,8 @@ def test_mlp_speculator_exports_to_vllm_and_imports_bit_identically(model, extra
         torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
                                    heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
     m = load_medusa(tmp_path / "vllm", backbone=model)
-    ref = autoregressive_generate(m, PROMPT, max_new_tokens=16).tokens
-    assert medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=16).tokens == ref
+    ref = generate(m, PROMPT, "autoregressive", max_new_tokens=16).tokens
+    assert generate(m, PROMPT, tree=TREE, max_new_tokens=16).tokens == ref
 
 
 def test_truncated_mlp_speculator_needs_materialize_and_hydra_has_no_vllm_layout(model, tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.runtime.decode import autoregressive_generate
+from inference.methods import generate
 from inference.errors import UserError
 from medusa_train import distill
 from inference.backbone import eos_token_ids
@@ -63,7 +63,7 @@ def test_greedy_replies_are_the_backbones_own_output_turn_by_turn(compose_tiny, 
             # the prompt holds the regenerated earlier replies, rendered and tokenised as training does
             text = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
             prompt = tok(text, add_special_tokens=False)["input_ids"]
-            out = autoregressive_generate(model, prompt, max_new_tokens=8, eos_token_ids=eos)
+            out = generate(model, prompt, "autoregressive", max_new_tokens=8, eos_token_ids=eos)
             tokens = [t for t in out.tokens if t not in eos]
             assert msgs[i]["content"] == tok.decode(tokens, skip_special_tokens=True), (row["source_index"], i)
             assert msgs[i]["content"] != src[i]["content"]

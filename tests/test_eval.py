@@ -12,9 +12,10 @@ import torch
 
 from inference.runtime.decode import GenerationOutput
 from inference.errors import UserError
-from inference.evaluation.evaluate import Prompt, Sample, evaluate, load_prompts, summarize, write_report
+from inference.evaluation.evaluate import Sample, evaluate, summarize
+from inference.evaluation.prompts import Prompt, load_prompts
+from inference.evaluation.reports import write_report
 from inference.runtime.model import MedusaModel
-from inference.runtime.tree import chain_tree
 from tests.runtime_support import one_thread, random_heads  # noqa: F401  (fixture)
 
 
@@ -30,7 +31,7 @@ def test_summary_metrics_follow_the_documented_definitions():
     s = Sample("1", 1)
     s.outputs = {"medusa": _gen(range(6), [3, 1, 2], secs=1.0), "autoregressive": _gen(range(6), [1] * 6, secs=2.0)}
     s.tokens = {k: list(v.tokens) for k, v in s.outputs.items()}
-    r = summarize([s], ["medusa", "autoregressive"], chain_tree(3))  # depth 2
+    r = summarize([s], ["medusa", "autoregressive"], {"medusa": 2})["per_method"]["medusa"]  # tree depth 2
     assert r["tau"] == pytest.approx(2.0)
     assert r["acceptance_rate"] == pytest.approx(3 / 6)
     assert r["n_alpha"] == pytest.approx([2 / 3, 1 / 2], abs=1e-4)
@@ -42,10 +43,8 @@ def test_summary_metrics_follow_the_documented_definitions():
 def test_per_method_acceptance_uses_each_steps_proposed_tokens():
     """Guards against: the chain methods' acceptance rate computed against the tree depth (or the
     bonus counted as accepted) instead of accepted / proposed draft tokens per step."""
-    from inference.methods.draft import SpeculativeOutput
-
     s = Sample("1", 1)
-    spec = SpeculativeOutput(tokens=list(range(9)), prompt_tokens=3, finish_reason="length",
+    spec = GenerationOutput(tokens=list(range(9)), prompt_tokens=3, finish_reason="length",
                              accept_lengths=[3, 1, 5], proposed=[4, 0, 4])
     spec.decode_s = 1.0
     s.outputs = {"prompt_lookup": spec, "autoregressive": _gen(range(9), [1] * 9, secs=3.0)}
@@ -54,7 +53,7 @@ def test_per_method_acceptance_uses_each_steps_proposed_tokens():
     row = r["per_method"]["prompt_lookup"]
     assert row["tau"] == pytest.approx(3.0) and row["acceptance_rate"] == pytest.approx(6 / 8)
     assert row["speedup_vs_autoregressive"] == pytest.approx(3.0) and row["greedy_identical_fraction"] == 1.0
-    assert "acceptance_rate" not in r["per_method"]["autoregressive"] and "tau" not in r   # no Medusa keys
+    assert "acceptance_rate" not in r["per_method"]["autoregressive"] and "medusa" not in r["per_method"]
 
 
 def test_identity_fraction_counts_differing_outputs():
@@ -63,7 +62,8 @@ def test_identity_fraction_counts_differing_outputs():
     for s, med in ((a, [1, 2, 3]), (b, [1, 2, 9])):
         s.outputs = {"medusa": _gen(med, [3]), "autoregressive": _gen([1, 2, 3], [1, 1, 1])}
         s.tokens = {k: list(v.tokens) for k, v in s.outputs.items()}
-    assert summarize([a, b], ["medusa", "autoregressive"], chain_tree(3))["greedy_identical_fraction"] == 0.5
+    r = summarize([a, b], ["medusa", "autoregressive"], {"medusa": 2})
+    assert r["per_method"]["medusa"]["greedy_identical_fraction"] == 0.5
 
 
 def test_prompt_forms_and_bad_prompt_files(tmp_path):
@@ -103,15 +103,18 @@ def test_end_to_end_evaluation_on_a_tiny_model(tiny_medusa, tmp_path):
     prompts = [Prompt(str(i), [f"question number {i}?", "and then?"]) for i in range(5)]
     report = evaluate(tiny_medusa, prompts, tree="auto", max_new_tokens=12, calibration_prompts=2,
                       calibration_tokens=8, budgets=[1, 2, 4], turns="both", progress=False, log=lambda s: None)
+    medusa = report["per_method"]["medusa"]
     for key in ("tau", "acceptance_rate", "tokens_per_s", "speedup_vs_autoregressive", "speedup_vs_hf_generate",
-                "greedy_identical_fraction", "tree", "head_accuracy", "n_alpha"):
+                "greedy_identical_fraction", "n_alpha"):
+        assert key in medusa, key
+    for key in ("tokens_per_s", "tree", "head_accuracy", "per_method", "costs"):
         assert key in report, key
     assert report["num_samples"] == 3 * 2  # 2 of 5 prompts held out for calibration, both turns
-    assert report["greedy_identical_fraction"] == 1.0
+    assert medusa["greedy_identical_fraction"] == 1.0
     assert report["hf_generate_identical_fraction"] == 1.0
     paths = write_report(tmp_path, report)
     assert {p.name for p in paths} >= {"report.json", "report.md", "head_accuracy.png"}
-    assert json.loads((tmp_path / "report.json").read_text())["tau"] == report["tau"]
+    assert json.loads((tmp_path / "report.json").read_text())["per_method"]["medusa"]["tau"] == medusa["tau"]
 
 
 def test_fixed_tree_and_sampling_mode_run(tiny_medusa):
@@ -122,7 +125,7 @@ def test_fixed_tree_and_sampling_mode_run(tiny_medusa):
     prompts = [Prompt("a", ["hello there"])]
     r = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="chain3", max_new_tokens=8,
                  sampling=SamplingConfig(mode="sample", temperature=0.8), progress=False, log=lambda s: None)
-    assert r["tree"]["name"] == "chain3" and r["tau"] >= 1.0
+    assert r["tree"]["name"] == "chain3" and r["per_method"]["medusa"]["tau"] >= 1.0
     with pytest.raises(UserError, match="greedy"):
         evaluate(tiny_medusa, prompts, methods=["hf_generate"], tree="chain3", max_new_tokens=4,
                  sampling=SamplingConfig(mode="sample", temperature=0.8), progress=False, log=lambda s: None)
@@ -140,7 +143,7 @@ def test_calibrated_budget_keeps_its_tree_whatever_its_speed(tiny_medusa):
     r = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="calibrated:4", max_new_tokens=8,
                  calibration_prompts=2, calibration_tokens=8, progress=False, log=lambda s: None)
     assert r["tree"]["nodes"] == 4 and r["tree"]["name"] == "calibrated4"
-    assert r["greedy_identical_fraction"] == 1.0
+    assert r["per_method"]["medusa"]["greedy_identical_fraction"] == 1.0
     with pytest.raises(UserError, match="calibrated:N"):
         evaluate(tiny_medusa, prompts, tree="calibrated:1", max_new_tokens=4, progress=False, log=lambda s: None)
 

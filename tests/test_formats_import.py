@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.methods import generate
 from inference.errors import UserError
 from inference.formats.export import FormatWarning
 from inference.loading import load_heads, load_medusa, read_heads_spec
@@ -82,8 +82,8 @@ def test_reference_checkpoint_with_wrong_head_count_imports_warns_and_decodes(ba
         for k in range(4):
             assert torch.equal(m.heads.head_logits(x, k), ref[k](x))
     prompt = [5, 17, 33, 2, 41]
-    out = medusa_generate(m, prompt, tree="tree8", max_new_tokens=12)
-    assert out.tokens == autoregressive_generate(m, prompt, max_new_tokens=12).tokens
+    out = generate(m, prompt, tree="tree8", max_new_tokens=12)
+    assert out.tokens == generate(m, prompt, "autoregressive", max_new_tokens=12).tokens
 
 
 def test_reference_tied_layers_import_as_what_the_reference_computes(backbone, tmp_path):

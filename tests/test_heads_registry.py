@@ -23,7 +23,7 @@ from inference.heads.projection import ProjectedHeads
 from inference.heads.registry import HeadFamily, family, init_heads, register_family
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from inference.loading import load_heads, load_medusa, read_heads_spec
-from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.methods import generate
 from inference.runtime.tree import MedusaTree
 
 from runtime_support import one_thread, tiny_llama  # noqa: F401
@@ -80,8 +80,8 @@ def test_a_family_registered_in_one_call_is_built_saved_loaded_and_drafts(fresh_
         assert torch.equal(back.head_logits(x, k), heads.head_logits(x, k))
     m = load_medusa(tmp_path / "toy", backbone=model)
     assert isinstance(m.heads, ToyHeads) and not m.heads.sequential
-    ref = autoregressive_generate(m, PROMPT, max_new_tokens=16).tokens
-    out = medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=16)
+    ref = generate(m, PROMPT, "autoregressive", max_new_tokens=16).tokens
+    out = generate(m, PROMPT, "medusa", tree=TREE, max_new_tokens=16)
     assert out.tokens == ref
 
 

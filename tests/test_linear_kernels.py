@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from inference.runtime import linear_kernels as lk
-from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.methods import generate
 from inference.errors import UserError
 from inference.heads.native import save_heads
 from inference.loading import load_medusa
@@ -117,9 +117,9 @@ def test_greedy_decoding_identical_through_routed_kernels(choice):
     assert m.kernel_plans
     _force(m.kernel_plans, choice)
     prompt = [5, 17, 3, 42, 8]
-    plain = autoregressive_generate(m, prompt, max_new_tokens=24, eos_token_ids=())
+    plain = generate(m, prompt, "autoregressive", max_new_tokens=24, eos_token_ids=())
     for tree in ("chain3", "tree4", "tree8"):
-        out = medusa_generate(m, prompt, tree=tree, max_new_tokens=24, eos_token_ids=())
+        out = generate(m, prompt, tree=tree, max_new_tokens=24, eos_token_ids=())
         assert out.tokens == plain.tokens, tree
 
 
@@ -139,7 +139,7 @@ def test_load_medusa_kernels_option(tmp_path):
 def test_hf_generate_baseline_runs_stock_kernels(monkeypatch):
     """Guards against the transformers `generate` baseline silently using the routed kernels in
     medusa-eval (speedup_vs_hf_generate would then compare against a faster-than-stock baseline)."""
-    from inference.evaluation.evaluate import hf_generate
+    from inference.methods.hf_generate import hf_generate
     from inference.runtime.model import MedusaModel
 
     model = tiny_llama()
@@ -151,5 +151,5 @@ def test_hf_generate_baseline_runs_stock_kernels(monkeypatch):
     monkeypatch.setattr(lk, "_columns_product", lambda *a: used.append(1) or real(*a))
     out = hf_generate(m, [5, 6, 7], max_new_tokens=4)
     assert len(out.tokens) >= 1 and not used
-    autoregressive_generate(m, [5, 6, 7], max_new_tokens=4, eos_token_ids=())
+    generate(m, [5, 6, 7], "autoregressive", max_new_tokens=4, eos_token_ids=())
     assert used  # the runtime's own loop does use them

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference.runtime.adapter import merge_lora
-from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.methods import generate
 from inference.errors import UserError
 from inference.loading import load_medusa
 from medusa_train import lora
@@ -96,8 +96,8 @@ def test_export_with_adapter_decodes_losslessly_on_the_merged_backbone(compose_t
         torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(model(input_ids=ids).logits, tiny_backbone.model(input_ids=ids).logits)
     m = load_medusa(heads_dir, backbone=model)
-    ref = autoregressive_generate(m, [1, 2, 3, 4], max_new_tokens=20, eos_token_ids=()).tokens
-    assert medusa_generate(m, [1, 2, 3, 4], tree=[[0], [1], [0, 0]], max_new_tokens=20, eos_token_ids=()).tokens == ref
+    ref = generate(m, [1, 2, 3, 4], "autoregressive", max_new_tokens=20, eos_token_ids=()).tokens
+    assert generate(m, [1, 2, 3, 4], tree=[[0], [1], [0, 0]], max_new_tokens=20, eos_token_ids=()).tokens == ref
 
 
 def test_two_stage_recipe_starts_from_stage_one_heads(compose_tiny, tmp_path):

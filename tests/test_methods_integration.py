@@ -11,13 +11,15 @@ import json
 import pytest
 
 from inference import assets
-from inference.runtime.decode import autoregressive_generate
-from inference.evaluation.evaluate import extra_parameters
-from inference.methods.lookahead import LookaheadSettings, lookahead_generate
+from inference.methods import generate
+from inference.methods.registry import extra_parameters
+from inference.methods.lookahead import LookaheadSettings
+from inference.methods import generate
 from inference.backbone import load_backbone
 from inference.runtime.model import MedusaModel
-from inference.methods.prompt_lookup import prompt_lookup_generate
-from inference.methods.draft import DraftSettings, load_draft, speculative_generate
+from inference.methods import generate
+from inference.methods.draft import DraftSettings, load_draft
+from inference.methods import generate
 
 from runtime_support import one_thread  # noqa: F401 (autouse: 1 thread is ~3x faster on the shared box)
 
@@ -39,7 +41,7 @@ def cases(smollm2):
     out = []
     for line in lines:
         ids = smollm2.encode_chat(json.loads(line)["turns"][0])
-        out.append((ids, autoregressive_generate(smollm2, ids, max_new_tokens=NEW_TOKENS).tokens))
+        out.append((ids, generate(smollm2, ids, "autoregressive", max_new_tokens=NEW_TOKENS).tokens))
     return out
 
 
@@ -50,12 +52,12 @@ def test_greedy_methods_match_plain_greedy_on_mt_bench(smollm2, cases, method):
     mismatches, taus = [], []
     for i, (ids, plain) in enumerate(cases):
         if method.startswith("draft"):
-            out = speculative_generate(smollm2, f"self:{method[10:]}", ids, settings=DraftSettings(k=4),
-                                       max_new_tokens=NEW_TOKENS)
+            out = generate(smollm2, ids, "draft", options=DraftSettings(k=4),
+                                       max_new_tokens=NEW_TOKENS, draft=f"self:{method[10:]}")
         elif method == "lookahead":
-            out = lookahead_generate(smollm2, ids, settings=LookaheadSettings(), max_new_tokens=NEW_TOKENS)
+            out = generate(smollm2, ids, "lookahead", options=LookaheadSettings(), max_new_tokens=NEW_TOKENS)
         else:
-            out = prompt_lookup_generate(smollm2, ids, max_new_tokens=NEW_TOKENS)
+            out = generate(smollm2, ids, "prompt_lookup", max_new_tokens=NEW_TOKENS)
         taus.append(out.tau)
         if out.tokens != plain:
             mismatches.append((i, plain, out.tokens))

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from inference.runtime.decode import (TreeDecoder, autoregressive_generate, autoregressive_stream, calibrated_tree,
-                              measure_head_accuracy,
-                              measure_step_latency, medusa_generate, medusa_stream)
+from inference.methods.medusa import TreeDecoder
+from inference.methods import generate, stream
+from inference.evaluation.tree_choice import calibrated_tree, measure_head_accuracy, measure_step_latency
 from inference.errors import UserError
 from inference.runtime.tree import MedusaTree, default_tree
 from inference.runtime.verify import SamplingConfig
@@ -32,7 +32,7 @@ def m(model):
 @pytest.fixture(scope="module")
 def greedy(m):
     """The backbone's own greedy continuation of PROMPT (48 tokens)."""
-    return autoregressive_generate(m, PROMPT, max_new_tokens=48).tokens
+    return generate(m, PROMPT, "autoregressive", max_new_tokens=48).tokens
 
 
 @pytest.mark.parametrize("tree", [TREE, default_tree("mc_sim_7b_63", 4)], ids=["7-nodes", "mc_sim_7b_63"])
@@ -89,7 +89,7 @@ def test_forced_acceptance_lengths_and_compacted_cache(model, greedy, case):
 @pytest.mark.parametrize("tree", ["chain2", "chain4", "tree4", "tree8", "tree16", "tree64", "mc_sim_7b_63"])
 def test_greedy_medusa_is_token_identical_with_random_heads(m, greedy, tree):
     """Guards against greedy Medusa changing the output when guesses are (mostly) wrong."""
-    out = medusa_generate(m, PROMPT, tree=tree, max_new_tokens=48)
+    out = generate(m, PROMPT, tree=tree, max_new_tokens=48)
     assert out.tokens == greedy
     assert len(out.tokens) == 48 and out.finish_reason == "length"
 
@@ -98,16 +98,16 @@ def test_greedy_medusa_is_token_identical_with_random_heads(m, greedy, tree):
 def test_greedy_identity_with_truncated_and_shared_heads(model, greedy, projection):
     """Guards against token_map / shared lm_head mistakes corrupting candidates or outputs."""
     heads = random_heads(model, num_heads=3, projection=projection, truncated=40 if projection == "truncated" else None)
-    out = medusa_generate(wrap(model, heads), PROMPT, tree="tree16", max_new_tokens=48)
+    out = generate(wrap(model, heads), PROMPT, tree="tree16", max_new_tokens=48)
     assert out.tokens == greedy
 
 
 @pytest.mark.parametrize("tree", ["chain4", "tree8", "tree16", "tree32"])
 def test_greedy_identity_and_full_acceptance_with_perfect_heads(m, model, greedy, tree):
     """Guards against accepted paths being cut short (or wrong) when every guess is right."""
-    oracle = OracleHeads(m, PROMPT + autoregressive_generate(m, PROMPT, max_new_tokens=64).tokens, num_heads=3)
+    oracle = OracleHeads(m, PROMPT + generate(m, PROMPT, "autoregressive", max_new_tokens=64).tokens, num_heads=3)
     mm = wrap(model, oracle)
-    out = medusa_generate(mm, PROMPT, tree=tree, max_new_tokens=48)
+    out = generate(mm, PROMPT, tree=tree, max_new_tokens=48)
     depth = default_tree(tree, 3).max_depth
     assert out.tokens == greedy
     assert all(a == depth + 1 for a in out.accept_lengths)
@@ -117,27 +117,27 @@ def test_greedy_identity_and_full_acceptance_with_perfect_heads(m, model, greedy
 def test_plain_loop_matches_transformers_generate(model, m):
     """Guards against the autoregressive baseline (and its cache) diverging from HF greedy generate."""
     ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0)[0, len(PROMPT):]
-    out = autoregressive_generate(m, PROMPT, max_new_tokens=32)
+    out = generate(m, PROMPT, "autoregressive", max_new_tokens=32)
     assert out.tokens == ref.tolist()
     assert out.steps == 31 and out.tau == 1.0
 
 
 def test_streaming_eos_and_length_limits(m, greedy):
     """Guards against streams that lose/duplicate tokens and stops that overrun EOS or max_new_tokens."""
-    stream = medusa_stream(m, PROMPT, tree="tree8", max_new_tokens=48)
-    chunks = list(stream)
-    assert [t for c in chunks for t in c] == greedy == stream.result.tokens
+    streamed = stream(m, PROMPT, tree="tree8", max_new_tokens=48)
+    chunks = list(streamed)
+    assert [t for c in chunks for t in c] == greedy == streamed.result.tokens
     eos = greedy[10]
     first = greedy.index(eos)
-    for out in (medusa_generate(m, PROMPT, tree="tree8", max_new_tokens=48, eos_token_ids=[eos]),
-                autoregressive_generate(m, PROMPT, max_new_tokens=48, eos_token_ids=[eos])):
+    for out in (generate(m, PROMPT, tree="tree8", max_new_tokens=48, eos_token_ids=[eos]),
+                generate(m, PROMPT, "autoregressive", max_new_tokens=48, eos_token_ids=[eos])):
         assert out.tokens == greedy[:first + 1] and out.finish_reason == "eos"
     seen = []
-    out = medusa_generate(m, PROMPT, tree="chain4", max_new_tokens=7, on_tokens=seen.append)
+    out = generate(m, PROMPT, tree="chain4", max_new_tokens=7, on_tokens=seen.append)
     assert out.tokens == greedy[:7] and [t for c in seen for t in c] == greedy[:7]
-    ar = autoregressive_stream(m, PROMPT, max_new_tokens=5)
+    ar = stream(m, PROMPT, "autoregressive", max_new_tokens=5)
     assert [t for c in ar for t in c] == greedy[:5] and ar.result.finish_reason == "length"
-    assert medusa_generate(m, PROMPT, tree="tree8", max_new_tokens=48, max_steps=3).steps == 3
+    assert generate(m, PROMPT, tree="tree8", max_new_tokens=48, max_steps=3).steps == 3
 
 
 def test_sampling_modes_are_reproducible_and_typical_accepts(m):
@@ -145,19 +145,19 @@ def test_sampling_modes_are_reproducible_and_typical_accepts(m):
     for cfg in (SamplingConfig(mode="sample", temperature=0.9, top_p=0.95),
                 SamplingConfig(mode="sample", temperature=0.9, draft="sampled"),
                 SamplingConfig(mode="typical", temperature=0.9)):
-        a = medusa_generate(m, PROMPT, tree="tree16", max_new_tokens=24, sampling=cfg, seed=7)
-        b = medusa_generate(m, PROMPT, tree="tree16", max_new_tokens=24, sampling=cfg, seed=7)
+        a = generate(m, PROMPT, tree="tree16", max_new_tokens=24, sampling=cfg, seed=7)
+        b = generate(m, PROMPT, tree="tree16", max_new_tokens=24, sampling=cfg, seed=7)
         assert a.tokens == b.tokens and len(a.tokens) == 24
     # a random tiny model is near-uniform: typical's threshold is tiny, so guesses get accepted
     lax = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=1e-6, typical_delta=1e-6)
-    assert medusa_generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=lax, seed=1).tau == 4.0
+    assert generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=lax, seed=1).tau == 4.0
     strict = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=1.0, typical_delta=1e6)
-    assert medusa_generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=strict, seed=1).tau == 1.0
+    assert generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=strict, seed=1).tau == 1.0
 
 
 def test_calibration_counts_and_perfect_heads(m, model):
     """Guards against head/offset mix-ups in calibration (head k must be scored at t+k+2)."""
-    seq = PROMPT + autoregressive_generate(m, PROMPT, max_new_tokens=40).tokens
+    seq = PROMPT + generate(m, PROMPT, "autoregressive", max_new_tokens=40).tokens
     oracle = wrap(model, OracleHeads(m, seq, num_heads=3))
     acc = measure_head_accuracy(oracle, [PROMPT], max_new_tokens=20, topk=4)
     assert acc.totals.tolist() == [19, 18, 17]          # positions whose target is generated
@@ -170,11 +170,11 @@ def test_calibration_counts_and_perfect_heads(m, model):
 
 def test_calibrated_tree_follows_the_measured_heads(m, model):
     """Guards against calibration and growth not being wired together (perfect heads -> a chain)."""
-    seq = PROMPT + autoregressive_generate(m, PROMPT, max_new_tokens=40).tokens
+    seq = PROMPT + generate(m, PROMPT, "autoregressive", max_new_tokens=40).tokens
     oracle = wrap(model, OracleHeads(m, seq, num_heads=3))
     tree, tau, acc = calibrated_tree(oracle, [PROMPT], num_nodes=8, max_new_tokens=20, topk=3)
     assert tree.paths == ((0,), (0, 0), (0, 0, 0)) and tau == 4.0   # rank 0 is always right, others never
-    out = medusa_generate(oracle, PROMPT, tree=tree, max_new_tokens=20)
+    out = generate(oracle, PROMPT, tree=tree, max_new_tokens=20)
     assert out.tokens == seq[len(PROMPT):len(PROMPT) + 20] and out.accept_lengths[0] == 4
 
 
@@ -188,21 +188,21 @@ def test_bfloat16_decoding_runs(model):
     """Guards against dtype mismatches (mask, heads, cache) when the backbone runs in bf16."""
     bf = tiny_llama(vocab=V, seed=0).to(torch.bfloat16)
     mm = wrap(bf, random_heads(bf, num_heads=3))
-    out = medusa_generate(mm, PROMPT, tree="tree16", max_new_tokens=12)
-    ar = autoregressive_generate(mm, PROMPT, max_new_tokens=12)
+    out = generate(mm, PROMPT, tree="tree16", max_new_tokens=12)
+    ar = generate(mm, PROMPT, "autoregressive", max_new_tokens=12)
     assert len(out.tokens) == 12 and all(0 <= t < V for t in out.tokens)
     assert out.tokens[:3] == ar.tokens[:3]
 
 
 @pytest.mark.parametrize("call, fragment", [
-    (lambda m: medusa_generate(m, torch.tensor([PROMPT, PROMPT])), "batch size 2"),
-    (lambda m: medusa_generate(m, []), "empty"),
-    (lambda m: medusa_generate(m, [V + 3]), "must lie in"),
-    (lambda m: medusa_generate(m, "hello"), "token ids"),
-    (lambda m: medusa_generate(m, PROMPT, max_new_tokens=0), "max_new_tokens"),
-    (lambda m: medusa_generate(m, PROMPT, max_new_tokens=600), "positions"),
-    (lambda m: medusa_generate(m, PROMPT, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]), "depth 5"),
-    (lambda m: medusa_generate(m, PROMPT, tree="tree7x"), "unknown tree"),
+    (lambda m: generate(m, torch.tensor([PROMPT, PROMPT])), "batch size 2"),
+    (lambda m: generate(m, []), "empty"),
+    (lambda m: generate(m, [V + 3]), "must lie in"),
+    (lambda m: generate(m, "hello"), "token ids"),
+    (lambda m: generate(m, PROMPT, max_new_tokens=0), "max_new_tokens"),
+    (lambda m: generate(m, PROMPT, max_new_tokens=600), "positions"),
+    (lambda m: generate(m, PROMPT, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]), "depth 5"),
+    (lambda m: generate(m, PROMPT, tree="tree7x"), "unknown tree"),
 ])
 def test_user_mistakes_are_one_line_errors(m, call, fragment):
     """Guards against bad requests surfacing as tracebacks from deep inside torch."""

@@ -11,12 +11,16 @@ import pytest
 import torch
 
 from inference.cli import EvalConfig, eval_methods
-from inference.runtime.decode import TreeDecoder, autoregressive_generate
+from inference.methods.medusa import TreeDecoder
+from inference.methods import generate
 from inference.errors import UserError
-from inference.evaluation.evaluate import METHODS, MethodOptions, Prompt, evaluate, kv_bytes_per_token, method_costs
+from inference.evaluation.evaluate import evaluate
+from inference.evaluation.prompts import Prompt
+from inference.methods import get, names
+from inference.methods.registry import kv_bytes_per_token
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
-from inference.methods.medusa_lookup import HybridDecoder, graft_tree, hybrid_generate, match_prefix
+from inference.methods.medusa_lookup import HybridDecoder, MedusaLookupOptions, graft_tree, match_prefix
 from inference.runtime.model import MedusaModel, attach_heads
 from inference.methods.prompt_lookup import PromptLookupSettings
 from inference.runtime.tree import MedusaTree, default_tree
@@ -46,7 +50,7 @@ def m(model):
 @pytest.fixture(scope="module")
 def greedy(m):
     """Plain greedy continuations (48 tokens) of both prompts."""
-    return {name: autoregressive_generate(m, p, max_new_tokens=48).tokens
+    return {name: generate(m, p, "autoregressive", max_new_tokens=48).tokens
             for name, p in (("repeating", REPEATING), ("distinct", DISTINCT))}
 
 
@@ -155,7 +159,7 @@ def test_greedy_medusa_lookup_is_token_identical(m, greedy, tree, case):
     """Guards against the merged trie (mask, positions, graft, compaction, bonus) changing the
     greedy output, on text where lookups fire (repeating) and where they mostly do not."""
     prompt, settings = (REPEATING, PromptLookupSettings(num_tokens=5)) if case == "repeating" else (DISTINCT, TRIGRAMS)
-    out = hybrid_generate(m, prompt, tree=tree, settings=settings, max_new_tokens=48)
+    out = generate(m, prompt, "medusa_lookup", tree=tree, options=settings, max_new_tokens=48)
     assert out.tokens == greedy[case] and out.finish_reason == "length"
     base = default_tree(tree, 3).max_depth
     assert all(base <= p <= base + settings.num_tokens for p in out.proposed)
@@ -186,8 +190,8 @@ def test_dependent_heads_keep_greedy_identity(model, greedy, kind):
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    out = hybrid_generate(attach_heads(model, heads), REPEATING, tree="tree8", max_new_tokens=48,
-                          settings=PromptLookupSettings(num_tokens=5))
+    out = generate(attach_heads(model, heads), REPEATING, "medusa_lookup", tree="tree8", max_new_tokens=48,
+                          options=PromptLookupSettings(num_tokens=5))
     assert out.tokens == greedy["repeating"] and max(out.proposed) > default_tree("tree8", 3).max_depth
 
 
@@ -220,8 +224,8 @@ def test_sampling_is_reproducible_and_uses_the_fixed_candidate_rule(m):
     draft distribution q that looked-up tokens do not have) being used on the merged trie."""
     for cfg in (SamplingConfig(mode="sample", temperature=0.9, draft="sampled"),
                 SamplingConfig(mode="typical", temperature=0.9)):
-        a = hybrid_generate(m, REPEATING, tree="tree8", max_new_tokens=24, sampling=cfg, seed=4)
-        b = hybrid_generate(m, REPEATING, tree="tree8", max_new_tokens=24, sampling=cfg, seed=4)
+        a = generate(m, REPEATING, "medusa_lookup", tree="tree8", max_new_tokens=24, sampling=cfg, seed=4)
+        b = generate(m, REPEATING, "medusa_lookup", tree="tree8", max_new_tokens=24, sampling=cfg, seed=4)
         assert a.tokens == b.tokens and len(a.tokens) == 24
     assert HybridDecoder(m, "tree4", sampling=SamplingConfig(mode="sample", draft="sampled")).cfg.draft == "topk"
 
@@ -230,7 +234,7 @@ def test_eos_inside_an_accepted_branch_stops(m, greedy):
     """Guards against emitting past an EOS that sits inside an accepted lookup / tree path."""
     ref = greedy["repeating"]
     eos = ref[20]
-    out = hybrid_generate(m, REPEATING, tree="tree8", max_new_tokens=48, eos_token_ids=[eos])
+    out = generate(m, REPEATING, "medusa_lookup", tree="tree8", max_new_tokens=48, eos_token_ids=[eos])
     assert out.tokens == ref[:ref.index(eos) + 1] and out.finish_reason == "eos"
 
 
@@ -255,14 +259,15 @@ def test_harness_runs_medusa_lookup_on_the_calibrated_tree():
     bb = random_backbone(TINY, seed=0)
     mm = MedusaModel(model=bb.model.eval(), tokenizer=bb.tokenizer, heads=random_heads(bb.model, num_heads=2))
     prompts = [Prompt(str(i), [f"repeat after me: abc abc abc {i}"]) for i in range(3)]
-    opts = MethodOptions(prompt_lookup=PromptLookupSettings(num_tokens=4))
+    opts = {"medusa_lookup": MedusaLookupOptions(num_tokens=4)}
     r = evaluate(mm, prompts, methods=["medusa_lookup", "autoregressive"], tree="calibrated:3", max_new_tokens=8,
                  calibration_prompts=1, calibration_tokens=6, progress=False, log=lambda s: None, options=opts)
     assert r["tree"]["nodes"] == 3 and r["per_method"]["medusa_lookup"]["greedy_identical_fraction"] == 1.0
     cost = r["costs"]["medusa_lookup"]
     assert cost["training"] == "heads" and cost["extra_parameters"] > 0
     assert cost["extra_kv_cache_bytes"] == (3 + 4) * kv_bytes_per_token(mm)
-    assert method_costs("medusa_lookup", mm, None, opts, None, 20)["extra_kv_cache_bytes"] == 5 * kv_bytes_per_token(mm)
+    no_tree = MedusaLookupOptions(num_tokens=4, tree=None)
+    assert get("medusa_lookup").costs(mm, no_tree, 20).extra_kv_cache_bytes == 5 * kv_bytes_per_token(mm)
     with pytest.raises(UserError, match="medusa_lookup needs Medusa heads"):
         evaluate(MedusaModel(model=bb.model, tokenizer=bb.tokenizer, heads=None), prompts,
                  methods=["medusa_lookup"], progress=False, log=lambda s: None)
@@ -271,21 +276,21 @@ def test_harness_runs_medusa_lookup_on_the_calibrated_tree():
 def test_eval_method_selection_includes_medusa_lookup_only_with_heads():
     """Guards against compare=true dropping medusa_lookup when heads are given, or adding it
     (and failing late) when they are not; and method=medusa_lookup without heads loading anything."""
-    assert "medusa_lookup" in METHODS
+    assert "medusa_lookup" in names()
     with_heads = eval_methods(EvalConfig(heads="runs/x/heads", compare=True))
     assert "medusa_lookup" in with_heads and "medusa" in with_heads
     assert "medusa_lookup" not in eval_methods(EvalConfig(compare=True))
-    assert eval_methods(EvalConfig(heads="h", method="medusa_lookup")) == ["medusa_lookup", "autoregressive",
+    assert eval_methods(EvalConfig(heads="h", methods=["medusa_lookup"])) == ["medusa_lookup", "autoregressive",
                                                                            "hf_generate"]
     with pytest.raises(UserError, match="medusa_lookup needs heads="):
-        eval_methods(EvalConfig(method="medusa_lookup"))
+        eval_methods(EvalConfig(methods=["medusa_lookup"]))
 
 
 def test_cli_medusa_lookup_without_heads_is_one_line_and_exit_2():
     """Guards against medusa-eval method=medusa_lookup without heads= ending in a traceback, a zero
     exit status, or after loading a model."""
     code = "import sys; from inference.cli import eval_main; eval_main(sys.argv[1:])"
-    proc = subprocess.run([sys.executable, "-c", code, "method=medusa_lookup"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code, "methods=[medusa_lookup]"], capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference import assets
-from inference.runtime.decode import autoregressive_generate, medusa_generate
+from inference.methods import generate
 from inference.heads.medusa import MedusaHeads
 from inference.heads.native import save_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
@@ -52,8 +52,8 @@ def test_greedy_medusa_matches_plain_greedy_on_mt_bench(medusa):
     mismatches = []
     for i, question in enumerate(_first_turns(N_PROMPTS)):
         ids = medusa.encode_chat(question)
-        plain = autoregressive_generate(medusa, ids, max_new_tokens=NEW_TOKENS)
-        fast = medusa_generate(medusa, ids, tree=trees[i % len(trees)], max_new_tokens=NEW_TOKENS)
+        plain = generate(medusa, ids, "autoregressive", max_new_tokens=NEW_TOKENS)
+        fast = generate(medusa, ids, tree=trees[i % len(trees)], max_new_tokens=NEW_TOKENS)
         assert len(plain.tokens) == NEW_TOKENS or plain.finish_reason == "eos"
         if fast.tokens != plain.tokens:
             mismatches.append((i, plain.tokens, fast.tokens))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.methods.lookahead import LookaheadDecoder, LookaheadSettings, NGramPool, build_trie, lookahead_generate
+from inference.methods.lookahead import LookaheadDecoder, LookaheadSettings, NGramPool, build_trie
+from inference.methods import generate
 from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, sequential_kv  # noqa: F401 (autouse fixture)
@@ -106,7 +107,7 @@ def test_pool_keeps_the_newest_distinct_continuations_and_the_trie_merges_prefix
                          ids=["default", "smallest", "large"])
 def test_greedy_lookahead_is_token_identical(m, greedy, settings):
     """Guards against lookahead changing the greedy output (masks, positions, compaction, bonus)."""
-    out = lookahead_generate(m, PROMPT, settings=settings, max_new_tokens=48)
+    out = generate(m, PROMPT, "lookahead", options=settings, max_new_tokens=48)
     assert out.tokens == greedy and out.finish_reason == "length"
     assert out.steps == len(out.proposed) and all(p in (0, settings.ngram - 1) for p in out.proposed)
 
@@ -114,7 +115,7 @@ def test_greedy_lookahead_is_token_identical(m, greedy, settings):
 def test_lookahead_accepts_guesses_on_a_repetitive_continuation(m, greedy):
     """Guards against a pool that never yields accepted guesses (the method would be a slow
     plain decoder): the tiny model's greedy text repeats, so some steps must accept tokens."""
-    out = lookahead_generate(m, PROMPT, max_new_tokens=48)
+    out = generate(m, PROMPT, "lookahead", max_new_tokens=48)
     assert out.tau > 1.2 and 0 < out.acceptance_rate <= 1
 
 
@@ -135,8 +136,8 @@ def test_sampling_is_reproducible(m):
     """Guards against seeds being ignored by lookahead in sample and typical modes."""
     for cfg in (SamplingConfig(mode="sample", temperature=0.9, draft="sampled"),
                 SamplingConfig(mode="typical", temperature=0.9)):
-        a = lookahead_generate(m, PROMPT, max_new_tokens=24, sampling=cfg, seed=3)
-        b = lookahead_generate(m, PROMPT, max_new_tokens=24, sampling=cfg, seed=3)
+        a = generate(m, PROMPT, "lookahead", max_new_tokens=24, sampling=cfg, seed=3)
+        b = generate(m, PROMPT, "lookahead", max_new_tokens=24, sampling=cfg, seed=3)
         assert a.tokens == b.tokens and len(a.tokens) == 24
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from inference.runtime.decode import medusa_generate
+from inference.methods import generate
 from inference.errors import IncompatibleHeadsError, UserError
 from inference.heads.native import save_heads
 from inference.heads.spec import backbone_fingerprint
@@ -31,8 +31,8 @@ def test_round_trip_decodes_like_the_in_memory_heads(export):
     path, heads = export
     m = load_medusa(path, backbone=tiny_llama(vocab=96, seed=0))
     ref = wrap(tiny_llama(vocab=96, seed=0), heads)
-    a = medusa_generate(m, PROMPT, tree="tree16", max_new_tokens=16)
-    b = medusa_generate(ref, PROMPT, tree="tree16", max_new_tokens=16)
+    a = generate(m, PROMPT, tree="tree16", max_new_tokens=16)
+    b = generate(ref, PROMPT, tree="tree16", max_new_tokens=16)
     assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
     assert m.heads.spec == heads.spec and m.device.type == "cpu" and m.dtype == torch.float32
 
@@ -109,7 +109,7 @@ def test_dtype_is_applied_to_backbone_and_heads(export):
     m = load_medusa(path, backbone=tiny_llama(vocab=96, seed=0), dtype="bfloat16")
     assert m.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in m.heads.parameters())
-    assert len(medusa_generate(m, PROMPT, tree="tree8", max_new_tokens=6).tokens) == 6
+    assert len(generate(m, PROMPT, tree="tree8", max_new_tokens=6).tokens) == 6
 
 
 def test_attention_that_ignores_tree_masks_is_refused():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.methods.prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, prompt_lookup_generate
+from inference.methods.prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings
+from inference.methods import generate
 from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, sequential_kv  # noqa: F401 (autouse fixture)
@@ -57,14 +58,14 @@ def test_forced_acceptance_counts_and_cache_rollback(prompt, proposed, accepted)
                          ids=["default", "one-token", "long"])
 def test_greedy_prompt_lookup_is_token_identical(m, greedy, settings):
     """Guards against prompt lookup changing the greedy output."""
-    out = prompt_lookup_generate(m, PROMPT, settings=settings, max_new_tokens=48)
+    out = generate(m, PROMPT, "prompt_lookup", options=settings, max_new_tokens=48)
     assert out.tokens == greedy and out.finish_reason == "length"
     assert all(0 <= p <= settings.num_tokens for p in out.proposed)
 
 
 def test_repeating_text_is_accepted_and_caches_stay_exact(m, greedy):
     """Guards against lookups that never fire on repeating text, and against stale cache rows."""
-    out = prompt_lookup_generate(m, PROMPT, max_new_tokens=48)
+    out = generate(m, PROMPT, "prompt_lookup", max_new_tokens=48)
     assert out.tau > 1.5 and 0 < out.acceptance_rate <= 1
     dec = PromptLookupDecoder(m)
     dec.prefill(torch.tensor([PROMPT]), max_new_tokens=40)
@@ -79,11 +80,11 @@ def test_repeating_text_is_accepted_and_caches_stay_exact(m, greedy):
 def test_sampling_is_reproducible_and_eos_stops(m, greedy):
     """Guards against seeds being ignored, and emitting past an EOS inside an accepted proposal."""
     cfg = SamplingConfig(mode="sample", temperature=0.9)
-    a = prompt_lookup_generate(m, PROMPT, max_new_tokens=24, sampling=cfg, seed=5)
-    b = prompt_lookup_generate(m, PROMPT, max_new_tokens=24, sampling=cfg, seed=5)
+    a = generate(m, PROMPT, "prompt_lookup", max_new_tokens=24, sampling=cfg, seed=5)
+    b = generate(m, PROMPT, "prompt_lookup", max_new_tokens=24, sampling=cfg, seed=5)
     assert a.tokens == b.tokens and len(a.tokens) == 24
     eos = greedy[20]
-    out = prompt_lookup_generate(m, PROMPT, max_new_tokens=48, eos_token_ids=[eos])
+    out = generate(m, PROMPT, "prompt_lookup", max_new_tokens=48, eos_token_ids=[eos])
     assert out.tokens == greedy[:greedy.index(eos) + 1] and out.finish_reason == "eos"
 
 

@@ -12,7 +12,7 @@ see a bias. A smaller end-to-end run through ``medusa_generate`` checks the deco
 import pytest
 import torch
 
-from inference.runtime.decode import medusa_generate
+from inference.methods import generate
 from inference.heads.medusa import MedusaHeads
 from inference.heads.spec import HeadsSpec
 from inference.runtime.tree import MedusaTree
@@ -158,6 +158,6 @@ def test_decoding_loop_samples_exactly_end_to_end(setup):
     law = _exact_law(tables, cfg).sum(0).reshape(-1)       # (y2, y3), y1 marginalised
     counts = torch.zeros(V * V, dtype=torch.long)
     for seed in range(2500):
-        out = medusa_generate(m, PROMPT, tree=TREE, max_new_tokens=3, sampling=cfg, seed=seed, eos_token_ids=())
+        out = generate(m, PROMPT, tree=TREE, max_new_tokens=3, sampling=cfg, seed=seed, eos_token_ids=())
         counts[out.tokens[1] * V + out.tokens[2]] += 1
     assert chi_square_pvalue(counts, law) > 1e-3

@@ -5,12 +5,13 @@ and exactness of the sampler by chi-square (with broken rules that must fail the
 import pytest
 import torch
 
-from inference.runtime.decode import autoregressive_generate
+from inference.methods import generate
 from inference.errors import UserError
-from inference.evaluation.evaluate import extra_parameters
+from inference.methods.registry import extra_parameters
 from inference.runtime.model import MedusaModel
-from inference.methods.draft import (DraftDecoder, DraftSettings, accept_drafts, check_draft_compatible, load_draft,
-                                   self_draft, speculative_generate, speculative_stream)
+from inference.methods.draft import DraftDecoder, DraftSettings, accept_drafts, check_draft_compatible, load_draft, self_draft
+from inference.methods import generate
+from inference.methods import stream
 from inference.runtime.verify import SamplingConfig, filter_probs
 
 from runtime_support import one_thread, sequential_kv, tiny_llama  # noqa: F401 (autouse fixture)
@@ -31,7 +32,7 @@ def m():
 
 @pytest.fixture(scope="module")
 def greedy(m):
-    return autoregressive_generate(m, PROMPT, max_new_tokens=48).tokens
+    return generate(m, PROMPT, "autoregressive", max_new_tokens=48).tokens
 
 
 # -- forced acceptance (scripted models) ---------------------------------------------------------
@@ -84,7 +85,7 @@ def test_adaptive_k_grows_after_full_and_shrinks_after_partial_acceptance():
 def test_greedy_speculative_is_token_identical(m, greedy, draft_spec, settings):
     """Guards against greedy speculative decoding changing the output, whatever the draft."""
     draft = bare(tiny_llama(vocab=V, seed=3)) if draft_spec == "other" else draft_spec
-    out = speculative_generate(m, draft, PROMPT, settings=settings, max_new_tokens=48)
+    out = generate(m, PROMPT, "draft", options=settings, max_new_tokens=48, draft=draft)
     assert out.tokens == greedy and out.finish_reason == "length"
     if draft_spec == "self:2":                               # the whole model as its own draft
         assert out.accept_lengths == [settings.k + 1] * len(out.accept_lengths)
@@ -169,8 +170,8 @@ def test_k_must_be_positive(k):
 def test_sample_mode_is_reproducible_and_streams(m):
     """Guards against seeds being ignored and streams that lose or duplicate tokens in sample mode."""
     cfg = SamplingConfig(mode="sample", temperature=0.9, top_p=0.95)
-    a = speculative_generate(m, "self:1", PROMPT, max_new_tokens=24, sampling=cfg, seed=7)
-    b = speculative_stream(m, "self:1", PROMPT, max_new_tokens=24, sampling=cfg, seed=7)
+    a = generate(m, PROMPT, "draft", max_new_tokens=24, sampling=cfg, seed=7, draft="self:1")
+    b = stream(m, PROMPT, "draft", max_new_tokens=24, sampling=cfg, seed=7, draft="self:1")
     assert [t for c in b for t in c] == a.tokens == b.result.tokens and len(a.tokens) == 24
 
 
@@ -304,7 +305,7 @@ def test_decoding_loop_samples_exactly_end_to_end(tables):
     counts = torch.zeros(SV * SV, dtype=torch.long)
     tm, dm = bare(target), bare(draft)
     for seed in range(2500):
-        out = speculative_generate(tm, dm, SPROMPT, settings=DraftSettings(k=2), max_new_tokens=3, sampling=cfg,
-                                   seed=seed, eos_token_ids=())
+        out = generate(tm, SPROMPT, "draft", options=DraftSettings(k=2), max_new_tokens=3, sampling=cfg,
+                                   seed=seed, eos_token_ids=(), draft=dm)
         counts[out.tokens[1] * SV + out.tokens[2]] += 1
     assert chi_square_pvalue(counts, law) > 1e-3

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..runtime.decode import autoregressive_generate
+from ..methods import generate
 from ..runtime.model import MedusaModel
 
 
@@ -20,8 +20,8 @@ def greedy_drift(tuned: MedusaModel, original: MedusaModel, prompts: Sequence[Se
                  max_new_tokens: int) -> dict:
     same_tokens = total = identical = 0
     for ids in prompts:
-        a = autoregressive_generate(original, list(ids), max_new_tokens=max_new_tokens).tokens
-        b = autoregressive_generate(tuned, list(ids), max_new_tokens=max_new_tokens).tokens
+        a = generate(original, list(ids), "autoregressive", max_new_tokens=max_new_tokens).tokens
+        b = generate(tuned, list(ids), "autoregressive", max_new_tokens=max_new_tokens).tokens
         same_tokens += sum(x == y for x, y in zip(a, b))
         total += max(len(a), len(b))
         identical += a == b

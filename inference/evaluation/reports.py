@@ -30,6 +30,13 @@ def _times(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def headline(r: dict) -> tuple[str, dict]:
+    """The method the report is about: the first one with an acceptance rate (not a baseline)."""
+    per = r.get("per_method") or {}
+    name = next((m for m in r.get("methods", []) if "acceptance_rate" in per.get(m, {})), None)
+    return name, per.get(name, {})
+
+
 def markdown(r: dict) -> str:
     s = r.get("settings") or {}
     title = f"Medusa evaluation: {s['heads']}" if s.get("heads") else f"Decoding evaluation: {s.get('backbone', '')}"
@@ -44,11 +51,14 @@ def markdown(r: dict) -> str:
         row = per.get(meth, {})
         a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
         lines.append(f"| {meth} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | {v:.2f} | {a} | {h} |")
-    if "medusa" in r.get("methods", []):
-        lines += ["", f"- Medusa tau (tokens per verification step): **{r.get('tau', 1.0):.3f}**",
-                  f"- acceptance rate: {r.get('acceptance_rate', 0):.3f}; n-alpha: {r.get('n_alpha', [])}",
-                  f"- output identical to plain greedy: {r.get('greedy_identical_fraction', 'n/a')}",
-                  f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}"]
+    name, row = headline(r)
+    if name is not None:
+        lines += ["", f"- {name} tau (tokens per verification step): **{row.get('tau', 1.0):.3f}**",
+                  f"- acceptance rate: {row.get('acceptance_rate', 0):.3f}"
+                  + (f"; n-alpha: {row['n_alpha']}" if "n_alpha" in row else ""),
+                  f"- output identical to plain greedy: {row.get('greedy_identical_fraction', 'n/a')}"]
+    if r.get("tree", {}).get("nodes"):
+        lines.append(f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}")
     acc = r.get("head_accuracy")
     if acc:
         lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]
@@ -64,12 +74,13 @@ def plot_report(out_dir: Path, r: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    hist = r.get("accept_length_histogram")
+    name, row = headline(r)
+    hist = row.get("accept_length_histogram")
     if hist:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.bar([int(k) for k in hist], list(hist.values()))
         ax.set(xlabel="tokens accepted per step (bonus included)", ylabel="steps",
-               title=f"acceptance length, tau = {r.get('tau', 1):.2f}")
+               title=f"{name}: acceptance length, tau = {row.get('tau', 1):.2f}")
         fig.tight_layout()
         paths.append(out_dir / "acceptance_histogram.png")
         fig.savefig(paths[-1], dpi=110)
@@ -130,21 +141,8 @@ def compare_markdown(r: dict) -> str:
         lines.append(f"| {meth} | {_fmt(row.get('tau'), '.2f')} | {_fmt(row.get('acceptance_rate'), '.3f')} | "
                      f"{row['tokens_per_s']:.2f} | {a} | {h} | {p_txt} | {_size(kv, 'B') if kv else '0'} | "
                      f"{cost.get('training', 'none')} | {same} |")
-    notes = []
-    if "medusa" in r["methods"]:
-        notes.append(f"medusa: tree {r['tree']['name']} ({r['tree']['nodes']} nodes)")
-    if "draft" in r["methods"]:
-        notes.append(f"draft: `{opts.get('draft')}`, K = {opts.get('draft_k')}"
-                     + (" (adaptive)" if opts.get("draft_adaptive") else ""))
-    if "lookahead" in r["methods"]:
-        notes.append(f"lookahead: W = {opts.get('lookahead_window')}, N = {opts.get('lookahead_ngram')}, "
-                     f"G = {opts.get('lookahead_guesses')}")
-    if "prompt_lookup" in r["methods"] or "medusa_lookup" in r["methods"]:
-        ng = opts.get("prompt_lookup_ngram", ["?", "?"])
-        notes.append(f"prompt lookup: up to {opts.get('prompt_lookup_tokens')} tokens, n-grams {ng[0]}..{ng[1]}")
-    if "medusa_lookup" in r["methods"]:
-        notes.append("medusa_lookup: the Medusa tree plus the prompt-lookup continuation as one more branch, "
-                     "merged into one trie and verified in one forward")
+    notes = [f"{meth}: " + ", ".join(f"{k} = {v}" for k, v in opts[meth].items())
+             for meth in r["methods"] if opts.get(meth)]
     lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "",
               "",
               "tau = tokens per verification step (bonus included; plain decoding 1.0); acceptance rate = accepted "

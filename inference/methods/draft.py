@@ -27,12 +27,9 @@ tensor, so it costs no download and no parameter memory, only its own (n-layer) 
 is untrained for the job (early-exit hidden states are not what the final norm/lm_head
 expect), so its acceptance is low unless n is close to the full depth.
 
-The shared loop (``run_speculative``) drives any decoder object with ``prefill(prompt,
-max_new_tokens) -> first token`` and ``step() -> (new tokens, proposed count)``; the
-lookahead and prompt-lookup decoders use it too, and ``verify_chain`` (one forward over root
-+ proposal, verification through ``verify.verify`` with a chain tree, cache roll-back) is how
-prompt lookup checks its guesses. ``SpeculativeOutput`` adds the proposed counts to
-``GenerationOutput`` so the harness can compute acceptance = accepted / proposed.
+``verify_chain`` (one forward over root + proposal, verification through ``verify.verify`` with
+a chain tree, cache roll-back) is how prompt lookup checks its guesses; ``chain_sampling`` is the
+sampling rule every fixed-guess method verifies with.
 """
 
 from __future__ import annotations
@@ -41,19 +38,16 @@ import copy
 import dataclasses
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..runtime.decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
 from ..errors import UserError
+from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.tree import TreeBuffers, chain_tree
 from ..runtime.verify import SamplingConfig, target_probs, verify
-
-# Kept as a name for the output of these methods: ``GenerationOutput`` carries the proposed
-# counts and the acceptance rate for every method.
-SpeculativeOutput = GenerationOutput
+from .registry import Costs, Method, extra_parameters, kv_bytes_per_token, option, register
 
 # -- shared plumbing ----------------------------------------------------------------------
 _CHAINS: dict[int, object] = {}
@@ -91,26 +85,20 @@ def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int
     cache.truncate(past + 1 + n)
     return list(proposal[:n]), verdict.bonus
 
-run_speculative = run_decoder  # the loop lives in decode.py, shared with Medusa
-
-def drive(decoder, m, input_ids, max_new_tokens, eos_token_ids, max_steps, on_tokens) -> SpeculativeOutput:
-    stream = TokenStream(run_speculative(decoder, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
-    for chunk in stream:
-        if on_tokens is not None:
-            on_tokens(chunk)
-    return stream.result
-
 # -- the draft model ----------------------------------------------------------------------
 @dataclass
 class DraftSettings:
-    """k: draft tokens per step; adaptive: move k within 1..2k from the last step's acceptance."""
+    """The draft model (``load_draft``'s spec), k draft tokens per step, adaptive k."""
 
-    k: int = 4
-    adaptive: bool = False
+    draft: Any = option("self:4", "draft", "self:N (the backbone's first N layers) | a path or hub id | a model")
+    k: int = option(4, "draft_k", "draft tokens per step")
+    adaptive: bool = option(False, "draft_adaptive", "move k within 1..2k from the last step's acceptance")
+    trust_remote_code: bool = option(False, "trust_remote_code", "for a draft checkpoint with custom code")
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise UserError(f"draft_k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
+        parse_self_draft(self.draft)  # a malformed self:N fails before any model is loaded
 
     @property
     def k_max(self) -> int:
@@ -246,7 +234,7 @@ class DraftDecoder:
         self.m, self.draft = target, draft
         self.settings = settings or DraftSettings()
         self.cfg = sampling or SamplingConfig()
-        self.gen = _generator(target.device, seed)
+        self.gen = seeded_generator(target.device, seed)
         self.k = self.settings.k
         self.cache = self.dcache = None
         self.seq: list[int] = []     # prompt + every emitted token; seq[-1] is the root
@@ -257,7 +245,7 @@ class DraftDecoder:
         capacity = n + max_new_tokens + self.settings.extra_kv_tokens
         self.cache = self.m.new_cache(capacity)
         self.dcache = self.draft.new_cache(capacity + 1)
-        _, root = _prefill(self.m, prompt, self.cache, self.cfg, self.gen)
+        _, root = prefill_token(self.m, prompt, self.cache, self.cfg, self.gen)
         self.draft.hidden(prompt, torch.arange(n, device=prompt.device)[None], self.dcache)
         self.seq = prompt[0].tolist() + [root]
         self.past = n
@@ -301,19 +289,20 @@ class DraftDecoder:
             self.k = min(self.k + 2, self.settings.k_max) if n == k else max(1, self.k - 1)
         return new, k
 
-def speculative_stream(target: MedusaModel, draft, input_ids, *, settings: Optional[DraftSettings] = None,
-                       max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
-                       seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
-                       max_steps: Optional[int] = None) -> TokenStream:
-    """Stream draft-model speculative decoding; ``draft``: a ``MedusaModel``, ``"self:N"`` or a path."""
-    dec = DraftDecoder(target, load_draft(draft, target), settings, sampling, seed)
-    return TokenStream(run_speculative(dec, target, input_ids, max_new_tokens, eos_token_ids, max_steps))
+def draft_costs(m: MedusaModel, o: DraftSettings, run_length: int) -> Costs:
+    """The draft's own weights (none for a self-draft) and KV cache, plus the target's chain slots."""
+    draft = load_draft(o.draft, m, o.trust_remote_code)
+    params = extra_parameters(draft.model, m.model)
+    slack = o.extra_kv_tokens
+    kv = slack * kv_bytes_per_token(m) + (run_length + slack + 1) * kv_bytes_per_token(draft)
+    training = "none (self-draft)" if getattr(draft, "self_draft_layers", None) is not None else "draft"
+    return Costs(params[0], params[1], kv, training)
 
-def speculative_generate(target: MedusaModel, draft, input_ids, *, settings: Optional[DraftSettings] = None,
-                         max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
-                         seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
-                         max_steps: Optional[int] = None,
-                         on_tokens: Optional[Callable[[list[int]], None]] = None) -> SpeculativeOutput:
-    """Run draft-model speculative decoding to the end (see module docstring)."""
-    dec = DraftDecoder(target, load_draft(draft, target), settings, sampling, seed)
-    return drive(dec, target, input_ids, max_new_tokens, eos_token_ids, max_steps, on_tokens)
+
+register(Method(
+    "draft", "draft-model speculative sampling; draft=self:N shares the backbone's first N layers, or a "
+    "model path/name with the same tokenizer", DraftSettings,
+    decoder=lambda m, o, sampling, seed: DraftDecoder(m, load_draft(o.draft, m, o.trust_remote_code), o,
+                                                      sampling, seed),
+    prepare=lambda m, o: dataclasses.replace(o, draft=load_draft(o.draft, m, o.trust_remote_code)),
+    costs=draft_costs))

@@ -35,16 +35,17 @@ root, the trie and the last window level.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from ..runtime.decode import TokenStream, _generator, _prefill
 from ..errors import UserError
+from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
-from .draft import SpeculativeOutput, chain_sampling, drive, run_speculative
 from ..runtime.tree import MedusaTree, TreeBuffers
 from ..runtime.verify import SamplingConfig, choose_token, verify
+from .draft import chain_sampling
+from .registry import Method, option, register, slot_costs
 
 
 @dataclass
@@ -52,9 +53,9 @@ class LookaheadSettings:
     """window W (Jacobi columns), ngram N (n-gram size; N-1 window levels), guesses G (pool
     candidates verified per step)."""
 
-    window: int = 5
-    ngram: int = 4
-    guesses: int = 5
+    window: int = option(5, "lookahead_window", "W: Jacobi window columns")
+    ngram: int = option(4, "lookahead_ngram", "N: n-gram size (N-1 window levels)")
+    guesses: int = option(5, "lookahead_guesses", "G: pool candidates verified per step")
 
     def __post_init__(self):
         for name, low in (("window", 2), ("ngram", 2), ("guesses", 1)):
@@ -132,7 +133,7 @@ class LookaheadDecoder:
         self.m = m
         self.s = settings or LookaheadSettings()
         self.cfg = chain_sampling(sampling or SamplingConfig())
-        self.gen = _generator(m.device, seed)
+        self.gen = seeded_generator(m.device, seed)
         self.pool = NGramPool(self.s.guesses)
         self.levels: list[list[int]] = []   # N-1 rows of W guesses
         self.cache = None
@@ -170,7 +171,7 @@ class LookaheadDecoder:
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
         n = prompt.shape[1]
         self.cache = self.m.new_cache(n + max_new_tokens + self.s.extra_kv_tokens)
-        _, self.root = _prefill(self.m, prompt, self.cache, self.cfg, self.gen)
+        _, self.root = prefill_token(self.m, prompt, self.cache, self.cfg, self.gen)
         self.past = n
         w, levels = self.s.window, self.s.ngram - 1
         ids = prompt[0].tolist()
@@ -227,18 +228,7 @@ class LookaheadDecoder:
         return new, (buf.max_depth if buf is not None else 0)
 
 
-def lookahead_stream(m: MedusaModel, input_ids, *, settings: Optional[LookaheadSettings] = None,
-                     max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
-                     eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None) -> TokenStream:
-    dec = LookaheadDecoder(m, settings, sampling, seed)
-    return TokenStream(run_speculative(dec, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
-
-
-def lookahead_generate(m: MedusaModel, input_ids, *, settings: Optional[LookaheadSettings] = None,
-                       max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
-                       seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
-                       max_steps: Optional[int] = None,
-                       on_tokens: Optional[Callable[[list[int]], None]] = None) -> SpeculativeOutput:
-    """Run lookahead decoding to the end (see module docstring)."""
-    return drive(LookaheadDecoder(m, settings, sampling, seed), m, input_ids, max_new_tokens, eos_token_ids,
-                 max_steps, on_tokens)
+register(Method(
+    "lookahead", "Jacobi window + n-gram pool, verified in one forward (training-free)", LookaheadSettings,
+    decoder=lambda m, o, sampling, seed: LookaheadDecoder(m, o, sampling, seed),
+    costs=lambda m, o, run_length: slot_costs(m, o.extra_kv_tokens)))

@@ -3,7 +3,7 @@
 Prompt lookup (``prompt_lookup.py``) hits when the answer copies its context; Medusa heads hit on
 common continuations. Each step of ``HybridDecoder`` puts up both and verifies them together:
 
-  1. the heads draft the fixed Medusa tree exactly as ``decode.TreeDecoder.step`` does
+  1. the heads draft the fixed Medusa tree exactly as ``medusa.TreeDecoder.step`` does
      (the family's ``draft_tree``: one call per depth for Medusa heads, level by level for
      Hydra / MLP speculator heads);
   2. ``prompt_lookup.NGramIndex`` (incremental, as in ``PromptLookupDecoder``) proposes up to
@@ -28,7 +28,7 @@ Medusa's lossy rule on the trie. sample: exact, with the deterministic-candidate
 the bonus; see verify.py): the heads' top-k tokens and the looked-up tokens are all fixed before
 any target randomness, which is what that rule needs. ``draft="sampled"`` would need a draft
 distribution q for the looked-up tokens, which does not exist, so it is replaced by "topk" here
-(as lookahead and prompt lookup do, ``speculative.chain_sampling``).
+(as lookahead and prompt lookup do, ``draft.chain_sampling``).
 
 Proposed per step = the trie's depth (the most one step can accept), as the evaluation harness
 counts Medusa's tree and lookahead's trie. Extra KV cache: tree nodes + ``num_tokens``.
@@ -36,17 +36,27 @@ counts Medusa's tree and lookahead's trie. Extra KV cache: tree nodes + ``num_to
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
-from ..runtime.decode import GenerationOutput, TokenStream, _generator, _prefill, run_decoder
 from ..errors import UserError
+from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
-from .prompt_lookup import NGramIndex, PromptLookupSettings
-from .draft import chain_sampling
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
+from .draft import chain_sampling
+from .medusa import tree_depth, tree_nodes
+from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings
+from .registry import Method, heads_costs, option, register
+
+@dataclass
+class MedusaLookupOptions(PromptLookupSettings):
+    """The prompt-lookup settings (same keys as method prompt_lookup) and the Medusa tree."""
+
+    tree: Any = option("tree8", help="as method medusa's; None: prompt lookup alone")
+
 
 # (tree paths, device) -> {(graft node, chain length): (trie buffers, token gather index)}.
 # Bounded by nodes x num_tokens per tree; shared by every decoder on the same tree.
@@ -103,7 +113,7 @@ class HybridDecoder:
         self.s = settings or PromptLookupSettings()
         self.cfg = chain_sampling(sampling or SamplingConfig())   # sample mode: the exact fixed-candidate rule
         m.heads.check_sampling(self.cfg)
-        self.gen = _generator(m.device, seed)
+        self.gen = seeded_generator(m.device, seed)
         self.index = NGramIndex(self.s.min_ngram, self.s.max_ngram)
         self._grafts = _GRAFTS.setdefault((self.tree.paths, str(m.device)), {})
         self.cache = None
@@ -130,7 +140,7 @@ class HybridDecoder:
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
         self.past = prompt.shape[1]
         self.cache = self.m.new_cache(self.past + max_new_tokens + self.extra_kv_tokens)
-        self.h_last, self.root = _prefill(self.m, prompt, self.cache, self.cfg, self.gen)
+        self.h_last, self.root = prefill_token(self.m, prompt, self.cache, self.cfg, self.gen)
         self.index.extend(prompt[0].tolist() + [self.root])
         return self.root
 
@@ -171,22 +181,10 @@ class HybridDecoder:
         return new, trie.max_depth
 
 
-def hybrid_stream(m: MedusaModel, input_ids, *, tree="tree8", settings: Optional[PromptLookupSettings] = None,
-                  max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
-                  eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None) -> TokenStream:
-    """Stream Medusa + prompt lookup decoding (module docstring); ``tree`` as in ``medusa_stream``."""
-    dec = HybridDecoder(m, tree, settings, sampling, seed)
-    return TokenStream(run_decoder(dec, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
-
-
-def hybrid_generate(m: MedusaModel, input_ids, *, tree="tree8", settings: Optional[PromptLookupSettings] = None,
-                    max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
-                    eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
-                    on_tokens: Optional[Callable[[list[int]], None]] = None) -> GenerationOutput:
-    """Run Medusa + prompt lookup decoding to the end; ``on_tokens`` gets each step's new tokens."""
-    stream = hybrid_stream(m, input_ids, tree=tree, settings=settings, max_new_tokens=max_new_tokens,
-                           sampling=sampling, seed=seed, eos_token_ids=eos_token_ids, max_steps=max_steps)
-    for chunk in stream:
-        if on_tokens is not None:
-            on_tokens(chunk)
-    return stream.result
+register(Method(
+    "medusa_lookup", "Medusa's tree plus a prompt-lookup branch, verified in the same forward (needs heads=; "
+    "tree= and the prompt_lookup_* keys)", MedusaLookupOptions,
+    decoder=lambda m, o, sampling, seed: (HybridDecoder(m, o.tree, o, sampling, seed) if o.tree is not None
+                                          else PromptLookupDecoder(m, o, sampling, seed)),
+    costs=lambda m, o, run_length: heads_costs(m, (tree_nodes(m, o.tree) if o.tree is not None else 1) + o.num_tokens),
+    needs_heads=True, needs_tree=True))

@@ -9,7 +9,7 @@ is often right; when nothing matches, the step is a plain decoding step.
 Each step: propose up to ``num_tokens`` tokens, score root + proposal in ONE target forward
 (a chain), accept through ``verify.verify`` (greedy: token-identical to plain greedy; sample:
 exact, since a looked-up proposal is a fixed guess; typical: Medusa's lossy rule), roll the
-cache back to prompt + accepted tokens (``speculative.verify_chain``).
+cache back to prompt + accepted tokens (``draft.verify_chain``).
 
 The lookup is incremental: ``NGramIndex`` remembers, for every n-gram of every size, where
 the latest occurrence that already has a following token ends, updated in O(max_ngram) per
@@ -21,24 +21,25 @@ Proposed per step = the proposal's length (0 when nothing matched).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from ..runtime.decode import TokenStream, _generator, _prefill
 from ..errors import UserError
+from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
-from .draft import SpeculativeOutput, drive, run_speculative, verify_chain
 from ..runtime.verify import SamplingConfig
+from .draft import verify_chain
+from .registry import Method, option, register, slot_costs
 
 
 @dataclass
 class PromptLookupSettings:
     """num_tokens: most tokens proposed per step; max_ngram/min_ngram: suffix lengths tried."""
 
-    num_tokens: int = 10
-    max_ngram: int = 3
-    min_ngram: int = 1
+    num_tokens: int = option(10, "prompt_lookup_tokens", "most tokens proposed per step")
+    max_ngram: int = option(3, "prompt_lookup_max_ngram", "longest suffix looked up")
+    min_ngram: int = option(1, "prompt_lookup_min_ngram", "shortest suffix looked up")
 
     def __post_init__(self):
         for name in ("num_tokens", "max_ngram", "min_ngram"):
@@ -88,7 +89,7 @@ class PromptLookupDecoder:
         self.m = m
         self.s = settings or PromptLookupSettings()
         self.cfg = sampling or SamplingConfig()
-        self.gen = _generator(m.device, seed)
+        self.gen = seeded_generator(m.device, seed)
         self.index = NGramIndex(self.s.min_ngram, self.s.max_ngram)
         self.cache = None
         self.past = 0
@@ -97,7 +98,7 @@ class PromptLookupDecoder:
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
         n = prompt.shape[1]
         self.cache = self.m.new_cache(n + max_new_tokens + self.s.extra_kv_tokens)
-        _, self.root = _prefill(self.m, prompt, self.cache, self.cfg, self.gen)
+        _, self.root = prefill_token(self.m, prompt, self.cache, self.cfg, self.gen)
         self.index.extend(prompt[0].tolist() + [self.root])
         self.past = n
         return self.root
@@ -112,19 +113,7 @@ class PromptLookupDecoder:
         return new, len(proposal)
 
 
-def prompt_lookup_stream(m: MedusaModel, input_ids, *, settings: Optional[PromptLookupSettings] = None,
-                         max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
-                         seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
-                         max_steps: Optional[int] = None) -> TokenStream:
-    dec = PromptLookupDecoder(m, settings, sampling, seed)
-    return TokenStream(run_speculative(dec, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
-
-
-def prompt_lookup_generate(m: MedusaModel, input_ids, *, settings: Optional[PromptLookupSettings] = None,
-                           max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
-                           seed: Optional[int] = None, eos_token_ids: Optional[Iterable[int]] = None,
-                           max_steps: Optional[int] = None,
-                           on_tokens: Optional[Callable[[list[int]], None]] = None) -> SpeculativeOutput:
-    """Run prompt lookup decoding to the end (see module docstring)."""
-    return drive(PromptLookupDecoder(m, settings, sampling, seed), m, input_ids, max_new_tokens, eos_token_ids,
-                 max_steps, on_tokens)
+register(Method(
+    "prompt_lookup", "continue the latest earlier occurrence of the context's last n tokens (training-free)",
+    PromptLookupSettings, decoder=lambda m, o, sampling, seed: PromptLookupDecoder(m, o, sampling, seed),
+    costs=lambda m, o, run_length: slot_costs(m, o.extra_kv_tokens)))

@@ -1,0 +1,68 @@
+"""Prompt sets for evaluation: MT-Bench, the bundled code / structured-output set, or a JSONL file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .. import assets
+from ..errors import UserError
+
+CODE_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "code_prompts.jsonl"
+PROMPT_SETS = {"code": CODE_PROMPTS, "embedded:code": CODE_PROMPTS}
+
+
+@dataclass
+class Prompt:
+    id: str
+    turns: list[str]
+    category: str = ""
+
+
+def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
+    """MT-Bench (``embedded:mtbench``), the bundled code/structured-output set (``code``) or a
+    JSONL file of prompts.
+
+    A JSONL line may be ``{"prompt": str}``, ``{"text": str}``, ``{"turns": [str, ...]}``
+    (MT-Bench's form) or ``{"messages": [{"role": "user", "content": str}, ...]}``.
+    """
+    if source in ("embedded:mtbench", "mtbench"):
+        path = assets.mtbench_questions_path()
+    else:
+        path = PROMPT_SETS.get(source) or Path(source).expanduser()
+    if not Path(path).is_file():
+        raise UserError(f"prompts file not found: {source}")
+    prompts: list[Prompt] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"{source}:{n} is not valid JSON") from None
+            turns = _turns(rec)
+            if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
+                raise UserError(f"{source}:{n} has an empty or missing prompt")
+            pid = str(rec.get("question_id", rec.get("id", n))) if isinstance(rec, dict) else str(n)
+            prompts.append(Prompt(pid, turns, rec.get("category", "") if isinstance(rec, dict) else ""))
+    if not prompts:
+        raise UserError(f"no prompts in {source}")
+    return prompts[:limit] if limit else prompts
+
+
+def _turns(rec) -> list:
+    if isinstance(rec, str):
+        return [rec]
+    if not isinstance(rec, dict):
+        return []
+    if isinstance(rec.get("turns"), list):
+        return rec["turns"]
+    for key in ("prompt", "text", "question"):
+        if isinstance(rec.get(key), str):
+            return [rec[key]]
+    if isinstance(rec.get("messages"), list):
+        return [m.get("content") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+    return []

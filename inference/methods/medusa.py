@@ -1,0 +1,103 @@
+"""Medusa tree decoding (method ``medusa``).
+
+One step, for batch size 1:
+  1. the root is the token already chosen by the backbone (prefill or previous bonus);
+  2. the heads run once, on the hidden state of the last accepted position only, and their
+     top-k guesses (or sampled drafts) fill the tree (the heads' ``draft_tree``);
+  3. one forward of the stock transformers decoder over all N tree nodes, with position ids
+     past + depth and a [1, 1, N, past + N] additive mask (a node sees the prefix, its
+     ancestors and itself); the lm_head runs on those N hidden states only;
+  4. ``verify.verify`` picks the accepted path and the bonus token;
+  5. the KV cache keeps prefix + accepted nodes (``TreeKVCache.keep``); the accepted tokens
+     and the bonus are emitted; the bonus is the next root.
+Tokens per step (tau) = accepted nodes + 1. Proposed per step, for the acceptance rate: the
+tree's depth (the most a step can accept), so a tree's rate compares with a chain's.
+
+``tree``: a ``MedusaTree``, a default name (``tree.DEFAULT_TREE_NAMES``), a tree JSON path or a
+choices list; None decodes plainly (what ``tree=auto`` picks when no tree beats plain decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..errors import UserError
+from ..runtime.decode import prefill_token, seeded_generator
+from ..runtime.model import MedusaModel
+from ..runtime.tree import MedusaTree, resolve_tree
+from ..runtime.verify import SamplingConfig, verify
+from .autoregressive import AutoregressiveDecoder
+from .registry import Method, heads_costs, option, register
+
+
+@dataclass
+class MedusaOptions:
+    tree: Any = option("tree8", help="a MedusaTree, a default name, a JSON path or choices; None: plain decoding")
+
+
+class TreeDecoder:
+    """Medusa decoding state for one sequence: ``prefill`` once, then ``step`` repeatedly.
+
+    After each step: ``cache`` holds prompt + every emitted token except the current root
+    (``past`` entries), ``root`` is the last emitted token, ``last_path`` the accepted nodes.
+    """
+
+    def __init__(self, m: MedusaModel, tree, sampling: Optional[SamplingConfig] = None,
+                 seed: Optional[int] = None):
+        if m.heads is None:
+            raise UserError("this model has no Medusa heads: use method autoregressive")
+        self.m = m
+        self.tree: MedusaTree = resolve_tree(tree, m.num_heads)
+        self.tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+        self.buf = self.tree.buffers(m.device)
+        self.cfg = sampling or SamplingConfig()
+        m.heads.check_sampling(self.cfg)
+        self.gen = seeded_generator(m.device, seed)
+        self.cache = None
+        self.past = 0
+        self.root: Optional[int] = None
+        self.h_last: Optional[torch.Tensor] = None
+        self.last_path: list[int] = []
+
+    @torch.inference_mode()
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        """Run the prompt [1, L]; returns the first generated token (the first root)."""
+        self.past = prompt.shape[1]
+        self.cache = self.m.new_cache(self.past + max_new_tokens + self.buf.num_nodes)
+        self.h_last, self.root = prefill_token(self.m, prompt, self.cache, self.cfg, self.gen)
+        return self.root
+
+    @torch.inference_mode()
+    def step(self) -> tuple[list[int], int]:
+        """One draft-verify-compact step; returns (accepted tokens + the bonus token, nodes proposed)."""
+        m, buf, past = self.m, self.buf, self.past
+        cand, draft_q = m.heads.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen, m.vocab_size)
+        tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
+        positions = (buf.position_offsets + past)[None]
+        h_tree = m.hidden(tokens[None], positions, self.cache, buf.additive_mask(past, m.dtype))[0]
+        verdict = verify(buf, tokens, m.logits(h_tree), self.cfg, draft_q, self.gen)
+        self.cache.keep(past, verdict.path)
+        self.last_path = verdict.path
+        self.h_last = h_tree[verdict.path[-1]]
+        self.past = past + len(verdict.path)
+        self.root = verdict.bonus
+        return tokens[verdict.path[1:]].tolist() + [verdict.bonus], buf.num_nodes - 1
+
+
+def tree_nodes(m: MedusaModel, tree) -> int:
+    return resolve_tree(tree, m.num_heads).num_nodes if tree is not None else 0
+
+
+def tree_depth(tree) -> int:
+    return tree.max_depth if isinstance(tree, MedusaTree) else 0
+
+
+register(Method(
+    "medusa", "Medusa heads draft a tree, verified in one forward (needs heads=; tree=)", MedusaOptions,
+    decoder=lambda m, o, sampling, seed: (TreeDecoder(m, o.tree, sampling, seed) if o.tree is not None
+                                          else AutoregressiveDecoder(m, sampling, seed)),
+    costs=lambda m, o, run_length: heads_costs(m, tree_nodes(m, o.tree)),
+    proposed=lambda o: tree_depth(o.tree), needs_heads=True, needs_tree=True))

@@ -1,0 +1,237 @@
+"""The one list of decoding methods, and ``generate`` / ``stream`` over any of them.
+
+Each method registers itself in its own file with a ``Method``: its name, a one-line summary
+(``medusa-eval --help``), its typed options dataclass (fields carry their ``medusa-eval`` key in
+``metadata["key"]``), how to build its ``Decoder`` (or, for a method that is not a Decoder, a
+``runner``), what it costs, and what it needs. ``evaluate``, ``check_methods``, the CLI and its
+help read this registry; adding a method is its own file plus one ``register(Method(...))``.
+
+    from inference.methods import generate
+    out = generate(m, ids, "medusa", tree="tree4", max_new_tokens=64)
+    out = generate(m, ids, "draft", draft="self:8", k=3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from ..cli_support import enum_value
+from ..errors import UserError
+from ..runtime.decode import Decoder, GenerationOutput, TokenStream, as_medusa_model, run_decoder
+from ..runtime.model import MedusaModel
+from ..runtime.verify import SamplingConfig
+
+
+def option(default, key: Optional[str] = None, help: str = ""):
+    """An options field: its default, its ``medusa-eval`` key (None: not a command-line key), its help."""
+    kw = {"default_factory": default} if callable(default) and not isinstance(default, type) else {"default": default}
+    return dataclasses.field(metadata={"key": key, "help": help}, **kw)
+
+
+@dataclass
+class NoOptions:
+    """The options of a method that has none."""
+
+
+@dataclass
+class Costs:
+    """What a method costs beyond plain decoding (the trade-off matrix's columns)."""
+
+    extra_parameters: int = 0
+    extra_parameter_bytes: int = 0
+    extra_kv_cache_bytes: int = 0  # cache slots beyond prompt + max_new_tokens, at the run's length
+    training: str = "none"
+
+
+def kv_bytes_per_token(m: MedusaModel) -> int:
+    """Bytes of keys + values one token occupies in ``m``'s KV cache (all layers)."""
+    cfg = m.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = torch.empty((), dtype=m.dtype).element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def extra_parameters(module, backbone) -> tuple[int, int]:
+    """(count, bytes) of ``module``'s parameters that are not tensors of ``backbone``."""
+    if module is None:
+        return 0, 0
+    shared = {p.data_ptr() for p in backbone.parameters()}
+    own = [p for p in module.parameters() if p.data_ptr() not in shared]
+    return sum(p.numel() for p in own), sum(p.numel() * p.element_size() for p in own)
+
+
+def slot_costs(m: MedusaModel, slots: int) -> Costs:
+    """A training-free method that only allocates ``slots`` extra cache entries."""
+    return Costs(extra_kv_cache_bytes=slots * kv_bytes_per_token(m))
+
+
+def heads_costs(m: MedusaModel, slots: int) -> Costs:
+    """A method that loads ``m``'s heads and ``slots`` extra cache entries."""
+    n, size = extra_parameters(m.heads, m.model)
+    return Costs(n, size, slots * kv_bytes_per_token(m), "heads")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method (see the module docstring).
+
+    decoder(m, options, sampling, seed) -> Decoder; runner(m, prompt_ids, max_new_tokens,
+    sampling, seed, options) -> GenerationOutput for a method that is not a Decoder.
+    costs(m, options, run_length) -> Costs. prepare(m, options) -> options resolves what is
+    loaded once per evaluation (a draft model). proposed(options) -> draft tokens counted per
+    step for the acceptance rate (None: what each step reports)."""
+
+    name: str
+    summary: str
+    options: type = NoOptions
+    decoder: Optional[Callable[..., Decoder]] = None
+    runner: Optional[Callable[..., GenerationOutput]] = None
+    costs: Callable[..., Costs] = lambda m, options, run_length: Costs()
+    prepare: Optional[Callable[[MedusaModel, Any], Any]] = None
+    proposed: Optional[Callable[[Any], int]] = None
+    needs_heads: bool = False
+    needs_tree: bool = False   # takes ``tree`` in its options: evaluate's tree choice fills it
+    baseline: bool = False     # a speedup reference: always run, no acceptance rate
+    greedy_only: bool = False
+
+    def keys(self) -> list[str]:
+        """Its ``medusa-eval`` option keys."""
+        return [f.metadata["key"] for f in dataclasses.fields(self.options) if f.metadata.get("key")]
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    if method.name in _METHODS:
+        raise ValueError(f"decoding method {method.name!r} is registered twice")
+    if (method.decoder is None) == (method.runner is None):
+        raise ValueError(f"method {method.name!r} needs exactly one of decoder= or runner=")
+    _METHODS[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    _METHODS.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """Registered methods in registration order, the baselines last."""
+    return tuple(sorted(_METHODS, key=lambda x: _METHODS[x].baseline))
+
+
+def get(name: str) -> Method:
+    if name not in _METHODS:
+        raise UserError(f"unknown method {name!r}; choose from {', '.join(names())}")
+    return _METHODS[name]
+
+
+def check_methods(methods: Sequence[str], m: Optional[MedusaModel] = None) -> list[str]:
+    """Known names, no duplicates, heads present when a method needs them; else one ``UserError`` line."""
+    if isinstance(methods, str) or not methods:
+        raise UserError(f"methods must be a non-empty list of names from {', '.join(names())}")
+    for x in methods:
+        get(x)
+    if len(set(methods)) != len(methods):
+        raise UserError(f"a method is listed twice in {list(methods)}")
+    needing = [x for x in methods if _METHODS[x].needs_heads]
+    if m is not None and needing and m.heads is None:
+        free = ", ".join(x for x in names() if not _METHODS[x].needs_heads and not _METHODS[x].baseline)
+        raise UserError(f"method {needing[0]} needs Medusa heads (heads=<export directory>); the training-free "
+                        f"methods {free} run without them")
+    return list(methods)
+
+
+# -- options --------------------------------------------------------------------------------
+def make_options(method: str, options=None, **fields):
+    """``method``'s options: ``options`` (or the defaults) with ``fields`` replaced."""
+    cls = get(method).options
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise UserError(f"method {method} has no option {unknown[0]!r}; its options: {', '.join(sorted(known)) or 'none'}")
+    if options is None:
+        return cls(**fields)
+    if not isinstance(options, cls):
+        if not (dataclasses.is_dataclass(options) and issubclass(cls, type(options))):
+            raise UserError(f"method {method} takes {cls.__name__} options, got {type(options).__name__}")
+        # the settings a method extends (medusa_lookup's prompt-lookup settings): the rest at defaults
+        return cls(**{**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}, **fields})
+    return dataclasses.replace(options, **fields) if fields else options
+
+
+def options_from_keys(method: str, config) -> Any:
+    """``method``'s options read from command-line keys (``config.<key>``), defaults elsewhere."""
+    cls = get(method).options
+    values = {f.name: enum_value(getattr(config, f.metadata["key"])) for f in dataclasses.fields(cls)
+              if f.metadata.get("key") and hasattr(config, f.metadata["key"])}
+    return cls(**values)
+
+
+def _plain(v):
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return getattr(v, "name", None) or type(v).__name__
+
+
+def options_report(options) -> dict:
+    """The options as the report records them: keyed by their command-line keys."""
+    return {f.metadata.get("key") or f.name: _plain(enum_value(getattr(options, f.name)))
+            for f in dataclasses.fields(options)}
+
+
+# -- one generate / stream for every method ---------------------------------------------------
+def _runner_steps(out: GenerationOutput):
+    yield list(out.tokens)
+    return out
+
+
+def stream(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens: int = 128,
+           sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
+           eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
+           **option_fields) -> TokenStream:
+    """Stream ``method``'s decoding: iterate for each step's new token ids; ``.result`` afterwards.
+
+    ``m``: a ``MedusaModel`` (or a bare causal LM for methods without heads). ``options``: the
+    method's options object; ``option_fields`` set its fields by name (``tree="tree4"``).
+    eos_token_ids: None = the model's, ``()`` = never stop early."""
+    spec = get(method)
+    opts = make_options(method, options, **option_fields)
+    m = as_medusa_model(m)
+    sampling = sampling or SamplingConfig()
+    if spec.greedy_only and not sampling.is_greedy:
+        raise UserError(f"{method} is measured in greedy mode only")
+    if spec.runner is not None:
+        ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+        return TokenStream(_runner_steps(spec.runner(m, ids, max_new_tokens, sampling, seed, opts)))
+    decoder = spec.decoder(m, opts, sampling, seed)
+    return TokenStream(run_decoder(decoder, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
+
+
+def generate(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens: int = 128,
+             sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
+             eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
+             on_tokens: Optional[Callable[[list[int]], None]] = None, **option_fields) -> GenerationOutput:
+    """Run ``method`` to the end (arguments as ``stream``); ``on_tokens`` gets each step's new tokens."""
+    s = stream(m, input_ids, method, options=options, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+               eos_token_ids=eos_token_ids, max_steps=max_steps, **option_fields)
+    for chunk in s:
+        if on_tokens is not None and chunk:
+            on_tokens(chunk)
+    return s.result
+
+
+def describe() -> str:
+    """The methods for ``--help``: name, summary and option keys of each."""
+    lines = []
+    for spec in map(get, names()):
+        keys = spec.keys()
+        lines.append(f"  {spec.name}: {spec.summary}" + (f" [{', '.join(keys)}]" if keys else ""))
+    return "\n".join(lines)
