@@ -81,20 +81,9 @@ class MedusaTrainer:
                                          self.rank, self.world_size)
         self.source: BatchSource = make_source(cfg, self.backbone, self.device, data, self.compute_dtype, cache_plan)
 
-        hf_cfg = model.config
-        token_map = self._token_map(hf_cfg.vocab_size) if enum_value(cfg.heads.projection) == "truncated" else None
-        spec = HeadsSpec(
-            num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
-            vocab_size=hf_cfg.vocab_size, projection=enum_value(cfg.heads.projection),
-            truncated_vocab_size=cfg.heads.truncated_vocab_size if token_map is not None else None,
-            base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
-            kind=cfg.heads.kind, inner_dim=cfg.heads.inner_dim or None,
-            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input)
-        heads = init_heads(spec, lm_head_weight(model).float(), model.get_input_embeddings().weight,
-                           token_map).to(self.device)
-        self.module = self.source.wrap(heads, spec, loss_weights(cfg.heads), vocab_to_local(heads.token_map,
-                                                                                           spec.vocab_size))
-        self.spec = spec
+        heads, self.spec = self._new_heads()
+        self.module = self.source.wrap(heads, self.spec, loss_weights(cfg.heads),
+                                       vocab_to_local(heads.token_map, self.spec.vocab_size))
         self._build_engine()
 
         state = {"step": 0, "data": {"epoch": 0, "index": 0}}
@@ -125,10 +114,26 @@ class MedusaTrainer:
             self.tracker.write(
                 f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, "
                 f"{self.source.describe()}) on {self.device}; "
-                f"{spec.num_heads} heads x {spec.num_layers} layers, projection {spec.projection} "
+                f"{self.spec.num_heads} heads x {self.spec.num_layers} layers, projection {self.spec.projection} "
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+
+    def _new_heads(self) -> tuple:
+        """Freshly initialised heads (from the backbone's lm_head / embeddings) and their spec."""
+        cfg, model = self.cfg, self.backbone.model
+        hf_cfg = model.config
+        projection = enum_value(cfg.heads.projection)
+        token_map = self._token_map(hf_cfg.vocab_size) if projection == "truncated" else None
+        spec = HeadsSpec(
+            num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
+            vocab_size=hf_cfg.vocab_size, projection=projection,
+            truncated_vocab_size=cfg.heads.truncated_vocab_size if token_map is not None else None,
+            base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
+            kind=cfg.heads.kind, inner_dim=cfg.heads.inner_dim or None,
+            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input)
+        heads = init_heads(spec, lm_head_weight(model).float(), model.get_input_embeddings().weight, token_map)
+        return heads.to(self.device), spec
 
     def _token_map(self, vocab_size: int) -> torch.Tensor:
         """Top-N assistant tokens of the training data (plus EOS), most frequent first."""
