@@ -111,6 +111,11 @@ def _full_tensor(param, opt, key=None):
     return opt.state.get(param, {}).get(key, torch.zeros_like(param))  # before the first step
 
 
+def full_fp32(param) -> torch.Tensor:
+    """A parameter's full fp32 value on CPU from any ZeRO stage (master weights under bf16/fp16); collective."""
+    return _full_tensor(param, None).float().cpu()
+
+
 def _optimizer_step(engine) -> int:
     for state in _base_optimizer(engine).state.values():
         if "step" in state:

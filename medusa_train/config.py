@@ -11,13 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
 
+from inference.cli_support import enum_value
 from inference.errors import UserError
-
-
-class HeadKind(str, Enum):
-    medusa = "medusa"                   # K residual MLPs on h_t (Medusa-1)
-    hydra = "hydra"                     # + embeddings of the drafted tokens (inference/dependent_heads.py)
-    mlp_speculator = "mlp_speculator"   # vLLM's mlp_speculator layout (inference/dependent_heads.py)
 
 
 class Projection(str, Enum):
@@ -69,7 +64,9 @@ class DataConfig:
 
 @dataclass
 class HeadsConfig:
-    kind: HeadKind = HeadKind.medusa
+    # medusa: K residual MLPs on h_t (Medusa-1); hydra: + embeddings of the drafted tokens;
+    # mlp_speculator: vLLM's layout. Checked against inference.heads.KINDS (the one list of families).
+    kind: str = "medusa"
     num_heads: int = 3
     num_layers: int = 1
     projection: Projection = Projection.truncated
@@ -244,8 +241,11 @@ def loss_weights(heads: HeadsConfig) -> list[float]:
 
 def validate(cfg) -> None:
     """Checks that need more than a type: ranges and combinations, naming the key."""
+    from inference.heads import KINDS
+
     t, h, d = cfg.trainer, cfg.heads, cfg.data
-    kind = h.kind.value if isinstance(h.kind, HeadKind) else str(h.kind)
+    kind = str(h.kind)
+    precision = enum_value(t.precision)
     checks = [
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
         (t.zero_stage in (0, 1, 2, 3), f"trainer.zero_stage must be 0..3, got {t.zero_stage}"),
@@ -253,19 +253,18 @@ def validate(cfg) -> None:
         (h.num_heads >= 1, f"heads.num_heads must be >= 1, got {h.num_heads}"),
         (h.num_layers >= 0, f"heads.num_layers must be >= 0, got {h.num_layers}"),
         (h.inner_dim >= 0, f"heads.inner_dim must be >= 0 (0 = backbone width), got {h.inner_dim}"),
-        (kind in [k.value for k in HeadKind], f"heads.kind must be one of {[k.value for k in HeadKind]}, got {kind!r}"),
-        (not h.tie_weights or (kind == HeadKind.mlp_speculator.value and h.num_heads >= 2),
+        (kind in KINDS, f"heads.kind must be one of {list(KINDS)}, got {kind!r}"),
+        (not h.tie_weights or (kind == "mlp_speculator" and h.num_heads >= 2),
          "heads.tie_weights needs heads.kind=mlp_speculator and heads.num_heads >= 2"),
         (0.0 <= h.teacher_weight <= 1.0, f"heads.teacher_weight must be in [0, 1], got {h.teacher_weight}"),
         (h.targets in TARGETS, f"heads.targets must be data or backbone, got {h.targets!r}"),
         (d.max_length >= 8, f"data.max_length must be >= 8, got {d.max_length}"),
-        (Precision(t.precision) is Precision.fp32 or t.zero_stage >= 1,
-         f"trainer.precision={Precision(t.precision).value} needs trainer.zero_stage >= 1: the ZeRO optimizer keeps "
+        (precision == "fp32" or t.zero_stage >= 1,
+         f"trainer.precision={precision} needs trainer.zero_stage >= 1: the ZeRO optimizer keeps "
          "the fp32 master weights that checkpoints save (stage 1 costs nothing on one device)"),
         (t.log_every >= 1, f"trainer.log_every must be >= 1, got {t.log_every}"),
         (t.eval_every >= 0 and t.save_every >= 0, "trainer.eval_every and trainer.save_every must be >= 0"),
-        (not (Projection(h.projection) is Projection.shared and h.num_layers == 0
-              and kind == HeadKind.medusa.value),
+        (not (enum_value(h.projection) == "shared" and h.num_layers == 0 and kind == "medusa"),
          "heads.projection=shared with heads.num_layers=0 leaves nothing to train; use num_layers >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}"),
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
@@ -290,9 +289,9 @@ def _validate_lora(cfg) -> None:
         (lo.heads_coefficient >= 0 and lo.backbone_weight >= 0 and lo.heads_lr_multiplier > 0,
          "lora.heads_coefficient, lora.backbone_weight must be >= 0 and lora.heads_lr_multiplier > 0"),
         (bool(lo.target_modules), "lora.target_modules must name at least one linear layer (e.g. q_proj)"),
-        (FeaturesMode(cfg.features.mode) is FeaturesMode.off,
+        (enum_value(cfg.features.mode) == "off",
          "lora.enabled=true trains the backbone, so cached features cannot stand in for it: use features.mode=off"),
-        (Task(cfg.task) is Task.train, "lora.enabled=true needs task=train"),
+        (enum_value(cfg.task) == "train", "lora.enabled=true needs task=train"),
         (cfg.heads.targets != "backbone",
          "heads.targets=backbone needs a frozen backbone, but lora.enabled=true trains it (its greedy tokens move "
          "during training): use heads.targets=data"),

@@ -22,10 +22,10 @@ Config (``features.*``, defaults in recipes/base/run.yaml):
 What is cached: the first N micro-batches of the training stream exactly as the online
 trainer would see them on one process (same seed, shuffle, packing), N = min(one epoch,
 ``trainer.max_steps`` x accumulation x world size), each with ``input_ids``, ``labels``,
-``doc_ids``, ``position_ids``, ``hidden`` (what ``MedusaTrainer.hidden_states`` returns) and
-``greedy`` (int32: the backbone's argmax where ``heads.targets=backbone`` needs it, IGNORE elsewhere;
-``MedusaTrainer.greedy_ids``, computed from the backbone-dtype hidden states, not the stored
-rounding), plus the held-out evaluation batches. Greedy ids are always stored, whatever
+``doc_ids``, ``position_ids``, ``hidden`` and ``greedy`` (int32: the backbone's argmax where
+``heads.targets=backbone`` needs it, IGNORE elsewhere), both from ``backbone.FrozenFeatures``, the
+very code the online batch source runs (greedy ids come from the backbone-dtype hidden states, not
+the stored rounding), plus the held-out evaluation batches. Greedy ids are always stored, whatever
 ``heads.targets`` is, so one cache serves both settings (``heads.targets`` is not part of its
 identity). Training reads them in that order in epoch 0, so with an fp32 cache the losses
 equal the online run's; later epochs replay the same batches in a new seeded order (the
@@ -36,7 +36,9 @@ from online ones in which batch each rank sees, not in what is learned). Raising
 ``trainer.max_steps`` later extends the cache; a cache holding a whole epoch is simply cycled.
 
 The backbone is still loaded (its lm_head initialises the heads; tokenizer and config are
-needed) but never run on a cached batch.
+needed) but never run on a cached batch. Building needs no trainer and no DeepSpeed engine: it
+takes the frozen backbone, a way to open the training stream and a ``CachePlan`` (what to store,
+shard size, dtype); the trainer reads the result through ``sources.CachedSource``.
 
 Layout::
 
@@ -51,72 +53,43 @@ a crash mid-write never leaves a shard that looks complete (the error says how m
 kept; the same command continues). A cache built for another backbone (weights or
 architecture), other data settings, seed or micro-batch size is refused, naming what differs.
 
-Formats: 2 stores ``greedy``; 1 (built before) does not, and still trains ``heads.targets=data``
-(``heads.targets=backbone`` asks for a rebuild). Extending a format-1 cache keeps it format 1.
+Format 2 (the only one read): every shard stores ``greedy``. A format-1 cache (built before greedy
+ids were stored) is refused in one line asking for a rebuild. The claim/compare/atomic-write of the
+manifest is ``manifest.py``'s, shared with distillation.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from inference.backbone import parse_dtype
+from inference.cli_support import enum_value
 from inference.errors import UserError
 
-FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy)
-READABLE_FORMATS = (1, 2)  # 1: no greedy ids (heads.targets=data only)
-GREEDY_FORMAT = 2
+from .backbone import FrozenFeatures, backbone_identity
+from .data.readers import ReadStats
+from .data.stream import ConversationStream, StreamStats, first_epoch
+from .distributed import barrier
+from .manifest import claim, read_manifest, write_json_atomic
+
+FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy); 1 is refused
 MANIFEST = "features.json"
 EVAL_FILE = "eval.safetensors"
 KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
-_BYTES = {"bf16": 2, "fp32": 4}
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _value(x):
-    return getattr(x, "value", x)
 
 
 def enabled(cfg) -> bool:
     f = getattr(cfg, "features", None)
-    return f is not None and _value(f.mode) != "off"
-
-
-# -- identities ----------------------------------------------------------------------------------------------
-def weights_fingerprint(model) -> str:
-    """A hash of every weight tensor's name, shape, dtype and leading values: other weights, other hash.
-
-    Reading all bytes of an 8B model would take a minute; the first 64 values of each tensor
-    change under any fine-tune or merged adapter, and cost nothing.
-    """
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        head = p.detach().reshape(-1)[:64].float().cpu().contiguous()
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-        h.update(head.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def backbone_identity(backbone) -> dict:
-    """What generated data or cached features depend on: architecture and weights."""
-    from inference.heads.spec import backbone_fingerprint
-
-    model = backbone.model
-    return {"name": backbone.name, "config": backbone_fingerprint(model.config),
-            "weights": weights_fingerprint(model)}
-
-
-def no_greedy_message(root) -> str:
-    return (f"features cache {root} has no backbone targets (built before greedy ids were stored), so it cannot "
-            f"train heads.targets=backbone; rebuild it: delete {root} or use another features.cache_dir")
+    return f is not None and enum_value(f.mode) != "off"
 
 
 def cache_dir(cfg) -> Path:
@@ -134,25 +107,8 @@ def cache_identity(cfg, backbone) -> dict:
                  "system_prompt": d.system_prompt},
         "seed": t.seed,
         "micro_batch_size": t.micro_batch_size,
-        "dtype": _value(cfg.features.dtype),
+        "dtype": enum_value(cfg.features.dtype),
     }
-
-
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}={a!r} there, {b!r} here")
-    return out
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 # -- the cache on disk ---------------------------------------------------------------------------------------
@@ -166,30 +122,31 @@ class FeatureCache:
         return self.root / MANIFEST
 
     def manifest(self) -> dict:
-        return json.loads(self.manifest_path.read_text())
+        return read_manifest(self.manifest_path, self.root)
 
     def claim(self, identity: dict, shard_batches: int) -> dict:
         """Create the manifest, or check the existing cache was built for this backbone and data."""
-        if self.manifest_path.is_file():
-            try:
-                manifest = self.manifest()
-            except json.JSONDecodeError:
-                raise UserError(f"{self.manifest_path} is not valid JSON; delete {self.root} to rebuild") from None
-            if manifest.get("format") not in READABLE_FORMATS:
-                raise UserError(f"{self.root} holds a features cache of another format; delete it to rebuild")
-            diff = _differences(manifest.get("identity", {}), identity)
-            if diff:
-                raise UserError(f"features cache {self.root} was built for another backbone or data "
-                                f"({'; '.join(diff[:3])}); use another features.cache_dir or delete it")
-            return manifest
-        if self.root.is_dir() and any(self.root.glob("*.safetensors")):
-            raise UserError(f"{self.root} holds .safetensors files but no {MANIFEST}; not a features cache of "
-                            "this tool: use another features.cache_dir")
-        self.root.mkdir(parents=True, exist_ok=True)
-        manifest = {"format": FORMAT_VERSION, "identity": identity, "shard_batches": shard_batches,
-                    "batches": 0, "epoch_complete": False, "shards": [], "eval": False}
-        _write_json_atomic(self.manifest_path, manifest)  # every rank may: same content, atomic rename
-        return manifest
+        root = self.root
+
+        def ours(manifest: dict) -> Optional[str]:
+            if manifest.get("format") == 1:
+                return (f"features cache {root} is format 1 (built before the backbone's greedy tokens were "
+                        f"stored), no longer read; rebuild it: delete {root} or use another features.cache_dir")
+            if manifest.get("format") != FORMAT_VERSION:
+                return f"{root} holds a features cache of another format; delete it to rebuild"
+            return None
+
+        def foreign() -> Optional[str]:
+            if root.is_dir() and any(root.glob("*.safetensors")):
+                return (f"{root} holds .safetensors files but no {MANIFEST}; not a features cache of this tool: "
+                        "use another features.cache_dir")
+            return None
+
+        fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
+                 "shards": [], "eval": False}
+        return claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
+                     mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
+                              "use another features.cache_dir or delete it")
 
     def shard_path(self, k: int) -> Path:
         return self.root / f"train-{k:06d}.safetensors"
@@ -229,11 +186,10 @@ class FeatureCache:
         if self._open[0] != key:
             f = safe_open(key, framework="pt")
             self._open = (key, f, set(f.keys()))
-        _, f, names = self._open
+        _, f, _ = self._open
         batch = {k: f.get_tensor(f"{j}.{k}") for k in KEYS}
         batch["hidden"] = f.get_tensor(f"{j}.hidden").to(device=device, dtype=dtype)
-        if f"{j}.greedy" in names:  # absent in format-1 caches
-            batch["greedy"] = f.get_tensor(f"{j}.greedy").long()
+        batch["greedy"] = f.get_tensor(f"{j}.greedy").long()
         return batch
 
     def eval_batches(self, device, dtype) -> list[dict]:
@@ -242,45 +198,50 @@ class FeatureCache:
 
 
 # -- building -----------------------------------------------------------------------------------------------
-def _stream_batches(trainer, stream=None) -> Iterator[dict]:
-    """Epoch 0 of the training stream as one process reads it (every rank sees the same sequence)."""
-    from .data.stream import ConversationStream, MicroBatches
+@dataclass
+class CachePlan:
+    """What to store and how: the batches (micro-batch size, padding, bucketing, as training reads them),
+    how many are needed, shard size, storage dtype, and which shards this process writes."""
 
-    cfg = trainer.cfg
-    stream = stream or ConversationStream(cfg.data, trainer.backbone.tokenizer, seed=cfg.trainer.seed)
-    batches = MicroBatches(stream, trainer.plan.micro_batch_size, trainer.pad_id, buffer=cfg.data.bucket_buffer)
-    for batch in batches:
-        if batches.epoch > 0:  # the first batch of the next epoch: epoch 0 is over
-            return
-        yield batch
+    micro_batch_size: int
+    pad_id: int
+    bucket_buffer: int
+    needed: int  # micro-batches training will read (max_steps x accumulation x world size)
+    shard_batches: int
+    dtype: str  # on disk: bf16 | fp32
+    rank: int = 0
+    world_size: int = 1
+    progress_bar: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def epoch0(self, stream: ConversationStream) -> Iterator[dict]:
+        return first_epoch(stream, self.micro_batch_size, self.pad_id, self.bucket_buffer)
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
+def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFeatures,
+          open_stream: Callable[[], ConversationStream], eval_set: Callable[[], list[dict]]) -> dict:
+    """Store the hidden states of the first ``plan.needed`` batches (or the whole epoch), as missing.
 
-        dist.barrier()
-
-
-def build(trainer, cache: FeatureCache, manifest: dict, needed: int) -> dict:
-    """Store the hidden states of the first ``needed`` batches (or the whole epoch), as missing."""
-    rank, world, main = trainer.rank, trainer.world_size, trainer.is_main
+    ``open_stream`` gives a fresh training stream as one process reads it (every rank sees the same
+    sequence); ``eval_set`` the held-out batches; ``frozen`` runs the backbone (once per batch)."""
+    rank, world, main, needed = plan.rank, plan.world_size, plan.is_main, plan.needed
     S = manifest["shard_batches"]
     shards_ok = all(cache.shard_count(cache.shard_path(k)) == c for k, c in enumerate(manifest["shards"]))
     if manifest["eval"] and shards_ok and (manifest["epoch_complete"] or manifest["batches"] >= needed):
         return manifest
 
     # plan: batch shapes without the backbone (tokenise + pack only), for the disk estimate
-    from .data.stream import ConversationStream
-
-    stream = ConversationStream(trainer.cfg.data, trainer.backbone.tokenizer, seed=trainer.cfg.trainer.seed)
+    stream = open_stream()
     shapes = []
     epoch_complete = True
-    for batch in _stream_batches(trainer, stream):
+    for batch in plan.epoch0(stream):
         if len(shapes) >= needed:
             epoch_complete = False
             break
@@ -289,53 +250,50 @@ def build(trainer, cache: FeatureCache, manifest: dict, needed: int) -> dict:
     target = len(shapes)
     counts = [min(S, target - k * S) for k in range(math.ceil(target / S))]
     todo = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) != c]
-    hidden_size = trainer.backbone.model.config.hidden_size
-    dtype_name = _value(trainer.cfg.features.dtype)
-    per_pos = hidden_size * _BYTES[dtype_name] + 8 * len(KEYS) + 4  # + int32 greedy id
+    hidden_size = frozen.model.config.hidden_size
+    store = parse_dtype(plan.dtype)
+    per_pos = hidden_size * store.itemsize + 8 * len(KEYS) + 4  # + int32 greedy id
     positions = sum(b * w for k in todo for (b, w) in shapes[k * S:k * S + counts[k]])
     eval_missing = not (cache.root / EVAL_FILE).is_file()
     if eval_missing:
-        positions += sum(e["input_ids"].numel() for e in trainer.eval_set)
+        positions += sum(e["input_ids"].numel() for e in eval_set())
     need = positions * per_pos
     free = shutil.disk_usage(cache.root).free
     if main:
         scope = "the whole epoch" if epoch_complete else f"of {needed} needed"
         print(f"[features] cache {cache.root}: {target} micro-batches ({scope}), "
               f"{len(todo)} of {len(counts)} shard(s) to write: {positions:,} positions (incl. padding) x hidden "
-              f"{hidden_size} x {_BYTES[dtype_name]} bytes ({dtype_name}) + ids = {_gb(need)}; {_gb(free)} free",
+              f"{hidden_size} x {store.itemsize} bytes ({plan.dtype}) + ids = {_gb(need)}; {_gb(free)} free",
               flush=True)
     if need > free:
         raise UserError(f"features cache needs ~{_gb(need)} under {cache.root} but only {_gb(free)} is free; free "
                         "space, set features.cache_dir to a larger disk, use features.dtype=bf16, or lower "
                         "trainer.max_steps / data.max_conversations")
 
-    store = _DTYPES[dtype_name]
-
-    def features_of(batch: dict) -> dict:
-        """The stored tensors of one batch: the heads' hidden states and the backbone's greedy ids."""
-        raw = trainer.backbone_hidden(batch)  # one backbone forward serves both
-        greedy = trainer.greedy_ids(raw, batch["labels"], batch["doc_ids"])
-        return {"hidden": raw.to(trainer.compute_dtype).to("cpu", store), "greedy": greedy.to("cpu", torch.int32)}
+    def stored(batch: dict) -> dict:
+        """One batch as stored: its ids, the heads' hidden states and the backbone's greedy ids."""
+        f = frozen.features(batch)  # one backbone forward serves both
+        return {**{k: batch[k] for k in KEYS}, "hidden": f["hidden"].to("cpu", store),
+                "greedy": f["greedy"].to("cpu", torch.int32)}
 
     if eval_missing and main:
-        evals = [{**{k: e[k] for k in KEYS}, **features_of(e)} for e in trainer.eval_set]
-        cache.write(cache.root / EVAL_FILE, evals, 0)
+        cache.write(cache.root / EVAL_FILE, [stored(e) for e in eval_set()], 0)
     mine = [k for k in todo if k % world == rank]
     bar = None
-    if mine and main and trainer.cfg.trainer.progress_bar:
+    if mine and main and plan.progress_bar:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(counts[k] for k in mine), desc="features", unit="batch", dynamic_ncols=True)
     if mine:
         last = max(mine) * S + counts[max(mine)]
         pending: list[dict] = []
-        for i, batch in enumerate(_stream_batches(trainer)):
+        for i, batch in enumerate(plan.epoch0(open_stream())):
             if i >= last:
                 break
             k = i // S
             if k not in mine:
                 continue
-            pending.append({**batch, **features_of(batch)})
+            pending.append(stored(batch))
             if bar is not None:
                 bar.update(1)
             if len(pending) == counts[k]:
@@ -343,7 +301,7 @@ def build(trainer, cache: FeatureCache, manifest: dict, needed: int) -> dict:
                 pending = []
     if bar is not None:
         bar.close()
-    _barrier(world)
+    barrier(world)
     # every rank checks (the cache_dir must be on a filesystem all processes see), so all stop together
     missing = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) != c]
     if missing:
@@ -356,8 +314,8 @@ def build(trainer, cache: FeatureCache, manifest: dict, needed: int) -> dict:
                     "stream": {"conversations": stream.stats.conversations, "truncated": stream.stats.truncated,
                                "recovered": stream.read_stats.recovered,
                                "dropped": dict(stream.read_stats.dropped)}}
-        _write_json_atomic(cache.manifest_path, manifest)
-    _barrier(world)
+        write_json_atomic(cache.manifest_path, manifest)
+    barrier(world)
     return cache.manifest()
 
 
@@ -392,55 +350,65 @@ class CachedBatches:
         return self.cache.read(self.cache.shard_path(k), i - k * self.S, self.device, self.dtype)
 
     def __iter__(self) -> Iterator[dict]:
-        from .data.tokenize import IGNORE
-
         while True:
             ids = self.order(self.epoch)
             for pos in range(self.index, len(ids)):
                 self.index = pos + 1
                 batch = self.batch(ids[pos])
                 if self.stats is not None:  # the same counters MicroBatches keeps (padding fraction)
-                    real = int((batch["doc_ids"] > 0).sum())
-                    self.stats.tokens += real
-                    self.stats.padding += batch["doc_ids"].numel() - real
-                    self.stats.label_tokens += int((batch["labels"] != IGNORE).sum())
+                    self.stats.count(batch)
                 yield batch
             self.epoch, self.index = self.epoch + 1, 0
 
 
-def cached_batches(trainer, epoch: int = 0, index: int = 0) -> tuple[CachedBatches, list[dict]]:
-    """Called from ``MedusaTrainer.setup``: build what is missing, return (train batches, eval batches)."""
-    cfg = trainer.cfg
+def stream_stats(manifest: dict) -> tuple[StreamStats, ReadStats]:
+    """What tokenising the cached batches saw (for the run's summary line), as the online stream counts it."""
+    counts = manifest.get("stream", {})
+    stats = StreamStats(conversations=counts.get("conversations", 0), truncated=counts.get("truncated", 0))
+    read = ReadStats()
+    read.recovered = counts.get("recovered", 0)
+    read.dropped.update(counts.get("dropped", {}))
+    return stats, read
+
+
+def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
+               eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
+    """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
     cache = FeatureCache(cache_dir(cfg))
-    manifest = cache.claim(cache_identity(cfg, trainer.backbone), cfg.features.shard_batches)
-    if trainer.backbone_targets and manifest.get("format", 1) < GREEDY_FORMAT:
-        raise UserError(no_greedy_message(cache.root))  # before building or training anything
-    needed = cfg.trainer.max_steps * trainer.plan.grad_accum * trainer.world_size
-    manifest = build(trainer, cache, manifest, needed)
-    counts = manifest.get("stream", {})  # what tokenising the cached batches saw: for the run's summary line
-    trainer.train_stream.stats.conversations = counts.get("conversations", 0)
-    trainer.train_stream.stats.truncated = counts.get("truncated", 0)
-    trainer.train_stream.read_stats.recovered = counts.get("recovered", 0)
-    trainer.train_stream.read_stats.dropped.update(counts.get("dropped", {}))
-    batches = CachedBatches(cache, manifest, trainer.rank, trainer.world_size, cfg.trainer.seed, trainer.device,
-                            trainer.compute_dtype, trainer.train_stream.stats, epoch, index)
-    return batches, cache.eval_batches(trainer.device, trainer.compute_dtype)
+    manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches)
+
+    def open_stream() -> ConversationStream:
+        return ConversationStream(cfg.data, backbone.tokenizer, seed=cfg.trainer.seed)
+
+    return cache, build(cache, manifest, plan, frozen, open_stream, eval_set)
+
+
+def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: int, world_size: int) -> CachePlan:
+    t, f = cfg.trainer, cfg.features
+    return CachePlan(micro_batch_size=micro_batch_size, pad_id=pad_id, bucket_buffer=cfg.data.bucket_buffer,
+                     needed=t.max_steps * grad_accum * world_size, shard_batches=f.shard_batches,
+                     dtype=enum_value(f.dtype), rank=rank, world_size=world_size, progress_bar=t.progress_bar)
 
 
 def run_build(cfg) -> dict:
-    """``features.mode=build``: build (or complete) the cache and exit without training."""
-    from omegaconf import open_dict
+    """``features.mode=build``: build (or complete) the cache and exit, without heads, optimizer or engine."""
+    from .backbone import load_backbone
+    from .config import derived_batch, validate
+    from .data.stream import RankData
+    from .distributed import start_process
 
-    from .trainer import MedusaTrainer
-
-    with open_dict(cfg):
-        cfg.logger.wandb = "disabled"  # nothing is trained: no run to track
-        cfg.logger.plot = False
-    trainer = MedusaTrainer(cfg)
-    trainer.setup()  # builds the cache (cached_batches)
-    trainer.cleanup(plot=False)
-    manifest = FeatureCache(cache_dir(cfg)).manifest()
-    if trainer.is_main:
-        print(f"[features] cache complete: {manifest['batches']} micro-batches in {cache_dir(cfg)}; train with "
-              f"features.mode=train features.cache_dir={cache_dir(cfg)}", flush=True)
+    validate(cfg)
+    proc = start_process(cfg.trainer)
+    batch = derived_batch(cfg.trainer, proc.world_size)
+    backbone = load_backbone(cfg.backbone, proc.device, seed=cfg.trainer.seed)
+    pad_id = backbone.tokenizer.pad_token_id
+    frozen = FrozenFeatures(backbone.model, cfg.data.packing, parse_dtype(enum_value(cfg.trainer.precision)),
+                            proc.device)
+    data = RankData(cfg.data, backbone.tokenizer, cfg.trainer.seed, proc.rank, proc.world_size,
+                    batch.micro_batch_size, pad_id)
+    plan = cache_plan(cfg, batch.micro_batch_size, batch.grad_accum, pad_id, proc.rank, proc.world_size)
+    cache, manifest = open_cache(cfg, backbone, frozen, plan, data.eval_batches)
+    if proc.is_main:
+        print(f"[features] cache complete: {manifest['batches']} micro-batches in {cache.root}; train with "
+              f"features.mode=train features.cache_dir={cache.root}", flush=True)
     return manifest

@@ -25,6 +25,7 @@ adapter itself (``inference/adapter.py``, no peft needed) or loads the merged mo
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -32,8 +33,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from inference.backbone import decoder_body, lm_head_weight
 from inference.errors import UserError
 
+from .data.masks import attention_mask, block_causal_mask
 from .data.tokenize import IGNORE
 from .losses import heads_loss
 
@@ -180,8 +183,6 @@ def save_merged(peft_model, tokenizer, out_dir: Path) -> Path:
 @torch.no_grad()
 def drift(peft_model, body, lm_head, batches, device) -> dict:
     """Held-out perplexity with and without the adapter, and how often their argmax agrees."""
-    from .trainer import block_causal_mask
-
     sums = {"nll_tuned": 0.0, "nll_base": 0.0, "agree": 0, "n": 0}
     was_training = peft_model.training
     peft_model.eval()
@@ -205,10 +206,75 @@ def drift(peft_model, body, lm_head, batches, device) -> dict:
     if was_training:
         peft_model.train()
     n = max(sums["n"], 1)
-    import math
-
     return {"heldout_tokens": sums["n"], "perplexity_base": math.exp(sums["nll_base"] / n),
             "perplexity_tuned": math.exp(sums["nll_tuned"] / n), "argmax_agreement": sums["agree"] / n}
+
+
+class JointSource:
+    """The Medusa-2 batch source (``sources.BatchSource``): this rank's online stream, the LoRA backbone
+    and the heads in one module, the joint loss. The adapter is applied at construction, before the
+    heads are made (the trainer's order, so a seed gives the same initial weights)."""
+
+    def __init__(self, cfg, backbone, device: torch.device, data):
+        self.cfg, self.backbone, self.device, self.data = cfg, backbone, device, data
+        self.stats, self.read_stats = data.stats, data.read_stats
+        self.peft_model = apply_lora(backbone.model, cfg.lora, device)
+        self.body = decoder_body(self.peft_model.get_base_model())
+
+    def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
+        model = self.backbone.model
+        spec.backbone_adapter = ADAPTER_DIR
+        init_heads_from(heads, self.cfg.lora.init_heads, lm_head_weight(model), model.get_input_embeddings().weight)
+        self.module = JointWithLoss(self.peft_model, self.body, model.get_output_embeddings(), heads, weights,
+                                    inv_map, self.cfg.lora, self.cfg.heads.teacher_weight)
+        return self.module
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return param_groups(self.module, lr, self.cfg.lora.heads_lr_multiplier)
+
+    def describe(self) -> str:
+        n_lora = sum(p.numel() for p in self.peft_model.parameters() if p.requires_grad)
+        return f"LoRA r={self.cfg.lora.r}: {n_lora / 1e6:.2f}M adapter parameters train"
+
+    def batches(self, epoch: int = 0, index: int = 0):
+        return self.data.batches(epoch, index)
+
+    def eval_batches(self) -> list[dict]:
+        return self.data.eval_batches()
+
+    def loss(self, engine, batch: dict, step: int) -> torch.Tensor:
+        dev = self.device
+        ids, labels, doc = batch["input_ids"].to(dev), batch["labels"].to(dev), batch["doc_ids"].to(dev)
+        self.module.step = step  # the heads-loss coefficient's warm-up
+        mask = attention_mask(doc, self.cfg.data.packing, self.backbone.model.dtype)
+        return engine(ids, batch["position_ids"].to(dev), mask, labels, doc)
+
+    def export_extra(self, engine):
+        """Gather the adapter (collective: every rank calls this) and return the writer of
+        ``heads/adapter/`` for ``save_heads`` (None off the main process)."""
+        from .checkpoint import full_fp32
+
+        gathered = {name: full_fp32(p) for name, p in engine.module.named_parameters()
+                    if p.requires_grad and name.startswith("peft_model.")}
+        tensors = adapter_state(self.peft_model, gathered)
+
+        def write(tmp: Path) -> None:
+            save_adapter(self.peft_model, tensors, tmp / ADAPTER_DIR, self.backbone.name)
+
+        return write
+
+    def after_export(self, output_dir: Path) -> None:
+        """How far the backbone drifted (held-out perplexity with / without the adapter) and, with
+        ``lora.merge=true``, the merged backbone."""
+        report = drift(self.peft_model, self.body, self.backbone.model.get_output_embeddings(),
+                       self.eval_batches(), self.device)
+        (output_dir / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
+              f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
+              f"{report['argmax_agreement']:.1%}", flush=True)
+        if self.cfg.lora.merge:
+            merged = save_merged(self.peft_model, self.backbone.tokenizer, output_dir / "merged")
+            print(f"merged backbone: {merged}", flush=True)
 
 
 def init_heads_from(heads, heads_dir: Optional[str], lm_head_weight=None, input_embeddings=None) -> None:

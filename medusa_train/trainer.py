@@ -1,13 +1,16 @@
-"""Medusa-1 recipe: train K heads on a frozen backbone with a DeepSpeed engine.
+"""Train draft heads on a backbone with a DeepSpeed engine: Medusa-1, Hydra and MLP-speculator heads on the
+frozen backbone (online or from the feature cache) and Medusa-2 (LoRA backbone + heads jointly).
 
 Lifecycle: ``setup`` -> ``train`` (-> ``save_checkpoint`` every N steps) -> ``export`` -> ``cleanup``.
+Where batches and the loss come from is one ``sources.BatchSource`` chosen in ``setup`` (online,
+cached or joint LoRA); the loop below is the same for all of them.
 
 Feature                                   config key
 ----------------------------------------  ------------------------------------------------
 backbone (embedded / HF id / path / tiny)  backbone.name_or_path, backbone.random_init, .dtype
 chat data streamed, assistant-only labels  data.source, data.max_length, data.shuffle_buffer
 packing (no padding) or length bucketing   data.packing
-K heads x L residual blocks                heads.num_heads, heads.num_layers
+K heads x L residual blocks, head family   heads.num_heads, heads.num_layers, heads.kind
 projection own / shared / truncated        heads.projection, heads.truncated_vocab_size
 loss weights lambda_k = decay^k            heads.loss_decay, heads.loss_weights
 AdamW, warmup + cosine                     optim.*
@@ -17,130 +20,44 @@ resume after a crash or kill               trainer.resume=auto|never|<dir>
 wandb (offline default), JSONL, PNG        logger.*
 offline hidden-state cache (features.py)   features.mode=off|build|train, features.cache_dir, .dtype
 targets: dataset or backbone greedy tokens  heads.targets=data|backbone
+Medusa-2: LoRA backbone + heads (lora.py)  lora.enabled, lora.*
 
-The backbone is outside the DeepSpeed engine: no gradients, no optimizer state, eval mode,
-run under ``torch.no_grad`` through its body only (the heads need the final hidden state,
-not the backbone's 49k-vocabulary logits). With ``heads.targets=backbone`` its lm_head also runs,
-in chunks, but only at the positions whose greedy token a target needs (``greedy_ids``).
+The frozen backbone is outside the DeepSpeed engine: no gradients, no optimizer state, eval mode,
+run under ``torch.no_grad`` through its body only (``backbone.FrozenFeatures``: the heads need the
+final hidden state, not the backbone's 49k-vocabulary logits).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from inference.backbone import lm_head_weight, parse_dtype
+from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import save_heads
-from inference.heads.projection import ProjectedHeads
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
-from . import checkpoint, features, lora
-from inference.backbone import backbone_logits, decoder_body as body, lm_head_weight
+from . import checkpoint, features
 from .backbone import load_backbone
-from .config import HeadKind, Precision, derived_batch, loss_weights, validate
-from .data.stream import ConversationStream, MicroBatches, eval_batches, token_frequencies
-from .data.tokenize import IGNORE
+from .config import derived_batch, loss_weights, validate
+from .data.stream import ConversationStream, RankData, token_frequencies
 from .deepspeed_config import check_consistent, deepspeed_config
-from .losses import HeadMetrics, backbone_labels, greedy_positions, heads_loss, vocab_to_local
+from .distributed import resolve_device, start_process
+from .losses import HeadMetrics, vocab_to_local
+from .sources import BatchSource, make_source
 from .tracking import Tracker
-
-
-class HeadsWithLoss(nn.Module):
-    """What the DeepSpeed engine wraps: the heads, and their loss as ``forward``."""
-
-    def __init__(self, heads: ProjectedHeads, weights: list[float], inv_map, teacher_weight: float = 0.0,
-                 lm_head_weight: torch.Tensor | None = None):
-        super().__init__()
-        self.heads = heads
-        self.weights = weights
-        self.inv_map = inv_map
-        self.teacher_weight = teacher_weight
-        # A plain attribute, not a parameter or buffer: the frozen backbone's matrix is never
-        # trained, cast, partitioned or checkpointed by DeepSpeed.
-        self.lm_head_weight = lm_head_weight if teacher_weight > 0 else None
-        self.metrics: HeadMetrics | None = None
-
-    def forward(self, hidden, labels, doc_ids, input_ids=None):
-        return heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
-                          input_ids=input_ids, teacher_weight=self.teacher_weight,
-                          lm_head_weight=self.lm_head_weight)
-
-
-def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask for packed rows: causal within a conversation, nothing across."""
-    t = doc_ids.shape[1]
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
-    allowed = (same & causal) | torch.eye(t, dtype=torch.bool, device=doc_ids.device)  # padding sees itself
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
-
-
-GREEDY_CHUNK = 1024  # rows per backbone lm_head product for greedy targets: bounds the [rows, vocab] logits
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def resolve_device(setting: str) -> torch.device:
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is available (use trainer.device=cpu)")
-    if setting == "auto":
-        setting = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(setting)
-
-
-def init_distributed(device: torch.device):
-    """Join the launcher's process group, or make a 1-process group when run without one."""
-    if device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    added = {}
-    if "RANK" not in os.environ:
-        added = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        os.environ.update(added)
-    import logging
-
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines drown the progress bar
-    if device.type == "cpu":
-        # DeepSpeed's CPU shared-memory allreduce op is JIT-compiled on first use, leaves a
-        # 66 MB buffer per rank in /dev/shm after every multi-process run (RAM, never freed),
-        # and its bf16 kernels fault without AVX-512. gloo's allreduce is plenty for the heads.
-        # (sys.modules: ``import deepspeed.comm.torch as m`` binds the real torch, which
-        # deepspeed.comm re-exports under that name.)
-        import importlib
-        import sys
-
-        importlib.import_module("deepspeed.comm.torch")
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    try:
-        if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
-    finally:
-        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            if key in added:  # a child process started later must not inherit a stale rendezvous
-                os.environ.pop(key, None)  # (DeepSpeed still reads LOCAL_RANK at initialize)
-    return dist.get_rank(), dist.get_world_size()
 
 
 class MedusaTrainer:
     def __init__(self, cfg):
         validate(cfg)
         self.cfg = cfg
-        self.backbone_targets = cfg.heads.targets == "backbone"  # losses.backbone_labels
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
         self.tracker: Tracker | None = None
@@ -148,56 +65,27 @@ class MedusaTrainer:
     # -- setup -------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, t = self.cfg, self.cfg.trainer
-        self.device = resolve_device(t.device)
-        precision = Precision(t.precision)
-        if precision is Precision.fp16 and self.device.type != "cuda":
+        precision = enum_value(t.precision)
+        if precision == "fp16" and resolve_device(t.device).type != "cuda":
             raise UserError("trainer.precision=fp16 needs a GPU; on CPU use fp32 (or bf16)")
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        self.rank, self.world_size = init_distributed(self.device)
-        if self.device.type == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", 0))
-            self.device = torch.device("cuda", local)
-            torch.cuda.set_device(self.device)
-        self.is_main = self.rank == 0
+        proc = start_process(t)
+        self.device, self.rank, self.world_size = proc.device, proc.rank, proc.world_size
+        self.is_main = proc.is_main
         self.plan = derived_batch(t, self.world_size)
-        torch.manual_seed(t.seed)
+        self.compute_dtype = parse_dtype(precision)  # what the heads are fed
 
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed)
         model, tok = self.backbone.model, self.backbone.tokenizer
-        self.body = body(model)
-        self.peft_model = None
-        if cfg.lora.enabled:  # Medusa-2: the body runs with a LoRA adapter and gradients
-            self.peft_model = lora.apply_lora(model, cfg.lora, self.device)
-            self.body = body(self.peft_model.get_base_model())
         self.pad_id = tok.pad_token_id
-        hf_cfg = model.config
-
         self.resume_from = checkpoint.find_resume(self.output_dir, t.resume)
-        self.train_stream = ConversationStream(cfg.data, tok, seed=t.seed, rank=self.rank,
-                                               world_size=self.world_size)
-        self.eval_stream = ConversationStream(cfg.data, tok, eval_split=True)
-        token_map = self._token_map(hf_cfg.vocab_size) if cfg.heads.projection.value == "truncated" else None
+        data = RankData(cfg.data, tok, t.seed, self.rank, self.world_size, self.plan.micro_batch_size, self.pad_id)
+        cache_plan = features.cache_plan(cfg, self.plan.micro_batch_size, self.plan.grad_accum, self.pad_id,
+                                         self.rank, self.world_size)
+        self.source: BatchSource = make_source(cfg, self.backbone, self.device, data, self.compute_dtype, cache_plan)
 
-        spec = HeadsSpec(
-            num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
-            vocab_size=hf_cfg.vocab_size, projection=cfg.heads.projection.value,
-            truncated_vocab_size=cfg.heads.truncated_vocab_size if token_map is not None else None,
-            base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
-            kind=HeadKind(cfg.heads.kind).value, inner_dim=cfg.heads.inner_dim or None,
-            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input)
-        lm_w, emb_w = lm_head_weight(model), model.get_input_embeddings().weight
-        heads = init_heads(spec, lm_w.float(), emb_w, token_map).to(self.device)
-        if self.peft_model is not None:
-            spec.backbone_adapter = lora.ADAPTER_DIR
-            lora.init_heads_from(heads, cfg.lora.init_heads, lm_w, emb_w)
-        inv = vocab_to_local(heads.token_map, spec.vocab_size)
-        if self.peft_model is not None:
-            self.module = lora.JointWithLoss(self.peft_model, self.body, model.get_output_embeddings(), heads,
-                                             loss_weights(cfg.heads), inv, cfg.lora, cfg.heads.teacher_weight)
-        else:
-            self.module = HeadsWithLoss(heads, loss_weights(cfg.heads), inv, cfg.heads.teacher_weight, lm_w)
-        self.spec = spec
+        heads, self.spec = self._new_heads()
+        self.module = self.source.wrap(heads, self.spec, loss_weights(cfg.heads),
+                                       vocab_to_local(heads.token_map, self.spec.vocab_size))
         self._build_engine()
 
         state = {"step": 0, "data": {"epoch": 0, "index": 0}}
@@ -213,11 +101,8 @@ class MedusaTrainer:
         elif per_rank and self.is_main:
             print(f"[medusa-train] resuming with {self.world_size} processes instead of {len(per_rank)}: each rank "
                   "restarts its data shard at the saved epoch position of rank 0", flush=True)
-        self.batches = MicroBatches(self.train_stream, self.plan.micro_batch_size, self.pad_id,
-                                    buffer=cfg.data.bucket_buffer, **data_state)
-        self.eval_set = eval_batches(self.eval_stream, max(self.plan.micro_batch_size, 4), self.pad_id)
-        if features.enabled(cfg):  # offline features: batches carry stored hidden states (features.py)
-            self.batches, self.eval_set = features.cached_batches(self, **data_state)
+        self.batches = self.source.batches(**data_state)
+        self.eval_set = self.source.eval_batches()
         self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.output_dir.mkdir(parents=True, exist_ok=True)
         from omegaconf import OmegaConf
@@ -228,16 +113,29 @@ class MedusaTrainer:
         if self.is_main:
             n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
             n_back = sum(p.numel() for p in model.parameters())
-            frozen = "frozen"
-            if self.peft_model is not None:
-                n_lora = sum(p.numel() for p in self.peft_model.parameters() if p.requires_grad)
-                frozen = f"LoRA r={cfg.lora.r}: {n_lora / 1e6:.2f}M adapter parameters train"
             self.tracker.write(
-                f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, {frozen}) on {self.device}; "
-                f"{spec.num_heads} heads x {spec.num_layers} layers, projection {spec.projection} "
+                f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, "
+                f"{self.source.describe()}) on {self.device}; "
+                f"{self.spec.num_heads} heads x {self.spec.num_layers} layers, projection {self.spec.projection} "
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+
+    def _new_heads(self) -> tuple:
+        """Freshly initialised heads (from the backbone's lm_head / embeddings) and their spec."""
+        cfg, model = self.cfg, self.backbone.model
+        hf_cfg = model.config
+        projection = enum_value(cfg.heads.projection)
+        token_map = self._token_map(hf_cfg.vocab_size) if projection == "truncated" else None
+        spec = HeadsSpec(
+            num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
+            vocab_size=hf_cfg.vocab_size, projection=projection,
+            truncated_vocab_size=cfg.heads.truncated_vocab_size if token_map is not None else None,
+            base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
+            kind=cfg.heads.kind, inner_dim=cfg.heads.inner_dim or None,
+            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input)
+        heads = init_heads(spec, lm_head_weight(model).float(), model.get_input_embeddings().weight, token_map)
+        return heads.to(self.device), spec
 
     def _token_map(self, vocab_size: int) -> torch.Tensor:
         """Top-N assistant tokens of the training data (plus EOS), most frequent first."""
@@ -265,71 +163,17 @@ class MedusaTrainer:
         t, o = self.cfg.trainer, self.cfg.optim
         ds_cfg = deepspeed_config(t, self.plan)
         check_consistent(ds_cfg)
-        if self.peft_model is not None:
-            params = lora.param_groups(self.module, o.lr, self.cfg.lora.heads_lr_multiplier)
-        else:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        optimizer = torch.optim.AdamW(self.source.param_groups(o.lr), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                       weight_decay=o.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.max_steps, o))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg,
             dist_init_required=False)
-        self.compute_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(
-            Precision(t.precision), torch.float32)
 
     # -- train -------------------------------------------------------------------------
-    @torch.no_grad()
-    def backbone_hidden(self, batch: dict) -> torch.Tensor:
-        """The backbone's last hidden states in its own dtype (before the cast to the heads' precision)."""
-        dev = self.device
-        ids, pos, doc = batch["input_ids"].to(dev), batch["position_ids"].to(dev), batch["doc_ids"].to(dev)
-        if self.cfg.data.packing:
-            mask = block_causal_mask(doc, self.backbone.model.dtype)
-        else:
-            mask = (doc > 0).long()
-        out = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-        return out.last_hidden_state
-
-    def hidden_states(self, batch: dict) -> torch.Tensor:
-        """What the heads are fed: the last hidden states in the training precision."""
-        return self.backbone_hidden(batch).to(self.compute_dtype)
-
-    @torch.no_grad()
-    def greedy_ids(self, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] the backbone's argmax over its full vocabulary where ``backbone_labels`` reads it,
-        IGNORE elsewhere. ``hidden`` comes from ``backbone_hidden`` (backbone dtype, not the heads'
-        rounding); the lm_head runs on ``GREEDY_CHUNK`` rows at a time so a 49k vocabulary stays small."""
-        need = greedy_positions(labels.to(hidden.device), doc_ids.to(hidden.device))
-        out = torch.full(need.shape, IGNORE, dtype=torch.long, device=hidden.device)
-        rows = hidden[need]
-        if rows.shape[0]:
-            model = self.backbone.model
-            out[need] = torch.cat([backbone_logits(model, rows[s:s + GREEDY_CHUNK]).argmax(-1)
-                                   for s in range(0, rows.shape[0], GREEDY_CHUNK)])
-        return out
-
     def loss(self, batch: dict) -> torch.Tensor:
-        """The engine's loss on one micro-batch: frozen features (online or cached) -> heads, or
-        Medusa-2's joint backbone + heads forward."""
-        dev = self.device
-        ids, labels, doc = batch["input_ids"].to(dev), batch["labels"].to(dev), batch["doc_ids"].to(dev)
-        if self.peft_model is not None:
-            self.module.step = self.step  # the heads-loss coefficient's warm-up
-            pos = batch["position_ids"].to(dev)
-            mask = block_causal_mask(doc, self.backbone.model.dtype) if self.cfg.data.packing else (doc > 0).long()
-            return self.engine(ids, pos, mask, labels, doc)
-        if "hidden" in batch:  # cached: no backbone (greedy ids were stored with the hidden states)
-            hidden, greedy = batch["hidden"], batch.get("greedy")
-        else:
-            raw = self.backbone_hidden(batch)
-            hidden = raw.to(self.compute_dtype)
-            greedy = self.greedy_ids(raw, labels, doc) if self.backbone_targets else None
-        if self.backbone_targets:
-            if greedy is None:
-                raise UserError(features.no_greedy_message(features.cache_dir(self.cfg)))
-            labels = backbone_labels(labels, doc, greedy.to(dev))
-        return self.engine(hidden, labels, doc, ids)
+        """The engine's loss on one micro-batch, as the batch source computes it."""
+        return self.source.loss(self.engine, batch, self.step)
 
     def train(self) -> None:
         t = self.cfg.trainer
@@ -365,8 +209,7 @@ class MedusaTrainer:
                 record = {"loss": loss_sum / max(n_steps, 1), **metrics.summary(),
                           "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                           "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                          "padding_fraction": self.train_stream.stats.padding_fraction,
-                          **getattr(self.module, "last_parts", {})}
+                          "padding_fraction": self.source.stats.padding_fraction, **self.module.last_parts}
                 self.tracker.log(self.step, record)
                 metrics.reset()
                 window_tokens, window_start, loss_sum = 0, time.perf_counter(), 0.0
@@ -425,13 +268,8 @@ class MedusaTrainer:
     # -- export ------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 head weights gathered from any ZeRO stage (master weights under bf16/fp16)."""
-        from deepspeed.utils import safe_get_full_fp32_param
-
         heads = self.engine.module.heads
-        out = {}
-        for name, p in heads.named_parameters():
-            full = safe_get_full_fp32_param(p)
-            out[name] = (full if full is not None else p.detach()).float().cpu().contiguous()
+        out = {name: checkpoint.full_fp32(p).contiguous() for name, p in heads.named_parameters()}
         for name, b in heads.named_buffers():
             if name in heads.state_dict():
                 out[name] = b.detach().cpu().contiguous()
@@ -439,43 +277,12 @@ class MedusaTrainer:
 
     def export(self) -> Path | None:
         state = self.full_state_dict()  # collective under ZeRO-3: every rank takes part
-        adapter = self._gathered_adapter() if self.peft_model is not None else None  # collective too
+        extra = self.source.export_extra(self.engine)  # collective too (Medusa-2's adapter)
         if not self.is_main:
             return None
-        extra = None
-        if adapter is not None:
-            adapter = lora.adapter_state(self.peft_model, adapter)
-            extra = lambda tmp: lora.save_adapter(self.peft_model, adapter, tmp / lora.ADAPTER_DIR,  # noqa: E731
-                                                  self.backbone.name)
         heads_dir = save_heads(self.engine.module.heads, self.output_dir / "heads", state_dict=state, extra=extra)
-        if self.peft_model is not None:
-            self._export_lora_extras()
+        self.source.after_export(self.output_dir)
         return heads_dir
-
-    def _gathered_adapter(self) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        out = {}
-        for name, p in self.engine.module.named_parameters():
-            if p.requires_grad and name.startswith("peft_model."):
-                full = safe_get_full_fp32_param(p)
-                out[name] = (full if full is not None else p.detach()).float().cpu()
-        return out
-
-    def _export_lora_extras(self) -> None:
-        """Medusa-2 only: how far the backbone drifted (held-out perplexity with / without the
-        adapter) and, with lora.merge=true, the merged backbone."""
-        import json
-
-        report = lora.drift(self.peft_model, self.body, self.backbone.model.get_output_embeddings(),
-                            self.eval_set, self.device)
-        (self.output_dir / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
-              f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
-              f"{report['argmax_agreement']:.1%}", flush=True)
-        if self.cfg.lora.merge:
-            merged = lora.save_merged(self.peft_model, self.backbone.tokenizer, self.output_dir / "merged")
-            print(f"merged backbone: {merged}", flush=True)
 
     def cleanup(self, plot: bool = True) -> Path | None:
         png = None
@@ -542,9 +349,9 @@ def run(cfg) -> dict:
         heads_dir = trainer.export()
         if trainer.is_main:
             trainer.tracker.write("\n" + format_accuracy_table(summary, trainer.spec.num_heads))
-            stats = trainer.train_stream.stats
+            stats = trainer.source.stats
             trainer.tracker.write(
-                f"data: {trainer.train_stream.read_stats.summary()}; this run tokenized {stats.conversations} "
+                f"data: {trainer.source.read_stats.summary()}; this run tokenized {stats.conversations} "
                 f"conversations ({stats.truncated} truncated to {cfg.data.max_length} tokens), "
                 f"padding {stats.padding_fraction:.1%} of batch tokens")
             trainer.tracker.write(f"heads exported to {heads_dir}")

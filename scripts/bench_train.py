@@ -51,7 +51,7 @@ def measure(mode: str, heads: int, steps: int, micro: int, max_length: int) -> d
             t0 = time.perf_counter()
             model(input_ids=ids, position_ids=pos, use_cache=False)
             t1 = time.perf_counter()
-        hidden = tr.hidden_states(batch)
+        hidden = tr.source.frozen.hidden_states(batch)
         loss = tr.engine(hidden, batch["labels"], batch["doc_ids"])
         tr.engine.backward(loss)
         tr.engine.step()

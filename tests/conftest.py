@@ -134,18 +134,24 @@ def losses(out: Path, kind: str) -> list[float]:
     return [r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == kind]
 
 
-def train_without_backbone(trainer, *also: str) -> dict:
-    """Train and evaluate a cached run with the backbone's body (and the trainer methods named in
-    ``also``) replaced by a failure, so a cached batch that reaches the backbone fails the test;
-    returns the evaluation summary."""
+def train_without_backbone(trainer) -> dict:
+    """Train and evaluate a cached run with the backbone's body and lm_head replaced by a failure, so a
+    cached batch that reaches the backbone (hidden states or greedy ids) fails the test; returns the
+    evaluation summary."""
+    from inference.backbone import decoder_body
 
     def no_backbone(*args, **kwargs):
         raise AssertionError("the backbone ran on a cached batch")
 
-    for name in ("body", *also):
-        setattr(trainer, name, no_backbone)
-    trainer.train()
-    summary = trainer.evaluate()
+    modules = [decoder_body(trainer.backbone.model), trainer.backbone.model.get_output_embeddings()]
+    for m in modules:
+        m.forward = no_backbone
+    try:
+        trainer.train()
+        summary = trainer.evaluate()
+    finally:
+        for m in modules:
+            del m.forward
     trainer.cleanup(plot=False)
     return summary
 

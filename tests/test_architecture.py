@@ -110,8 +110,6 @@ def test_no_import_circle_in_inference():
     assert _cycles_in("inference") == []
 
 
-@pytest.mark.xfail(reason="medusa_train's trainer/features/lora circle is removed on the refactor-trainer "
-                          "branch; drop this mark when it is merged", strict=False)
 def test_no_import_circle_in_medusa_train():
     """Guards against circles among the trainer's modules (lazy imports included)."""
     assert _cycles_in("medusa_train") == []

@@ -17,9 +17,11 @@ from inference.errors import UserError
 from inference.methods import generate
 from inference.loading import load_medusa
 from inference.runtime.tree import MedusaTree
+from medusa_train import backbone as backbone_module
 from medusa_train import features
 from medusa_train import trainer as T
 from medusa_train.config import validate
+from medusa_train.data.masks import block_causal_mask
 from medusa_train.losses import backbone_labels, greedy_positions, head_targets
 from medusa_train.tracking import read_metrics
 
@@ -40,7 +42,7 @@ def full_logits_argmax(trainer, batch) -> torch.Tensor:
     """The whole causal LM (body + lm_head over every position), independently of the trainer's chunks."""
     ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["doc_ids"]
     model = trainer.backbone.model
-    mask = T.block_causal_mask(doc, model.dtype)
+    mask = block_causal_mask(doc, model.dtype)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.argmax(-1)
 
@@ -83,12 +85,12 @@ def test_online_greedy_ids_are_the_full_backbone_argmax_and_reach_the_loss(compo
     need = greedy_positions(labels, docs)
     assert int(need.sum()) > 20
 
-    raw = trainer.backbone_hidden(batch)
-    greedy = trainer.greedy_ids(raw, labels, docs)
+    raw = trainer.source.frozen.backbone_hidden(batch)
+    greedy = trainer.source.frozen.greedy_ids(raw, labels, docs)
     assert torch.equal(greedy[need], expected[need])
     assert (greedy[~need] == I).all()
-    monkeypatch.setattr(T, "GREEDY_CHUNK", 7)  # many chunks, a ragged last one: the same ids
-    assert torch.equal(trainer.greedy_ids(raw, labels, docs), greedy)
+    monkeypatch.setattr(backbone_module, "GREEDY_CHUNK", 7)  # many chunks, a ragged last one: the same ids
+    assert torch.equal(trainer.source.frozen.greedy_ids(raw, labels, docs), greedy)
 
     seen = []
     forward = trainer.module.forward
@@ -130,13 +132,14 @@ def test_cache_stores_the_online_greedy_ids_and_trains_to_the_online_losses(comp
     for i in range(manifest["batches"]):
         stored, batch = trainer.batches.batch(i), next(it)
         assert torch.equal(stored["input_ids"], batch["input_ids"])
-        want = reference.greedy_ids(reference.backbone_hidden(batch), batch["labels"], batch["doc_ids"])
+        frozen = reference.source.frozen
+        want = frozen.greedy_ids(frozen.backbone_hidden(batch), batch["labels"], batch["doc_ids"])
         assert stored["greedy"].dtype == torch.long and torch.equal(stored["greedy"], want)
     for stored in trainer.eval_set:
         need = greedy_positions(stored["labels"], stored["doc_ids"])
         assert torch.equal(stored["greedy"][need], full_logits_argmax(trainer, stored)[need])
     reference.cleanup(plot=False)
-    summary = train_without_backbone(trainer, "greedy_ids")
+    summary = train_without_backbone(trainer)
     assert losses(cached, "train") == losses(online, "train")  # fp32 cache: bit-identical
     assert summary["loss"] == losses(online, "eval")[-1]
 
@@ -154,26 +157,24 @@ def strip_greedy(root: Path) -> None:
     (root / features.MANIFEST).write_text(json.dumps(manifest))
 
 
-def test_old_cache_without_greedy_ids(compose_tiny, tmp_path):
-    """Guards against: a cache built before greedy ids were stored being refused for targets=data (it is
-    still valid), read differently than a new one, or, with targets=backbone, crashing on a missing tensor
-    or silently training on the dataset labels instead of one clear line asking for a rebuild."""
+@pytest.mark.parametrize("targets", [[], [BACKBONE]], ids=["data", "backbone"])
+def test_format_one_cache_is_refused_asking_for_a_rebuild(targets, compose_tiny, tmp_path):
+    """Guards against: a format-1 cache (built before greedy ids were stored) being read at all: for
+    targets=backbone it would crash on a missing tensor or silently train on the dataset labels, for
+    targets=data it would keep a second reading path alive. It is refused in one line naming the cache and
+    asking for a rebuild, before anything is built or trained, and the cache is left untouched."""
     cache = tmp_path / "cache"
     opts = [*RUN, "features.mode=train", f"features.cache_dir={cache}"]
-    T.run(compose_tiny(*opts, out=tmp_path / "new"))  # new format, targets=data
+    T.run(compose_tiny(*opts, out=tmp_path / "new"))
     strip_greedy(cache)
     before = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
 
     with pytest.raises(UserError) as err:
-        T.run(compose_tiny(*opts, BACKBONE, out=tmp_path / "refused"))
+        T.run(compose_tiny(*opts, *targets, out=tmp_path / "refused"))
     msg = str(err.value)
-    assert "no backbone targets" in msg and "rebuild" in msg and str(cache) in msg and "\n" not in msg, msg
+    assert "format 1" in msg and "rebuild" in msg and str(cache) in msg and "\n" not in msg, msg
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before  # nothing touched
-
-    T.run(compose_tiny(*opts, out=tmp_path / "old"))
-    assert losses(tmp_path / "old", "train") == losses(tmp_path / "new", "train")
-    assert losses(tmp_path / "old", "eval") == losses(tmp_path / "new", "eval")
-    assert json.loads((cache / features.MANIFEST).read_text())["format"] == 1
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
 
 # -- config ------------------------------------------------------------------------------------------------------

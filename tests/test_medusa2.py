@@ -32,7 +32,7 @@ def test_joint_training_moves_only_adapter_and_heads(compose_tiny):
     only LoRA matrices and heads train), an adapter that never trains, and a teacher that is not
     the original model (adapter disabled must give the untouched backbone's logits)."""
     trainer = make_trainer(compose_tiny(*LORA, "trainer.max_steps=3"))
-    peft_model = trainer.peft_model
+    peft_model = trainer.source.peft_model
     base = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
     adapter = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
     heads = {n: p.detach().clone() for n, p in trainer.module.heads.named_parameters()}

@@ -15,8 +15,10 @@ from inference.errors import UserError
 from inference.loading import load_heads
 from medusa_train import checkpoint
 from medusa_train import trainer as T
+from medusa_train.data.masks import block_causal_mask
 from medusa_train.data.tokenize import encode_conversation
 from medusa_train.data.stream import collate
+from medusa_train.sources import HeadsWithLoss
 from medusa_train.tracking import read_metrics
 
 RESUME_OVERRIDES = ["trainer.log_every=1", "trainer.max_steps=8", "trainer.save_every=4", "logger.plot=false"]
@@ -57,7 +59,7 @@ def test_backbone_frozen_heads_learn(projection, extra, compose_tiny):
     labels, docs = batch["labels"], batch["doc_ids"]
     losses = []
     for _ in range(6):  # the same batch again and again
-        loss = trainer.engine(trainer.hidden_states(batch), labels, docs)
+        loss = trainer.engine(trainer.source.frozen.hidden_states(batch), labels, docs)
         trainer.engine.backward(loss)
         trainer.engine.step()
         losses.append(float(loss.detach()))
@@ -80,7 +82,7 @@ def test_hidden_states_carry_no_gradient(compose_tiny):
     """Guards against: the backbone forward building an autograd graph (memory blow-up, and a path
     for gradients into the backbone)."""
     trainer = make_trainer(compose_tiny("trainer.max_steps=1"))
-    hidden = trainer.hidden_states(next(iter(trainer.batches)))
+    hidden = trainer.source.frozen.hidden_states(next(iter(trainer.batches)))
     assert not hidden.requires_grad and hidden.grad_fn is None
     trainer.cleanup(plot=False)
 
@@ -90,7 +92,7 @@ def test_block_causal_mask_exact():
     """Guards against: packed documents attending to each other, future tokens being visible, or a
     fully masked padding row (NaN softmax)."""
     doc_ids = torch.tensor([[1, 1, 2, 2, 2, 0]])
-    mask = T.block_causal_mask(doc_ids, torch.float32)
+    mask = block_causal_mask(doc_ids, torch.float32)
     assert mask.shape == (1, 1, 6, 6)
     allowed = (mask[0, 0] == 0).int().tolist()
     assert allowed == [
@@ -121,20 +123,20 @@ def test_batched_hidden_states_equal_each_document_alone(packing, compose_tiny):
     docs = [encode_conversation(tok, m, 256) for m in CONVERSATIONS]
     rows = [docs] if packing else [[d] for d in docs]
     batch = collate(rows, trainer.pad_id, 256 if packing else None)
-    hidden = trainer.hidden_states(batch)
+    hidden = trainer.source.frozen.hidden_states(batch)
     with torch.no_grad():
         at = 0
         for i, doc in enumerate(docs):
-            alone = trainer.body(input_ids=torch.tensor([doc.input_ids]), use_cache=False).last_hidden_state[0]
+            alone = trainer.source.frozen.body(input_ids=torch.tensor([doc.input_ids]), use_cache=False).last_hidden_state[0]
             n = len(doc.input_ids)
             got = hidden[0, at:at + n] if packing else hidden[i, :n]
             torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
             at += n if packing else 0
         if packing:  # control: the same row under a plain causal mask does leak, so the check above can fail
-            leaky = trainer.body(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                                 attention_mask=T.block_causal_mask(torch.ones_like(batch["doc_ids"]), torch.float32))
+            leaky = trainer.source.frozen.body(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                                 attention_mask=block_causal_mask(torch.ones_like(batch["doc_ids"]), torch.float32))
             n0, n1 = len(docs[0].input_ids), len(docs[1].input_ids)
-            alone = trainer.body(input_ids=torch.tensor([docs[1].input_ids]), use_cache=False).last_hidden_state[0]
+            alone = trainer.source.frozen.body(input_ids=torch.tensor([docs[1].input_ids]), use_cache=False).last_hidden_state[0]
             assert (leaky.last_hidden_state[0, n0:n0 + n1] - alone).abs().max() > 1e-3
     trainer.cleanup(plot=False)
 
@@ -171,14 +173,14 @@ def test_run_exports_loadable_heads(compose_tiny, out_dir, tiny_backbone):
 def test_gradient_accumulation_counts_optimizer_steps(compose_tiny, out_dir, monkeypatch):
     """Guards against: accumulation miscounted (the LR schedule or step counter advancing per
     micro-batch instead of per optimizer step, or fewer micro-batches than micro x accumulation)."""
-    original = T.HeadsWithLoss.forward
+    original = HeadsWithLoss.forward
     calls = {"n": 0}
 
     def forward(self, *args):
         calls["n"] += int(self.training)
         return original(self, *args)
 
-    monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
+    monkeypatch.setattr(HeadsWithLoss, "forward", forward)
     trainer = make_trainer(compose_tiny("trainer.max_steps=3", "trainer.global_batch_size=6", "logger.plot=false"))
     assert trainer.plan.grad_accum == 3
     trainer.train()
@@ -257,7 +259,7 @@ def test_resume_after_kill_between_checkpoints(compose_tiny, tmp_path, monkeypat
 
 def interrupt_at_forward(monkeypatch, n: int) -> None:
     """Make the n-th training forward of the heads raise KeyboardInterrupt (a Ctrl-C mid-run)."""
-    original = T.HeadsWithLoss.forward
+    original = HeadsWithLoss.forward
     calls = {"n": 0}
 
     def forward(self, hidden, labels, doc_ids, input_ids=None):
@@ -267,7 +269,7 @@ def interrupt_at_forward(monkeypatch, n: int) -> None:
                 raise KeyboardInterrupt
         return original(self, hidden, labels, doc_ids, input_ids)
 
-    monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
+    monkeypatch.setattr(HeadsWithLoss, "forward", forward)
 
 
 def test_resume_after_ctrl_c_matches_uninterrupted_run(compose_tiny, tmp_path, monkeypatch):
@@ -299,7 +301,7 @@ def test_sigterm_saves_a_checkpoint_and_restores_the_handler(compose_tiny, out_d
     import signal
 
     before = signal.getsignal(signal.SIGTERM)
-    original = T.HeadsWithLoss.forward
+    original = HeadsWithLoss.forward
     calls = {"n": 0}
 
     def forward(self, hidden, labels, doc_ids, input_ids=None):
@@ -309,7 +311,7 @@ def test_sigterm_saves_a_checkpoint_and_restores_the_handler(compose_tiny, out_d
                 os.kill(os.getpid(), signal.SIGTERM)
         return original(self, hidden, labels, doc_ids, input_ids)
 
-    monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
+    monkeypatch.setattr(HeadsWithLoss, "forward", forward)
     with pytest.raises(UserError, match="interrupted at step 2"):
         T.run(compose_tiny(*RESUME_OVERRIDES))
     assert signal.getsignal(signal.SIGTERM) == before
@@ -407,7 +409,7 @@ def test_corrupt_checkpoint_is_a_user_error(compose_tiny, out_dir):
 def test_nan_loss_stops_with_last_good_checkpoint(compose_tiny, out_dir, monkeypatch):
     """Guards against: training on after the loss becomes NaN (poisoning the weights and the next
     checkpoint), or an error that does not say where the last good checkpoint is."""
-    original = T.HeadsWithLoss.forward
+    original = HeadsWithLoss.forward
     calls = {"n": 0}
 
     def forward(self, hidden, labels, doc_ids, input_ids=None):
@@ -418,7 +420,7 @@ def test_nan_loss_stops_with_last_good_checkpoint(compose_tiny, out_dir, monkeyp
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(T.HeadsWithLoss, "forward", forward)
+    monkeypatch.setattr(HeadsWithLoss, "forward", forward)
     args = ["trainer.max_steps=8", "trainer.save_every=2", "trainer.keep_last=5", "logger.plot=false"]
     with pytest.raises(UserError) as info:
         T.run(compose_tiny(*args))
@@ -437,12 +439,14 @@ def test_nan_loss_stops_with_last_good_checkpoint(compose_tiny, out_dir, monkeyp
 
 
 # -- bad settings that reach the trainer ---------------------------------------------------------------------
-def test_log_every_zero_is_refused_or_handled(compose_tiny):
-    """Guards against: a user value (trainer.log_every=0) crashing with a Python traceback."""
-    try:
+def test_log_every_zero_is_refused(compose_tiny, out_dir):
+    """Guards against: trainer.log_every=0 crashing with a Python traceback (a modulo by zero) or training
+    silently without logs: it is refused at validation, in one line naming the key, before anything runs."""
+    with pytest.raises(UserError) as err:
         T.run(compose_tiny("trainer.log_every=0", "trainer.max_steps=2", "logger.plot=false"))
-    except UserError as e:
-        assert "log_every" in str(e)
+    msg = str(err.value)
+    assert "trainer.log_every must be >= 1" in msg and "\n" not in msg, msg
+    assert not (out_dir / "metrics.jsonl").exists()
 
 
 def test_nothing_to_train_is_a_user_error(compose_tiny):

@@ -45,6 +45,13 @@ class StreamStats:
     def as_dict(self) -> dict:
         return {**self.__dict__, "padding_fraction": round(self.padding_fraction, 4)}
 
+    def count(self, batch: dict) -> None:
+        """Add one training micro-batch's real, padding and label tokens (online or cached alike)."""
+        real = int((batch["doc_ids"] > 0).sum())
+        self.tokens += real
+        self.padding += batch["doc_ids"].numel() - real
+        self.label_tokens += int((batch["labels"] != IGNORE).sum())
+
 
 def _conversation_records(source, split, system_prompt, start, stop, stats):
     for i, messages in enumerate(iter_conversations(source, split, stats, system_prompt)):
@@ -188,11 +195,7 @@ class MicroBatches:
                 if i < self.index:
                     continue  # resuming: replay the deterministic stream up to where we stopped
                 self.index = i + 1
-                real = int((batch["doc_ids"] > 0).sum())
-                st = self.stream.stats
-                st.tokens += real
-                st.padding += batch["doc_ids"].numel() - real
-                st.label_tokens += int((batch["labels"] != IGNORE).sum())
+                self.stream.stats.count(batch)
                 yield batch
             if produced == 0:
                 raise UserError(f"data source {self.stream.data.source!r} produced no training batches")
@@ -204,6 +207,44 @@ def eval_batches(stream: ConversationStream, micro_batch_size: int, pad_id: int)
     docs = sorted(stream.encoded(0), key=lambda e: len(e.input_ids))
     return [collate([[d] for d in docs[i:i + micro_batch_size]], pad_id)
             for i in range(0, len(docs), micro_batch_size)]
+
+
+class RankData:
+    """One rank's online data: its shard of the training stream (resumable micro-batches) and the
+    held-out evaluation batches, with the counters the run's summary reports."""
+
+    def __init__(self, data, tokenizer, seed: int, rank: int, world_size: int, micro_batch_size: int,
+                 pad_id: int):
+        self.data, self.micro, self.pad_id = data, micro_batch_size, pad_id
+        self.train_stream = ConversationStream(data, tokenizer, seed=seed, rank=rank, world_size=world_size)
+        self.eval_stream = ConversationStream(data, tokenizer, eval_split=True)
+        self._eval: Optional[list[dict]] = None
+
+    @property
+    def stats(self) -> StreamStats:
+        return self.train_stream.stats
+
+    @property
+    def read_stats(self) -> ReadStats:
+        return self.train_stream.read_stats
+
+    def batches(self, epoch: int = 0, index: int = 0) -> MicroBatches:
+        return MicroBatches(self.train_stream, self.micro, self.pad_id, buffer=self.data.bucket_buffer,
+                            epoch=epoch, index=index)
+
+    def eval_batches(self) -> list[dict]:
+        if self._eval is None:  # tokenised once, on first use (a complete feature cache never needs it)
+            self._eval = eval_batches(self.eval_stream, max(self.micro, 4), self.pad_id)
+        return self._eval
+
+
+def first_epoch(stream: ConversationStream, micro_batch_size: int, pad_id: int, buffer: int) -> Iterator[dict]:
+    """Epoch 0 of ``MicroBatches`` over ``stream``, then stop (what the feature cache stores)."""
+    batches = MicroBatches(stream, micro_batch_size, pad_id, buffer=buffer)
+    for batch in batches:
+        if batches.epoch > 0:  # the first batch of the next epoch: epoch 0 is over
+            return
+        yield batch
 
 
 def token_frequencies(stream: ConversationStream, vocab_size: int, max_conversations: int) -> torch.Tensor:

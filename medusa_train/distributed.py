@@ -1,0 +1,98 @@
+"""Which device and which process: the launcher's process group, or a 1-process group of our own.
+
+Training and the feature-cache build both run under ``deepspeed``/``torchrun`` launchers (N ranks)
+or as a plain process; distillation picks its device the same way. Kept apart from the trainer so
+those commands set up a process without importing the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from inference.errors import UserError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but no CUDA device is available (use trainer.device=cpu)")
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(setting)
+
+
+def init_distributed(device: torch.device):
+    """Join the launcher's process group, or make a 1-process group when run without one."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    added = {}
+    if "RANK" not in os.environ:
+        added = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(added)
+    import logging
+
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines drown the progress bar
+    if device.type == "cpu":
+        # DeepSpeed's CPU shared-memory allreduce op is JIT-compiled on first use, leaves a
+        # 66 MB buffer per rank in /dev/shm after every multi-process run (RAM, never freed),
+        # and its bf16 kernels fault without AVX-512. gloo's allreduce is plenty for the heads.
+        # (sys.modules: ``import deepspeed.comm.torch as m`` binds the real torch, which
+        # deepspeed.comm re-exports under that name.)
+        import importlib
+        import sys
+
+        importlib.import_module("deepspeed.comm.torch")
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    try:
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
+    finally:
+        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            if key in added:  # a child process started later must not inherit a stale rendezvous
+                os.environ.pop(key, None)  # (DeepSpeed still reads LOCAL_RANK at initialize)
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class Process:
+    """This process's place in the run: its device, rank and the world size."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def start_process(t) -> Process:
+    """Device, CPU threads, process group and seed from ``trainer.*`` (training and the cache build)."""
+    device = resolve_device(t.device)
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    rank, world_size = init_distributed(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    torch.manual_seed(t.seed)
+    return Process(device, rank, world_size)
+
+
+def barrier(world_size: int) -> None:
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

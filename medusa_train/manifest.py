@@ -1,0 +1,84 @@
+"""One output directory, one run: claim a directory against an identity, write its manifest atomically.
+
+Distillation data (``distill.json``) and the feature cache (``features.json``) are both resumable
+directories that several commands (and several processes) continue. Continuing a directory that
+was written for other settings would silently mix two datasets, so each directory carries a JSON
+manifest with the *identity* of what it holds (the settings its content depends on), and a run
+that wants the directory must claim it first: same identity -> continue; another identity ->
+refused in one line naming what differs; no manifest -> the directory is created with one.
+
+The manifest is always written beside its final name and renamed into place, so a kill, a full
+disk or a crash mid-write leaves the previous manifest (never half a file), and every rank may
+write the same content at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+from inference.errors import UserError
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``key=old there, new here`` for every (nested, dotted) setting that differs."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}={a!r} there, {b!r} here")
+    return out
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write beside the target, then rename: a reader (or the next run) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_manifest(path: Path, root: Path) -> Optional[dict]:
+    """The manifest at ``path``, None when there is none; unreadable JSON is a one-line error."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{path} is not valid JSON; delete {root} to start over") from None
+
+
+def claim(root: Path, name: str, identity: dict, fresh: dict, *, ours: Callable[[dict], Optional[str]],
+          mismatch: str, foreign: Callable[[], Optional[str]] = lambda: None) -> dict:
+    """Continue ``root`` if its manifest ``name`` holds ``identity``; create it (``fresh`` + identity) if absent.
+
+    ``ours(manifest)`` returns why a manifest is not of this kind/version (None when it is);
+    ``mismatch`` is the refusal for another identity, with ``{diff}`` for the differences;
+    ``foreign()`` returns why a directory without a manifest must not be taken (None: take it).
+    """
+    root = Path(root)
+    path = root / name
+    manifest = read_manifest(path, root)
+    if manifest is not None:
+        wrong = ours(manifest)
+        if wrong:
+            raise UserError(wrong)
+        diff = differences(manifest.get("identity", {}), identity)
+        if diff:
+            raise UserError(mismatch.format(diff="; ".join(diff[:3])))
+        return manifest
+    wrong = foreign()
+    if wrong:
+        raise UserError(wrong)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = {**fresh, "identity": identity}
+    write_json_atomic(path, manifest)  # every rank may: same content, atomic rename
+    return manifest

@@ -1,0 +1,165 @@
+"""Where a training step's batches and loss come from: one ``BatchSource``, chosen once at setup.
+
+The trainer's loop (forward, backward, step, log, eval, checkpoint) is the same for every way of
+feeding the heads; what differs is where the micro-batches come from and how the loss is computed:
+
+- ``OnlineSource``: the frozen backbone runs on every micro-batch (``backbone.FrozenFeatures``), the
+  heads learn from its hidden states (Medusa-1, Hydra, MLP speculator; ``features.mode=off``).
+- ``CachedSource``: the same hidden states (and greedy ids) read from the feature cache
+  (``features.mode=train``, ``features.py``); the backbone never runs on a batch. With an fp32
+  cache its losses equal the online source's bit for bit.
+- ``lora.JointSource``: Medusa-2, the backbone trains through a LoRA adapter jointly with the heads.
+
+Each source wraps the heads in the module DeepSpeed trains (``wrap``), names its parameter groups,
+yields resumable training batches (``batches(epoch, index)``, whose ``state()`` a checkpoint
+saves), the held-out batches, and the loss of one batch. Choosing once keeps ``if lora`` / ``if
+cached`` checks out of the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Protocol
+
+import torch
+from torch import nn
+
+from inference.backbone import lm_head_weight
+
+from . import features
+from .backbone import FrozenFeatures
+from .data.readers import ReadStats
+from .data.stream import RankData, StreamStats
+from .losses import HeadMetrics, backbone_labels, heads_loss
+
+
+class BatchSource(Protocol):
+    module: nn.Module  # what the DeepSpeed engine wraps (set by ``wrap``)
+    stats: StreamStats  # tokens / padding of the training batches, for the logs
+    read_stats: ReadStats
+
+    def wrap(self, heads, spec, weights: list[float], inv_map) -> nn.Module: ...
+
+    def param_groups(self, lr: float) -> list: ...
+
+    def describe(self) -> str: ...  # what happens to the backbone, for the start-up line
+
+    def batches(self, epoch: int = 0, index: int = 0) -> Iterable[dict]: ...  # infinite, with .state()
+
+    def eval_batches(self) -> list[dict]: ...
+
+    def loss(self, engine, batch: dict, step: int) -> torch.Tensor: ...
+
+    def export_extra(self, engine) -> Optional[Callable]: ...  # collective; a writer for save_heads' ``extra``
+
+    def after_export(self, output_dir) -> None: ...  # main rank, after the heads are saved
+
+
+class HeadsWithLoss(nn.Module):
+    """What the DeepSpeed engine wraps for frozen features: the heads, and their loss as ``forward``."""
+
+    def __init__(self, heads, weights: list[float], inv_map, teacher_weight: float = 0.0,
+                 lm_head_weight: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.heads = heads
+        self.weights = weights
+        self.inv_map = inv_map
+        self.teacher_weight = teacher_weight
+        # A plain attribute, not a parameter or buffer: the frozen backbone's matrix is never
+        # trained, cast, partitioned or checkpointed by DeepSpeed.
+        self.lm_head_weight = lm_head_weight if teacher_weight > 0 else None
+        self.metrics: Optional[HeadMetrics] = None
+        self.last_parts: dict[str, float] = {}
+
+    def forward(self, hidden, labels, doc_ids, input_ids=None):
+        return heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
+                          input_ids=input_ids, teacher_weight=self.teacher_weight,
+                          lm_head_weight=self.lm_head_weight)
+
+
+class _FrozenHeads:
+    """Shared by the online and cached sources: heads on frozen features; ``features(batch)`` differs."""
+
+    def __init__(self, cfg, backbone, device: torch.device):
+        self.cfg, self.backbone, self.device = cfg, backbone, device
+        self.backbone_targets = cfg.heads.targets == "backbone"  # losses.backbone_labels
+
+    def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
+        self.module = HeadsWithLoss(heads, weights, inv_map, self.cfg.heads.teacher_weight,
+                                    lm_head_weight(self.backbone.model))
+        return self.module
+
+    def param_groups(self, lr: float) -> list:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def describe(self) -> str:
+        return "frozen"
+
+    def features(self, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+    def loss(self, engine, batch: dict, step: int) -> torch.Tensor:
+        dev = self.device
+        ids, labels, doc = batch["input_ids"].to(dev), batch["labels"].to(dev), batch["doc_ids"].to(dev)
+        hidden, greedy = self.features(batch)
+        if self.backbone_targets:
+            labels = backbone_labels(labels, doc, greedy.to(dev))
+        return engine(hidden, labels, doc, ids)
+
+    def export_extra(self, engine) -> Optional[Callable]:
+        return None
+
+    def after_export(self, output_dir) -> None:
+        return None
+
+
+class OnlineSource(_FrozenHeads):
+    """The backbone runs under ``no_grad`` on each micro-batch of this rank's stream."""
+
+    def __init__(self, cfg, backbone, device, data: RankData, compute_dtype: torch.dtype):
+        super().__init__(cfg, backbone, device)
+        self.data = data
+        self.stats, self.read_stats = data.stats, data.read_stats
+        self.frozen = FrozenFeatures(backbone.model, cfg.data.packing, compute_dtype, device)
+
+    def batches(self, epoch: int = 0, index: int = 0):
+        return self.data.batches(epoch, index)
+
+    def eval_batches(self) -> list[dict]:
+        return self.data.eval_batches()
+
+    def features(self, batch: dict):
+        f = self.frozen.features(batch, greedy=self.backbone_targets)
+        return f["hidden"], f.get("greedy")
+
+
+class CachedSource(_FrozenHeads):
+    """Batches (with hidden states and greedy ids) from the feature cache, built first where missing."""
+
+    def __init__(self, cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):
+        super().__init__(cfg, backbone, device)
+        self.compute_dtype, self.plan = compute_dtype, plan
+        frozen = FrozenFeatures(backbone.model, cfg.data.packing, compute_dtype, device)  # building only
+        self.cache, self.manifest = features.open_cache(cfg, backbone, frozen, plan, data.eval_batches)
+        self.stats, self.read_stats = features.stream_stats(self.manifest)
+
+    def batches(self, epoch: int = 0, index: int = 0):
+        return features.CachedBatches(self.cache, self.manifest, self.plan.rank, self.plan.world_size,
+                                      self.cfg.trainer.seed, self.device, self.compute_dtype, self.stats,
+                                      epoch, index)
+
+    def eval_batches(self) -> list[dict]:
+        return self.cache.eval_batches(self.device, self.compute_dtype)
+
+    def features(self, batch: dict):
+        return batch["hidden"], batch["greedy"]
+
+
+def make_source(cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):
+    """The one batch source this recipe trains from (``lora.enabled`` / ``features.mode``)."""
+    if cfg.lora.enabled:
+        from .lora import JointSource
+
+        return JointSource(cfg, backbone, device, data)
+    if features.enabled(cfg):
+        return CachedSource(cfg, backbone, device, data, compute_dtype, plan)
+    return OnlineSource(cfg, backbone, device, data, compute_dtype)
