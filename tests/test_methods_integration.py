@@ -11,15 +11,12 @@ import json
 import pytest
 
 from inference import assets
-from inference.methods import generate
-from inference.methods.registry import extra_parameters
-from inference.methods.lookahead import LookaheadSettings
-from inference.methods import generate
 from inference.backbone import load_backbone
-from inference.runtime.model import MedusaModel
 from inference.methods import generate
 from inference.methods.draft import DraftSettings, load_draft
-from inference.methods import generate
+from inference.methods.lookahead import LookaheadSettings
+from inference.methods.registry import extra_parameters
+from inference.runtime.model import MedusaModel
 
 from runtime_support import one_thread  # noqa: F401 (autouse: 1 thread is ~3x faster on the shared box)
 

@@ -1,4 +1,4 @@
-"""Medusa + prompt lookup in one forward (inference/hybrid.py, method ``medusa_lookup``): the trie
+"""Medusa + prompt lookup in one forward (inference/methods/medusa_lookup.py): the trie
 merge, forced acceptance with a scripted model, the no-match step, greedy identity and exact
 caches on tiny random Llamas, exact sampling on the merged trie, and the harness / CLI wiring."""
 

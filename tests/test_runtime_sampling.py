@@ -6,7 +6,7 @@ gives the backbone's next-token distribution in every context decoding can reach
 hidden states the heads read. Two Medusa steps (enough for three tokens) are then simulated
 for 2*10^5 independent trials at once with the runtime's own ``propose`` and
 ``verify_sample``. Deliberately broken rules must fail the same test, so it has the power to
-see a bias. A smaller end-to-end run through ``medusa_generate`` checks the decoding loop.
+see a bias. A smaller end-to-end run through ``generate(..., "medusa")`` checks the decoding loop.
 """
 
 import pytest

@@ -1,17 +1,16 @@
-"""Draft-model speculative sampling (inference/speculative.py): forced acceptance with scripted
+"""Draft-model speculative sampling (inference/methods/draft.py): forced acceptance with scripted
 models, greedy identity and cache roll-back on tiny random Llamas, the self-draft, bad input,
 and exactness of the sampler by chi-square (with broken rules that must fail the same test)."""
 
 import pytest
 import torch
 
-from inference.methods import generate
 from inference.errors import UserError
+from inference.methods import generate, stream
+from inference.methods.draft import (DraftDecoder, DraftSettings, accept_drafts, check_draft_compatible, load_draft,
+                                     self_draft)
 from inference.methods.registry import extra_parameters
 from inference.runtime.model import MedusaModel
-from inference.methods.draft import DraftDecoder, DraftSettings, accept_drafts, check_draft_compatible, load_draft, self_draft
-from inference.methods import generate
-from inference.methods import stream
 from inference.runtime.verify import SamplingConfig, filter_probs
 
 from runtime_support import one_thread, sequential_kv, tiny_llama  # noqa: F401 (autouse fixture)
