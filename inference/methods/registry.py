@@ -14,6 +14,7 @@ help read this registry; adding a method is its own file plus one ``register(Met
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -104,7 +105,26 @@ class Method:
         return [f.metadata["key"] for f in dataclasses.fields(self.options) if f.metadata.get("key")]
 
 
+# The built-in methods, in the order reports and ``--help`` list them: the module that defines and
+# registers each. Adding a built-in method is its module plus one line here.
+BUILTIN_MODULES = (
+    "inference.methods.medusa",
+    "inference.methods.draft",
+    "inference.methods.lookahead",
+    "inference.methods.prompt_lookup",
+    "inference.methods.medusa_lookup",
+    "inference.methods.autoregressive",
+    "inference.methods.hf_generate",
+)
+
 _METHODS: dict[str, Method] = {}
+
+
+def _load_builtins() -> None:
+    """Import the built-in method modules (each registers itself); by name, so this module never
+    imports the methods that import it."""
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
 
 
 def register(method: Method) -> Method:
@@ -122,10 +142,12 @@ def unregister(name: str) -> None:
 
 def names() -> tuple[str, ...]:
     """Registered methods in registration order, the baselines last."""
+    _load_builtins()
     return tuple(sorted(_METHODS, key=lambda x: _METHODS[x].baseline))
 
 
 def get(name: str) -> Method:
+    _load_builtins()
     if name not in _METHODS:
         raise UserError(f"unknown method {name!r}; choose from {', '.join(names())}")
     return _METHODS[name]
