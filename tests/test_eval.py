@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from inference.runtime.decode import GenerationOutput
 from inference.errors import UserError

@@ -40,7 +40,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import UserError
-from ..runtime.decode import GenerationOutput
 from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
 from ..runtime.tree import expected_tau, resolve_tree

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..heads.native import load_state_checked
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
 from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter
@@ -107,10 +108,7 @@ def load(d: Path, spec: HeadsSpec):
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise UserError(f"{d / WEIGHTS} lacks {missing[:4]} for an mlp_speculator of {spec.num_heads} steps")
-    for name, t in expected.items():
-        if tuple(tensors[name].shape) != tuple(t.shape):
-            raise UserError(f"{d / WEIGHTS}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(t.shape)}")
-    heads.load_state_dict({k: tensors[k] for k in expected}, strict=True)
+    load_state_checked(heads, {k: tensors[k] for k in expected}, d / WEIGHTS)
     return heads, None
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import UserError
 from ..heads.medusa import MedusaHeads
+from ..heads.native import load_state_checked
 from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, full_projection, materialise_note,
                      megabytes, refuse_unless_kind, register_exporter)
@@ -261,11 +262,7 @@ def load(d: Path, spec: HeadsSpec) -> tuple[MedusaHeads, None]:
             state[f"blocks.{h}.{l}.linear.bias"] = tensors[f"{h}.{l}.linear.bias"]
         if spec.projection == "own":
             state[f"projections.{h}.weight"] = tensors[f"{h}.{L}.weight"]
-    expected = heads.state_dict()
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise UserError(f"{d}: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}")
-    heads.load_state_dict(state, strict=True)
+    load_state_checked(heads, state, d)
     return heads, None
 
 

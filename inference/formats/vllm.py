@@ -32,6 +32,7 @@ import torch
 
 from ..errors import UserError
 from ..heads.medusa import MedusaHeads
+from ..heads.native import load_state_checked
 from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, megabytes, refuse_unless_kind,
                      register_exporter)
@@ -232,11 +233,7 @@ def load(d: Path, spec: HeadsSpec) -> tuple[MedusaHeads, torch.Tensor | None]:
             if token_map is not None and w.shape[0] > token_map.shape[0]:
                 w = w[token_map]  # vLLM slices a full-vocabulary head by the map the same way
             state[f"projections.{h}.weight"] = w
-    expected = heads.state_dict()
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise UserError(f"{d}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
-    heads.load_state_dict(state, strict=True)
+    load_state_checked(heads, state, d)
     return heads, shared
 
 

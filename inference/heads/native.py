@@ -124,17 +124,23 @@ def load_native(heads_dir: str | os.PathLike, backbone_config=None,
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
         raise UserError(f"{d / WEIGHTS_FILE} does not match its config: missing {missing[:4]}, unexpected {extra[:4]}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise UserError(
-                f"{d / WEIGHTS_FILE}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
-    heads.load_state_dict(tensors, strict=True)
+    load_state_checked(heads, tensors, d / WEIGHTS_FILE)
     if heads.needs_lm_head and lm_head_weight is None:
         raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
     if heads.needs_input_embeddings and input_embeddings is None:
         raise UserError(f"{spec.kind} heads in {d} read the backbone's input embeddings: pass the backbone to load them")
     heads.attach_backbone(lm_head_weight, input_embeddings)
     return place(heads, device, dtype)
+
+
+def load_state_checked(heads: ProjectedHeads, state: dict[str, torch.Tensor], where) -> None:
+    """``heads.load_state_dict(state, strict=True)``, but a tensor whose shape is not what the spec
+    implies is refused in one line naming it (torch's error lists every mismatch over many lines)."""
+    expected = heads.state_dict()
+    for name, t in state.items():
+        if name in expected and tuple(t.shape) != tuple(expected[name].shape):
+            raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
+    heads.load_state_dict(state, strict=True)
 
 
 def place(heads: ProjectedHeads, device, dtype: Optional[torch.dtype]) -> ProjectedHeads:

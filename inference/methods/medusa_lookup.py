@@ -47,7 +47,7 @@ from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .draft import chain_sampling
-from .medusa import tree_depth, tree_nodes
+from .medusa import tree_nodes
 from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings
 from .registry import Method, heads_costs, option, register
 
