@@ -1,6 +1,6 @@
 """The backbone, loaded once for both halves: one loader, one dtype table, one EOS rule.
 
-The trainer (``medusa_train.backbone``) and the runtime (``inference.model``) both load their
+The trainer (``medusa_train.backbone``) and the runtime (``inference.loading``, ``inference.runtime.model``) both load their
 backbone here, so a model that trains also decodes, with the same dtype spelling, the same
 end-of-sequence ids and the same errors. Anything the backbone name can be is resolved by
 ``assets.resolve_backbone_path``: ``embedded:smollm2``, a local folder (optionally a GGUF file
