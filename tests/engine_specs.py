@@ -12,11 +12,19 @@ tensor names, shapes and dtypes, and what it silently ignores. Each returns a li
   TensorRT-LLM  NVIDIA/TensorRT-LLM
                   tensorrt_llm/models/medusa/weight.py (load_medusa_hf)  commit 27712aa7720aa3e6a594ad3cc678625490cb479d
                   examples/medusa/convert_checkpoint.py                  commit 063e02f73410f2f9172a581ca5e3f41d0d3dab8e
+                    (same flag handling at b93e14ca093e446615f3009cae6ca5a33c4f2f56)
+                  tensorrt_llm/models/medusa/config.py (MedusaConfig.from_hugging_face)
+                                                                         commit 084a8843ce92c0d349a90e0d4f8ed1232fe8ddbb
+                  examples/medusa/README.md (run.py --medusa_choices: a list of paths)
   TGI           huggingface/text-generation-inference
                   server/text_generation_server/layers/medusa.py       commit 91560ed931b217ddb1ee152891d20440fef331d4
                   server/text_generation_server/layers/speculative.py  commit c09f5bc93071e2701e201bb374d488e4673fac3d
                   server/text_generation_server/models/__init__.py (get_model: "medusa_num_heads" in config)
+                  launcher/src/main.rs (resolve_attention, RawConfig -> Config) and
+                  router/src/server.rs (legacy_tokenizer_handle)       commit db931fcf42da018a3657580c64bf2720f167f9ab
   Medusa        FasterDecoding/Medusa medusa/model/medusa_model.py     commit 60eeab92e98adb0e787987493b11fa38535a8260
+                  (from_pretrained's fallback: medusa_num_heads = 5, strict=False; utils.py TOPK = 10;
+                  the same at e2a5d20c048a9b0a4092e6933c34313687422518)
   vLLM mlp_speculator  vllm/model_executor/models/mlp_speculator.py and
                   vllm/transformers_utils/configs/mlp_speculator.py (v0.8-v0.10, read through the
                   stored index; the MLPSpeculator class there: emb/proj/ln/head, tie_weights, scale_input)
@@ -140,8 +148,44 @@ def check_vllm(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
 
 
 # -- TensorRT-LLM ------------------------------------------------------------------------------
-def check_tensorrt_llm(d: Path, hidden_size: int, vocab_size: int, num_medusa_heads: int) -> list[str]:
-    """``load_medusa_hf`` as ``convert_checkpoint.py --num_medusa_heads K`` calls it (its default K is 4)."""
+TRTLLM_DEFAULT_HEADS = 4   # convert_checkpoint.py --num_medusa_heads default
+TRTLLM_DEFAULT_LAYERS = 1  # convert_checkpoint.py --num_medusa_layers default
+
+
+def tensorrt_llm_flags(command: str) -> dict:
+    """The ``--num_medusa_heads`` / ``--num_medusa_layers`` values a printed convert command passes."""
+    import re
+
+    return {k: int(m[1]) for k in ("num_medusa_heads", "num_medusa_layers")
+            if (m := re.search(rf"--{k}[ =](\d+)", command))}
+
+
+def tensorrt_llm_convert(d: Path, num_medusa_heads: int | None = None, num_medusa_layers: int | None = None) -> dict:
+    """What ``convert_checkpoint.py --medusa_model_dir d`` + ``trtllm-build`` end up with.
+
+    The flags default to 4 heads and 1 layer. The engine config.json is written from the flags
+    first; only then are the heads' config read: ``args.num_medusa_layers = config.get(
+    'medusa_num_layers', args.num_medusa_layers)`` (so ``load_medusa_hf`` reads every layer) and the
+    heads' ``medusa_num_heads`` only if the flag is None (never, with its default). trtllm-build builds
+    ``num_medusa_layers`` from the engine config and only warns about the checkpoint's unused tensors.
+    Returns {"engine_heads", "engine_layers", "loaded_layers"}.
+    """
+    heads = TRTLLM_DEFAULT_HEADS if num_medusa_heads is None else num_medusa_heads
+    engine_layers = TRTLLM_DEFAULT_LAYERS if num_medusa_layers is None else num_medusa_layers
+    cfg = json.loads((d / "config.json").read_text())
+    loaded_layers = cfg.get("medusa_num_layers", engine_layers)
+    return {"engine_heads": heads, "engine_layers": engine_layers, "loaded_layers": loaded_layers}
+
+
+def tensorrt_llm_llmapi_counts(d: Path) -> tuple:
+    """``MedusaConfig.from_hugging_face`` (LLM API) without a speculative_config: the keys it reads here."""
+    cfg = json.loads((d / "config.json").read_text())
+    return cfg.get("num_medusa_heads"), cfg.get("medusa_num_layers")
+
+
+def check_tensorrt_llm(d: Path, hidden_size: int, vocab_size: int, num_medusa_heads: int,
+                       num_medusa_layers: int | None = None) -> list[str]:
+    """``load_medusa_hf`` as ``convert_checkpoint.py --num_medusa_heads K [--num_medusa_layers L]`` calls it."""
     problems = []
     if (d / "medusa_lm_head.pt").exists():
         problems.append("medusa_lm_head.pt exists: TensorRT-LLM reads it before the safetensors file")
@@ -154,6 +198,14 @@ def check_tensorrt_llm(d: Path, hidden_size: int, vocab_size: int, num_medusa_he
         problems.append("config lacks medusa_num_layers: TensorRT-LLM would assume 1")
     if cfg.get("medusa_num_heads") != num_medusa_heads:
         problems.append(f"config medusa_num_heads {cfg.get('medusa_num_heads')} != {num_medusa_heads}")
+    llm_heads, llm_layers = tensorrt_llm_llmapi_counts(d)
+    if llm_heads != num_medusa_heads:
+        problems.append(f"config num_medusa_heads {llm_heads} != {num_medusa_heads}: the LLM API's "
+                        "MedusaConfig.from_hugging_face reads that key")
+    built = tensorrt_llm_convert(d, num_medusa_heads, num_medusa_layers)
+    if built["engine_layers"] != built["loaded_layers"]:
+        problems.append(f"the engine is built with {built['engine_layers']} layer(s) per head (--num_medusa_layers), "
+                        f"the heads have {built['loaded_layers']}: trtllm-build silently drops the rest")
     tensors = _tensors(f)
     problems += _dtype_problems(tensors)
     wanted = {}
@@ -169,6 +221,39 @@ def check_tensorrt_llm(d: Path, hidden_size: int, vocab_size: int, num_medusa_he
             problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
     for name in sorted(set(tensors) - set(wanted)):
         problems.append(f"{name} is never read by TensorRT-LLM")
+    return problems
+
+
+# -- Medusa trees (medusa_choices) -------------------------------------------------------------
+REFERENCE_TOPK = 10   # FasterDecoding medusa/model/utils.py TOPK: candidates per head
+REFERENCE_HEADS = 5   # FasterDecoding MedusaModel.from_pretrained fallback: medusa_num_heads = 5
+
+
+def check_tree_file(path: Path, trained_heads: int) -> list[str]:
+    """A ``medusa_choices`` list as ``generate_medusa_buffers`` / ``run.py --medusa_choices`` take it.
+
+    Nodes at depth d are scored by head d-1: a path deeper than the trained heads consults a head
+    the reference loader left at its random init (strict=False), and a rank >= TOPK indexes past the
+    candidates FasterDecoding gathers."""
+    if not path.is_file():
+        return [f"{path.name} is missing: the engines' default trees (depth 4) would be used"]
+    choices = json.loads(path.read_text())
+    if not isinstance(choices, list) or not all(
+            isinstance(p, list) and p and all(isinstance(r, int) and r >= 0 for r in p) for p in choices):
+        return [f"{path.name} must be a bare list of paths such as [[0], [0, 0], [1]]"]
+    problems = []
+    paths = {tuple(p) for p in choices}
+    if len(paths) != len(choices):
+        problems.append(f"{path.name} repeats a path")
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in paths:
+            problems.append(f"path {list(p)} has no parent in {path.name}")
+            break
+    depth = max((len(p) for p in paths), default=0)
+    if depth > trained_heads:
+        problems.append(f"tree depth {depth} > {trained_heads} trained heads: deeper nodes use random heads")
+    if any(r >= REFERENCE_TOPK for p in paths for r in p):
+        problems.append(f"a rank >= {REFERENCE_TOPK}: FasterDecoding gathers only the top {REFERENCE_TOPK} per head")
     return problems
 
 
@@ -188,6 +273,40 @@ def tgi_layout(d: Path) -> str | None:
     return "v2" if v2 else None
 
 
+def tgi_launcher_attention(d: Path, compute_capability=(9, 0), env: dict | None = None) -> tuple[str, str]:
+    """(PREFIX_CACHING, ATTENTION) as TGI's launcher resolves them from ``d/config.json``.
+
+    ``RawConfig -> Config``: head_dim = ``head_dim`` or ``hidden_size / num_attention_heads`` when it
+    divides (``text_config.head_dim`` as a fallback; ``gemma3`` -> 256). ``resolve_attention``: VLM /
+    encoder-decoder configs disable prefix caching; a head size of 64, 128 or 256 keeps flashinfer
+    (falcon / deepseek_v2 force the fallback); any other or unknown head size forces the fallback
+    ("flashdecoding" from compute capability 8, else "paged") and disables prefix caching."""
+    env = env or {}
+    raw = json.loads((d / "config.json").read_text())
+    prefix_caching, attention = env.get("PREFIX_CACHING"), env.get("ATTENTION")
+    hidden = raw.get("hidden_size") or raw.get("n_embd")
+    heads = raw.get("num_attention_heads")
+    head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads and hidden % heads == 0 else None)
+    if head_dim is None:
+        head_dim = (raw.get("text_config") or {}).get("head_dim")
+    if head_dim is None and raw.get("model_type") == "gemma3":
+        head_dim = 256
+    if prefix_caching is None and (raw.get("vision_config") is not None or raw.get("is_encoder_decoder")):
+        prefix_caching = "0"
+    fallback = "paged" if compute_capability is None or compute_capability[0] < 8 else "flashdecoding"
+    if head_dim in (64, 128, 256):
+        if raw.get("model_type") in ("falcon", "deepseek_v2"):
+            attention = attention or fallback
+            if fallback == "paged" and prefix_caching is None:
+                prefix_caching = "0"
+    else:
+        attention = attention or fallback
+        prefix_caching = prefix_caching or "0"
+    if attention == "paged" and prefix_caching is None:
+        prefix_caching = "0"
+    return prefix_caching or "true", attention or "flashinfer"
+
+
 def check_tgi(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
     """``get_model`` + ``SpeculativeHead.load`` + ``MedusaHeadV1`` / ``MedusaHeadV2``."""
     problems = []
@@ -201,6 +320,8 @@ def check_tgi(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
         problems.append("no base_model_name_or_path: TGI loads the backbone from it")
     if "architectures" in cfg:
         problems.append("an 'architectures' key makes TGI look for an MLP speculator and drop the heads")
+    if "model_type" in cfg:
+        problems.append("a 'model_type' key stops TGI's router from taking the tokenizer from base_model_name_or_path")
     if "medusa_num_layers" not in cfg:
         problems.append("no medusa_num_layers: KeyError in both Medusa loaders")
     tensors = _tensors(f)
@@ -241,7 +362,12 @@ def check_reference_medusa(d: Path, hidden_size: int, vocab_size: int) -> list[s
     for key in ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"):
         if key not in cfg:
             problems.append(f"config lacks {key}: MedusaConfig would silently use its default")
-    K, L = cfg.get("medusa_num_heads", 4), cfg.get("medusa_num_layers", 1)
+    # from_pretrained's fallback path (AutoConfig cannot read a config without model_type) builds
+    # REFERENCE_HEADS heads whatever medusa_num_heads says; strict=False leaves the missing ones random.
+    K_trained, L = cfg.get("medusa_num_heads", 4), cfg.get("medusa_num_layers", 1)
+    K = min(K_trained, REFERENCE_HEADS)
+    if K_trained < REFERENCE_HEADS:
+        problems += [f"with {K_trained} heads: " + p for p in check_tree_file(d / "medusa_choices.json", K_trained)]
     tensors = _tensors(f)
     problems += _dtype_problems(tensors)
     # The state dict of ModuleList([Sequential(*[ResBlock] * L, Linear(H, V, bias=False))] * K).

@@ -173,3 +173,63 @@ def test_console_script_exits_2_with_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "unknown format 'nope'" in lines[0], proc.stderr
+
+
+def test_tensorrt_llm_command_passes_the_layer_count_and_the_tree(backbone_dir, tmp_path, capsys):
+    """Guards against: the printed convert command leaving --num_medusa_layers at its default (1), so
+    trtllm-build silently keeps one of two layers per head; and no tree no deeper than the heads."""
+    from engine_specs import check_tree_file, tensorrt_llm_convert, tensorrt_llm_flags
+
+    _, model = backbone_dir
+    src = heads_dir(tmp_path, model, num_layers=2)
+    code, out, err = run([f"heads={src}", "format=tensorrt_llm", f"out={tmp_path / 't'}"], capsys)
+    assert code == 0, err
+    serve = next(l for l in out.splitlines() if l.startswith("serve: "))
+    flags = tensorrt_llm_flags(serve)
+    assert flags == {"num_medusa_heads": 3, "num_medusa_layers": 2}
+    assert tensorrt_llm_convert(tmp_path / "t", **flags)["engine_layers"] == 2
+    assert check_tensorrt_llm(tmp_path / "t", HIDDEN, VOCAB, **flags) == []
+    assert "medusa_choices.json" in serve and "medusa_choices.json" in out.splitlines()[-1]  # in "wrote ..."
+    assert check_tree_file(tmp_path / "t" / "medusa_choices.json", 3) == []
+
+
+def test_medusa_v1_export_prints_how_to_pass_its_tree(backbone_dir, tmp_path, capsys):
+    """Guards against: FasterDecoding's 5-head loader running its depth-4 default trees on 3 trained
+    heads (the other two random) because the user was not told to pass the shipped tree."""
+    from engine_specs import check_reference_medusa
+
+    _, model = backbone_dir
+    src = heads_dir(tmp_path, model)
+    code, out, err = run([f"heads={src}", "format=medusa_v1", f"out={tmp_path / 'm'}"], capsys)
+    assert code == 0, err
+    assert "medusa_choices=json.load(open('<this dir>/medusa_choices.json'))" in out and "no deeper than 3" in out
+    assert check_reference_medusa(tmp_path / "m", HIDDEN, VOCAB) == []
+
+
+def test_tgi_export_reads_only_the_backbone_config_for_the_launcher(backbone_dir, tmp_path, capsys):
+    """Guards against: a TGI dir without the head size TGI's launcher needs (it would force its fallback
+    attention and disable prefix caching), or loading backbone weights just to write it."""
+    bdir, model = backbone_dir
+    src = heads_dir(tmp_path, model, base_model=str(bdir))
+    code, out, err = run([f"heads={src}", "format=tgi", f"out={tmp_path / 'g'}"], capsys)
+    assert code == 0 and not any("reading the lm_head" in l for l in err), err
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["head_dim"]) == (4, HIDDEN // 4)
+    assert check_tgi(tmp_path / "g", HIDDEN, VOCAB) == []
+    code, out, err = run([f"heads={heads_dir(tmp_path / 'r', model)}", "format=tgi", f"out={tmp_path / 'r' / 'g'}"],
+                         capsys)
+    assert code == 0 and "PREFIX_CACHING" in out  # random: backbone, no config: say what TGI will do
+
+
+def test_mlp_speculator_export_says_it_needs_vllms_v0_engine(tmp_path, capsys):
+    """Guards against: users serving an mlp_speculator export on vLLM's V1 engine, which has no
+    mlp_speculator path ("Unknown speculative decoding method"), without being told."""
+    from inference.heads.registry import build_heads
+    from inference.heads.spec import HeadsSpec
+
+    spec = HeadsSpec(num_heads=2, num_layers=0, hidden_size=HIDDEN, vocab_size=VOCAB, kind="mlp_speculator",
+                     base_model="org/base")
+    src = save_heads(build_heads(spec), tmp_path / "mlp")
+    code, out, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
+    assert code == 0, err
+    assert "V0 engine" in out and "Unknown speculative decoding method" in out and "VLLM_USE_V1=0" in out

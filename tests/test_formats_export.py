@@ -9,12 +9,16 @@ import types
 import pytest
 import torch
 
-from engine_specs import check_reference_medusa, check_tensorrt_llm, check_tgi, check_vllm, tgi_layout
+from engine_specs import (REFERENCE_HEADS, check_reference_medusa, check_tensorrt_llm, check_tgi, check_tree_file,
+                          check_vllm, tensorrt_llm_convert, tensorrt_llm_flags, tensorrt_llm_llmapi_counts,
+                          tgi_launcher_attention, tgi_layout)
 from inference.errors import UserError
 from inference.formats import FORMATS
 from inference.formats import export as export_mod
 from inference.formats.export import ExportOptions, export_heads, register_exporter
 from inference.loading import load_heads, read_heads_spec
+from inference.formats.reference import TREE_FILE
+from inference.runtime.tree import MedusaTree
 from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 
 VOCAB, HIDDEN, TRUNC = 96, 64, 20
@@ -77,8 +81,101 @@ def test_tensorrt_llm_export_matches_its_loader_spec(backbone, tmp_path, project
     config without medusa_num_layers (TensorRT-LLM would assume 1)."""
     heads = make_heads(backbone, projection, num_layers=2)
     r = export(heads, "tensorrt_llm", tmp_path / "t", backbone, materialize=True)
-    assert sorted(p.name for p in r.path.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
-    assert check_tensorrt_llm(r.path, HIDDEN, VOCAB, num_medusa_heads=3) == []
+    assert sorted(p.name for p in r.path.iterdir()) == ["config.json", TREE_FILE, "medusa_lm_head.safetensors"]
+    assert r.files == sorted(p.name for p in r.path.iterdir())
+    assert check_tensorrt_llm(r.path, HIDDEN, VOCAB, num_medusa_heads=3, num_medusa_layers=2) == []
+
+
+def serve_note(result) -> str:
+    return next(n for n in result.notes if n.startswith("serve: "))
+
+
+def test_tensorrt_llm_two_layer_heads_keep_both_layers_only_with_the_printed_flag(backbone, tmp_path):
+    """Guards against: convert_checkpoint.py building the engine with its --num_medusa_layers default (1)
+    before it reads the heads' config, so L=2 heads silently lose a layer unless the command passes it."""
+    r = export(make_heads(backbone, "own", num_layers=2), "tensorrt_llm", tmp_path / "t", backbone)
+    without = tensorrt_llm_convert(r.path, num_medusa_heads=3)
+    assert (without["engine_layers"], without["loaded_layers"]) == (1, 2)
+    assert any("silently drops" in p for p in check_tensorrt_llm(r.path, HIDDEN, VOCAB, num_medusa_heads=3))
+    flags = tensorrt_llm_flags(serve_note(r))
+    assert flags == {"num_medusa_heads": 3, "num_medusa_layers": 2}
+    built = tensorrt_llm_convert(r.path, **flags)
+    assert built == {"engine_heads": 3, "engine_layers": 2, "loaded_layers": 2}
+    assert check_tensorrt_llm(r.path, HIDDEN, VOCAB, **flags) == []
+
+
+def test_tensorrt_llm_config_has_the_head_count_key_its_llm_api_reads(backbone, tmp_path):
+    """Guards against: the LLM API's MedusaConfig.from_hugging_face finding no num_medusa_heads
+    (it reads that spelling, and medusa_num_layers) in the heads' config."""
+    r = export(make_heads(backbone, "own", num_layers=2), "tensorrt_llm", tmp_path / "t", backbone)
+    assert tensorrt_llm_llmapi_counts(r.path) == (3, 2)
+
+
+@pytest.mark.parametrize("fmt", ["tensorrt_llm", "medusa_v1"])
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 4, 6])
+def test_reference_layouts_ship_a_tree_no_deeper_than_the_heads(backbone, tmp_path, fmt, num_heads):
+    """Guards against: engines falling back to their default trees (depth 4) when fewer heads were
+    trained -- FasterDecoding builds 5 heads with strict=False, so the extra ones are random."""
+    r = export(make_heads(backbone, "own", num_heads=num_heads), fmt, tmp_path / "x", backbone)
+    tree = MedusaTree.load(r.path / TREE_FILE)
+    cap = min(num_heads, REFERENCE_HEADS) if fmt == "medusa_v1" else num_heads
+    assert tree.max_depth <= cap and tree.max_depth == min(cap, 4)
+    assert check_tree_file(r.path / TREE_FILE, cap) == []
+    assert any(TREE_FILE in n for n in r.notes) and TREE_FILE in serve_note(r)
+    assert isinstance(json.loads((r.path / TREE_FILE).read_text()), list)  # the bare list both engines take
+
+
+def test_reference_loader_without_a_tree_would_consult_random_heads(backbone, tmp_path):
+    """Guards against: a medusa_v1 export with fewer than 5 heads and no shallow tree (the restated
+    loader flags it), and a tree deeper than the trained heads."""
+    r = export(make_heads(backbone, "own", num_heads=2), "medusa_v1", tmp_path / "m", backbone)
+    assert check_reference_medusa(r.path, HIDDEN, VOCAB) == []
+    (r.path / TREE_FILE).write_text(json.dumps([[0], [0, 0], [0, 0, 0]]))
+    assert any("random heads" in p for p in check_reference_medusa(r.path, HIDDEN, VOCAB))
+    (r.path / TREE_FILE).unlink()
+    assert any("default trees" in p for p in check_reference_medusa(r.path, HIDDEN, VOCAB))
+
+
+def _tgi_backbone_config(head_dim=None, heads=1, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=heads, num_key_value_heads=heads,
+                       intermediate_size=2 * HIDDEN, num_hidden_layers=2, head_dim=head_dim, **kw)
+
+
+@pytest.mark.parametrize("projection,num_layers,layout", [("own", 2, "v1"), ("shared", 1, "v2")])
+def test_tgi_launcher_keeps_prefix_caching_with_the_backbone_head_size(backbone, tmp_path, projection, num_layers,
+                                                                      layout):
+    """Guards against: TGI's launcher reading no head size in the Medusa dir's config.json and forcing
+    its fallback attention with prefix caching off -- while keeping Medusa detection intact."""
+    heads = make_heads(backbone, projection, num_layers)
+    bare = export(heads, "tgi", tmp_path / "bare", backbone, materialize=True)
+    assert tgi_launcher_attention(bare.path) == ("0", "flashdecoding")  # the defect, as TGI resolves it
+    assert any("ATTENTION" in n for n in bare.notes)
+    r = export(heads, "tgi", tmp_path / "g", backbone, materialize=True,
+               backbone_config=lambda: _tgi_backbone_config())  # head size 64 / 1 = 64
+    cfg = json.loads((r.path / "config.json").read_text())
+    assert (cfg["head_dim"], cfg["num_attention_heads"]) == (HIDDEN, 1)
+    assert "model_type" not in cfg and "architectures" not in cfg
+    assert tgi_launcher_attention(r.path) == ("true", "flashinfer")
+    assert check_tgi(r.path, HIDDEN, VOCAB) == [] and tgi_layout(r.path) == layout
+
+
+def test_tgi_head_size_comes_from_the_backbone_and_falcon_keeps_tgis_own_choice(backbone, tmp_path):
+    """Guards against: a computed head size overriding the backbone's explicit head_dim, a wrong backbone
+    passing silently, and writing a head size for model types TGI routes by model_type."""
+    heads = make_heads(backbone, "own")
+    r = export(heads, "tgi", tmp_path / "g", backbone,
+               backbone_config=lambda: _tgi_backbone_config(head_dim=128, heads=4))
+    assert json.loads((r.path / "config.json").read_text())["head_dim"] == 128
+    assert tgi_launcher_attention(r.path) == ("true", "flashinfer")
+    falcon = {"model_type": "falcon", "hidden_size": HIDDEN, "num_attention_heads": 1}
+    r = export(heads, "tgi", tmp_path / "f", backbone, backbone_config=lambda: falcon)
+    assert "head_dim" not in json.loads((r.path / "config.json").read_text())
+    assert any("falcon" in n for n in r.notes)
+    with pytest.raises(UserError, match="wrong backbone"):
+        export(heads, "tgi", tmp_path / "w", backbone,
+               backbone_config=lambda: {"hidden_size": 2 * HIDDEN, "num_attention_heads": 1})
 
 
 @pytest.mark.parametrize("projection,num_layers,layout", [("own", 2, "v1"), ("shared", 1, "v2"),

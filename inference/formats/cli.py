@@ -11,7 +11,8 @@ Keys:
   out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true
   materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
                     that need them (tensorrt_llm, medusa_v1, tgi with >1 layer); prints the size cost
-  backbone=NAME     where the lm_head of shared heads is read (default: the heads' base model)
+  backbone=NAME     where the lm_head of shared heads is read, and for tgi the attention head size
+                    its launcher needs (config only) (default: the heads' base model)
   base_model=NAME   the base model written into the engine config (default: the heads' own);
                     use a hub id or path the engine can load
   dtype=NAME        keep (default) | float16 | bfloat16 | float32
@@ -94,12 +95,20 @@ def run_export(cfg) -> None:
             if not spec.vocab_size:  # TGI-v2 dir without vocab_size: the backbone's vocabulary
                 spec.vocab_size = model.config.vocab_size
             check_compatible(spec, model.config, where=f"heads in {src}")
+            loaded.setdefault("config", model.config)
             heads_dtype = next((p.dtype for p in heads.parameters()), torch.float32)
             loaded["w"] = model.get_output_embeddings().weight.detach().to(heads_dtype).clone()
         return loaded["w"]
 
+    def backbone_config():
+        """The backbone's config without its weights (None when it cannot be read: a note says so)."""
+        if "config" not in loaded:
+            loaded["config"] = _read_backbone_config(cfg.backbone or spec.base_model, cfg.trust_remote_code)
+        return loaded["config"]
+
     options = ExportOptions(materialize=cfg.materialize, lm_head=backbone_lm_head,
-                            base_model=cfg.base_model or "", dtype=dtypes[cfg.dtype])
+                            base_model=cfg.base_model or "", dtype=dtypes[cfg.dtype],
+                            backbone_config=backbone_config)
     result = export_heads(heads, cfg.format, out, overwrite=cfg.overwrite, options=options)
     for note in result.notes:
         print(note)
@@ -108,6 +117,23 @@ def run_export(cfg) -> None:
         print(f"note: the config records base model {base!r}, which engines cannot load: "
               "pass base_model=<hub id or path>")
     print(f"wrote {result.path} ({', '.join(result.files)}; weights {megabytes(result.weight_bytes)})")
+
+
+def _read_backbone_config(name: Optional[str], trust_remote_code: bool):
+    """A transformers config for ``name`` (local dir, hub id or ``embedded:``), or None."""
+    from ..errors import UserError
+
+    if not name or name.startswith("random:"):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        from ..assets import resolve_backbone_path
+
+        path, _ = resolve_backbone_path(name)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, UserError):
+        return None
 
 
 def export_main(argv: Optional[list[str]] = None) -> None:

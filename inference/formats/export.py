@@ -39,12 +39,16 @@ class ExportOptions:
                  exporters that need it, so formats that do not never load the backbone.
     base_model:  the name written into the engine config (hub id or path the engine can load).
     dtype:       cast floating tensors to this dtype (None keeps the heads' own).
+    backbone_config: a callable giving the backbone's transformers config (or None when it cannot
+                 be read); called only by exporters that copy backbone facts into the engine
+                 config (TGI: the attention head size its launcher reads), never loads weights.
     """
 
     materialize: bool = False
     lm_head: Optional[Callable[[], torch.Tensor]] = None
     base_model: str = ""
     dtype: Optional[torch.dtype] = None
+    backbone_config: Optional[Callable[[], object]] = None
 
     def backbone_lm_head(self, heads) -> torch.Tensor:
         """The lm_head matrix shared heads project with: the one attached to ``heads`` if any
@@ -63,12 +67,14 @@ class ExportOptions:
 
 @dataclasses.dataclass
 class ExportPlan:
-    """Exactly what goes on disk: ``config.json``, one safetensors file, and lines for the user."""
+    """Exactly what goes on disk: ``config.json``, one safetensors file, small text files beside
+    them (``extra_files``: name -> content, e.g. a Medusa tree), and lines for the user."""
 
     config: dict
     weights_file: str
     tensors: dict[str, torch.Tensor]
     notes: list[str] = dataclasses.field(default_factory=list)
+    extra_files: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def weight_bytes(self) -> int:
@@ -126,7 +132,8 @@ def export_heads(heads, format_name: str, out, *, overwrite: bool = False,
     check_out_dir(out, overwrite)
     plan = plan_export(heads, format_name, options)
     write_plan(plan, out)
-    return ExportResult(path=out, files=sorted(["config.json", plan.weights_file]),
+    write_extra_files(plan, out)
+    return ExportResult(path=out, files=sorted(["config.json", plan.weights_file, *plan.extra_files]),
                         weight_bytes=plan.weight_bytes, notes=plan.notes)
 
 
@@ -158,6 +165,27 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_extra_files(plan: ExportPlan, out: Path) -> None:
+    """The plan's small text files, each written beside ``out``'s weights and renamed into place.
+
+    After ``write_plan`` (which swaps in config + weights atomically): a crash in between leaves
+    a loadable directory without the extra file, never a half-written one."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name, text in plan.extra_files.items():
+        if "/" in name or name in ("config.json", plan.weights_file):
+            raise ValueError(f"extra file name {name!r} must be a plain name other than the plan's own files")
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=out)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, out / name)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 # -- helpers shared by exporters --------------------------------------------------------------

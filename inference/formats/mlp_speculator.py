@@ -11,6 +11,16 @@ head.0 (vLLM repeats one module, so ``named_parameters`` holds those names alone
 no parameters. The loader strips a ``speculator.`` prefix and silently skips unknown names,
 so a wrong name would load as an uninitialised tensor: the names here are exactly its own.
 
+Which vLLM serves it: only versions that still have the V0 engine. vLLM's V1 engine has no
+``mlp_speculator`` path: ``GPUModelRunner.__init__`` (vllm/v1/worker/gpu_model_runner.py, commit
+000fc94b754f66aeb60ef5acf1ea2e94cdc65164) builds a drafter for ngram, suffix, eagle/eagle3, medusa,
+draft models and a few MTP kinds and raises ``ValueError("Unknown speculative decoding method: ...")``
+for anything else, and the model registry (vllm/model_executor/models/registry.py, commit
+0002bff0b6cb36a3c8a17364de3303664463c412) has ``MLPSpeculatorPreTrainedModel`` commented out
+("Temporarily disabled ... Re-enable this once the MLP Speculator is supported in V1"); the same
+registry lists models dropped with the V0 engine as last supported in 0.10.2. So this export serves on
+vLLM 0.10.x or older with the V0 engine (``VLLM_USE_V1=0``), and ``medusa-export`` says so.
+
 The head is a full-vocabulary matrix: ``projection=own`` exports as is; ``shared`` and
 ``truncated`` only with ``materialize=true`` (as for Medusa heads, see ``full_projection``).
 """
@@ -72,6 +82,8 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
     }
     notes.append(f"serve with: --speculative-config '{{\"model\": \"<this dir>\", \"num_speculative_tokens\": "
                  f"{spec.num_heads}}}' (vLLM reads model_type {MODEL_TYPE})")
+    notes.append(f"note: only vLLM versions with the V0 engine serve {MODEL_TYPE} (0.10.x or older, with "
+                 "VLLM_USE_V1=0); vLLM's V1 engine refuses it (\"Unknown speculative decoding method\")")
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
 
 

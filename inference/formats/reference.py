@@ -8,10 +8,22 @@ head's projection ``{h}.{L}.weight`` [vocab, hidden] (no bias): the state dict o
 Read from the loaders themselves:
   TensorRT-LLM  tensorrt_llm/models/medusa/weight.py ``load_medusa_hf`` (NVIDIA/TensorRT-LLM
                 commit 27712aa7720aa3e6a594ad3cc678625490cb479d) and examples/medusa/convert_checkpoint.py
-                (commit 063e02f73410f2f9172a581ca5e3f41d0d3dab8e): reads ``medusa_lm_head.pt`` if present,
-                else ``medusa_lm_head.safetensors``; config ``medusa_num_layers`` (and
-                ``medusa_num_heads`` only when ``--num_medusa_heads`` is not given: its default is 4,
-                so pass it); a projection per head is required (``{h}.{L}.weight``).
+                (commit 063e02f73410f2f9172a581ca5e3f41d0d3dab8e; the same flag handling at
+                b93e14ca093e446615f3009cae6ca5a33c4f2f56):
+                reads ``medusa_lm_head.pt`` if present, else ``medusa_lm_head.safetensors``; a projection
+                per head is required (``{h}.{L}.weight``). Its CLI flags win over the heads' config:
+                ``--num_medusa_heads`` defaults to 4 (the config's ``medusa_num_heads`` is read only when
+                the flag is None, which its default never is), and the engine config it writes takes
+                ``num_medusa_layers`` from ``--num_medusa_layers`` (default 1) *before* it reads the
+                heads' ``medusa_num_layers``: heads with L > 1 layers load all L into the checkpoint but
+                the engine is built with one (trtllm-build only warns about the unused tensors). So the
+                printed command passes ``--num_medusa_heads K --num_medusa_layers L``.
+                The LLM API's ``MedusaConfig.from_hugging_face`` (tensorrt_llm/models/medusa/config.py,
+                commit 084a8843ce92c0d349a90e0d4f8ed1232fe8ddbb) reads ``num_medusa_heads`` (not
+                ``medusa_num_heads``) and ``medusa_num_layers`` from this dir's config.json: the export
+                writes both spellings of the head count. ``examples/run.py --medusa_choices`` takes the
+                tree as a list of paths (examples/medusa/README.md): the export writes one beside the
+                heads (``medusa_choices.json``, see below).
   TGI           server/text_generation_server/layers/medusa.py and layers/speculative.py
                 (huggingface/text-generation-inference commits 91560ed931b217ddb1ee152891d20440fef331d4,
                 c09f5bc93071e2701e201bb374d488e4673fac3d), models/__init__.py ``get_model``: a model dir whose
@@ -20,10 +32,35 @@ Read from the loaders themselves:
                 TGI looks for an MLP speculator and otherwise silently runs without speculation).
                 v1 = per-head projections as above; when ``{h}.{L}.weight`` is missing TGI falls back
                 to v2: only ``{h}.0.linear.*`` and the base lm_head, ``medusa_num_layers`` must be 1.
+                The launcher (launcher/src/main.rs ``resolve_attention``, commit
+                db931fcf42da018a3657580c64bf2720f167f9ab) reads the *model dir's* config.json, i.e. this
+                one: without a head size (``head_dim``, or ``hidden_size / num_attention_heads``) it logs
+                "Forcing attention to ... because head dim is not supported by flashinfer, also disabling
+                prefix caching". With the backbone's ``head_dim`` and ``num_attention_heads`` here it takes
+                the same path as for the backbone alone (flashinfer + prefix caching when the head size is
+                64, 128 or 256). That is safe: ``get_model`` tests only ``medusa_num_heads`` and then reloads
+                the config from ``base_model_name_or_path``; ``SpeculativeHead.load`` reads only
+                ``architectures`` / ``medusa_num_layers`` here. What the export must NOT add:
+                ``architectures`` (see above) and ``model_type`` -- the router's
+                ``legacy_tokenizer_handle`` (router/src/server.rs) takes the tokenizer from
+                ``base_model_name_or_path`` only when ``model_type`` is absent, and this dir has none.
+                Without model_type the launcher's per-model rule (falcon, deepseek_v2: force the fallback
+                attention) cannot fire, so for those backbones no head size is written and the note says
+                to set ``ATTENTION`` / ``PREFIX_CACHING`` as for the backbone; multimodal and
+                encoder-decoder backbones (prefix caching off in TGI) likewise get no head size.
   Medusa        FasterDecoding/Medusa medusa/model/medusa_model.py (commit 60eeab92e98adb0e787987493b11fa38535a8260):
                 ``MedusaConfig`` {medusa_num_heads, medusa_num_layers, base_model_name_or_path};
                 ``from_pretrained`` reads ``medusa_lm_head.pt`` only and builds ``[ResBlock] * L``
-                (one block repeated), so it cannot hold L > 1 distinct layers.
+                (one block repeated), so it cannot hold L > 1 distinct layers. Its fallback path sets
+                ``medusa_num_heads = 5`` whatever the config says and loads with ``strict=False``: with
+                K < 5 heads the rest keep their random init, and its default trees (``mc_sim_7b_63`` and
+                the ``*_stage2`` trees from ``get_medusa_choice``, depth 4) consult them. Candidates are
+                the top ``TOPK = 10`` of each head (medusa/model/utils.py), so a tree rank must be < 10.
+
+Trees (``medusa_choices.json``, tensorrt_llm and medusa_v1): a bare JSON list of paths, the format
+both ``medusa_generate(medusa_choices=...)`` and TensorRT-LLM's ``run.py --medusa_choices`` take,
+grown like the ``treeN`` defaults of ``inference.runtime.tree`` (63 nodes from the Medusa paper's
+per-head accuracies) with depth <= K (<= 5 for the reference loader) and ranks < 10.
 """
 
 from __future__ import annotations
@@ -51,14 +88,62 @@ PROJECTION = re.compile(r"^(\d+)\.(\d+)\.weight$")
 # Prefixes some trainers leave on the keys (a wrapper's attribute name, DDP's ``module.``).
 _KEY_PREFIXES = ("module.", "medusa_head.", "medusa_heads.")
 
+TREE_FILE = "medusa_choices.json"
+_TREE_RANKS = 10     # FasterDecoding's TOPK: each head offers its top 10 (medusa/model/utils.py)
+_TREE_BUDGET = 63    # nodes besides the root, as Medusa's and TensorRT-LLM's default trees
+_REFERENCE_HEADS = 5  # FasterDecoding's from_pretrained builds 5 heads whatever the config says
+
 _SERVE = {
     "tensorrt_llm": "python examples/medusa/convert_checkpoint.py --model_dir <base model dir> "
-                    "--medusa_model_dir <this dir> --num_medusa_heads {K} --output_dir tllm_ckpt --dtype float16; "
-                    "trtllm-build --checkpoint_dir tllm_ckpt --output_dir engine --speculative_decoding_mode medusa",
+                    "--medusa_model_dir <this dir> --num_medusa_heads {K} --num_medusa_layers {L} "
+                    "--output_dir tllm_ckpt --dtype float16; "
+                    "trtllm-build --checkpoint_dir tllm_ckpt --output_dir engine --speculative_decoding_mode medusa; "
+                    "python examples/run.py --engine_dir engine --tokenizer_dir <base model dir> --use_py_session "
+                    "--temperature 0.0 --medusa_choices \"$(cat <this dir>/" + TREE_FILE + ")\" "
+                    "(without --num_medusa_layers, convert_checkpoint.py builds 1 layer per head)",
     "tgi": "text-generation-launcher --model-id <this dir>",
     "medusa_v1": "the reference loader reads medusa_lm_head.pt only: convert where you need it "
-                 "(torch.save(safetensors.torch.load_file(...), 'medusa_lm_head.pt'))",
+                 "(torch.save(safetensors.torch.load_file(...), 'medusa_lm_head.pt')); it builds 5 heads "
+                 "(strict=False), so pass a tree no deeper than {depth}: "
+                 "model.medusa_generate(..., medusa_choices=json.load(open('<this dir>/" + TREE_FILE + "')))",
 }
+
+# Backbone model types whose attention TGI's launcher picks by model_type, which this dir cannot carry.
+_TGI_MODEL_TYPE_ATTENTION = ("falcon", "deepseek_v2")
+
+
+def reference_tree(num_heads: int, max_depth: int):
+    """The tree written beside reference-layout heads: depth <= min(num_heads, max_depth), ranks < 10."""
+    from ..runtime.tree import grow_tree, reference_accuracies
+
+    depth = min(num_heads, max_depth)
+    tree, _ = grow_tree(reference_accuracies(depth, _TREE_RANKS), _TREE_BUDGET, name=f"tree64-depth{depth}")
+    return tree
+
+
+def tgi_launcher_keys(backbone_config, spec: HeadsSpec) -> tuple[dict, str]:
+    """(keys TGI's launcher reads for its attention choice, a note for the user or "")."""
+    how = ("TGI's launcher will force its fallback attention and disable prefix caching for this dir; "
+           "set ATTENTION / PREFIX_CACHING as TGI picks them for the backbone")
+    if backbone_config is None:
+        return {}, f"note: the backbone's config could not be read (pass backbone=<model>): {how}"
+    from ..backbone import text_config
+
+    top = backbone_config.to_dict() if hasattr(backbone_config, "to_dict") else dict(backbone_config)
+    cfg = text_config(backbone_config)
+    get = (lambda k: getattr(cfg, k, None)) if not isinstance(cfg, dict) else cfg.get
+    if get("hidden_size") != spec.hidden_size:
+        raise UserError(f"the backbone config has hidden size {get('hidden_size')}, the heads need "
+                        f"{spec.hidden_size}: wrong backbone")
+    model_type = top.get("model_type")
+    if model_type in _TGI_MODEL_TYPE_ATTENTION or top.get("vision_config") or top.get("is_encoder_decoder"):
+        return {}, (f"note: TGI chooses attention for {model_type} backbones by model_type, which a Medusa dir "
+                    f"cannot carry: {how}")
+    heads = get("num_attention_heads")
+    head_dim = get("head_dim") or (spec.hidden_size // heads if heads and spec.hidden_size % heads == 0 else None)
+    if not heads or not head_dim:
+        return {}, f"note: the backbone config names no attention head size: {how}"
+    return {"num_attention_heads": int(heads), "head_dim": int(head_dim)}, ""
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -96,6 +181,9 @@ def _export(heads: MedusaHeads, options: ExportOptions, fmt: str) -> ExportPlan:
             tensors[f"{h}.{L}.weight"] = full_projection(heads, h, options)[0]
     if layout == "v1" and spec.projection != "own":
         notes.append(materialise_note(heads, fmt, _projection_bytes(heads), full_bytes))
+    if fmt == "medusa_v1" and K > _REFERENCE_HEADS:
+        notes.append(f"the reference Medusa loader builds {_REFERENCE_HEADS} heads whatever the config says "
+                     f"(strict=False): heads {_REFERENCE_HEADS}..{K - 1} are ignored there")
     if fmt == "medusa_v1" and L > 1:
         notes.append(f"the reference Medusa loader repeats one block L times ([ResBlock] * L): it cannot run these "
                      f"{L} distinct layers (TensorRT-LLM and TGI can)")
@@ -111,8 +199,25 @@ def _export(heads: MedusaHeads, options: ExportOptions, fmt: str) -> ExportPlan:
         "base_model_fingerprint": spec.base_model_fingerprint,
         "medusa_layout": layout,
     }
-    notes.append("serve: " + _SERVE[fmt].format(K=K, L=L))
-    return ExportPlan(config=config, weights_file=WEIGHTS_SAFETENSORS, tensors=tensors, notes=notes)
+    extra_files = {}
+    depth = K
+    if fmt == "tensorrt_llm":
+        config["num_medusa_heads"] = K  # what TensorRT-LLM's LLM-API MedusaConfig.from_hugging_face reads
+    if fmt == "tgi":
+        # The head size TGI's launcher needs to keep flashinfer + prefix caching (never model_type).
+        reader = options.backbone_config
+        keys, note = tgi_launcher_keys(reader() if reader is not None else None, spec)
+        config.update(keys)
+        if note:
+            notes.append(note)
+    if fmt in ("tensorrt_llm", "medusa_v1"):
+        tree = reference_tree(K, _REFERENCE_HEADS if fmt == "medusa_v1" else K)
+        depth = tree.max_depth
+        extra_files[TREE_FILE] = json.dumps(tree.choices) + "\n"
+        notes.append(f"tree: {TREE_FILE} ({tree.num_nodes - 1} nodes, depth {depth} <= {K} heads)")
+    notes.append("serve: " + _SERVE[fmt].format(K=K, L=L, depth=depth))
+    return ExportPlan(config=config, weights_file=WEIGHTS_SAFETENSORS, tensors=tensors, notes=notes,
+                      extra_files=extra_files)
 
 
 @register_exporter("tensorrt_llm", "medusa")
