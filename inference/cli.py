@@ -86,6 +86,21 @@ class GenerateConfig(RuntimeConfig):
     system: Optional[str] = None
 
 
+def check_tree(cfg) -> None:
+    """Refuse a tree the heads cannot draft (deeper than the heads, more ranks than their outputs) from
+    the heads' config.json alone, before the backbone loads. ``auto`` / ``calibrated:N`` are grown
+    from the heads themselves and always fit."""
+    from .loading import read_heads_spec
+    from .runtime.tree import resolve_tree
+
+    if not cfg.heads or cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"):
+        return
+    spec = read_heads_spec(cfg.heads)
+    tree = resolve_tree(cfg.tree, spec.num_heads)
+    outputs = getattr(spec, "output_size", 0) or spec.vocab_size or 0
+    tree.check_fits(spec.num_heads, outputs or 1 << 30)
+
+
 def _load(cfg):
     import torch
 
@@ -187,6 +202,8 @@ def run_eval(cfg) -> dict:
                    and any(get(x).needs_tree for x in methods))
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
+    if any(get(x).needs_tree for x in methods):
+        check_tree(cfg)  # before the backbone loads
     m = _load_eval(cfg, methods)
     settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
     settings["backbone"] = settings.get("backbone") or ("embedded:smollm2" if not cfg.heads else None)
@@ -245,6 +262,7 @@ def run_generate(cfg) -> None:
 
     if not (cfg.prompt or "").strip():
         raise UserError('prompt="..." is required and must not be empty')
+    check_tree(cfg)  # before the backbone loads
     m = _load(cfg)
     ids = m.encode_chat(cfg.prompt, system=cfg.system)
     stream = decode_stream(m, ids, "medusa", tree=cfg.tree, max_new_tokens=cfg.max_new_tokens, sampling=_sampling(cfg),

@@ -11,13 +11,15 @@ skips the 49k-vocabulary lm_head product on every token.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from inference import backbone as runtime_backbone
-from inference.backbone import backbone_logits, decoder_body, parse_dtype
+from inference.backbone import backbone_logits, decoder_body, parse_dtype, text_config
 from inference.errors import UserError
 
 from .data.masks import attention_mask
@@ -34,6 +36,7 @@ class Backbone:
     model: Any  # a transformers *ForCausalLM
     tokenizer: Any
     name: str  # what the export records as base model
+    identity: str | None = None  # what caches and distilled data key on, when not ``name`` (a kept random backbone)
 
 
 def byte_tokenizer():
@@ -54,16 +57,31 @@ def byte_tokenizer():
     return fast
 
 
-def random_backbone(config: dict, seed: int = 0) -> Backbone:
-    from transformers import AutoConfig, AutoModelForCausalLM
+BYTE_TOKENIZER_SIZE = 259
+
+
+def random_config(config: dict):
+    """The transformers config of a ``backbone.random_init`` dict (no weights)."""
+    from transformers import AutoConfig
 
     cfg = dict(config)
     model_type = cfg.pop("model_type", "llama")
+    cfg.setdefault("vocab_size", BYTE_TOKENIZER_SIZE)
+    if cfg["vocab_size"] < BYTE_TOKENIZER_SIZE:
+        raise UserError(f"backbone.random_init.vocab_size must be >= {BYTE_TOKENIZER_SIZE} (the byte tokenizer)")
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"backbone.random_init: {str(e).strip().splitlines()[0]}") from None
+
+
+def random_backbone(config: dict, seed: int = 0) -> Backbone:
+    from transformers import AutoModelForCausalLM
+
     tokenizer = byte_tokenizer()
-    cfg.setdefault("vocab_size", len(tokenizer))
-    if cfg["vocab_size"] < len(tokenizer):
-        raise UserError(f"backbone.random_init.vocab_size must be >= {len(tokenizer)} (the byte tokenizer)")
-    hf_config = AutoConfig.for_model(model_type, **cfg)
+    assert len(tokenizer) == BYTE_TOKENIZER_SIZE
+    hf_config = random_config(config)
+    model_type = hf_config.model_type
     hf_config.eos_token_id = tokenizer.eos_token_id
     hf_config.pad_token_id = tokenizer.pad_token_id
     with torch.random.fork_rng():
@@ -72,10 +90,22 @@ def random_backbone(config: dict, seed: int = 0) -> Backbone:
     return Backbone(model, tokenizer, f"random:{model_type}")
 
 
-def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0) -> Backbone:
-    """Build the frozen backbone described by a ``BackboneConfig``."""
+RANDOM_BACKBONE_DIR = "backbone"  # <output_dir>/backbone: a random backbone saved with its run
+
+
+def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0, run_dir=None,
+                  write: bool = True) -> Backbone:
+    """Build the frozen backbone described by a ``BackboneConfig``.
+
+    With ``run_dir``, a random backbone (``random_init``) is kept with the run: saved (model +
+    tokenizer, safetensors) into ``<run_dir>/backbone`` (by the process with ``write``) and named
+    by that folder's absolute path, which the heads then record as their base model, so the
+    runtime (``medusa-eval heads=<run_dir>/heads``) rebuilds exactly it."""
     if cfg.random_init:
         backbone = random_backbone(dict(cfg.random_init), seed=seed)
+        if run_dir is not None:  # cached features stay keyed on "random:<type>" + weights, wherever the run is
+            backbone.identity = backbone.name
+            backbone.name = keep_random_backbone(backbone, Path(run_dir) / RANDOM_BACKBONE_DIR, write)
     else:
         backbone = _load_pretrained(cfg)
     model = backbone.model
@@ -89,6 +119,25 @@ def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0) -> Bac
     if not backbone.tokenizer.chat_template:
         raise UserError(f"tokenizer of {backbone.name} has no chat template; use a chat (instruct) model")
     return backbone
+
+
+def keep_random_backbone(backbone: Backbone, folder: Path, write: bool = True) -> str:
+    """Save a random backbone (fp32 safetensors + its tokenizer) into ``folder``; its absolute path is
+    the name heads record. A rerun (resume) rebuilds the same weights and rewrites the same files."""
+    folder = folder.resolve()
+    if write:
+        from transformers.utils import logging as hf_logging
+
+        folder.mkdir(parents=True, exist_ok=True)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # "Writing model shards" for a few hundred kB
+        try:
+            backbone.model.save_pretrained(folder, safe_serialization=True)
+            backbone.tokenizer.save_pretrained(folder)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    return str(folder)
 
 
 def _load_pretrained(cfg) -> Backbone:
@@ -168,5 +217,136 @@ def backbone_identity(backbone: Backbone) -> dict:
     from inference.heads.spec import backbone_fingerprint
 
     model = backbone.model
-    return {"name": backbone.name, "config": backbone_fingerprint(model.config),
+    return {"name": backbone.identity or backbone.name, "config": backbone_fingerprint(model.config),
             "weights": weights_fingerprint(model)}
+
+
+# -- before loading: does data.max_length fit the backbone and this machine? ----------------------------------
+def backbone_config(cfg):
+    """The backbone's transformers config, read without its weights (``AutoConfig`` or ``random_init``)."""
+    from transformers import AutoConfig
+
+    from inference import assets
+
+    if cfg.random_init:
+        return random_config(dict(cfg.random_init))
+    name = cfg.name_or_path
+    kwargs = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    if name.startswith("embedded:") or cfg.gguf_file:
+        if name.startswith("embedded:"):
+            if name not in assets.EMBEDDED_BACKBONES:
+                assets.resolve_backbone_path(name)  # the one "unknown embedded backbone" line
+            gguf = assets.smollm2_gguf_path()
+        else:
+            gguf = Path(name) / cfg.gguf_file
+            if not gguf.is_file():
+                raise UserError(f"GGUF file not found: {gguf}")
+        folder, kwargs = str(gguf.parent), dict(gguf_file=gguf.name)
+    else:
+        folder = os.path.expanduser(name)
+        looks_local = name.startswith((".", "/", "~")) or (os.path.sep in name and name.count("/") > 1)
+        if looks_local and not os.path.isdir(folder):
+            raise UserError(f"cannot load backbone {name!r}: path not found ({folder})")
+    try:
+        return AutoConfig.from_pretrained(folder, **kwargs)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load backbone {name!r} (not a local model folder, and the hub has no "
+                        f"such model or cannot be reached): {first}") from None
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"backbone {name!r} needs custom code: set backbone.trust_remote_code=true "
+                            "only if you trust its source") from None
+        raise UserError(f"cannot read the config of backbone {name!r}: {str(e).strip().splitlines()[0]}") from None
+
+
+def parameter_count(hf_config, trust_remote_code: bool = False) -> int:
+    """Parameters of the model ``hf_config`` describes, counted on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def micro_batch_bytes(hf_config, length: int, batch: int, dtype_bytes: int) -> int:
+    """Peak memory of one frozen forward over a ``[batch, length]`` micro-batch (no gradients, one layer
+    live at a time): the additive block-causal mask with its boolean intermediates (``data.masks``:
+    [B, T, T] in the model dtype plus about four bytes per entry; SDPA does not materialise the scores)
+    and the per-token tensors of a layer (residual, norm, q/k/v, attention output, gate/up/act)."""
+    text = text_config(hf_config)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    inter = int(getattr(text, "intermediate_size", 0) or getattr(text, "n_inner", 0) or 4 * hidden)
+    per_token = (6 * hidden + 3 * inter) * dtype_bytes
+    mask = length * length * (dtype_bytes + 4)
+    return batch * (length * per_token + mask)
+
+
+def available_memory(device: torch.device) -> tuple[int, str] | None:
+    """(bytes free, what) on ``device``: GPU memory free, or RAM available (cgroup limit included)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device.index if device.index is not None else torch.cuda.current_device())
+        return free, f"GPU memory free on {device}"
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:  # a container's memory limit (cgroup v2)
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+            avail = min(avail, int(limit) - used) if avail is not None else int(limit) - used
+    except (OSError, ValueError):
+        pass
+    return (avail, "RAM available") if avail is not None else None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.1f} GB"
+
+
+def check_fits(cfg) -> None:
+    """Refuse, before any weight or data loads, a ``data.max_length`` the backbone has no positions for
+    (its config's ``max_position_embeddings``) or a micro-batch (``trainer.micro_batch_size`` rows of
+    that length through the frozen forward, plus the weights) that this machine cannot hold."""
+    from inference.cli_support import enum_value
+
+    from .distributed import resolve_device
+
+    if enum_value(cfg.task) != "train":
+        return
+    hf_config = backbone_config(cfg.backbone)
+    length, batch = int(cfg.data.max_length), int(cfg.trainer.micro_batch_size)
+    positions = getattr(text_config(hf_config), "max_position_embeddings", None)
+    if positions and length > int(positions):
+        raise UserError(f"data.max_length={length} exceeds the {int(positions)} positions of the backbone "
+                        f"(max_position_embeddings of its config); use data.max_length <= {int(positions)}")
+    if cfg.backbone.dtype == "auto":
+        dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    else:
+        dtype = parse_dtype(cfg.backbone.dtype)
+    dtype_bytes = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    free = available_memory(device)
+    if free is None:
+        return
+    activations = micro_batch_bytes(hf_config, length, batch, dtype_bytes)
+    try:
+        weights = parameter_count(hf_config, cfg.backbone.trust_remote_code) * dtype_bytes
+    except Exception:  # an architecture transformers cannot build here: the loader will say so
+        weights = 0
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    need = (activations + weights) * max(processes, 1)
+    have, what = free
+    if need > have:
+        raise UserError(f"data.max_length={length} x trainer.micro_batch_size={batch} needs about {_gb(need)} "
+                        f"({_gb(activations)} for one micro-batch through the frozen backbone, {_gb(weights)} of "
+                        f"weights{f', x{processes} processes' if processes > 1 else ''}) but only {_gb(have)} of "
+                        f"{what}; lower data.max_length or trainer.micro_batch_size")

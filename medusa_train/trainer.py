@@ -74,7 +74,8 @@ class MedusaTrainer:
         self.plan = derived_batch(t, self.world_size)
         self.compute_dtype = parse_dtype(precision)  # what the heads are fed
 
-        self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed)
+        self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed, run_dir=self.output_dir,
+                                      write=self.is_main)  # a random backbone is kept in <output_dir>/backbone
         model, tok = self.backbone.model, self.backbone.tokenizer
         self.pad_id = tok.pad_token_id
         self.resume_from = checkpoint.find_resume(self.output_dir, t.resume)

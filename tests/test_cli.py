@@ -90,6 +90,20 @@ def test_config_mistakes_fail_in_one_line(args, words, subprocess_env, tmp_path)
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("rest, overrides, flags", [
+    (["a=1", "+b.c=2", "~d"], ["a=1", "+b.c=2", "~d"], []),
+    (["--cfg", "job", "a=1"], ["a=1"], ["--cfg", "job"]),
+    (["--cfg=hydra", "-m", "a=1,2"], ["a=1,2"], ["--cfg=hydra", "-m"]),
+    (["--resolve", "-c", "all", "--info"], [], ["--resolve", "-c", "all", "--info"]),
+])
+def test_split_args_keeps_overrides_and_supported_hydra_flags(rest, overrides, flags):
+    """Guards against: the bare-word check refusing Hydra's own flags (--cfg job, -m) or override forms
+    (+key=, ~key) that medusa-train passes on to Hydra."""
+    from medusa_train.cli import split_args
+
+    assert split_args(rest) == (overrides, flags)
+
+
 def _no_assistant_file(tmp_path) -> Path:
     path = tmp_path / "questions.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [

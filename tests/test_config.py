@@ -88,12 +88,80 @@ def test_default_schema_is_valid():
     ({"heads__loss_weights": [1.0, 0.5]}, "heads.loss_weights"),
     ({"data__max_length": 4}, "data.max_length"),
     ({"backbone__dtype": "int8"}, "backbone.dtype"),
+    ({"optim__lr": -1.0}, "optim.lr"),
+    ({"optim__lr": 0.0}, "optim.lr"),
+    ({"optim__betas": [1.5, 0.9]}, "optim.betas"),
+    ({"optim__betas": [0.9, -0.1]}, "optim.betas"),
+    ({"optim__betas": [0.9]}, "optim.betas"),
+    ({"optim__weight_decay": -1.0}, "optim.weight_decay"),
+    ({"optim__eps": -1.0}, "optim.eps"),
+    ({"optim__warmup_steps": -1}, "optim.warmup_steps"),
+    ({"optim__min_lr_ratio": 1.5}, "optim.min_lr_ratio"),
 ])
 def test_validate_rejects_bad_values_naming_the_key(overrides, key):
     """Guards against: an invalid value or combination reaching the trainer (e.g. bf16 without ZeRO,
     which would checkpoint bf16 weights instead of fp32 masters), or an error not naming the key."""
     with pytest.raises(UserError, match=key.replace(".", r"\.")):
         validate(_cfg(**overrides))
+
+
+def test_output_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
+    """Guards against: output_dir naming a file (or a folder under a file) surfacing as a traceback from
+    mkdir after the backbone loaded; validate refuses it in one line and creates nothing."""
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        validate(_cfg(output_dir=str(tmp_path / "f")))
+    with pytest.raises(UserError, match="cannot be created"):
+        validate(_cfg(output_dir=str(tmp_path / "f" / "run")))
+    validate(_cfg(output_dir=str(tmp_path / "new" / "run")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+@pytest.mark.parametrize("source, words", [
+    ("/nonexistent/chats.jsonl", "data file not found"), ("embedded:nope", "unknown embedded dataset"),
+    ("{tmp}/empty", "no .json/.jsonl/.parquet files"), ("{tmp}/data.csv", "unsupported data file")])
+def test_local_data_source_checked_before_loading(source, words, tmp_path):
+    """Guards against: a missing or unreadable data file being found only after the backbone loaded."""
+    from medusa_train.config import check_data_source
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match=words):
+        check_data_source(source.replace("{tmp}", str(tmp_path)))
+    check_data_source("embedded:sharegpt")
+    check_data_source("org/some-hub-dataset")  # left to the reader
+
+
+def test_named_backbone_clears_the_recipes_random_init():
+    """Guards against: `medusa-train debug_tiny backbone.name_or_path=<dir>` silently training the recipe's
+    random backbone; naming random_init too keeps it (and validate then refuses the conflict)."""
+    assert compose_recipe("debug_tiny", ["backbone.name_or_path=/m"]).backbone.random_init is None
+    assert compose_recipe("debug_tiny", ["++backbone.name_or_path=/m"]).backbone.random_init is None
+    both = compose_recipe("debug_tiny", ["backbone.name_or_path=/m", "backbone.random_init.hidden_size=32"])
+    assert both.backbone.random_init["hidden_size"] == 32
+    with pytest.raises(UserError, match="both name a backbone"):
+        validate(both)
+    assert compose_recipe("debug_tiny", []).backbone.random_init  # the recipe alone keeps its random backbone
+
+
+def test_max_length_checked_against_positions_and_memory(monkeypatch):
+    """Guards against: data.max_length beyond the backbone's max_position_embeddings (IndexError deep in the
+    forward) or too large for memory (killed at 23 GB) being accepted; both come from the config alone."""
+    import medusa_train.backbone as B
+
+    def no_weights(*a, **k):
+        raise AssertionError("check_fits must not build the model")
+
+    monkeypatch.setattr(B, "random_backbone", no_weights)
+    B.check_fits(compose_recipe("debug_tiny", ["trainer.device=cpu"]))  # the recipe fits
+    with pytest.raises(UserError, match="exceeds the 512 positions"):
+        B.check_fits(compose_recipe("debug_tiny", ["data.max_length=513", "trainer.device=cpu"]))
+    monkeypatch.setattr(B, "available_memory", lambda device: (2**20, "RAM available"))
+    with pytest.raises(UserError, match=r"data.max_length=256 x trainer.micro_batch_size=2 needs about .* only 0.0 GB of RAM available"):
+        B.check_fits(compose_recipe("debug_tiny", ["trainer.device=cpu"]))
+    # the estimate: mask (B*T*T*(4+4)) + per-token layer tensors (B*T*(6H+3I)*4)
+    cfg = B.random_config({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4})
+    assert B.micro_batch_bytes(cfg, 100, 2, 4) == 2 * (100 * (6 * 64 + 3 * 128) * 4 + 100 * 100 * 8)
 
 
 def test_bf16_with_zero1_is_accepted():

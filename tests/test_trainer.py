@@ -161,7 +161,7 @@ def test_run_exports_loadable_heads(compose_tiny, out_dir, tiny_backbone):
     heads = load_heads(heads_dir, backbone_config=model.config)
     spec = json.loads((heads_dir / "config.json").read_text())
     assert spec["projection"] == "truncated" and spec["truncated_vocab_size"] == 128 and spec["num_heads"] == 3
-    assert spec["base_model"] == "random:llama"
+    assert spec["base_model"] == str((out_dir / "backbone").resolve())  # the random backbone, kept with the run
     # the export holds the final weights: the same tensors as the last resumable checkpoint
     from safetensors.torch import load_file
 

@@ -1,0 +1,125 @@
+"""Every user mistake on every command line, in one table: one ``<prog>: error: ...`` line, exit 2,
+before anything heavy loads, and nothing written.
+
+Each row is (command, argv, exit code, a phrase of the error line). ``{tmp}`` in an argument is the
+test's folder, which holds a few fixtures (``setup``): a plain file, a 3-head export whose recorded
+backbone does not exist (so a check that only happens after loading the backbone would fail with
+"not found" instead of the row's phrase), a GPT-2 ``config.json`` with 2048 positions and no weights
+(so a check that loads weights would fail differently), and a prompts file. medusa-train rows get
+the tiny data and ``output_dir={tmp}/out`` unless they name their own output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_DATA, clean_env, console_script
+
+HEADS = "{tmp}/heads3"
+TRAIN, EVAL, GEN, EXPORT = "medusa-train", "medusa-eval", "medusa-generate", "medusa-export"
+
+BAD_INPUT = [
+    # -- medusa-train: words that are not overrides (defect 9) -----------------------------------------------
+    (TRAIN, ["debug_tiny", "oops"], 2, "key=value overrides or Hydra flags, got 'oops'"),
+    (TRAIN, ["debug_tiny", "--bogus"], 2, "unsupported flag '--bogus'"),
+    (TRAIN, ["debug_tiny", "-m", "oops"], 2, "got 'oops'"),
+    (TRAIN, ["debug_tiny", "--cfg"], 2, "--cfg takes job, hydra or all"),
+    (TRAIN, ["nope"], 2, "unknown recipe 'nope'"),
+    (TRAIN, ["debug_tiny", "trainer.nope=1"], 2, "trainer.nope"),
+    # -- optimizer values (defect 7) ---------------------------------------------------------------------------
+    (TRAIN, ["debug_tiny", "optim.lr=-1"], 2, "optim.lr must be > 0"),
+    (TRAIN, ["debug_tiny", "optim.lr=0"], 2, "optim.lr must be > 0"),
+    (TRAIN, ["debug_tiny", "optim.betas=[1.5,0.9]"], 2, "optim.betas must be two values in [0, 1)"),
+    (TRAIN, ["debug_tiny", "optim.betas=[0.9]"], 2, "optim.betas must be two values"),
+    (TRAIN, ["debug_tiny", "optim.weight_decay=-1"], 2, "optim.weight_decay must be >= 0"),
+    (TRAIN, ["debug_tiny", "optim.eps=-1"], 2, "optim.eps must be > 0"),
+    (TRAIN, ["debug_tiny", "optim.warmup_steps=-1"], 2, "optim.warmup_steps must be >= 0"),
+    (TRAIN, ["debug_tiny", "optim.min_lr_ratio=2"], 2, "optim.min_lr_ratio must be in [0, 1]"),
+    # -- output_dir (defect 8) ------------------------------------------------------------------------------------
+    (TRAIN, ["debug_tiny", "output_dir={tmp}/afile"], 2, "is a file, not a folder"),
+    (TRAIN, ["debug_tiny", "output_dir={tmp}/afile/run"], 2, "cannot be created"),
+    # -- data.max_length against the backbone's positions and this machine's memory (defect 6) ----------------
+    (TRAIN, ["debug_tiny", "data.max_length=1024"], 2, "exceeds the 512 positions of the backbone"),
+    (TRAIN, ["debug_tiny", "backbone.name_or_path={tmp}/gpt2", "data.max_length=4096"], 2,
+     "data.max_length=4096 exceeds the 2048 positions"),
+    (TRAIN, ["debug_tiny", "backbone.random_init.max_position_embeddings=2000000", "data.max_length=1000000"], 2,
+     "lower data.max_length or trainer.micro_batch_size"),
+    # -- backbone named twice (defect 5: an explicit name_or_path alone clears random_init) -----------------------
+    (TRAIN, ["debug_tiny", "backbone.name_or_path={tmp}/gpt2", "backbone.random_init.hidden_size=32"], 2,
+     "both name a backbone"),
+    (TRAIN, ["debug_tiny", "backbone.name_or_path={tmp}/missing"], 2, "path not found"),
+    # -- tree deeper than the heads, refused before the backbone loads (defect 10) ---------------------------------
+    (GEN, [f"heads={HEADS}", "prompt=hi", "tree=chain6"], 2, "tree chain6 needs 5 heads, these heads have 3"),
+    (GEN, [f"heads={HEADS}", "prompt=hi", "tree={tmp}/deep_tree.json"], 2, "has depth 4 but the heads only predict 3"),
+    (EVAL, [f"heads={HEADS}", "tree=chain6", "prompts={tmp}/prompts.jsonl"], 2, "tree chain6 needs 5 heads"),
+    (EVAL, [f"heads={HEADS}", "tree=nosuchtree", "prompts={tmp}/prompts.jsonl"], 2, "unknown tree 'nosuchtree'"),
+    # -- bad prompt, missing files and required keys (inference/cli_support.py) ---------------------------------
+    (GEN, [f"heads={HEADS}", "prompt=   "], 2, 'prompt="..." is required'),
+    (GEN, ["prompt=hi"], 2, "heads= is required"),
+    (GEN, ["heads={tmp}/nowhere", "prompt=hi"], 2, "heads directory not found"),
+    (GEN, [f"heads={HEADS}", "hello"], 2, "key=value overrides, got 'hello'"),
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/missing.jsonl"], 2, "prompts file not found"),
+    (EVAL, [f"heads={HEADS}", "num_prompts=0", "prompts={tmp}/prompts.jsonl"], 2, "num_prompts must be >= 1"),
+    (EVAL, ["oops"], 2, "key=value overrides, got 'oops'"),
+    (EXPORT, [f"heads={HEADS}"], 2, "format= and out= are required"),
+    (EXPORT, ["heads={tmp}/nowhere", "format=vllm", "out={tmp}/o"], 2, "not found"),
+]
+
+
+def _row_id(row):
+    prog, argv, _, _ = row
+    return f"{prog.split('-')[1]}:{' '.join(a.replace('{tmp}/', '') for a in argv)}"[:60]
+
+
+@pytest.fixture
+def setup(tmp_path) -> Path:
+    from inference.heads.spec import HeadsSpec
+
+    (tmp_path / "afile").write_text("not a folder\n")
+    heads = tmp_path / "heads3"
+    heads.mkdir()
+    spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=64, vocab_size=320, projection="own",
+                     base_model=str(tmp_path / "no_such_backbone"))
+    (heads / "config.json").write_text(json.dumps(spec.to_dict()))
+    (heads / "model.safetensors").write_bytes(b"")  # never read: every row fails before weights load
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_positions": 2048, "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 320,
+        "bos_token_id": 0, "eos_token_id": 0}))
+    (tmp_path / "deep_tree.json").write_text(json.dumps([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]))  # Medusa choices
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Say hello."}) + "\n")
+    return tmp_path
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size if p.is_file() else -1) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("prog, argv, code, phrase", BAD_INPUT, ids=[_row_id(r) for r in BAD_INPUT])
+def test_bad_input_is_one_line_before_loading(prog, argv, code, phrase, setup):
+    """Guards against: a user mistake (bad recipe key or value, bare word, unsupported flag, output_dir that
+    is a file, data.max_length beyond the backbone's positions or this machine's memory, a backbone named
+    twice, a tree deeper than the heads, a bad prompt, a missing file or key) ending in a traceback, a
+    multi-line Hydra/OmegaConf dump, a silent wrong run, or an error only after the backbone/data loaded;
+    and against such a run writing anything (Hydra's .hydra folder, checkpoints, reports)."""
+    tmp = setup
+    args = [a.replace("{tmp}", str(tmp)) for a in argv]
+    if prog == TRAIN and len(args) > 1:
+        if not any(a.startswith("output_dir=") for a in args):
+            args.append(f"output_dir={tmp / 'out'}")
+        args += [f"data.source={TINY_DATA}", "logger.wandb=disabled", "trainer.progress_bar=false",
+                 "trainer.threads=1"]
+    before = _snapshot(tmp)
+    proc = subprocess.run([console_script(prog), *args], capture_output=True, text=True, cwd=tmp, env=clean_env(),
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[transformers]")]
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    assert phrase in lines[0], (phrase, lines[0])
+    assert _snapshot(tmp) == before, "a refused command wrote files"

@@ -1,0 +1,56 @@
+"""The debugging pipeline from the command line, as a user runs it: train -> eval -> export -> generate on
+``debug_tiny`` (each step a subprocess, seconds in all), then training on the backbone a run kept."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import TINY_DATA, clean_env, console_script
+
+
+def _run(prog, *args, cwd):
+    proc = subprocess.run([console_script(prog), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=clean_env(), timeout=300)
+    assert proc.returncode == 0, f"{prog} {' '.join(map(str, args))}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr
+    return proc
+
+
+def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
+    """Guards against: the debugging recipe's heads recording 'random:llama' as their backbone, so
+    `medusa-eval heads=runs/debug_tiny/heads` refuses ("a random test model that cannot be rebuilt"):
+    the random backbone must be saved with the run (<output_dir>/backbone, safetensors, model + tokenizer)
+    and named as the heads' base model, so eval, export and generate work with no backbone= at all.
+    Also guards against `backbone.name_or_path=<dir>` on debug_tiny silently training the recipe's random
+    backbone (random_init winning over the named one)."""
+    run = tmp_path / "runs" / "debug_tiny"
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                                      ["Say hello.", "Count to three.", "Name a colour."]) + "\n")
+    _run("medusa-train", "debug_tiny", "trainer.max_steps=2", f"data.source={TINY_DATA}", "trainer.threads=1",
+         "logger.plot=false", "output_dir=runs/debug_tiny", cwd=tmp_path)
+    kept = run / "backbone"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in kept.iterdir()}
+    assert sum(p.stat().st_size for p in kept.iterdir()) < 2_000_000  # a few hundred kB
+    spec = json.loads((run / "heads" / "config.json").read_text())
+    assert spec["base_model"] == str(kept.resolve())
+
+    _run("medusa-eval", "heads=runs/debug_tiny/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
+         "kernels=stock", "tree=chain3", "progress_bar=false", "threads=1", cwd=tmp_path)
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["per_method"]["medusa"]["greedy_identical_fraction"] == 1.0  # lossless on the kept backbone
+
+    _run("medusa-export", "heads=runs/debug_tiny/heads", "format=medusa_v1", "out=runs/debug_tiny/medusa_v1",
+         "materialize=true", cwd=tmp_path)
+    proc = _run("medusa-generate", "heads=runs/debug_tiny/medusa_v1", "prompt=Say hello.", "max_new_tokens=8",
+                "kernels=stock", "tree=chain3", "threads=1", cwd=tmp_path)
+    assert "tokens, tau" in proc.stderr
+
+    # the named backbone wins over the recipe's random_init (and is not copied into the run)
+    other = tmp_path / "runs" / "named"
+    proc = _run("medusa-train", "debug_tiny", f"backbone.name_or_path={kept}", "trainer.max_steps=1",
+                f"data.source={TINY_DATA}", "trainer.threads=1", "logger.plot=false", f"output_dir={other}",
+                cwd=tmp_path)
+    assert f"backbone {kept.resolve()}" in proc.stdout
+    assert json.loads((other / "heads" / "config.json").read_text())["base_model"] == str(kept.resolve())
+    assert not (other / "backbone").exists()
