@@ -152,7 +152,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         calib = [m.encode_chat(p.turns[0]) for p in calib_src]
         log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")
         choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log,
-                             fixed_nodes=fixed)
+                             fixed_nodes=fixed, progress=progress)
     else:
         t = resolve_tree(tree, m.num_heads) if with_tree else None
         choice = TreeChoice(t, "given")

@@ -60,6 +60,15 @@ def markdown(r: dict) -> str:
     if r.get("tree", {}).get("nodes"):
         lines.append(f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}")
     acc = r.get("head_accuracy")
+    timing = r.get("tree", {}).get("timing")
+    if timing:
+        lines.append(f"- tree timing: {timing['rounds']} interleaved rounds"
+                     + ("" if timing.get("stable", True) else " (winner not yet stable)")
+                     + "; step ms median [min-max]: "
+                     + ", ".join(f"{c['name']} {c['step_ms']:.1f} [{c['step_ms_min']:.1f}-{c['step_ms_max']:.1f}]"
+                                 for c in [{"name": "plain", **timing["autoregressive"]}, *r["tree"]["candidates"]]
+                                 if "step_ms_min" in c))
+        lines += [f"- warning: {w}" for w in timing.get("warnings", [])]
     if acc:
         lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]
         for k, row in enumerate(acc["topk"], start=1):
