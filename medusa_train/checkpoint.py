@@ -123,9 +123,25 @@ def is_safe_key(key: str) -> bool:
 
 
 def unsafe_changes(saved: dict, new: dict) -> list[str]:
-    """The dotted keys whose values differ between two flat configurations and are not safe to change."""
-    return sorted(k for k in set(saved) | set(new)
-                  if not is_safe_key(k) and _norm(saved.get(k)) != _norm(new.get(k)))
+    """The dotted keys whose values differ between two flat configurations and are not safe to change.
+
+    A key only one side has is compared only when the other side has a value at one of its parents
+    (``backbone.random_init`` None vs ``backbone.random_init.hidden_size``: the structure changed);
+    otherwise it was added or removed by another version of medusa-train and its default stands."""
+    diff = set()
+    for k in set(saved) | set(new):
+        if is_safe_key(k):
+            continue
+        if k in saved and k in new:
+            if _norm(saved[k]) != _norm(new[k]):
+                diff.add(k)
+            continue
+        other = new if k in saved else saved
+        parents = [".".join(k.split(".")[:i]) for i in range(1, k.count(".") + 1)]
+        hit = next((p for p in parents if p in other), None)
+        if hit is not None and not is_safe_key(hit):
+            diff.add(hit)
+    return sorted(diff)
 
 
 def _norm(v):
@@ -136,6 +152,8 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
     """Refuse (one line naming the keys) to resume checkpoint ``path`` under a configuration that
     differs from its own in a key that is not safe to change (module docstring). ``config`` is the
     new run's resolved configuration (nested), ``state`` the checkpoint's trainer state."""
+    if not config:  # nothing to compare with (a configuration that is not a config tree)
+        return
     saved = state.get("config")
     new = flatten(config)
     if saved is None:  # written before configurations were stored: compare what the state has

@@ -123,9 +123,14 @@ def test_safe_unsafe_split():
 
     for key, value in [("heads.num_heads", 2), ("heads.loss_decay", 0.5), ("optim.lr", 1e-4),
                        ("optim.betas", [0.9, 0.99]), ("trainer.seed", 1), ("trainer.grad_clip", 0.5),
-                       ("data.shuffle_buffer", 8), ("backbone.dtype", "bfloat16"), ("lora.r", 8),
-                       ("somewhere.new_key", 1)]:
+                       ("data.shuffle_buffer", 8), ("backbone.dtype", "bfloat16")]:
         assert changed(key, value) == [key], key
+    # a key nobody has classified yet is unsafe; one the checkpoint's version did not have is not compared
+    assert checkpoint.unsafe_changes({**flat, "lora.new_key": 1}, {**flat, "lora.new_key": 2}) == ["lora.new_key"]
+    assert checkpoint.unsafe_changes(flat, {**flat, "lora.new_key": 2}) == []
+    # a section that was empty (None) and is now set, or the reverse, is a change of that section
+    assert checkpoint.unsafe_changes({**flat, "backbone.random_init": None},
+                                     {**flat, "backbone.random_init.hidden_size": 64}) == ["backbone.random_init"]
     for key, value in [("trainer.max_steps", 20), ("trainer.save_every", 2), ("logger.wandb", "disabled"),
                        ("output_dir", "b"), ("trainer.precision", "bf16"), ("backbone.attn_implementation", "eager"),
                        ("features.cache_dir", "/c")]:
