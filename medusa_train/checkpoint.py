@@ -284,10 +284,22 @@ def save(engine, output_dir: Path, step: int, trainer_state: dict, keep_last: in
         latest_tmp = root / f".{LATEST}.tmp"
         latest_tmp.write_text(tag + "\n")
         os.replace(latest_tmp, root / LATEST)
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in _by_write_order(root)[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _by_write_order(root: Path) -> list[Path]:
+    """Checkpoint dirs oldest-written first: the last M *written* are kept, so a fresh run
+    (``trainer.resume=never``) in a directory holding an older run's higher steps prunes those
+    first instead of its own newest checkpoint."""
+    def written(p: Path):
+        state = p / STATE_FILE
+        return (state.stat().st_mtime if state.is_file() else 0.0, p.name)
+
+    return sorted((p for p in root.glob("step-*") if p.is_dir()), key=written)
 
 
 def load(engine, path: Path, rank: int) -> dict:

@@ -187,3 +187,16 @@ def test_cli_rerun_of_a_finished_training_exits_zero(compose_tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "already trained to step 4/4; nothing to do" in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stderr and "conversations usable" not in proc.stdout
+
+
+def test_resume_never_keeps_its_own_newest_checkpoints(compose_tiny, tmp_path):
+    """Guards against: a fresh run (trainer.resume=never) in a directory holding an older run's higher
+    steps pruning its own newest checkpoint by name (keep_last) and leaving `latest` dangling, so the
+    next resume=auto would fall back to the older run's checkpoint."""
+    out = tmp_path / "run"
+    args = ["trainer.save_every=2", "trainer.keep_last=2", "logger.plot=false"]
+    T.run(compose_tiny(*args, "trainer.max_steps=8", out=out))
+    T.run(compose_tiny(*args, "trainer.max_steps=4", "trainer.resume=never", out=out))
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000002", "step-000004"]
+    assert checkpoint.find_resume(out, "auto").name == "step-000004"
