@@ -14,6 +14,34 @@ Every tensor is gathered into its full (unpartitioned) shape through DeepSpeed's
 was written with and nothing is ever unpickled (DeepSpeed's own ``save_checkpoint`` writes
 torch pickles). A checkpoint is written under a temporary name and renamed once complete,
 so a kill mid-write leaves the previous checkpoint as ``latest``.
+
+Resuming under a changed configuration (``check_resume_config``)
+-----------------------------------------------------------------
+``trainer_state.json`` keeps the run's whole configuration (``config``, resolved) and its
+effective global batch. Before anything is loaded, a resume compares it with the new one, key
+by key, and refuses in one line naming the keys that differ when a change would make the
+resumed run a different run than the one checkpointed. A refused change goes to a new
+``output_dir`` (or ``trainer.resume=never``, which starts fresh in the same one).
+
+*Safe* (they pass; ``SAFE_KEYS``): how long and how often, not what is trained --
+``trainer.max_steps`` (train further or stop earlier), ``trainer.save_every``, ``trainer.keep_last``,
+``trainer.log_every``, ``trainer.eval_every``, ``trainer.resume``, ``trainer.progress_bar``,
+``trainer.threads``, ``trainer.device``, ``logger.*``, ``output_dir``, ``recipe`` (a label);
+where and at which precision the same maths runs -- ``trainer.zero_stage`` and ``trainer.precision``
+(checkpoints hold full fp32 weights and moments whatever the stage or precision, see above),
+``trainer.micro_batch_size`` / ``trainer.global_batch_size`` as long as the *effective* global batch
+(rows per optimizer step) is unchanged (it is compared instead), ``backbone.attn_implementation``
+(same function, another kernel), ``backbone.trust_remote_code``, ``features.cache_dir`` (a location),
+``lora.merge`` (what is written after training), and ``task`` / ``distill.*`` (not training).
+
+*Unsafe* (refused): everything else, and any key added later until it is listed as safe. In
+particular whatever changes the heads' shapes (``heads.*``: number, layers, projection,
+truncated vocabulary, kind), the data order or content (``data.*``, ``trainer.seed``,
+``features.mode`` / ``.dtype`` / ``.shard_batches``), the loss (``heads.loss_*``,
+``heads.targets``, ``heads.teacher_weight``, ``lora.*``, the backbone: ``backbone.*``), or the
+optimizer's meaning (``optim.*``, ``trainer.grad_clip``, the effective global batch; the LR
+schedule's base LR is restored from the checkpoint, so a changed ``optim.lr`` would not even
+take effect).
 """
 
 from __future__ import annotations
@@ -31,6 +59,17 @@ from inference.errors import UserError
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
+
+# Configuration keys (dotted; a trailing ".*" covers a whole section) that may change between a
+# checkpoint and its resume: see the module docstring for why each is safe. Everything else is unsafe.
+SAFE_KEYS = (
+    "recipe", "output_dir", "task", "distill.*", "logger.*",
+    "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every", "trainer.eval_every",
+    "trainer.resume", "trainer.progress_bar", "trainer.threads", "trainer.device",
+    "trainer.zero_stage", "trainer.precision", "trainer.micro_batch_size", "trainer.global_batch_size",
+    "backbone.attn_implementation", "backbone.trust_remote_code", "features.cache_dir", "lora.merge",
+)
+EFFECTIVE_BATCH = "trainer.global_batch_size (effective)"
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
@@ -61,7 +100,86 @@ def find_resume(output_dir: Path, resume: str) -> Optional[Path]:
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"checkpoint {path} is corrupt ({STATE_FILE}: {e}); delete it to resume from an earlier one")
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    out = {}
+    for k, v in (tree or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def is_safe_key(key: str) -> bool:
+    return any(key == s or (s.endswith(".*") and key.startswith(s[:-1])) for s in SAFE_KEYS)
+
+
+def unsafe_changes(saved: dict, new: dict) -> list[str]:
+    """The dotted keys whose values differ between two flat configurations and are not safe to change.
+
+    A key only one side has is compared only when the other side has a value at one of its parents
+    (``backbone.random_init`` None vs ``backbone.random_init.hidden_size``: the structure changed);
+    otherwise it was added or removed by another version of medusa-train and its default stands."""
+    diff = set()
+    for k in set(saved) | set(new):
+        if is_safe_key(k):
+            continue
+        if k in saved and k in new:
+            if _norm(saved[k]) != _norm(new[k]):
+                diff.add(k)
+            continue
+        other = new if k in saved else saved
+        parents = [".".join(k.split(".")[:i]) for i in range(1, k.count(".") + 1)]
+        hit = next((p for p in parents if p in other), None)
+        if hit is not None and not is_safe_key(hit):
+            diff.add(hit)
+    return sorted(diff)
+
+
+def _norm(v):
+    return json.loads(json.dumps(v, default=str))  # tuples -> lists, enums -> str: compare what was saved
+
+
+def check_resume_config(path: Path, state: dict, config: dict, effective_batch: int) -> None:
+    """Refuse (one line naming the keys) to resume checkpoint ``path`` under a configuration that
+    differs from its own in a key that is not safe to change (module docstring). ``config`` is the
+    new run's resolved configuration (nested), ``state`` the checkpoint's trainer state."""
+    if not config:  # nothing to compare with (a configuration that is not a config tree)
+        return
+    saved = state.get("config")
+    new = flatten(config)
+    if saved is None:  # written before configurations were stored: compare what the state has
+        spec = state.get("heads") or {}
+        saved_flat = {f"heads.{k}": spec[k] for k in ("num_heads", "num_layers", "projection", "kind") if k in spec}
+        if spec.get("projection") == "truncated" and "truncated_vocab_size" in spec:
+            saved_flat["heads.truncated_vocab_size"] = spec["truncated_vocab_size"]
+        diff = [k for k in saved_flat if k in new and _norm(saved_flat[k]) != _norm(new[k])]
+        saved = {k: saved_flat.get(k) for k in diff}
+    else:
+        saved = flatten(saved)
+        diff = unsafe_changes(saved, new)
+    if "global_batch_size" in state and int(state["global_batch_size"]) != int(effective_batch):
+        diff.append(EFFECTIVE_BATCH)
+        saved, new = {**saved, EFFECTIVE_BATCH: state["global_batch_size"]}, {**new, EFFECTIVE_BATCH: effective_batch}
+    if diff:
+        shown = ", ".join(f"{k} ({_short(saved.get(k))} -> {_short(new.get(k))})" for k in diff[:6])
+        more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+        raise UserError(f"cannot resume {path}: it was trained with a different configuration: {shown}{more}; "
+                        "these change what is trained, so use a new output_dir (or trainer.resume=never to "
+                        "start over here), or rerun with the checkpoint's values")
+
+
+def _short(v) -> str:
+    text = json.dumps(_norm(v))
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -166,10 +284,22 @@ def save(engine, output_dir: Path, step: int, trainer_state: dict, keep_last: in
         latest_tmp = root / f".{LATEST}.tmp"
         latest_tmp.write_text(tag + "\n")
         os.replace(latest_tmp, root / LATEST)
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in _by_write_order(root)[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _by_write_order(root: Path) -> list[Path]:
+    """Checkpoint dirs oldest-written first: the last M *written* are kept, so a fresh run
+    (``trainer.resume=never``) in a directory holding an older run's higher steps prunes those
+    first instead of its own newest checkpoint."""
+    def written(p: Path):
+        state = p / STATE_FILE
+        return (state.stat().st_mtime if state.is_file() else 0.0, p.name)
+
+    return sorted((p for p in root.glob("step-*") if p.is_dir()), key=written)
 
 
 def load(engine, path: Path, rank: int) -> dict:

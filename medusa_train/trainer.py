@@ -29,6 +29,8 @@ final hidden state, not the backbone's 49k-vocabulary logits).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import signal
 import time
@@ -40,7 +42,7 @@ from torch import nn
 from inference.backbone import lm_head_weight, parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
-from inference.heads.native import save_heads
+from inference.heads.native import EXPORT_FILES, recover_dir, save_heads
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from . import checkpoint, features
@@ -61,6 +63,7 @@ class MedusaTrainer:
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
         self.tracker: Tracker | None = None
+        self.finished: Path | None = None  # set by setup: the heads of a run already complete
 
     # -- setup -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -73,12 +76,24 @@ class MedusaTrainer:
         self.is_main = proc.is_main
         self.plan = derived_batch(t, self.world_size)
         self.compute_dtype = parse_dtype(precision)  # what the heads are fed
+        self.run_config = _config_dict(cfg)
+
+        # Before any weights (backbone or checkpoint) or data are touched: is there a checkpoint to
+        # resume, was it trained under this configuration, and is that run already complete?
+        self.resume_from = checkpoint.find_resume(self.output_dir, t.resume)
+        resume_state = None
+        if self.resume_from is not None:
+            resume_state = checkpoint.read_state(self.resume_from)
+            checkpoint.check_resume_config(self.resume_from, resume_state, self.run_config,
+                                           self.plan.global_batch_size)
+            if self._already_exported(resume_state):
+                self.step = int(resume_state["step"])
+                return
 
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed, run_dir=self.output_dir,
                                       write=self.is_main)  # a random backbone is kept in <output_dir>/backbone
         model, tok = self.backbone.model, self.backbone.tokenizer
         self.pad_id = tok.pad_token_id
-        self.resume_from = checkpoint.find_resume(self.output_dir, t.resume)
         data = RankData(cfg.data, tok, t.seed, self.rank, self.world_size, self.plan.micro_batch_size, self.pad_id)
         cache_plan = features.cache_plan(cfg, self.plan.micro_batch_size, self.plan.grad_accum, self.pad_id,
                                          self.rank, self.world_size)
@@ -91,7 +106,7 @@ class MedusaTrainer:
 
         state = {"step": 0, "data": {"epoch": 0, "index": 0}}
         if self.resume_from is not None:
-            state = checkpoint.load(self.engine, self.resume_from, self.rank)
+            state = checkpoint.load(self.engine, self.resume_from, self.rank)  # its config was checked above
             if self.is_main:
                 print(f"[medusa-train] resumed from {self.resume_from} at step {state['step']}", flush=True)
         self.step = state["step"]
@@ -106,10 +121,7 @@ class MedusaTrainer:
         self.eval_set = self.source.eval_batches()
         self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        from omegaconf import OmegaConf
-
-        self.tracker = Tracker(self.output_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-                               if OmegaConf.is_config(cfg) else {}, t.max_steps, self.step,
+        self.tracker = Tracker(self.output_dir, cfg.logger, self.run_config, t.max_steps, self.step,
                                enabled=self.is_main, progress=t.progress_bar)
         if self.is_main:
             n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
@@ -121,6 +133,35 @@ class MedusaTrainer:
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+
+    def _already_exported(self, state: dict) -> bool:
+        """True (and ``self.finished`` set) when checkpoint ``state`` reached ``trainer.max_steps`` and its
+        heads were exported after it (a complete export no older than the checkpoint): a rerun of a
+        finished training then has nothing to do. A run killed between its last checkpoint and the
+        end of its export is not finished: it evaluates and exports again."""
+        if int(state.get("step", 0)) < self.cfg.trainer.max_steps:
+            return False
+        heads_dir = self.output_dir / "heads"
+        done = False
+        if self.is_main:  # one rank looks (and repairs), all follow its answer
+            recover_dir(heads_dir)  # an export killed mid-swap: put the previous one back first
+            outputs = [heads_dir / f for f in EXPORT_FILES]
+            if self.cfg.lora.enabled and self.cfg.lora.merge:
+                outputs.append(self.output_dir / "merged")
+            try:
+                saved_at = (self.resume_from / checkpoint.STATE_FILE).stat().st_mtime
+                done = all(p.exists() and p.stat().st_mtime >= saved_at for p in outputs)
+            except OSError:
+                done = False
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            answer = [done]
+            dist.broadcast_object_list(answer, src=0)
+            done = bool(answer[0])
+        if done:
+            self.finished = heads_dir
+        return done
 
     def _new_heads(self) -> tuple:
         """Freshly initialised heads (from the backbone's lm_head / embeddings) and their spec."""
@@ -234,7 +275,7 @@ class MedusaTrainer:
             last = checkpoint.find_resume(self.output_dir, "auto")
             keep = f"last good checkpoint kept: {last}" if last else "no checkpoint was written yet"
             raise UserError(f"loss became NaN/inf at step {self.step + 1}; training stopped ({keep}). "
-                            "Try a lower optim.lr or trainer.precision=fp32")
+                            "Try trainer.precision=fp32 (resumes from it), or a lower optim.lr in a new output_dir")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -263,7 +304,8 @@ class MedusaTrainer:
             per_rank = [None] * self.world_size
             dist.all_gather_object(per_rank, self.data_state)
         state = {"step": self.step, "data": per_rank[0], "data_per_rank": per_rank, "heads": self.spec.to_dict(),
-                 "world_size": self.world_size}
+                 "world_size": self.world_size, "global_batch_size": self.plan.global_batch_size,
+                 "config": self.run_config}  # compared with the next run's on resume (checkpoint docstring)
         return checkpoint.save(self.engine, self.output_dir, self.step, state, self.cfg.trainer.keep_last, self.rank)
 
     # -- export ------------------------------------------------------------------------
@@ -290,6 +332,17 @@ class MedusaTrainer:
         if self.tracker:
             png = self.tracker.close(self.output_dir / "training_curves.png" if plot else None)
         return png
+
+
+def _config_dict(cfg) -> dict:
+    """The resolved configuration as plain JSON-able data (enums as their names)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    if dataclasses.is_dataclass(cfg):
+        return json.loads(json.dumps(dataclasses.asdict(cfg), default=lambda v: getattr(v, "value", str(v))))
+    return {}
 
 
 def _raise_interrupt(signum, frame):
@@ -334,6 +387,12 @@ def run(cfg) -> dict:
     """The whole recipe: returns the final eval summary (rank 0) for callers and tests."""
     trainer = MedusaTrainer(cfg)
     trainer.setup()
+    if trainer.finished is not None:  # a rerun of a complete training: say so, touch nothing
+        if trainer.is_main:
+            print(f"[medusa-train] already trained to step {trainer.step}/{cfg.trainer.max_steps}; nothing to do "
+                  f"(heads in {trainer.finished})", flush=True)
+        _leave_process_group(trainer.world_size)
+        return {"step": trainer.step, "already_trained": True}
     previous_handler = None
     if trainer.world_size == 1:  # a scheduler's SIGTERM saves a checkpoint like Ctrl-C does
         previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -362,15 +421,19 @@ def run(cfg) -> dict:
         png = trainer.cleanup()
     if trainer.is_main and png:
         print(f"curves: {png}", flush=True)
-    if trainer.world_size > 1:
-        # Leave the process group before the interpreter exits: gloo's threads torn down by
-        # static destructors instead sometimes abort a rank ("terminate called without an
-        # active exception", exit 250) after a run that succeeded. Success path only: a rank
-        # that failed must not wait at a barrier its peers never reach.
+    _leave_process_group(trainer.world_size)
+    summary["step"] = trainer.step
+    return summary
+
+
+def _leave_process_group(world_size: int) -> None:
+    """Leave the process group before the interpreter exits: gloo's threads torn down by static
+    destructors instead sometimes abort a rank ("terminate called without an active exception",
+    exit 250) after a run that succeeded. Success path only: a rank that failed must not wait at
+    a barrier its peers never reach."""
+    if world_size > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-    summary["step"] = trainer.step
-    return summary

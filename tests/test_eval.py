@@ -163,3 +163,27 @@ def test_cli_bad_input_is_one_line_and_exit_2(cmd, args, words):
     assert "Traceback" not in proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+def test_sample_mode_reports_no_greedy_identity(tiny_medusa, tmp_path):
+    """Guards against: sample-mode reports saying "identical to greedy: 0.0" (sampled outputs differ from
+    greedy by design, so the number means nothing there): report.json omits the key in sample mode,
+    report.md and the trade-off matrix do not claim it; greedy mode still reports it."""
+    from inference.evaluation.reports import compare_markdown, markdown
+    from inference.runtime.verify import SamplingConfig
+
+    prompts = [Prompt("a", ["hello there"]), Prompt("b", ["and you?"])]
+    r = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="chain3", max_new_tokens=6,
+                 sampling=SamplingConfig(mode="sample", temperature=0.8), progress=False, log=lambda s: None,
+                 settings={"mode": "sample"})
+    for meth, row in r["per_method"].items():
+        assert "greedy_identical_fraction" not in row, meth
+    assert "hf_generate_identical_fraction" not in r
+    write_report(tmp_path, r)
+    assert "greedy_identical" not in (tmp_path / "report.json").read_text()
+    assert "identical to plain greedy" not in markdown(r)
+    assert "| n/a (sampling) |" in compare_markdown(r)
+    g = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="chain3", max_new_tokens=6,
+                 progress=False, log=lambda s: None, settings={"mode": "greedy"})
+    assert g["per_method"]["medusa"]["greedy_identical_fraction"] == 1.0
+    assert "output identical to plain greedy: 1.0" in markdown(g)

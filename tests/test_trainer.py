@@ -333,7 +333,7 @@ def test_keep_last_latest_and_resume_never(compose_tiny, out_dir, capsys):
     capsys.readouterr()
 
     assert T.run(compose_tiny(*cfg_args))["step"] == 8  # resume=auto on a finished run: nothing to train
-    assert "resumed from" in capsys.readouterr().out
+    assert "already trained to step 8/8; nothing to do" in capsys.readouterr().out
     assert train_losses(out_dir) == first
 
     T.run(compose_tiny(*cfg_args, "trainer.resume=never"))

@@ -14,7 +14,8 @@ One place defines the metrics (per method, in ``per_method``):
   tokens_per_s       new tokens / wall time including prefill, per method, summed over prompts.
   speedup_vs_*       tokens/s over the runtime's own autoregressive loop (same cache, same token
                      choice) and over transformers' ``generate`` (greedy).
-  greedy_identical_fraction  prompts whose output equals the autoregressive baseline's.
+  greedy_identical_fraction  prompts whose output equals the autoregressive baseline's; greedy mode
+                     only (in sample / typical mode outputs differ by design: the key is omitted).
 
 The methods come from the registry (``inference.methods``); the baselines (autoregressive,
 hf_generate) run beside them. They run interleaved prompt by prompt (their order rotates), in
@@ -60,11 +61,12 @@ class Sample:
 
 
 def method_summary(samples: list[Sample], method: str, methods: Sequence[str], rates: dict,
-                   proposed: Optional[int] = None) -> dict:
+                   proposed: Optional[int] = None, greedy: bool = True) -> dict:
     """tau, acceptance rate, tokens/s, speedups and greedy identity of one method (module docstring).
 
     ``proposed``: the draft tokens each step counts as proposed when the method fixes it (a tree's
-    depth; n_alpha is then reported too); None: what each step recorded."""
+    depth; n_alpha is then reported too); None: what each step recorded. ``greedy``: the run's mode is
+    greedy (greedy identity is reported only then)."""
     outs = [s.outputs[method] for s in samples]
     lengths = [n for o in outs for n in o.accept_lengths]
     out: dict = {"tokens_per_s": round(rates[method], 3),
@@ -81,16 +83,18 @@ def method_summary(samples: list[Sample], method: str, methods: Sequence[str], r
     for base, key in (("autoregressive", "speedup_vs_autoregressive"), ("hf_generate", "speedup_vs_hf_generate")):
         if base in methods and rates[base] > 0:
             out[key] = round(rates[method] / rates[base], 4)
-    if "autoregressive" in methods:
+    if greedy and "autoregressive" in methods and samples:
         same = [s.tokens[method] == s.tokens["autoregressive"] for s in samples]
         out["greedy_identical_fraction"] = round(sum(same) / len(same), 4)
     return out
 
 
-def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[Mapping[str, int]] = None) -> dict:
+def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[Mapping[str, int]] = None,
+              greedy: bool = True) -> dict:
     """The report's numbers from the per-sample outputs (definitions: module docstring).
 
-    ``proposed``: method -> draft tokens a step proposes, for the methods that fix it."""
+    ``proposed``: method -> draft tokens a step proposes, for the methods that fix it. ``greedy``:
+    whether the run decoded greedily (identity with plain greedy is meaningful, and reported, only then)."""
     proposed = proposed or {}
     rates = {}
     for meth in methods:
@@ -98,9 +102,9 @@ def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[
         secs = sum(s.outputs[meth].prefill_s + s.outputs[meth].decode_s for s in samples)
         rates[meth] = tokens / secs if secs > 0 else 0.0
     out: dict = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()},
-                 "per_method": {meth: method_summary(samples, meth, methods, rates, proposed.get(meth))
+                 "per_method": {meth: method_summary(samples, meth, methods, rates, proposed.get(meth), greedy)
                                 for meth in methods}}
-    if "hf_generate" in methods and "autoregressive" in methods:
+    if greedy and "hf_generate" in methods and "autoregressive" in methods and samples:
         same = [s.tokens["hf_generate"] == s.tokens["autoregressive"] for s in samples]
         out["hf_generate_identical_fraction"] = round(sum(same) / len(same), 4)
     return out
@@ -152,7 +156,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         calib = [m.encode_chat(p.turns[0]) for p in calib_src]
         log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")
         choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log,
-                             fixed_nodes=fixed)
+                             fixed_nodes=fixed, progress=progress)
     else:
         t = resolve_tree(tree, m.num_heads) if with_tree else None
         choice = TreeChoice(t, "given")
@@ -198,7 +202,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     report = {"settings": settings or {}, "machine": machine(), "num_samples": len(samples),
               "methods": list(methods), "tree": choice.to_dict(),
               **summarize(samples, methods, {meth: spec.proposed(opts[meth]) for meth, spec in specs.items()
-                                             if spec.proposed is not None}),
+                                             if spec.proposed is not None}, greedy=sampling.is_greedy),
               "method_options": reported, "run_length": run_length,
               "costs": {meth: dataclasses.asdict(spec.costs(m, opts[meth], run_length)) for meth, spec in specs.items()},
               "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock"}

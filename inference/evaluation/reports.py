@@ -55,10 +55,20 @@ def markdown(r: dict) -> str:
     if name is not None:
         lines += ["", f"- {name} tau (tokens per verification step): **{row.get('tau', 1.0):.3f}**",
                   f"- acceptance rate: {row.get('acceptance_rate', 0):.3f}"
-                  + (f"; n-alpha: {row['n_alpha']}" if "n_alpha" in row else ""),
-                  f"- output identical to plain greedy: {row.get('greedy_identical_fraction', 'n/a')}"]
+                  + (f"; n-alpha: {row['n_alpha']}" if "n_alpha" in row else "")]
+        if row.get("greedy_identical_fraction") is not None:  # greedy mode only
+            lines.append(f"- output identical to plain greedy: {row['greedy_identical_fraction']}")
     if r.get("tree", {}).get("nodes"):
         lines.append(f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}")
+    timing = r.get("tree", {}).get("timing")
+    if timing:
+        lines.append(f"- tree timing: {timing['rounds']} interleaved rounds"
+                     + ("" if timing.get("stable", True) else " (winner not yet stable)")
+                     + "; step ms median [min-max]: "
+                     + ", ".join(f"{c['name']} {c['step_ms']:.1f} [{c['step_ms_min']:.1f}-{c['step_ms_max']:.1f}]"
+                                 for c in [{"name": "plain", **timing["autoregressive"]}, *r["tree"]["candidates"]]
+                                 if "step_ms_min" in c))
+        lines += [f"- warning: {w}" for w in timing.get("warnings", [])]
     acc = r.get("head_accuracy")
     if acc:
         lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]
@@ -129,10 +139,10 @@ def compare_markdown(r: dict) -> str:
         row, cost = per[meth], costs.get(meth, {})
         a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
         ident = row.get("greedy_identical_fraction")
-        if ident is None:
+        if not greedy:
+            same = "n/a (sampling)"
+        elif ident is None:
             same = "-"
-        elif not greedy:
-            same = f"n/a (sampling; {ident:.0%} equal)"
         else:
             same = "yes" if ident == 1.0 else f"no ({ident:.0%} of prompts)"
         params = cost.get("extra_parameters", 0)

@@ -5,10 +5,16 @@ evaluated ones, ``measure_head_accuracy``); a tree is grown greedily for each no
 candidate's verification-step latency is measured on this device (``measure_step_latency``);
 the tree maximising expected tau / step time wins — or none, when no tree beats plain
 decoding's rate (weak heads must never make decoding slower).
+
+The machine may be shared: step times are taken in repeated interleaved rounds until the winner
+is stable, stalls and noisy rounds are discounted by medians, and the spread is recorded
+(``choose_tree``).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -101,20 +107,85 @@ def calibrated_tree(m: MedusaModel, prompts: Sequence[Sequence[int]], num_nodes:
 
 
 # -- measurement --------------------------------------------------------------------------
+OUTLIER_FACTOR = 3.0  # a step slower than this many times its run's median is a stall, not the step's cost
+NOISY_SPREAD = 0.5    # (max - min) / median over rounds above this: the timings are too noisy to trust
+
+
+def step_times(m: MedusaModel, prompt_ids: Sequence[int], tree: Optional[MedusaTree], *, steps: int = 8,
+               warmup: int = 2, sampling: Optional[SamplingConfig] = None) -> list[float]:
+    """Wall time (s) of each of ``steps`` decoding steps after ``warmup`` ones, on one prompt, EOS
+    ignored: Medusa steps (heads + tree forward + verify + compaction) with ``tree``, plain
+    autoregressive steps with ``tree=None``. The one place decoding is timed for the tree choice."""
+    if tree is None:
+        out = generate(m, list(prompt_ids), "autoregressive", max_new_tokens=warmup + steps + 1, eos_token_ids=())
+    else:
+        out = generate(m, list(prompt_ids), tree=tree, max_new_tokens=(warmup + steps + 1) * (tree.max_depth + 1),
+                       sampling=sampling, eos_token_ids=(), max_steps=warmup + steps, seed=0)
+    times = list(out.step_s)
+    return times[warmup:] if len(times) > warmup else times
+
+
+def robust_step(times: Sequence[float]) -> tuple[float, int]:
+    """(median of the step times after dropping stalls above ``OUTLIER_FACTOR`` x the median, number dropped)."""
+    times = [t for t in times if t == t]  # NaN out
+    if not times:
+        return float("nan"), 0
+    mid = statistics.median(times)
+    kept = [t for t in times if t <= OUTLIER_FACTOR * mid]
+    return statistics.median(kept), len(times) - len(kept)
+
+
 def measure_step_latency(m: MedusaModel, input_ids, trees: Sequence, *, steps: int = 8, warmup: int = 2,
                          sampling: Optional[SamplingConfig] = None) -> dict[str, float]:
-    """Median wall time of one Medusa step (heads + tree forward + verify + compaction) per tree.
-
-    EOS is ignored so every tree runs ``warmup + steps`` steps on the same prompt.
-    """
+    """Median wall time of one Medusa step per tree (stalls dropped: ``robust_step``), keyed by tree name."""
     result = {}
     for spec in trees:
         tree = resolve_tree(spec, m.num_heads)
-        out = generate(m, input_ids, tree=tree, max_new_tokens=(warmup + steps + 1) * (tree.max_depth + 1),
-                       sampling=sampling, eos_token_ids=(), max_steps=warmup + steps, seed=0)
-        times = out.step_s[warmup:]
-        result[tree.name or f"{tree.num_nodes} nodes"] = statistics.median(times) if times else float("nan")
+        result[tree.name or f"{tree.num_nodes} nodes"] = robust_step(
+            step_times(m, input_ids, tree, steps=steps, warmup=warmup, sampling=sampling))[0]
     return result
+
+
+def _median_ar_step(m: MedusaModel, prompt_ids: list[int], steps: int = 8) -> float:
+    return robust_step(step_times(m, prompt_ids, None, steps=steps))[0]
+
+
+def machine_load() -> tuple[Optional[float], int]:
+    """(1-minute load average or None where unknown, CPU cores this process may run on)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return load, cores
+
+
+def auto_threads(load: Optional[float] = None, cores: Optional[int] = None, default: Optional[int] = None) -> int:
+    """CPU threads for decoding when none are set: torch's default (one per core), less the cores
+    other processes keep busy (the load average, rounded up), at least 1.
+
+    OpenMP threads wait for each other at the end of every op: on cores shared with another busy
+    process, one descheduled thread stalls the whole op, so tiny-model steps become tens of times
+    slower (and their timings noise) where one thread would not be slowed at all."""
+    if load is None or cores is None:
+        measured_load, measured_cores = machine_load()
+        load = measured_load if load is None else load
+        cores = measured_cores if cores is None else cores
+    default = default or torch.get_num_threads()
+    free = cores - math.ceil(load - 0.25) if load is not None else cores  # a little idle noise is no load
+    return max(1, min(default, free))
+
+
+def spread(values: Sequence[float], dropped: int = 0) -> dict:
+    """Per-candidate timing record (ms) over rounds: median, min, max, interquartile range, rounds."""
+    ms = sorted(v * 1e3 for v in values)
+    q1, q3 = (statistics.quantiles(ms, n=4, method="inclusive")[::2] if len(ms) > 1 else (ms[0], ms[0]))
+    return {"step_ms": round(statistics.median(ms), 3), "step_ms_min": round(ms[0], 3),
+            "step_ms_max": round(ms[-1], 3), "step_ms_iqr": [round(q1, 3), round(q3, 3)],
+            "rounds": len(ms), "stalled_steps_dropped": dropped}
 
 
 @dataclass
@@ -122,21 +193,20 @@ class TreeChoice:
     tree: Optional[MedusaTree]  # None: plain decoding is faster than any tree on this machine
     reason: str
     accuracies: Optional[list] = None  # [K][rank] measured on calibration prompts
-    candidates: list = field(default_factory=list)  # {nodes, expected_tau, step_ms, rate}
+    candidates: list = field(default_factory=list)  # {name, nodes, expected_tau, step_ms (+ spread), rate}
     autoregressive_step_ms: float = 0.0
+    timing: dict = field(default_factory=dict)  # rounds, plain decoding's spread, load, warnings
 
     def to_dict(self) -> dict:
         t = self.tree
-        return {"name": t.name if t is not None else "none (plain decoding)",
-                "nodes": t.num_nodes if t is not None else 0,
-                "choices": t.choices if t is not None else [],
-                "reason": self.reason, "candidates": self.candidates,
-                "autoregressive_step_ms": self.autoregressive_step_ms}
-
-
-def _median_ar_step(m: MedusaModel, prompt_ids: list[int], steps: int = 8) -> float:
-    out = generate(m, prompt_ids, "autoregressive", max_new_tokens=steps + 3, eos_token_ids=())
-    return statistics.median(out.step_s[2:]) if len(out.step_s) > 2 else statistics.median(out.step_s)
+        out = {"name": t.name if t is not None else "none (plain decoding)",
+               "nodes": t.num_nodes if t is not None else 0,
+               "choices": t.choices if t is not None else [],
+               "reason": self.reason, "candidates": self.candidates,
+               "autoregressive_step_ms": self.autoregressive_step_ms}
+        if self.timing:
+            out["timing"] = self.timing
+        return out
 
 
 def calibrated_choice(tree_setting: str) -> Optional[int]:
@@ -150,13 +220,47 @@ def calibrated_choice(tree_setting: str) -> Optional[int]:
     return int(n)
 
 
+PLAIN = "plain decoding"
+
+
+def _bar(progress: bool, total: Optional[int], desc: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step" if total is None else "it", dynamic_ncols=True, leave=False)
+
+
 def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
                 budgets: Sequence[int] = DEFAULT_BUDGETS, calibration_tokens: int = 48, topk: int = 10,
-                latency_steps: int = 6, latency_rounds: int = 2,
-                log: Callable[[str], None] = print, fixed_nodes: Optional[int] = None) -> TreeChoice:
+                latency_steps: int = 6, min_rounds: int = 3, max_rounds: int = 8,
+                log: Callable[[str], None] = print, fixed_nodes: Optional[int] = None,
+                progress: bool = False) -> TreeChoice:
     """Grow a tree per budget from measured accuracy; keep the one with the best tau / step time.
-    With ``fixed_nodes`` grow that one tree and keep it (no latency measurement)."""
-    acc = measure_head_accuracy(m, calibration, max_new_tokens=calibration_tokens, topk=topk)
+    With ``fixed_nodes`` grow that one tree and keep it (no latency measurement).
+
+    Step times are measured in rounds: each round times plain decoding and every candidate once,
+    in an order rotated from round to round, so background load hits them alike. A candidate's
+    step time is the median over rounds of each round's median step (steps slower than
+    ``OUTLIER_FACTOR`` x their run's median dropped as stalls). Rounds continue, from
+    ``min_rounds`` up to ``max_rounds``, until two consecutive rounds agree on the winner (the
+    best expected tokens/s, or plain decoding). Each candidate's spread over rounds goes into the
+    choice (report.json's ``tree``); a visibly loaded machine (load average above the cores, or
+    a spread above ``NOISY_SPREAD``) gets a one-line warning."""
+    if min_rounds < 1 or max_rounds < min_rounds:
+        raise UserError(f"tree timing needs 1 <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
+    bar = _bar(progress, len(calibration), "calibrating heads")
+
+    def calibrated(i: int, n: int) -> None:
+        if bar is not None:
+            bar.set_description_str(f"calibrating heads: prompt {i}/{n}")
+            bar.update(1)
+
+    try:
+        acc = measure_head_accuracy(m, calibration, max_new_tokens=calibration_tokens, topk=topk, progress=calibrated)
+    finally:
+        if bar is not None:
+            bar.close()
     per_rank = acc.per_rank.tolist()
     if fixed_nodes is not None:
         tree, tau = grow_tree(per_rank, fixed_nodes - 1, name=f"calibrated{fixed_nodes}", fill=True)
@@ -172,27 +276,81 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
             continue
         seen.add(key)
         trees.append((tree, tau))
-    # Rounds interleave plain decoding and every tree, and each keeps its fastest median, so
-    # a burst of background load does not decide the choice (this machine is shared).
-    ar_step, lat = float("inf"), {}
-    for _ in range(latency_rounds):
-        ar_step = min(ar_step, _median_ar_step(m, list(latency_prompt)))
-        if trees:
-            for name, sec in measure_step_latency(m, list(latency_prompt), [t for t, _ in trees],
-                                                  steps=latency_steps).items():
-                lat[name] = min(lat.get(name, float("inf")), sec)
+    taus = {PLAIN: 1.0, **{t.name: tau for t, tau in trees}}
+    by_name = {PLAIN: None, **{t.name: t for t, _ in trees}}
+
+    warnings = []
+    load, cores = machine_load()
+    if load is not None and load > cores:
+        warnings.append(f"load average {load:.1f} on {cores} cores before timing trees: other processes "
+                        "compete for the CPU, step times may be noisy (rerun on an idle machine or with threads=1)")
+        log(f"warning: {warnings[-1]}")
+
+    prompt = list(latency_prompt)
+    rounds: dict[str, list[float]] = {name: [] for name in by_name}
+    dropped = dict.fromkeys(by_name, 0)
+    winners: list[str] = []
+
+    def estimate() -> dict[str, float]:
+        return {name: statistics.median(v) for name, v in rounds.items()}
+
+    def winner(step: dict[str, float]) -> str:
+        best, best_rate = PLAIN, 1.0 / step[PLAIN]
+        for name in by_name:
+            if name != PLAIN and taus[name] / step[name] > best_rate:
+                best, best_rate = name, taus[name] / step[name]
+        return best
+
+    names = list(by_name)
+    bar = _bar(progress, max_rounds * len(names), "timing trees")
+    try:
+        for r in range(max_rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                if bar is not None:
+                    bar.set_description_str(f"timing trees: round {r + 1}, "
+                                            + (PLAIN if name == PLAIN else f"tree {name}"))
+                sec, n_dropped = robust_step(step_times(m, prompt, by_name[name], steps=latency_steps))
+                rounds[name].append(sec)
+                dropped[name] += n_dropped
+                if bar is not None:
+                    bar.update(1)
+            winners.append(winner(estimate()))
+            if r + 1 >= min_rounds and len(winners) > 1 and winners[-1] == winners[-2]:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+    step = estimate()
+    stable = len(winners) >= 2 and winners[-1] == winners[-2] or max_rounds == 1
+    ar_step = step[PLAIN]
     best = (None, 1.0 / ar_step, "plain decoding is fastest")
     cands = []
-    if trees:
-        for tree, tau in trees:
-            step = lat[tree.name]
-            rate = tau / step
-            cands.append({"name": tree.name, "nodes": tree.num_nodes, "expected_tau": round(tau, 4),
-                          "step_ms": round(step * 1e3, 2), "expected_tokens_per_s": round(rate, 2)})
-            log(f"  tree {tree.name:>7}: {tree.num_nodes:>2} nodes, expected tau {tau:.3f}, "
-                f"step {step * 1e3:.1f} ms -> {rate:.1f} tok/s expected")
-            if rate > best[1]:
-                best = (tree, rate, f"best expected tau / step time ({rate:.1f} tok/s vs plain "
-                                    f"{1 / ar_step:.1f})")
+    for tree, tau in trees:
+        rate = tau / step[tree.name]
+        cands.append({"name": tree.name, "nodes": tree.num_nodes, "expected_tau": round(tau, 4),
+                      **spread(rounds[tree.name], dropped[tree.name]), "expected_tokens_per_s": round(rate, 2)})
+        log(f"  tree {tree.name:>7}: {tree.num_nodes:>2} nodes, expected tau {tau:.3f}, "
+            f"step {step[tree.name] * 1e3:.1f} ms -> {rate:.1f} tok/s expected")
+        if rate > best[1]:
+            best = (tree, rate, f"best expected tau / step time ({rate:.1f} tok/s vs plain {1 / ar_step:.1f})")
     log(f"  plain decoding: step {ar_step * 1e3:.1f} ms -> {1 / ar_step:.1f} tok/s")
-    return TreeChoice(best[0], best[2], per_rank, cands, round(ar_step * 1e3, 2))
+    noisy = {name: (max(v) - min(v)) / statistics.median(v) for name, v in rounds.items()
+             if len(v) > 1 and statistics.median(v) > 0}
+    worst = max(noisy, key=noisy.get) if noisy else None
+    if worst is not None and noisy[worst] > NOISY_SPREAD:
+        v = rounds[worst]
+        warnings.append(f"step times varied between timing rounds ({worst}: {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} "
+                        f"ms over {len(v)} rounds): the machine looks loaded, the tree choice may not be the best "
+                        "one (rerun on an idle machine or with threads=1)")
+        log(f"warning: {warnings[-1]}")
+    if not stable:
+        warnings.append(f"the fastest candidate still changed after {len(winners)} timing rounds "
+                        f"(winners by round: {', '.join(winners)}); kept the last one")
+        log(f"warning: {warnings[-1]}")
+    timing = {"rounds": len(winners), "min_rounds": min_rounds, "max_rounds": max_rounds,
+              "steps_per_round": latency_steps, "winner_by_round": winners, "stable": stable,
+              "autoregressive": spread(rounds[PLAIN], dropped[PLAIN]),
+              "load_average": None if load is None else round(load, 2), "cores": cores,
+              "threads": torch.get_num_threads(), "warnings": warnings}
+    return TreeChoice(best[0], best[2], per_rank, cands, round(ar_step * 1e3, 2), timing)

@@ -11,15 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from ..errors import UserError
-from ..heads.native import swap_dir_into_place
+from ..heads.native import make_temp_dir, release_temp_dir, swap_dir_into_place
 from . import FORMATS, load_builtin_formats
 
 _EXPORTERS: dict[tuple[str, str], Callable] = {}
@@ -145,11 +143,15 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def write_plan(plan: ExportPlan, out: Path) -> None:
-    """Write config + weights into a temp dir beside ``out``, then swap it in (old one removed last)."""
+    """Write config + weights into a temp dir beside ``out``, then swap it in (old one removed last).
+
+    A kill at any point leaves the previous ``out`` or the new one (possibly moved aside as
+    ``.<out>.old-*`` between the swap's renames); the next write into ``out`` recovers and cleans
+    up first (``heads.native.recover_dir``)."""
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = make_temp_dir(out)  # clears what writers killed here left first (heads.native.recover_dir)
     try:
         # metadata format=pt: transformers' and the engines' safetensors readers expect it.
         save_file(plan.tensors, str(tmp / plan.weights_file), metadata={"format": "pt"})
@@ -163,8 +165,7 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
         swap_dir_into_place(tmp, out)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        release_temp_dir(tmp)
 
 
 def write_extra_files(plan: ExportPlan, out: Path) -> None:

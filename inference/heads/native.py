@@ -9,6 +9,14 @@ config written by a newer medusa-train.
 Writes are atomic (``swap_dir_into_place``): a crash leaves the previous export or the new one,
 never a mix. The format exporters above reuse that swap for their own directories.
 
+What a kill can leave beside ``<out>`` and who cleans it (``recover_dir``, called by every save and
+export into ``<out>`` before it writes): ``.<out>.tmp-<pid>-*`` (a new export being written; removed
+once process ``pid`` is dead, or this process no longer writes it) and ``.<out>.old-<pid>-*`` (the
+previous export, moved aside for the instant between the swap's two renames; put back as
+``<out>`` when ``<out>`` is missing, else removed, on the same condition). A loader given a missing ``<out>`` with an ``.old`` beside it says
+so. Writers are told apart by process id on this host: a directory shared by several hosts
+keeps another host's leftovers rather than risk removing a live writer's.
+
 Foreign layouts (reference Medusa, TGI, vLLM) are not known here: ``inference.loading`` asks the
 format importers first and falls back to ``read_native_spec`` / ``load_native``.
 """
@@ -52,7 +60,7 @@ def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = state_dict if state_dict is not None else heads_state_dict(heads)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = make_temp_dir(out)
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "kind": heads.spec.kind})
         (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
@@ -60,32 +68,118 @@ def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
             extra(tmp)
         swap_dir_into_place(tmp, out)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        release_temp_dir(tmp)
     return out
 
 
-def swap_dir_into_place(tmp: Path, out: Path) -> None:
-    """Rename a complete ``tmp`` directory to ``out``; an existing ``out`` is replaced only once the
-    new one is in place (and put back if the rename fails), so a crash never leaves neither."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
+def make_temp_dir(out: Path) -> Path:
+    """A fresh ``.<out>.tmp-<pid>-*`` beside ``out`` to write a new export into, after clearing what
+    killed writers left there (``recover_dir``)."""
+    recover_dir(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    _ACTIVE.add(tmp)
+    return tmp
+
+
+def release_temp_dir(tmp: Path) -> None:
+    """The end of a write into ``tmp`` (``make_temp_dir``): remove what is left of it."""
     try:
-        os.replace(tmp, out)
-    except BaseException:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        _ACTIVE.discard(tmp)
+
+
+def swap_dir_into_place(tmp: Path, out: Path) -> None:
+    """Rename a complete ``tmp`` directory to ``out``, replacing an existing ``out``.
+
+    Two renames: ``out`` -> ``.<out>.old-<pid>-*``, then ``tmp`` -> ``out`` (the old one is put back
+    if the second fails, and removed once the new one is in place). An exception leaves ``out``
+    as it was; a kill between the two renames leaves ``out`` missing and the complete previous
+    export in ``.old-*``, which the next ``recover_dir`` (every save and export into ``out``, and
+    a finished training's rerun) puts back; loaders name it (``read_native_spec``)."""
+    recover_dir(out)
+    old = None
+    try:
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+            _ACTIVE.add(old)
+            os.replace(out, old)  # onto the empty dir just made: a unique name no other writer holds
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None and not out.exists():
+                os.replace(old, out)
+            raise
         if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if old is not None:
+            _ACTIVE.discard(old)
+
+
+def _writer_pid(path: Path, kind: str, out: Path) -> Optional[int]:
+    """The process id in ``.<out>.<kind>-<pid>-*``; None for names of another form."""
+    rest = path.name[len(f".{out.name}.{kind}-"):]
+    pid = rest.split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+_ACTIVE: set[Path] = set()  # the temp / old dirs this process is writing or swapping right now
+
+
+def _writer_alive(path: Path, kind: str, out: Path) -> bool:
+    """Whether the writer that made leftover ``path`` may still be using it: this process only while
+    the call that made it runs, another process while it exists on this host; names of another
+    form (older versions) count as dead."""
+    pid = _writer_pid(path, kind, out)
+    if pid is None or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return path in _ACTIVE
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def leftovers(out: Path, kind: str) -> list[Path]:
+    """``.<out>.<kind>-*`` directories beside ``out`` (kind ``tmp`` or ``old``), oldest first."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    found = [p for p in out.parent.glob(f".{out.name}.{kind}-*") if p.is_dir()]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def recover_dir(out: str | os.PathLike) -> None:
+    """Undo what writers killed mid-save left beside ``out`` (module docstring): with ``out`` missing,
+    the newest previous export in ``.<out>.old-*`` of a dead writer becomes ``out`` again; then
+    dead writers' ``.old-*`` (superseded: ``out`` exists) and ``.tmp-*`` (never completed) are
+    removed. Leftovers of live writers (another process on this host, or a call of this one still
+    running) are left alone; names of an older form count as a dead writer's."""
+    out = Path(out)
+    olds = [p for p in leftovers(out, "old") if not _writer_alive(p, "old", out)]
+    if not out.exists():
+        complete = [p for p in olds if any(p.iterdir())]  # an empty one: killed before its rename
+        if complete:
+            os.replace(complete[-1], out)
+            olds.remove(complete[-1])
+    for p in olds + [p for p in leftovers(out, "tmp") if not _writer_alive(p, "tmp", out)]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def read_native_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
     """The spec of a native export, or a one-line ``UserError`` saying why the dir is not one."""
     d = Path(heads_dir)
     if not d.is_dir():
+        old = [p for p in leftovers(d, "old") if any(p.iterdir())]
+        if old and not d.exists():
+            raise UserError(f"heads directory not found: {d}, but {old[-1]} holds the previous export left by an "
+                            f"interrupted save: rerun the save/export, or rename it to {d.name}")
         raise UserError(f"heads directory not found: {d}")
     missing = [f for f in EXPORT_FILES if not (d / f).is_file()]
     if missing:

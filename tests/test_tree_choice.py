@@ -1,0 +1,193 @@
+"""``tree=auto`` on a shared machine (inference/evaluation/tree_choice.py): the choice must come from
+repeated interleaved timing rounds, not from one noisy measurement; the spread lands in the report;
+a loaded machine is named; both measuring phases show progress. Timings are injected (the real ones
+cannot be trusted on a shared 2-core machine, which is the point)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from inference.evaluation import tree_choice as tc
+from inference.evaluation.evaluate import evaluate
+from inference.evaluation.prompts import Prompt
+from inference.evaluation.reports import markdown, write_report
+from inference.runtime.model import MedusaModel
+from tests.runtime_support import one_thread, random_heads  # noqa: F401  (fixture)
+
+# head 1 right 60% at rank 0, 20% at rank 1; head 2 40% / 10%: auto1 has tau 1.6, auto3 tau 2.04
+PER_RANK = [[0.6, 0.2] + [0.0] * 8, [0.4, 0.1] + [0.0] * 8]
+
+
+def fake_accuracy(m, prompts, *, max_new_tokens=64, topk=10, progress=None):
+    for i in range(len(prompts)):
+        if progress is not None:
+            progress(i + 1, len(prompts))
+    hits = torch.tensor([[int(v * 1000) for v in row] for row in PER_RANK])
+    return tc.HeadAccuracy(hits, torch.tensor([1000, 1000]))
+
+
+class FakeClock:
+    """Per-step times (s) by candidate name ("plain" for plain decoding); ``outliers[(name, n)]``
+    multiplies the n-th measurement (0-based) of ``name``; records the order of measurements."""
+
+    def __init__(self, ms: dict, outliers: dict | None = None, steps_outlier: dict | None = None):
+        self.ms, self.outliers, self.steps_outlier = ms, outliers or {}, steps_outlier or {}
+        self.calls: list[str] = []
+
+    def __call__(self, m, prompt_ids, tree, *, steps=8, warmup=2, sampling=None):
+        name = "plain" if tree is None else tree.name
+        n = self.calls.count(name)
+        self.calls.append(name)
+        t = self.ms[name] / 1e3 * self.outliers.get((name, n), 1.0)
+        times = [t] * steps
+        if (name, n) in self.steps_outlier:  # one stalled step inside the run
+            times[steps // 2] *= self.steps_outlier[(name, n)]
+        return times
+
+
+@pytest.fixture
+def inject(monkeypatch):
+    monkeypatch.setattr(tc, "measure_head_accuracy", fake_accuracy)
+    monkeypatch.setattr(tc, "machine_load", lambda: (0.2, 2))
+
+    def install(clock: FakeClock) -> FakeClock:
+        monkeypatch.setattr(tc, "step_times", clock)
+        return clock
+
+    return install
+
+
+def choose(**kw):
+    lines = []
+    choice = tc.choose_tree(None, [[1, 2, 3]] * 2, [1, 2, 3], budgets=[1, 3], log=lines.append, **kw)
+    return choice, lines
+
+
+def test_a_single_30x_outlier_does_not_decide_the_tree(inject):
+    """Guards against: the incident where one measurement under load (a tree's step at 30x its real
+    time) decided the tree: the best tree must still win, after more rounds than a calm run needs."""
+    clock = inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}, outliers={("auto3", 0): 30}))
+    choice, _ = choose()
+    assert choice.tree is not None and choice.tree.name == "auto3"
+    timing = choice.to_dict()["timing"]
+    assert timing["winner_by_round"] == ["auto1", "auto1", "auto3", "auto3"] and timing["rounds"] == 4
+    assert timing["stable"]
+    auto3 = next(c for c in choice.candidates if c["name"] == "auto3")
+    assert auto3["step_ms"] == pytest.approx(100) and auto3["step_ms_max"] == pytest.approx(3000)
+    assert clock.calls.count("plain") == 4  # plain decoding timed in every round too
+
+
+def test_a_stalled_step_inside_a_run_is_dropped(inject):
+    """Guards against: one stalled step (30x the others) inside a timing run shifting that run's step time."""
+    inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}, steps_outlier={("auto3", 0): 30}))
+    choice, _ = choose()
+    auto3 = next(c for c in choice.candidates if c["name"] == "auto3")
+    assert auto3["step_ms_max"] == pytest.approx(100) and auto3["stalled_steps_dropped"] == 1
+    assert tc.robust_step([0.1] * 5 + [3.0]) == (pytest.approx(0.1), 1)
+
+
+def test_a_stable_ranking_stops_early_and_rounds_rotate(inject):
+    """Guards against: always timing the cap of rounds (minutes lost on a calm machine), or timing the
+    candidates in the same order every round (a load burst would always hit the same one)."""
+    clock = inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}))
+    choice, lines = choose(min_rounds=3, max_rounds=8)
+    assert choice.tree.name == "auto3" and choice.to_dict()["timing"]["rounds"] == 3
+    firsts = [clock.calls[i * 3] for i in range(3)]
+    assert len(set(firsts)) == 3, clock.calls  # each round starts with another candidate
+    assert not [l for l in lines if l.startswith("warning")]
+
+
+def test_plain_decoding_wins_when_no_tree_pays_for_itself(inject):
+    """Guards against: weak heads making decoding slower: plain decoding is a candidate like the trees."""
+    inject(FakeClock({"plain": 100, "auto1": 400, "auto3": 400}))
+    choice, _ = choose()
+    assert choice.tree is None and choice.to_dict()["timing"]["winner_by_round"][-1] == "plain decoding"
+
+
+def test_unstable_ranking_stops_at_the_cap_and_says_so(inject):
+    """Guards against: an endless timing loop when the machine never settles, or keeping a choice that
+    never stabilised without a word."""
+    outliers = {("auto3", n): 30 for n in range(0, 10, 2)}  # auto3 stalls every other round
+    outliers.update({("auto1", n): 30 for n in range(1, 10, 2)})
+    inject(FakeClock({"plain": 100, "auto1": 90, "auto3": 90}, outliers=outliers))
+    choice, lines = choose(min_rounds=2, max_rounds=5)
+    timing = choice.to_dict()["timing"]
+    assert timing["rounds"] == 5 and not timing["stable"]
+    assert any(l.startswith("warning:") and "still changed after 5 timing rounds" in l for l in lines), lines
+
+
+def test_a_loaded_machine_is_named_in_one_line(inject, monkeypatch):
+    """Guards against: a tree chosen on a visibly loaded machine (load average above the cores, or
+    step times that vary a lot between rounds) without any warning."""
+    inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}))
+    monkeypatch.setattr(tc, "machine_load", lambda: (5.0, 2))
+    choice, lines = choose()
+    warn = [l for l in lines if l.startswith("warning:")]
+    assert len(warn) == 1 and "load average 5.0 on 2 cores" in warn[0] and "\n" not in warn[0]
+    assert choice.to_dict()["timing"]["load_average"] == 5.0
+
+    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}, outliers={("plain", 1): 3}))
+    choice, lines = choose()
+    warn = [l for l in lines if l.startswith("warning:")]
+    assert len(warn) == 1 and "varied" in warn[0] and "plain decoding" in warn[0], lines
+    assert choice.to_dict()["timing"]["warnings"] == [w.removeprefix("warning: ") for w in warn]
+
+
+@pytest.fixture(scope="module")
+def tiny_medusa():
+    from medusa_train.backbone import random_backbone
+
+    bb = random_backbone({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "vocab_size": 320, "max_position_embeddings": 512}, seed=0)
+    return MedusaModel(model=bb.model.eval(), tokenizer=bb.tokenizer, heads=random_heads(bb.model, num_heads=2))
+
+
+def test_spread_lands_in_report_json_and_md(tiny_medusa, inject, tmp_path):
+    """Guards against: a tree choice whose noise cannot be seen afterwards: report.json's tree section
+    must carry, per candidate and for plain decoding, the median, min, max and IQR over rounds and the
+    rounds used."""
+    inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}, outliers={("auto3", 0): 30}))
+    prompts = [Prompt(str(i), [f"question {i}?"]) for i in range(3)]
+    report = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="auto", max_new_tokens=4,
+                      calibration_prompts=1, budgets=[1, 3], progress=False, log=lambda s: None)
+    write_report(tmp_path, report)
+    tree = json.loads((tmp_path / "report.json").read_text())["tree"]
+    assert tree["name"] == "auto3"
+    for c in tree["candidates"]:
+        assert {"step_ms", "step_ms_min", "step_ms_max", "step_ms_iqr", "rounds"} <= set(c), c
+        assert c["rounds"] == 4 and c["step_ms_min"] <= c["step_ms"] <= c["step_ms_max"]
+    assert tree["timing"]["rounds"] == 4 and tree["timing"]["autoregressive"]["rounds"] == 4
+    assert tree["timing"]["autoregressive"]["step_ms"] == pytest.approx(100)
+    assert "tree timing: 4 interleaved rounds" in markdown(report)
+
+
+def test_both_measuring_phases_show_progress(tiny_medusa, monkeypatch, capsys):
+    """Guards against: medusa-eval sitting silent for minutes while it calibrates the heads and times the
+    trees; and the bars showing when progress is off."""
+    monkeypatch.setattr(tc, "step_times", FakeClock({"plain": 1, "auto1": 1, "auto2": 1, "auto3": 1, "auto4": 1}))
+    calib = [tiny_medusa.encode_chat(f"question {i}?") for i in range(2)]
+    tc.choose_tree(tiny_medusa, calib, calib[0], budgets=[1, 2], calibration_tokens=4, log=lambda s: None,
+                   progress=True)
+    err = capsys.readouterr().err
+    assert "calibrating heads: prompt 2/2" in err, err
+    assert "timing trees: round 1, plain decoding" in err and "timing trees: round 1, tree auto" in err, err
+    tc.choose_tree(tiny_medusa, calib, calib[0], budgets=[1, 2], calibration_tokens=4, log=lambda s: None,
+                   progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_auto_threads_leaves_busy_cores_alone(monkeypatch):
+    """Guards against: decoding with one OpenMP thread per core while another process keeps those cores
+    busy (two threads on two shared cores made tree timings 30x noisy), or with 0 threads."""
+    assert tc.auto_threads(load=0.1, cores=2, default=2) == 2  # idle machine: torch's default
+    assert tc.auto_threads(load=2.0, cores=2, default=2) == 1  # another 2-thread process: one thread
+    assert tc.auto_threads(load=1.1, cores=2, default=2) == 1
+    assert tc.auto_threads(load=9.0, cores=2, default=2) == 1
+    assert tc.auto_threads(load=1.0, cores=8, default=8) == 7
+    monkeypatch.setattr(tc, "machine_load", lambda: (None, 4))  # a platform without a load average
+    assert tc.auto_threads(default=4) == 4
