@@ -46,7 +46,7 @@ class RuntimeConfig:
     typical_delta: float = 0.3
     max_new_tokens: int = 128
     seed: int = 0
-    threads: int = 0  # torch CPU threads (0 = default)
+    threads: int = 0  # torch CPU threads (0 = auto: one per core not kept busy by other processes)
     kernels: str = "auto"  # auto: skinny CPU products take the faster formulation (linear_kernels) | stock
     trust_remote_code: bool = False
     # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
@@ -104,10 +104,10 @@ def check_tree(cfg) -> None:
 def _load(cfg):
     import torch
 
+    from .evaluation.tree_choice import auto_threads
     from .loading import load_medusa
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads or auto_threads())
     if cfg.heads in ("???", ""):
         from .errors import UserError
 
@@ -159,13 +159,13 @@ def _load_eval(cfg, methods):
     import torch
 
     from .backbone import load_backbone
+    from .evaluation.tree_choice import auto_threads
     from .runtime.model import MedusaModel, apply_kernels, check_kernels
 
     check_kernels(cfg.kernels)
     if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
         return _load(cfg)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads or auto_threads())
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, _ = load_backbone(cfg.backbone or "embedded:smollm2", device=device, dtype=cfg.dtype,
                                   trust_remote_code=cfg.trust_remote_code)

@@ -126,7 +126,7 @@ def test_a_loaded_machine_is_named_in_one_line(inject, monkeypatch):
     monkeypatch.setattr(tc, "machine_load", lambda: (5.0, 2))
     choice, lines = choose()
     warn = [l for l in lines if l.startswith("warning:")]
-    assert len(warn) == 1 and "load average 5.0 on 2 cores" in warn[0] and "\n" not in warn[0]
+    assert len(warn) == 1 and "keep 5.0 of 2 cores busy" in warn[0] and "\n" not in warn[0]
     assert choice.to_dict()["timing"]["load_average"] == 5.0
 
     monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
@@ -191,3 +191,19 @@ def test_auto_threads_leaves_busy_cores_alone(monkeypatch):
     assert tc.auto_threads(load=1.0, cores=8, default=8) == 7
     monkeypatch.setattr(tc, "machine_load", lambda: (None, 4))  # a platform without a load average
     assert tc.auto_threads(default=4) == 4
+
+
+def test_machine_load_counts_runnable_tasks_now(monkeypatch, tmp_path):
+    """Guards against measuring load with the 1-minute average, which still says "2 cores busy"
+    for a minute after a training run ends on an idle machine (then medusa-eval would decode
+    with one thread for nothing): the runnable count of /proc/loadavg, less the reader itself."""
+    samples = iter(["2.00 1.50 1.00 1/300 999\n", "2.00 1.50 1.00 3/300 999\n", "2.00 1.50 1.00 1/300 999\n"])
+    real = tc.Path
+
+    class FakePath(type(real())):
+        def read_text(self, *a, **k):
+            return next(samples) if str(self) == "/proc/loadavg" else real(self).read_text(*a, **k)
+
+    monkeypatch.setattr(tc, "Path", FakePath)
+    load, cores = tc.machine_load(samples=3, interval_s=0)
+    assert load == 0.0 and cores >= 1      # median of 0, 2, 0 other runnable tasks

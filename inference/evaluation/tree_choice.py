@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -150,22 +152,36 @@ def _median_ar_step(m: MedusaModel, prompt_ids: list[int], steps: int = 8) -> fl
     return robust_step(step_times(m, prompt_ids, None, steps=steps))[0]
 
 
-def machine_load() -> tuple[Optional[float], int]:
-    """(1-minute load average or None where unknown, CPU cores this process may run on)."""
+def machine_load(samples: int = 5, interval_s: float = 0.02) -> tuple[Optional[float], int]:
+    """(how many cores other processes keep busy right now, or None where unknown; the CPU cores
+    this process may run on).
+
+    Linux: the median over a few samples of the runnable tasks in ``/proc/loadavg`` (4th field),
+    less this process's reading thread. Unlike the 1-minute load average it has no memory: right
+    after a training run on an idle machine it says 0, not 2. Elsewhere: the 1-minute average."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
+    running = []
+    for i in range(samples):
+        try:
+            running.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            break
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    if running:
+        return float(statistics.median(running)), cores
     try:
-        load = os.getloadavg()[0]
+        return os.getloadavg()[0], cores
     except (AttributeError, OSError):
-        load = None
-    return load, cores
+        return None, cores
 
 
 def auto_threads(load: Optional[float] = None, cores: Optional[int] = None, default: Optional[int] = None) -> int:
-    """CPU threads for decoding when none are set: torch's default (one per core), less the cores
-    other processes keep busy (the load average, rounded up), at least 1.
+    """CPU threads for decoding when none are set (``threads=0``): torch's default (one per core),
+    less the cores other processes keep busy (``machine_load``, rounded up), at least 1.
 
     OpenMP threads wait for each other at the end of every op: on cores shared with another busy
     process, one descheduled thread stalls the whole op, so tiny-model steps become tens of times
@@ -282,8 +298,8 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
     warnings = []
     load, cores = machine_load()
     if load is not None and load > cores:
-        warnings.append(f"load average {load:.1f} on {cores} cores before timing trees: other processes "
-                        "compete for the CPU, step times may be noisy (rerun on an idle machine or with threads=1)")
+        warnings.append(f"other processes keep {load:.1f} of {cores} cores busy before timing trees: step times "
+                        "may be noisy (rerun on an idle machine or with threads=1)")
         log(f"warning: {warnings[-1]}")
 
     prompt = list(latency_prompt)

@@ -130,7 +130,6 @@ def export_heads(heads, format_name: str, out, *, overwrite: bool = False,
     check_out_dir(out, overwrite)
     plan = plan_export(heads, format_name, options)
     write_plan(plan, out)
-    write_extra_files(plan, out)
     return ExportResult(path=out, files=sorted(["config.json", plan.weights_file, *plan.extra_files]),
                         weight_bytes=plan.weight_bytes, notes=plan.notes)
 
@@ -143,7 +142,8 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def write_plan(plan: ExportPlan, out: Path) -> None:
-    """Write config + weights into a temp dir beside ``out``, then swap it in (old one removed last).
+    """Write config + weights (+ the plan's extra files) into a temp dir beside ``out``, then swap it
+    in (old one removed last).
 
     A kill at any point leaves the previous ``out`` or the new one (possibly moved aside as
     ``.<out>.old-*`` between the swap's renames); the next write into ``out`` recovers and cleans
@@ -156,6 +156,10 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
         # metadata format=pt: transformers' and the engines' safetensors readers expect it.
         save_file(plan.tensors, str(tmp / plan.weights_file), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+        for name, text in plan.extra_files.items():  # inside the same swap: all files or none
+            if "/" in name or name in ("config.json", plan.weights_file):
+                raise ValueError(f"extra file name {name!r} must be a plain name other than the plan's own files")
+            (tmp / name).write_text(text)
         # mkdtemp makes the dir 0700 (and safetensors its file 0600): an engine running as another
         # user (a container) must read them, so give them the permissions a plain mkdir would.
         umask = os.umask(0)
@@ -166,27 +170,6 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
         swap_dir_into_place(tmp, out)
     finally:
         release_temp_dir(tmp)
-
-
-def write_extra_files(plan: ExportPlan, out: Path) -> None:
-    """The plan's small text files, each written beside ``out``'s weights and renamed into place.
-
-    After ``write_plan`` (which swaps in config + weights atomically): a crash in between leaves
-    a loadable directory without the extra file, never a half-written one."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for name, text in plan.extra_files.items():
-        if "/" in name or name in ("config.json", plan.weights_file):
-            raise ValueError(f"extra file name {name!r} must be a plain name other than the plan's own files")
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=out)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, out / name)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 # -- helpers shared by exporters --------------------------------------------------------------
