@@ -36,9 +36,10 @@ import torch.nn.functional as F
 
 from inference.backbone import load_backbone
 from inference.evaluation.prompts import load_prompts
-from inference.methods import generate
 from inference.runtime.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
 from inference.runtime.model import MedusaModel
+
+from bench_support import plain_loop_vs_generate as compare_plain_loop, verification_step  # scripts/
 
 GB = 1e9
 
@@ -90,23 +91,7 @@ def bandwidth(lm_head: torch.Tensor, repeats: int) -> dict:
 
 def forward_steps(m: MedusaModel, rounds: int) -> dict:
     """Verification forward over n tokens after a prompt, stock vs routed, interleaved call by call."""
-    prompt = m.encode_chat("Explain how a hash map works, with an example.")
-    past = len(prompt)
-    cache = m.new_cache(past + 8)
-    with torch.inference_mode():
-        m.hidden(torch.tensor([prompt]), torch.arange(past)[None], cache)
-
-    def forward(n: int) -> float:
-        pos = (torch.arange(n) + past)[None]
-        mask = torch.zeros(1, 1, n, past + n, dtype=m.dtype)
-        mask[..., past:] = torch.triu(torch.full((n, n), float("-inf"), dtype=m.dtype), 1)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            m.logits(m.hidden(torch.full((1, n), 100), pos, cache, mask)[0])
-        dt = time.perf_counter() - t
-        cache.truncate(past)
-        return dt
-
+    forward = verification_step(m, m.encode_chat("Explain how a hash map works, with an example."), max_nodes=8)
     weight_bytes = sum(p.numel() * p.element_size() for p in m.model.parameters())
     nodes = (1, 2, 4)
     for n in nodes:
@@ -128,19 +113,8 @@ def forward_steps(m: MedusaModel, rounds: int) -> dict:
 
 def plain_loop_vs_generate(m: MedusaModel, prompts: int, tokens: int) -> dict:
     """The runtime's plain loop (routed) vs transformers' greedy generate (stock), interleaved."""
-    rows = []
-    for i, p in enumerate(load_prompts("embedded:mtbench", limit=prompts)):
-        ids = m.encode_chat(p.turns[0])
-        runs = {}
-        order = ("autoregressive", "hf_generate") if i % 2 == 0 else ("hf_generate", "autoregressive")
-        for name in order:
-            runs[name] = generate(m, ids, name, max_new_tokens=tokens)
-        rows.append(runs)
-    rate = {k: sum(len(r[k].tokens) for r in rows) / sum(r[k].prefill_s + r[k].decode_s for r in rows)
-            for k in ("autoregressive", "hf_generate")}
-    return {"runtime_tokens_per_s": round(rate["autoregressive"], 2), "hf_generate_tokens_per_s": round(rate["hf_generate"], 2),
-            "ratio": round(rate["autoregressive"] / rate["hf_generate"], 3),
-            "identical": sum(r["autoregressive"].tokens == r["hf_generate"].tokens for r in rows), "prompts": len(rows)}
+    ids = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", limit=prompts)]
+    return compare_plain_loop(m, ids, tokens)
 
 
 def main() -> None:

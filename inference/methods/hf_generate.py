@@ -21,11 +21,13 @@ def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int, samp
                 options=None) -> GenerationOutput:
     ids = torch.tensor([prompt_ids], device=m.device)
     eos = list(m.eos_token_ids)
-    pad = m.tokenizer.pad_token_id if m.tokenizer is not None and m.tokenizer.pad_token_id is not None else eos[0]
+    pad = m.tokenizer.pad_token_id if m.tokenizer is not None and m.tokenizer.pad_token_id is not None else None
+    if pad is None:
+        pad = eos[0] if eos else 0  # no EOS at all (a random backbone, EOS disabled): any id pads nothing
     t0 = time.perf_counter()
     with torch.inference_mode(), stock_kernels():
         out = m.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                               do_sample=False, eos_token_id=eos, pad_token_id=pad)
+                               do_sample=False, eos_token_id=eos or None, pad_token_id=pad)
     if m.device.type == "cuda":
         torch.cuda.synchronize(m.device)
     dt = time.perf_counter() - t0
