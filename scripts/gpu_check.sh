@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The prepared GPU check: one command, on the lent H200 machine, < 8 minutes, everything in one folder.
+#
+#   1. the gpu test tier (pytest -m gpu: tree verification vs sequential decoding in bf16/fp16,
+#      greedy identity in fp32, KV cache + compaction on CUDA, DeepSpeed heads steps: ZeRO 0 fp32, ZeRO 1 and 2 bf16);
+#   2. scripts/gpu_check.py on a SmolLM2-135M-shaped random Llama in bf16: verification step for
+#      1..64 tree nodes, plain loop vs transformers' generate, what tree=auto would choose, the
+#      training step's tokens/s vs the backbone forward (real trainer, DeepSpeed ZeRO 1, bf16);
+#   3. summary.md (Markdown for BENCHMARKS.md's GPU column, with the three verdicts) and gpu_check.json.
+#
+# First, here (a machine with pip and a registry), once:
+#     bash scripts/gpu_wheels.sh        # DeepSpeed, Hydra, datasets... into .whl/ (~6 MiB, git-ignored)
+# Then the device call (the `run` tool of the device machine; .whl travels because carry names it):
+#     run(command="bash scripts/gpu_check.sh --out $OUT", carry=[".whl"], timeout_s=540)
+# The reply's output_tail ends with the summary; $OUT holds summary.md, gpu_check.json,
+# gpu_tier.xml, gpu_tier.log and check.log (5 files, well under the 8-file limit).
+#
+# Here, on CPU, the same paths on a tiny model in seconds (what tests/test_gpu_check.py runs):
+#     bash scripts/gpu_check.sh --dry-run [--out DIR]      # or GPU_CHECK_DRY_RUN=1
+#
+# Options: --out DIR (default runs/gpu_check, or $OUT when set), --dry-run, --no-tier (skip pytest).
+# Python: $PYTHON, else python3. If .whl/ holds wheels and DeepSpeed is not importable, they are
+# installed into /tmp/gpu_check_site (no index, no deps) and put on PYTHONPATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-runs/gpu_check}
+dry=${GPU_CHECK_DRY_RUN:-0}
+tier=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out="$2"; shift 2;;
+    --out=*) out="${1#--out=}"; shift;;
+    --dry-run) dry=1; shift;;
+    --no-tier) tier=0; shift;;
+    *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2;;
+  esac
+done
+PY=${PYTHON:-python3}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled WANDB_SILENT=true TOKENIZERS_PARALLELISM=false \
+  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 GPU_CHECK_DRY_RUN=$dry
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import deepspeed, hydra, datasets" >/dev/null 2>&1; then
+  site=/tmp/gpu_check_site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
+  export PYTHONPATH="$PYTHONPATH:$site"   # after the repo; the image's own packages stay first in sys.path order below it
+fi
+{
+  echo "== gpu_check $(date -u +%FT%TZ) dry_run=$dry"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
+  "$PY" -c "import deepspeed, hydra, omegaconf, datasets; print('deepspeed', deepspeed.__version__, 'hydra', hydra.__version__, 'datasets', datasets.__version__)" 2>&1 | tail -1
+} 2>&1 | tee "$out/check.log"
+xml_arg=()
+if [ "$tier" = 1 ]; then
+  # The gpu tier: every test marked gpu (they skip without CUDA). 4 minutes at most.
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/gpu_tier.xml" \
+    tests/test_runtime_gpu.py tests/test_train_gpu.py 2>&1 | tee "$out/gpu_tier.log" | tail -15
+  xml_arg=(--tier-xml "$out/gpu_tier.xml")
+fi
+dry_arg=()
+[ "$dry" = 1 ] && dry_arg=(--dry-run)
+timeout 300 "$PY" scripts/gpu_check.py --out "$out" "${dry_arg[@]}" "${xml_arg[@]}" 2>&1 | tee -a "$out/check.log"
+rc=${PIPESTATUS[0]}
+[ -f "$out/summary.md" ] || { echo "gpu_check.sh: no summary written (rc $rc)" >&2; exit 1; }
+exit "$rc"
