@@ -1,0 +1,43 @@
+"""The prepared GPU check's dry run (scripts/gpu_check.sh --dry-run): CPU, tiny model, same code paths.
+
+Guards against the one-command device check breaking while no GPU is around to run it: the gpu tier
+runs (and skips), every measurement section runs without error, and summary.md / gpu_check.json carry
+the three verdicts and the fields BENCHMARKS.md's GPU column takes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import clean_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run_writes_summary_and_json(tmp_path):
+    out = tmp_path / "gpu_check"
+    env = clean_env(PYTHON=sys.executable, PYTHONPATH=str(ROOT))
+    env.pop("OUT", None)  # the device tool's results folder, if ever set: --out decides here
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    summary = (out / "summary.md").read_text()
+    assert result["dry_run"] is True and result["errors"] == {}, result["errors"]
+    assert result["gpu_tier"]["ran"] and result["gpu_tier"]["tests"] >= 10
+    assert result["gpu_tier"]["failures"] == result["gpu_tier"]["errors"] == 0
+    steps = result["tree_steps"]
+    assert set(steps) == {"1", "2"} and all(s["ms"] > 0 for s in steps.values())
+    assert {"plain_tokens_per_s", "candidates", "chosen", "accuracies"} <= set(result["tree_auto"])
+    pl = result["plain_loop_vs_generate"]
+    assert pl["identical"] == pl["prompts"] == 2 and pl["ratio"] > 0
+    tr = result["training"]
+    assert tr["finite"] and tr["train_tokens_per_s"] > 0 and tr["forward_tokens_per_s"] > 0
+    assert [v["target"] for v in result["verdicts"]] == [
+        "gpu test tier passes", "16-node verification step < 1.3x a 1-token step (bf16)",
+        "runtime plain loop within 10% of generate, or faster"]
+    assert result["verdicts"][0]["verdict"] == "skipped"
+    for text in ("| target | verdict | detail |", "Verification step", "tree=auto", "Plain loop vs `generate`",
+                 "training (real trainer, DeepSpeed)", "DRY RUN"):
+        assert text in summary, text
+    assert "## GPU check" in proc.stdout  # the summary is printed last
