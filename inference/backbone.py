@@ -12,6 +12,7 @@ apply and flash-attention kernels ignore.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -72,15 +73,45 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
         raise UserError(f"backbone {name_or_path!r} is a random test model that cannot be rebuilt; "
                         "pass the backbone model itself")
     path, name = assets.resolve_backbone_path(name_or_path, gguf_file)
-    looks_local = path.startswith((".", "/", "~")) or (os.path.sep in path and path.count("/") > 1)
-    if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise UserError(f"cannot load backbone {name_or_path!r}: path not found ({path})")
+    _check_local(name_or_path, path)
     kwargs = dict(trust_remote_code=trust_remote_code, revision=revision)
     torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
-    try:
+    with _loading_errors(name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation, **kwargs)
+    return model.to(parse_device(device)), tokenizer, name
+
+
+def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, trust_remote_code: bool = False,
+                         revision: Optional[str] = None):
+    """The backbone's transformers config, without its weights (and without converting a GGUF:
+    its metadata is read in place), with ``load_backbone``'s errors."""
+    from transformers import AutoConfig
+
+    gguf = assets.gguf_source(name_or_path, gguf_file)
+    if gguf is not None:
+        path, kwargs = str(gguf.parent), dict(gguf_file=gguf.name)
+    else:
+        path, kwargs = name_or_path, {}
+        _check_local(name_or_path, path)
+    with _loading_errors(name_or_path, config_only=True):
+        return AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code,
+                                          revision=revision, **kwargs)
+
+
+def _check_local(name_or_path: str, path: str) -> None:
+    """A setting that looks like a local path must exist (else the hub would be asked for it)."""
+    looks_local = path.startswith((".", "/", "~")) or (os.path.sep in path and path.count("/") > 1)
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise UserError(f"cannot load backbone {name_or_path!r}: path not found ({path})")
+
+
+@contextlib.contextmanager
+def _loading_errors(name_or_path: str, config_only: bool = False):
+    """transformers' loading errors as one ``UserError`` line saying what to do."""
+    try:
+        yield
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load backbone {name_or_path!r} (not a local model folder, and the hub has no "
@@ -89,8 +120,10 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
         if "trust_remote_code" in str(e):
             raise UserError(f"backbone {name_or_path!r} needs custom code: set trust_remote_code=true "
                             "only if you trust its source") from None
+        if config_only:
+            raise UserError(f"cannot read the config of backbone {name_or_path!r}: "
+                            f"{str(e).strip().splitlines()[0]}") from None
         raise
-    return model.to(parse_device(device)), tokenizer, name
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:

@@ -224,40 +224,10 @@ def backbone_identity(backbone: Backbone) -> dict:
 # -- before loading: does data.max_length fit the backbone and this machine? ----------------------------------
 def backbone_config(cfg):
     """The backbone's transformers config, read without its weights (``AutoConfig`` or ``random_init``)."""
-    from transformers import AutoConfig
-
-    from inference import assets
-
     if cfg.random_init:
         return random_config(dict(cfg.random_init))
-    name = cfg.name_or_path
-    kwargs = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
-    if name.startswith("embedded:") or cfg.gguf_file:
-        if name.startswith("embedded:"):
-            if name not in assets.EMBEDDED_BACKBONES:
-                assets.resolve_backbone_path(name)  # the one "unknown embedded backbone" line
-            gguf = assets.smollm2_gguf_path()
-        else:
-            gguf = Path(name) / cfg.gguf_file
-            if not gguf.is_file():
-                raise UserError(f"GGUF file not found: {gguf}")
-        folder, kwargs = str(gguf.parent), dict(gguf_file=gguf.name)
-    else:
-        folder = os.path.expanduser(name)
-        looks_local = name.startswith((".", "/", "~")) or (os.path.sep in name and name.count("/") > 1)
-        if looks_local and not os.path.isdir(folder):
-            raise UserError(f"cannot load backbone {name!r}: path not found ({folder})")
-    try:
-        return AutoConfig.from_pretrained(folder, **kwargs)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load backbone {name!r} (not a local model folder, and the hub has no "
-                        f"such model or cannot be reached): {first}") from None
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise UserError(f"backbone {name!r} needs custom code: set backbone.trust_remote_code=true "
-                            "only if you trust its source") from None
-        raise UserError(f"cannot read the config of backbone {name!r}: {str(e).strip().splitlines()[0]}") from None
+    return runtime_backbone.load_backbone_config(cfg.name_or_path, gguf_file=cfg.gguf_file,
+                                                 trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
 
 
 def parameter_count(hf_config, trust_remote_code: bool = False) -> int:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.backbone import load_backbone
+from inference.evaluation.tree_choice import machine_load
 from inference.evaluation.prompts import load_prompts
 from inference.runtime.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
 from inference.runtime.model import MedusaModel
@@ -127,10 +128,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load, _ = machine_load()  # cores other processes keep busy now: the figures below assume 0
     model, tok, _ = load_backbone("embedded:smollm2")
     m = MedusaModel(model=model, tokenizer=tok, heads=None)
-    result = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_1min_before": load,
+    result = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "busy_cores_before": load,
                           "threads": torch.get_num_threads(), "torch": torch.__version__, "blas": blas_build()},
               "bandwidth": bandwidth(m.lm_head.weight, repeats=20)}
     plans = route_linear_kernels(m.model)
