@@ -175,3 +175,43 @@ def backbone_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     cfg = text_config(model)
     return scale_logits(model.get_output_embeddings()(hidden), getattr(cfg, "logit_scale", None),
                         getattr(cfg, "final_logit_softcapping", None))
+
+
+class HiddenStateTap:
+    """Reads hidden_states[i] (transformers' numbering: 0 = the embeddings, i = decoder layer i-1's
+    output) of a few layers during the body's ordinary forward, through forward hooks, so the
+    runtime's verification forward and the trainer's frozen forward also yield EAGLE-3's aux features
+    without ``output_hidden_states`` keeping every layer. ``with tap: body(...)``, then ``tap.features()``
+    is their concatenation [..., len(ids) * H] in ``ids`` order."""
+
+    def __init__(self, model, ids):
+        body = decoder_body(model)
+        layers = getattr(body, "layers", None)
+        if layers is None:
+            raise UserError(f"{type(model).__name__} has no decoder layer list to read hidden states from")
+        self.ids = [int(i) for i in ids]
+        bad = [i for i in self.ids if not 0 <= i < len(layers)]
+        if bad:
+            raise UserError(f"aux layer ids {bad} are out of range: the backbone has hidden states 0..{len(layers) - 1}")
+        self._modules = [body.get_input_embeddings() if i == 0 else layers[i - 1] for i in self.ids]
+        self._out: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self):
+        self._out.clear()
+        for slot, mod in enumerate(self._modules):
+            self._handles.append(mod.register_forward_hook(self._hook(slot)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, slot: int):
+        def grab(module, args, output):
+            self._out[slot] = output[0] if isinstance(output, (tuple, list)) else output
+        return grab
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self._out[s] for s in range(len(self.ids))], dim=-1)

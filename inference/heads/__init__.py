@@ -10,7 +10,7 @@ Rooms (one concept each):
   projection     ``ResBlock`` and ``ProjectedHeads``, what every family shares (projection modes)
   drafting       the drafting interface decoders call (``IndependentDrafting`` / ``PathDrafting``)
   dependent      the recurrent interface of heads fed the path they extend
-  medusa, hydra, mlp_speculator   one family each: its module and its registration
+  medusa, hydra, mlp_speculator, eagle3   one family each: its module and its registration
   native         the native export directory (config.json + model.safetensors), atomic writes
 
 This ``__init__`` is kept free of torch: ``KINDS`` is read by the trainer's config validation
@@ -23,5 +23,6 @@ FAMILY_MODULES = {
     "medusa": "inference.heads.medusa",
     "hydra": "inference.heads.hydra",
     "mlp_speculator": "inference.heads.mlp_speculator",
+    "eagle3": "inference.heads.eagle3",
 }
 KINDS = tuple(FAMILY_MODULES)

@@ -12,7 +12,9 @@ has (from one of the two mixins below):
                                      what calibration and training score
 
 ``IndependentDrafting`` is for heads that see only h_t (Medusa); ``PathDrafting`` for heads
-fed the path they extend (Hydra, MLP speculator), drafted level by level as below.
+fed the path they extend (Hydra, MLP speculator), drafted level by level as below;
+``ContextDrafting`` for drafters with their own KV cache (EAGLE-3), which draft dynamic trees
+in their own decoding method.
 
 Medusa heads see only h_t, so one call per head fills a whole depth of the tree
 (``verify.propose``). A dependent head must be fed the path it extends: the head for depth
@@ -134,3 +136,23 @@ class PathDrafting:
 
     def path_logits(self, hidden: torch.Tensor, future: torch.Tensor, k: int) -> torch.Tensor:
         return self.teacher_forced_logits(hidden, future, k)
+
+
+class ContextDrafting:
+    """Drafting for drafters that read the whole context through their own KV cache (EAGLE-3): they
+    draft their own dynamic trees in their decoding method (``methods/eagle3.py``), so the static-tree
+    interface refuses in one line instead of drafting without the context."""
+
+    sequential = True  # fed the drafted tokens
+
+    def check_sampling(self, cfg: SamplingConfig) -> None:
+        if cfg.mode == "sample" and cfg.draft == "sampled":
+            raise UserError(f"draft=sampled is not available for {self.spec.kind} drafters; use draft=topk, "
+                            "which is exact too")
+
+    def draft_tree(self, buf: TreeBuffers, h_last: torch.Tensor, root: int, cfg: SamplingConfig,
+                   gen, vocab_size: int):
+        raise UserError(f"{self.spec.kind} drafters decode with dynamic trees: use methods=[eagle3]")
+
+    def path_logits(self, hidden: torch.Tensor, future: torch.Tensor, k: int) -> torch.Tensor:
+        raise UserError(f"{self.spec.kind} drafters need the context, not one hidden state: use methods=[eagle3]")

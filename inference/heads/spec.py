@@ -62,6 +62,8 @@ class HeadsSpec:
     tie_weights: bool = False         # mlp_speculator: one emb/proj/ln/head for steps >= 2 (vLLM's tie_weights)
     scale_input: bool = False         # mlp_speculator: RMS-normalise the backbone state first (vLLM's ln0)
     backbone_adapter: Optional[str] = None  # Medusa-2: LoRA adapter dir (relative) the backbone needs
+    aux_layers: Optional[list] = None  # eagle3: the three backbone hidden_states ids the drafter reads
+    draft_layer: Optional[dict] = None  # eagle3: the decoder layer's sizes (eagle3.draft_layer_config)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):

@@ -1,0 +1,377 @@
+"""EAGLE-3 drafters: one Llama decoder layer over three backbone layers and the next token.
+
+The drafter (arXiv 2503.01840; the math vLLM's and SGLang's ``llama_eagle3.py`` run):
+
+  g_t   = fc([a_t^low; a_t^mid; a_t^high])                     3H -> H, the backbone's features at t
+  x     = [input_layernorm(e(x_{t+1})); hidden_norm(g)]         2H: the next token's embedding first
+  r     = g + o_proj(attn(q/k/v_proj(x)))                       RoPE at the drafter's position, GQA
+  r'    = r + mlp(post_attention_layernorm(r))                  SwiGLU
+  out   = norm(r')  -> lm_head -> the draft vocabulary          guesses x_{t+2}
+  r'    is fed back as the next depth's g (the drafter continues from its own state)
+
+``a_t^i`` is hidden_states[i] in transformers' numbering (0 = the embeddings, i = the output of
+decoder layer i-1), which is also vLLM's "input of layer i" (``eagle_aux_hidden_state_layer_ids``);
+the EAGLE-3 default is (2, N//2, N-3). e() is the backbone's own frozen input embedding (borrowed,
+not stored). The draft vocabulary is the truncated projection's token map (``token_map[i]`` =
+vocabulary id of draft index i; ``d2t`` in the serving layout) or the whole vocabulary.
+
+Positions: the drafter entry fed (g_p, x_{p+1}) sits at RoPE position p; depth j of a chain
+started at p sits at p + j, exactly where decoding puts it, so training and decoding agree.
+
+What sees what (training-time test, ``ttt_features``; decoding, ``DraftKV`` + ``forward_step``):
+step 0 at t attends causally to the step-0 entries <= t (the backbone's features); step j >= 1 at
+t attends to the same step-0 entries <= t and to its own chain's entries of steps 1..j at t —
+in decoding these are the committed prefix (true features) and the tree path it extends.
+
+``HeadsSpec`` fields: ``num_heads`` = draft depths trained (TTT steps), ``num_layers`` = 1,
+``aux_layers`` (3 ids), ``draft_layer`` (the backbone's attention / MLP / RoPE sizes, so heads
+rebuild without the backbone), ``projection`` own or truncated (the draft vocabulary).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..errors import UserError
+from .drafting import ContextDrafting
+from .registry import HeadFamily, register_family
+from .spec import HeadsSpec
+
+NUM_AUX = 3  # vLLM and SGLang build fc over exactly three target layers
+_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "rms_norm_eps", "rope_theta", "hidden_act", "max_position_embeddings", "target_layers")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high layers: hidden_states (2, N//2, N-3)."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def draft_layer_config(backbone_config) -> dict:
+    """The sizes of the drafter's decoder layer, from the backbone's config; one line if the
+    backbone's family has no Llama-style decoder layer to copy (what vLLM's drafter is)."""
+    cfg = backbone_config.to_dict() if hasattr(backbone_config, "to_dict") else dict(backbone_config)
+    name = cfg.get("model_type", "this backbone")
+    missing = [k for k in ("num_attention_heads", "intermediate_size", "num_hidden_layers", "hidden_size")
+               if cfg.get(k) is None]
+    if missing:
+        raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: its config has no {', '.join(missing)}")
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if act not in ("silu", "swish"):
+        raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: it uses {act!r}, the drafter's "
+                        "Llama MLP needs silu")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
+    if rope_type != "default":
+        raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: rope type {rope_type!r} is not "
+                        "supported (default RoPE only)")
+    theta = cfg.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
+    heads = int(cfg["num_attention_heads"])
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps") or 1e-6),
+        "rope_theta": float(theta),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(cfg.get("max_position_embeddings") or 8192),
+        "target_layers": int(cfg["num_hidden_layers"]),
+    }
+
+
+def _validate(spec: HeadsSpec) -> None:
+    layer = spec.draft_layer
+    if not isinstance(layer, dict) or any(k not in layer for k in _LAYER_KEYS):
+        raise UserError(f"eagle3 heads need draft_layer with {', '.join(_LAYER_KEYS)}")
+    if spec.num_layers != 1:
+        raise UserError(f"eagle3 drafters have one decoder layer (num_layers=1), got {spec.num_layers}")
+    if spec.projection == "shared":
+        raise UserError("eagle3 drafters have their own lm_head: use projection own or truncated")
+    n = layer["target_layers"]
+    aux = spec.aux_layers
+    if aux is None or len(aux) != NUM_AUX:
+        raise UserError(f"eagle3 heads need {NUM_AUX} aux layer ids (vLLM and SGLang read three), got {aux}")
+    bad = [i for i in aux if not 0 <= int(i) < n]
+    if bad:
+        raise UserError(f"aux layer ids {bad} are out of range: the backbone has hidden states 0..{n - 1} "
+                        f"({n} layers)")
+    spec.aux_layers = [int(i) for i in aux]
+    if layer["num_attention_heads"] % layer["num_key_value_heads"]:
+        raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalise in float32, scale in the input dtype."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class DraftAttention(nn.Module):
+    """q/k/v over the 2H input, RoPE (rotate-half, as Llama), GQA, o_proj back to H."""
+
+    def __init__(self, hidden: int, layer: dict):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
+        self.q_proj = nn.Linear(2 * hidden, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        inv = 1.0 / (layer["rope_theta"] ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D], positions [B, T]."""
+        freqs = positions[:, None, :, None].float() * self.inv_freq.to(x.device)   # [B, 1, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, 2H] -> q [B, heads, T, D], k / v [B, kv_heads, T, D] (q, k rotated)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return self.rope(q, positions), self.rope(k, positions), v
+
+    def expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        rep = self.heads // self.kv_heads
+        return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+    def out(self, ctx: torch.Tensor) -> torch.Tensor:
+        """ctx [B, heads, T, D] -> [B, T, H]."""
+        b, _, t, _ = ctx.shape
+        return self.o_proj(ctx.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The one decoder layer (vLLM's ``midlayer``): names match the serving layout."""
+
+    def __init__(self, hidden: int, layer: dict):
+        super().__init__()
+        eps = layer["rms_norm_eps"]
+        self.self_attn = DraftAttention(hidden, layer)
+        self.mlp = DraftMLP(hidden, layer["intermediate_size"])
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+
+class DraftKV:
+    """The drafter's own KV cache for one sequence: the committed entries (one per accepted position,
+    from the backbone's features) then, during a step, the draft tree's entries (dropped afterwards)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.k = self.v = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [1, kv_heads, n, D] at slots length..length+n-1."""
+        if self.k is None:
+            shape = (1, k.shape[1], self.capacity, k.shape[-1])
+            self.k = k.new_empty(shape)
+            self.v = v.new_empty(shape)
+        n = k.shape[2]
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"draft KV cache full ({self.capacity} slots)")
+        self.k[:, :, self.length:self.length + n] = k
+        self.v[:, :, self.length:self.length + n] = v
+        self.length += n
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class Eagle3Drafter(ContextDrafting, nn.Module):
+    """An EAGLE-3 drafter (module docstring). Drafting goes through ``methods/eagle.py``
+    (dynamic trees with this module's ``DraftKV``), training through ``ttt_features``."""
+
+    needs_aux_layers = True  # fed three backbone layers, not only the last hidden state
+
+    def __init__(self, spec: HeadsSpec):
+        super().__init__()
+        self.spec = spec
+        h, layer = spec.hidden_size, spec.draft_layer
+        self.layer_cfg = layer
+        self.fc = nn.Linear(NUM_AUX * h, h, bias=False)
+        self.midlayer = DraftLayer(h, layer)
+        self.norm = RMSNorm(h, layer["rms_norm_eps"])
+        self.lm_head = nn.Linear(h, spec.output_size, bias=False)
+        if spec.projection == "truncated":
+            self.register_buffer("token_map", torch.arange(spec.output_size, dtype=torch.long))
+        else:
+            self.token_map = None
+        self.register_buffer("embed_weight", None, persistent=False)  # the backbone's, borrowed
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_backbone(cls, spec: HeadsSpec, lm_head_weight: torch.Tensor, input_embeddings: Optional[torch.Tensor],
+                      token_map: Optional[torch.Tensor] = None) -> "Eagle3Drafter":
+        """A warm start: the untrained drafter reads the high aux layer and projects it with (rows
+        of) the backbone's lm_head, because fc starts as the identity on that layer and o_proj /
+        down_proj start at zero (a cold start cost ~10% of depth-1 accuracy at this toolkit's data
+        sizes, ANCHORS); q/k/v, gate/up keep their random init so gradients reach them."""
+        if input_embeddings is None:
+            raise UserError("eagle3 drafters need the backbone's input embeddings")
+        d = cls(spec)
+        h = spec.hidden_size
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            d.fc.weight.zero_()
+            d.fc.weight[:, (NUM_AUX - 1) * h:].copy_(torch.eye(h))
+            for lin in (d.midlayer.self_attn.q_proj, d.midlayer.self_attn.k_proj, d.midlayer.self_attn.v_proj,
+                        d.midlayer.mlp.gate_proj, d.midlayer.mlp.up_proj):
+                fan_in = lin.weight.shape[1]
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / math.sqrt(fan_in))
+            d.midlayer.self_attn.o_proj.weight.zero_()
+            d.midlayer.mlp.down_proj.weight.zero_()
+            w = lm_head_weight.detach().float()
+            if spec.projection == "truncated":
+                if token_map is None or token_map.numel() != spec.output_size:
+                    raise UserError("a truncated draft vocabulary needs a token_map of truncated_vocab_size ids")
+                d.token_map.copy_(token_map.to(torch.long))
+                w = w[token_map.to(w.device)]
+            d.lm_head.weight.copy_(w)
+        d.attach_backbone(lm_head_weight, input_embeddings)
+        return d
+
+    @property
+    def needs_lm_head(self) -> bool:
+        return False
+
+    @property
+    def needs_input_embeddings(self) -> bool:
+        return True
+
+    def attach_backbone(self, lm_head_weight=None, input_embeddings=None) -> None:
+        if input_embeddings is not None:
+            if tuple(input_embeddings.shape) != (self.spec.vocab_size, self.spec.hidden_size):
+                raise UserError(f"eagle3 drafters need input embeddings of shape "
+                                f"{(self.spec.vocab_size, self.spec.hidden_size)}, got {tuple(input_embeddings.shape)}")
+            self.embed_weight = input_embeddings.detach()
+
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.embed_weight is None:
+            raise RuntimeError("eagle3 drafters need attach_backbone(input_embeddings=...) first")
+        return F.embedding(tokens, self.embed_weight).to(dtype)
+
+    # -- the math -------------------------------------------------------------------------
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """[..., 3H] backbone features (low, mid, high concatenated) -> g [..., H]."""
+        return self.fc(aux)
+
+    def _inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        layer = self.midlayer
+        e = layer.input_layernorm(self.embed(tokens, hidden.dtype))
+        return torch.cat([e, layer.hidden_norm(hidden)], dim=-1)
+
+    def _finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.midlayer
+        r = hidden + attn_out
+        r = r + layer.mlp(layer.post_attention_layernorm(r))
+        return self.norm(r), r
+
+    def forward_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                     mask: Optional[torch.Tensor] = None):
+        """One drafter pass over new rows: tokens [B, T] (x_{p+1}), hidden [B, T, H] (g_p or a previous
+        depth's pre-norm state), positions [B, T]; ``past`` = (K, V) [B, kv_heads, S, D] visible entries;
+        ``mask`` additive [B|1, 1, T, S+T] (None: all of past plus causal among the new rows).
+        Returns (normed [B, T, H] for ``project``, pre-norm state [B, T, H] fed to the next depth,
+        (k, v) of the new rows)."""
+        attn = self.midlayer.self_attn
+        q, k, v = attn.qkv(self._inputs(tokens, hidden), positions)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        if mask is None and q.shape[2] > 1:
+            t, s = q.shape[2], keys.shape[2]
+            mask = torch.zeros(t, s, dtype=q.dtype, device=q.device)
+            mask[:, s - t:] = torch.triu(torch.full((t, t), torch.finfo(q.dtype).min, dtype=q.dtype,
+                                                    device=q.device), 1)
+            mask = mask[None, None]
+        ctx = F.scaled_dot_product_attention(q, attn.expand_kv(keys), attn.expand_kv(values),
+                                             attn_mask=None if mask is None else mask.to(q.dtype))
+        normed, pre = self._finish(hidden, attn.out(ctx))
+        return normed, pre, (k, v)
+
+    def ttt_features(self, aux: torch.Tensor, future: torch.Tensor, positions: torch.Tensor,
+                     mask0: torch.Tensor, steps: Optional[int] = None) -> list[torch.Tensor]:
+        """Training-time test: the drafter unrolled ``steps`` (default ``num_heads``) depths over a
+        batch. aux [B, T, 3H]; ``future[..., j]`` = x_{t+1+j}; positions [B, T]; mask0 additive
+        [B|1, 1, T, T], the step-0 visibility (causal within a packed document).
+
+        Step j at t is fed its own pre-norm state of step j-1 at t and x_{t+1+j}, at position t+j,
+        and attends to the step-0 entries mask0 allows plus its chain's entries of steps 1..j at t
+        (module docstring), so its features equal decoding's for a chain started at t. Returns the
+        normed features of each step [B, T, H] (step j guesses x_{t+2+j})."""
+        steps = self.spec.num_heads if steps is None else steps
+        attn = self.midlayer.self_attn
+        hidden = self.combine(aux)
+        scale = 1.0 / math.sqrt(attn.head_dim)
+        k0 = v0 = None
+        diag_k, diag_v, feats = [], [], []
+        for j in range(steps):
+            q, k, v = attn.qkv(self._inputs(future[..., j], hidden), positions + j)
+            if j == 0:
+                k0, v0 = attn.expand_kv(k), attn.expand_kv(v)
+                ctx = F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask0.to(q.dtype))
+            else:
+                diag_k.append(attn.expand_kv(k))
+                diag_v.append(attn.expand_kv(v))
+                s0 = (q @ k0.transpose(-1, -2)) * scale + mask0.to(q.dtype)                 # [B, h, T, T]
+                sd = torch.stack([(q * dk).sum(-1) for dk in diag_k], dim=-1) * scale      # [B, h, T, j]
+                w = torch.softmax(torch.cat([s0, sd], dim=-1).float(), dim=-1).to(q.dtype)
+                t = s0.shape[-1]
+                ctx = w[..., :t] @ v0
+                for i, dv in enumerate(diag_v):
+                    ctx = ctx + w[..., t + i, None] * dv
+            normed, hidden = self._finish(hidden, attn.out(ctx))
+            feats.append(normed)
+        return feats
+
+    # -- projection (one lm_head for every depth) ----------------------------------------------
+    def project(self, x: torch.Tensor, k: int = 0) -> torch.Tensor:
+        return self.lm_head(x)
+
+    def to_vocab_ids(self, local_ids: torch.Tensor) -> torch.Tensor:
+        return local_ids if self.token_map is None else self.token_map[local_ids]
+
+
+register_family(HeadFamily("eagle3", Eagle3Drafter, ContextDrafting, fields=("aux_layers", "draft_layer"),
+                           validate=_validate))
