@@ -14,12 +14,12 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from inference import backbone as runtime_backbone
-from inference.backbone import backbone_logits, decoder_body, parse_dtype, text_config
+from inference.backbone import HiddenStateTap, backbone_logits, decoder_body, parse_dtype, text_config
 from inference.errors import UserError
 
 from .data.masks import attention_mask
@@ -162,12 +162,17 @@ class FrozenFeatures:
         self.body = decoder_body(model)
 
     @torch.no_grad()
-    def backbone_hidden(self, batch: dict) -> torch.Tensor:
-        """The backbone's last hidden states in its own dtype (before the cast to the heads' precision)."""
+    def backbone_hidden(self, batch: dict, aux_layers=None):
+        """The backbone's last hidden states in its own dtype (before the cast to the heads' precision);
+        with ``aux_layers`` also (hidden, aux): those layers' hidden states concatenated [B, T, 3H]."""
         dev = self.device
         ids, pos, doc = batch["input_ids"].to(dev), batch["position_ids"].to(dev), batch["doc_ids"].to(dev)
         mask = attention_mask(doc, self.packed, self.model.dtype)
-        return self.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        if not aux_layers:
+            return self.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        with HiddenStateTap(self.model, aux_layers) as tap:
+            last = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        return last, tap.features()
 
     def hidden_states(self, batch: dict) -> torch.Tensor:
         """What the heads are fed: the last hidden states in the training precision."""
@@ -188,10 +193,15 @@ class FrozenFeatures:
                                    for s in range(0, rows.shape[0], GREEDY_CHUNK)])
         return out
 
-    def features(self, batch: dict, greedy: bool = True) -> dict:
-        """``hidden`` (training precision) and, with ``greedy``, ``greedy`` ids: one backbone forward for both."""
-        raw = self.backbone_hidden(batch)
-        out = {"hidden": raw.to(self.compute_dtype)}
+    def features(self, batch: dict, greedy: bool = True, aux_layers=None) -> dict:
+        """``hidden`` (training precision), with ``greedy`` the ``greedy`` ids and with ``aux_layers`` the
+        ``aux`` features (training precision) the eagle3 drafter reads: one backbone forward for all."""
+        out = {}
+        raw = self.backbone_hidden(batch, aux_layers)
+        if aux_layers:
+            raw, aux = raw
+            out["aux"] = aux.to(self.compute_dtype)
+        out["hidden"] = raw.to(self.compute_dtype)
         if greedy:
             out["greedy"] = self.greedy_ids(raw, batch["labels"], batch["doc_ids"])
         return out
@@ -320,3 +330,45 @@ def check_fits(cfg) -> None:
                         f"({_gb(activations)} for one micro-batch through the frozen backbone, {_gb(weights)} of "
                         f"weights{f', x{processes} processes' if processes > 1 else ''}) but only {_gb(have)} of "
                         f"{what}; lower data.max_length or trainer.micro_batch_size")
+
+
+# -- head families that read more of the backbone than its last layer (eagle3) --------------------------------
+def draft_vocabulary(heads_cfg, vocab_size: int) -> tuple[str, Optional[int]]:
+    """(projection, truncated size) of the heads: ``heads.draft_vocab_size`` (eagle3's name for the
+    truncated projection's size; the whole vocabulary means projection own) or the projection keys."""
+    from inference.cli_support import enum_value
+
+    n = heads_cfg.draft_vocab_size
+    if n is not None:
+        if n > vocab_size:
+            raise UserError(f"heads.draft_vocab_size={n} exceeds the backbone vocabulary ({vocab_size})")
+        return ("own", None) if n == vocab_size else ("truncated", int(n))
+    projection = enum_value(heads_cfg.projection)
+    return projection, (int(heads_cfg.truncated_vocab_size) if projection == "truncated" else None)
+
+
+def family_fields(heads_cfg, hf_config) -> dict:
+    """The ``HeadsSpec`` fields an eagle3 drafter adds (its aux layer ids and decoder-layer sizes, from
+    the backbone's config), ``{}`` for other kinds; one line if the backbone cannot host the family."""
+    if str(heads_cfg.kind) != "eagle3":
+        return {}
+    from inference.heads.eagle3 import default_aux_layers, draft_layer_config
+
+    layer = draft_layer_config(text_config(hf_config))
+    n = layer["target_layers"]
+    aux = list(heads_cfg.aux_layers) if heads_cfg.aux_layers is not None else default_aux_layers(n)
+    bad = [i for i in aux if not 0 <= int(i) < n]
+    if bad:
+        raise UserError(f"heads.aux_layers {bad} are out of range: the backbone has hidden states 0..{n - 1} "
+                        f"(0 = embeddings, i = layer i's input; {n} layers)")
+    return {"aux_layers": [int(i) for i in aux], "draft_layer": layer}
+
+
+def check_family(cfg) -> None:
+    """Before any weight loads: the heads family fits the backbone's config (eagle3: a Llama-style layer
+    can be built, aux ids in range, draft vocabulary no larger than the vocabulary)."""
+    if str(cfg.heads.kind) != "eagle3":
+        return
+    hf_config = text_config(backbone_config(cfg.backbone))
+    draft_vocabulary(cfg.heads, int(hf_config.vocab_size))
+    family_fields(cfg.heads, hf_config)

@@ -154,11 +154,12 @@ _PRECHECKED = False
 def preflight(cfg) -> None:
     """What a run needs from disk, checked before any weight or data loads: a readable local data source,
     and a ``data.max_length`` the backbone has positions (and this machine memory) for."""
-    from .backbone import check_fits
+    from .backbone import check_family, check_fits
     from .config import check_data_source
 
     check_data_source(cfg.data.source)
     check_fits(cfg)
+    check_family(cfg)
 
 
 def _precheck(recipe: str, overrides: list[str]) -> None:

@@ -99,6 +99,13 @@ class HeadsConfig:
     # "backbone" = the frozen backbone's greedy token there (argmax after the true prefix up to
     # t+k), which is what greedy verification accepts (losses.backbone_labels).
     targets: str = "data"
+    # eagle3 only (inference/heads/eagle3.py): the three backbone hidden_states ids the drafter reads
+    # (None = EAGLE-3's (2, N//2, N-3)), its draft vocabulary (None = truncated_vocab_size with
+    # projection=truncated, the whole vocabulary otherwise; the same token map as truncated heads) and
+    # the training-time-test depth, i.e. how many draft steps are unrolled (None = num_heads).
+    aux_layers: Optional[List[int]] = None
+    draft_vocab_size: Optional[int] = None
+    ttt_steps: Optional[int] = None
 
 
 TARGETS = ("data", "backbone")
@@ -245,12 +252,12 @@ def derived_batch(trainer: TrainerConfig, world_size: int) -> BatchPlan:
 
 
 def loss_weights(heads: HeadsConfig) -> list[float]:
+    n = draft_depth(heads)
     if heads.loss_weights is not None:
-        if len(heads.loss_weights) != heads.num_heads:
-            raise UserError(
-                f"heads.loss_weights has {len(heads.loss_weights)} values for {heads.num_heads} heads")
+        if len(heads.loss_weights) != n:
+            raise UserError(f"heads.loss_weights has {len(heads.loss_weights)} values for {n} heads")
         return list(heads.loss_weights)
-    return [heads.loss_decay ** k for k in range(1, heads.num_heads + 1)]
+    return [heads.loss_decay ** k for k in range(1, n + 1)]
 
 
 def validate(cfg) -> None:
@@ -287,6 +294,7 @@ def validate(cfg) -> None:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    _validate_eagle3(cfg)
     loss_weights(h)
     _validate_optim(cfg.optim)
     _validate_backbone(cfg.backbone)
@@ -362,6 +370,40 @@ def check_data_source(source: str) -> None:
             raise UserError(f"no .json/.jsonl/.parquet files in {path}")
     elif source.startswith((".", "/", "~")) or source.endswith(DATA_SUFFIXES):
         raise UserError(f"data file not found: {source}")
+
+
+def _validate_eagle3(cfg) -> None:
+    """The eagle3-only keys: refused for other kinds; ranges that need no backbone (the rest is
+    ``backbone.check_family``, from the backbone's config)."""
+    h = cfg.heads
+    eagle = str(h.kind) == "eagle3"
+    for key in ("aux_layers", "draft_vocab_size", "ttt_steps"):
+        if getattr(h, key) is not None and not eagle:
+            raise UserError(f"heads.{key} is an eagle3 setting; set heads.kind=eagle3 or remove it")
+    if not eagle:
+        return
+    if h.ttt_steps is not None and h.ttt_steps < 1:
+        raise UserError(f"heads.ttt_steps must be >= 1, got {h.ttt_steps}")
+    if h.draft_vocab_size is not None and h.draft_vocab_size < 1:
+        raise UserError(f"heads.draft_vocab_size must be >= 1, got {h.draft_vocab_size}")
+    if h.aux_layers is not None and len(h.aux_layers) != 3:
+        raise UserError(f"heads.aux_layers must name 3 backbone layers (vLLM and SGLang read three), "
+                        f"got {list(h.aux_layers)}")
+    if enum_value(h.projection) == "shared":
+        raise UserError("heads.kind=eagle3 has its own lm_head: use heads.projection=own or truncated "
+                        "(or heads.draft_vocab_size)")
+    if h.num_layers != 1:
+        raise UserError(f"heads.kind=eagle3 has one decoder layer: heads.num_layers must be 1, got {h.num_layers}")
+    if cfg.lora.enabled:
+        raise UserError("heads.kind=eagle3 trains on the frozen backbone: set lora.enabled=false")
+
+
+def draft_depth(h) -> int:
+    """How many tokens ahead the heads are trained to guess: ``num_heads``, or for eagle3 the
+    training-time-test steps (``ttt_steps``, default ``num_heads``). The spec's ``num_heads``."""
+    if str(h.kind) == "eagle3" and h.ttt_steps is not None:
+        return int(h.ttt_steps)
+    return int(h.num_heads)
 
 
 def _validate_lora(cfg) -> None:

@@ -53,6 +53,12 @@ a crash mid-write never leaves a shard that looks complete (the error says how m
 kept; the same command continues). A cache built for another backbone (weights or
 architecture), other data settings, seed or micro-batch size is refused, naming what differs.
 
+Aux layers (eagle3): a drafter that reads three backbone layers needs them cached too. A cache records
+the layers it stores (``aux_layers`` in its manifest, chosen by the run that creates it) and keeps
+storing them in every shard it adds, so one cache built for an eagle3 run serves every family (the
+others read ``hidden`` only); a cache built without them is refused for eagle3 in one line rather
+than half-extended. They add 3 x hidden x bytes per position (shown in the disk estimate).
+
 Format 2 (the only one read): every shard stores ``greedy``. A format-1 cache (built before greedy
 ids were stored) is refused in one line asking for a rebuild. The claim/compare/atomic-write of the
 manifest is ``manifest.py``'s, shared with distillation.
@@ -116,6 +122,7 @@ class FeatureCache:
     def __init__(self, root: Path):
         self.root = Path(root)
         self._open: tuple[Optional[str], object, set] = (None, None, set())
+        self.read_aux = False  # also hand out each batch's ``aux`` (an eagle3 drafter's run)
 
     @property
     def manifest_path(self) -> Path:
@@ -124,7 +131,7 @@ class FeatureCache:
     def manifest(self) -> dict:
         return read_manifest(self.manifest_path, self.root)
 
-    def claim(self, identity: dict, shard_batches: int) -> dict:
+    def claim(self, identity: dict, shard_batches: int, aux_layers=()) -> dict:
         """Create the manifest, or check the existing cache was built for this backbone and data."""
         root = self.root
 
@@ -143,10 +150,20 @@ class FeatureCache:
             return None
 
         fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
-                 "shards": [], "eval": False}
-        return claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
-                     mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
-                              "use another features.cache_dir or delete it")
+                 "shards": [], "eval": False, "aux_layers": list(aux_layers)}
+        manifest = claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
+                         mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
+                                  "use another features.cache_dir or delete it")
+        stored = list(manifest.get("aux_layers") or [])
+        if aux_layers and stored != list(aux_layers):
+            if manifest["batches"] or manifest["eval"]:
+                raise UserError(f"features cache {root} stores aux layers {stored or 'none'}, this eagle3 drafter "
+                                f"reads {list(aux_layers)}; use another features.cache_dir (or heads.aux_layers="
+                                f"{stored})" if stored else f"features cache {root} was built without the aux "
+                                "layers an eagle3 drafter reads; use another features.cache_dir or delete it")
+            manifest = {**manifest, "aux_layers": list(aux_layers)}  # nothing stored yet: this run decides
+            write_json_atomic(self.manifest_path, manifest)
+        return manifest
 
     def shard_path(self, k: int) -> Path:
         return self.root / f"train-{k:06d}.safetensors"
@@ -164,7 +181,7 @@ class FeatureCache:
     def write(self, path: Path, batches: list[dict], first: int) -> None:
         """Temp file, fsync, rename: a shard either exists whole or not at all."""
         tensors = {f"{j}.{key}": b[key].contiguous() for j, b in enumerate(batches)
-                   for key in (*KEYS, "hidden", "greedy") if key in b}
+                   for key in (*KEYS, "hidden", "greedy", "aux") if key in b}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             save_file(tensors, str(tmp), metadata={"first": str(first), "count": str(len(batches)),
@@ -190,6 +207,8 @@ class FeatureCache:
         batch = {k: f.get_tensor(f"{j}.{k}") for k in KEYS}
         batch["hidden"] = f.get_tensor(f"{j}.hidden").to(device=device, dtype=dtype)
         batch["greedy"] = f.get_tensor(f"{j}.greedy").long()
+        if self.read_aux:
+            batch["aux"] = f.get_tensor(f"{j}.aux").to(device=device, dtype=dtype)
         return batch
 
     def eval_batches(self, device, dtype) -> list[dict]:
@@ -209,6 +228,7 @@ class CachePlan:
     needed: int  # micro-batches training will read (max_steps x accumulation x world size)
     shard_batches: int
     dtype: str  # on disk: bf16 | fp32
+    aux_layers: tuple = ()  # backbone layers an eagle3 drafter reads (stored besides ``hidden``)
     rank: int = 0
     world_size: int = 1
     progress_bar: bool = False
@@ -252,7 +272,8 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
     todo = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) != c]
     hidden_size = frozen.model.config.hidden_size
     store = parse_dtype(plan.dtype)
-    per_pos = hidden_size * store.itemsize + 8 * len(KEYS) + 4  # + int32 greedy id
+    aux_layers = list(manifest.get("aux_layers") or [])  # kept in every shard once a cache has them
+    per_pos = (1 + len(aux_layers)) * hidden_size * store.itemsize + 8 * len(KEYS) + 4  # + int32 greedy id
     positions = sum(b * w for k in todo for (b, w) in shapes[k * S:k * S + counts[k]])
     eval_missing = not (cache.root / EVAL_FILE).is_file()
     if eval_missing:
@@ -263,7 +284,8 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
         scope = "the whole epoch" if epoch_complete else f"of {needed} needed"
         print(f"[features] cache {cache.root}: {target} micro-batches ({scope}), "
               f"{len(todo)} of {len(counts)} shard(s) to write: {positions:,} positions (incl. padding) x hidden "
-              f"{hidden_size} x {store.itemsize} bytes ({plan.dtype}) + ids = {_gb(need)}; {_gb(free)} free",
+              f"{hidden_size} x {1 + len(aux_layers)} layer(s){f' (aux {aux_layers})' if aux_layers else ''} x "
+              f"{store.itemsize} bytes ({plan.dtype}) + ids = {_gb(need)}; {_gb(free)} free",
               flush=True)
     if need > free:
         raise UserError(f"features cache needs ~{_gb(need)} under {cache.root} but only {_gb(free)} is free; free "
@@ -272,9 +294,12 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
 
     def stored(batch: dict) -> dict:
         """One batch as stored: its ids, the heads' hidden states and the backbone's greedy ids."""
-        f = frozen.features(batch)  # one backbone forward serves both
-        return {**{k: batch[k] for k in KEYS}, "hidden": f["hidden"].to("cpu", store),
-                "greedy": f["greedy"].to("cpu", torch.int32)}
+        f = frozen.features(batch, aux_layers=aux_layers)  # one backbone forward serves all
+        out = {**{k: batch[k] for k in KEYS}, "hidden": f["hidden"].to("cpu", store),
+               "greedy": f["greedy"].to("cpu", torch.int32)}
+        if aux_layers:
+            out["aux"] = f["aux"].to("cpu", store)
+        return out
 
     if eval_missing and main:
         cache.write(cache.root / EVAL_FILE, [stored(e) for e in eval_set()], 0)
@@ -375,7 +400,8 @@ def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
                eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
     """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
     cache = FeatureCache(cache_dir(cfg))
-    manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches)
+    manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers)
+    cache.read_aux = bool(plan.aux_layers)
 
     def open_stream() -> ConversationStream:
         return ConversationStream(cfg.data, backbone.tokenizer, seed=cfg.trainer.seed)
@@ -392,7 +418,7 @@ def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: i
 
 def run_build(cfg) -> dict:
     """``features.mode=build``: build (or complete) the cache and exit, without heads, optimizer or engine."""
-    from .backbone import load_backbone
+    from .backbone import family_fields, load_backbone
     from .config import derived_batch, validate
     from .data.stream import RankData
     from .distributed import start_process
@@ -407,6 +433,7 @@ def run_build(cfg) -> dict:
     data = RankData(cfg.data, backbone.tokenizer, cfg.trainer.seed, proc.rank, proc.world_size,
                     batch.micro_batch_size, pad_id)
     plan = cache_plan(cfg, batch.micro_batch_size, batch.grad_accum, pad_id, proc.rank, proc.world_size)
+    plan.aux_layers = tuple(family_fields(cfg.heads, backbone.model.config).get("aux_layers", ()))
     cache, manifest = open_cache(cfg, backbone, frozen, plan, data.eval_batches)
     if proc.is_main:
         print(f"[features] cache complete: {manifest['batches']} micro-batches in {cache.root}; train with "

@@ -11,6 +11,11 @@ Dependent heads (Hydra / MLP speculator) are also fed the true tokens t+1..t+k+1
 sequence (teacher forcing, ``future_tokens``); their cheap recurrent part runs at every
 position, the projection still only where a target exists.
 
+EAGLE-3 drafters (``needs_aux_layers``) are unrolled instead (training-time test,
+``Eagle3Drafter.ttt_features``): step j at t is fed its own step j-1 state and the true token
+x_{t+1+j}, attends causally within the packed document, and is scored exactly as head j+1
+(target x_{t+j+2}); they read the backbone's aux layers (``aux``) and the positions.
+
 Backbone targets (``heads.targets=backbone``): the labels are replaced by the backbone's own
 greedy tokens (``backbone_labels``) before anything here sees them, so every head family,
 projection and metric trains on / reports against what greedy verification will accept.
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .data.masks import block_causal_mask
 from .data.tokenize import IGNORE
 
 TOPK = 5
@@ -158,18 +164,26 @@ def simulated_tau(top1: list[float]) -> float:
 def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor,
                weights: list[float], inv_map: torch.Tensor | None,
                metrics: HeadMetrics | None = None, input_ids: torch.Tensor | None = None,
-               teacher_weight: float = 0.0, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+               teacher_weight: float = 0.0, lm_head_weight: torch.Tensor | None = None,
+               aux: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k lambda_k * loss_k over positions with a target; fills ``metrics`` if given.
 
     For truncated heads, targets outside the head's vocabulary are excluded from the CE
     (they cannot be predicted) but counted as misses in the accuracy. ``input_ids`` is
-    needed by dependent heads; ``lm_head_weight`` by the teacher term.
+    needed by dependent heads; ``lm_head_weight`` by the teacher term; ``aux`` and ``position_ids``
+    by drafters that read several layers (eagle3).
     """
     total = hidden.new_zeros(())
     dependent = bool(getattr(heads, "sequential", False))
-    if dependent:
-        if input_ids is None:
-            raise ValueError("dependent heads need the batch's input_ids")
+    if dependent and input_ids is None:
+        raise ValueError("dependent heads need the batch's input_ids")
+    if getattr(heads, "needs_aux_layers", False):
+        if aux is None or position_ids is None:
+            raise ValueError("eagle3 drafters need the batch's aux features and position_ids")
+        mask0 = block_causal_mask(doc_ids, aux.dtype)  # causal within a packed document (padding: itself)
+        feats = heads.ttt_features(aux, future_tokens(input_ids, len(weights)), position_ids.to(aux.device),
+                                   mask0, steps=len(weights))
+    elif dependent:
         feats = heads.teacher_forced_features(hidden, future_tokens(input_ids, len(weights)))
     token_map = getattr(heads, "token_map", None)
     for k in range(len(weights)):

@@ -18,6 +18,7 @@ cached`` checks out of the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable, Optional, Protocol
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from inference.backbone import lm_head_weight
 
 from . import features
-from .backbone import FrozenFeatures
+from .backbone import FrozenFeatures, family_fields
 from .data.readers import ReadStats
 from .data.stream import RankData, StreamStats
 from .losses import HeadMetrics, backbone_labels, heads_loss
@@ -70,10 +71,10 @@ class HeadsWithLoss(nn.Module):
         self.metrics: Optional[HeadMetrics] = None
         self.last_parts: dict[str, float] = {}
 
-    def forward(self, hidden, labels, doc_ids, input_ids=None):
+    def forward(self, hidden, labels, doc_ids, input_ids=None, aux=None, position_ids=None):
         return heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
                           input_ids=input_ids, teacher_weight=self.teacher_weight,
-                          lm_head_weight=self.lm_head_weight)
+                          lm_head_weight=self.lm_head_weight, aux=aux, position_ids=position_ids)
 
 
 class _FrozenHeads:
@@ -82,8 +83,10 @@ class _FrozenHeads:
     def __init__(self, cfg, backbone, device: torch.device):
         self.cfg, self.backbone, self.device = cfg, backbone, device
         self.backbone_targets = cfg.heads.targets == "backbone"  # losses.backbone_labels
+        self.aux_layers: Optional[list[int]] = None  # the layers an eagle3 drafter reads (set by ``wrap``)
 
     def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
+        self.aux_layers = list(spec.aux_layers) if getattr(heads, "needs_aux_layers", False) else None
         self.module = HeadsWithLoss(heads, weights, inv_map, self.cfg.heads.teacher_weight,
                                     lm_head_weight(self.backbone.model))
         return self.module
@@ -94,16 +97,19 @@ class _FrozenHeads:
     def describe(self) -> str:
         return "frozen"
 
-    def features(self, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def features(self, batch: dict) -> dict:
+        """``hidden``, ``greedy`` (with backbone targets) and ``aux`` (for an eagle3 drafter)."""
         raise NotImplementedError
 
     def loss(self, engine, batch: dict, step: int) -> torch.Tensor:
         dev = self.device
         ids, labels, doc = batch["input_ids"].to(dev), batch["labels"].to(dev), batch["doc_ids"].to(dev)
-        hidden, greedy = self.features(batch)
+        f = self.features(batch)
         if self.backbone_targets:
-            labels = backbone_labels(labels, doc, greedy.to(dev))
-        return engine(hidden, labels, doc, ids)
+            labels = backbone_labels(labels, doc, f["greedy"].to(dev))
+        if self.aux_layers:
+            return engine(f["hidden"], labels, doc, ids, f["aux"], batch["position_ids"].to(dev))
+        return engine(f["hidden"], labels, doc, ids)
 
     def export_extra(self, engine) -> Optional[Callable]:
         return None
@@ -127,9 +133,8 @@ class OnlineSource(_FrozenHeads):
     def eval_batches(self) -> list[dict]:
         return self.data.eval_batches()
 
-    def features(self, batch: dict):
-        f = self.frozen.features(batch, greedy=self.backbone_targets)
-        return f["hidden"], f.get("greedy")
+    def features(self, batch: dict) -> dict:
+        return self.frozen.features(batch, greedy=self.backbone_targets, aux_layers=self.aux_layers)
 
 
 class CachedSource(_FrozenHeads):
@@ -137,6 +142,8 @@ class CachedSource(_FrozenHeads):
 
     def __init__(self, cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):
         super().__init__(cfg, backbone, device)
+        aux = family_fields(cfg.heads, backbone.model.config).get("aux_layers", ())
+        plan = dataclasses.replace(plan, aux_layers=tuple(aux))
         self.compute_dtype, self.plan = compute_dtype, plan
         frozen = FrozenFeatures(backbone.model, cfg.data.packing, compute_dtype, device)  # building only
         self.cache, self.manifest = features.open_cache(cfg, backbone, frozen, plan, data.eval_batches)
@@ -150,8 +157,8 @@ class CachedSource(_FrozenHeads):
     def eval_batches(self) -> list[dict]:
         return self.cache.eval_batches(self.device, self.compute_dtype)
 
-    def features(self, batch: dict):
-        return batch["hidden"], batch["greedy"]
+    def features(self, batch: dict) -> dict:
+        return batch
 
 
 def make_source(cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):

@@ -46,8 +46,8 @@ from inference.heads.native import EXPORT_FILES, recover_dir, save_heads
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from . import checkpoint, features
-from .backbone import load_backbone
-from .config import derived_batch, loss_weights, validate
+from .backbone import draft_vocabulary, family_fields, load_backbone
+from .config import derived_batch, draft_depth, loss_weights, validate
 from .data.stream import ConversationStream, RankData, token_frequencies
 from .deepspeed_config import check_consistent, deepspeed_config
 from .distributed import resolve_device, start_process
@@ -167,24 +167,24 @@ class MedusaTrainer:
         """Freshly initialised heads (from the backbone's lm_head / embeddings) and their spec."""
         cfg, model = self.cfg, self.backbone.model
         hf_cfg = model.config
-        projection = enum_value(cfg.heads.projection)
-        token_map = self._token_map(hf_cfg.vocab_size) if projection == "truncated" else None
+        projection, vocab_n = draft_vocabulary(cfg.heads, hf_cfg.vocab_size)
+        token_map = self._token_map(hf_cfg.vocab_size, vocab_n) if projection == "truncated" else None
+        eagle = family_fields(cfg.heads, hf_cfg)
         spec = HeadsSpec(
-            num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
+            num_heads=draft_depth(cfg.heads), num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
             vocab_size=hf_cfg.vocab_size, projection=projection,
-            truncated_vocab_size=cfg.heads.truncated_vocab_size if token_map is not None else None,
+            truncated_vocab_size=vocab_n if token_map is not None else None,
             base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
             kind=cfg.heads.kind, inner_dim=cfg.heads.inner_dim or None,
-            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input)
+            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input, **eagle)
         heads = init_heads(spec, lm_head_weight(model).float(), model.get_input_embeddings().weight, token_map)
         return heads.to(self.device), spec
 
-    def _token_map(self, vocab_size: int) -> torch.Tensor:
+    def _token_map(self, vocab_size: int, n: int) -> torch.Tensor:
         """Top-N assistant tokens of the training data (plus EOS), most frequent first."""
-        d, h = self.cfg.data, self.cfg.heads
-        n = h.truncated_vocab_size
+        d = self.cfg.data
         if n > vocab_size:
-            raise UserError(f"heads.truncated_vocab_size={n} exceeds the backbone vocabulary ({vocab_size})")
+            raise UserError(f"the truncated / draft vocabulary ({n}) exceeds the backbone vocabulary ({vocab_size})")
         scan = ConversationStream(d, self.backbone.tokenizer, seed=self.cfg.trainer.seed)
         counts = token_frequencies(scan, vocab_size, d.vocab_scan_conversations)
         eos = self.backbone.tokenizer.eos_token_id
