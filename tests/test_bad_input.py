@@ -52,6 +52,15 @@ BAD_INPUT = [
     (TRAIN, ["debug_tiny", "backbone.name_or_path={tmp}/gpt2", "backbone.random_init.hidden_size=32"], 2,
      "both name a backbone"),
     (TRAIN, ["debug_tiny", "backbone.name_or_path={tmp}/missing"], 2, "path not found"),
+    # -- eagle3 drafters that cannot fit the backbone, refused from its config alone ---------------------------------
+    (TRAIN, ["debug_tiny", "heads.kind=eagle3", "backbone.name_or_path={tmp}/gpt2"], 2,
+     "cannot build an EAGLE-3 decoder layer for gpt2"),
+    (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.aux_layers=[0,1,5]"], 2, "heads.aux_layers [5] are out of range"),
+    (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.aux_layers=[0,1]"], 2, "must name 3 backbone layers"),
+    (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.draft_vocab_size=999"], 2,
+     "heads.draft_vocab_size=999 exceeds the backbone vocabulary (320)"),
+    (TRAIN, ["debug_tiny", "heads.ttt_steps=2"], 2, "heads.ttt_steps is an eagle3 setting"),
+    (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.num_layers=2"], 2, "heads.num_layers must be 1"),
     # -- tree deeper than the heads, refused before the backbone loads (defect 10) ---------------------------------
     (GEN, [f"heads={HEADS}", "prompt=hi", "tree=chain6"], 2, "tree chain6 needs 5 heads, these heads have 3"),
     (GEN, [f"heads={HEADS}", "prompt=hi", "tree={tmp}/deep_tree.json"], 2, "has depth 4 but the heads only predict 3"),
