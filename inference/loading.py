@@ -3,7 +3,7 @@
 It sits above both ``inference.heads`` (the native format, which knows no engine layout) and
 ``inference.formats`` (the importers, which register themselves): ``read_heads_spec`` /
 ``load_heads`` ask the registered importers whether a directory is a foreign layout (reference
-Medusa, TGI, vLLM) and otherwise use the native reader, so ``load_medusa``, ``medusa-eval`` and
+Medusa, TGI, vLLM, EAGLE-3) and otherwise use the native reader, so ``load_medusa``, ``medusa-eval`` and
 ``medusa-export`` accept any of them as they are, with the same checks.
 
 ``load_medusa`` resolves the backbone the heads were trained on (``spec.base_model``: an
@@ -46,20 +46,21 @@ def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
     """Load heads strictly; with ``backbone_config``, refuse heads made for another model."""
     d = Path(heads_dir)
     if detect_layout(d) is not None:
-        return import_heads(d, backbone_config, lm_head_weight, device=device, dtype=dtype)
+        return import_heads(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
+                            input_embeddings=input_embeddings)
     return load_native(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
                        input_embeddings=input_embeddings)
 
 
 def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch.Tensor] = None,
-                 device="cpu", dtype: Optional[torch.dtype] = None):
+                 device="cpu", dtype: Optional[torch.dtype] = None, input_embeddings: Optional[torch.Tensor] = None):
     """Load a foreign directory, with the checks ``load_heads`` makes for ours."""
     d = Path(heads_dir)
     layout = detect_layout(d)
     if layout is None:
-        raise UserError(f"{d} is neither a heads export nor a reference-Medusa / TGI / vLLM Medusa directory")
+        raise UserError(f"{d} is neither a heads export nor a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 directory")
     importer = importer_for(layout)
-    spec = importer.read_spec(d)
+    spec = importer.spec(d, backbone_config)
     if not spec.vocab_size:  # TGI v2 without vocab_size in its config: the backbone's vocabulary
         known = backbone_config.vocab_size if backbone_config is not None else \
             lm_head_weight.shape[0] if lm_head_weight is not None else 0
@@ -73,6 +74,11 @@ def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch
         if weight is None:
             raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
         heads.attach_lm_head(weight)
+    if heads.needs_input_embeddings:  # EAGLE-3 drafters embed with the target's own table, as the engines do
+        if input_embeddings is None:
+            raise UserError(f"{spec.kind} heads in {d} read the backbone's input embeddings: "
+                            "pass the backbone to load them")
+        heads.attach_backbone(None, input_embeddings)
     return place(heads, device, dtype)
 
 

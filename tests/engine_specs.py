@@ -29,6 +29,16 @@ tensor names, shapes and dtypes, and what it silently ignores. Each returns a li
                   vllm/transformers_utils/configs/mlp_speculator.py (v0.8-v0.10, read through the
                   stored index; the MLPSpeculator class there: emb/proj/ln/head, tie_weights, scale_input)
 
+  EAGLE-3       vLLM vllm/model_executor/models/llama_eagle3.py     commit 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190
+                  (LlamaDecoderLayer.forward, LlamaModel.load_weights, Eagle3LlamaForCausalLM.load_weights /
+                  compute_logits), vllm/model_executor/models/llama.py commit e06c9ba2a6ea923a84add30f5dafaea126429b81
+                  (aux capture: hidden_states + residual before layer idx; default (2, N//2, N-3)),
+                  v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config (top level, then eagle_config);
+                SGLang python/sglang/srt/models/llama_eagle3.py  commit 03d5a7771f6082e7737a5f19cae7d1e863087013
+                  (LlamaDecoderLayer.forward, LlamaModel.forward, LlamaForCausalLMEagle3.load_weights: d2t ->
+                  hot_token_id), python/sglang/srt/models/llama.py commit 00239548f1cd1a06ca145a5447a86738090a48f1
+                  (set_eagle3_layers_to_capture: eagle_config ids + 1), model_runner (eagle_config only)
+
 If an engine changes its loader, update the matching function here and the exporter with it.
 """
 
@@ -440,3 +450,238 @@ def check_vllm_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> lis
     if extra:
         problems.append(f"names vLLM would silently skip: {extra[:4]}")
     return problems + _dtype_problems(tensors)
+
+
+# -- EAGLE-3 (vLLM and SGLang) ---------------------------------------------------------------------
+# Both engines load the same directory into a one-layer Llama drafter; they differ in parameter
+# names (vLLM ``model.layers.0.``, SGLang ``model.midlayer.``), in how they read the aux layer ids and
+# in how draft ids reach the target vocabulary. What is restated below runs on CPU in fp32.
+EAGLE3_VLLM_ARCHS = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")  # registry.py _SPECULATIVE_DECODING_MODELS
+EAGLE3_SGLANG_ARCHS = ("LlamaForCausalLMEagle3",)                        # llama_eagle3.py EntryClass
+_STACKED = ((".qkv_proj", ".q_proj", 0), (".qkv_proj", ".k_proj", 1), (".qkv_proj", ".v_proj", 2),
+            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+
+
+def _eagle3_files(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg = json.loads((d / "config.json").read_text())
+    return cfg, _tensors(d / "model.safetensors")
+
+
+def _eagle3_shapes(cfg: dict, prefix: str) -> dict[str, tuple]:
+    """The drafter's parameters as both engines build them (``prefix``: vLLM ``model.layers.0.``,
+    SGLang ``model.midlayer.``); qkv and gate_up are the stacked ones."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
+    inner, target_h = cfg["intermediate_size"], cfg.get("target_hidden_size", h)
+    draft_vocab = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    return {f"{prefix}self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, 2 * h),
+            f"{prefix}self_attn.o_proj.weight": (h, heads * hd),
+            f"{prefix}mlp.gate_up_proj.weight": (2 * inner, h), f"{prefix}mlp.down_proj.weight": (h, inner),
+            **{f"{prefix}{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+            "model.fc.weight": (h, 3 * target_h), "model.norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+
+
+def _stack(params: dict, name: str, t: torch.Tensor) -> bool:
+    """The stacked-parameter branch of both loaders: q/k/v into qkv_proj, gate/up into gate_up_proj
+    (shards concatenated on dim 0 in shard order). False when ``name`` is no shard."""
+    for param, shard, idx in _STACKED:
+        if shard in name:
+            params.setdefault(name.replace(shard, param), {})[idx] = t
+            return True
+    return False
+
+
+def _eagle3_config_problems(cfg: dict, hidden_size: int, vocab_size: int, archs: tuple) -> list[str]:
+    problems = []
+    if not set(cfg.get("architectures") or ()) & set(archs):
+        problems.append(f"architectures {cfg.get('architectures')} name none of {archs}")
+    if cfg.get("model_type") != "llama":
+        problems.append("model_type must be llama (the engines build a LlamaConfig)")
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "draft_vocab_size"):
+        if key not in cfg:
+            problems.append(f"config lacks {key}: the engine would use LlamaConfig's default")
+    if cfg.get("num_hidden_layers") != 1:
+        problems.append("num_hidden_layers must be 1: only midlayer is in the checkpoint")
+    if cfg.get("hidden_size") != hidden_size or cfg.get("vocab_size") != vocab_size:
+        problems.append(f"sizes ({cfg.get('hidden_size')}, {cfg.get('vocab_size')}) differ from the target's "
+                        f"({hidden_size}, {vocab_size})")
+    if cfg.get("tie_word_embeddings", False):
+        problems.append("tie_word_embeddings: SGLang makes lm_head the embedding table")
+    if cfg.get("norm_before_residual", False):
+        problems.append("norm_before_residual: SGLang only implements the residual taken before hidden_norm")
+    for key in ("attention_bias", "mlp_bias", "bias"):
+        if cfg.get(key):
+            problems.append(f"{key}: the drafter weights have no bias")
+    return problems
+
+
+def vllm_eagle3_aux_ids(cfg: dict, num_layers: int) -> tuple:
+    """gpu_model_runner ``_get_eagle3_aux_layers_from_config``, else the target's
+    ``get_eagle3_aux_hidden_state_layers``; llama.py captures the *input* of layer idx, so these are
+    transformers hidden_states ids as they are."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(ids) if ids else (2, num_layers // 2, num_layers - 3)
+
+
+def sglang_eagle3_aux_ids(cfg: dict, num_layers: int) -> tuple:
+    """model_runner reads ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` only;
+    ``set_eagle3_layers_to_capture`` adds 1 (its ids name layer outputs); llama.py captures the input
+    of each listed layer. Default (2, N//2, N-3), taken as is."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(i + 1 for i in ids) if ids is not None else (2, num_layers // 2, num_layers - 3)
+
+
+def vllm_eagle3_load(d: Path, hidden_size: int, vocab_size: int) -> tuple[dict, dict, list[str]]:
+    """``Eagle3LlamaForCausalLM.load_weights`` then ``LlamaModel.load_weights``: t2d skipped, d2t ->
+    draft_id_to_target_id, every name but lm_head prefixed ``model.``, ``midlayer.`` -> ``layers.0.``,
+    q/k/v and gate/up stacked; an unknown name is a KeyError, an unloaded parameter an error (the
+    model loader checks every weight was initialised), embed_tokens and draft_id_to_target_id may be
+    absent (shared from the target / left at zeros). Returns (params, config, problems)."""
+    cfg, tensors = _eagle3_files(d)
+    problems = _eagle3_config_problems(cfg, hidden_size, vocab_size, EAGLE3_VLLM_ARCHS)
+    expect = _eagle3_shapes(cfg, "model.layers.0.")
+    draft_vocab = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    params, stacked = {"draft_id_to_target_id": torch.zeros(draft_vocab, dtype=torch.long)}, {}
+    for name, t in tensors.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name = name.replace("d2t", "draft_id_to_target_id")
+        elif "lm_head" not in name:
+            name = "model." + name
+        name = name.replace("midlayer.", "layers.0.")
+        if _stack(stacked, name, t):
+            continue
+        if name in expect or name == "draft_id_to_target_id" or name == "model.embed_tokens.weight":
+            params[name] = t
+        else:
+            problems.append(f"{name}: KeyError in vLLM's load_weights (no such parameter)")
+    for name, shards in stacked.items():
+        params[name] = torch.cat([shards[i] for i in sorted(shards)], 0)
+    for name, shape in expect.items():
+        if name not in params:
+            problems.append(f"{name} is never loaded: vLLM refuses the checkpoint")
+        elif tuple(params[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(params[name].shape)}, vLLM allocates {shape}")
+    if params["draft_id_to_target_id"].dtype != torch.int64:
+        problems.append("d2t must be int64 (vLLM's draft_id_to_target_id is a long parameter)")
+    problems += _dtype_problems({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")})
+    return params, cfg, problems
+
+
+def sglang_eagle3_load(d: Path, hidden_size: int, vocab_size: int) -> tuple[dict, dict, list[str]]:
+    """``LlamaForCausalLMEagle3.load_weights``: d2t -> ``hot_token_id = d2t + arange`` (kept under that
+    key here), t2d skipped, q/k/v and gate/up stacked, a name not among the parameters tried again with
+    ``model.`` and otherwise silently skipped (a parameter nobody loads keeps its random init).
+    Returns (params, config, problems)."""
+    cfg, tensors = _eagle3_files(d)
+    problems = _eagle3_config_problems(cfg, hidden_size, vocab_size, EAGLE3_SGLANG_ARCHS)
+    if cfg.get("draft_vocab_size") is None:
+        problems.append("no draft_vocab_size: SGLang loads the target's lm_head instead of the drafter's")
+    expect = _eagle3_shapes(cfg, "model.midlayer.")
+    params, stacked = {}, {}
+    for name, t in tensors.items():
+        if "d2t" in name:
+            params["hot_token_id"] = t + torch.arange(t.shape[0])
+            continue
+        if "t2d" in name:
+            continue
+        if _stack(stacked, name, t):
+            continue
+        full = name if name in expect else f"model.{name}"
+        if full in expect:
+            params[full] = t
+        elif full != "model.embed_tokens.weight":  # set_embed replaces it with the target's anyway
+            problems.append(f"{name} is silently skipped by SGLang")
+    for name, shards in stacked.items():
+        full = name if name in expect else f"model.{name}"
+        params[full] = torch.cat([shards[i] for i in sorted(shards)], 0)
+    for name, shape in expect.items():
+        if name not in params:
+            problems.append(f"{name} is never loaded: SGLang keeps its random init")
+        elif tuple(params[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(params[name].shape)}, SGLang allocates {shape}")
+    return params, cfg, problems
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """get_rope(is_neox_style=True), both engines' Llama default: the two halves rotate together.
+    x [T, heads, D], positions [T]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = positions.float()[:, None] * inv[None]                       # [T, D/2]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+def eagle3_engine_forward(params: dict, cfg: dict, layer: str, embed: torch.Tensor, tokens: torch.Tensor,
+                          hidden: torch.Tensor, positions: torch.Tensor, past=None):
+    """One drafter pass over T new rows, as both engines compute it (``layer``: ``model.layers.0.`` or
+    ``model.midlayer.``). tokens [T]; hidden [T, 3H] (fc first: vLLM's ``combine_hidden_states``, SGLang's
+    ``if hidden.shape[-1] != embeds.shape[-1]``) or [T, H] (a previous pre-norm state); positions [T];
+    past (k, v) [S, kv, D] of earlier rows, all visible; causal among the new rows.
+
+      embeds = input_layernorm(embed[tokens]); residual = hidden; hidden = hidden_norm(hidden)
+      x = cat([embeds, hidden]) -> qkv_proj -> RoPE -> attention -> o_proj
+      residual = x + residual; x = mlp(post_attention_layernorm(residual))     (fused add + norm)
+      prenorm = x + residual; normed = norm(prenorm)                            (fused add + norm)
+    Returns (normed [T, H] for compute_logits, prenorm [T, H] fed to the next step, (k, v))."""
+    eps, theta = cfg.get("rms_norm_eps", 1e-6), cfg.get("rope_theta", 10000.0)
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
+    if hidden.shape[-1] != h:
+        hidden = hidden @ params["model.fc.weight"].T
+    e = _rms(embed[tokens], params[f"{layer}input_layernorm.weight"], eps)
+    residual = hidden
+    x = torch.cat([e, _rms(hidden, params[f"{layer}hidden_norm.weight"], eps)], -1)
+    qkv = x @ params[f"{layer}self_attn.qkv_proj.weight"].T
+    q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], -1)
+    t = q.shape[0]
+    q = _rope_neox(q.view(t, heads, hd), positions, theta)
+    k = _rope_neox(k.view(t, kv, hd), positions, theta)
+    v = v.view(t, kv, hd)
+    if past is not None:
+        k_all, v_all = torch.cat([past[0], k]), torch.cat([past[1], v])
+    else:
+        k_all, v_all = k, v
+    s = k_all.shape[0]
+    rep = heads // kv
+    scores = torch.einsum("thd,shd->hts", q, k_all.repeat_interleave(rep, 1)) / hd ** 0.5
+    visible = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    attn = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    ctx = torch.einsum("hts,shd->thd", attn, v_all.repeat_interleave(rep, 1)).reshape(t, heads * hd)
+    x = ctx @ params[f"{layer}self_attn.o_proj.weight"].T
+    residual = x + residual
+    gate, up = (_rms(residual, params[f"{layer}post_attention_layernorm.weight"], eps)
+                @ params[f"{layer}mlp.gate_up_proj.weight"].T).chunk(2, -1)
+    x = (torch.nn.functional.silu(gate) * up) @ params[f"{layer}mlp.down_proj.weight"].T
+    prenorm = x + residual
+    return _rms(prenorm, params["model.norm.weight"], eps), prenorm, (k, v)
+
+
+def vllm_eagle3_logits(params: dict, cfg: dict, normed: torch.Tensor) -> torch.Tensor:
+    """``compute_logits``: draft logits scattered to ``arange(draft_vocab) + draft_id_to_target_id``,
+    -inf at every other target id."""
+    logits = normed @ params["lm_head.weight"].T
+    targets = torch.arange(logits.shape[-1]) + params["draft_id_to_target_id"]
+    out = logits.new_full((logits.shape[0], cfg["vocab_size"]), float("-inf"))
+    out[:, targets] = logits
+    return out
+
+
+def sglang_eagle3_logits(params: dict, cfg: dict, normed: torch.Tensor) -> torch.Tensor:
+    """The draft logits SGLang samples from (its LogitsProcessor over draft_vocab_size), put at the
+    target ids its worker maps the drafted ids to (``hot_token_id``; none: the same ids)."""
+    logits = normed @ params["lm_head.weight"].T
+    hot = params.get("hot_token_id", torch.arange(logits.shape[-1]))
+    out = logits.new_full((logits.shape[0], cfg["vocab_size"]), float("-inf"))
+    out[:, hot] = logits
+    return out

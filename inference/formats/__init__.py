@@ -13,6 +13,7 @@ shapes and dtypes, read from each engine's own loader (the sources are named in 
   tgi           the same files; TGI's v2 layout (no projections, the base lm_head) for shared heads
                 with one layer (``text-generation-launcher --model-id <dir>``)
   medusa_v1     the reference FasterDecoding/Medusa layout (config.json + medusa_lm_head.safetensors)
+  eagle3        EAGLE-3 drafters: the ``LlamaForCausalLMEagle3`` dir vLLM and SGLang both serve (``eagle3.py``)
 
 Exporters live in a registry keyed by (format, head kind), so a new head kind (e.g. an
 ``mlp_speculator`` -> vLLM exporter) plugs in with ``@register_exporter("vllm", "mlp_speculator")``
@@ -21,7 +22,7 @@ without touching the formats here; a (format, kind) pair with no exporter is ref
 Importers live in a registry too (``importers.register_importer``): each foreign layout registers
 how to recognise, read and load its directory from its own module — reference Medusa checkpoints
 (``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt``, the latter only with
-``torch.load(weights_only=True)``), TGI v2, vLLM Medusa and vLLM mlp_speculator dirs.
+``torch.load(weights_only=True)``), TGI v2, vLLM Medusa and vLLM mlp_speculator dirs, EAGLE-3 drafters.
 ``inference.loading.load_heads`` asks them before the native loader, so ``load_medusa`` and
 ``medusa-eval`` accept those directories as they are.
 
@@ -29,7 +30,7 @@ The formats sit above ``inference.heads``: they import the head families, never 
 This ``__init__`` stays free of torch so that ``medusa-export --help`` is instant.
 """
 
-FORMATS = ("vllm", "tensorrt_llm", "tgi", "medusa_v1")
+FORMATS = ("vllm", "tensorrt_llm", "tgi", "medusa_v1", "eagle3")
 
 # The built-in format modules, one line each: importing one registers its exporters and importers.
 # Importers are asked in this order whether a directory is theirs.
@@ -37,6 +38,7 @@ BUILTIN_MODULES = (
     "inference.formats.reference",
     "inference.formats.vllm",
     "inference.formats.mlp_speculator",
+    "inference.formats.eagle3",
 )
 
 

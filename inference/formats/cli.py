@@ -4,10 +4,11 @@
     medusa-export heads=runs/a/heads format=tgi out=runs/a/tgi base_model=HuggingFaceTB/SmolLM2-135M-Instruct
     medusa-export heads=runs/a/heads format=tensorrt_llm out=runs/a/trtllm materialize=true dtype=float16
     medusa-export heads=downloaded/medusa-vicuna-7b-v1.3 format=vllm out=vicuna-medusa-vllm overwrite=true
+    medusa-export heads=runs/e/heads format=eagle3 out=runs/e/eagle3 base_model=meta-llama/Llama-3.1-8B-Instruct
 
 Keys:
-  heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa dir (re-export)
-  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1
+  heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 dir (re-export)
+  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM and SGLang)
   out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true
   materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
                     that need them (tensorrt_llm, medusa_v1, tgi with >1 layer); prints the size cost
@@ -73,7 +74,9 @@ def run_export(cfg) -> None:
         exporter_for(cfg.format, read_heads_spec(src).kind)
         # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
         # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
-        heads = load_heads(src, lm_head_weight=torch.empty(0))
+        # Likewise an empty input-embedding table for drafters that borrow the backbone's (EAGLE-3):
+        # no format stores it, so an export never reads it.
+        heads = load_heads(src, lm_head_weight=torch.empty(0), input_embeddings=torch.empty(0))
     for message in dict.fromkeys(str(w.message) for w in caught):  # spec + load both see the same dir
         print(f"medusa-export: warning: {message}", file=sys.stderr)
     spec = heads.spec

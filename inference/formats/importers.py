@@ -7,8 +7,13 @@ Each foreign layout registers, from its own module, three functions:
   load(dir, spec) -> (heads, lm_head) the heads, values exactly as the engine would run them, and
                                       the dir's own copy of a shared lm_head (or None)
 
+and optionally ``read_spec_for(dir, backbone_config) -> HeadsSpec``: the spec when the backbone is
+known, for layouts whose config leaves facts to the target (an EAGLE-3 dir without aux layer ids
+means the target's default layers); ``Importer.spec`` picks it when there is a backbone.
+
 Built-in layouts (``inference.formats.BUILTIN_MODULES``): ``reference`` (reference Medusa,
-TensorRT-LLM, TGI v1/v2), ``vllm`` (vLLM's Medusa drafter), ``vllm_mlp_speculator``.
+TensorRT-LLM, TGI v1/v2), ``vllm`` (vLLM's Medusa drafter), ``vllm_mlp_speculator``, ``eagle3`` (vLLM / SGLang
+EAGLE-3 drafters).
 ``inference.loading`` asks ``detect_layout`` first and falls back to the native loader, so this
 registry is the only place that knows foreign layouts exist.
 """
@@ -29,15 +34,22 @@ class Importer:
     detect: Callable[[Path], bool]
     read_spec: Callable
     load: Callable
+    read_spec_for: Optional[Callable] = None
+
+    def spec(self, d: Path, backbone_config=None):
+        """The heads ``d`` holds, read with the backbone's config when the layout needs it."""
+        if backbone_config is not None and self.read_spec_for is not None:
+            return self.read_spec_for(d, backbone_config)
+        return self.read_spec(d)
 
 
 _IMPORTERS: dict[str, Importer] = {}
 
 
 def register_importer(layout: str, *, detect: Callable[[Path], bool], read_spec: Callable,
-                      load: Callable) -> Importer:
+                      load: Callable, read_spec_for: Optional[Callable] = None) -> Importer:
     """Make ``layout`` directories loadable by ``load_heads`` / ``load_medusa`` / ``medusa-export``."""
-    _IMPORTERS[layout] = imp = Importer(layout, detect, read_spec, load)
+    _IMPORTERS[layout] = imp = Importer(layout, detect, read_spec, load, read_spec_for)
     return imp
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ..errors import IncompatibleHeadsError, UserError
 from .drafting import ContextDrafting
 from .registry import HeadFamily, register_family
 from .spec import HeadsSpec
@@ -104,6 +104,18 @@ def _validate(spec: HeadsSpec) -> None:
     spec.aux_layers = [int(i) for i in aux]
     if layer["num_attention_heads"] % layer["num_key_value_heads"]:
         raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+def _check_backbone(spec: HeadsSpec, backbone_config, where: str) -> None:
+    """The aux layer ids must exist in this backbone: an EAGLE-3 checkpoint made for a deeper target
+    (whose fingerprint, for a foreign one, is unknown) would otherwise read layers it never saw."""
+    n = getattr(backbone_config, "num_hidden_layers", None)
+    if n is None:
+        return
+    bad = [i for i in spec.aux_layers if not 0 <= i < n]
+    if bad:
+        raise IncompatibleHeadsError(f"{where} read aux layers {spec.aux_layers}, the backbone has hidden states "
+                                     f"0..{n - 1} ({n} layers): they were trained for another target")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -281,7 +293,8 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         return True
 
     def attach_backbone(self, lm_head_weight=None, input_embeddings=None) -> None:
-        if input_embeddings is not None:
+        # An empty tensor is a placeholder (medusa-export reads no backbone): nothing to attach.
+        if input_embeddings is not None and input_embeddings.numel():
             if tuple(input_embeddings.shape) != (self.spec.vocab_size, self.spec.hidden_size):
                 raise UserError(f"eagle3 drafters need input embeddings of shape "
                                 f"{(self.spec.vocab_size, self.spec.hidden_size)}, got {tuple(input_embeddings.shape)}")
@@ -374,4 +387,4 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
 
 
 register_family(HeadFamily("eagle3", Eagle3Drafter, ContextDrafting, fields=("aux_layers", "draft_layer"),
-                           validate=_validate))
+                           validate=_validate, check_backbone=_check_backbone))

@@ -34,6 +34,9 @@ class HeadFamily:
                from the backbone; default ``module.from_backbone``.
     fields:    the ``HeadsSpec`` fields only this family reads (stored flat in config.json).
     validate:  ``(spec) -> None``, raising a one-line ``UserError`` for a bad value of those fields.
+    check_backbone: ``(spec, backbone_config, where) -> None``, raising a one-line ``IncompatibleHeadsError``
+               when heads of this family cannot run on that backbone for a reason the generic
+               checks (hidden size, vocabulary, fingerprint) do not see; ``check_compatible`` calls it.
     """
 
     kind: str
@@ -42,6 +45,7 @@ class HeadFamily:
     init: Optional[Callable] = None
     fields: tuple[str, ...] = ()
     validate: Optional[Callable] = None
+    check_backbone: Optional[Callable] = None
 
     def fresh(self, spec, lm_head_weight, input_embeddings=None, token_map=None):
         init = self.init or self.module.from_backbone

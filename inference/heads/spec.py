@@ -103,7 +103,7 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(HeadsSpec))
 
 
 def check_compatible(spec: HeadsSpec, backbone_config, where: str = "heads") -> None:
-    """Refuse heads made for another backbone, naming the first mismatch."""
+    """Refuse heads made for another backbone, naming the first mismatch (then the family's own check)."""
     cfg = backbone_config
     if spec.hidden_size != cfg.hidden_size:
         raise IncompatibleHeadsError(
@@ -116,3 +116,6 @@ def check_compatible(spec: HeadsSpec, backbone_config, where: str = "heads") -> 
         raise IncompatibleHeadsError(
             f"{where} were trained on a backbone with config fingerprint {spec.base_model_fingerprint} "
             f"({spec.base_model or 'unknown'}), this backbone's is {fp}")
+    check = family(spec.kind).check_backbone
+    if check is not None:  # what only the family knows (EAGLE-3: its aux layer ids exist in this backbone)
+        check(spec, cfg, where)
