@@ -16,7 +16,7 @@ from inference.formats import importers, load_builtin_formats
 from inference.formats.export import exporter_for
 from inference.formats.importers import detect_layout, importer_for, register_importer
 from inference.heads import KINDS, registry
-from inference.heads.drafting import IndependentDrafting, PathDrafting
+from inference.heads.drafting import ContextDrafting, IndependentDrafting, PathDrafting
 from inference.heads.medusa import MedusaHeads
 from inference.heads.native import heads_state_dict, save_heads
 from inference.heads.projection import ProjectedHeads
@@ -151,7 +151,7 @@ def test_every_kind_has_a_registered_family_with_its_drafting_mixin(fresh_regist
     for kind in KINDS:
         fam = family(kind)
         assert fam.kind == kind and issubclass(fam.module, fam.drafting)
-        assert fam.drafting in (IndependentDrafting, PathDrafting)
+        assert fam.drafting in (IndependentDrafting, PathDrafting, ContextDrafting)
     with pytest.raises(TypeError, match="drafting mixin"):
         register_family(HeadFamily("broken", ProjectedHeads, IndependentDrafting))
 

@@ -85,7 +85,8 @@ class Method:
     sampling, seed, options) -> GenerationOutput for a method that is not a Decoder.
     costs(m, options, run_length) -> Costs. prepare(m, options) -> options resolves what is
     loaded once per evaluation (a draft model). proposed(options) -> draft tokens counted per
-    step for the acceptance rate (None: what each step reports)."""
+    step for the acceptance rate (None: what each step reports). refuses(heads spec) -> why the
+    method cannot decode with those heads, in one line (None: it can)."""
 
     name: str
     summary: str
@@ -99,6 +100,7 @@ class Method:
     needs_tree: bool = False   # takes ``tree`` in its options: evaluate's tree choice fills it
     baseline: bool = False     # a speedup reference: always run, no acceptance rate
     greedy_only: bool = False
+    refuses: Optional[Callable[[Any], Optional[str]]] = None
 
     def keys(self) -> list[str]:
         """Its ``medusa-eval`` option keys."""
@@ -113,6 +115,7 @@ BUILTIN_MODULES = (
     "inference.methods.lookahead",
     "inference.methods.prompt_lookup",
     "inference.methods.medusa_lookup",
+    "inference.methods.eagle3",
     "inference.methods.autoregressive",
     "inference.methods.hf_generate",
 )
@@ -166,7 +169,18 @@ def check_methods(methods: Sequence[str], m: Optional[MedusaModel] = None) -> li
         free = ", ".join(x for x in names() if not _METHODS[x].needs_heads and not _METHODS[x].baseline)
         raise UserError(f"method {needing[0]} needs Medusa heads (heads=<export directory>); the training-free "
                         f"methods {free} run without them")
+    if m is not None and m.heads is not None:
+        for x in needing:
+            reason = _METHODS[x].refuses(m.heads.spec) if _METHODS[x].refuses is not None else None
+            if reason:
+                raise UserError(reason)
     return list(methods)
+
+
+def methods_for_heads(spec) -> list[str]:
+    """The methods that decode with heads of ``spec`` (``needs_heads``, not refusing them), in order."""
+    return [x for x in names() if _METHODS[x].needs_heads
+            and (_METHODS[x].refuses is None or not _METHODS[x].refuses(spec))]
 
 
 # -- options --------------------------------------------------------------------------------
