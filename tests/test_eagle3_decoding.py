@@ -332,3 +332,17 @@ def test_draft_kv_truncate_keeps_committed_entries():
     assert kv.length == 3 and kv.view()[0].sum() == 24
     kv.truncate(5)
     assert kv.length == 3
+
+
+def test_costs_count_the_drafter_and_its_kv_cache(m):
+    """Guards against the trade-off matrix hiding eagle3's memory: the drafter's own parameters (not
+    the borrowed embeddings), the tree's backbone KV slots and the drafter's one-layer KV cache."""
+    from inference.methods.eagle3 import eagle3_costs
+    from inference.methods.registry import kv_bytes_per_token
+
+    layer = m.heads.spec.draft_layer
+    per_token = 2 * layer["num_key_value_heads"] * layer["head_dim"] * 4                     # fp32
+    costs = eagle3_costs(m, Eagle3Options(nodes=8, depth=4, topk=4), run_length=100)
+    assert costs.extra_kv_cache_bytes == 9 * kv_bytes_per_token(m) + (100 + 5 + 3 * 4) * per_token
+    assert costs.extra_parameters == sum(p.numel() for p in m.heads.parameters()) and costs.training == "heads"
+    assert eagle3_costs(m, Eagle3Options(nodes=0), run_length=100).extra_kv_cache_bytes == 0
