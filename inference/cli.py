@@ -17,9 +17,10 @@ only these entry points do. User mistakes print one line and exit 2.
 medusa-eval picks its methods with ``methods=[...]`` (default: the first method that decodes with the
 heads: medusa, or eagle3 for EAGLE-3 heads); ``compare=true`` is short for every available method
 (those needing heads only with heads=, and only those that decode with them) and also writes the
-trade-off matrix. medusa-generate decodes with that same method. The baselines are always added: autoregressive, and hf_generate in greedy mode. Without
-heads= the backbone is ``backbone=`` (default embedded:smollm2). Prompt sets: embedded:mtbench
-(default), code (bundled code / structured-output prompts) or a JSONL file.
+trade-off matrix; medusa-generate decodes with that same default method. The baselines are always
+added: autoregressive, and hf_generate in greedy mode. Without heads= the backbone is ``backbone=``
+(default embedded:smollm2). Prompt sets: embedded:mtbench (default), code (bundled code /
+structured-output prompts) or a JSONL file.
 """
 from __future__ import annotations
 

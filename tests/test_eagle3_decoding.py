@@ -247,7 +247,8 @@ def test_mistakes_are_one_line_refusals(m, backbone):
         check_methods(["eagle3"], medusa)
     for bad, match in ((dict(nodes=40, depth=2, topk=4), "more than depth 2 x top-4"),
                        (dict(depth=0), "eagle_depth must be"), (dict(tree="maybe"), "eagle_tree must be"),
-                       (dict(topk=200), "more than the drafter's 96 outputs"), (dict(tree="auto"), "chosen by an evaluation")):
+                       (dict(topk=200), "more than the drafter's 96 outputs"),
+                       (dict(tree="auto"), "chosen by an evaluation")):
         with pytest.raises(UserError, match=match):
             generate(m, PROMPTS[0], "eagle3", max_new_tokens=4, **bad)
     with pytest.raises(UserError, match="draft=sampled"):

@@ -287,7 +287,8 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 if bar is not None:
-                    bar.set_description_str(f"timing {what}: round {r + 1}, " + (PLAIN if name == PLAIN else label(name)))
+                    shown = PLAIN if name == PLAIN else label(name)
+                    bar.set_description_str(f"timing {what}: round {r + 1}, {shown}")
                 sec, n_dropped = robust_step(timer(name))
                 rounds[name].append(sec)
                 dropped[name] += n_dropped
@@ -429,8 +430,8 @@ def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional
     if shape is None:
         return step_times(m, prompt_ids, None, steps=steps, warmup=warmup)
     n, d, k = shape
-    out = generate(m, list(prompt_ids), "eagle3", nodes=n, depth=d, topk=k, max_new_tokens=(warmup + steps + 1) * (d + 1),
-                   eos_token_ids=(), max_steps=warmup + steps, seed=0)
+    out = generate(m, list(prompt_ids), "eagle3", nodes=n, depth=d, topk=k, eos_token_ids=(),
+                   max_new_tokens=(warmup + steps + 1) * (d + 1), max_steps=warmup + steps, seed=0)
     times = list(out.step_s)
     return times[warmup:] if len(times) > warmup else times
 

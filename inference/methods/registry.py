@@ -143,10 +143,18 @@ def unregister(name: str) -> None:
     _METHODS.pop(name, None)
 
 
+def _builtin_rank(method: Method) -> int:
+    """Where the module that defines ``method`` sits in ``BUILTIN_MODULES`` (after them: a plug-in)."""
+    module = getattr(method.decoder or method.runner, "__module__", None)
+    return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+
+
 def names() -> tuple[str, ...]:
-    """Registered methods in registration order, the baselines last."""
+    """The built-in methods in ``BUILTIN_MODULES`` order whichever was imported first (the default
+    method for a set of heads is the first that takes them), then plug-ins as registered; the
+    baselines last."""
     _load_builtins()
-    return tuple(sorted(_METHODS, key=lambda x: _METHODS[x].baseline))
+    return tuple(sorted(_METHODS, key=lambda x: (_METHODS[x].baseline, _builtin_rank(_METHODS[x]))))
 
 
 def get(name: str) -> Method:
