@@ -8,16 +8,19 @@
     medusa-eval methods=[draft,prompt_lookup] draft=self:8 draft_k=3     # + the autoregressive / HF baselines
     medusa-eval heads=runs/a/heads methods=[medusa_lookup] prompts=code  # Medusa tree + prompt lookup branch
     medusa-eval compare=true prompts=code out=runs/compare_code          # every method: compare.md + .png
+    medusa-eval heads=runs/e3/heads methods=[eagle3] eagle_tree=auto    # EAGLE-3 drafter, dynamic trees
     medusa-generate heads=runs/a/heads prompt="Write a haiku about the sea." tree=runs/a/eval/tree.json
 
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra;
 only these entry points do. User mistakes print one line and exit 2.
 
-medusa-eval picks its methods with ``methods=[...]`` (default: medusa); ``compare=true`` is short
-for every available method (those needing heads only with heads=) and also writes the trade-off
-matrix. The baselines are always added: autoregressive, and hf_generate in greedy mode. Without
-heads= the backbone is ``backbone=`` (default embedded:smollm2). Prompt sets: embedded:mtbench
-(default), code (bundled code / structured-output prompts) or a JSONL file.
+medusa-eval picks its methods with ``methods=[...]`` (default: the first method that decodes with the
+heads: medusa, or eagle3 for EAGLE-3 heads); ``compare=true`` is short for every available method
+(those needing heads only with heads=, and only those that decode with them) and also writes the
+trade-off matrix; medusa-generate decodes with that same default method. The baselines are always
+added: autoregressive, and hf_generate in greedy mode. Without heads= the backbone is ``backbone=``
+(default embedded:smollm2). Prompt sets: embedded:mtbench (default), code (bundled code /
+structured-output prompts) or a JSONL file.
 """
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ class RuntimeConfig:
     # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
     # backbone is the one the heads record (no backbone= given); set false for a merged model.
     apply_adapter: Optional[bool] = None
+    eagle_nodes: int = 8  # eagle3 (EAGLE-3 heads): draft tokens verified per step (root excluded); 0: plain
+    eagle_depth: int = 4  # eagle3: depth of the dynamic tree (depth - 1 drafter calls per step)
+    eagle_topk: int = 4  # eagle3: children per expanded node, nodes expanded per depth
 
 
 @dataclass
@@ -72,6 +78,7 @@ class EvalConfig(RuntimeConfig):
     prompt_lookup_tokens: int = 10  # most tokens proposed per step
     prompt_lookup_max_ngram: int = 3  # longest suffix looked up
     prompt_lookup_min_ngram: int = 1  # shortest suffix looked up
+    eagle_tree: str = "fixed"  # fixed (eagle_nodes/depth/topk) | auto: measured on the calibration prompts
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
@@ -129,7 +136,7 @@ def eval_methods(cfg) -> list[str]:
     """The methods an evaluation runs, from ``methods`` / ``compare``, the mode and whether heads exist."""
     from .errors import UserError
     from .methods import get, names
-    from .methods.registry import check_methods
+    from .methods.registry import check_methods, methods_for_heads
 
     if cfg.method is not None:
         raise UserError("method= is gone: give methods=[name, ...] (the baselines are added)")
@@ -137,12 +144,15 @@ def eval_methods(cfg) -> list[str]:
         raise UserError("give one of methods= or compare=true")
     greedy = enum_value(cfg.mode) == "greedy"
     baselines = [x for x in names() if get(x).baseline and (greedy or not get(x).greedy_only)]
+    spec = heads_spec(cfg)  # unreadable: every heads method, medusa by default (loading says what is wrong)
+    usable = [] if not cfg.heads else methods_for_heads(spec) if spec is not None else \
+        [x for x in names() if get(x).needs_heads]
     if cfg.compare:
-        chosen = [x for x in names() if not get(x).baseline and (cfg.heads or not get(x).needs_heads)]
+        chosen = [x for x in names() if not get(x).baseline and (x in usable or not get(x).needs_heads)]
     elif cfg.methods is not None:
         chosen = [str(x) for x in (cfg.methods if not isinstance(cfg.methods, str) else cfg.methods.split(","))]
     elif cfg.heads:
-        chosen = ["medusa"]
+        chosen = usable[:1]
     else:
         free = "|".join(x for x in names() if not get(x).needs_heads and not get(x).baseline)
         raise UserError(f"give heads=<export directory> to evaluate Medusa heads, or methods=[{free}] "
@@ -151,7 +161,24 @@ def eval_methods(cfg) -> list[str]:
     needing = [x for x in methods if get(x).needs_heads]
     if needing and not cfg.heads:
         raise UserError(f"method {needing[0]} needs heads=<export directory>")
+    refused = [x for x in needing if x not in usable]
+    if refused:  # e.g. methods=[medusa] with EAGLE-3 heads: one line before the backbone loads
+        raise UserError(get(refused[0]).refuses(spec))
     return methods
+
+
+def heads_spec(cfg):
+    """The spec of the heads in ``cfg.heads`` (config only), or None when there are none or it cannot
+    be read here (loading then refuses the directory in one line)."""
+    from .errors import UserError
+    from .loading import read_heads_spec
+
+    if not cfg.heads or cfg.heads == "???":
+        return None
+    try:
+        return read_heads_spec(cfg.heads)
+    except UserError:
+        return None
 
 
 def _load_eval(cfg, methods):
@@ -199,7 +226,8 @@ def run_eval(cfg) -> dict:
 
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
     calibrating = ((cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"))
-                   and any(get(x).needs_tree for x in methods))
+                   and any(get(x).needs_tree for x in methods)) or (
+        "eagle3" in methods and options["eagle3"].tree == "auto")
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
     if any(get(x).needs_tree for x in methods):
@@ -260,13 +288,23 @@ def run_generate(cfg) -> None:
     from .errors import UserError
     from .methods import stream as decode_stream
 
+    from .methods import get
+    from .methods.registry import methods_for_heads, options_from_keys
+
     if not (cfg.prompt or "").strip():
         raise UserError('prompt="..." is required and must not be empty')
-    check_tree(cfg)  # before the backbone loads
+    if cfg.heads in ("???", ""):
+        raise UserError("heads=<export directory> is required")
+    spec = heads_spec(cfg)
+    method = methods_for_heads(spec)[0] if spec is not None else "medusa"  # eagle3 for EAGLE-3 heads
+    tree = {"tree": cfg.tree} if get(method).needs_tree else {}
+    options = options_from_keys(method, cfg)  # bad eagle_* keys: one line before the backbone loads
+    if tree:
+        check_tree(cfg)  # before the backbone loads
     m = _load(cfg)
     ids = m.encode_chat(cfg.prompt, system=cfg.system)
-    stream = decode_stream(m, ids, "medusa", tree=cfg.tree, max_new_tokens=cfg.max_new_tokens, sampling=_sampling(cfg),
-                           seed=cfg.seed)
+    stream = decode_stream(m, ids, method, options=options, max_new_tokens=cfg.max_new_tokens,
+                           sampling=_sampling(cfg), seed=cfg.seed, **tree)
     shown, tokens = "", []
     for chunk in stream:  # decode the whole answer each time: multi-byte characters span tokens
         tokens += chunk

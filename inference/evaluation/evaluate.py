@@ -22,7 +22,8 @@ hf_generate) run beside them. They run interleaved prompt by prompt (their order
 one process, so the machine's background load hits them alike. The methods that take a tree
 (``Method.needs_tree``) share the one ``tree_choice`` picks (``tree=auto``); when no tree beats
 plain decoding, they run without one (medusa decodes plainly, medusa_lookup runs prompt lookup
-alone) and say so.
+alone) and say so. Method eagle3 with ``eagle_tree=auto`` gets its (nodes, depth, topk) the same way
+(``tree_choice.choose_eagle3``, on the same calibration prompts), recorded as ``eagle3_tree``.
 
 The trade-off matrix (``reports.write_compare``) adds what each method costs (``Method.costs``):
 extra parameters loaded (counted from the real modules, tensors shared with the backbone
@@ -47,7 +48,7 @@ from ..runtime.tree import expected_tau, resolve_tree
 from ..runtime.verify import SamplingConfig
 from ..methods import registry
 from .prompts import Prompt
-from .tree_choice import DEFAULT_BUDGETS, TreeChoice, calibrated_choice, choose_tree
+from .tree_choice import DEFAULT_BUDGETS, TreeChoice, calibrated_choice, choose_eagle3, choose_tree
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
 
@@ -148,12 +149,14 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     calib: list[list[int]] = []
     fixed = calibrated_choice(tree)
     with_tree = any(spec.needs_tree for spec in specs.values())
-    if (tree == "auto" or fixed) and with_tree:
+    eagle_auto = "eagle3" in opts and opts["eagle3"].tree == "auto"
+    if ((tree == "auto" or fixed) and with_tree) or eagle_auto:
         if len(prompts) > calibration_prompts >= 1:
             calib_src, prompts = prompts[-calibration_prompts:], prompts[:-calibration_prompts]
         else:
             calib_src = prompts[:max(calibration_prompts, 1)]
         calib = [m.encode_chat(p.turns[0]) for p in calib_src]
+    if (tree == "auto" or fixed) and with_tree:
         log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")
         choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log,
                              fixed_nodes=fixed, progress=progress)
@@ -165,6 +168,13 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     for meth, spec in specs.items():
         if spec.needs_tree:
             opts[meth] = dataclasses.replace(opts[meth], tree=choice.tree)
+    eagle_choice = None
+    if eagle_auto:
+        log(f"choosing eagle3's tree: tau on {len(calib)} calibration prompts, step latency on this device")
+        eagle_choice = choose_eagle3(m, calib, calib[0], calibration_tokens=calibration_tokens, log=log,
+                                     progress=progress)
+        log(f"eagle3 tree: {eagle_choice.to_dict()['name']} ({eagle_choice.reason})")
+        opts["eagle3"] = dataclasses.replace(opts["eagle3"], **eagle_choice.options())
     reported = {meth: registry.options_report(o) for meth, o in opts.items() if dataclasses.fields(o)}
     for meth, spec in specs.items():
         if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
@@ -206,6 +216,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
               "method_options": reported, "run_length": run_length,
               "costs": {meth: dataclasses.asdict(spec.costs(m, opts[meth], run_length)) for meth, spec in specs.items()},
               "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock"}
+    if eagle_choice is not None:
+        report["eagle3_tree"] = eagle_choice.to_dict()
     if choice.accuracies is not None:
         cum = torch.tensor(choice.accuracies).cumsum(1)
         report["head_accuracy"] = {"per_rank": choice.accuracies, "topk": cum.tolist(),

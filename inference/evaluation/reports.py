@@ -58,17 +58,20 @@ def markdown(r: dict) -> str:
                   + (f"; n-alpha: {row['n_alpha']}" if "n_alpha" in row else "")]
         if row.get("greedy_identical_fraction") is not None:  # greedy mode only
             lines.append(f"- output identical to plain greedy: {row['greedy_identical_fraction']}")
-    if r.get("tree", {}).get("nodes"):
-        lines.append(f"- tree: {r['tree']['name']} ({r['tree']['nodes']} nodes) — {r['tree']['reason']}")
-    timing = r.get("tree", {}).get("timing")
-    if timing:
-        lines.append(f"- tree timing: {timing['rounds']} interleaved rounds"
-                     + ("" if timing.get("stable", True) else " (winner not yet stable)")
-                     + "; step ms median [min-max]: "
-                     + ", ".join(f"{c['name']} {c['step_ms']:.1f} [{c['step_ms_min']:.1f}-{c['step_ms_max']:.1f}]"
-                                 for c in [{"name": "plain", **timing["autoregressive"]}, *r["tree"]["candidates"]]
-                                 if "step_ms_min" in c))
-        lines += [f"- warning: {w}" for w in timing.get("warnings", [])]
+    for key, what in (("tree", "tree"), ("eagle3_tree", "eagle3 tree")):  # medusa's, eagle3's (eagle_tree=auto)
+        choice = r.get(key) or {}
+        if choice.get("nodes") or (key == "eagle3_tree" and choice):  # eagle3's is there only when chosen
+            lines.append(f"- {what}: {choice['name']}" + (f" ({choice['nodes']} nodes)" if choice.get("nodes") else "")
+                         + f" — {choice['reason']}")
+        timing = choice.get("timing")
+        if timing:
+            lines.append(f"- {what} timing: {timing['rounds']} interleaved rounds"
+                         + ("" if timing.get("stable", True) else " (winner not yet stable)")
+                         + "; step ms median [min-max]: "
+                         + ", ".join(f"{c['name']} {c['step_ms']:.1f} [{c['step_ms_min']:.1f}-{c['step_ms_max']:.1f}]"
+                                     for c in [{"name": "plain", **timing["autoregressive"]}, *choice["candidates"]]
+                                     if "step_ms_min" in c))
+            lines += [f"- warning: {w}" for w in timing.get("warnings", [])]
     acc = r.get("head_accuracy")
     if acc:
         lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]

@@ -8,7 +8,11 @@ decoding's rate (weak heads must never make decoding slower).
 
 The machine may be shared: step times are taken in repeated interleaved rounds until the winner
 is stable, stalls and noisy rounds are discounted by medians, and the spread is recorded
-(``choose_tree``).
+(``race``, shared by both choices below).
+
+Method eagle3 (``eagle_tree=auto``) is chosen by the same rule (``choose_eagle3``): its dynamic
+trees have no fixed node values to add up, so each candidate (nodes, depth, topk) of a small grid
+gets its tau measured by greedy decoding of the calibration prompts instead.
 """
 
 from __future__ import annotations
@@ -247,6 +251,78 @@ def _bar(progress: bool, total: Optional[int], desc: str):
     return tqdm(total=total, desc=desc, unit="step" if total is None else "it", dynamic_ncols=True, leave=False)
 
 
+def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, latency_steps: int, min_rounds: int,
+         max_rounds: int, log: Callable[[str], None], progress: bool, what: str = "trees",
+         label: Callable[[str], str] = str) -> tuple[dict[str, float], dict[str, dict], dict]:
+    """Time plain decoding (``PLAIN``, tau 1) and every candidate (name -> expected tau) in interleaved
+    rounds until the winner by expected tokens/s is stable (``choose_tree``'s docstring); ``timer(name)``
+    times one run of steps. Returns (median step time per name, in s; each name's spread over rounds;
+    the timing record, whose warnings are also logged)."""
+    if min_rounds < 1 or max_rounds < min_rounds:
+        raise UserError(f"{what} timing needs 1 <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
+    warnings = []
+    load, cores = machine_load()
+    if load is not None and load > cores:
+        warnings.append(f"other processes keep {load:.1f} of {cores} cores busy before timing {what}: step times "
+                        "may be noisy (rerun on an idle machine or with threads=1)")
+        log(f"warning: {warnings[-1]}")
+    names = [PLAIN] + [n for n in taus if n != PLAIN]
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    dropped = dict.fromkeys(names, 0)
+    winners: list[str] = []
+
+    def estimate() -> dict[str, float]:
+        return {name: statistics.median(v) for name, v in rounds.items()}
+
+    def winner(step: dict[str, float]) -> str:
+        best, best_rate = PLAIN, 1.0 / step[PLAIN]
+        for name in names:
+            if name != PLAIN and taus[name] / step[name] > best_rate:
+                best, best_rate = name, taus[name] / step[name]
+        return best
+
+    bar = _bar(progress, max_rounds * len(names), f"timing {what}")
+    try:
+        for r in range(max_rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                if bar is not None:
+                    shown = PLAIN if name == PLAIN else label(name)
+                    bar.set_description_str(f"timing {what}: round {r + 1}, {shown}")
+                sec, n_dropped = robust_step(timer(name))
+                rounds[name].append(sec)
+                dropped[name] += n_dropped
+                if bar is not None:
+                    bar.update(1)
+            winners.append(winner(estimate()))
+            if r + 1 >= min_rounds and len(winners) > 1 and winners[-1] == winners[-2]:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+    stable = len(winners) >= 2 and winners[-1] == winners[-2] or max_rounds == 1
+    noisy = {name: (max(v) - min(v)) / statistics.median(v) for name, v in rounds.items()
+             if len(v) > 1 and statistics.median(v) > 0}
+    worst = max(noisy, key=noisy.get) if noisy else None
+    if worst is not None and noisy[worst] > NOISY_SPREAD:
+        v = rounds[worst]
+        warnings.append(f"step times varied between timing rounds ({worst}: {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} "
+                        f"ms over {len(v)} rounds): the machine looks loaded, the choice may not be the best "
+                        "one (rerun on an idle machine or with threads=1)")
+        log(f"warning: {warnings[-1]}")
+    if not stable:
+        warnings.append(f"the fastest candidate still changed after {len(winners)} timing rounds "
+                        f"(winners by round: {', '.join(winners)}); kept the last one")
+        log(f"warning: {warnings[-1]}")
+    spreads = {name: spread(rounds[name], dropped[name]) for name in names}
+    timing = {"rounds": len(winners), "min_rounds": min_rounds, "max_rounds": max_rounds,
+              "steps_per_round": latency_steps, "winner_by_round": winners, "stable": stable,
+              "autoregressive": spreads[PLAIN],
+              "load_average": None if load is None else round(load, 2), "cores": cores,
+              "threads": torch.get_num_threads(), "warnings": warnings}
+    return estimate(), spreads, timing
+
+
 def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
                 budgets: Sequence[int] = DEFAULT_BUDGETS, calibration_tokens: int = 48, topk: int = 10,
                 latency_steps: int = 6, min_rounds: int = 3, max_rounds: int = 8,
@@ -255,10 +331,10 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
     """Grow a tree per budget from measured accuracy; keep the one with the best tau / step time.
     With ``fixed_nodes`` grow that one tree and keep it (no latency measurement).
 
-    Step times are measured in rounds: each round times plain decoding and every candidate once,
-    in an order rotated from round to round, so background load hits them alike. A candidate's
-    step time is the median over rounds of each round's median step (steps slower than
-    ``OUTLIER_FACTOR`` x their run's median dropped as stalls). Rounds continue, from
+    Step times are measured in rounds (``race``): each round times plain decoding and every
+    candidate once, in an order rotated from round to round, so background load hits them alike.
+    A candidate's step time is the median over rounds of each round's median step (steps slower
+    than ``OUTLIER_FACTOR`` x their run's median dropped as stalls). Rounds continue, from
     ``min_rounds`` up to ``max_rounds``, until two consecutive rounds agree on the winner (the
     best expected tokens/s, or plain decoding). Each candidate's spread over rounds goes into the
     choice (report.json's ``tree``); a visibly loaded machine (load average above the cores, or
@@ -292,81 +368,123 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
             continue
         seen.add(key)
         trees.append((tree, tau))
-    taus = {PLAIN: 1.0, **{t.name: tau for t, tau in trees}}
     by_name = {PLAIN: None, **{t.name: t for t, _ in trees}}
-
-    warnings = []
-    load, cores = machine_load()
-    if load is not None and load > cores:
-        warnings.append(f"other processes keep {load:.1f} of {cores} cores busy before timing trees: step times "
-                        "may be noisy (rerun on an idle machine or with threads=1)")
-        log(f"warning: {warnings[-1]}")
-
     prompt = list(latency_prompt)
-    rounds: dict[str, list[float]] = {name: [] for name in by_name}
-    dropped = dict.fromkeys(by_name, 0)
-    winners: list[str] = []
-
-    def estimate() -> dict[str, float]:
-        return {name: statistics.median(v) for name, v in rounds.items()}
-
-    def winner(step: dict[str, float]) -> str:
-        best, best_rate = PLAIN, 1.0 / step[PLAIN]
-        for name in by_name:
-            if name != PLAIN and taus[name] / step[name] > best_rate:
-                best, best_rate = name, taus[name] / step[name]
-        return best
-
-    names = list(by_name)
-    bar = _bar(progress, max_rounds * len(names), "timing trees")
-    try:
-        for r in range(max_rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                if bar is not None:
-                    bar.set_description_str(f"timing trees: round {r + 1}, "
-                                            + (PLAIN if name == PLAIN else f"tree {name}"))
-                sec, n_dropped = robust_step(step_times(m, prompt, by_name[name], steps=latency_steps))
-                rounds[name].append(sec)
-                dropped[name] += n_dropped
-                if bar is not None:
-                    bar.update(1)
-            winners.append(winner(estimate()))
-            if r + 1 >= min_rounds and len(winners) > 1 and winners[-1] == winners[-2]:
-                break
-    finally:
-        if bar is not None:
-            bar.close()
-    step = estimate()
-    stable = len(winners) >= 2 and winners[-1] == winners[-2] or max_rounds == 1
+    step, spreads, timing = race({t.name: tau for t, tau in trees},
+                                 lambda name: step_times(m, prompt, by_name[name], steps=latency_steps),
+                                 latency_steps=latency_steps, min_rounds=min_rounds, max_rounds=max_rounds, log=log,
+                                 progress=progress, what="trees", label=lambda name: f"tree {name}")
     ar_step = step[PLAIN]
     best = (None, 1.0 / ar_step, "plain decoding is fastest")
     cands = []
     for tree, tau in trees:
         rate = tau / step[tree.name]
         cands.append({"name": tree.name, "nodes": tree.num_nodes, "expected_tau": round(tau, 4),
-                      **spread(rounds[tree.name], dropped[tree.name]), "expected_tokens_per_s": round(rate, 2)})
+                      **spreads[tree.name], "expected_tokens_per_s": round(rate, 2)})
         log(f"  tree {tree.name:>7}: {tree.num_nodes:>2} nodes, expected tau {tau:.3f}, "
             f"step {step[tree.name] * 1e3:.1f} ms -> {rate:.1f} tok/s expected")
         if rate > best[1]:
             best = (tree, rate, f"best expected tau / step time ({rate:.1f} tok/s vs plain {1 / ar_step:.1f})")
     log(f"  plain decoding: step {ar_step * 1e3:.1f} ms -> {1 / ar_step:.1f} tok/s")
-    noisy = {name: (max(v) - min(v)) / statistics.median(v) for name, v in rounds.items()
-             if len(v) > 1 and statistics.median(v) > 0}
-    worst = max(noisy, key=noisy.get) if noisy else None
-    if worst is not None and noisy[worst] > NOISY_SPREAD:
-        v = rounds[worst]
-        warnings.append(f"step times varied between timing rounds ({worst}: {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} "
-                        f"ms over {len(v)} rounds): the machine looks loaded, the tree choice may not be the best "
-                        "one (rerun on an idle machine or with threads=1)")
-        log(f"warning: {warnings[-1]}")
-    if not stable:
-        warnings.append(f"the fastest candidate still changed after {len(winners)} timing rounds "
-                        f"(winners by round: {', '.join(winners)}); kept the last one")
-        log(f"warning: {warnings[-1]}")
-    timing = {"rounds": len(winners), "min_rounds": min_rounds, "max_rounds": max_rounds,
-              "steps_per_round": latency_steps, "winner_by_round": winners, "stable": stable,
-              "autoregressive": spread(rounds[PLAIN], dropped[PLAIN]),
-              "load_average": None if load is None else round(load, 2), "cores": cores,
-              "threads": torch.get_num_threads(), "warnings": warnings}
     return TreeChoice(best[0], best[2], per_rank, cands, round(ar_step * 1e3, 2), timing)
+
+
+# -- EAGLE-3's dynamic trees (method eagle3, eagle_tree=auto) -------------------------------------
+# (nodes N, depth D, top-k k): two chains, then trees of growing width; EAGLE-2's own default is
+# about (59, 6, 10), sized for a GPU, where a wider verification costs almost nothing.
+EAGLE3_GRID = ((2, 2, 1), (4, 4, 1), (4, 3, 2), (8, 4, 4), (16, 5, 4), (32, 6, 8))
+
+
+@dataclass
+class Eagle3Choice:
+    """(nodes, depth, topk) for method eagle3, or None: plain decoding is faster on this machine."""
+
+    shape: Optional[tuple[int, int, int]]
+    reason: str
+    candidates: list = field(default_factory=list)  # {name, nodes, depth, topk, measured_tau, step_ms (+ spread), rate}
+    autoregressive_step_ms: float = 0.0
+    timing: dict = field(default_factory=dict)
+
+    def options(self) -> dict:
+        """The eagle3 option fields this choice sets (nodes=0: plain decoding)."""
+        n, d, k = self.shape or (0, 1, 1)
+        return {"nodes": n, "depth": d, "topk": k, "tree": "fixed"}
+
+    def to_dict(self) -> dict:
+        n, d, k = self.shape or (0, 0, 0)
+        out = {"name": eagle3_name(self.shape) if self.shape else "none (plain decoding)", "nodes": n, "depth": d,
+               "topk": k, "reason": self.reason, "candidates": self.candidates,
+               "autoregressive_step_ms": self.autoregressive_step_ms}
+        if self.timing:
+            out["timing"] = self.timing
+        return out
+
+
+def eagle3_name(shape: tuple[int, int, int]) -> str:
+    return "n{}-d{}-k{}".format(*shape)
+
+
+def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional[tuple[int, int, int]], *,
+                      steps: int = 8, warmup: int = 2) -> list[float]:
+    """``step_times`` for method eagle3 with (nodes, depth, topk) = ``shape`` (None: plain decoding)."""
+    if shape is None:
+        return step_times(m, prompt_ids, None, steps=steps, warmup=warmup)
+    n, d, k = shape
+    out = generate(m, list(prompt_ids), "eagle3", nodes=n, depth=d, topk=k, eos_token_ids=(),
+                   max_new_tokens=(warmup + steps + 1) * (d + 1), max_steps=warmup + steps, seed=0)
+    times = list(out.step_s)
+    return times[warmup:] if len(times) > warmup else times
+
+
+def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: tuple[int, int, int], *,
+                       max_new_tokens: int = 48) -> float:
+    """Tokens per step of greedy eagle3 decoding with ``shape`` over ``prompts``: a dynamic tree has
+    no fixed node values to add up, so its expected tau is measured by decoding."""
+    n, d, k = shape
+    tokens = steps = 0
+    for p in prompts:
+        out = generate(m, list(p), "eagle3", nodes=n, depth=d, topk=k, max_new_tokens=max_new_tokens)
+        tokens, steps = tokens + sum(out.accept_lengths), steps + out.steps
+    return tokens / steps if steps else 1.0
+
+
+def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
+                  grid: Sequence[tuple[int, int, int]] = EAGLE3_GRID, calibration_tokens: int = 48,
+                  latency_steps: int = 6, min_rounds: int = 3, max_rounds: int = 8,
+                  log: Callable[[str], None] = print, progress: bool = False) -> Eagle3Choice:
+    """``choose_tree``'s rule for method eagle3: each (nodes, depth, topk) of ``grid``'s tau is measured
+    by greedy decoding of the calibration prompts, its step time in ``race``'s interleaved rounds
+    against plain decoding; the best expected tokens/s wins, plain decoding when nothing beats it."""
+    if not calibration:
+        raise UserError("choosing eagle3's tree needs at least one calibration prompt")
+    shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
+    bar = _bar(progress, len(shapes), "calibrating eagle3")
+    taus = {}
+    try:
+        for i, (name, shape) in enumerate(shapes.items()):
+            if bar is not None:
+                bar.set_description_str(f"calibrating eagle3: {name} ({i + 1}/{len(shapes)})")
+            taus[name] = measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    prompt = list(latency_prompt)
+    step, spreads, timing = race(taus, lambda name: eagle3_step_times(m, prompt, shapes.get(name),
+                                                                      steps=latency_steps),
+                                 latency_steps=latency_steps, min_rounds=min_rounds, max_rounds=max_rounds, log=log,
+                                 progress=progress, what="eagle3 trees")
+    ar_step = step[PLAIN]
+    best = (None, 1.0 / ar_step, "plain decoding is fastest")
+    cands = []
+    for name, shape in shapes.items():
+        rate = taus[name] / step[name]
+        cands.append({"name": name, "nodes": shape[0], "depth": shape[1], "topk": shape[2],
+                      "measured_tau": round(taus[name], 4), **spreads[name], "expected_tokens_per_s": round(rate, 2)})
+        log(f"  eagle3 {name:>11}: tau {taus[name]:.3f} (measured), step {step[name] * 1e3:.1f} ms -> "
+            f"{rate:.1f} tok/s expected")
+        if rate > best[1]:
+            best = (shape, rate, f"best measured tau / step time ({rate:.1f} tok/s vs plain {1 / ar_step:.1f})")
+    log(f"  plain decoding: step {ar_step * 1e3:.1f} ms -> {1 / ar_step:.1f} tok/s")
+    return Eagle3Choice(best[0], best[2], cands, round(ar_step * 1e3, 2), timing)

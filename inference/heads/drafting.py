@@ -32,12 +32,14 @@ sampling with ``draft="topk"``) is unchanged: it only needs the tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..errors import UserError
 from ..runtime.tree import TreeBuffers
 from ..runtime.verify import SamplingConfig, propose
+from .registry import family
 
 
 @dataclass
@@ -152,7 +154,16 @@ class ContextDrafting:
 
     def draft_tree(self, buf: TreeBuffers, h_last: torch.Tensor, root: int, cfg: SamplingConfig,
                    gen, vocab_size: int):
-        raise UserError(f"{self.spec.kind} drafters decode with dynamic trees: use methods=[eagle3]")
+        raise UserError(static_tree_refusal(self.spec))
 
     def path_logits(self, hidden: torch.Tensor, future: torch.Tensor, k: int) -> torch.Tensor:
         raise UserError(f"{self.spec.kind} drafters need the context, not one hidden state: use methods=[eagle3]")
+
+
+def static_tree_refusal(spec) -> Optional[str]:
+    """Why heads of ``spec`` cannot fill a static tree (methods medusa, medusa_lookup) in one line, or
+    None: drafters with their own context (``ContextDrafting``) only draft dynamic trees."""
+    kind = getattr(spec, "kind", None)
+    if kind is not None and issubclass(family(kind).drafting, ContextDrafting):
+        return f"{kind} drafters decode with dynamic trees: use methods=[eagle3]"
+    return None

@@ -232,7 +232,7 @@ class DraftKV:
 
 
 class Eagle3Drafter(ContextDrafting, nn.Module):
-    """An EAGLE-3 drafter (module docstring). Drafting goes through ``methods/eagle.py``
+    """An EAGLE-3 drafter (module docstring). Drafting goes through ``methods/eagle3.py``
     (dynamic trees with this module's ``DraftKV``), training through ``ttt_features``."""
 
     needs_aux_layers = True  # fed three backbone layers, not only the last hidden state

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import UserError
+from ..heads.drafting import static_tree_refusal
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, resolve_tree
@@ -49,6 +50,9 @@ class TreeDecoder:
                  seed: Optional[int] = None):
         if m.heads is None:
             raise UserError("this model has no Medusa heads: use method autoregressive")
+        reason = static_tree_refusal(m.heads.spec)
+        if reason:  # before any decoding, not at the first step's draft_tree
+            raise UserError(reason)
         self.m = m
         self.tree: MedusaTree = resolve_tree(tree, m.num_heads)
         self.tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
@@ -100,4 +104,4 @@ register(Method(
     decoder=lambda m, o, sampling, seed: (TreeDecoder(m, o.tree, sampling, seed) if o.tree is not None
                                           else AutoregressiveDecoder(m, sampling, seed)),
     costs=lambda m, o, run_length: heads_costs(m, tree_nodes(m, o.tree)),
-    proposed=lambda o: tree_depth(o.tree), needs_heads=True, needs_tree=True))
+    proposed=lambda o: tree_depth(o.tree), needs_heads=True, needs_tree=True, refuses=static_tree_refusal))

@@ -42,6 +42,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..errors import UserError
+from ..heads.drafting import static_tree_refusal
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
@@ -106,6 +107,9 @@ class HybridDecoder:
         if m.heads is None:
             raise UserError("method medusa_lookup needs Medusa heads (heads=<export directory>); "
                             "prompt_lookup alone runs without them")
+        reason = static_tree_refusal(m.heads.spec)
+        if reason:
+            raise UserError(reason)
         self.m = m
         self.tree: MedusaTree = resolve_tree(tree, m.num_heads)
         self.tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
@@ -187,4 +191,4 @@ register(Method(
     decoder=lambda m, o, sampling, seed: (HybridDecoder(m, o.tree, o, sampling, seed) if o.tree is not None
                                           else PromptLookupDecoder(m, o, sampling, seed)),
     costs=lambda m, o, run_length: heads_costs(m, (tree_nodes(m, o.tree) if o.tree is not None else 1) + o.num_tokens),
-    needs_heads=True, needs_tree=True))
+    needs_heads=True, needs_tree=True, refuses=static_tree_refusal))

@@ -85,7 +85,8 @@ class Method:
     sampling, seed, options) -> GenerationOutput for a method that is not a Decoder.
     costs(m, options, run_length) -> Costs. prepare(m, options) -> options resolves what is
     loaded once per evaluation (a draft model). proposed(options) -> draft tokens counted per
-    step for the acceptance rate (None: what each step reports)."""
+    step for the acceptance rate (None: what each step reports). refuses(heads spec) -> why the
+    method cannot decode with those heads, in one line (None: it can)."""
 
     name: str
     summary: str
@@ -99,6 +100,7 @@ class Method:
     needs_tree: bool = False   # takes ``tree`` in its options: evaluate's tree choice fills it
     baseline: bool = False     # a speedup reference: always run, no acceptance rate
     greedy_only: bool = False
+    refuses: Optional[Callable[[Any], Optional[str]]] = None
 
     def keys(self) -> list[str]:
         """Its ``medusa-eval`` option keys."""
@@ -113,6 +115,7 @@ BUILTIN_MODULES = (
     "inference.methods.lookahead",
     "inference.methods.prompt_lookup",
     "inference.methods.medusa_lookup",
+    "inference.methods.eagle3",
     "inference.methods.autoregressive",
     "inference.methods.hf_generate",
 )
@@ -140,10 +143,18 @@ def unregister(name: str) -> None:
     _METHODS.pop(name, None)
 
 
+def _builtin_rank(method: Method) -> int:
+    """Where the module that defines ``method`` sits in ``BUILTIN_MODULES`` (after them: a plug-in)."""
+    module = getattr(method.decoder or method.runner, "__module__", None)
+    return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+
+
 def names() -> tuple[str, ...]:
-    """Registered methods in registration order, the baselines last."""
+    """The built-in methods in ``BUILTIN_MODULES`` order whichever was imported first (the default
+    method for a set of heads is the first that takes them), then plug-ins as registered; the
+    baselines last."""
     _load_builtins()
-    return tuple(sorted(_METHODS, key=lambda x: _METHODS[x].baseline))
+    return tuple(sorted(_METHODS, key=lambda x: (_METHODS[x].baseline, _builtin_rank(_METHODS[x]))))
 
 
 def get(name: str) -> Method:
@@ -166,7 +177,18 @@ def check_methods(methods: Sequence[str], m: Optional[MedusaModel] = None) -> li
         free = ", ".join(x for x in names() if not _METHODS[x].needs_heads and not _METHODS[x].baseline)
         raise UserError(f"method {needing[0]} needs Medusa heads (heads=<export directory>); the training-free "
                         f"methods {free} run without them")
+    if m is not None and m.heads is not None:
+        for x in needing:
+            reason = _METHODS[x].refuses(m.heads.spec) if _METHODS[x].refuses is not None else None
+            if reason:
+                raise UserError(reason)
     return list(methods)
+
+
+def methods_for_heads(spec) -> list[str]:
+    """The methods that decode with heads of ``spec`` (``needs_heads``, not refusing them), in order."""
+    return [x for x in names() if _METHODS[x].needs_heads
+            and (_METHODS[x].refuses is None or not _METHODS[x].refuses(spec))]
 
 
 # -- options --------------------------------------------------------------------------------

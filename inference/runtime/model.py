@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..backbone import eos_token_ids, scale_logits, text_config
+from ..backbone import HiddenStateTap, eos_token_ids, scale_logits, text_config
 from .cache import TreeKVCache
 from ..errors import UserError
 from ..heads.spec import check_compatible
@@ -95,6 +95,17 @@ class MedusaModel:
         out = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                         use_cache=True, **{self._cache_kw: cache})
         return out.last_hidden_state
+
+    def aux_tap(self, layer_ids) -> HiddenStateTap:
+        """A tap reading hidden_states[i] for ``layer_ids`` during ``hidden_aux`` (EAGLE-3's features)."""
+        return HiddenStateTap(self.model, layer_ids)
+
+    def hidden_aux(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, tap: HiddenStateTap,
+                   attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` plus the tap's layers from the same forward: ([1, n, H], [1, n, len(ids) * H])."""
+        with tap:
+            h = self.hidden(input_ids, position_ids, cache, attention_mask)
+        return h, tap.features()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return scale_logits(self.lm_head(hidden), self._logit_scale, self._softcap)

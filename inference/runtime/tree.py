@@ -320,6 +320,45 @@ def grow_tree(accuracies, budget: int, name: Optional[str] = None, fill: bool = 
     return MedusaTree(chosen, name=name), 1.0 + total
 
 
+def tree_buffers(parents: torch.Tensor, depth: torch.Tensor, max_depth: int) -> TreeBuffers:
+    """``TreeBuffers`` of a tree given by parents [N] (node 0 the root, parent -1; every parent
+    before its children; siblings in rank order) and depths [N], with tensor ops only and no
+    Python walk over nodes: dynamic trees (method ``eagle3``) build one every step, where
+    ``MedusaTree`` walks every path in Python. Same buffers as ``MedusaTree.buffers`` for the same
+    node order (ranks = order among siblings)."""
+    dev = parents.device
+    n = parents.numel()
+    idx = torch.arange(n, device=dev)
+    up = parents.clamp(min=0)                      # the root is its own parent here
+    mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
+    mask[idx, idx] = True
+    cur = idx
+    for _ in range(max_depth):                     # every node's ancestors, one level per pass
+        cur = up[cur]
+        mask[idx, cur] = True
+    has_child = torch.zeros(n, dtype=torch.bool, device=dev)
+    has_child[parents[1:]] = True
+    leaves = (~has_child).nonzero()[:, 0]
+    rows = torch.full((leaves.numel(), max_depth + 1), -1, dtype=torch.long, device=dev)
+    lanes = torch.arange(leaves.numel(), device=dev)
+    cur = leaves
+    for _ in range(max_depth + 1):                 # each leaf's path, written at its depths
+        rows[lanes, depth[cur]] = cur
+        cur = up[cur]
+    p = parents[1:]
+    earlier = torch.ones(n - 1, n - 1, dtype=torch.bool, device=dev).tril(-1)
+    slot = ((p[:, None] == p[None, :]) & earlier).sum(1)     # earlier siblings of each node
+    width = int(slot.max()) + 1 if n > 1 else 1
+    kids = torch.full((n, width), -1, dtype=torch.long, device=dev)
+    kids[p, slot] = idx[1:]
+    head = depth[1:] - 1
+    most = torch.zeros(max(max_depth, 0), dtype=torch.long, device=dev).scatter_reduce(0, head, slot + 1, "amax")
+    per_depth = tuple(most.tolist())
+    return TreeBuffers(num_nodes=n, max_depth=max_depth, tree_mask=mask, position_offsets=depth, parents=parents,
+                       retrieve_indices=rows, node_head=head, node_rank=slot, node_slot=slot, children=kids,
+                       topk_per_depth=per_depth, slots_per_depth=per_depth)
+
+
 def chain_tree(length: int) -> MedusaTree:
     """The top-1 chain with ``length`` tokens including the root (vLLM-style drafting)."""
     if length < 1:

@@ -1,0 +1,230 @@
+"""EAGLE-3 drafter, EAGLE-2 dynamic draft trees (method ``eagle3``).
+
+The drafter (``heads/eagle3.py``) keeps its own KV cache (``DraftKV``): one committed entry per
+backbone position p whose features are known, fed (fc(aux_p), x_{p+1}) at RoPE position p, whose
+output guesses x_{p+2}. Between steps the backbone cache and the committed draft entries both
+cover positions 0..past-1, ``root`` (x_past) is chosen but not yet run, and the last committed
+entry (p = past-1, fed the root) gave the root's children's distribution (``root_logits``) and
+the state depth 1 continues from (``root_state``).
+
+One step, batch 1:
+  1. depth 1: the top-k of the root's draft distribution, scored by log-probability;
+  2. depths 2..D: the k best-scored nodes of the last depth are expanded in ONE drafter call
+     (rows = those nodes, at position past-1+d, each fed its token and its parent's pre-norm
+     state, seeing the committed entries, its ancestors' draft entries and itself through an
+     additive mask); their entries go after the committed ones; each row's top-k become its
+     children, scored parent score + log q (EAGLE-2: k^2 candidates per depth, k expanded);
+  3. rerank: the N best-scored drafted nodes form the tree. A child never scores above its
+     parent and ties go to the earlier (shallower) node, so every kept node's ancestors are kept;
+     drafting order puts parents first, as ``TreeBuffers`` need;
+  4. one backbone forward over root + tree (tree mask, positions past + depth, as Medusa), the
+     tap reading the drafter's three aux layers on the way; ``verify`` (greedy; typical; exact
+     sampling, the candidates being deterministic: draft=topk) picks the path and the bonus;
+  5. the backbone cache keeps the path (``TreeKVCache.keep``); the draft entries are dropped and
+     the drafter catches up over the path's positions with their TRUE aux features (the tap's
+     rows of the accepted nodes, which saw exactly their causal context), fed the next accepted
+     token / the bonus, in one call: committed; its last row is the next root's distribution.
+Per step: D-1 expansion calls, one verification forward, one catch-up call. Tokens per step =
+accepted + 1; proposed per step = the kept tree's depth (the most it could accept, as Medusa).
+
+Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
+0 = plain decoding), eagle_depth D, eagle_topk k; eagle_tree=auto lets an evaluation choose
+(N, D, k), or plain decoding when no setting beats it (``evaluation.tree_choice.choose_eagle3``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import UserError
+from ..heads.eagle3 import DraftKV
+from ..runtime.decode import seeded_generator
+from ..runtime.model import MedusaModel
+from ..runtime.tree import tree_buffers
+from ..runtime.verify import SamplingConfig, choose_token, verify
+from .autoregressive import AutoregressiveDecoder
+from .registry import Costs, Method, heads_costs, option, register
+
+TREE_SETTINGS = ("fixed", "auto")
+
+
+@dataclass
+class Eagle3Options:
+    nodes: int = option(8, "eagle_nodes", "N: draft tokens verified per step (root excluded); 0: plain decoding")
+    depth: int = option(4, "eagle_depth", "D: tree depth (D-1 drafter calls per step)")
+    topk: int = option(4, "eagle_topk", "k: children per expanded node, nodes expanded per depth")
+    tree: str = option("fixed", "eagle_tree", "fixed: eagle_nodes/depth/topk | auto: an evaluation measures "
+                       "a few settings and picks one, or plain decoding")
+
+    def __post_init__(self):
+        for name, low in (("nodes", 0), ("depth", 1), ("topk", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise UserError(f"eagle_{name} must be an integer >= {low}, got {v!r}")
+        if self.tree not in TREE_SETTINGS:
+            raise UserError(f"eagle_tree must be one of {', '.join(TREE_SETTINGS)}, got {self.tree!r}")
+        most = max_nodes(self.depth, self.topk)
+        if self.nodes > most:
+            raise UserError(f"eagle_nodes={self.nodes} is more than depth {self.depth} x top-{self.topk} drafts "
+                            f"(k + (D-1) k^2 = {most})")
+
+    @property
+    def label(self) -> str:
+        return f"n{self.nodes}-d{self.depth}-k{self.topk}" if self.nodes else "plain decoding"
+
+
+def max_nodes(depth: int, topk: int) -> int:
+    """Nodes a step drafts: k at depth 1, then k^2 at each deeper depth (k parents x k children)."""
+    return topk + (depth - 1) * topk * topk
+
+
+def refuse_heads(spec) -> Optional[str]:
+    """Why ``eagle3`` cannot decode with heads of ``spec`` (one line), or None."""
+    kind = getattr(spec, "kind", "medusa")
+    if kind != "eagle3":
+        return f"method eagle3 needs EAGLE-3 heads (kind eagle3), these are {kind} heads: use methods=[medusa]"
+    return None
+
+
+class Eagle3Decoder:
+    """EAGLE-3 decoding state for one sequence: ``prefill`` once, then ``step`` repeatedly
+    (module docstring). After each step ``cache`` and ``dkv`` hold ``past`` entries."""
+
+    def __init__(self, m: MedusaModel, options: Eagle3Options, sampling: Optional[SamplingConfig] = None,
+                 seed: Optional[int] = None):
+        if m.heads is None:
+            raise UserError("method eagle3 needs EAGLE-3 heads (heads=<export directory>)")
+        reason = refuse_heads(m.heads.spec)
+        if reason:
+            raise UserError(reason)
+        if options.tree == "auto":
+            raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval), from calibration prompts; "
+                            "to decode directly give eagle_nodes / eagle_depth / eagle_topk")
+        if options.topk > m.heads.spec.output_size:
+            raise UserError(f"eagle_topk={options.topk} is more than the drafter's {m.heads.spec.output_size} outputs")
+        self.m, self.o, self.drafter = m, options, m.heads
+        self.cfg = sampling or SamplingConfig()
+        self.drafter.check_sampling(self.cfg)
+        self.gen = seeded_generator(m.device, seed)
+        self.tap = m.aux_tap(self.drafter.spec.aux_layers)
+        self.cache = self.dkv = None
+        self.past = 0
+        self.root: Optional[int] = None
+        self.root_logits = self.root_state = None
+        self.last_path: list[int] = []
+
+    @torch.inference_mode()
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        """Run the prompt [1, L] through the backbone (tapped) and the drafter; returns the first root."""
+        m, o = self.m, self.o
+        n = prompt.shape[1]
+        self.past = n
+        self.cache = m.new_cache(n + max_new_tokens + o.nodes + 1)
+        # committed entries (<= n + max_new_tokens + D) plus one step's draft entries
+        self.dkv = DraftKV(n + max_new_tokens + o.depth + 1 + (o.depth - 1) * o.topk)
+        h, aux = m.hidden_aux(prompt, torch.arange(n, device=m.device)[None], self.cache, self.tap)
+        self.root = int(choose_token(m.logits(h[0, -1]), self.cfg, self.gen))
+        self._catch_up(aux[0], torch.cat([prompt[0, 1:], prompt.new_tensor([self.root])]), 0)
+        return self.root
+
+    def _catch_up(self, aux: torch.Tensor, nxt: torch.Tensor, start: int) -> None:
+        """Commit the drafter entries of backbone positions start..start+n-1: true features aux
+        [n, 3H], each fed the token after it nxt [n]; the last row drafts the next root's children."""
+        d = self.drafter
+        pos = torch.arange(start, start + nxt.numel(), device=nxt.device)[None]
+        past = self.dkv.view() if self.dkv.length else None
+        normed, pre, (k, v) = d.forward_step(nxt[None], d.combine(aux)[None], pos, past)
+        self.dkv.append(k, v)
+        self.root_logits, self.root_state = d.project(normed[0, -1]), pre[0, -1]
+
+    def _draft(self):
+        """Grow the dynamic tree (steps 1-2): token, score, parent (-1: the root) and depth of every
+        drafted node, in drafting order. Draft entries are appended after the committed ones."""
+        d, o, dev = self.drafter, self.o, self.m.device
+        k, committed = o.topk, self.dkv.length
+        score, local = torch.log_softmax(self.root_logits.float(), -1).topk(k)
+        tok = d.to_vocab_ids(local)
+        parent = torch.full((k,), -1, dtype=torch.long, device=dev)
+        state = self.root_state.expand(k, -1)       # what each node of the last depth is fed
+        vis = torch.zeros(k, (o.depth - 1) * k, dtype=torch.bool, device=dev)  # its ancestors' entries
+        toks, scores, parents, depths = [tok], [score], [parent], [torch.ones(k, dtype=torch.long, device=dev)]
+        first, entries = 0, 0                       # index of the last depth's first node; draft entries so far
+        neg = torch.finfo(self.m.dtype).min
+        for depth in range(1, o.depth):
+            rows = min(k, score.numel())
+            pick = score.topk(rows).indices
+            mask = torch.full((1, 1, rows, committed + entries + rows), neg, dtype=self.m.dtype, device=dev)
+            mask[..., :committed] = 0
+            mask[0, 0, :, committed:committed + entries].masked_fill_(vis[pick, :entries], 0)
+            mask[0, 0, :, committed + entries:].fill_diagonal_(0)
+            positions = torch.full((1, rows), committed - 1 + depth, dtype=torch.long, device=dev)
+            normed, pre, (kk, vv) = d.forward_step(tok[pick][None], state[pick][None], positions,
+                                                   self.dkv.view(), mask)
+            self.dkv.append(kk, vv)
+            logq = torch.log_softmax(d.project(normed[0]).float(), -1).clamp(max=0)
+            child_score, child_local = logq.topk(k, dim=-1)                        # [rows, k]
+            own = vis[pick]
+            own[torch.arange(rows, device=dev), entries + torch.arange(rows, device=dev)] = True
+            score = (score[pick][:, None] + child_score).reshape(-1)
+            tok = d.to_vocab_ids(child_local).reshape(-1)
+            parent = (first + pick).repeat_interleave(k)
+            state, vis = pre[0].repeat_interleave(k, 0), own.repeat_interleave(k, 0)
+            first += toks[-1].numel()
+            entries += rows
+            toks.append(tok)
+            scores.append(score)
+            parents.append(parent)
+            depths.append(torch.full((score.numel(),), depth + 1, dtype=torch.long, device=dev))
+        return torch.cat(toks), torch.cat(scores), torch.cat(parents), torch.cat(depths)
+
+    @torch.inference_mode()
+    def step(self) -> tuple[list[int], int]:
+        """One draft-verify-compact step; returns (accepted tokens + the bonus token, the tree's depth)."""
+        m, past, dev = self.m, self.past, self.m.device
+        tok, score, parent, depth = self._draft()
+        # step 3: the N best (stable sort: ties keep drafting order, parents first), back in drafting order
+        keep = torch.sort(score, descending=True, stable=True).indices[:self.o.nodes].sort().values
+        where = torch.zeros(tok.numel(), dtype=torch.long, device=dev)
+        where[keep] = torch.arange(1, keep.numel() + 1, device=dev)
+        up = parent[keep]
+        parents = torch.cat([up.new_tensor([-1]), torch.where(up < 0, 0, where[up.clamp(min=0)])])
+        depths = torch.cat([depth.new_zeros(1), depth[keep]])
+        max_depth = int(depths.max())
+        buf = tree_buffers(parents, depths, max_depth)
+        tokens = torch.cat([tok.new_tensor([self.root]), tok[keep]])
+        h, aux = m.hidden_aux(tokens[None], (depths + past)[None], self.cache, self.tap,
+                              buf.additive_mask(past, m.dtype))
+        verdict = verify(buf, tokens, m.logits(h[0]), self.cfg, None, self.gen)
+        self.cache.keep(past, verdict.path)
+        self.dkv.truncate(past)                      # drop the draft entries
+        path = torch.tensor(verdict.path, device=dev)
+        accepted = tokens[path[1:]]
+        self._catch_up(aux[0, path], torch.cat([accepted, accepted.new_tensor([verdict.bonus])]), past)
+        self.last_path = verdict.path
+        self.past = past + len(verdict.path)
+        self.root = verdict.bonus
+        return accepted.tolist() + [verdict.bonus], max_depth
+
+
+def eagle3_costs(m: MedusaModel, o: Eagle3Options, run_length: int) -> Costs:
+    """The drafter's parameters, the tree's backbone KV slots and the drafter's own KV cache (one
+    layer, the whole run plus one step's draft entries)."""
+    if not o.nodes:
+        return heads_costs(m, 0)
+    costs = heads_costs(m, o.nodes + 1)
+    layer = getattr(m.heads.spec, "draft_layer", None)
+    if layer:
+        per_token = 2 * layer["num_key_value_heads"] * layer["head_dim"] * torch.empty((), dtype=m.dtype).element_size()
+        costs.extra_kv_cache_bytes += (run_length + o.depth + 1 + (o.depth - 1) * o.topk) * per_token
+    return costs
+
+
+register(Method(
+    "eagle3", "EAGLE-3 drafter grows a dynamic tree (EAGLE-2), verified in one forward (needs eagle3 heads=; "
+    "eagle_* keys)", Eagle3Options,
+    decoder=lambda m, o, sampling, seed: (Eagle3Decoder(m, o, sampling, seed) if o.nodes
+                                          else AutoregressiveDecoder(m, sampling, seed)),
+    costs=eagle3_costs, needs_heads=True, refuses=refuse_heads))
