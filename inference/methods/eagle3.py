@@ -227,4 +227,7 @@ register(Method(
     "eagle_* keys)", Eagle3Options,
     decoder=lambda m, o, sampling, seed: (Eagle3Decoder(m, o, sampling, seed) if o.nodes
                                           else AutoregressiveDecoder(m, sampling, seed)),
-    costs=eagle3_costs, needs_heads=True, refuses=refuse_heads))
+    costs=eagle3_costs, needs_heads=True, refuses=refuse_heads,
+    # n-alpha per depth 1..D (a kept tree may be shallower in a step; then its deeper depths count as
+    # proposed and not accepted, so the rates are lower bounds)
+    proposed=lambda o: o.depth if o.nodes else 0))
