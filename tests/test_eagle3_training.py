@@ -114,13 +114,13 @@ def test_online_and_cached_training_agree_and_one_cache_serves_every_family(comp
     cfg = compose_tiny(*RUN, "features.mode=train", "features.dtype=fp32", out=cached)
     features.run_build(cfg)
     manifest = json.loads((cached / "features" / features.MANIFEST).read_text())
-    assert manifest["aux_layers"] == [1, 1, 0]  # the default (2, N//2, N-3) clipped to a 2-layer backbone
+    assert manifest["aux_layers"] == [1, 1, 1]  # the default (2, N//2, N-3) kept in 1..N-1 on a 2-layer backbone
     trainer = T.MedusaTrainer(cfg)
     trainer.setup()
     train_without_backbone(trainer)
     assert losses(cached, "train") == losses(online, "train")
     spec = trainer.spec
-    assert spec.kind == "eagle3" and spec.aux_layers == [1, 1, 0] and spec.num_heads == 3
+    assert spec.kind == "eagle3" and spec.aux_layers == [1, 1, 1] and spec.num_heads == 3
 
     # the eagle3 cache serves Medusa heads as it is
     medusa = [a for a in RUN if a != "heads.kind=eagle3"]

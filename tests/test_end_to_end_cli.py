@@ -54,3 +54,30 @@ def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
     assert f"backbone {kept.resolve()}" in proc.stdout
     assert json.loads((other / "heads" / "config.json").read_text())["base_model"] == str(kept.resolve())
     assert not (other / "backbone").exists()
+
+
+def test_eagle3_drafter_from_the_command_line(tmp_path):
+    """Guards against: an eagle3 drafter that trains but cannot be evaluated, exported or generated with from
+    the CLI — eval picking the static-tree medusa method for it, an export the runtime cannot import back
+    (the vLLM/SGLang directory must load as the same drafter), or generate refusing its own heads."""
+    run = tmp_path / "runs" / "e3"
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                                      ["Say hello.", "Count to three."]) + "\n")
+    _run("medusa-train", "debug_tiny", "heads.kind=eagle3", "heads.ttt_steps=2", "trainer.max_steps=2",
+         f"data.source={TINY_DATA}", "trainer.threads=1", "logger.plot=false", "output_dir=runs/e3", cwd=tmp_path)
+    spec = json.loads((run / "heads" / "config.json").read_text())
+    assert spec["kind"] == "eagle3" and spec["num_heads"] == 2
+
+    _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
+         "kernels=stock", "progress_bar=false", "threads=1", "eagle_nodes=4", "eagle_depth=3", "eagle_topk=2",
+         cwd=tmp_path)
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["per_method"]["eagle3"]["greedy_identical_fraction"] == 1.0
+    assert len(report["per_method"]["eagle3"]["n_alpha"]) == 3
+
+    _run("medusa-export", "heads=runs/e3/heads", "format=eagle3", "out=runs/e3/eagle3", cwd=tmp_path)
+    cfg = json.loads((run / "eagle3" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    proc = _run("medusa-generate", "heads=runs/e3/eagle3", f"backbone={run / 'backbone'}", "prompt=Say hello.",
+                "max_new_tokens=8", "kernels=stock", "threads=1", cwd=tmp_path)
+    assert "tokens, tau" in proc.stderr

@@ -48,8 +48,10 @@ _LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "interm
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high layers: hidden_states (2, N//2, N-3)."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """EAGLE-3's low / middle / high layers: hidden_states (2, N//2, N-3), kept >= 1 on tiny backbones
+    (id 0, the embeddings, cannot be served: the engines tap hidden + residual, None before layer 0)."""
+    top = max(num_layers - 1, 1)
+    return [min(2, top), min(max(num_layers // 2, 1), top), min(max(num_layers - 3, 1), top)]
 
 
 def draft_layer_config(backbone_config) -> dict:
