@@ -28,15 +28,15 @@ from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: 
 PROMPTS = ([5, 17, 3, 88, 41, 9], [1, 2, 3, 4], [60, 61, 7, 7, 7, 30, 12, 95, 44])
 
 
-def eagle3_spec(model, num_heads: int = 2) -> HeadsSpec:
+def eagle3_spec(model, num_heads: int = 2, aux=None) -> HeadsSpec:
     cfg = model.config
     return HeadsSpec(num_heads=num_heads, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                     kind="eagle3", aux_layers=default_aux_layers(cfg.num_hidden_layers),
+                     kind="eagle3", aux_layers=aux or default_aux_layers(cfg.num_hidden_layers),
                      draft_layer=draft_layer_config(cfg), base_model="random:llama")
 
 
-def random_drafter(model, cls=Eagle3Drafter, seed: int = 3, scale: float = 0.1):
-    spec = eagle3_spec(model)
+def random_drafter(model, cls=Eagle3Drafter, seed: int = 3, scale: float = 0.1, aux=None):
+    spec = eagle3_spec(model, aux=aux)
     fresh = init_heads(spec, model.lm_head.weight, model.get_input_embeddings().weight)
     d = cls(spec)
     d.load_state_dict(fresh.state_dict())
@@ -197,7 +197,7 @@ def small():
     """A 12-token backbone peaked enough that drafts are often accepted, and its exact law of the
     2nd and 3rd generated tokens (1st marginalised) from one batched forward."""
     model = tiny_llama(vocab=12, hidden=32, layers=2, init=0.35, seed=5)
-    sm = random_drafter(model, scale=0.02)
+    sm = random_drafter(model, scale=0.02, aux=[1, 1, 0])  # warm start on the embeddings: drafts often right
     prompt = [3, 7, 1, 5]
     seqs = torch.cartesian_prod(torch.arange(12), torch.arange(12))
     ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
