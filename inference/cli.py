@@ -78,7 +78,9 @@ class EvalConfig(RuntimeConfig):
     prompt_lookup_tokens: int = 10  # most tokens proposed per step
     prompt_lookup_max_ngram: int = 3  # longest suffix looked up
     prompt_lookup_min_ngram: int = 1  # shortest suffix looked up
-    eagle_tree: str = "fixed"  # fixed (eagle_nodes/depth/topk) | auto: measured on the calibration prompts
+    # eagle3: auto (as tree=auto: (nodes, depth, topk) measured on the calibration prompts and this machine,
+    # or plain decoding when nothing beats it) | fixed (eagle_nodes / eagle_depth / eagle_topk as given)
+    eagle_tree: str = "auto"
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])

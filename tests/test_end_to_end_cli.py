@@ -69,7 +69,8 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     assert spec["kind"] == "eagle3" and spec["num_heads"] == 2
 
     _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
-         "kernels=stock", "progress_bar=false", "threads=1", "eagle_nodes=4", "eagle_depth=3", "eagle_topk=2",
+         "kernels=stock", "progress_bar=false", "threads=1", "eagle_tree=fixed", "eagle_nodes=4", "eagle_depth=3",
+         "eagle_topk=2",
          cwd=tmp_path)
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["per_method"]["eagle3"]["greedy_identical_fraction"] == 1.0
