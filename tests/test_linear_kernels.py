@@ -21,18 +21,17 @@ def _force(plans, choice: str, rows=range(1, 40)) -> None:
             p.choice[r] = choice
 
 
-@pytest.mark.parametrize("kernel", ["w_xt", "w_xt_even"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 33])
-def test_columns_product_equals_linear(rows, bias, kernel):
+def test_columns_product_equals_linear(rows, bias):
     """Guards against the (W @ x^T)^T path computing a different product (transposes, bias, the
-    zero row padded onto a single row or onto an odd count and not dropped, a 3-D batch shape lost)."""
+    zero row padded onto a single row, a 3-D batch shape lost)."""
     torch.manual_seed(0)
     lin = nn.Linear(24, 40, bias=bias)
     x = torch.randn(1, rows, 24)
     want = nn.functional.linear(x, lin.weight, lin.bias)
     plans = lk.route_linear_kernels(lin)
-    _force(plans, kernel)
+    _force(plans, lk.COLUMNS)
     got = lin(x)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -69,9 +68,7 @@ def test_rows_measured_once_at_routing_and_never_while_decoding(monkeypatch):
     lin = nn.Linear(16, 32)
     (plan,) = lk.route_linear_kernels(lin, max_rows=4)
     assert calls == [1, 2, 3, 4] and set(plan.timings) == {1, 2, 3, 4}
-    # odd row counts above one also time the padded-to-even product
-    assert all(set(t) == ({lk.STOCK, lk.COLUMNS, lk.EVEN} if r in (3,) else {lk.STOCK, lk.COLUMNS})
-               for r, t in plan.timings.items())
+    assert all(set(t) == {lk.STOCK, lk.COLUMNS} for t in plan.timings.values())
     for rows in (1, 3, 50):
         lin(torch.randn(rows, 16))
     assert calls == [1, 2, 3, 4] and plan.kernel(50) == lk.STOCK
@@ -96,7 +93,7 @@ def test_stock_kernels_block_bypasses_routing(monkeypatch):
     plans = lk.route_linear_kernels(lin)
     _force(plans, lk.COLUMNS)
     used = []
-    monkeypatch.setattr(lk, "_columns_product", lambda x, w, b, even=False: used.append(1) or nn.functional.linear(x, w, b))
+    monkeypatch.setattr(lk, "_columns_product", lambda *a: used.append(1) or nn.functional.linear(*a))
     with lk.stock_kernels():
         lin(torch.randn(4, 16))
     assert not used
@@ -110,7 +107,7 @@ def test_not_routed_off_cpu():
     assert lk.route_linear_kernels(lin) == [] and type(lin) is nn.Linear
 
 
-@pytest.mark.parametrize("choice", [lk.STOCK, lk.COLUMNS, lk.EVEN])
+@pytest.mark.parametrize("choice", [lk.STOCK, lk.COLUMNS])
 def test_greedy_decoding_identical_through_routed_kernels(choice):
     """Guards against a routed model breaking lossless verification: Medusa through either kernel
     must emit exactly the plain greedy tokens of the same routed model."""
@@ -151,7 +148,7 @@ def test_hf_generate_baseline_runs_stock_kernels(monkeypatch):
     _force(m.kernel_plans, lk.COLUMNS)
     used = []
     real = lk._columns_product
-    monkeypatch.setattr(lk, "_columns_product", lambda *a, **k: used.append(1) or real(*a, **k))
+    monkeypatch.setattr(lk, "_columns_product", lambda *a: used.append(1) or real(*a))
     out = hf_generate(m, [5, 6, 7], max_new_tokens=4)
     assert len(out.tokens) >= 1 and not used
     generate(m, [5, 6, 7], "autoregressive", max_new_tokens=4, eos_token_ids=())

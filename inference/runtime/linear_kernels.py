@@ -36,10 +36,6 @@ from torch import nn
 
 STOCK = "linear"          # F.linear(x, W): x @ W^T
 COLUMNS = "w_xt"           # (W @ x^T)^T: the weight times a block of columns
-# The same with an odd row count padded to even by a zero row: on cpu-2c MKL's gemm runs an odd number of
-# columns at about half the speed of the next even number (lm_head [49152 x 576]: 3 rows 16.0 ms, 4 rows
-# 7.9 ms; 5 rows 24.0 ms, 6 rows 11.2 ms), so one wasted row is cheaper than the odd kernel.
-EVEN = "w_xt_even"
 _routing_on = True
 
 
@@ -64,12 +60,10 @@ class KernelPlan:
 
     @torch.inference_mode()
     def decide(self, rows: int) -> str:
-        """Measure the formulations for ``rows`` and keep the fastest (an alternative to ``F.linear`` must
-        win by ``margin``)."""
+        """Measure both formulations for ``rows`` and keep the faster."""
         t = _measure(self.members, rows, self.repeats)
         self.timings[rows] = t
-        best = min((k for k in t if k != STOCK), key=t.get)
-        self.choice[rows] = best if t[best] < self.margin * t[STOCK] else STOCK
+        self.choice[rows] = COLUMNS if t[COLUMNS] < self.margin * t[STOCK] else STOCK
         return self.choice[rows]
 
 
@@ -82,20 +76,16 @@ class RoutedLinear(nn.Linear):
         plan = self.kernel_plan
         if plan is None or not _routing_on or x.device.type != "cpu" or not x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
-        kernel = plan.kernel(x.numel() // x.shape[-1])
-        if kernel == STOCK:
+        if plan.kernel(x.numel() // x.shape[-1]) != COLUMNS:
             return F.linear(x, self.weight, self.bias)
-        return _columns_product(x, self.weight, self.bias, even=kernel == EVEN)
+        return _columns_product(x, self.weight, self.bias)
 
 
-def _columns_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     even: bool = False) -> torch.Tensor:
-    """x @ W^T computed as (W @ x^T)^T; x^T stays a transposed view (copying it brings the slow kernel back).
-    ``even``: an odd row count gets a zero row (``EVEN``); the extra output column is dropped."""
+def _columns_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ W^T computed as (W @ x^T)^T; x^T stays a transposed view (copying it brings the slow kernel back)."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    # one row would fall back to matrix-vector code; a zero second row keeps the gemm kernel
-    if rows == 1 or (even and rows % 2):
+    if rows == 1:  # one row would fall back to matrix-vector code; a zero second row keeps the gemm kernel
         flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
     if bias is None:
         y = torch.mm(weight, flat.t())
@@ -139,19 +129,11 @@ def _measure(modules: list[nn.Linear], rows: int, repeats: int) -> dict[str, flo
         for m in modules:
             _columns_product(x, m.weight, m.bias)
 
-    def even():
-        for m in modules:
-            _columns_product(x, m.weight, m.bias, even=True)
-
-    kernels = {STOCK: stock, COLUMNS: columns}
-    if rows > 1 and rows % 2:  # padding changes nothing for an even count (or one row, always padded)
-        kernels[EVEN] = even
-    for fn in kernels.values():  # warm-up
-        fn()
-    times = {k: float("inf") for k in kernels}
+    stock(), columns()  # warm-up
+    times = {STOCK: float("inf"), COLUMNS: float("inf")}
     for _ in range(repeats):  # interleaved, best of each: noise on a shared machine only adds time
-        for k, fn in kernels.items():
-            times[k] = min(times[k], _time_ms(fn, 1))
+        times[STOCK] = min(times[STOCK], _time_ms(stock, 1))
+        times[COLUMNS] = min(times[COLUMNS], _time_ms(columns, 1))
     return times
 
 
@@ -160,8 +142,7 @@ def route_linear_kernels(model: nn.Module, *, extra: Iterable[nn.Module] = (), m
     """Route every ``nn.Linear`` of ``model`` (and of the ``extra`` modules, e.g. the heads) on CPU;
     returns one plan per weight shape, or [] on other devices. Every row count 1..``max_rows``
     is measured here, once (~5 s for SmolLM2-135M), never inside a timed decoding step. A row
-    count uses ``(W @ x^T)^T`` (plain, or with an odd count padded to even) only where that took
-    < ``margin`` x the time of ``F.linear``.
+    count uses ``(W @ x^T)^T`` only where that took < ``margin`` x the time of ``F.linear``.
     """
     linears = [m for root in (model, *extra) for m in root.modules() if type(m) in (nn.Linear, RoutedLinear)]
     if not linears or linears[0].weight.device.type != "cpu":
@@ -193,8 +174,7 @@ def unroute_linear_kernels(*modules: nn.Module) -> None:
 
 def routing_summary(plans: list[KernelPlan]) -> dict:
     """What report.json records: per weight shape, the row counts measured and those routed
-    through ``(W @ x^T)^T`` (padded to an even count: ``even_rows``)."""
+    through ``(W @ x^T)^T``."""
     return {f"{p.shape[0]}x{p.shape[1]}": {"measured_rows": sorted(p.timings),
-                                          "columns_rows": sorted(r for r, c in p.choice.items() if c == COLUMNS),
-                                          "even_rows": sorted(r for r, c in p.choice.items() if c == EVEN)}
+                                          "columns_rows": sorted(r for r, c in p.choice.items() if c == COLUMNS)}
             for p in plans}
