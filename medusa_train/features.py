@@ -284,7 +284,7 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
         scope = "the whole epoch" if epoch_complete else f"of {needed} needed"
         print(f"[features] cache {cache.root}: {target} micro-batches ({scope}), "
               f"{len(todo)} of {len(counts)} shard(s) to write: {positions:,} positions (incl. padding) x hidden "
-              f"{hidden_size} x {1 + len(aux_layers)} layer(s){f' (aux {aux_layers})' if aux_layers else ''} x "
+              f"{hidden_size}{f' x {1 + len(aux_layers)} layers (last + aux {aux_layers})' if aux_layers else ''} x "
               f"{store.itemsize} bytes ({plan.dtype}) + ids = {_gb(need)}; {_gb(free)} free",
               flush=True)
     if need > free:

@@ -184,7 +184,8 @@ class MedusaTrainer:
         """Top-N assistant tokens of the training data (plus EOS), most frequent first."""
         d = self.cfg.data
         if n > vocab_size:
-            raise UserError(f"the truncated / draft vocabulary ({n}) exceeds the backbone vocabulary ({vocab_size})")
+            key = "draft_vocab_size" if self.cfg.heads.draft_vocab_size is not None else "truncated_vocab_size"
+            raise UserError(f"heads.{key}={n} exceeds the backbone vocabulary ({vocab_size})")
         scan = ConversationStream(d, self.backbone.tokenizer, seed=self.cfg.trainer.seed)
         counts = token_frequencies(scan, vocab_size, d.vocab_scan_conversations)
         eos = self.backbone.tokenizer.eos_token_id

@@ -78,7 +78,7 @@ def test_help_does_not_import_heavy_modules():
     (["debug_tiny", "trainer.nope=1"], ["trainer.nope"]),
     (["debug_tiny", "trainer.max_steps=abc"], ["trainer.max_steps", "abc"]),
     (["debug_tiny", "heads.projection=bogus"], ["heads.projection", "bogus"]),
-    (["debug_tiny", "heads.kind=hydar"], ["heads.kind must be one of ['medusa', 'hydra', 'mlp_speculator']", "hydar"]),
+    (["debug_tiny", "heads.kind=hydar"], ["heads.kind must be one of ['medusa', 'hydra', 'mlp_speculator', 'eagle3']", "hydar"]),
     (["debug_tiny", "trainer.precision=bf16", "trainer.zero_stage=0"], ["trainer.precision=bf16", "zero_stage"]),
     (["debug_tiny", "trainer.max_steps=0"], ["trainer.max_steps"]),
 ], ids=["unknown-recipe", "unknown-key", "wrong-type", "bad-enum", "bad-heads-kind", "bf16-zero0", "bad-range"])
