@@ -341,7 +341,8 @@ def draft_vocabulary(heads_cfg, vocab_size: int) -> tuple[str, Optional[int]]:
     n = heads_cfg.draft_vocab_size
     if n is not None:
         if n > vocab_size:
-            raise UserError(f"heads.draft_vocab_size={n} exceeds the backbone vocabulary ({vocab_size})")
+            raise UserError(f"heads.draft_vocab_size={n} exceeds the backbone vocabulary ({vocab_size}); use at most "
+                            f"{vocab_size} (all of it means a full-vocabulary lm_head)")
         return ("own", None) if n == vocab_size else ("truncated", int(n))
     projection = enum_value(heads_cfg.projection)
     return projection, (int(heads_cfg.truncated_vocab_size) if projection == "truncated" else None)

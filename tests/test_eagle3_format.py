@@ -13,12 +13,12 @@ import torch
 from engine_specs import (eagle3_engine_forward, sglang_eagle3_aux_ids, sglang_eagle3_load, sglang_eagle3_logits,
                           vllm_eagle3_aux_ids, vllm_eagle3_load, vllm_eagle3_logits)
 from inference.errors import IncompatibleHeadsError, UserError
-from inference.formats.cli import export_main
 from inference.formats.export import ExportOptions, FormatWarning, export_heads
 from inference.heads.eagle3 import Eagle3Drafter, default_aux_layers, draft_layer_config
 from inference.heads.native import save_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from inference.loading import load_heads, read_heads_spec
+from test_formats_cli import run  # in-process medusa-export: (code, stdout, stderr lines)
 from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 64, 5, 40
@@ -294,14 +294,6 @@ def test_importer_refuses_what_the_drafter_does_not_compute_in_one_line(backbone
 
 
 # -- medusa-export ---------------------------------------------------------------------------------------
-def run(argv, capsys):
-    code = 0
-    try:
-        export_main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, [line for line in err.splitlines() if line.strip()]
 
 
 def test_cli_exports_eagle3_and_refuses_the_wrong_kind(backbone, tmp_path, capsys):

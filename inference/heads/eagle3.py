@@ -62,7 +62,8 @@ def draft_layer_config(backbone_config) -> dict:
     missing = [k for k in ("num_attention_heads", "intermediate_size", "num_hidden_layers", "hidden_size")
                if cfg.get(k) is None]
     if missing:
-        raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: its config has no {', '.join(missing)}")
+        raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: its config has no {', '.join(missing)}; "
+                        "eagle3 needs a Llama-style backbone (use heads.kind=hydra or medusa for this one)")
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if act not in ("silu", "swish"):
         raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: it uses {act!r}, the drafter's "
