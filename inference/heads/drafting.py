@@ -90,19 +90,20 @@ def check_dependent_sampling(cfg: SamplingConfig) -> None:
                         "use draft=topk, which is exact too")
 
 
-def draft_dependent(buf: TreeBuffers, heads, h_last: torch.Tensor, root: int) -> torch.Tensor:
-    """Tokens of tree nodes 1..N-1 (tree order) drafted from ``h_last`` [H] and the root token."""
-    dev = h_last.device
-    tokens = torch.empty(buf.num_nodes, dtype=torch.long, device=dev)
-    tokens[0] = root
-    state = heads.init_state(h_last[None])          # level 0: the root alone
+def draft_dependent(buf: TreeBuffers, heads, h_last: torch.Tensor, root) -> torch.Tensor:
+    """Tokens of tree nodes 1..N-1 (tree order) drafted from ``h_last`` [..., H] and the root token(s)
+    (an int, or a [...] tensor: leading dims are independent rows, e.g. a batch)."""
+    lead = h_last.shape[:-1]
+    tokens = torch.empty(*lead, buf.num_nodes, dtype=torch.long, device=h_last.device)
+    tokens[..., 0] = root
+    state = heads.init_state(h_last[..., None, :])   # level 0: the root alone
     for d, level in enumerate(_levels(buf)):
-        parent_state = state[level.parent_rows]
-        new_state, feats = heads.step(d, parent_state, tokens[level.parent_nodes])
-        guesses = heads.project(feats, d).topk(level.topk, dim=-1).indices      # [P, topk]
-        tokens[level.nodes] = heads.to_vocab_ids(guesses[level.from_parent, level.rank])
-        state = new_state[level.from_parent]         # level d: one row per node, tree order
-    return tokens[1:]
+        parent_state = state[..., level.parent_rows, :]
+        new_state, feats = heads.step(d, parent_state, tokens[..., level.parent_nodes])
+        guesses = heads.project(feats, d).topk(level.topk, dim=-1).indices      # [..., P, topk]
+        tokens[..., level.nodes] = heads.to_vocab_ids(guesses[..., level.from_parent, level.rank])
+        state = new_state[..., level.from_parent, :]   # level d: one row per node, tree order
+    return tokens[..., 1:]
 
 
 class IndependentDrafting:

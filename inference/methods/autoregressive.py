@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.verify import SamplingConfig, choose_token
@@ -49,4 +50,6 @@ class AutoregressiveDecoder:
 
 register(Method("autoregressive", "the runtime's own one-token loop (same cache and token choice): the speedup "
                 "baseline, always run", decoder=lambda m, o, sampling, seed: AutoregressiveDecoder(m, sampling, seed),
+                batch_decoder=lambda m, o, sampling, seed, ragged: BatchTreeDecoder(m, PlainDrafter(), sampling, seed,
+                                                                                    ragged),
                 baseline=True))

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import UserError
 from ..heads.drafting import static_tree_refusal
+from ..runtime.batch_decode import BatchTreeDecoder, SpeculationSchedule, root_only
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, resolve_tree
@@ -91,6 +92,44 @@ class TreeDecoder:
         return tokens[verdict.path[1:]].tolist() + [verdict.bonus], buf.num_nodes - 1
 
 
+class HeadsDrafter:
+    """Batched drafting from heads (``BatchTreeDecoder``'s ``Drafter``): each step the heads fill the
+    tree the schedule picks for the number of active rows (one tree for every batch size when
+    given a tree; plain steps where the schedule says none pays)."""
+
+    def __init__(self, m: MedusaModel, tree):
+        if m.heads is None:
+            raise UserError("this model has no Medusa heads: use method autoregressive")
+        reason = static_tree_refusal(m.heads.spec)
+        if reason:
+            raise UserError(reason)
+        self.m = m
+        if isinstance(tree, SpeculationSchedule):
+            self.schedule = tree
+        else:
+            self.schedule = SpeculationSchedule({1: resolve_tree(tree, m.num_heads) if tree is not None else None})
+        trees = [t for t in self.schedule.choices.values() if t is not None]
+        for t in trees:
+            t.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+        self._buffers = {id(t): t.buffers(m.device) for t in trees}
+        self.max_nodes = max([t.num_nodes for t in trees], default=1)
+        self.max_depth = max([t.max_depth for t in trees], default=0)
+        self.current: Optional[MedusaTree] = None
+        self.started = False
+
+    def draft(self, dec: BatchTreeDecoder):
+        self.current = self.schedule.choose(dec.batch, self.current, self.started)
+        self.started = True
+        if self.current is None:
+            return root_only(self.m.device), torch.empty(dec.batch, 0, dtype=torch.long, device=self.m.device), None
+        buf = self._buffers[id(self.current)]
+        cand, draft_q = self.m.heads.draft_tree(buf, dec.h_last, dec.root, dec.cfg, dec.gen, self.m.vocab_size)
+        return buf, cand, draft_q
+
+    def rows_kept(self, index: list[int]) -> None:
+        pass
+
+
 def tree_nodes(m: MedusaModel, tree) -> int:
     return resolve_tree(tree, m.num_heads).num_nodes if tree is not None else 0
 
@@ -103,5 +142,7 @@ register(Method(
     "medusa", "Medusa heads draft a tree, verified in one forward (needs heads=; tree=)", MedusaOptions,
     decoder=lambda m, o, sampling, seed: (TreeDecoder(m, o.tree, sampling, seed) if o.tree is not None
                                           else AutoregressiveDecoder(m, sampling, seed)),
+    batch_decoder=lambda m, o, sampling, seed, ragged: BatchTreeDecoder(m, HeadsDrafter(m, o.tree), sampling, seed,
+                                                                       ragged),
     costs=lambda m, o, run_length: heads_costs(m, tree_nodes(m, o.tree)),
     proposed=lambda o: tree_depth(o.tree), needs_heads=True, needs_tree=True, refuses=static_tree_refusal))

@@ -23,7 +23,8 @@ import torch
 from ..cli_support import enum_value
 from ..errors import UserError
 from ..runtime.decode import Decoder, GenerationOutput, TokenStream, as_medusa_model, run_decoder
-from ..runtime.model import MedusaModel
+from ..runtime.batch_decode import BatchOutput, run_batch
+from ..runtime.model import MedusaModel, kv_bytes_per_token
 from ..runtime.verify import SamplingConfig
 
 
@@ -46,15 +47,6 @@ class Costs:
     extra_parameter_bytes: int = 0
     extra_kv_cache_bytes: int = 0  # cache slots beyond prompt + max_new_tokens, at the run's length
     training: str = "none"
-
-
-def kv_bytes_per_token(m: MedusaModel) -> int:
-    """Bytes of keys + values one token occupies in ``m``'s KV cache (all layers)."""
-    cfg = m.config
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    itemsize = torch.empty((), dtype=m.dtype).element_size()
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
 
 
 def extra_parameters(module, backbone) -> tuple[int, int]:
@@ -82,7 +74,9 @@ class Method:
     """One decoding method (see the module docstring).
 
     decoder(m, options, sampling, seed) -> Decoder; runner(m, prompt_ids, max_new_tokens,
-    sampling, seed, options) -> GenerationOutput for a method that is not a Decoder.
+    sampling, seed, options) -> GenerationOutput for a method that is not a Decoder;
+    batch_decoder(m, options, sampling, seed, ragged) -> the method's ``BatchTreeDecoder`` (None: it
+    decodes one prompt at a time; ``generate_batch`` refuses it for batches).
     costs(m, options, run_length) -> Costs. prepare(m, options) -> options resolves what is
     loaded once per evaluation (a draft model). proposed(options) -> draft tokens counted per
     step for the acceptance rate (None: what each step reports). refuses(heads spec) -> why the
@@ -93,6 +87,7 @@ class Method:
     options: type = NoOptions
     decoder: Optional[Callable[..., Decoder]] = None
     runner: Optional[Callable[..., GenerationOutput]] = None
+    batch_decoder: Optional[Callable[..., Any]] = None  # (m, options, sampling, seed, ragged) -> BatchTreeDecoder
     costs: Callable[..., Costs] = lambda m, options, run_length: Costs()
     prepare: Optional[Callable[[MedusaModel, Any], Any]] = None
     proposed: Optional[Callable[[Any], int]] = None
@@ -270,6 +265,32 @@ def generate(m, input_ids, method: str = "medusa", *, options=None, max_new_toke
         if on_tokens is not None and chunk:
             on_tokens(chunk)
     return s.result
+
+
+def generate_batch(m, prompts, method: str = "medusa", *, options=None, max_new_tokens: int = 128,
+                   sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
+                   eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
+                   ragged: str = "compact", **option_fields) -> BatchOutput:
+    """Decode a batch of prompts (a list of id lists, any lengths) together with ``method``; returns a
+    ``BatchOutput`` (a ``GenerationOutput`` per prompt). Arguments as ``generate``; ``ragged`` picks
+    the cache layout (``batch_cache``). Greedy rows are token-identical to ``generate`` of each prompt."""
+    spec = get(method)
+    if spec.batch_decoder is None:
+        batched = ", ".join(x for x in names() if _METHODS[x].batch_decoder is not None)
+        raise UserError(f"method {method} decodes one prompt at a time; batched methods: {batched}")
+    opts = make_options(method, options, **option_fields)
+    m = as_medusa_model(m)
+    sampling = sampling or SamplingConfig()
+    if spec.greedy_only and not sampling.is_greedy:
+        raise UserError(f"{method} is measured in greedy mode only")
+    decoder = spec.batch_decoder(m, opts, sampling, seed, ragged)
+    with torch.inference_mode():
+        return run_batch(decoder, m, prompts, max_new_tokens, eos_token_ids, max_steps)
+
+
+def batched_names() -> tuple[str, ...]:
+    """The methods that decode batches (``batch_decoder``), in ``names()`` order."""
+    return tuple(x for x in names() if _METHODS[x].batch_decoder is not None)
 
 
 def describe() -> str:

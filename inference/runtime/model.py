@@ -138,6 +138,15 @@ class MedusaModel:
         return list(ids)
 
 
+def kv_bytes_per_token(m: MedusaModel) -> int:
+    """Bytes of keys + values one token occupies in ``m``'s KV cache (all layers)."""
+    cfg = m.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = torch.empty((), dtype=m.dtype).element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
 def apply_kernels(m: MedusaModel, kernels: str) -> MedusaModel:
     """``auto``: route the model's linears (``MedusaModel.route_kernels``); ``stock``: leave them."""
     check_kernels(kernels)

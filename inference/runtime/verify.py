@@ -287,3 +287,34 @@ def verify(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: Sa
                                     None if draft_probs is None else draft_probs[None], cfg.draft, generator)
     k = int(n[0])
     return Verdict(paths[0, :k + 1].tolist(), int(bonus[0]))
+
+
+def verify_rows(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
+                draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[list[list[int]], list[int]]:
+    """``verify`` for every row of a batch, each row its own tree instance: tokens [B, N], logits
+    [B, N, V], draft_probs [B, D, V] or None. Returns (accepted node paths, bonus tokens) per row.
+
+    Greedy is vectorised with ``verify_greedy``'s tie rule (the first longest leaf path), so a
+    row's verdict equals its batch-1 verdict on the same logits; exact sampling runs
+    ``verify_sample`` over the rows as independent trials; typical acceptance goes row by row."""
+    if cfg.mode == "greedy" or cfg.is_greedy:
+        target = logits.argmax(-1)                                            # [B, N]
+        match = tokens == target[:, buf.parents.clamp(min=0)]
+        ri = buf.retrieve_indices
+        ok = match[:, ri.clamp(min=0)] & (ri >= 0)                            # [B, L, D+1]
+        ok[:, :, 0] = True
+        lengths = ok.int().cumprod(2).sum(2)                                  # [B, L]
+        best = lengths.argmax(1)
+        n = lengths.gather(1, best[:, None])[:, 0].tolist()
+        leaves = ri[best].tolist()
+        paths = [leaf[:k] for leaf, k in zip(leaves, n)]
+        last = torch.tensor([p[-1] for p in paths], device=tokens.device)
+        bonus = target.gather(1, last[:, None])[:, 0].tolist()
+        return paths, bonus
+    if cfg.mode == "typical":
+        verdicts = [verify_typical(buf, tokens[b], logits[b], cfg, generator) for b in range(tokens.shape[0])]
+        return [v.path for v in verdicts], [v.bonus for v in verdicts]
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    paths, n, bonus = verify_sample(buf, tokens, lambda nodes: target_probs(logits[rows, nodes], cfg),
+                                    draft_probs, cfg.draft, generator)
+    return [paths[b, :k + 1].tolist() for b, k in enumerate(n.tolist())], bonus.tolist()

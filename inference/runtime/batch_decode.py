@@ -1,0 +1,341 @@
+"""Batched speculative decoding: many prompts of different lengths decoded together, every row lossless.
+
+A step drafts for every active row, verifies all rows' drafts in ONE backbone forward ([B, n]
+tokens, each row's tree at its own cache offset with its own 4D mask and position ids:
+``RaggedKVCache``), and accepts per row (``verify.verify_rows``): rows accept different numbers
+of tokens, each keeps its own accepted path. A row that reaches EOS or ``max_new_tokens`` leaves
+the batch (its cache rows are dropped), so finished rows cost nothing afterwards.
+
+``BatchTreeDecoder`` is the one batched decoder: what it verifies each step comes from a
+``Drafter`` (``draft(decoder) -> (tree buffers, candidate tokens [B, n-1], draft probs)``), which
+a method supplies: Medusa/Hydra/MLP-speculator heads fill static trees, prompt lookup fills
+chains, ``PlainDrafter`` proposes nothing (the plain batched loop, the baseline). How much a
+method speculates may depend on how many rows are active (``SpeculationSchedule``): on a
+machine where the verification forward is bound by reading the weights, extra rows are free at
+batch 1 and cost compute at batch 32.
+
+``run_batch`` drives a decoder with one timing rule (each step from before drafting to after
+the device sync) and returns a ``BatchOutput``: a ``GenerationOutput`` per row plus the batch's
+step times and active row counts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from ..errors import UserError
+from .batch_cache import RaggedKVCache, pad_layout
+from .decode import GenerationOutput, _Emitter, _sync, check_budget, eos_set, seeded_generator
+from .model import MedusaModel, kv_bytes_per_token
+from .tree import MedusaTree, TreeBuffers
+from .verify import SamplingConfig, choose_token, verify_rows
+
+
+# -- what a batch run returns ---------------------------------------------------------------
+@dataclass
+class BatchOutput:
+    """Per-row generations of one batched run, and the batch's own timeline."""
+
+    rows: list[GenerationOutput]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)        # wall time of each batch step
+    active: list[int] = field(default_factory=list)          # rows decoded by each step
+    speculation: list[int] = field(default_factory=list)     # nodes per row verified by each step
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens of all rows / wall time of the whole run (prefill included)."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per row-step over all rows (bonus included; plain decoding = 1.0)."""
+        steps = sum(r.steps for r in self.rows)
+        return sum(sum(r.accept_lengths) for r in self.rows) / max(1, steps)
+
+
+# -- checks before anything runs --------------------------------------------------------------
+def check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    return batch_size
+
+
+def prompt_rows(m: MedusaModel, prompts) -> list[list[int]]:
+    """Each prompt as a list of token ids in the vocabulary; one ``UserError`` line otherwise."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise UserError("a batch of prompts must be a list of id lists or a [B, L] tensor")
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise UserError("give a non-empty list of prompts (each a list of token ids)")
+    rows = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            raise UserError(f"prompt {i} is text; encode it first (e.g. MedusaModel.encode_chat)")
+        ids = [int(t) for t in p]
+        if not ids:
+            raise UserError(f"prompt {i} is empty: give at least one token")
+        if min(ids) < 0 or max(ids) >= m.vocab_size:
+            raise UserError(f"prompt {i}: token ids must lie in 0..{m.vocab_size - 1}")
+        rows.append(ids)
+    return rows
+
+
+def batch_cache_bytes(m: MedusaModel, prompt_lengths: Sequence[int], max_new_tokens: int, extra_slots: int,
+                      mode: str = "compact", max_depth: int = 0) -> int:
+    """Bytes the batch's KV cache, prefill activations and logits will take (the estimate checked
+    against free memory before anything is allocated)."""
+    capacity = batch_capacity(prompt_lengths, max_new_tokens, extra_slots, mode, max_depth)
+    b, width = len(prompt_lengths), max(prompt_lengths)
+    item = torch.empty((), dtype=m.dtype).element_size()
+    cfg = m.config
+    prefill = b * width * (cfg.hidden_size * 4 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 2) * item
+    prefill += b * width * width * item                          # the 4D prefill mask
+    logits = b * max(1, extra_slots) * m.vocab_size * 4
+    return b * capacity * kv_bytes_per_token(m) + prefill + logits
+
+
+def batch_capacity(prompt_lengths: Sequence[int], max_new_tokens: int, extra_slots: int, mode: str,
+                   max_depth: int) -> int:
+    width = max(prompt_lengths)
+    if mode == "compact":
+        return width + max_new_tokens + extra_slots
+    return width + max_new_tokens * (max_depth + 1) + extra_slots   # gaps: up to depth+1 slots per token
+
+
+def free_memory_bytes(device: torch.device) -> Optional[int]:
+    """Memory this process can still allocate on ``device`` (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_batch_fits(m: MedusaModel, prompt_lengths: Sequence[int], max_new_tokens: int, extra_slots: int,
+                     mode: str = "compact", max_depth: int = 0) -> None:
+    """Refuse, in one line and before allocating, prompts over the context or a batch over free memory."""
+    for i, n in enumerate(prompt_lengths):
+        try:
+            check_budget(m, n, max_new_tokens)
+        except UserError as e:
+            raise UserError(f"prompt {i}: {e}") from None
+    need = batch_cache_bytes(m, prompt_lengths, max_new_tokens, extra_slots, mode, max_depth)
+    free = free_memory_bytes(m.device)
+    if free is not None and need > 0.9 * free:
+        raise UserError(f"a batch of {len(prompt_lengths)} prompts (longest {max(prompt_lengths)} tokens, "
+                        f"max_new_tokens={max_new_tokens}) needs about {need / 2**30:.1f} GiB for its KV cache and "
+                        f"activations, more than the {free / 2**30:.1f} GiB free on {m.device}: lower batch_size or "
+                        "max_new_tokens")
+
+
+# -- how much to speculate at each batch size ---------------------------------------------------
+@dataclass
+class SpeculationSchedule:
+    """Which tree (None = plain decoding) to verify with at each number of active rows.
+
+    ``choices[b]`` holds the winner measured at batch size b and ``rates[b][name]`` the expected
+    tokens/s of every candidate there. For a count between measured sizes the next larger measured
+    size decides (its step times bound the smaller batch's). Hysteresis: the current tree is kept
+    unless the new count's winner is expected to be ``switch_gain`` faster than it, so timing noise
+    between two near-equal candidates cannot flip the choice from step to step."""
+
+    choices: dict[int, Optional[MedusaTree]]
+    rates: dict[int, dict[str, float]] = field(default_factory=dict)
+    switch_gain: float = 0.05
+
+    def bucket(self, active: int) -> int:
+        sizes = sorted(self.choices)
+        return next((b for b in sizes if b >= active), sizes[-1])
+
+    def choose(self, active: int, current: Optional[MedusaTree], started: bool) -> Optional[MedusaTree]:
+        b = self.bucket(active)
+        best = self.choices[b]
+        if not started or current is best:
+            return best
+        rates = self.rates.get(b, {})
+        now, new = rates.get(tree_label(current)), rates.get(tree_label(best))
+        if now is not None and new is not None and new < now * (1 + self.switch_gain):
+            return current
+        return best
+
+    def to_dict(self) -> dict:
+        return {str(b): tree_label(t) for b, t in sorted(self.choices.items())}
+
+
+def tree_label(tree: Optional[MedusaTree]) -> str:
+    return "plain" if tree is None else (tree.name or f"{tree.num_nodes} nodes")
+
+
+# -- the decoder ------------------------------------------------------------------------------
+class Drafter(Protocol):
+    """What a batched method proposes each step (see the module docstring)."""
+
+    max_nodes: int   # most nodes per row one step verifies (root included): sizes the cache
+    max_depth: int   # deepest draft (sizes the cache in gaps mode)
+
+    def draft(self, dec: "BatchTreeDecoder") -> tuple[TreeBuffers, torch.Tensor, Optional[torch.Tensor]]:
+        """(the step's tree buffers, candidate tokens [B, n-1] for nodes 1..n-1, draft probs [B, D, V] or None)."""
+
+    def rows_kept(self, index: list[int]) -> None:
+        """Rows ``index`` stay in the batch (in that order); drop per-row state of the others."""
+
+
+_ROOT_ONLY: dict[torch.device, TreeBuffers] = {}
+
+
+def root_only(device: torch.device) -> TreeBuffers:
+    """The one-node tree: a plain decoding step."""
+    if device not in _ROOT_ONLY:
+        _ROOT_ONLY[device] = MedusaTree([], name="plain").buffers(device)
+    return _ROOT_ONLY[device]
+
+
+class PlainDrafter:
+    """Proposes nothing: ``BatchTreeDecoder`` with it is the plain batched loop (the baseline)."""
+
+    max_nodes, max_depth = 1, 0
+
+    def draft(self, dec):
+        return root_only(dec.m.device), torch.empty(dec.batch, 0, dtype=torch.long, device=dec.m.device), None
+
+    def rows_kept(self, index):
+        pass
+
+
+class BatchTreeDecoder:
+    """Decoding state of a batch: ``prefill`` once, then ``step`` until every row is done.
+
+    After each step, for every active row b: the cache holds its prompt and every emitted token
+    but the last (``root[b]``), ``h_last[b]`` is the backbone's last hidden state at that root's
+    parent position, ``history[b]`` is its prompt + emitted tokens (for drafters that look
+    back). ``rows`` maps active rows to the caller's prompt indices."""
+
+    def __init__(self, m: MedusaModel, drafter: Drafter, sampling: Optional[SamplingConfig] = None,
+                 seed: Optional[int] = None, ragged: str = "compact"):
+        self.m, self.drafter = m, drafter
+        self.cfg = sampling or SamplingConfig()
+        if m.heads is not None:
+            m.heads.check_sampling(self.cfg)
+        self.gen = seeded_generator(m.device, seed)
+        self.ragged = ragged
+        self.cache: Optional[RaggedKVCache] = None
+        self.root: Optional[torch.Tensor] = None     # [B] last emitted token per row
+        self.h_last: Optional[torch.Tensor] = None   # [B, H]
+        self.history: list[list[int]] = []
+        self.rows: list[int] = []
+        self.last_nodes = 0
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
+        m = self.m
+        lens = [len(p) for p in prompts]
+        capacity = batch_capacity(lens, max_new_tokens, self.drafter.max_nodes, self.ragged, self.drafter.max_depth)
+        self.cache = RaggedKVCache(m.config.num_hidden_layers, len(prompts), capacity, m.device, self.ragged)
+        mask, pos = self.cache.prefill_mask(lens, m.dtype)
+        ids = torch.tensor(pad_layout(prompts, self.ragged), dtype=torch.long, device=m.device)
+        h = m.hidden(ids, pos, self.cache, mask)
+        width = ids.shape[1]
+        last = torch.tensor([n - 1 if self.ragged == "compact" else width - 1 for n in lens], device=m.device)
+        self.h_last = h[torch.arange(len(lens), device=m.device), last]
+        self.root = choose_token(m.logits(self.h_last), self.cfg, self.gen).reshape(-1)
+        self.rows = list(range(len(prompts)))
+        roots = self.root.tolist()
+        self.history = [list(p) + [r] for p, r in zip(prompts, roots)]
+        return roots
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[list[int], int]]:
+        """One draft-verify-keep step for every active row: per row (emitted tokens, draft tokens proposed)."""
+        m = self.m
+        buf, cand, draft_q = self.drafter.draft(self)
+        tokens = torch.cat([self.root[:, None], cand], dim=1)                  # [B, n]
+        mask, pos = self.cache.step_mask(buf.tree_mask, buf.position_offsets, m.dtype)
+        h = m.hidden(tokens, pos, self.cache, mask)                              # [B, n, H]
+        paths, bonus = verify_rows(buf, tokens, m.logits(h), self.cfg, draft_q, self.gen)
+        self.cache.keep(paths)
+        rows = torch.arange(len(paths), device=m.device)
+        self.h_last = h[rows, torch.tensor([p[-1] for p in paths], device=m.device)]
+        self.root = torch.tensor(bonus, dtype=torch.long, device=m.device)
+        self.last_nodes = buf.num_nodes
+        tok = tokens.tolist()
+        out = []
+        for b, (path, bon) in enumerate(zip(paths, bonus)):
+            new = [tok[b][i] for i in path[1:]] + [bon]
+            self.history[b].extend(new)
+            out.append((new, buf.max_depth))
+        return out
+
+    def keep_rows(self, index: list[int]) -> None:
+        """Only rows ``index`` (positions in the active batch) go on; the rest leave the batch."""
+        if index == list(range(self.batch)):
+            return
+        self.cache.select_rows(index)
+        sel = torch.tensor(index, dtype=torch.long, device=self.m.device)
+        self.root, self.h_last = self.root[sel], self.h_last[sel]
+        self.history = [self.history[i] for i in index]
+        self.rows = [self.rows[i] for i in index]
+        self.drafter.rows_kept(index)
+
+
+def run_batch(decoder: BatchTreeDecoder, m: MedusaModel, prompts, max_new_tokens: int, eos_token_ids=None,
+              max_steps: Optional[int] = None) -> BatchOutput:
+    """Prefill every prompt, then step until each row has stopped (EOS kept, ``max_new_tokens``) or
+    ``max_steps``; finished rows leave the batch. Each row stops exactly where batch-1 decoding would."""
+    rows = prompt_rows(m, prompts)
+    check_batch_fits(m, [len(r) for r in rows], max_new_tokens, decoder.drafter.max_nodes, decoder.ragged,
+                     decoder.drafter.max_depth)
+    eos = eos_set(m, eos_token_ids)
+    emit = [_Emitter(max_new_tokens, eos) for _ in rows]
+    outs = [GenerationOutput(tokens=e.tokens, prompt_tokens=len(r), finish_reason="length")
+            for e, r in zip(emit, rows)]
+    out = BatchOutput(outs)
+    t0 = time.perf_counter()
+    roots = decoder.prefill(rows, max_new_tokens)
+    _sync(m.device)
+    out.prefill_s = time.perf_counter() - t0
+    for e, r in zip(emit, roots):
+        e.add([r])
+    steps = 0
+    while True:
+        live = [i for i, row in enumerate(decoder.rows) if not emit[row].finish]
+        decoder.keep_rows(live)
+        if not decoder.rows or (max_steps is not None and steps >= max_steps):
+            break
+        t = time.perf_counter()
+        result = decoder.step()
+        _sync(m.device)
+        out.step_s.append(time.perf_counter() - t)
+        out.active.append(decoder.batch)
+        out.speculation.append(decoder.last_nodes)
+        for row, (new, proposed) in zip(decoder.rows, result):
+            outs[row].accept_lengths.append(len(new))
+            outs[row].proposed.append(proposed)
+            outs[row].step_s.append(out.step_s[-1])
+            emit[row].add(new)
+        steps += 1
+    out.decode_s = time.perf_counter() - t0 - out.prefill_s
+    for e, o in zip(emit, outs):
+        o.finish_reason = e.finish or "steps"
+        o.prefill_s = out.prefill_s
+        o.decode_s = out.decode_s
+    return out
