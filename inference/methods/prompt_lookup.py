@@ -26,10 +26,11 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import UserError
+from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.verify import SamplingConfig
-from .draft import verify_chain
+from .draft import chain_buffers, chain_sampling, verify_chain
 from .registry import Method, option, register, slot_costs
 
 
@@ -113,7 +114,43 @@ class PromptLookupDecoder:
         return new, len(proposal)
 
 
+class LookupDrafter:
+    """Batched prompt lookup (``BatchTreeDecoder``'s ``Drafter``): each row looks up its own context;
+    the step verifies a chain as long as the longest row's proposal. A row with a shorter (or no)
+    proposal fills its chain with its last token: verification stays exact whatever the filler (a
+    filler the backbone happens to choose is accepted like any guess, the rest are rejected), and
+    only the looked-up tokens count as proposed (``row_proposed``)."""
+
+    def __init__(self, m: MedusaModel, settings: PromptLookupSettings):
+        self.m, self.s = m, settings
+        self.max_nodes, self.max_depth = settings.num_tokens + 1, settings.num_tokens
+        self.indexes: list[NGramIndex] = []
+        self.seen: list[int] = []
+        self.row_proposed: list[int] = []
+
+    def draft(self, dec: BatchTreeDecoder):
+        if not self.indexes:
+            self.indexes = [NGramIndex(self.s.min_ngram, self.s.max_ngram) for _ in dec.history]
+            self.seen = [0] * len(dec.history)
+        props = []
+        for b, hist in enumerate(dec.history):
+            self.indexes[b].extend(hist[self.seen[b]:])
+            self.seen[b] = len(hist)
+            props.append(self.indexes[b].propose(self.s.num_tokens))
+        n = max(len(p) for p in props)
+        self.row_proposed = [len(p) for p in props]
+        cand = [p + [hist[-1]] * (n - len(p)) for p, hist in zip(props, dec.history)]
+        return chain_buffers(n + 1, self.m.device), torch.tensor(cand, dtype=torch.long, device=self.m.device), None
+
+    def rows_kept(self, index: list[int]) -> None:
+        if self.indexes:
+            self.indexes = [self.indexes[i] for i in index]
+            self.seen = [self.seen[i] for i in index]
+
+
 register(Method(
     "prompt_lookup", "continue the latest earlier occurrence of the context's last n tokens (training-free)",
     PromptLookupSettings, decoder=lambda m, o, sampling, seed: PromptLookupDecoder(m, o, sampling, seed),
+    batch_decoder=lambda m, o, sampling, seed, ragged: BatchTreeDecoder(
+        m, LookupDrafter(m, o), chain_sampling(sampling or SamplingConfig()), seed, ragged),
     costs=lambda m, o, run_length: slot_costs(m, o.extra_kv_tokens)))

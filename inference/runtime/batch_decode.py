@@ -193,7 +193,9 @@ class Drafter(Protocol):
         """(the step's tree buffers, candidate tokens [B, n-1] for nodes 1..n-1, draft probs [B, D, V] or None)."""
 
     def rows_kept(self, index: list[int]) -> None:
-        """Rows ``index`` stay in the batch (in that order); drop per-row state of the others."""
+        """Rows ``index`` stay in the batch (in that order); drop per-row state of the others.
+        A drafter whose rows propose different numbers of tokens sets ``row_proposed`` (per row,
+        for the acceptance rate); otherwise each row counts the tree's depth."""
 
 
 _ROOT_ONLY: dict[torch.device, TreeBuffers] = {}
@@ -278,11 +280,12 @@ class BatchTreeDecoder:
         self.root = torch.tensor(bonus, dtype=torch.long, device=m.device)
         self.last_nodes = buf.num_nodes
         tok = tokens.tolist()
+        proposed = getattr(self.drafter, "row_proposed", None) or [buf.max_depth] * len(paths)
         out = []
         for b, (path, bon) in enumerate(zip(paths, bonus)):
             new = [tok[b][i] for i in path[1:]] + [bon]
             self.history[b].extend(new)
-            out.append((new, buf.max_depth))
+            out.append((new, proposed[b]))
         return out
 
     def keep_rows(self, index: list[int]) -> None:
