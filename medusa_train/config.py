@@ -182,6 +182,7 @@ class DistillConfig:
     max_turns: Optional[int] = None  # assistant turns regenerated per conversation (later ones dropped)
     max_conversations: Optional[int] = None  # source conversations taken, from the first
     batch_size: int = 16  # prompts generated together (grouped by length)
+    engine: str = "auto"  # generate | runtime | lookup | auto (the fastest, measured: medusa_train/distill_engines.py)
     shard_size: int = 64  # conversations per output shard = the unit of resume
     # device, seed, CPU threads and the progress bar are trainer.device/seed/threads/progress_bar
 
@@ -441,6 +442,8 @@ def _validate_distill_and_features(cfg) -> None:
             (ds.max_conversations is None or ds.max_conversations >= 1,
              f"distill.max_conversations must be >= 1, got {ds.max_conversations}"),
             (ds.batch_size >= 1, f"distill.batch_size must be >= 1, got {ds.batch_size}"),
+            (ds.engine in ("auto", "generate", "runtime", "lookup"),
+             f"distill.engine must be one of auto, generate, runtime, lookup, got {ds.engine!r}"),
             (ds.shard_size >= 1, f"distill.shard_size must be >= 1, got {ds.shard_size}"),
         ]
     if f is not None:

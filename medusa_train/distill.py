@@ -19,15 +19,16 @@ limits                                           distill.max_conversations, dist
                                                  (a turn whose prompt already has that many tokens
                                                  ends the conversation: training would cut it off)
 batched generation with a KV cache               distill.batch_size (prompts grouped by length)
+the fastest of generate / runtime / lookup       distill.engine (auto: measured; distill_engines.py)
 resume unit / output shard size                  distill.shard_size
 device, seed, CPU threads, progress bar          trainer.device, trainer.seed, trainer.threads,
                                                  trainer.progress_bar
 
 Multi-turn conversations are replayed turn by turn: the prompt of turn i holds the original
 user turns and the *regenerated* replies 1..i-1, as in a real chat with the backbone.
-Generation is transformers' ``generate`` on left-padded batches with its KV cache; within a
-shard all conversations' turn-i prompts are sorted by length before batching, so a batch
-wastes little on padding.
+Generation runs on batches (``distill_engines``: transformers' ``generate`` or the runtime's batched
+decoding, whichever is measured faster on this machine); within a shard all conversations' turn-i
+prompts are sorted by length before batching, so a batch wastes little on padding.
 
 Output (``output_dir``)::
 
@@ -61,10 +62,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from inference.backbone import eos_token_ids
 from inference.errors import UserError
 
-from .manifest import claim, write_json_atomic
+from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
+from .manifest import claim, read_manifest, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "distill.json"
@@ -85,7 +86,7 @@ def run_identity(cfg) -> dict:
         "data": {"source": d.source, "split": d.split, "system_prompt": d.system_prompt, "max_length": d.max_length},
         "distill": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
                     "max_turns": g.max_turns, "max_conversations": g.max_conversations,
-                    "shard_size": g.shard_size},
+                    "shard_size": g.shard_size, "engine": g.engine},
         "trainer": {"seed": cfg.trainer.seed},
     }
 
@@ -194,50 +195,6 @@ def shards_of(conversations, shard_size: int) -> Iterator[tuple[int, list[tuple[
         members.append((i, messages))
     if members:
         yield shard, members
-
-
-# -- generation -----------------------------------------------------------------------------------------------
-class Generator:
-    """Batched generation with transformers' ``generate`` (left padding, KV cache)."""
-
-    def __init__(self, model, tokenizer, cfg, device):
-        from transformers import GenerationConfig
-
-        self.model, self.tokenizer, self.device = model, tokenizer, device
-        g = cfg.distill
-        self.eos = eos_token_ids(model, tokenizer)
-        if not self.eos:
-            raise UserError("the backbone's tokenizer and config name no end-of-sequence token; cannot end a reply")
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-        sample = g.temperature > 0
-        self.config = GenerationConfig(
-            max_new_tokens=g.max_new_tokens, do_sample=sample, temperature=g.temperature if sample else None,
-            top_p=g.top_p if sample else None, top_k=0 if sample else None, eos_token_id=self.eos,
-            pad_token_id=self.pad, use_cache=True)
-
-    def encode(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # as training tokenises
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
-        """New tokens of each prompt (without the end-of-turn token) and whether it ended the turn."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=self.config)
-        results = []
-        for row in out[:, width:].tolist():
-            ends = [j for j, t in enumerate(row) if t in self.eos]
-            results.append((row[:ends[0]], True) if ends else (row, False))
-        return results
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 @dataclass
@@ -380,7 +337,7 @@ def run(cfg) -> dict:
         device = torch.device("cuda", local)
     backbone = load_backbone(cfg.backbone, device, seed=t.seed)
     claim_output(out, identity, backbone_identity(backbone))
-    gen = Generator(backbone.model, backbone.tokenizer, cfg, device)
+    gen = pick_engine(cfg, out, backbone, device)
     main = rank == 0
 
     bar = None
@@ -430,7 +387,7 @@ def run(cfg) -> dict:
         raise UserError(f"data source {cfg.data.source!r} gave no conversations to distill ({read_stats.summary()})")
     wall = time.perf_counter() - started
     this_run = {"shards_written": done_here, "shards_found_done": skipped, "world_size": world,
-                "batch_size": g.batch_size, "device": str(device), "generated_tokens": rate["tokens"],
+                "batch_size": g.batch_size, "engine": gen.name, "device": str(device), "generated_tokens": rate["tokens"],
                 "tokens_per_s": round(rate["tokens"] / max(rate["s"], 1e-9), 1), "wall_s": round(wall, 1)}
     print(f"[distill] rank {rank}: {done_here} shard(s) written ({skipped} already done), "
           f"{rate['tokens']} tokens at {this_run['tokens_per_s']} tok/s", flush=True)
@@ -442,6 +399,46 @@ def run(cfg) -> dict:
               f"{c['turns']} turns, {c['generated_tokens']} tokens ({c['tokens_per_s_per_process']} tok/s per process) "
               f"in {out / DATA_DIR}; train on it with data.source={out / DATA_DIR}", flush=True)
     return manifest or {}
+
+
+def pick_engine(cfg, out: Path, backbone, device) -> Generator:
+    """The engine of this output directory: the one recorded in ``distill.json`` (a resumed run keeps
+    it), else ``distill.engine``, else (``auto``) the fastest measured on the run's first prompts,
+    then recorded. With several processes, the first record written wins for every later run."""
+    g = cfg.distill
+    make = lambda name: make_engine(name, backbone.model, backbone.tokenizer, cfg, device)  # noqa: E731
+    recorded = (read_manifest(out / MANIFEST, out) or {}).get("engine") or {}
+    if recorded.get("chosen"):
+        return make(recorded["chosen"])
+    if g.engine != "auto":
+        gen, record = make(g.engine), {"chosen": g.engine, "calibration": None}
+    else:
+        probe = Generator(backbone.model, backbone.tokenizer, cfg, device)
+        prompts = calibration_prompts(cfg, probe)
+        if not prompts:
+            gen, record = probe, {"chosen": "generate", "calibration": None}
+        else:
+            gen, record = choose_engine({name: (lambda n=name: make(n)) for name in ENGINES}, prompts,
+                                        min(CALIBRATION_TOKENS, g.max_new_tokens))
+    manifest = read_manifest(out / MANIFEST, out) or {}
+    if not (manifest.get("engine") or {}).get("chosen"):
+        manifest["engine"] = record
+        write_json_atomic(out / MANIFEST, manifest)
+    return gen
+
+
+def calibration_prompts(cfg, gen: Generator) -> list[list[int]]:
+    """The first replies' prompts of the run's first conversations (one batch), as the run will encode them."""
+    prompts = []
+    for index, messages in source_conversations(cfg):
+        prompt = Replay(index, messages).next_prompt(cfg.distill.max_turns)
+        if prompt is not None:
+            ids = gen.encode(prompt)
+            if len(ids) < cfg.data.max_length:
+                prompts.append(ids)
+        if len(prompts) >= cfg.distill.batch_size or index >= 4 * cfg.distill.batch_size:
+            break
+    return prompts
 
 
 def _main_thread() -> bool:

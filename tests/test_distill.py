@@ -21,7 +21,7 @@ from medusa_train.data.readers import ReadStats, iter_conversations
 # which would make "the reply is the backbone's greedy output" true of almost any code.
 VARIED = "+backbone.random_init.initializer_range=0.5"
 DISTILL = ["task=distill", "distill.max_new_tokens=8", "distill.shard_size=4", "distill.batch_size=3",
-           "distill.max_conversations=16", VARIED]
+           "distill.max_conversations=16", VARIED, "distill.engine=generate"]
 
 
 def records(out: Path) -> list[dict]:
@@ -201,10 +201,52 @@ def test_cli_distills_then_refuses_other_settings_in_one_line(subprocess_env, tm
     from test_cli import assert_one_line_error, run_cli
 
     args = ["debug_tiny", *base_overrides(tmp_path / "d"), "task=distill", "distill.max_conversations=4",
-            "distill.max_new_tokens=4"]
+            "distill.max_new_tokens=4", "distill.engine=generate"]
     proc = run_cli(args, subprocess_env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "complete: 4 of 4 conversations" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "d" / distill.DATA_DIR).iterdir()) == ["shard-000000.jsonl"]
     proc = run_cli([*args, "distill.temperature=0"], subprocess_env, tmp_path)
     assert_one_line_error(proc, "already holds distillation data of another run", "distill.temperature")
+
+
+@pytest.mark.parametrize("engine", ["runtime", "lookup"])
+def test_runtime_engines_write_the_same_greedy_data_as_generate(engine, compose_tiny, tmp_path):
+    """Guards against: the runtime's batched decoding (plain loop or prompt lookup) giving other greedy
+    replies than transformers' ``generate`` (padding, EOS cut, finished rows or the end-of-turn token
+    handled differently), which would make the dataset depend on which engine was measured faster."""
+    ref = compose_tiny(*DISTILL, "distill.temperature=0", "distill.max_conversations=8", out=tmp_path / "hf")
+    distill.run(ref)
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0", "distill.max_conversations=8", f"distill.engine={engine}",
+                       out=tmp_path / engine)
+    manifest = distill.run(cfg)
+    assert manifest["engine"]["chosen"] == engine and manifest["last_run"]["engine"] == engine
+    assert records(tmp_path / engine) == records(tmp_path / "hf")
+
+
+def test_auto_engine_is_measured_recorded_and_kept_on_resume(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: an engine picked without measuring (no rates recorded), and a resumed run measuring
+    again and switching engines half-way, which would mix two engines' samples in one dataset."""
+    cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=8",
+                       out=tmp_path / "auto")
+    manifest = distill.run(cfg)
+    record = manifest["engine"]
+    assert record["chosen"] in ("generate", "runtime", "lookup")
+    rates = {n: r["tokens_per_s"] for n, r in record["calibration"].items()}
+    assert set(rates) == {"generate", "runtime", "lookup"} and all(v > 0 for v in rates.values())
+    assert rates[record["chosen"]] == max(rates.values())
+    (tmp_path / "auto" / distill.DATA_DIR / "shard-000001.jsonl").unlink()   # as if killed before shard 1
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a resumed run measured the engines again")
+
+    monkeypatch.setattr(distill, "choose_engine", no_measuring)
+    again = distill.run(cfg)
+    assert again["last_run"]["engine"] == record["chosen"] and again["last_run"]["shards_written"] == 1
+
+
+def test_unknown_engine_is_refused_in_one_line(compose_tiny):
+    """Guards against: a misspelt distill.engine falling back silently to some engine."""
+    with pytest.raises(UserError) as err:
+        distill.run(compose_tiny(*DISTILL, "distill.engine=vllm"))
+    assert "distill.engine" in str(err.value) and "\n" not in str(err.value)
