@@ -43,6 +43,8 @@ from typing import Any, Optional
 import torch
 
 from ..errors import UserError
+from ..runtime.batch_cache import RaggedKVCache, pad_layout
+from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.tree import TreeBuffers, chain_tree
@@ -289,6 +291,83 @@ class DraftDecoder:
             self.k = min(self.k + 2, self.settings.k_max) if n == k else max(1, self.k - 1)
         return new, k
 
+class BatchDraftDrafter:
+    """Batched draft-model drafting (``BatchTreeDecoder``'s ``Drafter``): the draft model keeps its own
+    ragged cache and proposes k tokens per row with k batched one-token forwards (the first also
+    catches up on the tokens accepted last step: one or two per row, shorter rows padded with nodes
+    nothing attends to); the target verifies the k-token chains of all rows in one forward. Exact
+    sampling draws drafts from the draft's q and verifies with the "sampled" rule, which on a chain
+    is speculative sampling. k is fixed here (``draft_adaptive`` adapts k at batch 1 only)."""
+
+    def __init__(self, target: MedusaModel, draft: MedusaModel, settings: DraftSettings):
+        check_draft_compatible(target, draft)
+        self.m, self.dm, self.k = target, draft, settings.k
+        self.max_nodes, self.max_depth = settings.k + 1, settings.k
+        self.dcache: Optional[RaggedKVCache] = None
+
+    def _start(self, dec: BatchTreeDecoder) -> None:
+        d = self.dm
+        prompts = [h[:-1] for h in dec.history]
+        self.dcache = RaggedKVCache(d.config.num_hidden_layers, len(prompts), dec.cache.capacity + 2, d.device)
+        mask, pos = self.dcache.prefill_mask([len(p) for p in prompts], d.dtype)
+        d.hidden(torch.tensor(pad_layout(prompts, "compact"), device=d.device), pos, self.dcache, mask)
+
+    def _catch_up(self, dec: BatchTreeDecoder) -> torch.Tensor:
+        """Run each row's tokens the draft has not seen (1 or 2); the last one's hidden state [B, H]."""
+        c, dev = self.dcache, self.dm.device
+        c.truncate_rows(torch.tensor([len(h) - 1 for h in dec.history], device=dev))   # drop rejected drafts
+        feeds = [h[int(n):] for h, n in zip(dec.history, c.lengths.tolist())]
+        width = max(len(f) for f in feeds)
+        ids = torch.tensor([[f[0]] * (width - len(f)) + f for f in feeds], device=dev)
+        see = torch.zeros(len(feeds), width, width, dtype=torch.bool, device=dev)
+        depth = torch.zeros(len(feeds), width, dtype=torch.long, device=dev)
+        for b, f in enumerate(feeds):
+            pad = width - len(f)
+            see[b] = torch.eye(width, dtype=torch.bool, device=dev)   # padding sees itself only
+            see[b, pad:, pad:] = torch.ones(len(f), len(f), dtype=torch.bool, device=dev).tril()
+            depth[b, pad:] = torch.arange(len(f), device=dev)
+        mask, pos = c.step_mask(see, depth, self.dm.dtype)
+        h = self.dm.hidden(ids, pos, c, mask)[:, -1]
+        c.keep([list(range(width - len(f), width)) for f in feeds])
+        return h
+
+    def draft(self, dec: BatchTreeDecoder):
+        d, cfg = self.dm, dec.cfg
+        if self.dcache is None:
+            self._start(dec)
+        sample = cfg.mode == "sample" and not cfg.is_greedy
+        h = self._catch_up(dec)
+        tokens, qs = [], []
+        one = torch.ones(1, 1, dtype=torch.bool, device=d.device)
+        zero = torch.zeros(1, dtype=torch.long, device=d.device)
+        for i in range(self.k):
+            logits = d.logits(h)
+            if sample:
+                q = target_probs(logits, cfg)
+                qs.append(q)
+                tok = torch.multinomial(q, 1, generator=dec.gen)[:, 0]
+            else:
+                tok = logits.argmax(-1)
+            tokens.append(tok)
+            if i + 1 < self.k:                       # x_k itself runs only once accepted (next step)
+                mask, pos = self.dcache.step_mask(one, zero, d.dtype)
+                h = d.hidden(tok[:, None], pos, self.dcache, mask)[:, -1]
+                self.dcache.keep([[0]] * len(tok))
+        cand = torch.stack(tokens, dim=1)
+        return chain_buffers(self.k + 1, self.m.device), cand, (torch.stack(qs, dim=1) if sample else None)
+
+    def rows_kept(self, index: list[int]) -> None:
+        if self.dcache is not None:
+            self.dcache.select_rows(index)
+
+
+def batch_draft_decoder(m: MedusaModel, o: DraftSettings, sampling: Optional[SamplingConfig], seed, ragged):
+    cfg = sampling or SamplingConfig()
+    if cfg.mode == "sample" and not cfg.is_greedy:
+        cfg = dataclasses.replace(cfg, draft="sampled")   # drafts are draws of q: speculative sampling
+    return BatchTreeDecoder(m, BatchDraftDrafter(m, load_draft(o.draft, m, o.trust_remote_code), o), cfg, seed, ragged)
+
+
 def draft_costs(m: MedusaModel, o: DraftSettings, run_length: int) -> Costs:
     """The draft's own weights (none for a self-draft) and KV cache, plus the target's chain slots."""
     draft = load_draft(o.draft, m, o.trust_remote_code)
@@ -304,5 +383,6 @@ register(Method(
     "model path/name with the same tokenizer", DraftSettings,
     decoder=lambda m, o, sampling, seed: DraftDecoder(m, load_draft(o.draft, m, o.trust_remote_code), o,
                                                       sampling, seed),
+    batch_decoder=batch_draft_decoder,
     prepare=lambda m, o: dataclasses.replace(o, draft=load_draft(o.draft, m, o.trust_remote_code)),
     costs=draft_costs))

@@ -181,6 +181,14 @@ class RaggedKVCache(Cache):
             self.lengths = torch.full_like(self.lengths, int(self.lengths.max()))
         self._pending = None
 
+    def truncate_rows(self, lengths: torch.Tensor) -> None:
+        """Compact mode: row b keeps at most its first ``lengths[b]`` tokens (a draft model's rejected drafts)."""
+        if self.mode != "compact":
+            raise ValueError("truncate_rows needs a compact cache")
+        new = torch.minimum(self.lengths, lengths.to(self.lengths))
+        self.valid &= torch.arange(self.capacity, device=self.device)[None] < new[:, None]
+        self.lengths, self.positions = new, new.clone()
+
     def select_rows(self, index: Sequence[int]) -> None:
         """Keep only rows ``index`` (in that order): finished rows leave the batch."""
         idx = torch.as_tensor(list(index), dtype=torch.long, device=self.device)
