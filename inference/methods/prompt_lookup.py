@@ -117,9 +117,8 @@ class PromptLookupDecoder:
 class LookupDrafter:
     """Batched prompt lookup (``BatchTreeDecoder``'s ``Drafter``): each row looks up its own context;
     the step verifies a chain as long as the longest row's proposal. A row with a shorter (or no)
-    proposal fills its chain with its last token: verification stays exact whatever the filler (a
-    filler the backbone happens to choose is accepted like any guess, the rest are rejected), and
-    only the looked-up tokens count as proposed (``row_proposed``)."""
+    proposal pads its chain with -1 (computed, never accepted), so it accepts exactly what it would
+    alone; only the looked-up tokens count as proposed (``row_proposed``)."""
 
     def __init__(self, m: MedusaModel, settings: PromptLookupSettings):
         self.m, self.s = m, settings
@@ -139,7 +138,7 @@ class LookupDrafter:
             props.append(self.indexes[b].propose(self.s.num_tokens))
         n = max(len(p) for p in props)
         self.row_proposed = [len(p) for p in props]
-        cand = [p + [hist[-1]] * (n - len(p)) for p, hist in zip(props, dec.history)]
+        cand = [p + [-1] * (n - len(p)) for p in props]
         return chain_buffers(n + 1, self.m.device), torch.tensor(cand, dtype=torch.long, device=self.m.device), None
 
     def rows_kept(self, index: list[int]) -> None:

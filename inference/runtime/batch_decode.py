@@ -190,7 +190,8 @@ class Drafter(Protocol):
     max_depth: int   # deepest draft (sizes the cache in gaps mode)
 
     def draft(self, dec: "BatchTreeDecoder") -> tuple[TreeBuffers, torch.Tensor, Optional[torch.Tensor]]:
-        """(the step's tree buffers, candidate tokens [B, n-1] for nodes 1..n-1, draft probs [B, D, V] or None)."""
+        """(the step's tree buffers, candidate tokens [B, n-1] for nodes 1..n-1, -1 where a row has no
+        draft for a node (it is run but never accepted), draft probs [B, D, V] or None)."""
 
     def rows_kept(self, index: list[int]) -> None:
         """Rows ``index`` stay in the batch (in that order); drop per-row state of the others.
@@ -270,9 +271,9 @@ class BatchTreeDecoder:
         """One draft-verify-keep step for every active row: per row (emitted tokens, draft tokens proposed)."""
         m = self.m
         buf, cand, draft_q = self.drafter.draft(self)
-        tokens = torch.cat([self.root[:, None], cand], dim=1)                  # [B, n]
+        tokens = torch.cat([self.root[:, None], cand], dim=1)                  # [B, n]; -1: no draft
         mask, pos = self.cache.step_mask(buf.tree_mask, buf.position_offsets, m.dtype)
-        h = m.hidden(tokens, pos, self.cache, mask)                              # [B, n, H]
+        h = m.hidden(tokens.clamp(min=0), pos, self.cache, mask)                 # [B, n, H]
         paths, bonus = verify_rows(buf, tokens, m.logits(h), self.cfg, draft_q, self.gen)
         self.cache.keep(paths)
         rows = torch.arange(len(paths), device=m.device)

@@ -202,7 +202,7 @@ def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor,
     threshold = torch.minimum(torch.full_like(entropy, cfg.typical_epsilon),
                               cfg.typical_delta * torch.exp(-entropy))
     par = buf.parents.clamp(min=0)
-    cand_logp = logp[par, tokens]
+    cand_logp = logp[par, tokens.clamp(min=0)].masked_fill(tokens < 0, -math.inf)   # -1: no draft here
     match = cand_logp.exp() > threshold[par]
     path = _best_path(buf, match, score=cand_logp)
     bonus = choose_token(logits[path[-1]], cfg, generator)
@@ -249,7 +249,7 @@ def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs, draft_probs: Op
                 c = kids[:, s]
                 x = kid_tok[:, s]
                 px, qx = p[rows, x], q[rows, x]
-                act = alive & (c >= 0) & (nxt < 0) & (qx > 0)        # q(x)=0: not a real draw
+                act = alive & (c >= 0) & (x >= 0) & (nxt < 0) & (qx > 0)   # q(x)=0: not a real draw
                 u = torch.rand(B, generator=generator, device=dev)
                 acc = act & (u * qx < px)                            # u < p(x)/q(x)
                 nxt = torch.where(acc, c, nxt)
@@ -293,6 +293,7 @@ def verify_rows(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cf
                 draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[list[list[int]], list[int]]:
     """``verify`` for every row of a batch, each row its own tree instance: tokens [B, N], logits
     [B, N, V], draft_probs [B, D, V] or None. Returns (accepted node paths, bonus tokens) per row.
+    A token -1 marks a node that carries no draft in its row (a shorter proposal): never accepted.
 
     Greedy is vectorised with ``verify_greedy``'s tie rule (the first longest leaf path), so a
     row's verdict equals its batch-1 verdict on the same logits; exact sampling runs
