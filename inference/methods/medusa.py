@@ -117,6 +117,9 @@ class HeadsDrafter:
         self.current: Optional[MedusaTree] = None
         self.started = False
 
+    def check_sampling(self, cfg: SamplingConfig) -> None:
+        self.m.heads.check_sampling(cfg)
+
     def draft(self, dec: BatchTreeDecoder):
         self.current = self.schedule.choose(dec.batch, self.current, self.started)
         self.started = True

@@ -233,8 +233,8 @@ class BatchTreeDecoder:
                  seed: Optional[int] = None, ragged: str = "compact"):
         self.m, self.drafter = m, drafter
         self.cfg = sampling or SamplingConfig()
-        if m.heads is not None:
-            m.heads.check_sampling(self.cfg)
+        if hasattr(drafter, "check_sampling"):   # heads refuse settings they cannot draft exactly
+            drafter.check_sampling(self.cfg)
         self.gen = seeded_generator(m.device, seed)
         self.ragged = ragged
         self.cache: Optional[RaggedKVCache] = None
