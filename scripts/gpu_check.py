@@ -9,6 +9,9 @@ On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no d
      prompts, EOS disabled;
   3. what ``tree=auto`` would choose there: expected tau of the grown tree over the measured step
      time, against plain decoding's rate;
+  3b. batched verification: the step time of the runtime's batched decoder (``BatchTreeDecoder``) for
+     1..16 nodes per row at batch 1..32, and the node count the per-batch rule would pick there
+     (expected tau from the accuracies below over the measured step, or plain decoding);
   4. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone: training step
      tokens/s against the backbone's forward (scripts/bench_train.py's interleaved loop).
 Then the verdicts against the targets, a Markdown summary (summary.md, also printed) and every
@@ -38,6 +41,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_support import median, plain_loop_vs_generate, sync, verification_step  # noqa: E402
 
+from inference.runtime.batch_decode import BatchTreeDecoder  # noqa: E402
 from inference.runtime.model import MedusaModel  # noqa: E402
 from inference.runtime.tree import chain_tree, expected_tau, grow_tree  # noqa: E402
 
@@ -131,6 +135,55 @@ def auto_choice(steps: dict) -> dict:
     return {"plain_tokens_per_s": plain_rate, "candidates": rows, "chosen": chosen,
             "expected_speedup": round(chosen["expected_tokens_per_s"] / plain_rate, 3) if chosen else 1.0,
             "accuracies": HEAD_ACCURACY}
+
+
+# -- 3b. batched verification -------------------------------------------------------------------------------------
+class _RandomDrafter:
+    """Proposes random tokens in a fixed tree: what a batched verification step costs, whatever the heads."""
+
+    def __init__(self, tree, vocab: int, device):
+        self.buf, self.vocab, self.device = tree.buffers(device), vocab, device
+        self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
+
+    def draft(self, dec):
+        cand = torch.randint(0, self.vocab, (dec.batch, self.buf.num_nodes - 1), device=self.device)
+        return self.buf, cand, None
+
+    def rows_kept(self, index):
+        pass
+
+
+def batch_steps(m: MedusaModel, batches: list[int], nodes: list[int], steps: int, prompt_len: int) -> dict:
+    """Median ms of one batched decoding step per (batch size, nodes per row), one prefill per pair, and
+    the per-batch rule's pick (expected tau / step time, plain decoding included)."""
+    acc = HEAD_ACCURACY["per_rank"]
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    for b in batches:
+        prompts = [torch.randint(0, m.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+        row = {}
+        for n in nodes:
+            t, _ = grow_tree(acc, n - 1, name=f"grown{n}", fill=True)
+            tree = t if t.num_nodes == n else chain_tree(n)
+            dec = BatchTreeDecoder(m, _RandomDrafter(tree, m.vocab_size, m.device))
+            with torch.inference_mode():
+                dec.prefill(prompts, (steps + 3) * (tree.max_depth + 1))
+                times = []
+                for i in range(steps + 2):
+                    t0 = time.perf_counter()
+                    dec.step()
+                    sync(m.device)
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+            tau = expected_tau(tree, acc) if tree.max_depth <= len(acc) else None
+            row[n] = {"ms": round(median(times) * 1e3, 3), "expected_tau": round(tau, 4) if tau else None}
+        base = row[nodes[0]]["ms"]
+        for n in nodes:
+            row[n]["vs_1"] = round(row[n]["ms"] / base, 3)
+        rates = {n: (r["expected_tau"] or 0) / r["ms"] for n, r in row.items() if n == 1 or r["expected_tau"]}
+        rates[1] = 1.0 / base
+        out[b] = {"steps": row, "pick": max(rates, key=rates.get)}
+    return out
 
 
 # -- 4. training step vs backbone forward -----------------------------------------------------------------------
@@ -271,6 +324,14 @@ def summary(result: dict) -> str:
                   + (f"**{c['nodes']} nodes**, expected tau {c['expected_tau']}, {c['expected_tokens_per_s']} vs "
                      f"{auto['plain_tokens_per_s']} tokens/s plain = **{auto['expected_speedup']:.2f}x**" if c else
                      f"**no tree** (none beats plain decoding at {auto['plain_tokens_per_s']} tokens/s)")]
+    bs = result.get("batch_steps")
+    if bs:
+        nodes = list(next(iter(bs.values()))["steps"])
+        lines += ["", "Batched decoding step (ms; x a 1-node step at that batch size; the per-batch rule's pick):", "",
+                  "| batch | " + " | ".join(f"{n} nodes" for n in nodes) + " | pick |", "|---|" + "---|" * (len(nodes) + 1)]
+        for b, r in bs.items():
+            lines.append(f"| {b} | " + " | ".join(f"{r['steps'][n]['ms']:.2f} ({r['steps'][n]['vs_1']:.2f}x)"
+                                                  for n in nodes) + f" | {r['pick']} |")
     pl = result.get("plain_loop_vs_generate")
     if pl:
         lines += ["", f"Plain loop vs `generate` ({pl['prompts']} random-token prompts x {result['new_tokens']} new tokens, "
@@ -294,7 +355,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"))
     ap.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1")
     ap.add_argument("--tier-xml", default=None, help="pytest's JUnit XML of the gpu tier")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "plain", "train"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "train"])
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -309,7 +370,9 @@ def main() -> None:
         torch.set_num_threads(1)
     sizes = dict(nodes=[1, 2] if dry else [1, 2, 4, 8, 16, 32, 64], rounds=2 if dry else 5, per_round=2 if dry else 10,
                  prompts=2 if dry else 5, prompt_len=8 if dry else 64, new_tokens=6 if dry else 128,
-                 micro=2 if dry else 8, max_length=64 if dry else 1024, train_steps=2 if dry else 8)
+                 micro=2 if dry else 8, max_length=64 if dry else 1024, train_steps=2 if dry else 8,
+                 batches=[1, 2] if dry else [1, 2, 4, 8, 16, 32], batch_nodes=[1, 2] if dry else [1, 2, 4, 8, 16],
+                 batch_steps=2 if dry else 6)
     result = {"dry_run": dry, "machine": machine(), "backbone": "tiny Llama" if dry else "SmolLM2-135M-shaped Llama (random)",
               "shape": shape, "dtype": str(dtype).replace("torch.", ""), "sizes": sizes, "new_tokens": sizes["new_tokens"],
               "gpu_tier": tier_result(Path(args.tier_xml) if args.tier_xml else None), "errors": {}}
@@ -332,6 +395,10 @@ def main() -> None:
         result["tree_steps"] = tree_steps(m, sizes["nodes"], sizes["rounds"], sizes["per_round"])
         result["tree_auto"] = auto_choice(result["tree_steps"])
 
+    def batch():
+        result["batch_steps"] = batch_steps(m, sizes["batches"], sizes["batch_nodes"], sizes["batch_steps"],
+                                            sizes["prompt_len"])
+
     def plain():
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, shape["vocab_size"], (sizes["prompt_len"],), generator=g).tolist()
@@ -339,6 +406,7 @@ def main() -> None:
         result["plain_loop_vs_generate"] = plain_loop_vs_generate(m, prompts, sizes["new_tokens"])
 
     section("steps", steps)
+    section("batch", batch)
     section("plain", plain)
     del m
     if device.type == "cuda":
