@@ -9,7 +9,9 @@
     medusa-eval heads=runs/a/heads methods=[medusa_lookup] prompts=code  # Medusa tree + prompt lookup branch
     medusa-eval compare=true prompts=code out=runs/compare_code          # every method: compare.md + .png
     medusa-eval heads=runs/e3/heads methods=[eagle3] eagle_tree=auto    # EAGLE-3 drafter, dynamic trees
+    medusa-eval heads=runs/a/heads batch_size=[1,2,4,8,16,32]          # batched: throughput per batch size
     medusa-generate heads=runs/a/heads prompt="Write a haiku about the sea." tree=runs/a/eval/tree.json
+    medusa-generate heads=runs/a/heads 'prompt=["Say hi.", "Name a colour."]'   # decoded as one batch
 
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra;
 only these entry points do. User mistakes print one line and exit 2.
@@ -21,6 +23,12 @@ trade-off matrix; medusa-generate decodes with that same default method. The bas
 added: autoregressive, and hf_generate in greedy mode. Without heads= the backbone is ``backbone=``
 (default embedded:smollm2). Prompt sets: embedded:mtbench (default), code (bundled code /
 structured-output prompts) or a JSONL file.
+
+batch_size=B (or a list, batch_size=[1,2,4,8]) evaluates batched decoding instead: the prompts in
+consecutive batches of B, each batch decoded by every requested method that batches (generate_batch),
+the plain batched loop and transformers' batched generate; report.json's ``batched`` section and
+throughput_vs_batch.png. medusa-generate takes several prompts as prompt=[...] or prompts_file= (a
+JSONL as medusa-eval's prompts=) and decodes them together (batch_size=N: N at a time).
 """
 from __future__ import annotations
 
@@ -86,11 +94,15 @@ class EvalConfig(RuntimeConfig):
     tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     out: Optional[str] = None  # default: <heads>/../eval
     progress_bar: bool = True
+    # 1: one prompt at a time (the evaluation above) | B | [1,2,4,...]: batched evaluation (batch_eval)
+    batch_size: Any = 1
 
 
 @dataclass
 class GenerateConfig(RuntimeConfig):
-    prompt: Optional[str] = None
+    prompt: Any = None  # a prompt, or a list of prompts decoded together: prompt=["...", "..."]
+    prompts_file: Optional[str] = None  # several prompts: a JSONL (forms as medusa-eval prompts=) | code
+    batch_size: Any = None  # several prompts: how many decode together (default: all of them)
     tree: str = "tree4"
     system: Optional[str] = None
 
@@ -208,6 +220,19 @@ def _method_options(cfg, methods: list[str]) -> dict:
     return {meth: options_from_keys(meth, cfg) for meth in methods}
 
 
+def eval_batch_sizes(cfg) -> Optional[list[int]]:
+    """The batch sizes of a batched evaluation (None: one prompt at a time), checked before anything loads."""
+    from .errors import UserError
+    from .evaluation.batch_eval import parse_batch_sizes
+
+    sizes = parse_batch_sizes(cfg.batch_size)
+    if sizes is not None and cfg.compare:
+        raise UserError("compare=true measures one prompt at a time: with batch_size give methods=[...]")
+    if sizes is not None and cfg.turns != "first":
+        raise UserError("batch_size decodes first turns only: drop turns= or batch_size=")
+    return sizes
+
+
 def run_eval(cfg) -> dict:
     from pathlib import Path
 
@@ -219,7 +244,12 @@ def run_eval(cfg) -> dict:
     from .methods import get
 
     sampling = _sampling(cfg)
+    sizes = eval_batch_sizes(cfg)
     methods = eval_methods(cfg)
+    if sizes is not None:  # before the backbone loads: methods that cannot decode batches
+        from .evaluation.batch_eval import check_batchable
+
+        check_batchable(methods, sizes)
     options = _method_options(cfg, methods)
     prompts = load_prompts(cfg.prompts)
     wanted = cfg.num_prompts
@@ -238,10 +268,18 @@ def run_eval(cfg) -> dict:
     settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
     settings["backbone"] = settings.get("backbone") or ("embedded:smollm2" if not cfg.heads else None)
     settings["methods"] = methods
-    report = evaluate(m, prompts, methods=methods, tree=cfg.tree, max_new_tokens=cfg.max_new_tokens,
-                      sampling=sampling, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
-                      calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets), seed=cfg.seed,
-                      progress=cfg.progress_bar, settings=settings, options=options)
+    if sizes is not None:
+        from .evaluation.batch_eval import evaluate_batched
+
+        report = evaluate_batched(m, prompts, methods=methods, batch_sizes=sizes, tree=cfg.tree,
+                                  max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                                  calibration_prompts=cfg.calibration_prompts, calibration_tokens=cfg.calibration_tokens,
+                                  seed=cfg.seed, progress=cfg.progress_bar, settings=settings, options=options)
+    else:
+        report = evaluate(m, prompts, methods=methods, tree=cfg.tree, max_new_tokens=cfg.max_new_tokens,
+                          sampling=sampling, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
+                          calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets), seed=cfg.seed,
+                          progress=cfg.progress_bar, settings=settings, options=options)
     spec = getattr(m.heads, "spec", None)
     if getattr(spec, "backbone_adapter", None) and m.adapter_applied:
         # Medusa-2 heads decode on the adapted backbone: say how far it is from the original.
@@ -267,13 +305,15 @@ def run_eval(cfg) -> dict:
     paths = write_report(out, report)
     if cfg.compare:
         paths += write_compare(out, report)
-    if report["tree"]["choices"]:
+    if (report.get("tree") or {}).get("choices"):
         from .runtime.tree import MedusaTree
 
         MedusaTree(report["tree"]["choices"], name=report["tree"]["name"]).save(out / "tree.json")
         paths.append(out / "tree.json")
     print()
-    for meth, row in report["per_method"].items():
+    if sizes is not None:
+        print_batched(report["batched"])
+    for meth, row in report.get("per_method", {}).items():
         parts = [f"{meth:>14}: {row['tokens_per_s']:8.2f} tok/s", f"tau {row['tau']:.3f}"]
         if "speedup_vs_autoregressive" in row:
             parts.append(f"{row['speedup_vs_autoregressive']:.2f}x vs autoregressive")
@@ -286,25 +326,81 @@ def run_eval(cfg) -> dict:
     return report
 
 
+def print_batched(b: dict) -> None:
+    """One line per batch size: each method's tokens/s and speedup over the plain batched loop."""
+    for size, entry in b["per_batch_size"].items():
+        parts = [f"batch {size:>3}"]
+        for meth, row in entry["per_method"].items():
+            vs = row.get("speedup_vs_autoregressive")
+            parts.append(f"{meth} {row['tokens_per_s']:.1f} tok/s" + (f" ({vs:.2f}x)" if vs is not None else ""))
+        if entry.get("speculation"):
+            parts.append(f"speculation {entry['speculation']}")
+        print(" | ".join(parts))
+    for meth, size in b["speculation_stops_paying"].items():
+        print(f"{meth}: " + (f"speculation stops paying at batch size {size}" if size is not None
+                             else "faster than the plain batched loop at every batch size"))
+    for meth, same in (b.get("greedy_identical") or {}).items():
+        if meth != "hf_generate":
+            print(f"{meth}: every row identical to greedy: {same}")
+
+
+def generate_prompts(cfg) -> tuple[list[str], bool]:
+    """(the prompts, whether several were asked for: prompt=[...], prompts_file= or batch_size=)."""
+    from .errors import UserError
+
+    given = cfg.prompt
+    if cfg.prompts_file is not None:
+        if given is not None:
+            raise UserError("give one of prompt= or prompts_file=")
+        from .evaluation.prompts import load_prompts
+
+        return [p.turns[0] for p in load_prompts(cfg.prompts_file)], True
+    if isinstance(given, (int, float)) and not isinstance(given, bool):
+        given = str(given)
+    if isinstance(given, str) or given is None:
+        if not (given or "").strip():
+            raise UserError('prompt="..." is required and must not be empty')
+        return [given], cfg.batch_size is not None
+    if not hasattr(given, "__iter__") or hasattr(given, "keys"):
+        raise UserError('prompt must be text or a list of texts (quote a prompt holding ": ", e.g. '
+                        'prompt="\"Write: a poem\"")')
+    texts = list(given)
+    if not texts:
+        raise UserError('prompt="..." is required and must not be empty')
+    for i, t in enumerate(texts, start=1):
+        if not isinstance(t, str) or not t.strip():
+            raise UserError(f"prompt {i} of {len(texts)} is {'empty' if isinstance(t, str) else 'not text'}")
+    return texts, True
+
+
 def run_generate(cfg) -> None:
     from .errors import UserError
     from .methods import stream as decode_stream
 
     from .methods import get
-    from .methods.registry import methods_for_heads, options_from_keys
+    from .methods.registry import batched_names, methods_for_heads, options_from_keys
+    from .runtime.batch_decode import check_batch_size
 
-    if not (cfg.prompt or "").strip():
-        raise UserError('prompt="..." is required and must not be empty')
+    texts, several = generate_prompts(cfg)
+    size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None
     if cfg.heads in ("???", ""):
         raise UserError("heads=<export directory> is required")
     spec = heads_spec(cfg)
     method = methods_for_heads(spec)[0] if spec is not None else "medusa"  # eagle3 for EAGLE-3 heads
+    batching = get(method).batch_decoder is not None
+    if size is not None and size > 1 and not batching:
+        raise UserError(f"method {method} (these heads) decodes one prompt at a time: drop batch_size "
+                        f"(methods that decode batches: {', '.join(batched_names())})")
     tree = {"tree": cfg.tree} if get(method).needs_tree else {}
     options = options_from_keys(method, cfg)  # bad eagle_* keys: one line before the backbone loads
     if tree:
         check_tree(cfg)  # before the backbone loads
     m = _load(cfg)
-    ids = m.encode_chat(cfg.prompt, system=cfg.system)
+    if several:
+        ids = [m.encode_chat(t, system=cfg.system) for t in texts]
+        generate_several(m, texts, ids, method, size or len(ids), batching, options, _sampling(cfg), cfg, tree)
+        return
+    ids = m.encode_chat(texts[0], system=cfg.system)
     stream = decode_stream(m, ids, method, options=options, max_new_tokens=cfg.max_new_tokens,
                            sampling=_sampling(cfg), seed=cfg.seed, **tree)
     shown, tokens = "", []
@@ -317,6 +413,33 @@ def run_generate(cfg) -> None:
     out = stream.result
     print(f"\n\n[{len(out.tokens)} tokens, tau {out.tau:.2f}, {out.tokens_per_s:.1f} tokens/s, "
           f"finish: {out.finish_reason}]", file=sys.stderr)
+
+
+def generate_several(m, texts: list[str], ids: list[list[int]], method: str, size: int, batching: bool, options,
+                     sampling, cfg, tree: dict) -> None:
+    """Decode several prompts, ``size`` at a time with ``generate_batch`` when the method batches (one at
+    a time otherwise); print each answer under its prompt's number, and each batch's numbers on stderr."""
+    from .methods import generate, generate_batch
+
+    for start in range(0, len(ids), size if batching else 1):
+        rows = ids[start:start + (size if batching else 1)]
+        if batching:
+            out = generate_batch(m, rows, method, options=options, max_new_tokens=cfg.max_new_tokens,
+                                 sampling=sampling, seed=cfg.seed, **tree)
+            outs, secs, tau = out.rows, out.prefill_s + out.decode_s, out.tau
+        else:
+            g = generate(m, rows[0], method, options=options, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                         seed=cfg.seed, **tree)
+            outs, secs, tau = [g], g.prefill_s + g.decode_s, g.tau
+        for i, g in enumerate(outs, start=start + 1):
+            head = " ".join(texts[i - 1].split())
+            print(f"=== [{i}/{len(ids)}] {head[:70] + ('...' if len(head) > 70 else '')}")
+            print(m.tokenizer.decode(g.tokens, skip_special_tokens=True))
+            print(f"[{len(g.tokens)} tokens, tau {g.tau:.2f}, finish: {g.finish_reason}]\n", flush=True)
+        tokens = sum(len(g.tokens) for g in outs)
+        print(f"[{'batch of ' + str(len(outs)) if batching else 'prompt ' + str(start + 1)}: {tokens} tokens in "
+              f"{secs:.2f} s, {tokens / secs if secs > 0 else 0:.1f} tokens/s, tau {tau:.2f}]", file=sys.stderr,
+              flush=True)
 
 
 def eval_help() -> str:

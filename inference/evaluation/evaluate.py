@@ -47,7 +47,7 @@ from ..runtime.model import MedusaModel
 from ..runtime.tree import expected_tau, resolve_tree
 from ..runtime.verify import SamplingConfig
 from ..methods import registry
-from .prompts import Prompt
+from .prompts import Prompt, split_calibration
 from .tree_choice import DEFAULT_BUDGETS, TreeChoice, calibrated_choice, choose_eagle3, choose_tree
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
@@ -151,10 +151,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     with_tree = any(spec.needs_tree for spec in specs.values())
     eagle_auto = "eagle3" in opts and opts["eagle3"].tree == "auto"
     if ((tree == "auto" or fixed) and with_tree) or eagle_auto:
-        if len(prompts) > calibration_prompts >= 1:
-            calib_src, prompts = prompts[-calibration_prompts:], prompts[:-calibration_prompts]
-        else:
-            calib_src = prompts[:max(calibration_prompts, 1)]
+        calib_src, prompts = split_calibration(prompts, calibration_prompts)
         calib = [m.encode_chat(p.turns[0]) for p in calib_src]
     if (tree == "auto" or fixed) and with_tree:
         log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")

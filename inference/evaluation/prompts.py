@@ -53,6 +53,14 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
     return prompts[:limit] if limit else prompts
 
 
+def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(calibration prompts, evaluated prompts): the last ``calibration_prompts`` are held out when
+    there are more prompts than that; otherwise the first ones calibrate and are evaluated too."""
+    if len(prompts) > calibration_prompts >= 1:
+        return prompts[-calibration_prompts:], prompts[:-calibration_prompts]
+    return prompts[:max(calibration_prompts, 1)], prompts
+
+
 def _turns(rec) -> list:
     if isinstance(rec, str):
         return [rec]

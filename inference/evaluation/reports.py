@@ -1,6 +1,6 @@
 """Writing what ``evaluate`` measured: report.json / report.md / PNGs, and the trade-off matrix
 (compare.md + compare.png). The metric definitions live in ``evaluate``'s docstring; this module
-only formats them.
+only formats them. A batched evaluation's report (``batch_eval``) is formatted by ``batch_reports``.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from .batch_reports import batched_markdown, plot_throughput
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -17,8 +19,11 @@ def write_report(out_dir: Path, report: dict) -> list[Path]:
     tmp = out_dir / ".report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, paths[0])
-    paths[1].write_text(markdown(report))
+    batched = "batched" in report  # batch_eval's report: its own tables and the throughput plot
+    paths[1].write_text(batched_markdown(report) if batched else markdown(report))
     paths += plot_report(out_dir, report)
+    if batched:
+        paths.append(plot_throughput(out_dir, report))
     return paths
 
 

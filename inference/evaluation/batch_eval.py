@@ -1,0 +1,241 @@
+"""Batched evaluation (``medusa-eval batch_size=B`` or ``batch_size=[1,2,4,...]``): what speculation is
+worth when many prompts decode together.
+
+For each batch size B the evaluated prompts (first turns) are split into consecutive batches of B
+(the last one may be smaller). Every batch is decoded by each requested batched method
+(``generate_batch``), by the plain batched loop (``autoregressive``: the same ragged cache, one
+token per row per step) and, in greedy mode, by transformers' batched ``generate`` (left padding,
+attention mask; ``hf_generate_batch``), interleaved: the order rotates from batch to batch, so the
+machine's background load hits them alike.
+
+Per batch size (``report["batched"]["per_batch_size"][B]["per_method"][method]``):
+  tokens_per_s        new tokens of all rows / wall time of all the method's batched runs, prefill included
+  speedup_vs_autoregressive, speedup_vs_hf_generate   over the plain batched loop / HF's batched generate
+                      at the same B
+  tau, tau_per_row    tokens per row-step (bonus included; plain = 1.0): pooled over all rows, and per
+                      row in prompt order
+  nodes_per_step      nodes per row a step verified (root included), averaged over row-steps
+  identical_to_plain_batched, identical_to_batch1   greedy mode only, per row in prompt order: its
+                      tokens equal the plain batched loop's row / batch-1 autoregressive ``generate``
+``speculation_stops_paying``: per method, the smallest B whose tokens/s is not above the plain batched
+loop's (null: it pays at every B measured).
+
+The methods taking a tree (Medusa) get one per batch size: ``tree=auto`` measures the heads on the
+calibration prompts (held out as ``evaluate`` holds them out) and lets
+``batch_sizing.choose_schedule`` pick the tree for each B (a ``SpeculationSchedule``, recorded with
+its sizing); ``calibrated:N`` grows one N-node tree, and a given tree is used at every B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from ..errors import UserError
+from ..methods import registry
+from ..methods.hf_generate import hf_generate_batch
+from ..runtime.batch_decode import BatchOutput, SpeculationSchedule, check_batch_size, tree_label
+from ..runtime.linear_kernels import routing_summary
+from ..runtime.model import MedusaModel
+from ..runtime.tree import resolve_tree
+from ..runtime.verify import SamplingConfig
+from .evaluate import machine
+from .prompts import Prompt, split_calibration
+from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
+
+PLAIN, HF = "autoregressive", "hf_generate"
+
+
+# -- what the command line gives ---------------------------------------------------------------
+def parse_batch_sizes(value) -> Optional[list[int]]:
+    """``batch_size`` as given: None for the plain 1 (one prompt at a time: ``evaluate``), else the
+    distinct sizes, ascending (a single size, or a list); one ``UserError`` line for a bad one."""
+    if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        return [check_batch_size(value)]
+    items = list(value)
+    if not items:
+        raise UserError("batch_size must be an integer >= 1 or a list of them, got []")
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise UserError(f"batch_size must be an integer >= 1 or a list of them: {x!r} in {items}")
+    return sorted(set(items))
+
+
+def check_batchable(methods: Sequence[str], sizes: Sequence[int]) -> None:
+    """Refuse, in one line, a method that decodes one prompt at a time (``hf_generate`` batches here)."""
+    given = str(sizes[0]) if len(sizes) == 1 else str(list(sizes))
+    for x in methods:
+        if x != HF and registry.get(x).batch_decoder is None:
+            raise UserError(f"method {x} decodes one prompt at a time, so batch_size={given} cannot run it; "
+                            f"methods that decode batches: {', '.join(registry.batched_names())}")
+
+
+# -- the tree per batch size ------------------------------------------------------------------
+def needs_calibration(tree) -> bool:
+    return tree == "auto" or calibrated_choice(tree) is not None
+
+
+def choose_speculation(m: MedusaModel, tree, sizes: Sequence[int], calib: list[list[int]], latency: list[list[int]],
+                       *, calibration_tokens: int, progress: bool, log: Callable[[str], None]):
+    """(the schedule, its report record, the heads' measured per-rank accuracy or None)."""
+    fixed = calibrated_choice(tree) if isinstance(tree, str) else None
+    if isinstance(tree, SpeculationSchedule) or not needs_calibration(tree):
+        schedule = tree if isinstance(tree, SpeculationSchedule) else \
+            SpeculationSchedule({b: resolve_tree(tree, m.num_heads) if tree is not None else None for b in sizes})
+        return schedule, {"tree": "given", "schedule": schedule.to_dict(), "sizing": None}, None
+    if fixed is not None:
+        choice = choose_tree(m, calib, calib[0], calibration_tokens=calibration_tokens, log=log, fixed_nodes=fixed,
+                             progress=progress)
+        schedule = SpeculationSchedule({b: choice.tree for b in sizes})
+        return schedule, {"tree": tree, "schedule": schedule.to_dict(), "sizing": None}, choice.accuracies
+    try:
+        from .batch_sizing import choose_schedule
+    except ModuleNotFoundError as e:  # this checkout predates the sizing module
+        if e.name != f"{__package__}.batch_sizing":
+            raise
+        raise UserError("tree=auto with batch_size needs inference/evaluation/batch_sizing.py, missing here: "
+                        "give a tree (e.g. tree=tree8)") from None
+    log(f"choosing the speculation per batch size: head accuracy on {len(calib)} calibration prompts, "
+        "batch step latency on this device")
+    per_rank = measure_head_accuracy(m, calib, max_new_tokens=calibration_tokens).per_rank.tolist()
+    sizing = choose_schedule(m, per_rank, latency, list(sizes), log=log, progress=progress)
+    log("speculation per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
+    return sizing.schedule, {"tree": "auto", "schedule": sizing.schedule.to_dict(), "sizing": sizing.to_dict()}, \
+        per_rank
+
+
+# -- the numbers ------------------------------------------------------------------------------
+def rate(runs: Sequence[BatchOutput]) -> float:
+    secs = sum(o.prefill_s + o.decode_s for o in runs)
+    return sum(o.new_tokens for o in runs) / secs if secs > 0 else 0.0
+
+
+def method_summary(method: str, runs: dict[str, list[BatchOutput]], rates: dict[str, float],
+                   reference: Optional[list[list[int]]], greedy: bool) -> dict:
+    """One method's numbers at one batch size (module docstring)."""
+    rows = [r for o in runs[method] for r in o.rows]
+    steps = sum(r.steps for r in rows)
+    out: dict = {"tokens_per_s": round(rates[method], 3), "new_tokens": sum(o.new_tokens for o in runs[method]),
+                 "seconds": round(sum(o.prefill_s + o.decode_s for o in runs[method]), 4),
+                 "prefill_s": round(sum(o.prefill_s for o in runs[method]), 4),
+                 "tau": round(sum(sum(r.accept_lengths) for r in rows) / steps, 4) if steps else 1.0,
+                 "tau_per_row": [round(r.tau, 3) for r in rows]}
+    if not registry.get(method).baseline:
+        weights = [(a, s) for o in runs[method] for a, s in zip(o.active, o.speculation)]
+        out["nodes_per_step"] = round(sum(a * s for a, s in weights) / max(1, sum(a for a, _ in weights)), 3)
+    for base, key in ((PLAIN, "speedup_vs_autoregressive"), (HF, "speedup_vs_hf_generate")):
+        if base != method and base in rates and rates[base] > 0:
+            out[key] = round(rates[method] / rates[base], 4)
+    if greedy:
+        checks = []
+        if method != PLAIN:
+            plain = [r.tokens for o in runs[PLAIN] for r in o.rows]
+            out["identical_to_plain_batched"] = [r.tokens == p for r, p in zip(rows, plain)]
+            checks += out["identical_to_plain_batched"]
+        if reference is not None:
+            out["identical_to_batch1"] = [r.tokens == t for r, t in zip(rows, reference)]
+            checks += out["identical_to_batch1"]
+        out["greedy_identical"] = all(checks)
+    return out
+
+
+def stops_paying(per_size: Mapping[int, Mapping[str, float]], method: str) -> Optional[int]:
+    """The smallest batch size whose tokens/s for ``method`` is not above the plain batched loop's."""
+    return next((b for b in sorted(per_size) if per_size[b][method] <= per_size[b][PLAIN]), None)
+
+
+# -- the whole batched evaluation ---------------------------------------------------------------
+def run_method(m: MedusaModel, method: str, rows: list[list[int]], options, max_new_tokens: int,
+               sampling: SamplingConfig, seed: int) -> BatchOutput:
+    if method == HF:
+        return hf_generate_batch(m, rows, max_new_tokens)
+    return registry.generate_batch(m, rows, method, options=options, max_new_tokens=max_new_tokens,
+                                   sampling=sampling, seed=seed)
+
+
+def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str], batch_sizes: Sequence[int],
+                     tree: Any = "auto", max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
+                     calibration_prompts: int = 8, calibration_tokens: int = 48, seed: int = 0,
+                     progress: bool = True, log: Callable[[str], None] = print, settings: Optional[dict] = None,
+                     options: Optional[Mapping[str, Any]] = None) -> dict:
+    """Run ``methods`` (+ the plain batched loop, + HF's batched generate in greedy mode) on batches of
+    ``prompts`` at every batch size, interleaved; the report's ``batched`` section (module docstring)."""
+    sampling = sampling or SamplingConfig()
+    greedy = sampling.is_greedy
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sizes = parse_batch_sizes([batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes))
+    methods = registry.check_methods(list(methods), m)
+    check_batchable(methods, sizes)
+    measured = list(methods) + [b for b in (PLAIN, HF) if b not in methods and (b == PLAIN or greedy)]
+    refused = [x for x in measured if registry.get(x).greedy_only and not greedy]
+    if refused:
+        raise UserError(f"{refused[0]} is measured in greedy mode only")
+    opts = {x: registry.make_options(x, (options or {}).get(x)) for x in measured if x != HF}
+    reported = {x: registry.options_report(o) for x, o in opts.items() if dataclasses.fields(o)}
+    tree_methods = [x for x in opts if registry.get(x).needs_tree]
+    calib_src: list[Prompt] = []
+    if tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree):
+        calib_src, prompts = split_calibration(list(prompts), calibration_prompts)
+    if not prompts:
+        raise UserError("no prompts to evaluate")
+    ids = [m.encode_chat(p.turns[0]) for p in prompts]
+    schedule, speculation, per_rank = None, None, None
+    if tree_methods:
+        schedule, speculation, per_rank = choose_speculation(
+            m, tree, sizes, [m.encode_chat(p.turns[0]) for p in calib_src], ids,
+            calibration_tokens=calibration_tokens, progress=progress, log=log)
+        for x in tree_methods:
+            opts[x] = dataclasses.replace(opts[x], tree=schedule)
+            reported.setdefault(x, {})["tree"] = schedule.to_dict()
+    reference = None
+    if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
+        reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]
+
+    runs = {b: {x: [] for x in measured} for b in sizes}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(-(-len(ids) // b) for b in sizes), desc="batched eval", unit="batch")
+    k = 0
+    for b in sizes:
+        for start in range(0, len(ids), b):
+            rows = ids[start:start + b]
+            order = measured[k % len(measured):] + measured[:k % len(measured)]
+            for x in order:
+                runs[b][x].append(run_method(m, x, rows, opts.get(x), max_new_tokens, sampling, seed + k))
+            k += 1
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    rates = {b: {x: rate(runs[b][x]) for x in measured} for b in sizes}
+    per_size = {}
+    for b in sizes:
+        entry: dict = {"batches": len(runs[b][PLAIN]), "rows": len(ids),
+                       "tokens_per_s": {x: round(v, 3) for x, v in rates[b].items()},
+                       "per_method": {x: method_summary(x, runs[b], rates[b], reference, greedy) for x in measured}}
+        if schedule is not None:
+            entry["speculation"] = tree_label(schedule.choices[schedule.bucket(b)])
+        per_size[str(b)] = entry
+    speculative = [x for x in measured if not registry.get(x).baseline]
+    batched: dict = {"batch_sizes": sizes, "num_prompts": len(ids), "methods": measured,
+                     "greedy_reference": "autoregressive generate, one prompt at a time" if greedy else None,
+                     "speculation": speculation, "per_batch_size": per_size,
+                     "speculation_stops_paying": {x: stops_paying(rates, x) for x in speculative}}
+    if greedy:
+        batched["greedy_identical"] = {x: all(per_size[str(b)]["per_method"][x]["greedy_identical"] for b in sizes)
+                                       for x in measured}
+    report = {"settings": settings or {}, "machine": machine(), "num_samples": len(ids), "methods": measured,
+              "method_options": reported, "batched": batched,
+              "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock"}
+    if per_rank is not None:
+        report["head_accuracy"] = {"per_rank": per_rank, "topk": torch.tensor(per_rank).cumsum(1).tolist(),
+                                   "measured_on": f"{len(calib_src)} calibration prompts (backbone greedy tokens)"}
+    return report
