@@ -5,13 +5,13 @@ identity per row, the throughput plot, the tree per batch size, HF's batched gen
 from __future__ import annotations
 
 import json
-import sys
 import types
 
 import pytest
 import torch
 
 from inference.errors import UserError
+from inference.evaluation import batch_eval
 from inference.evaluation.batch_eval import evaluate_batched, parse_batch_sizes, stops_paying
 from inference.evaluation.batch_reports import THROUGHPUT_PLOT
 from inference.evaluation.prompts import Prompt
@@ -158,14 +158,7 @@ def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch)
         calls.update(per_rank=per_rank, latency=latency_prompts, sizes=list(batch_sizes))
         return Sizing(SpeculationSchedule({1: resolve_tree("chain2", 2), 4: None}))
 
-    module = sys.modules.get("inference.evaluation.batch_sizing")
-    if module is None:
-        try:
-            import inference.evaluation.batch_sizing as module
-        except ImportError:  # not written yet: a stand-in module
-            module = types.ModuleType("inference.evaluation.batch_sizing")
-            monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr(module, "choose_schedule", choose_schedule, raising=False)
+    monkeypatch.setattr(batch_eval, "choose_schedule", choose_schedule)
     r = evaluate_batched(oracle, PROMPTS, methods=["medusa"], batch_sizes=[1, 4], tree="auto", max_new_tokens=NEW,
                          calibration_prompts=2, calibration_tokens=6, progress=False, log=_quiet)
     b = r["batched"]

@@ -43,6 +43,7 @@ from ..runtime.tree import resolve_tree
 from ..runtime.verify import SamplingConfig
 from .evaluate import machine
 from .prompts import Prompt, split_calibration
+from .batch_sizing import choose_schedule
 from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
 
 PLAIN, HF = "autoregressive", "hf_generate"
@@ -92,13 +93,6 @@ def choose_speculation(m: MedusaModel, tree, sizes: Sequence[int], calib: list[l
                              progress=progress)
         schedule = SpeculationSchedule({b: choice.tree for b in sizes})
         return schedule, {"tree": tree, "schedule": schedule.to_dict(), "sizing": None}, choice.accuracies
-    try:
-        from .batch_sizing import choose_schedule
-    except ModuleNotFoundError as e:  # this checkout predates the sizing module
-        if e.name != f"{__package__}.batch_sizing":
-            raise
-        raise UserError("tree=auto with batch_size needs inference/evaluation/batch_sizing.py, missing here: "
-                        "give a tree (e.g. tree=tree8)") from None
     log(f"choosing the speculation per batch size: head accuracy on {len(calib)} calibration prompts, "
         "batch step latency on this device")
     per_rank = measure_head_accuracy(m, calib, max_new_tokens=calibration_tokens).per_rank.tolist()
