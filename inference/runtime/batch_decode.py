@@ -230,7 +230,7 @@ class BatchTreeDecoder:
                  seed: Optional[int] = None, ragged: str = "compact"):
         self.m, self.drafter = m, drafter
         self.cfg = sampling or SamplingConfig()
-        if m.heads is not None:
+        if m.heads is not None and drafter.max_depth > 0:   # only a drafter that drafts uses the heads
             m.heads.check_sampling(self.cfg)
         self.gen = seeded_generator(m.device, seed)
         self.ragged = ragged
