@@ -83,7 +83,15 @@ def prompt_rows(m: MedusaModel, prompts) -> list[list[int]]:
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             raise UserError(f"prompt {i} is text; encode it first (e.g. MedusaModel.encode_chat)")
-        ids = [int(t) for t in p]
+        if isinstance(p, torch.Tensor) and p.dim() == 1:
+            p = p.tolist()
+        if isinstance(p, (bytes, torch.Tensor)) or not isinstance(p, Sequence):
+            raise UserError(f"prompt {i} ({type(p).__name__}) is not a list of token ids: a batch is a list of "
+                            "prompts (one prompt: [ids])")
+        try:
+            ids = [int(t) for t in p]
+        except (TypeError, ValueError):
+            raise UserError(f"prompt {i} must be a list of integer token ids") from None
         if not ids:
             raise UserError(f"prompt {i} is empty: give at least one token")
         if min(ids) < 0 or max(ids) >= m.vocab_size:
@@ -233,8 +241,8 @@ class BatchTreeDecoder:
                  seed: Optional[int] = None, ragged: str = "compact"):
         self.m, self.drafter = m, drafter
         self.cfg = sampling or SamplingConfig()
-        if hasattr(drafter, "check_sampling"):   # heads refuse settings they cannot draft exactly
-            drafter.check_sampling(self.cfg)
+        if hasattr(drafter, "check_sampling") and drafter.max_depth > 0:   # heads that draft refuse settings
+            drafter.check_sampling(self.cfg)                                # they cannot draft exactly
         self.gen = seeded_generator(m.device, seed)
         self.ragged = ragged
         self.cache: Optional[RaggedKVCache] = None
