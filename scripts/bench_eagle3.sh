@@ -17,14 +17,7 @@ RUN=${EAGLE3_RUN:-runs/eagle3_smollm2}
 STAGES=${STAGES:-"train eval export"}
 B=${BENCH_OUT:-runs/bench_eagle3}
 mkdir -p "$B"
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-timed() {  # timed <label> <command...>: runs it, appends the wall time to timings.txt
-  local label=$1 start
-  shift
-  start=$(date +%s)
-  "$@"
-  echo "$label: $(( $(date +%s) - start )) s" | tee -a "$B/timings.txt"
-}
+. scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
 
 if has train && [[ ! -f "$RUN/heads/config.json" ]]; then
   timed "eagle3_smollm2 (cache + training)" "$BIN/medusa-train" eagle3_smollm2 output_dir="$RUN" \

@@ -18,15 +18,8 @@ STAGES=${STAGES:-"build ablation recipes eval"}
 TRAIN_ARGS=(trainer.progress_bar=false logger.wandb=disabled)
 mkdir -p "$B"
 
-has() { [[ " $STAGES " == *" $1 "* ]]; }
+. scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
 done_run() { [[ -f "$1/heads/config.json" ]]; }
-timed() {  # timed <label> <command...>: runs it, appends the wall time to timings.txt
-  local label=$1 start
-  shift
-  start=$(date +%s)
-  "$@"
-  echo "$label: $(( $(date +%s) - start )) s" | tee -a "$B/timings.txt"
-}
 
 if has build; then
   timed "feature cache (1,000 conversations)" "$BIN/medusa-train" hydra_smollm2_greedy features.mode=build \

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Batched decoding on the embedded default: BENCHMARKS.md "Batched decoding".
+#
+#   bash scripts/bench_batch.sh                    # both stages; ~45 min on 2 CPU cores
+#   STAGES=eval bash scripts/bench_batch.sh
+#
+# Needs the quickstart's heads (runs/medusa1_smollm2/heads: bash scripts/quickstart.sh) and the best
+# heads (runs/hydra_smollm2_greedy/heads: medusa-train hydra_smollm2_greedy).
+# 1. ragged: the two batch KV layouts (per-row compaction vs masked gaps) at B = 4 and 16, Hydra heads;
+# 2. eval: medusa-eval batch_size=[1,2,4,8,16,32] on 32 MT-Bench first turns (8 more calibrate), for each
+#    head set: medusa with the tree chosen per batch size (tree=auto), the plain batched loop and
+#    transformers' batched generate, interleaved batch by batch; report.json + throughput_vs_batch.png.
+# Run it alone: every figure here is a latency.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${MEDUSA_BIN:-.venv/bin}
+STAGES=${STAGES:-"ragged eval"}
+B=${BENCH_OUT:-runs/bench_batch}
+QUICK=${QUICK_HEADS:-runs/medusa1_smollm2/heads}
+BEST=${BEST_HEADS:-runs/hydra_smollm2_greedy/heads}
+mkdir -p "$B"
+. scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
+
+if has ragged; then
+  timed "ragged layouts" "$BIN/python" scripts/bench_ragged.py "$BEST" --batch 4 16 --tree chain2 tree4 \
+      --rounds 3 | tee "$B/ragged.md"
+fi
+
+if has eval; then
+  for heads in "$BEST" "$QUICK"; do
+    name=$(basename "$(dirname "$heads")")
+    timed "eval $name" "$BIN/medusa-eval" heads="$heads" batch_size=[1,2,4,8,16,32] num_prompts=32 \
+        max_new_tokens=96 progress_bar=false out="$B/$name"
+  done
+fi
