@@ -24,8 +24,8 @@ from inference.methods import generate
 from inference.methods.medusa import HeadsDrafter
 from inference.methods.registry import generate_batch
 from inference.runtime.batch_cache import RAGGED_MODES
-from inference.runtime.batch_decode import (BatchTreeDecoder, PlainDrafter, SpeculationSchedule, check_batch_size,
-                                            run_batch)
+from inference.runtime.batch_decode import BatchTreeDecoder, PlainDrafter, check_batch_size, run_batch
+from inference.runtime.speculation import SpeculationSchedule
 from inference.runtime.tree import MedusaTree, default_tree
 from inference.runtime.verify import SamplingConfig, filter_probs
 

@@ -19,7 +19,7 @@ from inference.evaluation.reports import write_report
 from inference.heads.drafting import IndependentDrafting
 from inference.methods import generate, generate_batch
 from inference.methods.hf_generate import hf_generate_batch
-from inference.runtime.batch_decode import SpeculationSchedule
+from inference.runtime.speculation import SpeculationSchedule
 from inference.runtime.model import MedusaModel
 from inference.runtime.tree import resolve_tree
 from runtime_support import one_thread, random_heads  # noqa: F401  (one_thread: autouse fixture)

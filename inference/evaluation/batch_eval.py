@@ -36,7 +36,8 @@ import torch
 from ..errors import UserError
 from ..methods import registry
 from ..methods.hf_generate import hf_generate_batch
-from ..runtime.batch_decode import BatchOutput, SpeculationSchedule, check_batch_size, tree_label
+from ..runtime.batch_decode import BatchOutput, check_batch_size
+from ..runtime.speculation import SpeculationSchedule, tree_label
 from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
 from ..runtime.tree import resolve_tree

@@ -25,7 +25,8 @@ import torch
 
 from ..errors import UserError
 from ..methods.medusa import HeadsDrafter
-from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter, SpeculationSchedule, check_batch_size, tree_label
+from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter, check_batch_size
+from ..runtime.speculation import SpeculationSchedule, tree_label
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, chain_tree, expected_tau, grow_tree
 from .tree_choice import PLAIN, race

@@ -26,9 +26,10 @@ import torch
 
 from ..errors import UserError
 from ..heads.drafting import static_tree_refusal
-from ..runtime.batch_decode import BatchTreeDecoder, SpeculationSchedule, root_only
+from ..runtime.batch_decode import BatchTreeDecoder, root_only
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
+from ..runtime.speculation import SpeculationSchedule
 from ..runtime.tree import MedusaTree, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .autoregressive import AutoregressiveDecoder

@@ -10,7 +10,7 @@ the batch (its cache rows are dropped), so finished rows cost nothing afterwards
 ``Drafter`` (``draft(decoder) -> (tree buffers, candidate tokens [B, n-1], draft probs)``), which
 a method supplies: Medusa/Hydra/MLP-speculator heads fill static trees, prompt lookup fills
 chains, ``PlainDrafter`` proposes nothing (the plain batched loop, the baseline). How much a
-method speculates may depend on how many rows are active (``SpeculationSchedule``): on a
+method speculates may depend on how many rows are active (``speculation.SpeculationSchedule``): on a
 machine where the verification forward is bound by reading the weights, extra rows are free at
 batch 1 and cost compute at batch 32.
 
@@ -150,44 +150,6 @@ def check_batch_fits(m: MedusaModel, prompt_lengths: Sequence[int], max_new_toke
                         f"max_new_tokens={max_new_tokens}) needs about {need / 2**30:.1f} GiB for its KV cache and "
                         f"activations, more than the {free / 2**30:.1f} GiB free on {m.device}: lower batch_size or "
                         "max_new_tokens")
-
-
-# -- how much to speculate at each batch size ---------------------------------------------------
-@dataclass
-class SpeculationSchedule:
-    """Which tree (None = plain decoding) to verify with at each number of active rows.
-
-    ``choices[b]`` holds the winner measured at batch size b and ``rates[b][name]`` the expected
-    tokens/s of every candidate there. For a count between measured sizes the next larger measured
-    size decides (its step times bound the smaller batch's). Hysteresis: the current tree is kept
-    unless the new count's winner is expected to be ``switch_gain`` faster than it, so timing noise
-    between two near-equal candidates cannot flip the choice from step to step."""
-
-    choices: dict[int, Optional[MedusaTree]]
-    rates: dict[int, dict[str, float]] = field(default_factory=dict)
-    switch_gain: float = 0.05
-
-    def bucket(self, active: int) -> int:
-        sizes = sorted(self.choices)
-        return next((b for b in sizes if b >= active), sizes[-1])
-
-    def choose(self, active: int, current: Optional[MedusaTree], started: bool) -> Optional[MedusaTree]:
-        b = self.bucket(active)
-        best = self.choices[b]
-        if not started or current is best:
-            return best
-        rates = self.rates.get(b, {})
-        now, new = rates.get(tree_label(current)), rates.get(tree_label(best))
-        if now is not None and new is not None and new < now * (1 + self.switch_gain):
-            return current
-        return best
-
-    def to_dict(self) -> dict:
-        return {str(b): tree_label(t) for b, t in sorted(self.choices.items())}
-
-
-def tree_label(tree: Optional[MedusaTree]) -> str:
-    return "plain" if tree is None else (tree.name or f"{tree.num_nodes} nodes")
 
 
 # -- the decoder ------------------------------------------------------------------------------
