@@ -96,6 +96,7 @@ class EvalConfig(RuntimeConfig):
     progress_bar: bool = True
     # 1: one prompt at a time (the evaluation above) | B | [1,2,4,...]: batched evaluation (batch_eval)
     batch_size: Any = 1
+    batch_rounds: int = 1  # batched evaluation: each batch decoded this many times per method, interleaved
 
 
 @dataclass
@@ -226,6 +227,8 @@ def eval_batch_sizes(cfg) -> Optional[list[int]]:
     from .evaluation.batch_eval import parse_batch_sizes
 
     sizes = parse_batch_sizes(cfg.batch_size)
+    if isinstance(cfg.batch_rounds, bool) or not isinstance(cfg.batch_rounds, int) or cfg.batch_rounds < 1:
+        raise UserError(f"batch_rounds must be an integer >= 1, got {cfg.batch_rounds!r}")
     if sizes is not None and cfg.compare:
         raise UserError("compare=true measures one prompt at a time: with batch_size give methods=[...]")
     if sizes is not None and cfg.turns != "first":
@@ -274,7 +277,8 @@ def run_eval(cfg) -> dict:
         report = evaluate_batched(m, prompts, methods=methods, batch_sizes=sizes, tree=cfg.tree,
                                   max_new_tokens=cfg.max_new_tokens, sampling=sampling,
                                   calibration_prompts=cfg.calibration_prompts, calibration_tokens=cfg.calibration_tokens,
-                                  seed=cfg.seed, progress=cfg.progress_bar, settings=settings, options=options)
+                                  seed=cfg.seed, progress=cfg.progress_bar, settings=settings, options=options,
+                                  rounds=cfg.batch_rounds)
     else:
         report = evaluate(m, prompts, methods=methods, tree=cfg.tree, max_new_tokens=cfg.max_new_tokens,
                           sampling=sampling, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,

@@ -9,12 +9,14 @@
 # 1. ragged: the two batch KV layouts (per-row compaction vs masked gaps) at B = 4 and 16, Hydra heads;
 # 2. eval: medusa-eval batch_size=[1,2,4,8,16,32] on 32 MT-Bench first turns (8 more calibrate), for each
 #    head set: medusa with the tree chosen per batch size (tree=auto), the plain batched loop and
-#    transformers' batched generate, interleaved batch by batch; report.json + throughput_vs_batch.png.
+#    transformers' batched generate, interleaved batch by batch; report.json + throughput_vs_batch.png;
+# 3. rounds: B = 16 and 32 again for the best heads, each batch decoded 3 times per method (one or two
+#    batches per size are few to average over): the ratio at the sizes where speculation is off.
 # Run it alone: every figure here is a latency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${MEDUSA_BIN:-.venv/bin}
-STAGES=${STAGES:-"ragged eval"}
+STAGES=${STAGES:-"ragged eval rounds"}
 B=${BENCH_OUT:-runs/bench_batch}
 QUICK=${QUICK_HEADS:-runs/medusa1_smollm2/heads}
 BEST=${BEST_HEADS:-runs/hydra_smollm2_greedy/heads}
@@ -32,4 +34,9 @@ if has eval; then
     timed "eval $name" "$BIN/medusa-eval" heads="$heads" batch_size=[1,2,4,8,16,32] num_prompts=32 \
         max_new_tokens=96 progress_bar=false out="$B/$name"
   done
+fi
+
+if has rounds; then
+  timed "eval rounds" "$BIN/medusa-eval" heads="$BEST" batch_size=[16,32] batch_rounds=3 num_prompts=32 \
+      max_new_tokens=96 progress_bar=false out="$B/rounds_$(basename "$(dirname "$BEST")")"
 fi

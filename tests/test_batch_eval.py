@@ -140,6 +140,21 @@ def test_batched_report_identity_and_plot(oracle, tmp_path):
     assert "| 4 | medusa | chain3 |" in md and "speculation" in md
 
 
+def test_rounds_repeat_each_batch_without_mixing_rows(oracle):
+    """Guards against: repeated rounds (batch_rounds, for large B where there are one or two batches to
+    average over) compared row by row against the wrong prompts (a round's rows taken as the next
+    batch's), counted as more batches, or dropping the spread of the single runs."""
+    r = evaluate_batched(oracle, PROMPTS, methods=["medusa"], batch_sizes=[2], tree="chain3", max_new_tokens=NEW,
+                         progress=False, log=_quiet, rounds=3)
+    entry = r["batched"]["per_batch_size"]["2"]
+    assert entry["batches"] == 3 and entry["rounds"] == 3
+    for meth, row in entry["per_method"].items():
+        assert row["new_tokens"] == 3 * NEW * len(PROMPTS)
+        assert len(row["tau_per_row"]) == len(PROMPTS) and row["greedy_identical"] is True, meth
+        lo, mid, hi = row["tokens_per_s_runs"]
+        assert 0 < lo <= mid <= hi
+
+
 def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch):
     """Guards against: tree=auto in a batched run not asking batch_sizing for a tree per batch size
     (with the heads' measured per-rank accuracy, latency prompts from the evaluated prompts, every batch

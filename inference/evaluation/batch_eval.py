@@ -2,7 +2,8 @@
 worth when many prompts decode together.
 
 For each batch size B the evaluated prompts (first turns) are split into consecutive batches of B
-(the last one may be smaller). Every batch is decoded by each requested batched method
+(the last one may be smaller). Every batch is decoded (``rounds`` times, for large B where there are
+few batches to average over) by each requested batched method
 (``generate_batch``), by the plain batched loop (``autoregressive``: the same ragged cache, one
 token per row per step) and, in greedy mode, by transformers' batched ``generate`` (left padding,
 attention mask; ``hf_generate_batch``), interleaved: the order rotates from batch to batch, so the
@@ -10,6 +11,7 @@ machine's background load hits them alike.
 
 Per batch size (``report["batched"]["per_batch_size"][B]["per_method"][method]``):
   tokens_per_s        new tokens of all rows / wall time of all the method's batched runs, prefill included
+  tokens_per_s_runs   [min, median, max] of the single runs' tokens/s (the spread behind the ratio)
   speedup_vs_autoregressive, speedup_vs_hf_generate   over the plain batched loop / HF's batched generate
                       at the same B
   tau, tau_per_row    tokens per row-step (bonus included; plain = 1.0): pooled over all rows, and per
@@ -110,11 +112,15 @@ def rate(runs: Sequence[BatchOutput]) -> float:
 
 
 def method_summary(method: str, runs: dict[str, list[BatchOutput]], rates: dict[str, float],
-                   reference: Optional[list[list[int]]], greedy: bool) -> dict:
-    """One method's numbers at one batch size (module docstring)."""
-    rows = [r for o in runs[method] for r in o.rows]
+                   reference: Optional[list[list[int]]], greedy: bool, rounds: int = 1) -> dict:
+    """One method's numbers at one batch size (module docstring). ``runs[x]`` holds each batch's
+    ``rounds`` runs in a row; per-row figures come from each batch's first run (prompt order)."""
+    rows = [r for o in runs[method][::rounds] for r in o.rows]
     steps = sum(r.steps for r in rows)
-    out: dict = {"tokens_per_s": round(rates[method], 3), "new_tokens": sum(o.new_tokens for o in runs[method]),
+    single = sorted(o.tokens_per_s for o in runs[method])
+    out: dict = {"tokens_per_s": round(rates[method], 3),
+                 "tokens_per_s_runs": [round(single[0], 3), round(single[len(single) // 2], 3), round(single[-1], 3)],
+                 "new_tokens": sum(o.new_tokens for o in runs[method]),
                  "seconds": round(sum(o.prefill_s + o.decode_s for o in runs[method]), 4),
                  "prefill_s": round(sum(o.prefill_s for o in runs[method]), 4),
                  "tau": round(sum(sum(r.accept_lengths) for r in rows) / steps, 4) if steps else 1.0,
@@ -128,7 +134,7 @@ def method_summary(method: str, runs: dict[str, list[BatchOutput]], rates: dict[
     if greedy:
         checks = []
         if method != PLAIN:
-            plain = [r.tokens for o in runs[PLAIN] for r in o.rows]
+            plain = [r.tokens for o in runs[PLAIN][::rounds] for r in o.rows]
             out["identical_to_plain_batched"] = [r.tokens == p for r, p in zip(rows, plain)]
             checks += out["identical_to_plain_batched"]
         if reference is not None:
@@ -156,7 +162,7 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
                      tree: Any = "auto", max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
                      calibration_prompts: int = 8, calibration_tokens: int = 48, seed: int = 0,
                      progress: bool = True, log: Callable[[str], None] = print, settings: Optional[dict] = None,
-                     options: Optional[Mapping[str, Any]] = None) -> dict:
+                     options: Optional[Mapping[str, Any]] = None, rounds: int = 1) -> dict:
     """Run ``methods`` (+ the plain batched loop, + HF's batched generate in greedy mode) on batches of
     ``prompts`` at every batch size, interleaved; the report's ``batched`` section (module docstring)."""
     sampling = sampling or SamplingConfig()
@@ -196,26 +202,28 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(-(-len(ids) // b) for b in sizes), desc="batched eval", unit="batch")
+        bar = tqdm(total=rounds * sum(-(-len(ids) // b) for b in sizes), desc="batched eval", unit="batch")
     k = 0
     for b in sizes:
         for start in range(0, len(ids), b):
             rows = ids[start:start + b]
-            order = measured[k % len(measured):] + measured[:k % len(measured)]
-            for x in order:
-                runs[b][x].append(run_method(m, x, rows, opts.get(x), max_new_tokens, sampling, seed + k))
-            k += 1
-            if bar is not None:
-                bar.update(1)
+            for _ in range(rounds):
+                order = measured[k % len(measured):] + measured[:k % len(measured)]
+                for x in order:
+                    runs[b][x].append(run_method(m, x, rows, opts.get(x), max_new_tokens, sampling, seed + k))
+                k += 1
+                if bar is not None:
+                    bar.update(1)
     if bar is not None:
         bar.close()
 
     rates = {b: {x: rate(runs[b][x]) for x in measured} for b in sizes}
     per_size = {}
     for b in sizes:
-        entry: dict = {"batches": len(runs[b][PLAIN]), "rows": len(ids),
+        entry: dict = {"batches": -(-len(ids) // b), "rounds": rounds, "rows": len(ids),
                        "tokens_per_s": {x: round(v, 3) for x, v in rates[b].items()},
-                       "per_method": {x: method_summary(x, runs[b], rates[b], reference, greedy) for x in measured}}
+                       "per_method": {x: method_summary(x, runs[b], rates[b], reference, greedy, rounds)
+                                      for x in measured}}
         if schedule is not None:
             entry["speculation"] = tree_label(schedule.choices[schedule.bucket(b)])
         per_size[str(b)] = entry
