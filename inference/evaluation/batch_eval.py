@@ -99,7 +99,8 @@ def choose_speculation(m: MedusaModel, tree, sizes: Sequence[int], calib: list[l
     log(f"choosing the speculation per batch size: head accuracy on {len(calib)} calibration prompts, "
         "batch step latency on this device")
     per_rank = measure_head_accuracy(m, calib, max_new_tokens=calibration_tokens).per_rank.tolist()
-    sizing = choose_schedule(m, per_rank, latency, list(sizes), log=log, progress=progress)
+    # batch 1 is always sized too: the last rows of a batch decode alone once the others have finished
+    sizing = choose_schedule(m, per_rank, latency, sorted({1, *sizes}), log=log, progress=progress)
     log("speculation per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
     return sizing.schedule, {"tree": "auto", "schedule": sizing.schedule.to_dict(), "sizing": sizing.to_dict()}, \
         per_rank
