@@ -46,8 +46,8 @@ def main() -> None:
         return mask, pos
 
     batch_cache.RaggedKVCache.step_mask = recording
-    print(f"| batch | tree | plain tok/s | compact tok/s | gaps tok/s | gaps / compact | width compact | "
-          f"width gaps | identical |")
+    print("| batch | tree | plain tok/s | compact tok/s | gaps tok/s | gaps / compact | width compact | "
+          "width gaps | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
     for b in a.batch:
         rows = prompts[:b]
