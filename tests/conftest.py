@@ -183,3 +183,14 @@ def labelled_runs(tok, enc) -> list[str]:
     if cur:
         runs.append(cur)
     return [tok.decode(r) for r in runs]
+
+
+def call_main(main, argv, capsys) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of an in-process console-script ``main(argv)``."""
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -22,6 +22,7 @@ from inference.methods.hf_generate import hf_generate_batch
 from inference.runtime.speculation import SpeculationSchedule
 from inference.runtime.model import MedusaModel
 from inference.runtime.tree import resolve_tree
+from conftest import call_main
 from runtime_support import one_thread, random_heads  # noqa: F401  (one_thread: autouse fixture)
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -237,16 +238,6 @@ def heads_dir(backbone, tmp_path_factory):
     return save_heads(heads, root / "heads")
 
 
-def _cli(main, args, capsys):
-    code = 0
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_batched_eval_writes_the_batched_report(heads_dir, tmp_path, capsys):
     """Guards against: medusa-eval batch_size=[...] not reaching the batched evaluation (or batch_size=1
     no longer running today's), losing the method settings or the tree, or not writing report.json's
@@ -258,7 +249,7 @@ def test_cli_batched_eval_writes_the_batched_report(heads_dir, tmp_path, capsys)
     out = tmp_path / "eval"
     common = [f"heads={heads_dir}", f"prompts={prompts}", "max_new_tokens=5", "threads=1", "kernels=stock",
               "progress_bar=false", "tree=chain2"]
-    code, stdout, err = _cli(eval_main, common + ["batch_size=[1,2]", f"out={out}"], capsys)
+    code, stdout, err = call_main(eval_main, common + ["batch_size=[1,2]", f"out={out}"], capsys)
     assert code == 0, err[-3000:]
     report = json.loads((out / "report.json").read_text())
     b = report["batched"]
@@ -269,7 +260,7 @@ def test_cli_batched_eval_writes_the_batched_report(heads_dir, tmp_path, capsys)
     assert (out / THROUGHPUT_PLOT).is_file() and (out / "report.md").is_file()
     assert "batch   2 | medusa " in stdout and "medusa: every row identical to greedy: True" in stdout
     single = tmp_path / "single"
-    code, _, err = _cli(eval_main, common + [f"out={single}", "methods=[medusa,autoregressive]"], capsys)
+    code, _, err = call_main(eval_main, common + [f"out={single}", "methods=[medusa,autoregressive]"], capsys)
     assert code == 0, err[-3000:]
     plain = json.loads((single / "report.json").read_text())
     assert "batched" not in plain and "medusa" in plain["per_method"] and not (single / THROUGHPUT_PLOT).exists()
@@ -284,7 +275,7 @@ def test_cli_generate_several_prompts_in_batches(heads_dir, tmp_path, capsys):
 
     texts = ["Say hello.", "Name a colour.", "Count to three."]
     common = [f"heads={heads_dir}", "max_new_tokens=6", "threads=1", "kernels=stock", "tree=chain2"]
-    code, out, err = _cli(generate_main, common + ["prompt=[" + ", ".join(texts) + "]"], capsys)
+    code, out, err = call_main(generate_main, common + ["prompt=[" + ", ".join(texts) + "]"], capsys)
     assert code == 0, err[-3000:]
     m = load_medusa(heads_dir, kernels="stock")
     for i, t in enumerate(texts, start=1):
@@ -294,8 +285,8 @@ def test_cli_generate_several_prompts_in_batches(heads_dir, tmp_path, capsys):
     assert err.count("[batch of 3:") == 1
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    code, out2, err = _cli(generate_main, common + [f"prompts_file={f}", "batch_size=2"], capsys)
+    code, out2, err = call_main(generate_main, common + [f"prompts_file={f}", "batch_size=2"], capsys)
     assert code == 0, err[-3000:]
     assert out2 == out and err.count("[batch of 2:") == 1 and err.count("[batch of 1:") == 1
-    code, _, err = _cli(generate_main, common + ["prompt=[hi, '  ']"], capsys)
+    code, _, err = call_main(generate_main, common + ["prompt=[hi, '  ']"], capsys)
     assert code == 2 and err.strip() == "medusa-generate: error: prompt 2 of 2 is empty"

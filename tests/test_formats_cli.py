@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import console_script
+from conftest import call_main, console_script
 from engine_specs import check_tensorrt_llm, check_tgi, check_vllm
 from inference.formats.cli import export_main
 from inference.heads.native import save_heads
@@ -38,12 +38,7 @@ def heads_dir(tmp_path, model, projection="own", num_layers=1, base_model="rando
 
 def run(argv, capsys):
     """(exit code, stdout, stderr lines) of an in-process ``medusa-export`` call."""
-    code = 0
-    try:
-        export_main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
+    code, out, err = call_main(export_main, argv, capsys)
     return code, out, [l for l in err.splitlines() if l.strip()]
 
 

@@ -27,6 +27,7 @@ from ..errors import UserError
 from ..methods.medusa import HeadsDrafter
 from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter, check_batch_size
 from ..runtime.speculation import SpeculationSchedule, tree_label
+from ..runtime.decode import _sync
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, chain_tree, expected_tau, grow_tree
 from .tree_choice import PLAIN, race
@@ -86,8 +87,7 @@ class _BatchTimer:
         for i in range(warmup + steps):
             t = time.perf_counter()
             self.dec.step()
-            if self.m.device.type == "cuda":
-                torch.cuda.synchronize(self.m.device)
+            _sync(self.m.device)
             if i >= warmup:
                 times.append(time.perf_counter() - t)
         return times

@@ -232,6 +232,16 @@ def _runner_steps(out: GenerationOutput):
     return out
 
 
+def _prepare(m, method: str, options, sampling: Optional[SamplingConfig], option_fields: dict):
+    """(the method, its options, the model as a ``MedusaModel``, the sampling config), checked."""
+    spec = get(method)
+    opts = make_options(method, options, **option_fields)
+    sampling = sampling or SamplingConfig()
+    if spec.greedy_only and not sampling.is_greedy:
+        raise UserError(f"{method} is measured in greedy mode only")
+    return spec, opts, as_medusa_model(m), sampling
+
+
 def stream(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens: int = 128,
            sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
            eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
@@ -241,12 +251,7 @@ def stream(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens
     ``m``: a ``MedusaModel`` (or a bare causal LM for methods without heads). ``options``: the
     method's options object; ``option_fields`` set its fields by name (``tree="tree4"``).
     eos_token_ids: None = the model's, ``()`` = never stop early."""
-    spec = get(method)
-    opts = make_options(method, options, **option_fields)
-    m = as_medusa_model(m)
-    sampling = sampling or SamplingConfig()
-    if spec.greedy_only and not sampling.is_greedy:
-        raise UserError(f"{method} is measured in greedy mode only")
+    spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields)
     if spec.runner is not None:
         ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
         return TokenStream(_runner_steps(spec.runner(m, ids, max_new_tokens, sampling, seed, opts)))
@@ -276,13 +281,8 @@ def generate_batch(m, prompts, method: str = "medusa", *, options=None, max_new_
     the cache layout (``batch_cache``). Greedy rows are token-identical to ``generate`` of each prompt."""
     spec = get(method)
     if spec.batch_decoder is None:
-        batched = ", ".join(x for x in names() if _METHODS[x].batch_decoder is not None)
-        raise UserError(f"method {method} decodes one prompt at a time; batched methods: {batched}")
-    opts = make_options(method, options, **option_fields)
-    m = as_medusa_model(m)
-    sampling = sampling or SamplingConfig()
-    if spec.greedy_only and not sampling.is_greedy:
-        raise UserError(f"{method} is measured in greedy mode only")
+        raise UserError(f"method {method} decodes one prompt at a time; batched methods: {', '.join(batched_names())}")
+    spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields)
     decoder = spec.batch_decoder(m, opts, sampling, seed, ragged)
     with torch.inference_mode():
         return run_batch(decoder, m, prompts, max_new_tokens, eos_token_ids, max_steps)
