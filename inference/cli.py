@@ -27,7 +27,9 @@ structured-output prompts) or a JSONL file.
 batch_size=B (or a list, batch_size=[1,2,4,8]) evaluates batched decoding instead: the prompts in
 consecutive batches of B, each batch decoded by every requested method that batches (generate_batch),
 the plain batched loop and transformers' batched generate; report.json's ``batched`` section and
-throughput_vs_batch.png. medusa-generate takes several prompts as prompt=[...] or prompts_file= (a
+throughput_vs_batch.png. Speculation is sized per batch size on this machine: Medusa's tree with
+tree=auto, the draft model's k and prompt lookup's chain length with batch_chains=auto (default).
+medusa-generate takes several prompts as prompt=[...] or prompts_file= (a
 JSONL as medusa-eval's prompts=) and decodes them together (batch_size=N: N at a time).
 """
 from __future__ import annotations
@@ -97,6 +99,9 @@ class EvalConfig(RuntimeConfig):
     # 1: one prompt at a time (the evaluation above) | B | [1,2,4,...]: batched evaluation (batch_eval)
     batch_size: Any = 1
     batch_rounds: int = 1  # batched evaluation: each batch decoded this many times per method, interleaved
+    # batched evaluation: auto = the draft model's k and prompt lookup's chain length chosen per batch size
+    # (up to draft_k / prompt_lookup_tokens; none where no length pays) | fixed = as set, at every batch size
+    batch_chains: str = "auto"
 
 
 @dataclass
@@ -224,11 +229,13 @@ def _method_options(cfg, methods: list[str]) -> dict:
 def eval_batch_sizes(cfg) -> Optional[list[int]]:
     """The batch sizes of a batched evaluation (None: one prompt at a time), checked before anything loads."""
     from .errors import UserError
-    from .evaluation.batch_eval import parse_batch_sizes
+    from .evaluation.batch_eval import CHAIN_SIZING, parse_batch_sizes
 
     sizes = parse_batch_sizes(cfg.batch_size)
     if isinstance(cfg.batch_rounds, bool) or not isinstance(cfg.batch_rounds, int) or cfg.batch_rounds < 1:
         raise UserError(f"batch_rounds must be an integer >= 1, got {cfg.batch_rounds!r}")
+    if cfg.batch_chains not in CHAIN_SIZING:
+        raise UserError(f"batch_chains must be one of {', '.join(CHAIN_SIZING)}, got {cfg.batch_chains!r}")
     if sizes is not None and cfg.compare:
         raise UserError("compare=true measures one prompt at a time: with batch_size give methods=[...]")
     if sizes is not None and cfg.turns != "first":
@@ -262,7 +269,8 @@ def run_eval(cfg) -> dict:
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
     calibrating = ((cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"))
                    and any(get(x).needs_tree for x in methods)) or (
-        "eagle3" in methods and options["eagle3"].tree == "auto")
+        "eagle3" in methods and options["eagle3"].tree == "auto") or (
+        sizes is not None and cfg.batch_chains == "auto" and any(get(x).chain is not None for x in methods))
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
     if any(get(x).needs_tree for x in methods):
@@ -278,7 +286,7 @@ def run_eval(cfg) -> dict:
                                   max_new_tokens=cfg.max_new_tokens, sampling=sampling,
                                   calibration_prompts=cfg.calibration_prompts, calibration_tokens=cfg.calibration_tokens,
                                   seed=cfg.seed, progress=cfg.progress_bar, settings=settings, options=options,
-                                  rounds=cfg.batch_rounds)
+                                  rounds=cfg.batch_rounds, chains=cfg.batch_chains)
     else:
         report = evaluate(m, prompts, methods=methods, tree=cfg.tree, max_new_tokens=cfg.max_new_tokens,
                           sampling=sampling, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
@@ -338,7 +346,7 @@ def print_batched(b: dict) -> None:
             vs = row.get("speedup_vs_autoregressive")
             parts.append(f"{meth} {row['tokens_per_s']:.1f} tok/s" + (f" ({vs:.2f}x)" if vs is not None else ""))
         if entry.get("speculation"):
-            parts.append(f"speculation {entry['speculation']}")
+            parts.append("speculation " + ", ".join(f"{x} {v}" for x, v in entry["speculation"].items()))
         print(" | ".join(parts))
     for meth, size in b["speculation_stops_paying"].items():
         print(f"{meth}: " + (f"speculation stops paying at batch size {size}" if size is not None

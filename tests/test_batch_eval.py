@@ -108,13 +108,13 @@ def test_batched_report_identity_and_plot(oracle, tmp_path):
     b = r["batched"]
     assert r["methods"] == b["methods"] == ["medusa", "autoregressive", "hf_generate"]
     assert b["batch_sizes"] == [1, 2, 4] and b["num_prompts"] == len(PROMPTS) == r["num_samples"]
-    assert b["speculation"] == {"tree": "given", "schedule": {"1": "chain3", "2": "chain3", "4": "chain3"},
-                                "sizing": None}
-    assert r["method_options"]["medusa"]["tree"] == b["speculation"]["schedule"]
+    assert b["speculation"] == {"medusa": {"tree": "given", "schedule": {"1": "chain3", "2": "chain3", "4": "chain3"},
+                                           "sizing": None}}
+    assert r["method_options"]["medusa"]["tree"] == b["speculation"]["medusa"]["schedule"]
     assert set(b["per_batch_size"]) == {"1", "2", "4"}
     for size, entry in b["per_batch_size"].items():
         assert entry["batches"] == -(-len(PROMPTS) // int(size)) and entry["rows"] == len(PROMPTS)
-        assert entry["speculation"] == "chain3"
+        assert entry["speculation"] == {"medusa": "chain3"}
         rates = entry["tokens_per_s"]
         for meth, row in entry["per_method"].items():
             assert rates[meth] == row["tokens_per_s"] > 0
@@ -180,10 +180,10 @@ def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch)
     b = r["batched"]
     assert calls["sizes"] == [1, 4] and len(calls["latency"]) == 3 == b["num_prompts"]  # 2 of 5 held out
     assert len(calls["per_rank"]) == 2 and calls["per_rank"] == r["head_accuracy"]["per_rank"]
-    assert b["speculation"] == {"tree": "auto", "schedule": {"1": "chain2", "4": "plain"},
-                                "sizing": {"1": {"winner": "chain2"}, "4": {"winner": "plain"}}}
+    assert b["speculation"]["medusa"] == {"tree": "auto", "schedule": {"1": "chain2", "4": "plain"},
+                                          "sizing": {"1": {"winner": "chain2"}, "4": {"winner": "plain"}}}
     one, four = b["per_batch_size"]["1"], b["per_batch_size"]["4"]
-    assert one["speculation"] == "chain2" and four["speculation"] == "plain"
+    assert one["speculation"] == {"medusa": "chain2"} and four["speculation"] == {"medusa": "plain"}
     assert one["per_method"]["medusa"]["nodes_per_step"] == 2.0 and one["per_method"]["medusa"]["tau"] > 1.0
     assert four["per_method"]["medusa"]["nodes_per_step"] == 1.0 and four["per_method"]["medusa"]["tau"] == 1.0
     assert all(b["greedy_identical"].values())
@@ -255,7 +255,7 @@ def test_cli_batched_eval_writes_the_batched_report(heads_dir, tmp_path, capsys)
     b = report["batched"]
     assert report["settings"]["batch_size"] == [1, 2] and b["batch_sizes"] == [1, 2] and b["num_prompts"] == 3
     assert b["methods"] == ["medusa", "autoregressive", "hf_generate"]
-    assert b["speculation"]["schedule"] == {"1": "chain2", "2": "chain2"}
+    assert b["speculation"]["medusa"]["schedule"] == {"1": "chain2", "2": "chain2"}
     assert b["greedy_identical"]["medusa"] is True and "per_method" not in report
     assert (out / THROUGHPUT_PLOT).is_file() and (out / "report.md").is_file()
     assert "batch   2 | medusa " in stdout and "medusa: every row identical to greedy: True" in stdout

@@ -26,6 +26,11 @@ The methods taking a tree (Medusa) get one per batch size: ``tree=auto`` measure
 calibration prompts (held out as ``evaluate`` holds them out) and lets
 ``batch_sizing.choose_schedule`` pick the tree for each B (a ``SpeculationSchedule``, recorded with
 its sizing); ``calibrated:N`` grows one N-node tree, and a given tree is used at every B.
+The chain methods (draft model, prompt lookup) get a chain length per batch size with
+``chains="auto"`` (``batch_sizing.choose_chain_schedule``: up to their set draft_k /
+prompt_lookup_tokens, none where no length pays), or their set length at every B with ``"fixed"``.
+``report["batched"]["speculation"][method]`` records each sized method's schedule and how it was
+measured; ``per_batch_size[B]["speculation"][method]`` the choice in force at B.
 """
 
 from __future__ import annotations
@@ -42,14 +47,15 @@ from ..runtime.batch_decode import BatchOutput, check_batch_size
 from ..runtime.speculation import SpeculationSchedule, tree_label
 from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
-from ..runtime.tree import resolve_tree
+from ..runtime.tree import chain_tree, resolve_tree
 from ..runtime.verify import SamplingConfig
 from .evaluate import machine
 from .prompts import Prompt, split_calibration
-from .batch_sizing import choose_schedule
+from .batch_sizing import choose_chain_schedule, choose_schedule
 from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
 
 PLAIN, HF = "autoregressive", "hf_generate"
+CHAIN_SIZING = ("auto", "fixed")
 
 
 # -- what the command line gives ---------------------------------------------------------------
@@ -163,9 +169,11 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
                      tree: Any = "auto", max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
                      calibration_prompts: int = 8, calibration_tokens: int = 48, seed: int = 0,
                      progress: bool = True, log: Callable[[str], None] = print, settings: Optional[dict] = None,
-                     options: Optional[Mapping[str, Any]] = None, rounds: int = 1) -> dict:
+                     options: Optional[Mapping[str, Any]] = None, rounds: int = 1, chains: str = "auto") -> dict:
     """Run ``methods`` (+ the plain batched loop, + HF's batched generate in greedy mode) on batches of
     ``prompts`` at every batch size, interleaved; the report's ``batched`` section (module docstring)."""
+    if chains not in CHAIN_SIZING:
+        raise UserError(f"batch_chains must be one of {', '.join(CHAIN_SIZING)}, got {chains!r}")
     sampling = sampling or SamplingConfig()
     greedy = sampling.is_greedy
     if max_new_tokens < 1:
@@ -178,22 +186,49 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     if refused:
         raise UserError(f"{refused[0]} is measured in greedy mode only")
     opts = {x: registry.make_options(x, (options or {}).get(x)) for x in measured if x != HF}
+    for x, o in opts.items():
+        if registry.get(x).prepare is not None:   # loaded once for every batch (a draft model)
+            opts[x] = registry.get(x).prepare(m, o)
     reported = {x: registry.options_report(o) for x, o in opts.items() if dataclasses.fields(o)}
     tree_methods = [x for x in opts if registry.get(x).needs_tree]
+    chain_methods = [x for x in opts if registry.get(x).chain is not None and chains == "auto"
+                     and getattr(opts[x], "schedule", None) is None]
     calib_src: list[Prompt] = []
-    if tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree):
+    if (tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree)) or chain_methods:
         calib_src, prompts = split_calibration(list(prompts), calibration_prompts)
     if not prompts:
         raise UserError("no prompts to evaluate")
     ids = [m.encode_chat(p.turns[0]) for p in prompts]
-    schedule, speculation, per_rank = None, None, None
+    calib = [m.encode_chat(p.turns[0]) for p in calib_src]
+    schedules: dict[str, SpeculationSchedule] = {}
+    speculation: dict[str, dict] = {}
+    per_rank = None
     if tree_methods:
-        schedule, speculation, per_rank = choose_speculation(
-            m, tree, sizes, [m.encode_chat(p.turns[0]) for p in calib_src], ids,
-            calibration_tokens=calibration_tokens, progress=progress, log=log)
+        schedule, record, per_rank = choose_speculation(m, tree, sizes, calib, ids,
+                                                        calibration_tokens=calibration_tokens, progress=progress,
+                                                        log=log)
         for x in tree_methods:
             opts[x] = dataclasses.replace(opts[x], tree=schedule)
             reported.setdefault(x, {})["tree"] = schedule.to_dict()
+            schedules[x], speculation[x] = schedule, record
+    for x in chain_methods:
+        log(f"choosing {x}'s chain length per batch size: acceptance on {len(calib)} calibration prompts, "
+            "batch step latency on this device")
+        sizing, record = choose_chain_schedule(m, x, opts[x], calib, ids, sorted({1, *sizes}),
+                                               calibration_tokens=calibration_tokens, log=log, progress=progress)
+        opts[x] = dataclasses.replace(opts[x], schedule=sizing.schedule)
+        reported.setdefault(x, {})["schedule"] = sizing.schedule.to_dict()
+        schedules[x] = sizing.schedule
+        speculation[x] = {"chain": "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
+                          "sizing": sizing.to_dict()}
+        log(f"{x} chain per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
+    for x in opts:
+        if registry.get(x).chain is not None and x not in schedules:   # fixed: the set length at every B
+            given = getattr(opts[x], "schedule", None)
+            schedules[x] = given or SpeculationSchedule({b: chain_tree(registry.get(x).chain.most(opts[x]) + 1)
+                                                         for b in sizes})
+            speculation[x] = {"chain": "given" if given else "fixed", "schedule": schedules[x].to_dict(),
+                              "sizing": None}
     reference = None
     if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
         reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]
@@ -225,8 +260,8 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
                        "tokens_per_s": {x: round(v, 3) for x, v in rates[b].items()},
                        "per_method": {x: method_summary(x, runs[b], rates[b], reference, greedy, rounds)
                                       for x in measured}}
-        if schedule is not None:
-            entry["speculation"] = tree_label(schedule.choices[schedule.bucket(b)])
+        if schedules:
+            entry["speculation"] = {x: tree_label(sched.choices[sched.bucket(b)]) for x, sched in schedules.items()}
         per_size[str(b)] = entry
     speculative = [x for x in measured if not registry.get(x).baseline]
     batched: dict = {"batch_sizes": sizes, "num_prompts": len(ids), "methods": measured,

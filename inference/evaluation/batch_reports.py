@@ -35,7 +35,7 @@ def batched_markdown(r: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for size, entry in b["per_batch_size"].items():
         for meth, row in entry["per_method"].items():
-            spec = entry.get("speculation", "-") if "nodes_per_step" in row else "-"
+            spec = (entry.get("speculation") or {}).get(meth, "-")
             lines.append(f"| {size} | {meth} | {spec} | {row['tokens_per_s']:.2f} | {row['tau']:.3f} | "
                          f"{_times(row.get('speedup_vs_autoregressive'))} | {_times(row.get('speedup_vs_hf_generate'))} "
                          f"| {_identity(row)} |")
@@ -43,9 +43,9 @@ def batched_markdown(r: dict) -> str:
     for meth, size in b.get("speculation_stops_paying", {}).items():
         lines.append(f"- {meth}: " + (f"speculation stops paying at batch size {size}" if size is not None
                                       else "faster than the plain batched loop at every batch size measured"))
-    spec = b.get("speculation") or {}
-    if spec:
-        lines.append(f"- speculation per batch size ({spec['tree']}): "
+    for meth, spec in (b.get("speculation") or {}).items():
+        how = spec.get("tree") or spec.get("chain")
+        lines.append(f"- {meth}: speculation per batch size ({how}): "
                      + ", ".join(f"{k}: {v}" for k, v in spec["schedule"].items()))
     if b.get("greedy_reference"):
         lines.append(f"- greedy identity: each row against the plain batched loop's row and against "

@@ -1,32 +1,43 @@
-"""How much Medusa speculates at each batch size, measured on this machine (``tree=auto`` with batches).
+"""How much a batched method speculates at each batch size, measured on this machine.
 
-At batch 1 a verification forward is bound by reading the weights, so a few extra tree nodes
+At batch 1 a verification forward is bound by reading the weights, so a few extra draft nodes
 are almost free (``tree_choice``). At batch B every node is B more rows of compute: the same
-tree that pays at batch 1 can cost more than it accepts at batch 16. So the choice is made per
-batch size: for each B, plain decoding and a handful of candidates (small trees grown from the
-heads' measured accuracy, and top-1 chains, which stop paying later than trees because every
-node sits on the one path most likely accepted) are timed at B rows, interleaved in rounds
-(``tree_choice.race``, the same rule and spread record as the batch-1 choice), and the one with
-the best expected tau / step time wins, or none. Expected tau per row is the same at every B
-(it is the heads' accuracy); only step times change.
+speculation that pays at batch 1 can cost more than it accepts at batch 16. So the choice is made
+per batch size: for each B, plain decoding and a handful of candidates are timed at B rows,
+interleaved in rounds (``tree_choice.race``, the same rule and spread record as the batch-1
+choice), and the one with the best expected tau / step time wins, or none. Expected tau per row is
+the same at every B (it is the drafter's accuracy); only step times change. ``size_speculation`` is
+that rule for any candidates and drafters; per family:
 
-The result is a ``SpeculationSchedule`` (a tree per batch size, with hysteresis) that the batched
-Medusa decoder consults every step with its number of active rows: as rows finish, the batch
-shrinks and a tree that did not pay at 16 rows may pay at 4.
+- Medusa heads (``choose_schedule``): small trees grown from the heads' measured accuracy, and
+  top-1 chains, which stop paying later than trees because every node sits on the one path most
+  likely accepted;
+- chain methods, the draft model and prompt lookup (``choose_chain_schedule``): chains of 1..most
+  draft tokens. One batch-1 calibration run per prompt with the longest chain records how many
+  tokens each step accepted (A); a chain of k tokens accepts min(A, k) of the same proposal (the
+  first k drafts do not depend on k), so tau(k) = 1 + mean(min(A, k)) without decoding once per
+  length. The step times are those of the method's own drafter (the draft model's k forwards, the
+  lookups and their ragged proposals on real prompts), not of a bare chain.
+
+The result is a ``SpeculationSchedule`` (a choice per batch size, with hysteresis) that the batched
+decoder consults every step with its number of active rows: as rows finish, the batch shrinks and
+speculation that did not pay at 16 rows may pay at 4.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import UserError
+from ..methods import registry
 from ..methods.medusa import HeadsDrafter
-from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter, check_batch_size
-from ..runtime.speculation import SpeculationSchedule, tree_label
+from ..runtime.batch_decode import BatchTreeDecoder, Drafter, PlainDrafter, check_batch_size
+from ..runtime.speculation import SpeculationSchedule, choice_depth, draft_tokens, fixed, tree_label
 from ..runtime.decode import _sync
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, chain_tree, expected_tau, grow_tree
@@ -35,6 +46,7 @@ from .tree_choice import PLAIN, race
 BATCH_BUDGETS = (1, 2, 3, 4, 8)   # draft nodes of the grown candidate trees (root not counted)
 BATCH_CHAINS = (2, 3)             # chain lengths (root included)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+CHAIN_LENGTHS = (1, 2, 3, 4, 6, 8)   # draft tokens of the candidate chains (and the method's most)
 
 
 @dataclass
@@ -70,14 +82,14 @@ def candidate_trees(per_rank, num_heads: int, budgets: Sequence[int] = BATCH_BUD
 
 
 class _BatchTimer:
-    """One prefilled batch of ``b`` rows whose steps are timed with each candidate in turn (EOS
+    """One prefilled batch of ``b`` rows whose steps are timed with each candidate's drafter in turn (EOS
     ignored, no row leaves): the prompts are prefilled once per batch size, not once per timing."""
 
-    def __init__(self, m: MedusaModel, prompts: Sequence[Sequence[int]], b: int, trees: dict, room: int):
-        self.m, self.trees = m, trees
+    def __init__(self, m: MedusaModel, prompts: Sequence[Sequence[int]], b: int, drafters: dict[str, Drafter],
+                 room: int):
+        self.m, self.drafters = m, drafters
         rows = [list(prompts[i % len(prompts)]) for i in range(b)]
         self.dec = BatchTreeDecoder(m, PlainDrafter())
-        self.drafters = {name: (HeadsDrafter(m, t) if t is not None else PlainDrafter()) for name, t in trees.items()}
         with torch.inference_mode():
             self.dec.prefill(rows, room)
 
@@ -93,40 +105,102 @@ class _BatchTimer:
         return times
 
 
-def choose_schedule(m: MedusaModel, per_rank, latency_prompts: Sequence[Sequence[int]],
-                    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, *, budgets: Sequence[int] = BATCH_BUDGETS,
-                    chains: Sequence[int] = BATCH_CHAINS, latency_steps: int = 4, warmup: int = 2, min_rounds: int = 2,
-                    max_rounds: int = 4, switch_gain: float = 0.05, log: Callable[[str], None] = print,
-                    progress: bool = False) -> BatchSizing:
-    """Time plain decoding and each candidate tree at every batch size; keep the best expected
-    tokens/s per batch size (module docstring)."""
-    if m.heads is None:
-        raise UserError("sizing speculation per batch needs Medusa heads (heads=<export directory>)")
+def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], drafter_for: Callable[[Any], Drafter],
+                     latency_prompts: Sequence[Sequence[int]], batch_sizes: Sequence[int], *, what: str,
+                     latency_steps: int = 4, warmup: int = 2, min_rounds: int = 2, max_rounds: int = 4,
+                     switch_gain: float = 0.05, log: Callable[[str], None] = print,
+                     progress: bool = False) -> "BatchSizing":
+    """Time plain decoding and each candidate (name -> (choice, expected tau)) at every batch size with
+    ``drafter_for(choice)``; keep the best expected tokens/s per batch size (module docstring)."""
     sizes = sorted({check_batch_size(b) for b in batch_sizes})
     if not latency_prompts:
-        raise UserError("sizing speculation per batch needs at least one latency prompt")
-    cands = candidate_trees(per_rank, m.num_heads, budgets, chains)
-    taus = {t.name: tau for t, tau in cands}
-    trees: dict[str, Optional[MedusaTree]] = {PLAIN: None, **{t.name: t for t, _ in cands}}
-    rounds_room = max_rounds * len(trees) * (warmup + latency_steps)
-    room = rounds_room * (max((t.max_depth for t, _ in cands), default=0) + 1) + 1
-    choices, rates, table = {}, {}, {}
+        raise UserError(f"sizing {what} per batch needs at least one latency prompt")
+    taus = {name: tau for name, (_, tau) in candidates.items()}
+    choices: dict[str, Any] = {PLAIN: None, **{name: c for name, (c, _) in candidates.items()}}
+    rounds_room = max_rounds * len(choices) * (warmup + latency_steps)
+    room = rounds_room * (max((choice_depth(c) for c in choices.values()), default=0) + 1) + 1
+    plain = tree_label(None)
+    picked, rates, table = {}, {}, {}
     for b in sizes:
-        timer = _BatchTimer(m, latency_prompts, b, trees, room)
+        drafters = {name: (drafter_for(c) if c is not None else PlainDrafter()) for name, c in choices.items()}
+        timer = _BatchTimer(m, latency_prompts, b, drafters, room)
         step, spreads, timing = race(taus, lambda name: timer(name, latency_steps, warmup), latency_steps=latency_steps,
                                      min_rounds=min_rounds, max_rounds=max_rounds, log=log, progress=progress,
-                                     what=f"speculation at batch {b}", label=lambda name: f"tree {name}")
-        rate = {tree_label(None): b / step[PLAIN]}
+                                     what=f"{what} at batch {b}", label=str)
+        rate = {plain: b / step[PLAIN]}
         rows = []
-        for tree, tau in cands:
-            rate[tree.name] = b * tau / step[tree.name]
-            rows.append({"name": tree.name, "nodes": tree.num_nodes, "expected_tau": round(tau, 4),
-                         **spreads[tree.name], "expected_tokens_per_s": round(rate[tree.name], 2)})
+        for name, (c, tau) in candidates.items():
+            rate[name] = b * tau / step[name]
+            rows.append({"name": name, "nodes": draft_tokens(c) + 1, "expected_tau": round(tau, 4),
+                         **spreads[name], "expected_tokens_per_s": round(rate[name], 2)})
         best = max(rate, key=rate.get)
-        choices[b] = trees.get(best) if best != tree_label(None) else None
+        picked[b] = choices[best] if best != plain else None
         rates[b] = rate
         table[b] = {"winner": best, "plain_step_ms": round(step[PLAIN] * 1e3, 3),
-                    "plain_tokens_per_s": round(rate[tree_label(None)], 2), "candidates": rows, "timing": timing}
+                    "plain_tokens_per_s": round(rate[plain], 2), "candidates": rows, "timing": timing}
         log(f"  batch {b:>3}: plain {step[PLAIN] * 1e3:.1f} ms/step; best {best} "
-            f"({rate[best]:.1f} tok/s expected vs plain {rate[tree_label(None)]:.1f})")
-    return BatchSizing(SpeculationSchedule(choices, rates, switch_gain), table)
+            f"({rate[best]:.1f} tok/s expected vs plain {rate[plain]:.1f})")
+    return BatchSizing(SpeculationSchedule(picked, rates, switch_gain), table)
+
+
+def choose_schedule(m: MedusaModel, per_rank, latency_prompts: Sequence[Sequence[int]],
+                    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, *, budgets: Sequence[int] = BATCH_BUDGETS,
+                    chains: Sequence[int] = BATCH_CHAINS, **timing) -> BatchSizing:
+    """Medusa heads: the tree per batch size, from the heads' measured per-rank accuracy (module docstring)."""
+    if m.heads is None:
+        raise UserError("sizing speculation per batch needs Medusa heads (heads=<export directory>)")
+    cands = {t.name: (t, tau) for t, tau in candidate_trees(per_rank, m.num_heads, budgets, chains)}
+    return size_speculation(m, cands, lambda tree: HeadsDrafter(m, tree), latency_prompts, batch_sizes,
+                            what="speculation", **timing)
+
+
+# -- chain methods (draft model, prompt lookup) ----------------------------------------------------
+def measure_chain_acceptance(m: MedusaModel, method: str, options, prompts: Sequence[Sequence[int]],
+                             max_new_tokens: int) -> list[int]:
+    """Draft tokens accepted by each step of greedy batch-1 decoding of ``prompts`` with the method's
+    longest chain (``ChainSizing.calibration``)."""
+    spec = registry.get(method)
+    opts = spec.chain.calibration(options)
+    accepted = []
+    for p in prompts:
+        out = registry.generate(m, list(p), method, options=opts, max_new_tokens=max_new_tokens, eos_token_ids=())
+        accepted += [n - 1 for n in out.accept_lengths]
+    return accepted
+
+
+def chain_candidates(accepted: Sequence[int], most: int,
+                     lengths: Sequence[int] = CHAIN_LENGTHS) -> dict[str, tuple[Any, float]]:
+    """Chains of each of ``lengths`` (up to ``most``) and of ``most`` draft tokens, with expected tau
+    1 + mean(min(A, k)) over the calibration steps' accepted counts A (module docstring)."""
+    if not accepted:
+        raise UserError("sizing a chain needs at least one calibration step")
+    out = {}
+    for k in sorted({x for x in lengths if x <= most} | {most}):
+        tau = 1 + sum(min(a, k) for a in accepted) / len(accepted)
+        tree = chain_tree(k + 1)
+        out[tree.name] = (tree, tau)
+    return out
+
+
+def choose_chain_schedule(m: MedusaModel, method: str, options, calibration: Sequence[Sequence[int]],
+                          latency_prompts: Sequence[Sequence[int]], batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                          *, calibration_tokens: int = 48, lengths: Sequence[int] = CHAIN_LENGTHS,
+                          **timing) -> tuple[BatchSizing, dict]:
+    """A chain method's length per batch size (module docstring): (the sizing, the calibration record)."""
+    spec = registry.get(method)
+    if spec.chain is None or spec.batch_decoder is None:
+        raise UserError(f"method {method} has no chain length to size per batch size")
+    if not calibration:
+        raise UserError(f"sizing {method}'s chain needs at least one calibration prompt")
+    accepted = measure_chain_acceptance(m, method, options, calibration, calibration_tokens)
+    most = spec.chain.most(options)
+    cands = chain_candidates(accepted, most, lengths)
+
+    def drafter_for(chain):
+        return spec.batch_decoder(m, dataclasses.replace(options, schedule=fixed(chain)), None, None,
+                                  "compact").drafter
+
+    sizing = size_speculation(m, cands, drafter_for, latency_prompts, batch_sizes, what=f"{method} chains", **timing)
+    record = {"calibration_steps": len(accepted), "mean_accepted_at_most": round(sum(accepted) / len(accepted), 4),
+              "most": most, "expected_tau": {name: round(tau, 4) for name, (_, tau) in cands.items()}}
+    return sizing, record

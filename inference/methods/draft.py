@@ -44,12 +44,13 @@ import torch
 
 from ..errors import UserError
 from ..runtime.batch_cache import RaggedKVCache, pad_layout
-from ..runtime.batch_decode import BatchTreeDecoder
+from ..runtime.batch_decode import BatchTreeDecoder, root_only
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
-from ..runtime.tree import TreeBuffers, chain_tree
+from ..runtime.speculation import ScheduleCursor, SpeculationSchedule, draft_tokens, fixed, tree_label
+from ..runtime.tree import MedusaTree, TreeBuffers, chain_tree
 from ..runtime.verify import SamplingConfig, target_probs, verify
-from .registry import Costs, Method, extra_parameters, kv_bytes_per_token, option, register
+from .registry import ChainSizing, Costs, Method, extra_parameters, kv_bytes_per_token, option, register
 
 # -- shared plumbing ----------------------------------------------------------------------
 _CHAINS: dict[int, object] = {}
@@ -59,6 +60,25 @@ def chain_buffers(length: int, device) -> TreeBuffers:
     if length not in _CHAINS:
         _CHAINS[length] = chain_tree(length)
     return _CHAINS[length].buffers(device)
+
+def check_chain_schedule(schedule, most: int, key: str) -> None:
+    """A chain schedule holds chains (or None) of at most ``most`` draft tokens; one line otherwise."""
+    if schedule is None:
+        return
+    if not isinstance(schedule, SpeculationSchedule):
+        raise UserError(f"a chain schedule must be a SpeculationSchedule, got {type(schedule).__name__}")
+    for b, choice in schedule.choices.items():
+        if choice is not None and (not isinstance(choice, MedusaTree) or choice.num_nodes != choice.max_depth + 1):
+            raise UserError(f"the chain schedule's choice at batch {b} ({tree_label(choice)}) is not a chain")
+        if draft_tokens(choice) > most:
+            raise UserError(f"the chain schedule's choice at batch {b} ({tree_label(choice)}) drafts more than "
+                            f"{key}={most} tokens")
+
+
+def chain_cursor(schedule, most: int) -> ScheduleCursor:
+    """The cursor of a batched chain drafter: the schedule's lengths, or ``most`` at every batch size."""
+    return ScheduleCursor(schedule if schedule is not None else fixed(chain_tree(most + 1)))
+
 
 def chain_sampling(cfg: SamplingConfig) -> SamplingConfig:
     """The config ``verify`` gets for a deterministic proposal. In sample mode the "topk" rule
@@ -96,11 +116,14 @@ class DraftSettings:
     k: int = option(4, "draft_k", "draft tokens per step")
     adaptive: bool = option(False, "draft_adaptive", "move k within 1..2k from the last step's acceptance")
     trust_remote_code: bool = option(False, "trust_remote_code", "for a draft checkpoint with custom code")
+    # batches only: chains of at most k tokens per batch size (medusa-eval sizes them); None: k everywhere
+    schedule: Any = option(None, None, "a SpeculationSchedule of chains (batched decoding)")
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise UserError(f"draft_k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
         parse_self_draft(self.draft)  # a malformed self:N fails before any model is loaded
+        check_chain_schedule(self.schedule, self.k, "draft_k")
 
     @property
     def k_max(self) -> int:
@@ -297,11 +320,14 @@ class BatchDraftDrafter:
     catches up on the tokens accepted last step: one or two per row, shorter rows padded with nodes
     nothing attends to); the target verifies the k-token chains of all rows in one forward. Exact
     sampling draws drafts from the draft's q and verifies with the "sampled" rule, which on a chain
-    is speculative sampling. k is fixed here (``draft_adaptive`` adapts k at batch 1 only)."""
+    is speculative sampling. k per step comes from ``settings.schedule`` by the number of active rows
+    (0: a plain step, the draft model idle; it catches up on the next drafting step), else settings.k
+    (``draft_adaptive`` adapts k at batch 1 only)."""
 
     def __init__(self, target: MedusaModel, draft: MedusaModel, settings: DraftSettings):
         check_draft_compatible(target, draft)
-        self.m, self.dm, self.k = target, draft, settings.k
+        self.m, self.dm = target, draft
+        self.cursor = chain_cursor(settings.schedule, settings.k)
         self.max_nodes, self.max_depth = settings.k + 1, settings.k
         self.dcache: Optional[RaggedKVCache] = None
 
@@ -333,6 +359,13 @@ class BatchDraftDrafter:
 
     def draft(self, dec: BatchTreeDecoder):
         d, cfg = self.dm, dec.cfg
+        k = draft_tokens(self.cursor.next(dec.batch))
+        if k == 0:
+            if self.dcache is not None:
+                # drop last step's rejected drafts now: once plain steps have added tokens, the cache's
+                # length can no longer tell them from accepted ones
+                self.dcache.truncate_rows(torch.tensor([len(h) - 1 for h in dec.history], device=d.device))
+            return root_only(self.m.device), torch.empty(dec.batch, 0, dtype=torch.long, device=self.m.device), None
         if self.dcache is None:
             self._start(dec)
         sample = cfg.mode == "sample" and not cfg.is_greedy
@@ -340,7 +373,7 @@ class BatchDraftDrafter:
         tokens, qs = [], []
         one = torch.ones(1, 1, dtype=torch.bool, device=d.device)
         zero = torch.zeros(1, dtype=torch.long, device=d.device)
-        for i in range(self.k):
+        for i in range(k):
             logits = d.logits(h)
             if sample:
                 q = target_probs(logits, cfg)
@@ -349,12 +382,12 @@ class BatchDraftDrafter:
             else:
                 tok = logits.argmax(-1)
             tokens.append(tok)
-            if i + 1 < self.k:                       # x_k itself runs only once accepted (next step)
+            if i + 1 < k:                            # x_k itself runs only once accepted (next step)
                 mask, pos = self.dcache.step_mask(one, zero, d.dtype)
                 h = d.hidden(tok[:, None], pos, self.dcache, mask)[:, -1]
                 self.dcache.keep([[0]] * len(tok))
         cand = torch.stack(tokens, dim=1)
-        return chain_buffers(self.k + 1, self.m.device), cand, (torch.stack(qs, dim=1) if sample else None)
+        return chain_buffers(k + 1, self.m.device), cand, (torch.stack(qs, dim=1) if sample else None)
 
     def rows_kept(self, index: list[int]) -> None:
         if self.dcache is not None:
@@ -384,5 +417,6 @@ register(Method(
     decoder=lambda m, o, sampling, seed: DraftDecoder(m, load_draft(o.draft, m, o.trust_remote_code), o,
                                                       sampling, seed),
     batch_decoder=batch_draft_decoder,
+    chain=ChainSizing(most=lambda o: o.k, calibration=lambda o: dataclasses.replace(o, adaptive=False)),
     prepare=lambda m, o: dataclasses.replace(o, draft=load_draft(o.draft, m, o.trust_remote_code)),
     costs=draft_costs))

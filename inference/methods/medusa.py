@@ -29,7 +29,7 @@ from ..heads.drafting import static_tree_refusal
 from ..runtime.batch_decode import BatchTreeDecoder, root_only
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
-from ..runtime.speculation import SpeculationSchedule
+from ..runtime.speculation import ScheduleCursor, SpeculationSchedule, as_schedule
 from ..runtime.tree import MedusaTree, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .autoregressive import AutoregressiveDecoder
@@ -105,28 +105,24 @@ class HeadsDrafter:
         if reason:
             raise UserError(reason)
         self.m = m
-        if isinstance(tree, SpeculationSchedule):
-            self.schedule = tree
-        else:
-            self.schedule = SpeculationSchedule({1: resolve_tree(tree, m.num_heads) if tree is not None else None})
+        self.schedule = as_schedule(tree if isinstance(tree, SpeculationSchedule) or tree is None
+                                    else resolve_tree(tree, m.num_heads))
         trees = [t for t in self.schedule.choices.values() if t is not None]
         for t in trees:
             t.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
         self._buffers = {id(t): t.buffers(m.device) for t in trees}
         self.max_nodes = max([t.num_nodes for t in trees], default=1)
         self.max_depth = max([t.max_depth for t in trees], default=0)
-        self.current: Optional[MedusaTree] = None
-        self.started = False
+        self.cursor = ScheduleCursor(self.schedule)
 
     def check_sampling(self, cfg: SamplingConfig) -> None:
         self.m.heads.check_sampling(cfg)
 
     def draft(self, dec: BatchTreeDecoder):
-        self.current = self.schedule.choose(dec.batch, self.current, self.started)
-        self.started = True
-        if self.current is None:
+        tree = self.cursor.next(dec.batch)
+        if tree is None:
             return root_only(self.m.device), torch.empty(dec.batch, 0, dtype=torch.long, device=self.m.device), None
-        buf = self._buffers[id(self.current)]
+        buf = self._buffers[id(tree)]
         cand, draft_q = self.m.heads.draft_tree(buf, dec.h_last, dec.root, dec.cfg, dec.gen, self.m.vocab_size)
         return buf, cand, draft_q
 

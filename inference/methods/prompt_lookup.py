@@ -21,7 +21,7 @@ Proposed per step = the proposal's length (0 when nothing matched).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -29,9 +29,10 @@ from ..errors import UserError
 from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
+from ..runtime.speculation import draft_tokens
 from ..runtime.verify import SamplingConfig
-from .draft import chain_buffers, chain_sampling, verify_chain
-from .registry import Method, option, register, slot_costs
+from .draft import chain_buffers, chain_cursor, chain_sampling, check_chain_schedule, verify_chain
+from .registry import ChainSizing, Method, option, register, slot_costs
 
 
 @dataclass
@@ -41,6 +42,8 @@ class PromptLookupSettings:
     num_tokens: int = option(10, "prompt_lookup_tokens", "most tokens proposed per step")
     max_ngram: int = option(3, "prompt_lookup_max_ngram", "longest suffix looked up")
     min_ngram: int = option(1, "prompt_lookup_min_ngram", "shortest suffix looked up")
+    # batches only: chains of at most num_tokens per batch size (medusa-eval sizes them); None: num_tokens
+    schedule: Any = option(None, None, "a SpeculationSchedule of chains (batched decoding)")
 
     def __post_init__(self):
         for name in ("num_tokens", "max_ngram", "min_ngram"):
@@ -49,6 +52,7 @@ class PromptLookupSettings:
                 raise UserError(f"prompt lookup {name} must be an integer >= 1, got {v!r}")
         if self.min_ngram > self.max_ngram:
             raise UserError(f"prompt lookup min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
+        check_chain_schedule(self.schedule, self.num_tokens, "prompt_lookup_tokens")
 
     @property
     def extra_kv_tokens(self) -> int:
@@ -118,10 +122,13 @@ class LookupDrafter:
     """Batched prompt lookup (``BatchTreeDecoder``'s ``Drafter``): each row looks up its own context;
     the step verifies a chain as long as the longest row's proposal. A row with a shorter (or no)
     proposal pads its chain with -1 (computed, never accepted), so it accepts exactly what it would
-    alone; only the looked-up tokens count as proposed (``row_proposed``)."""
+    alone; only the looked-up tokens count as proposed (``row_proposed``). Proposals are cut to the
+    length ``settings.schedule`` gives for the number of active rows (0: a plain step), else
+    num_tokens."""
 
     def __init__(self, m: MedusaModel, settings: PromptLookupSettings):
         self.m, self.s = m, settings
+        self.cursor = chain_cursor(settings.schedule, settings.num_tokens)
         self.max_nodes, self.max_depth = settings.num_tokens + 1, settings.num_tokens
         self.indexes: list[NGramIndex] = []
         self.seen: list[int] = []
@@ -131,11 +138,12 @@ class LookupDrafter:
         if not self.indexes:
             self.indexes = [NGramIndex(self.s.min_ngram, self.s.max_ngram) for _ in dec.history]
             self.seen = [0] * len(dec.history)
+        cap = draft_tokens(self.cursor.next(dec.batch))
         props = []
         for b, hist in enumerate(dec.history):
             self.indexes[b].extend(hist[self.seen[b]:])
             self.seen[b] = len(hist)
-            props.append(self.indexes[b].propose(self.s.num_tokens))
+            props.append(self.indexes[b].propose(cap) if cap else [])
         n = max(len(p) for p in props)
         self.row_proposed = [len(p) for p in props]
         cand = [p + [-1] * (n - len(p)) for p in props]
@@ -152,4 +160,5 @@ register(Method(
     PromptLookupSettings, decoder=lambda m, o, sampling, seed: PromptLookupDecoder(m, o, sampling, seed),
     batch_decoder=lambda m, o, sampling, seed, ragged: BatchTreeDecoder(
         m, LookupDrafter(m, o), chain_sampling(sampling or SamplingConfig()), seed, ragged),
+    chain=ChainSizing(most=lambda o: o.num_tokens),
     costs=lambda m, o, run_length: slot_costs(m, o.extra_kv_tokens)))

@@ -70,13 +70,26 @@ def heads_costs(m: MedusaModel, slots: int) -> Costs:
 
 
 @dataclass(frozen=True)
+class ChainSizing:
+    """How a batched chain method's length is sized per batch size (``evaluation.batch_sizing``):
+    ``most(options)`` is the most draft tokens its options allow per step (the longest candidate),
+    ``calibration(options)`` its options for the batch-1 run that measures how many tokens each step
+    would accept (every step proposing the most: no adaptive length). The options have a
+    ``schedule`` field (a ``SpeculationSchedule`` of chains) that the sizing fills."""
+
+    most: Callable[[Any], int]
+    calibration: Callable[[Any], Any] = lambda options: options
+
+
+@dataclass(frozen=True)
 class Method:
     """One decoding method (see the module docstring).
 
     decoder(m, options, sampling, seed) -> Decoder; runner(m, prompt_ids, max_new_tokens,
     sampling, seed, options) -> GenerationOutput for a method that is not a Decoder;
     batch_decoder(m, options, sampling, seed, ragged) -> the method's ``BatchTreeDecoder`` (None: it
-    decodes one prompt at a time; ``generate_batch`` refuses it for batches).
+    decodes one prompt at a time; ``generate_batch`` refuses it for batches); chain: how its chain
+    length is sized per batch size (``ChainSizing``; None: not a chain method).
     costs(m, options, run_length) -> Costs. prepare(m, options) -> options resolves what is
     loaded once per evaluation (a draft model). proposed(options) -> draft tokens counted per
     step for the acceptance rate (None: what each step reports). refuses(heads spec) -> why the
@@ -88,6 +101,7 @@ class Method:
     decoder: Optional[Callable[..., Decoder]] = None
     runner: Optional[Callable[..., GenerationOutput]] = None
     batch_decoder: Optional[Callable[..., Any]] = None  # (m, options, sampling, seed, ragged) -> BatchTreeDecoder
+    chain: Optional[ChainSizing] = None
     costs: Callable[..., Costs] = lambda m, options, run_length: Costs()
     prepare: Optional[Callable[[MedusaModel, Any], Any]] = None
     proposed: Optional[Callable[[Any], int]] = None
@@ -217,6 +231,8 @@ def _plain(v):
         return v
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
+    if hasattr(v, "to_dict"):   # a SpeculationSchedule: its choice per batch size
+        return v.to_dict()
     return getattr(v, "name", None) or type(v).__name__
 
 
