@@ -12,11 +12,15 @@
 #    transformers' batched generate, interleaved batch by batch; report.json + throughput_vs_batch.png;
 # 3. rounds: B = 16 and 32 again for the best heads, each batch decoded 3 times per method (one or two
 #    batches per size are few to average over): the ratio at the sizes where speculation is off.
+# 4. chains: the draft model (self:8, k <= 3) and prompt lookup (<= 10 tokens) with their chain length
+#    chosen per batch size (batch_chains=auto) on 32 MT-Bench first turns, then with the set length at
+#    every B (batch_chains=fixed, B = 1, 4, 16) for the before/after, and prompt lookup on the code prompts
+#    (where it proposes more often).
 # Run it alone: every figure here is a latency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${MEDUSA_BIN:-.venv/bin}
-STAGES=${STAGES:-"ragged eval rounds"}
+STAGES=${STAGES:-"ragged eval rounds chains"}
 B=${BENCH_OUT:-runs/bench_batch}
 QUICK=${QUICK_HEADS:-runs/medusa1_smollm2/heads}
 BEST=${BEST_HEADS:-runs/hydra_smollm2_greedy/heads}
@@ -39,4 +43,14 @@ fi
 if has rounds; then
   timed "eval rounds" "$BIN/medusa-eval" heads="$BEST" batch_size=[16,32] batch_rounds=3 num_prompts=32 \
       max_new_tokens=96 progress_bar=false out="$B/rounds_$(basename "$(dirname "$BEST")")"
+fi
+
+if has chains; then
+  chains=(methods=[draft,prompt_lookup] draft=self:8 draft_k=3 max_new_tokens=96 progress_bar=false)
+  timed "eval chains auto" "$BIN/medusa-eval" "${chains[@]}" batch_size=[1,2,4,8,16,32] num_prompts=32 \
+      out="$B/chains_auto"
+  timed "eval chains fixed" "$BIN/medusa-eval" "${chains[@]}" batch_size=[1,4,16] num_prompts=32 batch_chains=fixed \
+      out="$B/chains_fixed"
+  timed "eval lookup code" "$BIN/medusa-eval" methods=[prompt_lookup] prompts=code batch_size=[1,4,16] \
+      num_prompts=12 max_new_tokens=96 progress_bar=false out="$B/chains_code"
 fi
