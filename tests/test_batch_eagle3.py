@@ -204,6 +204,31 @@ def test_drafter_cache_equals_a_fresh_catch_up_after_every_step(models, prompts,
     assert max(lengths) > 2                               # multi-token paths were committed
 
 
+def test_each_rows_drafts_equal_batch_one_drafting(backbone, prompts):
+    """Guards against a wrong per-row drafting mask or position (a node seeing another node's draft
+    entries, its row's stale slots past its committed entries, or another row's offset), which
+    scripted drafts cannot show: with arbitrary drafts whose attention matters, every row's drafted
+    tokens, parents, depths and scores equal batch-1 ``Eagle3Decoder._draft`` at the same point."""
+    from inference.methods.eagle3 import Eagle3Decoder
+
+    m = random_drafter(backbone, scale=0.1)
+    o = Eagle3Options(**SETTINGS["tree"])
+    drafter = Eagle3BatchDrafter(m, o)
+    dec = BatchTreeDecoder(m, drafter)
+    dec.prefill([prompts[i] for i in range(len(LENGTHS))], N)
+    for step in range(3):
+        with torch.inference_mode():
+            tok, score, parent, depth = drafter._grow(o)
+        for b, seq in enumerate(dec.history):
+            single = Eagle3Decoder(m, o)
+            with torch.inference_mode():
+                assert single.prefill(torch.tensor([seq[:-1]]), N) == seq[-1]
+                t1, s1, p1, d1 = single._draft()
+            assert torch.equal(tok[b], t1) and torch.equal(parent[b], p1) and torch.equal(depth[b], d1), (step, b)
+            assert torch.allclose(score[b], s1, atol=1e-4), (step, b)
+        dec.step()
+
+
 @pytest.mark.parametrize("ragged", RAGGED_MODES)
 def test_a_schedule_switching_between_settings_and_plain_steps_stays_identical(models, prompts, greedy, ragged):
     """Guards against a schedule ignored as rows leave, and against plain steps leaving the drafter
@@ -313,15 +338,21 @@ def test_narrower_rows_pad_with_nodes_never_accepted(backbone, prompts, greedy, 
 # -- the method --------------------------------------------------------------------------------------
 def test_generate_batch_runs_eagle3_and_refuses_what_batch_one_refuses(models, backbone, prompts, greedy):
     """Guards against eagle3 missing from the batched methods, eagle_nodes=0 not being the plain loop,
-    and batches accepting what batch 1 refuses (eagle_tree=auto outside an evaluation, draft=sampled,
-    Medusa heads, impossible schedules), each in one line."""
+    and batches accepting what batch 1 refuses (eagle_tree=auto outside an evaluation or in a batched
+    one, which cannot choose it yet; draft=sampled, Medusa heads, impossible schedules), each in one
+    line."""
+    from inference.evaluation.batch_eval import check_batchable
+
     m = models["random"]
     assert "eagle3" in batched_names()
+    check_batchable(["eagle3"], [1, 4], {"eagle3": Eagle3Options()})
     out = generate_batch(m, prompts[:3], "eagle3", max_new_tokens=6, eos_token_ids=(), nodes=0)
     assert [r.tokens for r in out.rows] == [g[:6] for g in greedy[:3]] and set(out.speculation) == {1}
     medusa = wrap(backbone, random_heads(backbone, num_heads=2))
     for call, match in (
             (lambda: generate_batch(m, prompts[:2], "eagle3", tree="auto"), "chosen by an evaluation"),
+            (lambda: check_batchable(["eagle3"], [4], {"eagle3": Eagle3Options(tree="auto")}),
+             "batch_size=4 takes eagle3's tree as given: set eagle_tree=fixed"),
             (lambda: generate_batch(m, prompts[:2], "eagle3", sampling=SamplingConfig(mode="sample", draft="sampled")),
              "draft=sampled"),
             (lambda: generate_batch(m, prompts[:2], "eagle3", topk=200), "more than the drafter's 96 outputs"),

@@ -69,13 +69,19 @@ def parse_batch_sizes(value) -> Optional[list[int]]:
     return sorted(set(items))
 
 
-def check_batchable(methods: Sequence[str], sizes: Sequence[int]) -> None:
-    """Refuse, in one line, a method that decodes one prompt at a time (``hf_generate`` batches here)."""
+def check_batchable(methods: Sequence[str], sizes: Sequence[int], options: Optional[Mapping[str, Any]] = None) -> None:
+    """Refuse, in one line, a method that decodes one prompt at a time (``hf_generate`` batches here),
+    or eagle3 left to choose its tree (``options``: each method's options, where known)."""
     given = str(sizes[0]) if len(sizes) == 1 else str(list(sizes))
     for x in methods:
         if x != HF and registry.get(x).batch_decoder is None:
             raise UserError(f"method {x} decodes one prompt at a time, so batch_size={given} cannot run it; "
                             f"methods that decode batches: {', '.join(registry.batched_names())}")
+    eagle3 = (options or {}).get("eagle3")
+    if "eagle3" in methods and eagle3 is not None and eagle3.tree == "auto":
+        # choose_eagle3 measures batch 1 only; a per-batch-size choice is not built yet
+        raise UserError(f"batch_size={given} takes eagle3's tree as given: set eagle_tree=fixed with eagle_nodes / "
+                        "eagle_depth / eagle_topk (eagle_tree=auto chooses one for one prompt at a time)")
 
 
 # -- the tree per batch size ------------------------------------------------------------------
@@ -172,12 +178,12 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sizes = parse_batch_sizes([batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes))
     methods = registry.check_methods(list(methods), m)
-    check_batchable(methods, sizes)
     measured = list(methods) + [b for b in (PLAIN, HF) if b not in methods and (b == PLAIN or greedy)]
     refused = [x for x in measured if registry.get(x).greedy_only and not greedy]
     if refused:
         raise UserError(f"{refused[0]} is measured in greedy mode only")
     opts = {x: registry.make_options(x, (options or {}).get(x)) for x in measured if x != HF}
+    check_batchable(methods, sizes, opts)
     reported = {x: registry.options_report(o) for x, o in opts.items() if dataclasses.fields(o)}
     tree_methods = [x for x in opts if registry.get(x).needs_tree]
     calib_src: list[Prompt] = []

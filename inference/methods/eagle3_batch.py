@@ -190,7 +190,8 @@ class Eagle3BatchDrafter:
         parents = torch.cat([roots, torch.where(up < 0, 0, where.gather(1, up.clamp(min=0)))], 1)
         depths = torch.cat([torch.zeros_like(roots), depth.gather(1, keep)], 1)
         # every row keeps exactly N nodes (N <= the nodes drafted), so no row needs padding nodes
-        trees = RowTrees.stack([tree_buffers(parents[i], depths[i], int(depths[i].max())) for i in range(b)])
+        deepest = depths.max(1).values.tolist()
+        trees = RowTrees.stack([tree_buffers(parents[i], depths[i], deepest[i]) for i in range(b)])
         self.row_proposed = [t.max_depth for t in trees.rows]
         return trees, tok.gather(1, keep), None
 

@@ -13,10 +13,9 @@ chains, an EAGLE-3 drafter grows one dynamic tree per row (``tree.RowTrees``: pe
 depths in the one forward, verified row by row), ``PlainDrafter`` proposes nothing (the plain
 batched loop, the baseline). A drafter that reads backbone features (EAGLE-3) names the layers
 (``tap_layers``) and is handed them, with the positions each row committed, after the prefill
-and after every step. How much a
-method speculates may depend on how many rows are active (``speculation.SpeculationSchedule``): on a
-machine where the verification forward is bound by reading the weights, extra rows are free at
-batch 1 and cost compute at batch 32.
+and after every step. How much a method speculates may depend on how many rows are active
+(``speculation.SpeculationSchedule``): on a machine where the verification forward is bound by
+reading the weights, extra rows are free at batch 1 and cost compute at batch 32.
 
 ``run_batch`` drives a decoder with one timing rule (each step from before drafting to after
 the device sync) and returns a ``BatchOutput``: a ``GenerationOutput`` per row plus the batch's
