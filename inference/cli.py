@@ -256,11 +256,11 @@ def run_eval(cfg) -> dict:
     sampling = _sampling(cfg)
     sizes = eval_batch_sizes(cfg)
     methods = eval_methods(cfg)
+    options = _method_options(cfg, methods)
     if sizes is not None:  # before the backbone loads: methods that cannot decode batches
         from .evaluation.batch_eval import check_batchable
 
         check_batchable(methods, sizes)
-    options = _method_options(cfg, methods)
     prompts = load_prompts(cfg.prompts)
     wanted = cfg.num_prompts
     if wanted is not None and wanted < 1:

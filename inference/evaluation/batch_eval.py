@@ -29,6 +29,8 @@ its sizing); ``calibrated:N`` grows one N-node tree, and a given tree is used at
 The chain methods (draft model, prompt lookup) get a chain length per batch size with
 ``chains="auto"`` (``batch_sizing.choose_chain_schedule``: up to their set draft_k /
 prompt_lookup_tokens, none where no length pays), or their set length at every B with ``"fixed"``.
+EAGLE-3 with ``eagle_tree=auto`` gets its (nodes, depth, top-k) per batch size the same way
+(``batch_sizing.choose_eagle3_schedule``); with ``fixed``, its set setting at every B.
 ``report["batched"]["speculation"][method]`` records each sized method's schedule and how it was
 measured; ``per_batch_size[B]["speculation"][method]`` the choice in force at B.
 """
@@ -51,7 +53,7 @@ from ..runtime.tree import chain_tree, resolve_tree
 from ..runtime.verify import SamplingConfig
 from .evaluate import machine
 from .prompts import Prompt, split_calibration
-from .batch_sizing import choose_chain_schedule, choose_schedule
+from .batch_sizing import choose_chain_schedule, choose_eagle3_schedule, choose_schedule
 from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
 
 PLAIN, HF = "autoregressive", "hf_generate"
@@ -180,12 +182,12 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sizes = parse_batch_sizes([batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes))
     methods = registry.check_methods(list(methods), m)
-    check_batchable(methods, sizes)
     measured = list(methods) + [b for b in (PLAIN, HF) if b not in methods and (b == PLAIN or greedy)]
     refused = [x for x in measured if registry.get(x).greedy_only and not greedy]
     if refused:
         raise UserError(f"{refused[0]} is measured in greedy mode only")
     opts = {x: registry.make_options(x, (options or {}).get(x)) for x in measured if x != HF}
+    check_batchable(methods, sizes)
     for x, o in opts.items():
         if registry.get(x).prepare is not None:   # loaded once for every batch (a draft model)
             opts[x] = registry.get(x).prepare(m, o)
@@ -193,8 +195,10 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     tree_methods = [x for x in opts if registry.get(x).needs_tree]
     chain_methods = [x for x in opts if registry.get(x).chain is not None and chains == "auto"
                      and getattr(opts[x], "schedule", None) is None]
+    eagle3_auto = "eagle3" in opts and opts["eagle3"].tree == "auto" and opts["eagle3"].schedule is None
     calib_src: list[Prompt] = []
-    if (tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree)) or chain_methods:
+    if (tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree)) or chain_methods \
+            or eagle3_auto:
         calib_src, prompts = split_calibration(list(prompts), calibration_prompts)
     if not prompts:
         raise UserError("no prompts to evaluate")
@@ -222,6 +226,17 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
         speculation[x] = {"chain": "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
                           "sizing": sizing.to_dict()}
         log(f"{x} chain per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
+    if eagle3_auto:
+        log(f"choosing eagle3's tree per batch size: tau of each setting on {len(calib)} calibration prompts, "
+            "batch step latency on this device")
+        sizing, record = choose_eagle3_schedule(m, calib, ids, sorted({1, *sizes}),
+                                                calibration_tokens=calibration_tokens, log=log, progress=progress)
+        opts["eagle3"] = dataclasses.replace(opts["eagle3"], schedule=sizing.schedule)
+        reported.setdefault("eagle3", {})["schedule"] = sizing.schedule.to_dict()
+        schedules["eagle3"] = sizing.schedule
+        speculation["eagle3"] = {"tree": "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
+                                 "sizing": sizing.to_dict()}
+        log("eagle3 tree per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
     for x in opts:
         if registry.get(x).chain is not None and x not in schedules:   # fixed: the set length at every B
             given = getattr(opts[x], "schedule", None)

@@ -12,6 +12,9 @@ that rule for any candidates and drafters; per family:
 - Medusa heads (``choose_schedule``): small trees grown from the heads' measured accuracy, and
   top-1 chains, which stop paying later than trees because every node sits on the one path most
   likely accepted;
+- EAGLE-3 (``choose_eagle3_schedule``): (nodes, depth, top-k) settings whose tau is measured by
+  batch-1 decoding of the calibration prompts (a dynamic tree has no fixed node values to add up),
+  timed with one shared drafter pointed at each setting in turn (its cache must see every step);
 - chain methods, the draft model and prompt lookup (``choose_chain_schedule``): chains of 1..most
   draft tokens. One batch-1 calibration run per prompt with the longest chain records how many
   tokens each step accepted (A); a chain of k tokens accepts min(A, k) of the same proposal (the
@@ -35,18 +38,24 @@ import torch
 
 from ..errors import UserError
 from ..methods import registry
+from ..methods.eagle3 import Eagle3Options
+from ..methods.eagle3_batch import Eagle3BatchDrafter
 from ..methods.medusa import HeadsDrafter
 from ..runtime.batch_decode import BatchTreeDecoder, Drafter, PlainDrafter, check_batch_size
-from ..runtime.speculation import SpeculationSchedule, choice_depth, draft_tokens, fixed, tree_label
+from ..runtime.speculation import (ScheduleCursor, SpeculationSchedule, choice_depth, draft_tokens, fixed,
+                                   tree_label)
 from ..runtime.decode import _sync
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, chain_tree, expected_tau, grow_tree
-from .tree_choice import PLAIN, race
+from .tree_choice import PLAIN, eagle3_name, measure_eagle3_tau, race
 
 BATCH_BUDGETS = (1, 2, 3, 4, 8)   # draft nodes of the grown candidate trees (root not counted)
 BATCH_CHAINS = (2, 3)             # chain lengths (root included)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CHAIN_LENGTHS = (1, 2, 3, 4, 6, 8)   # draft tokens of the candidate chains (and the method's most)
+# eagle3 (nodes, depth, topk) candidates at batch sizes: the batch-1 grid without its widest trees,
+# which a batch of rows multiplies into hundreds of verified rows per step
+EAGLE3_BATCH_GRID = ((1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 2, 2), (4, 4, 1), (4, 3, 2), (8, 4, 4))
 
 
 @dataclass
@@ -89,7 +98,8 @@ class _BatchTimer:
                  room: int):
         self.m, self.drafters = m, drafters
         rows = [list(prompts[i % len(prompts)]) for i in range(b)]
-        self.dec = BatchTreeDecoder(m, PlainDrafter())
+        # prefilled with the first (plain) candidate's drafter: one that taps features sees the prompts
+        self.dec = BatchTreeDecoder(m, next(iter(drafters.values())))
         with torch.inference_mode():
             self.dec.prefill(rows, room)
 
@@ -111,7 +121,8 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
                      switch_gain: float = 0.05, log: Callable[[str], None] = print,
                      progress: bool = False) -> "BatchSizing":
     """Time plain decoding and each candidate (name -> (choice, expected tau)) at every batch size with
-    ``drafter_for(choice)``; keep the best expected tokens/s per batch size (module docstring)."""
+    ``drafter_for(choice)`` (``drafter_for(None)``: plain decoding's); keep the best expected tokens/s
+    per batch size (module docstring)."""
     sizes = sorted({check_batch_size(b) for b in batch_sizes})
     if not latency_prompts:
         raise UserError(f"sizing {what} per batch needs at least one latency prompt")
@@ -122,7 +133,7 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
     plain = tree_label(None)
     picked, rates, table = {}, {}, {}
     for b in sizes:
-        drafters = {name: (drafter_for(c) if c is not None else PlainDrafter()) for name, c in choices.items()}
+        drafters = {name: drafter_for(c) for name, c in choices.items()}
         timer = _BatchTimer(m, latency_prompts, b, drafters, room)
         step, spreads, timing = race(taus, lambda name: timer(name, latency_steps, warmup), latency_steps=latency_steps,
                                      min_rounds=min_rounds, max_rounds=max_rounds, log=log, progress=progress,
@@ -152,6 +163,43 @@ def choose_schedule(m: MedusaModel, per_rank, latency_prompts: Sequence[Sequence
     cands = {t.name: (t, tau) for t, tau in candidate_trees(per_rank, m.num_heads, budgets, chains)}
     return size_speculation(m, cands, lambda tree: HeadsDrafter(m, tree), latency_prompts, batch_sizes,
                             what="speculation", **timing)
+
+
+# -- EAGLE-3 ----------------------------------------------------------------------------------------
+class _Setting:
+    """One candidate setting of a drafter shared by every candidate (EAGLE-3's drafter cache must see
+    every step, so candidates cannot each keep their own): drafting through it first points the
+    shared drafter at this setting (None: a plain step, the drafter still catching up)."""
+
+    def __init__(self, shared, choice):
+        self.shared, self.choice = shared, choice
+
+    def __getattr__(self, name):   # tap_layers, prefilled, accepted, rows_kept, max_nodes, ...
+        return getattr(self.shared, name)
+
+    def draft(self, dec):
+        self.shared.cursor = ScheduleCursor(fixed(self.choice))
+        return self.shared.draft(dec)
+
+
+def choose_eagle3_schedule(m: MedusaModel, calibration: Sequence[Sequence[int]],
+                           latency_prompts: Sequence[Sequence[int]], batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                           *, grid: Sequence[tuple[int, int, int]] = EAGLE3_BATCH_GRID, calibration_tokens: int = 48,
+                           **timing) -> tuple[BatchSizing, dict]:
+    """EAGLE-3's (nodes, depth, topk) per batch size (module docstring): (the sizing, each setting's
+    measured tau)."""
+    if not calibration:
+        raise UserError("sizing eagle3 per batch needs at least one calibration prompt")
+    shapes = list(dict.fromkeys(tuple(s) for s in grid))
+    settings = {eagle3_name(s): Eagle3Options(nodes=s[0], depth=s[1], topk=s[2]) for s in shapes}
+    taus = {name: measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens)
+            for name, shape in zip(settings, shapes)}
+    cands = {name: (o, taus[name]) for name, o in settings.items()}
+    # sized for the largest setting; batch-size keys here only collect the settings
+    shared = Eagle3BatchDrafter(m, SpeculationSchedule(dict(enumerate(settings.values(), 1))))
+    sizing = size_speculation(m, cands, lambda o: _Setting(shared, o), latency_prompts, batch_sizes,
+                              what="eagle3 trees", **timing)
+    return sizing, {"measured_tau": {name: round(t, 4) for name, t in taus.items()}}
 
 
 # -- chain methods (draft model, prompt lookup) ----------------------------------------------------
@@ -197,6 +245,8 @@ def choose_chain_schedule(m: MedusaModel, method: str, options, calibration: Seq
     cands = chain_candidates(accepted, most, lengths)
 
     def drafter_for(chain):
+        if chain is None:
+            return PlainDrafter()
         return spec.batch_decoder(m, dataclasses.replace(options, schedule=fixed(chain)), None, None,
                                   "compact").drafter
 

@@ -27,6 +27,9 @@ One step, batch 1:
 Per step: D-1 expansion calls, one verification forward, one catch-up call. Tokens per step =
 accepted + 1; proposed per step = the kept tree's depth (the most it could accept, as Medusa).
 
+Batches (``generate_batch``): ``eagle3_batch``, every row its own tree grown as here, all rows'
+trees verified in one forward.
+
 Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
 0 = plain decoding), eagle_depth D, eagle_topk k; eagle_tree=auto lets an evaluation choose
 (N, D, k), or plain decoding when no setting beats it (``evaluation.tree_choice.choose_eagle3``).
@@ -35,17 +38,19 @@ Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..errors import UserError
 from ..heads.eagle3 import DraftKV
+from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.tree import tree_buffers
 from ..runtime.verify import SamplingConfig, choose_token, verify
 from .autoregressive import AutoregressiveDecoder
+from .eagle3_batch import Eagle3BatchDrafter
 from .registry import Costs, Method, heads_costs, option, register
 
 TREE_SETTINGS = ("fixed", "auto")
@@ -58,6 +63,8 @@ class Eagle3Options:
     topk: int = option(4, "eagle_topk", "k: children per expanded node, nodes expanded per depth")
     tree: str = option("fixed", "eagle_tree", "fixed: eagle_nodes/depth/topk | auto: an evaluation measures "
                        "a few settings and picks one, or plain decoding")
+    # batches only: a setting (or None: plain steps) per batch size, as a batched evaluation sizes it
+    schedule: Any = option(None, None, "a SpeculationSchedule of eagle3 settings (batched decoding)")
 
     def __post_init__(self):
         for name, low in (("nodes", 0), ("depth", 1), ("topk", 1)):
@@ -74,6 +81,20 @@ class Eagle3Options:
     @property
     def label(self) -> str:
         return f"n{self.nodes}-d{self.depth}-k{self.topk}" if self.nodes else "plain decoding"
+
+    def check_model(self, m: MedusaModel) -> None:
+        """Refuse, in one line, decoding ``m`` with these options: no EAGLE-3 heads, a tree left
+        to an evaluation (eagle_tree=auto), more children than the drafter has outputs."""
+        if m.heads is None:
+            raise UserError("method eagle3 needs EAGLE-3 heads (heads=<export directory>)")
+        reason = refuse_heads(m.heads.spec)
+        if reason:
+            raise UserError(reason)
+        if self.tree == "auto":
+            raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval), from calibration prompts; "
+                            "to decode directly give eagle_nodes / eagle_depth / eagle_topk")
+        if self.topk > m.heads.spec.output_size:
+            raise UserError(f"eagle_topk={self.topk} is more than the drafter's {m.heads.spec.output_size} outputs")
 
 
 def max_nodes(depth: int, topk: int) -> int:
@@ -95,16 +116,7 @@ class Eagle3Decoder:
 
     def __init__(self, m: MedusaModel, options: Eagle3Options, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
-        if m.heads is None:
-            raise UserError("method eagle3 needs EAGLE-3 heads (heads=<export directory>)")
-        reason = refuse_heads(m.heads.spec)
-        if reason:
-            raise UserError(reason)
-        if options.tree == "auto":
-            raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval), from calibration prompts; "
-                            "to decode directly give eagle_nodes / eagle_depth / eagle_topk")
-        if options.topk > m.heads.spec.output_size:
-            raise UserError(f"eagle_topk={options.topk} is more than the drafter's {m.heads.spec.output_size} outputs")
+        options.check_model(m)
         self.m, self.o, self.drafter = m, options, m.heads
         self.cfg = sampling or SamplingConfig()
         self.drafter.check_sampling(self.cfg)
@@ -222,11 +234,24 @@ def eagle3_costs(m: MedusaModel, o: Eagle3Options, run_length: int) -> Costs:
     return costs
 
 
+def eagle3_batch_decoder(m: MedusaModel, o: Eagle3Options, sampling: Optional[SamplingConfig], seed, ragged: str):
+    """Batched eagle3 (``eagle3_batch``): every row its own dynamic tree, with the options' setting or
+    the setting ``o.schedule`` gives per batch size; eagle_nodes=0 (or a schedule plain at every
+    size) is the plain batched loop, as batch 1 decodes plainly then."""
+    if o.schedule is not None:
+        sized = any(c is not None for c in o.schedule.choices.values())
+        drafter = Eagle3BatchDrafter(m, o.schedule) if sized else PlainDrafter()   # plain at every size
+    else:
+        drafter = Eagle3BatchDrafter(m, o) if o.nodes else PlainDrafter()
+    return BatchTreeDecoder(m, drafter, sampling, seed, ragged)
+
+
 register(Method(
     "eagle3", "EAGLE-3 drafter grows a dynamic tree (EAGLE-2), verified in one forward (needs eagle3 heads=; "
     "eagle_* keys)", Eagle3Options,
     decoder=lambda m, o, sampling, seed: (Eagle3Decoder(m, o, sampling, seed) if o.nodes
                                           else AutoregressiveDecoder(m, sampling, seed)),
+    batch_decoder=eagle3_batch_decoder,
     costs=eagle3_costs, needs_heads=True, refuses=refuse_heads,
     # n-alpha per depth 1..D (a kept tree may be shallower in a step; then its deeper depths count as
     # proposed and not accepted, so the rates are lower bounds)

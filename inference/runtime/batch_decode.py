@@ -9,10 +9,13 @@ the batch (its cache rows are dropped), so finished rows cost nothing afterwards
 ``BatchTreeDecoder`` is the one batched decoder: what it verifies each step comes from a
 ``Drafter`` (``draft(decoder) -> (tree buffers, candidate tokens [B, n-1], draft probs)``), which
 a method supplies: Medusa/Hydra/MLP-speculator heads fill static trees, prompt lookup fills
-chains, ``PlainDrafter`` proposes nothing (the plain batched loop, the baseline). How much a
-method speculates may depend on how many rows are active (``speculation.SpeculationSchedule``): on a
-machine where the verification forward is bound by reading the weights, extra rows are free at
-batch 1 and cost compute at batch 32.
+chains, an EAGLE-3 drafter grows one dynamic tree per row (``tree.RowTrees``: per-row masks and
+depths in the one forward, verified row by row), ``PlainDrafter`` proposes nothing (the plain
+batched loop, the baseline). A drafter that reads backbone features (EAGLE-3) names the layers
+(``tap_layers``) and is handed them, with the positions each row committed, after the prefill
+and after every step. How much a method speculates may depend on how many rows are active
+(``speculation.SpeculationSchedule``): on a machine where the verification forward is bound by
+reading the weights, extra rows are free at batch 1 and cost compute at batch 32.
 
 ``run_batch`` drives a decoder with one timing rule (each step from before drafting to after
 the device sync) and returns a ``BatchOutput``: a ``GenerationOutput`` per row plus the batch's
@@ -166,7 +169,15 @@ class Drafter(Protocol):
     def rows_kept(self, index: list[int]) -> None:
         """Rows ``index`` stay in the batch (in that order); drop per-row state of the others.
         A drafter whose rows propose different numbers of tokens sets ``row_proposed`` (per row,
-        for the acceptance rate); otherwise each row counts the tree's depth."""
+        for the acceptance rate); otherwise each row counts the tree's depth.
+
+        Optional, for drafters fed the backbone's features (EAGLE-3): ``tap_layers`` (hidden-state
+        ids: the prefill and every verification forward then run ``m.hidden_aux`` with a tap on
+        them), ``prefilled(dec, paths, aux)`` after the prefill and ``accepted(dec, paths, aux)``
+        after each step. ``aux`` [B, n, F] holds the forward's tapped features (None without
+        ``tap_layers``); ``paths[b]`` are the offsets, in that forward, of the positions row b has
+        now committed (its prompt; the root and its accepted nodes), each followed in its sequence
+        by the last ``len(paths[b])`` tokens of ``dec.history[b]``."""
 
 
 _ROOT_ONLY: dict[torch.device, TreeBuffers] = {}
@@ -207,6 +218,8 @@ class BatchTreeDecoder:
             drafter.check_sampling(self.cfg)                                # they cannot draft exactly
         self.gen = seeded_generator(m.device, seed)
         self.ragged = ragged
+        layers = getattr(drafter, "tap_layers", None)
+        self.tap = m.aux_tap(layers) if layers is not None else None
         self.cache: Optional[RaggedKVCache] = None
         self.root: Optional[torch.Tensor] = None     # [B] last emitted token per row
         self.h_last: Optional[torch.Tensor] = None   # [B, H]
@@ -226,7 +239,7 @@ class BatchTreeDecoder:
         self.cache = RaggedKVCache(m.config.num_hidden_layers, len(prompts), capacity, m.device, self.ragged)
         mask, pos = self.cache.prefill_mask(lens, m.dtype)
         ids = torch.tensor(pad_layout(prompts, self.ragged), dtype=torch.long, device=m.device)
-        h = m.hidden(ids, pos, self.cache, mask)
+        h, aux = self._forward(ids, pos, mask)
         width = ids.shape[1]
         last = torch.tensor([n - 1 if self.ragged == "compact" else width - 1 for n in lens], device=m.device)
         self.h_last = h[torch.arange(len(lens), device=m.device), last]
@@ -234,7 +247,16 @@ class BatchTreeDecoder:
         self.rows = list(range(len(prompts)))
         roots = self.root.tolist()
         self.history = [list(p) + [r] for p, r in zip(prompts, roots)]
+        if hasattr(self.drafter, "prefilled"):
+            starts = [0 if self.ragged == "compact" else width - n for n in lens]
+            self.drafter.prefilled(self, [list(range(s, s + n)) for s, n in zip(starts, lens)], aux)
         return roots
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+        """Backbone hidden states [B, n, H] and the tapped features [B, n, F] (None without a tap)."""
+        if self.tap is None:
+            return self.m.hidden(ids, pos, self.cache, mask), None
+        return self.m.hidden_aux(ids, pos, self.cache, self.tap, mask)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[list[int], int]]:
@@ -243,7 +265,7 @@ class BatchTreeDecoder:
         buf, cand, draft_q = self.drafter.draft(self)
         tokens = torch.cat([self.root[:, None], cand], dim=1)                  # [B, n]; -1: no draft
         mask, pos = self.cache.step_mask(buf.tree_mask, buf.position_offsets, m.dtype)
-        h = m.hidden(tokens.clamp(min=0), pos, self.cache, mask)                 # [B, n, H]
+        h, aux = self._forward(tokens.clamp(min=0), pos, mask)                  # [B, n, H]
         paths, bonus = verify_rows(buf, tokens, m.logits(h), self.cfg, draft_q, self.gen)
         self.cache.keep(paths)
         rows = torch.arange(len(paths), device=m.device)
@@ -257,6 +279,8 @@ class BatchTreeDecoder:
             new = [tok[b][i] for i in path[1:]] + [bon]
             self.history[b].extend(new)
             out.append((new, proposed[b]))
+        if hasattr(self.drafter, "accepted"):
+            self.drafter.accepted(self, paths, aux)
         return out
 
     def keep_rows(self, index: list[int]) -> None:

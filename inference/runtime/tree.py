@@ -359,6 +359,39 @@ def tree_buffers(parents: torch.Tensor, depth: torch.Tensor, max_depth: int) -> 
                        topk_per_depth=per_depth, slots_per_depth=per_depth)
 
 
+@dataclass(frozen=True)
+class RowTrees:
+    """One tree per row of a batch (dynamic trees: each row grows its own, method ``eagle3``): the
+    rows' own ``TreeBuffers`` (verification goes row by row through them) and, for the one
+    verification forward, their masks [B, n, n] and depths [B, n] stacked to the widest row. A
+    narrower row is padded with nodes that see only themselves at depth 0; its candidates carry
+    token -1 there, so they are computed but outside its own tree, never accepted or kept."""
+
+    rows: tuple[TreeBuffers, ...]
+    tree_mask: torch.Tensor          # [B, n, n] bool
+    position_offsets: torch.Tensor   # [B, n] long: depth of each node
+
+    @classmethod
+    def stack(cls, rows: Sequence[TreeBuffers]) -> "RowTrees":
+        n = max(t.num_nodes for t in rows)
+        dev = rows[0].tree_mask.device
+        mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(len(rows), 1, 1)
+        depth = torch.zeros(len(rows), n, dtype=torch.long, device=dev)
+        for b, t in enumerate(rows):
+            mask[b, :t.num_nodes, :t.num_nodes] = t.tree_mask
+            depth[b, :t.num_nodes] = t.position_offsets
+        return cls(tuple(rows), mask, depth)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes per row in the verification forward (the widest row's)."""
+        return self.tree_mask.shape[-1]
+
+    @property
+    def max_depth(self) -> int:
+        return max(t.max_depth for t in self.rows)
+
+
 def chain_tree(length: int) -> MedusaTree:
     """The top-1 chain with ``length`` tokens including the root (vLLM-style drafting)."""
     if length < 1:

@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 
 from ..errors import UserError
-from .tree import TreeBuffers
+from .tree import RowTrees, TreeBuffers
 
 MODES = ("greedy", "typical", "sample")
 DRAFTS = ("topk", "sampled")
@@ -289,7 +289,7 @@ def verify(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: Sa
     return Verdict(paths[0, :k + 1].tolist(), int(bonus[0]))
 
 
-def verify_rows(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
+def verify_rows(buf: TreeBuffers | RowTrees, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
                 draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[list[list[int]], list[int]]:
     """``verify`` for every row of a batch, each row its own tree instance: tokens [B, N], logits
     [B, N, V], draft_probs [B, D, V] or None. Returns (accepted node paths, bonus tokens) per row.
@@ -297,7 +297,14 @@ def verify_rows(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cf
 
     Greedy is vectorised with ``verify_greedy``'s tie rule (the first longest leaf path), so a
     row's verdict equals its batch-1 verdict on the same logits; exact sampling runs
-    ``verify_sample`` over the rows as independent trials; typical acceptance goes row by row."""
+    ``verify_sample`` over the rows as independent trials; typical acceptance goes row by row.
+    Per-row trees (``RowTrees``) go row by row through ``verify`` on each row's own nodes, so
+    every verdict is its batch-1 verdict in every mode."""
+    if isinstance(buf, RowTrees):
+        verdicts = [verify(t, tokens[b, :t.num_nodes], logits[b, :t.num_nodes], cfg,
+                           None if draft_probs is None else draft_probs[b], generator)
+                    for b, t in enumerate(buf.rows)]
+        return [v.path for v in verdicts], [v.bonus for v in verdicts]
     if cfg.mode == "greedy" or cfg.is_greedy:
         target = logits.argmax(-1)                                            # [B, N]
         match = tokens == target[:, buf.parents.clamp(min=0)]

@@ -1,0 +1,246 @@
+"""Batched EAGLE-3 decoding (method ``eagle3`` through ``generate_batch``): every row grows its own
+EAGLE-2 dynamic tree exactly as ``Eagle3Decoder`` does at batch 1 (methods/eagle3.py), and the
+rows' trees are verified together in one backbone forward (``BatchTreeDecoder``).
+
+The drafter's cache (``RowDraftKV``) holds, per row, one committed entry per backbone position whose
+features are known (0..committed[b]-1, as batch 1's ``DraftKV``), and, during a step, the step's
+draft entries. One step for the B active rows (``Eagle3BatchDrafter``):
+  1. depth 1: each row's top-k of its root distribution, scored by log-probability;
+  2. depths 2..D: ONE drafter call over B x k expanded nodes (each row's k best of the last depth),
+     row b's nodes at position committed[b]-1+d, each seeing its row's committed entries, its
+     ancestors' draft entries and itself (a per-row additive mask); same scores, same top-k;
+  3. rerank per row: its N best nodes (stable sort: ties to the earlier node, ancestors kept).
+     Every row keeps N nodes (one setting for all rows in a step) but the shapes differ, so each
+     row gets its own ``TreeBuffers`` (``RowTrees``), verified row by row with ``verify``;
+  4. ``accepted``: after the (tapped) verification forward, every row catches up over its root and
+     accepted nodes with their TRUE aux features, fed the next accepted token / the bonus, in one
+     drafter call (paths right-padded to the longest); that step's draft entries are dropped.
+A plain step (the schedule's None) drafts nothing but still catches up over the root, so later
+steps draft from a complete cache. Per step: D-1 expansion calls, one verification forward, one
+catch-up call, for the whole batch.
+
+Speculation per batch size: fixed ``Eagle3Options``, or a ``SpeculationSchedule`` whose choices are
+``Eagle3Options`` or None, consulted every step with the number of active rows (as
+``medusa.HeadsDrafter``); caches are sized for its largest setting.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import UserError
+from ..runtime.batch_decode import BatchTreeDecoder, root_only
+from ..runtime.model import MedusaModel
+from ..runtime.speculation import ScheduleCursor, SpeculationSchedule
+from ..runtime.tree import RowTrees, tree_buffers
+from ..runtime.verify import SamplingConfig
+
+
+def _additive(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, S] visibility -> the [B, 1, T, S] additive mask the drafter's attention takes."""
+    mask = torch.zeros(see.shape, dtype=dtype, device=see.device)
+    return mask.masked_fill_(~see, torch.finfo(dtype).min)[:, None]
+
+
+class RowDraftKV:
+    """The drafter's KV cache for a batch: keys / values [B, kv_heads, capacity, D]; row b's committed
+    entries at slots 0..committed[b]-1, and during a step every row's draft entries at one shared
+    offset, the longest row's committed count.
+
+    Not a ``RaggedKVCache``: the drafter's ``forward_step`` attends over the (past, new) it is handed,
+    not through a transformers ``Cache``, and draft entries are never kept (committing is the
+    catch-up's job), so they need no per-row offsets and no ``keep``: a shared offset makes each
+    depth's append one slice copy and leaves batch 1's ancestor-visibility pattern unchanged. They
+    are dropped by not being shown: row b only ever attends to its first committed[b] slots."""
+
+    def __init__(self, batch: int, capacity: int, device):
+        self.capacity = capacity
+        self.committed = torch.zeros(batch, dtype=torch.long, device=device)
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k is None:
+            b = self.committed.shape[0]
+            self.k = k.new_zeros(b, k.shape[1], self.capacity, k.shape[-1])
+            self.v = v.new_zeros(b, v.shape[1], self.capacity, v.shape[-1])
+
+    def view(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :width], self.v[:, :, :width]
+
+    def commit(self, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor) -> None:
+        """k, v [B, kv_heads, T, D]: row b's first counts[b] entries go to its slots committed[b].. (the
+        rest are padding of a shorter row, dropped)."""
+        self._allocate(k, v)
+        b, t = k.shape[0], k.shape[2]
+        steps = torch.arange(t, device=k.device)[None]
+        real = steps < counts[:, None]
+        slots = (self.committed[:, None] + steps)[real]
+        if slots.numel() and int(slots.max()) >= self.capacity:
+            raise RuntimeError(f"draft KV cache full ({self.capacity} slots)")
+        rows = torch.arange(b, device=k.device)[:, None].expand(b, t)[real]
+        self.k[rows, :, slots] = k.transpose(1, 2)[real]
+        self.v[rows, :, slots] = v.transpose(1, 2)[real]
+        self.committed = self.committed + counts
+
+    def put_draft(self, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+        """Every row's draft entries k, v [B, kv_heads, n, D] at slots at..at+n-1."""
+        n = k.shape[2]
+        if at + n > self.capacity:
+            raise RuntimeError(f"draft KV cache full ({self.capacity} slots)")
+        self.k[:, :, at:at + n] = k
+        self.v[:, :, at:at + n] = v
+
+    def row_entries(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's committed keys and values [kv_heads, committed[b], D]."""
+        n = int(self.committed[b])
+        return self.k[b, :, :n], self.v[b, :, :n]
+
+    def select(self, index: torch.Tensor) -> None:
+        self.committed = self.committed[index]
+        if self.k is not None:
+            self.k, self.v = self.k[index], self.v[index]
+
+
+class Eagle3BatchDrafter:
+    """``BatchTreeDecoder``'s drafter for EAGLE-3 heads (module docstring): one dynamic tree per row.
+    ``options``: ``Eagle3Options`` (one setting at every batch size) or a ``SpeculationSchedule`` of
+    them and None (plain steps)."""
+
+    def __init__(self, m: MedusaModel, options):
+        schedule = options if isinstance(options, SpeculationSchedule) else SpeculationSchedule({1: options})
+        settings = [c for c in schedule.choices.values() if c is not None]
+        if not settings:
+            raise UserError("an eagle3 schedule needs at least one eagle3 setting (None at every batch size is "
+                            "plain decoding: use method autoregressive)")
+        for c in settings:
+            # duck-typed: Eagle3Options lives in methods/eagle3.py, which imports this module
+            if not callable(getattr(c, "check_model", None)):
+                raise UserError(f"an eagle3 schedule holds eagle3 options or None, got {type(c).__name__}")
+            c.check_model(m)
+            if not c.nodes:
+                raise UserError("eagle_nodes=0 is plain decoding: a schedule says so with None")
+        self.m, self.d, self.schedule = m, m.heads, schedule
+        self.tap_layers = list(self.d.spec.aux_layers)
+        self.max_nodes = max(c.nodes for c in settings) + 1
+        self.max_depth = max(c.depth for c in settings)
+        self.max_entries = max((c.depth - 1) * c.topk for c in settings)   # one step's draft entries per row
+        self.cursor = ScheduleCursor(schedule)
+        self.dkv: Optional[RowDraftKV] = None
+        self.root_logits: Optional[torch.Tensor] = None   # [B, draft vocab]: the roots' children
+        self.root_state: Optional[torch.Tensor] = None    # [B, H]: what depth 1 continues from
+        self.row_proposed: list[int] = []
+
+    def check_sampling(self, cfg: SamplingConfig) -> None:
+        self.d.check_sampling(cfg)
+
+    # -- the cache: prompt, then every step's accepted positions ------------------------------------
+    def prefilled(self, dec: BatchTreeDecoder, paths: list[list[int]], aux: torch.Tensor) -> None:
+        # committed entries never outnumber the backbone's real tokens, which fit its cache
+        self.dkv = RowDraftKV(dec.batch, dec.cache.capacity + self.max_entries, self.m.device)
+        self.cursor = ScheduleCursor(self.schedule)
+        self.accepted(dec, paths, aux)
+
+    def accepted(self, dec: BatchTreeDecoder, paths: list[list[int]], aux: torch.Tensor) -> None:
+        """Commit every row's positions ``paths[b]`` of the last forward (true features ``aux``),
+        each fed the token after it: the last ``len(paths[b])`` tokens of the row's history."""
+        dev = self.m.device
+        width = max(len(p) for p in paths)
+        index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=dev)
+        feats = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
+        nxt = torch.tensor([h[-len(p):] + [0] * (width - len(p)) for h, p in zip(dec.history, paths)], device=dev)
+        self._catch_up(feats, nxt, torch.tensor([len(p) for p in paths], device=dev))
+
+    def _catch_up(self, aux: torch.Tensor, nxt: torch.Tensor, counts: torch.Tensor) -> None:
+        """One drafter call over aux [B, T, 3H] / nxt [B, T], row b's first counts[b] real; each row's
+        last real output drafts its next root's children."""
+        d, kv, dev = self.d, self.dkv, self.m.device
+        b, t = nxt.shape
+        start = kv.committed
+        width = int(start.max())
+        see = torch.zeros(b, t, width + t, dtype=torch.bool, device=dev)
+        see[:, :, :width] = (torch.arange(width, device=dev)[None] < start[:, None])[:, None]
+        see[:, :, width:] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()   # padding comes last
+        positions = start[:, None] + torch.arange(t, device=dev)
+        normed, pre, (k, v) = d.forward_step(nxt, d.combine(aux), positions, kv.view(width) if width else None,
+                                             _additive(see, self.m.dtype))
+        kv.commit(k, v, counts)
+        lanes, last = torch.arange(b, device=dev), counts - 1
+        self.root_logits, self.root_state = d.project(normed[lanes, last]), pre[lanes, last]
+
+    # -- drafting -------------------------------------------------------------------------------------
+    def draft(self, dec: BatchTreeDecoder):
+        o, dev = self.cursor.next(dec.batch), self.m.device
+        if o is None:
+            self.row_proposed = [0] * dec.batch
+            return root_only(dev), torch.empty(dec.batch, 0, dtype=torch.long, device=dev), None
+        tok, score, parent, depth = self._grow(o)
+        # batch 1's rerank, per row: the N best (stable: ties keep drafting order, parents first), in drafting order
+        b = tok.shape[0]
+        keep = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :o.nodes].sort(dim=-1).values
+        where = torch.zeros(tok.shape, dtype=torch.long, device=dev)
+        where.scatter_(1, keep, torch.arange(1, o.nodes + 1, device=dev).expand(b, -1))
+        up = parent.gather(1, keep)
+        roots = torch.full((b, 1), -1, dtype=torch.long, device=dev)
+        parents = torch.cat([roots, torch.where(up < 0, 0, where.gather(1, up.clamp(min=0)))], 1)
+        depths = torch.cat([torch.zeros_like(roots), depth.gather(1, keep)], 1)
+        # every row keeps exactly N nodes (N <= the nodes drafted), so no row needs padding nodes
+        deepest = depths.max(1).values.tolist()
+        trees = RowTrees.stack([tree_buffers(parents[i], depths[i], deepest[i]) for i in range(b)])
+        self.row_proposed = [t.max_depth for t in trees.rows]
+        return trees, tok.gather(1, keep), None
+
+    def _grow(self, o):
+        """Every row's dynamic tree (batch 1's ``Eagle3Decoder._draft`` with a leading row axis): token,
+        score, parent (-1: the root) and depth of each drafted node [B, k + (D-1) k^2], in drafting order."""
+        d, kv, dev = self.d, self.dkv, self.m.device
+        k, committed = o.topk, kv.committed
+        b = committed.shape[0]
+        base = int(committed.max())             # where the draft entries start, in every row
+        lanes = torch.arange(b, device=dev)[:, None]
+        neg = torch.finfo(self.m.dtype).min
+        score, local = torch.log_softmax(self.root_logits.float(), -1).topk(k)               # [B, k]
+        tok = d.to_vocab_ids(local)
+        parent = torch.full((b, k), -1, dtype=torch.long, device=dev)
+        state = self.root_state[:, None].expand(b, k, -1)      # what each node of the last depth is fed
+        vis = torch.zeros(b, k, (o.depth - 1) * k, dtype=torch.bool, device=dev)   # its ancestors' entries
+        toks, scores, parents = [tok], [score], [parent]
+        depths = [torch.ones(b, k, dtype=torch.long, device=dev)]
+        first, entries = 0, 0                   # index of the last depth's first node; draft entries so far
+        own_committed = torch.arange(base, device=dev)[None] < committed[:, None]           # [B, base]
+        for depth in range(1, o.depth):
+            rows = min(k, score.shape[1])
+            pick = score.topk(rows, dim=-1).indices                                          # [B, rows]
+            sees = vis[lanes, pick]                                                          # [B, rows, E]
+            mask = torch.full((b, 1, rows, base + entries + rows), neg, dtype=self.m.dtype, device=dev)
+            mask[:, 0, :, :base].masked_fill_(own_committed[:, None], 0)
+            mask[:, 0, :, base:base + entries].masked_fill_(sees[..., :entries], 0)
+            mask[:, 0, :, base + entries:].masked_fill_(torch.eye(rows, dtype=torch.bool, device=dev), 0)
+            positions = (committed - 1 + depth)[:, None].expand(b, rows)
+            normed, pre, (kk, vv) = d.forward_step(tok[lanes, pick], state[lanes, pick], positions,
+                                                   kv.view(base + entries), mask)
+            kv.put_draft(kk, vv, base + entries)
+            logq = torch.log_softmax(d.project(normed).float(), -1).clamp(max=0)
+            child_score, child_local = logq.topk(k, dim=-1)                                  # [B, rows, k]
+            own = sees.clone()
+            slot = torch.arange(rows, device=dev)
+            own[:, slot, entries + slot] = True
+            score = (score[lanes, pick][..., None] + child_score).reshape(b, -1)
+            tok = d.to_vocab_ids(child_local).reshape(b, -1)
+            parent = (first + pick).repeat_interleave(k, dim=1)
+            state, vis = pre.repeat_interleave(k, dim=1), own.repeat_interleave(k, dim=1)
+            first += toks[-1].shape[1]
+            entries += rows
+            toks.append(tok)
+            scores.append(score)
+            parents.append(parent)
+            depths.append(torch.full((b, score.shape[1]), depth + 1, dtype=torch.long, device=dev))
+        return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1)
+
+    def rows_kept(self, index: list[int]) -> None:
+        if self.dkv is not None:
+            sel = torch.tensor(index, dtype=torch.long, device=self.m.device)
+            self.dkv.select(sel)
+            self.root_logits, self.root_state = self.root_logits[sel], self.root_state[sel]
