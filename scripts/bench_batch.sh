@@ -14,16 +14,19 @@
 #    batches per size are few to average over): the ratio at the sizes where speculation is off.
 # 4. chains: the draft model (self:8, k <= 3) and prompt lookup (<= 10 tokens) with their chain length
 #    chosen per batch size (batch_chains=auto) on 32 MT-Bench first turns, then with the set length at
-#    every B (batch_chains=fixed, B = 1, 4, 16) for the before/after, and prompt lookup on the code prompts
+#    every B (batch_chains=fixed, B = 1, 16) for the before/after, and prompt lookup on the code prompts
 #    (where it proposes more often).
+# 5. eagle3: the EAGLE-3 drafter (runs/eagle3_smollm2/heads: medusa-train eagle3_smollm2) batched, its
+#    (nodes, depth, top-k) chosen per batch size (eagle_tree=auto), against the same baselines.
 # Run it alone: every figure here is a latency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${MEDUSA_BIN:-.venv/bin}
-STAGES=${STAGES:-"ragged eval rounds chains"}
+STAGES=${STAGES:-"ragged eval rounds chains eagle3"}
 B=${BENCH_OUT:-runs/bench_batch}
 QUICK=${QUICK_HEADS:-runs/medusa1_smollm2/heads}
 BEST=${BEST_HEADS:-runs/hydra_smollm2_greedy/heads}
+EAGLE3=${EAGLE3_HEADS:-runs/eagle3_smollm2/heads}
 mkdir -p "$B"
 . scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
 
@@ -49,8 +52,13 @@ if has chains; then
   chains=(methods=[draft,prompt_lookup] draft=self:8 draft_k=3 max_new_tokens=96 progress_bar=false)
   timed "eval chains auto" "$BIN/medusa-eval" "${chains[@]}" batch_size=[1,2,4,8,16,32] num_prompts=32 \
       out="$B/chains_auto"
-  timed "eval chains fixed" "$BIN/medusa-eval" "${chains[@]}" batch_size=[1,4,16] num_prompts=32 batch_chains=fixed \
+  timed "eval chains fixed" "$BIN/medusa-eval" "${chains[@]}" batch_size=[1,16] num_prompts=32 batch_chains=fixed \
       out="$B/chains_fixed"
   timed "eval lookup code" "$BIN/medusa-eval" methods=[prompt_lookup] prompts=code batch_size=[1,4,16] \
       num_prompts=12 max_new_tokens=96 progress_bar=false out="$B/chains_code"
+fi
+
+if has eagle3; then
+  timed "eval eagle3" "$BIN/medusa-eval" heads="$EAGLE3" methods=[eagle3] batch_size=[1,2,4,8,16,32] num_prompts=32 \
+      max_new_tokens=96 progress_bar=false out="$B/eagle3_smollm2"
 fi
