@@ -245,3 +245,22 @@ def test_real_chain_sizing_drives_the_batched_decoder(m, prompts):
             assert out.speculation[0] <= first.num_nodes
         for p, row in zip(prompts, out.rows):
             assert row.tokens == generate(m, p, "autoregressive", max_new_tokens=6, eos_token_ids=()).tokens
+
+
+def test_memory_check_counts_the_draft_models_own_cache(m, monkeypatch):
+    """Guards against: the batch memory check (estimate first, refuse in one line) leaving out the draft
+    model's own KV cache, so a batch whose target cache fits but whose draft cache does not starts and
+    runs out of memory midway instead of being refused up front."""
+    from inference.methods.draft import batch_draft_decoder
+    from inference.methods.registry import make_options
+    from inference.runtime import batch_decode
+
+    rows, new = [[1, 2, 3]] * 8, 64
+    dec = batch_draft_decoder(m, make_options("draft", None, draft="self:2", k=4), None, None, "compact")
+    target = batch_decode.batch_cache_bytes(m, [3] * 8, new, dec.drafter.max_nodes)
+    draft = dec.drafter.cache_bytes([3] * 8, new)
+    assert draft > 0
+    monkeypatch.setattr(batch_decode, "free_memory_bytes", lambda device: int((target + draft / 2) / 0.9))
+    with pytest.raises(UserError, match="lower batch_size or max_new_tokens"):
+        generate_batch(m, rows, "draft", max_new_tokens=new, draft="self:2", k=4)
+    generate_batch(m, rows, "autoregressive", max_new_tokens=2)   # the target's cache alone fits

@@ -107,7 +107,10 @@ def alone(models, prompts):
 
 def check_drafter_cache(m, dec: BatchTreeDecoder, drafter: Eagle3BatchDrafter) -> None:
     """Every row's committed drafter entries, and the state its next root's children are drafted
-    from, equal a fresh catch-up over its accepted sequence with true features (batch 1, one call)."""
+    from, equal a fresh catch-up over its accepted sequence with true features (batch 1, one call).
+    Entries that plain steps (or the prefill) left pending are committed first, as the next drafting
+    step would."""
+    drafter.catch_up_pending()
     tap = m.aux_tap(m.heads.spec.aux_layers)
     for b, seq in enumerate(dec.history):
         n = len(seq) - 1                                   # the root is not committed yet
@@ -218,6 +221,7 @@ def test_each_rows_drafts_equal_batch_one_drafting(backbone, prompts):
     dec.prefill([prompts[i] for i in range(len(LENGTHS))], N)
     for step in range(3):
         with torch.inference_mode():
+            drafter.catch_up_pending()   # as draft() does before growing (the prefill's entries wait)
             tok, score, parent, depth = drafter._grow(o)
         for b, seq in enumerate(dec.history):
             single = Eagle3Decoder(m, o)
@@ -232,7 +236,7 @@ def test_each_rows_drafts_equal_batch_one_drafting(backbone, prompts):
 @pytest.mark.parametrize("ragged", RAGGED_MODES)
 def test_a_schedule_switching_between_settings_and_plain_steps_stays_identical(models, prompts, greedy, ragged):
     """Guards against a schedule ignored as rows leave, and against plain steps leaving the drafter
-    behind (a plain step must still commit the root, or later drafts read a stale cache): every
+    behind (a plain step's root must be committed before the next draft, or it reads a stale cache): every
     step verifies the schedule's choice for its active rows, every row stays plain greedy, and the
     drafter's cache stays a fresh catch-up through tree -> plain -> chain steps."""
     m = models["scripted"]
@@ -441,3 +445,54 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
     assert b["per_batch_size"]["2"]["speculation"]["eagle3"] == "plain"
     row = b["per_batch_size"]["2"]["per_method"]["eagle3"]
     assert row["greedy_identical"] is True and row["tau"] > 1.0   # the last row alone drafts (batch 1)
+
+
+def test_memory_estimate_of_the_drafter_cache_is_what_it_allocates(models, prompts):
+    """Guards against: the batch memory check (estimate first, refuse in one line) under-counting the
+    EAGLE-3 drafter's own cache: the estimate must be the bytes its keys and values take once allocated."""
+    m = models["random"]
+    dec = registry_decoder(m)
+    lengths = [len(p) for p in prompts[:3]]
+    with torch.inference_mode():
+        dec.prefill([list(p) for p in prompts[:3]], 20)
+        dec.drafter.catch_up_pending()
+    kv = dec.drafter.dkv
+    allocated = (kv.k.numel() + kv.v.numel()) * kv.k.element_size()
+    assert dec.drafter.cache_bytes(lengths, 20) == allocated > 0
+
+
+def registry_decoder(m):
+    from inference.methods.registry import get, make_options
+
+    return get("eagle3").batch_decoder(m, make_options("eagle3", None, **SETTINGS["tree"]), None, None, "compact")
+
+
+def test_plain_steps_run_no_drafter_call(models, prompts, greedy):
+    """Guards against: a schedule that says plain (large batches) still paying the drafter's layer and
+    projection every step, which makes "speculation off" slower than the plain batched loop; the
+    roots of those steps are committed in one call when drafting resumes, and the rows stay greedy."""
+    m = models["scripted"]
+    o = Eagle3Options(**SETTINGS["tree"])
+    drafter = Eagle3BatchDrafter(m, SpeculationSchedule({1: o, 2: None}, switch_gain=0.0))
+    dec = BatchTreeDecoder(m, drafter)
+    calls = []
+    real = type(m.heads).forward_step
+
+    def counted(self, *a, **k):
+        calls.append(a[0].shape)
+        return real(self, *a, **k)
+
+    with torch.inference_mode():
+        dec.prefill([prompts[0], prompts[2]], N)
+        type(m.heads).forward_step = counted
+        try:
+            for _ in range(4):
+                dec.step()
+            assert calls == []                                 # prefill and 4 plain steps: nothing drafted
+            dec.keep_rows([1])
+            dec.step()
+        finally:
+            type(m.heads).forward_step = real
+    assert len(calls) == 1 + (o.depth - 1) + 1                 # pending commit, expansions, the step's catch-up
+    assert calls[0][1] == len(prompts[2]) + 4                  # the prompt and the 4 plain steps' roots at once
+    assert dec.history[0][len(prompts[2]):] == greedy[2][:len(dec.history[0]) - len(prompts[2])]

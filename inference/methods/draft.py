@@ -393,6 +393,11 @@ class BatchDraftDrafter:
         if self.dcache is not None:
             self.dcache.select_rows(index)
 
+    def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
+        """The draft model's own ragged KV cache for this batch (the memory check counts it)."""
+        capacity = max(prompt_lengths) + max_new_tokens + self.max_nodes + 2
+        return len(prompt_lengths) * capacity * kv_bytes_per_token(self.dm)
+
 
 def batch_draft_decoder(m: MedusaModel, o: DraftSettings, sampling: Optional[SamplingConfig], seed, ragged):
     cfg = sampling or SamplingConfig()

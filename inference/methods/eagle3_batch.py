@@ -15,8 +15,9 @@ draft entries. One step for the B active rows (``Eagle3BatchDrafter``):
   4. ``accepted``: after the (tapped) verification forward, every row catches up over its root and
      accepted nodes with their TRUE aux features, fed the next accepted token / the bonus, in one
      drafter call (paths right-padded to the longest); that step's draft entries are dropped.
-A plain step (the schedule's None) drafts nothing but still catches up over the root, so later
-steps draft from a complete cache. Per step: D-1 expansion calls, one verification forward, one
+A plain step (the schedule's None) drafts nothing; its root's features wait (``pending``) until
+the next drafting step commits them all in one call, so a stretch of plain steps costs no drafter
+call, and later steps still draft from a complete cache. Per step: D-1 expansion calls, one verification forward, one
 catch-up call, for the whole batch.
 
 Speculation per batch size: fixed ``Eagle3Options``, or a ``SpeculationSchedule`` whose choices are
@@ -131,6 +132,7 @@ class Eagle3BatchDrafter:
         self.dkv: Optional[RowDraftKV] = None
         self.root_logits: Optional[torch.Tensor] = None   # [B, draft vocab]: the roots' children
         self.root_state: Optional[torch.Tensor] = None    # [B, H]: what depth 1 continues from
+        self.pending: list[list] = []                     # per row: (features, tokens) not yet committed
         self.row_proposed: list[int] = []
 
     def check_sampling(self, cfg: SamplingConfig) -> None:
@@ -141,17 +143,38 @@ class Eagle3BatchDrafter:
         # committed entries never outnumber the backbone's real tokens, which fit its cache
         self.dkv = RowDraftKV(dec.batch, dec.cache.capacity + self.max_entries, self.m.device)
         self.cursor = ScheduleCursor(self.schedule)
+        self.pending = [[] for _ in paths]
         self.accepted(dec, paths, aux)
 
     def accepted(self, dec: BatchTreeDecoder, paths: list[list[int]], aux: torch.Tensor) -> None:
         """Commit every row's positions ``paths[b]`` of the last forward (true features ``aux``),
-        each fed the token after it: the last ``len(paths[b])`` tokens of the row's history."""
+        each fed the token after it: the last ``len(paths[b])`` tokens of the row's history.
+
+        After a plain step (or the prefill, before any step has drafted) the entries wait in
+        ``pending`` instead: while the schedule says plain, the drafter's layer and its projection
+        would run every step for drafts nobody asks for, which at large batches costs a visible
+        share of a plain step. The first drafting step commits everything pending in one call."""
+        per_row = [(aux[b, p], dec.history[b][-len(p):]) for b, p in enumerate(paths)]
+        if self.cursor.current is None:
+            for b, (feats, nxt) in enumerate(per_row):
+                self.pending[b].append((feats, nxt))
+            return
+        self._commit(per_row)
+
+    def catch_up_pending(self) -> None:
+        """Commit what plain steps left pending (``accepted``): the cache then covers every row's
+        accepted positions."""
+        if any(self.pending):
+            self._commit([(torch.cat([f for f, _ in rows]), [t for _, n in rows for t in n]) for rows in self.pending])
+            self.pending = [[] for _ in self.pending]
+
+    def _commit(self, per_row) -> None:
+        """One catch-up call over each row's (features [c, F], tokens fed after them [c]), padded."""
         dev = self.m.device
-        width = max(len(p) for p in paths)
-        index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=dev)
-        feats = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
-        nxt = torch.tensor([h[-len(p):] + [0] * (width - len(p)) for h, p in zip(dec.history, paths)], device=dev)
-        self._catch_up(feats, nxt, torch.tensor([len(p) for p in paths], device=dev))
+        width = max(len(n) for _, n in per_row)
+        feats = torch.stack([torch.cat([f, f[-1:].expand(width - len(n), -1)]) for f, n in per_row])
+        nxt = torch.tensor([n + [0] * (width - len(n)) for _, n in per_row], device=dev)
+        self._catch_up(feats, nxt, torch.tensor([len(n) for _, n in per_row], device=dev))
 
     def _catch_up(self, aux: torch.Tensor, nxt: torch.Tensor, counts: torch.Tensor) -> None:
         """One drafter call over aux [B, T, 3H] / nxt [B, T], row b's first counts[b] real; each row's
@@ -176,6 +199,7 @@ class Eagle3BatchDrafter:
         if o is None:
             self.row_proposed = [0] * dec.batch
             return root_only(dev), torch.empty(dec.batch, 0, dtype=torch.long, device=dev), None
+        self.catch_up_pending()
         tok, score, parent, depth = self._grow(o)
         # batch 1's rerank, per row: the N best (stable: ties keep drafting order, parents first), in drafting order
         b = tok.shape[0]
@@ -239,8 +263,18 @@ class Eagle3BatchDrafter:
             depths.append(torch.full((b, score.shape[1]), depth + 1, dtype=torch.long, device=dev))
         return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1)
 
+    def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
+        """The drafter's own cache for this batch (one layer: keys and values per slot), for the memory check."""
+        layer = getattr(self.d.spec, "draft_layer", None) or {}
+        per_slot = 2 * layer.get("num_key_value_heads", 0) * layer.get("head_dim", 0) * \
+            torch.empty((), dtype=self.m.dtype).element_size()
+        capacity = max(prompt_lengths) + max_new_tokens + self.max_nodes + self.max_entries
+        return len(prompt_lengths) * capacity * per_slot
+
     def rows_kept(self, index: list[int]) -> None:
         if self.dkv is not None:
             sel = torch.tensor(index, dtype=torch.long, device=self.m.device)
             self.dkv.select(sel)
-            self.root_logits, self.root_state = self.root_logits[sel], self.root_state[sel]
+            self.pending = [self.pending[i] for i in index]
+            if self.root_logits is not None:   # None until the first commit (all pending so far)
+                self.root_logits, self.root_state = self.root_logits[sel], self.root_state[sel]

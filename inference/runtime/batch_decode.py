@@ -139,14 +139,15 @@ def free_memory_bytes(device: torch.device) -> Optional[int]:
 
 
 def check_batch_fits(m: MedusaModel, prompt_lengths: Sequence[int], max_new_tokens: int, extra_slots: int,
-                     mode: str = "compact", max_depth: int = 0) -> None:
-    """Refuse, in one line and before allocating, prompts over the context or a batch over free memory."""
+                     mode: str = "compact", max_depth: int = 0, drafter_bytes: int = 0) -> None:
+    """Refuse, in one line and before allocating, prompts over the context or a batch over free memory
+    (``drafter_bytes``: what the drafter's own caches add, e.g. a draft model's KV cache)."""
     for i, n in enumerate(prompt_lengths):
         try:
             check_budget(m, n, max_new_tokens)
         except UserError as e:
             raise UserError(f"prompt {i}: {e}") from None
-    need = batch_cache_bytes(m, prompt_lengths, max_new_tokens, extra_slots, mode, max_depth)
+    need = batch_cache_bytes(m, prompt_lengths, max_new_tokens, extra_slots, mode, max_depth) + drafter_bytes
     free = free_memory_bytes(m.device)
     if free is not None and need > 0.9 * free:
         raise UserError(f"a batch of {len(prompt_lengths)} prompts (longest {max(prompt_lengths)} tokens, "
@@ -177,7 +178,11 @@ class Drafter(Protocol):
         after each step. ``aux`` [B, n, F] holds the forward's tapped features (None without
         ``tap_layers``); ``paths[b]`` are the offsets, in that forward, of the positions row b has
         now committed (its prompt; the root and its accepted nodes), each followed in its sequence
-        by the last ``len(paths[b])`` tokens of ``dec.history[b]``."""
+        by the last ``len(paths[b])`` tokens of ``dec.history[b]``.
+
+        Optional too: ``cache_bytes(prompt_lengths, max_new_tokens)``, the bytes of the drafter's own
+        caches for that batch (a draft model's KV cache, EAGLE-3's drafter cache), counted in the
+        memory check before anything is allocated."""
 
 
 _ROOT_ONLY: dict[torch.device, TreeBuffers] = {}
@@ -300,8 +305,10 @@ def run_batch(decoder: BatchTreeDecoder, m: MedusaModel, prompts, max_new_tokens
     """Prefill every prompt, then step until each row has stopped (EOS kept, ``max_new_tokens``) or
     ``max_steps``; finished rows leave the batch. Each row stops exactly where batch-1 decoding would."""
     rows = prompt_rows(m, prompts)
-    check_batch_fits(m, [len(r) for r in rows], max_new_tokens, decoder.drafter.max_nodes, decoder.ragged,
-                     decoder.drafter.max_depth)
+    lengths = [len(r) for r in rows]
+    sizer = getattr(decoder.drafter, "cache_bytes", None)
+    check_batch_fits(m, lengths, max_new_tokens, decoder.drafter.max_nodes, decoder.ragged, decoder.drafter.max_depth,
+                     sizer(lengths, max_new_tokens) if sizer is not None else 0)
     eos = eos_set(m, eos_token_ids)
     emit = [_Emitter(max_new_tokens, eos) for _ in rows]
     outs = [GenerationOutput(tokens=e.tokens, prompt_tokens=len(r), finish_reason="length")
