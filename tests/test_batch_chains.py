@@ -264,3 +264,26 @@ def test_memory_check_counts_the_draft_models_own_cache(m, monkeypatch):
     with pytest.raises(UserError, match="lower batch_size or max_new_tokens"):
         generate_batch(m, rows, "draft", max_new_tokens=new, draft="self:2", k=4)
     generate_batch(m, rows, "autoregressive", max_new_tokens=2)   # the target's cache alone fits
+
+
+def test_lookup_timing_noise_is_not_reported_as_a_loaded_machine():
+    """Guards against: sizing prompt lookup telling the user the machine looks loaded because lookup
+    steps vary (its proposals follow the text), while a real load, seen in plain decoding's own
+    spread, must still be reported."""
+    from inference.evaluation.tree_choice import race
+
+    def run(plain_spread: float, varying: bool) -> list[str]:
+        calls = {PLAIN: 0, "chain3": 0}
+
+        def timer(name):   # each name's cost alternates from one of its timings to the next
+            calls[name] += 1
+            swing = plain_spread if name == PLAIN else 2.0       # the candidate's cost swings 3x
+            return [0.01 * (1 + swing * (calls[name] % 2))] * 3
+
+        _, _, timing = race({"chain3": 1.2}, timer, latency_steps=3, min_rounds=3, max_rounds=3,
+                            log=lambda s: None, progress=False, varying=varying)
+        return [w for w in timing["warnings"] if "varied between timing rounds" in w]
+
+    assert run(0.0, varying=False) and "chain3" in run(0.0, varying=False)[0]
+    assert run(0.0, varying=True) == []
+    assert run(3.0, varying=True) and PLAIN in run(3.0, varying=True)[0]

@@ -118,8 +118,8 @@ class _BatchTimer:
 def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], drafter_for: Callable[[Any], Drafter],
                      latency_prompts: Sequence[Sequence[int]], batch_sizes: Sequence[int], *, what: str,
                      latency_steps: int = 4, warmup: int = 2, min_rounds: int = 2, max_rounds: int = 4,
-                     switch_gain: float = 0.05, log: Callable[[str], None] = print,
-                     progress: bool = False) -> "BatchSizing":
+                     switch_gain: float = 0.05, log: Callable[[str], None] = print, progress: bool = False,
+                     varying: bool = False) -> "BatchSizing":
     """Time plain decoding and each candidate (name -> (choice, expected tau)) at every batch size with
     ``drafter_for(choice)`` (``drafter_for(None)``: plain decoding's); keep the best expected tokens/s
     per batch size (module docstring)."""
@@ -137,7 +137,7 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
         timer = _BatchTimer(m, latency_prompts, b, drafters, room)
         step, spreads, timing = race(taus, lambda name: timer(name, latency_steps, warmup), latency_steps=latency_steps,
                                      min_rounds=min_rounds, max_rounds=max_rounds, log=log, progress=progress,
-                                     what=f"{what} at batch {b}", label=str)
+                                     what=f"{what} at batch {b}", label=str, varying=varying)
         rate = {plain: b / step[PLAIN]}
         rows = []
         for name, (c, tau) in candidates.items():
@@ -250,7 +250,8 @@ def choose_chain_schedule(m: MedusaModel, method: str, options, calibration: Seq
         return spec.batch_decoder(m, dataclasses.replace(options, schedule=fixed(chain)), None, None,
                                   "compact").drafter
 
-    sizing = size_speculation(m, cands, drafter_for, latency_prompts, batch_sizes, what=f"{method} chains", **timing)
+    sizing = size_speculation(m, cands, drafter_for, latency_prompts, batch_sizes, what=f"{method} chains",
+                              varying=spec.chain.varying, **timing)
     record = {"calibration_steps": len(accepted), "mean_accepted_at_most": round(sum(accepted) / len(accepted), 4),
               "most": most, "expected_tau": {name: round(tau, 4) for name, (_, tau) in cands.items()}}
     return sizing, record

@@ -160,5 +160,5 @@ register(Method(
     PromptLookupSettings, decoder=lambda m, o, sampling, seed: PromptLookupDecoder(m, o, sampling, seed),
     batch_decoder=lambda m, o, sampling, seed, ragged: BatchTreeDecoder(
         m, LookupDrafter(m, o), chain_sampling(sampling or SamplingConfig()), seed, ragged),
-    chain=ChainSizing(most=lambda o: o.num_tokens),
+    chain=ChainSizing(most=lambda o: o.num_tokens, varying=True),
     costs=lambda m, o, run_length: slot_costs(m, o.extra_kv_tokens)))

@@ -74,11 +74,13 @@ class ChainSizing:
     """How a batched chain method's length is sized per batch size (``evaluation.batch_sizing``):
     ``most(options)`` is the most draft tokens its options allow per step (the longest candidate),
     ``calibration(options)`` its options for the batch-1 run that measures how many tokens each step
-    would accept (every step proposing the most: no adaptive length). The options have a
+    would accept (every step proposing the most: no adaptive length); ``varying``: its proposals'
+    lengths follow the text (lookups), so its step times vary by themselves. The options have a
     ``schedule`` field (a ``SpeculationSchedule`` of chains) that the sizing fills."""
 
     most: Callable[[Any], int]
     calibration: Callable[[Any], Any] = lambda options: options
+    varying: bool = False
 
 
 @dataclass(frozen=True)
