@@ -445,6 +445,15 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
     assert b["per_batch_size"]["2"]["speculation"]["eagle3"] == "plain"
     row = b["per_batch_size"]["2"]["per_method"]["eagle3"]
     assert row["greedy_identical"] is True and row["tau"] > 1.0   # the last row alone drafts (batch 1)
+    calls.clear()
+    r = batch_eval.evaluate_batched(m, items, methods=["eagle3"], batch_sizes=[2], max_new_tokens=8,
+                                    progress=False, log=lambda s: None,
+                                    options={"eagle3": Eagle3Options(**SETTINGS["chain"])})
+    b = r["batched"]
+    assert not calls and b["num_prompts"] == 5                    # fixed: nothing sized, nothing held out
+    assert b["speculation"]["eagle3"] == {"tree": "fixed", "schedule": {"2": "n3-d3-k1"}, "sizing": None}
+    assert b["per_batch_size"]["2"]["speculation"]["eagle3"] == "n3-d3-k1"
+    assert b["per_batch_size"]["2"]["per_method"]["eagle3"]["greedy_identical"] is True
 
 
 def test_memory_estimate_of_the_drafter_cache_is_what_it_allocates(models, prompts):

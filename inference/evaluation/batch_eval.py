@@ -244,6 +244,11 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
                                                          for b in sizes})
             speculation[x] = {"chain": "given" if given else "fixed", "schedule": schedules[x].to_dict(),
                               "sizing": None}
+    if "eagle3" in opts and "eagle3" not in schedules:   # eagle_tree=fixed (or a given schedule)
+        o = opts["eagle3"]
+        schedules["eagle3"] = o.schedule or SpeculationSchedule({b: o if o.nodes else None for b in sizes})
+        speculation["eagle3"] = {"tree": "given" if o.schedule else "fixed",
+                                 "schedule": schedules["eagle3"].to_dict(), "sizing": None}
     reference = None
     if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
         reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]
