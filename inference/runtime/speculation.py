@@ -49,12 +49,6 @@ class SpeculationSchedule:
         return {str(b): tree_label(t) for b, t in sorted(self.choices.items())}
 
 
-    @property
-    def most(self) -> Any:
-        """The largest choice (most draft tokens): what a drafter sizes its caches for."""
-        return max((c for c in self.choices.values() if c is not None), key=draft_tokens, default=None)
-
-
 class ScheduleCursor:
     """One decoder's place in a schedule: the choice in force, moved by ``next`` before every step
     (hysteresis needs the previous choice, so each decoder keeps its own)."""
