@@ -22,14 +22,10 @@ from inference.runtime.speculation import SpeculationSchedule
 from inference.runtime.tree import chain_tree, resolve_tree
 from inference.runtime.verify import SamplingConfig
 
-from runtime_support import one_thread, tiny_llama, wrap  # noqa: F401 (autouse fixture)
+from runtime_support import one_thread  # noqa: F401 (autouse fixture)
+from test_batch_methods import m  # noqa: F401 (fixture: the tiny backbone the batched chain tests use)
 
 METHODS = {"draft": {"draft": "self:2", "k": 4}, "prompt_lookup": {"num_tokens": 4}}
-
-
-@pytest.fixture(scope="module")
-def m():
-    return wrap(tiny_llama(vocab=96, layers=4, seed=0), None)
 
 
 @pytest.fixture(scope="module")

@@ -206,6 +206,14 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
 
+def draft_kv_bytes_per_slot(spec, dtype: torch.dtype) -> int:
+    """Bytes one slot of the drafter's own KV cache takes (its one layer's keys and values); 0 for
+    heads without a draft layer."""
+    layer = getattr(spec, "draft_layer", None) or {}
+    return 2 * layer.get("num_key_value_heads", 0) * layer.get("head_dim", 0) * \
+        torch.empty((), dtype=dtype).element_size()
+
+
 class DraftKV:
     """The drafter's own KV cache for one sequence: the committed entries (one per accepted position,
     from the backbone's features) then, during a step, the draft tree's entries (dropped afterwards)."""

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import UserError
 from ..runtime.batch_cache import RaggedKVCache, pad_layout
-from ..runtime.batch_decode import BatchTreeDecoder, root_only
+from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule, draft_tokens, fixed, tree_label
@@ -395,7 +395,7 @@ class BatchDraftDrafter:
 
     def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
         """The draft model's own ragged KV cache for this batch (the memory check counts it)."""
-        capacity = max(prompt_lengths) + max_new_tokens + self.max_nodes + 2
+        capacity = batch_capacity(prompt_lengths, max_new_tokens, self.max_nodes, "compact", 0) + 2   # as _start
         return len(prompt_lengths) * capacity * kv_bytes_per_token(self.dm)
 
 

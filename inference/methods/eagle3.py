@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import UserError
-from ..heads.eagle3 import DraftKV
+from ..heads.eagle3 import DraftKV, draft_kv_bytes_per_slot
 from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import seeded_generator
 from ..runtime.model import MedusaModel
@@ -227,10 +227,8 @@ def eagle3_costs(m: MedusaModel, o: Eagle3Options, run_length: int) -> Costs:
     if not o.nodes:
         return heads_costs(m, 0)
     costs = heads_costs(m, o.nodes + 1)
-    layer = getattr(m.heads.spec, "draft_layer", None)
-    if layer:
-        per_token = 2 * layer["num_key_value_heads"] * layer["head_dim"] * torch.empty((), dtype=m.dtype).element_size()
-        costs.extra_kv_cache_bytes += (run_length + o.depth + 1 + (o.depth - 1) * o.topk) * per_token
+    per_slot = draft_kv_bytes_per_slot(m.heads.spec, m.dtype)
+    costs.extra_kv_cache_bytes += (run_length + o.depth + 1 + (o.depth - 1) * o.topk) * per_slot
     return costs
 
 

@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from ..errors import UserError
-from ..runtime.batch_decode import BatchTreeDecoder, root_only
+from ..heads.eagle3 import draft_kv_bytes_per_slot
+from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
 from ..runtime.model import MedusaModel
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule
 from ..runtime.tree import RowTrees, tree_buffers
@@ -154,12 +155,16 @@ class Eagle3BatchDrafter:
         ``pending`` instead: while the schedule says plain, the drafter's layer and its projection
         would run every step for drafts nobody asks for, which at large batches costs a visible
         share of a plain step. The first drafting step commits everything pending in one call."""
-        per_row = [(aux[b, p], dec.history[b][-len(p):]) for b, p in enumerate(paths)]
         if self.cursor.current is None:
-            for b, (feats, nxt) in enumerate(per_row):
-                self.pending[b].append((feats, nxt))
+            for b, p in enumerate(paths):
+                self.pending[b].append((aux[b, p], dec.history[b][-len(p):]))
             return
-        self._commit(per_row)
+        dev = self.m.device
+        width = max(len(p) for p in paths)   # one gather for all rows, paths right-padded
+        index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=dev)
+        feats = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
+        nxt = torch.tensor([h[-len(p):] + [0] * (width - len(p)) for h, p in zip(dec.history, paths)], device=dev)
+        self._catch_up(feats, nxt, torch.tensor([len(p) for p in paths], device=dev))
 
     def catch_up_pending(self) -> None:
         """Commit what plain steps left pending (``accepted``): the cache then covers every row's
@@ -265,11 +270,9 @@ class Eagle3BatchDrafter:
 
     def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
         """The drafter's own cache for this batch (one layer: keys and values per slot), for the memory check."""
-        layer = getattr(self.d.spec, "draft_layer", None) or {}
-        per_slot = 2 * layer.get("num_key_value_heads", 0) * layer.get("head_dim", 0) * \
-            torch.empty((), dtype=self.m.dtype).element_size()
-        capacity = max(prompt_lengths) + max_new_tokens + self.max_nodes + self.max_entries
-        return len(prompt_lengths) * capacity * per_slot
+        # the backbone's compact capacity plus one step's draft entries, as ``prefilled`` allocates
+        capacity = batch_capacity(prompt_lengths, max_new_tokens, self.max_nodes, "compact", 0) + self.max_entries
+        return len(prompt_lengths) * capacity * draft_kv_bytes_per_slot(self.d.spec, self.m.dtype)
 
     def rows_kept(self, index: list[int]) -> None:
         if self.dkv is not None:
