@@ -125,7 +125,7 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
     per batch size (module docstring)."""
     sizes = sorted({check_batch_size(b) for b in batch_sizes})
     if not latency_prompts:
-        raise UserError(f"sizing {what} per batch needs at least one latency prompt")
+        raise UserError(f"sizing {what} per batch needs at least one latency prompt: give num_prompts >= 1")
     taus = {name: tau for name, (_, tau) in candidates.items()}
     choices: dict[str, Any] = {PLAIN: None, **{name: c for name, (c, _) in candidates.items()}}
     rounds_room = max_rounds * len(choices) * (warmup + latency_steps)
@@ -189,7 +189,8 @@ def choose_eagle3_schedule(m: MedusaModel, calibration: Sequence[Sequence[int]],
     """EAGLE-3's (nodes, depth, topk) per batch size (module docstring): (the sizing, each setting's
     measured tau)."""
     if not calibration:
-        raise UserError("sizing eagle3 per batch needs at least one calibration prompt")
+        raise UserError("sizing eagle3 per batch needs at least one calibration prompt: give calibration_prompts "
+                        ">= 1 (or eagle_tree=fixed)")
     shapes = list(dict.fromkeys(tuple(s) for s in grid))
     settings = {eagle3_name(s): Eagle3Options(nodes=s[0], depth=s[1], topk=s[2]) for s in shapes}
     taus = {name: measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens)
@@ -221,7 +222,8 @@ def chain_candidates(accepted: Sequence[int], most: int,
     """Chains of each of ``lengths`` (up to ``most``) and of ``most`` draft tokens, with expected tau
     1 + mean(min(A, k)) over the calibration steps' accepted counts A (module docstring)."""
     if not accepted:
-        raise UserError("sizing a chain needs at least one calibration step")
+        raise UserError("sizing a chain needs at least one calibration step: give calibration_prompts >= 1 "
+                        "and calibration_tokens >= 1")
     out = {}
     for k in sorted({x for x in lengths if x <= most} | {most}):
         tau = 1 + sum(min(a, k) for a in accepted) / len(accepted)
@@ -237,9 +239,11 @@ def choose_chain_schedule(m: MedusaModel, method: str, options, calibration: Seq
     """A chain method's length per batch size (module docstring): (the sizing, the calibration record)."""
     spec = registry.get(method)
     if spec.chain is None or spec.batch_decoder is None:
-        raise UserError(f"method {method} has no chain length to size per batch size")
+        raise UserError(f"method {method} has no chain length to size per batch size; chain methods: "
+                        + ", ".join(x for x in registry.batched_names() if registry.get(x).chain is not None))
     if not calibration:
-        raise UserError(f"sizing {method}'s chain needs at least one calibration prompt")
+        raise UserError(f"sizing {method}'s chain needs at least one calibration prompt: give calibration_prompts "
+                        ">= 1 (or batch_chains=fixed)")
     accepted = measure_chain_acceptance(m, method, options, calibration, calibration_tokens)
     most = spec.chain.most(options)
     cands = chain_candidates(accepted, most, lengths)

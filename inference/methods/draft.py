@@ -66,13 +66,15 @@ def check_chain_schedule(schedule, most: int, key: str) -> None:
     if schedule is None:
         return
     if not isinstance(schedule, SpeculationSchedule):
-        raise UserError(f"a chain schedule must be a SpeculationSchedule, got {type(schedule).__name__}")
+        raise UserError(f"a chain schedule must be a SpeculationSchedule (batch size -> chain_tree(k + 1) or "
+                        f"None), got {type(schedule).__name__}")
     for b, choice in schedule.choices.items():
         if choice is not None and (not isinstance(choice, MedusaTree) or choice.num_nodes != choice.max_depth + 1):
-            raise UserError(f"the chain schedule's choice at batch {b} ({tree_label(choice)}) is not a chain")
+            raise UserError(f"the chain schedule's choice at batch {b} ({tree_label(choice)}) is not a chain: give "
+                            "chain_tree(k + 1) or None (plain) per batch size")
         if draft_tokens(choice) > most:
             raise UserError(f"the chain schedule's choice at batch {b} ({tree_label(choice)}) drafts more than "
-                            f"{key}={most} tokens")
+                            f"{key}={most} tokens: raise {key} or give a shorter chain")
 
 
 def chain_cursor(schedule, most: int) -> ScheduleCursor:
