@@ -43,7 +43,7 @@ from inference.backbone import lm_head_weight, parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import EXPORT_FILES, recover_dir, save_heads
-from inference.heads.registry import init_heads
+from inference.heads.registry import family, init_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from . import checkpoint, features
 from .backbone import draft_vocabulary, family_fields, load_backbone
@@ -129,7 +129,7 @@ class MedusaTrainer:
             self.tracker.write(
                 f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, "
                 f"{self.source.describe()}) on {self.device}; "
-                f"{self.spec.num_heads} heads x {self.spec.num_layers} layers, projection {self.spec.projection} "
+                f"{family(self.spec.kind).shape(self.spec)}, projection {self.spec.projection} "
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")

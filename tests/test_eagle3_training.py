@@ -4,6 +4,7 @@ layers it names, online and cached training agree, and one feature cache serves 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -145,3 +146,46 @@ def test_ttt_steps_sets_the_trained_depth(compose_tiny, tmp_path):
     assert spec["num_heads"] == 2 and spec["truncated_vocab_size"] == 100 and spec["projection"] == "truncated"
     row = [json.loads(x) for x in (tmp_path / "r").glob("*.jsonl").__next__().read_text().splitlines()][-1]
     assert "head2/top1" in row and "head3/top1" not in row
+
+
+def test_teacher_term_scores_every_ttt_step_against_the_backbone_distribution_it_guesses():
+    """Guards against: the soft-target term (heads.teacher_weight, SpecForge's EAGLE-3 loss) aligned one token
+    off for the unrolled steps (step j at t guesses x_{t+j+2}, so its teacher is lm_head(h_{t+j+1})), the
+    teacher softmax taken over the whole vocabulary instead of the draft vocabulary, or the term dropped for
+    eagle3 drafters (a drafter then trains on hard labels while the recipe says otherwise)."""
+    from medusa_train.losses import heads_loss, vocab_to_local
+
+    model = tiny_llama()
+    d = random_drafter(model, steps=3, truncated=40)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 90, (1, 16))
+    doc = torch.ones_like(ids)
+    pos = torch.arange(16)[None]
+    labels = ids.clone()
+    labels[:, :3] = -100                                   # a "user turn": no targets there
+    with HiddenStateTap(model, d.spec.aux_layers) as tap, torch.no_grad():
+        hidden = model.model(input_ids=ids, position_ids=pos).last_hidden_state
+    aux = tap.features()
+    inv = vocab_to_local(d.token_map, 90)
+    got = heads_loss(d, hidden, labels, doc, [1.0, 1.0, 1.0], inv, input_ids=ids, teacher_weight=1.0,
+                     lm_head_weight=model.lm_head.weight, aux=aux, position_ids=pos)
+    feats = d.ttt_features(aux, future_tokens(ids, 3), pos, block_causal_mask(doc, torch.float32))
+    want = 0.0
+    for j in range(3):
+        ts = [t for t in range(16 - j - 2) if labels[0, t + j + 2] != -100]   # x_{t+j+2} is an assistant token
+        teacher = torch.softmax(model.lm_head(hidden[0, [t + j + 1 for t in ts]])[:, d.token_map], dim=-1)
+        logp = torch.log_softmax(d.project(feats[j][0, ts]), dim=-1)
+        want = want + -(teacher * logp).sum(-1).mean()
+    assert torch.allclose(got, want, atol=1e-5)
+    hard = heads_loss(d, hidden, labels, doc, [1.0, 1.0, 1.0], inv, input_ids=ids, teacher_weight=0.0,
+                      aux=aux, position_ids=pos)
+    assert not torch.allclose(got, hard)
+
+
+def test_eagle3_trains_on_the_teacher_term(compose_tiny, tmp_path):
+    """Guards against: heads.teacher_weight refused or ignored for eagle3 in the trainer (the frozen lm_head
+    not reaching the loss), or a soft-target run whose loss is not finite."""
+    T.run(compose_tiny(*RUN, "heads.teacher_weight=1.0", out=tmp_path / "soft"))
+    T.run(compose_tiny(*RUN, out=tmp_path / "hard"))
+    soft, hard = losses(tmp_path / "soft", "train"), losses(tmp_path / "hard", "train")
+    assert len(soft) == 3 and all(map(math.isfinite, soft)) and soft != hard

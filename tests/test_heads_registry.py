@@ -156,6 +156,21 @@ def test_every_kind_has_a_registered_family_with_its_drafting_mixin(fresh_regist
         register_family(HeadFamily("broken", ProjectedHeads, IndependentDrafting))
 
 
+def test_each_family_describes_its_own_shape_for_the_training_log():
+    """Guards against the trainer's first line calling an EAGLE-3 drafter "3 heads x 1 layers" (its
+    num_heads counts unrolled training-time-test steps, not heads) while other families keep the
+    "K heads x L layers" wording."""
+    medusa = HeadsSpec(kind="medusa", num_heads=3, num_layers=2, hidden_size=H, vocab_size=V)
+    assert family("medusa").shape(medusa) == "3 heads x 2 layers"
+    from inference.heads.eagle3 import draft_layer_config
+
+    cfg = tiny_llama().config
+    eagle = HeadsSpec(kind="eagle3", num_heads=3, num_layers=1, hidden_size=cfg.hidden_size,
+                      vocab_size=cfg.vocab_size, aux_layers=[0, 1, 1], draft_layer=draft_layer_config(cfg))
+    text = family("eagle3").shape(eagle)
+    assert "heads x" not in text and "[0, 1, 1]" in text and "3 training-time-test steps" in text
+
+
 def test_kinds_are_importable_without_torch():
     """Guards against the trainer's config validation (which reads ``inference.heads.KINDS``)
     paying for a torch import before anything heavy is needed."""

@@ -396,5 +396,10 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         return local_ids if self.token_map is None else self.token_map[local_ids]
 
 
+def _describe(spec: HeadsSpec) -> str:
+    return (f"EAGLE-3 drafter: {spec.num_layers} decoder layer over hidden states {list(spec.aux_layers)}, "
+            f"{spec.num_heads} training-time-test steps")
+
+
 register_family(HeadFamily("eagle3", Eagle3Drafter, ContextDrafting, fields=("aux_layers", "draft_layer"),
-                           validate=_validate, check_backbone=_check_backbone))
+                           validate=_validate, check_backbone=_check_backbone, describe=_describe))

@@ -37,6 +37,9 @@ class HeadFamily:
     check_backbone: ``(spec, backbone_config, where) -> None``, raising a one-line ``IncompatibleHeadsError``
                when heads of this family cannot run on that backbone for a reason the generic
                checks (hidden size, vocabulary, fingerprint) do not see; ``check_compatible`` calls it.
+    describe:  ``(spec) -> str``: the drafter's shape in words for logs (what its heads and layers are);
+               default "K heads x L layers", which says the wrong thing for a family whose
+               ``num_heads`` is not a count of heads (EAGLE-3's unrolled steps).
     """
 
     kind: str
@@ -46,6 +49,12 @@ class HeadFamily:
     fields: tuple[str, ...] = ()
     validate: Optional[Callable] = None
     check_backbone: Optional[Callable] = None
+    describe: Optional[Callable] = None
+
+    def shape(self, spec) -> str:
+        if self.describe is not None:
+            return self.describe(spec)
+        return f"{spec.num_heads} heads x {spec.num_layers} layers"
 
     def fresh(self, spec, lm_head_weight, input_embeddings=None, token_map=None):
         init = self.init or self.module.from_backbone
