@@ -107,6 +107,21 @@ def test_plain_decoding_wins_when_no_tree_pays_for_itself(inject):
     assert choice.tree is None and choice.to_dict()["timing"]["winner_by_round"][-1] == "plain decoding"
 
 
+def test_a_small_gain_inside_noisy_rounds_keeps_plain_decoding(inject):
+    """Guards against: the incident where eagle_tree=auto chose a tree for an 8% expected gain while its
+    rounds were 37-69 ms apart, and decoding came out 17% slower than plain decoding. The same 8% gain
+    from rounds that agree must still pick the tree, and one stalled round alone must not block it."""
+    ms = {"plain": 100, "auto1": 148, "auto3": 400}           # auto1: tau 1.6 / 148 ms = 1.08x plain
+    noisy = {("plain", 0): 0.6, ("plain", 2): 1.3}            # plain rounds 60, 100, 130, 100 ms
+    inject(FakeClock(ms, outliers=noisy))
+    choice, _ = choose(min_rounds=4, max_rounds=4)
+    assert choice.tree is None and "within the timings' spread" in choice.reason, choice.reason
+    inject(FakeClock(ms))
+    assert choose(min_rounds=4, max_rounds=4)[0].tree.name == "auto1"
+    inject(FakeClock(ms, outliers={("plain", 1): 30}))        # one stalled round: the median's rule
+    assert choose(min_rounds=4, max_rounds=4)[0].tree.name == "auto1"
+
+
 def test_unstable_ranking_stops_at_the_cap_and_says_so(inject):
     """Guards against: an endless timing loop when the machine never settles, or keeping a choice that
     never stabilised without a word."""

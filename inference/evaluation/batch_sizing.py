@@ -5,7 +5,8 @@ are almost free (``tree_choice``). At batch B every node is B more rows of compu
 speculation that pays at batch 1 can cost more than it accepts at batch 16. So the choice is made
 per batch size: for each B, plain decoding and a handful of candidates are timed at B rows,
 interleaved in rounds (``tree_choice.race``, the same rule and spread record as the batch-1
-choice), and the one with the best expected tau / step time wins, or none. Expected tau per row is
+choice), and the one with the best expected tau / step time wins if it beats plain decoding by more
+than the timings' spread (``tree_choice.clear_winner``), or none. Expected tau per row is
 the same at every B (it is the drafter's accuracy); only step times change. ``size_speculation`` is
 that rule for any candidates and drafters; per family:
 
@@ -47,7 +48,7 @@ from ..runtime.speculation import (ScheduleCursor, SpeculationSchedule, choice_d
 from ..runtime.decode import _sync
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, chain_tree, expected_tau, grow_tree
-from .tree_choice import PLAIN, eagle3_name, measure_eagle3_tau, race
+from .tree_choice import PLAIN, clear_winner, eagle3_name, measure_eagle3_tau, race
 
 BATCH_BUDGETS = (1, 2, 3, 4, 8)   # draft nodes of the grown candidate trees (root not counted)
 BATCH_CHAINS = (2, 3)             # chain lengths (root included)
@@ -144,13 +145,15 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
             rate[name] = b * tau / step[name]
             rows.append({"name": name, "nodes": draft_tokens(c) + 1, "expected_tau": round(tau, 4),
                          **spreads[name], "expected_tokens_per_s": round(rate[name], 2)})
-        best = max(rate, key=rate.get)
+        name, why = clear_winner(rate[plain], spreads[PLAIN], {n: (rate[n], spreads[n]) for n in candidates},
+                                 varying=varying)
+        best = name if name is not None else plain
         picked[b] = choices[best] if best != plain else None
         rates[b] = rate
         table[b] = {"winner": best, "plain_step_ms": round(step[PLAIN] * 1e3, 3),
                     "plain_tokens_per_s": round(rate[plain], 2), "candidates": rows, "timing": timing}
         log(f"  batch {b:>3}: plain {step[PLAIN] * 1e3:.1f} ms/step; best {best} "
-            f"({rate[best]:.1f} tok/s expected vs plain {rate[plain]:.1f})")
+            f"({rate[best]:.1f} tok/s expected vs plain {rate[plain]:.1f}{'' if name else '; ' + why})")
     return BatchSizing(SpeculationSchedule(picked, rates, switch_gain), table)
 
 
