@@ -147,8 +147,8 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
                          **spreads[name], "expected_tokens_per_s": round(rate[name], 2)})
         name, why = clear_winner(rate[plain], spreads[PLAIN], {n: (rate[n], spreads[n]) for n in candidates},
                                  varying=varying)
-        best = name if name is not None else plain
-        picked[b] = choices[best] if best != plain else None
+        best = name or plain
+        picked[b] = choices[name] if name else None
         rates[b] = rate
         table[b] = {"winner": best, "plain_step_ms": round(step[PLAIN] * 1e3, 3),
                     "plain_tokens_per_s": round(rate[plain], 2), "candidates": rows, "timing": timing}

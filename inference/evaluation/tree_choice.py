@@ -214,10 +214,10 @@ def spread(values: Sequence[float], dropped: int = 0) -> dict:
 CLEAR_GAIN_MADS = 2.0  # a candidate beats plain decoding when its expected gain exceeds this many relative MADs
 
 
-def relative_spread(record: dict) -> float:
-    """``CLEAR_GAIN_MADS`` x the median absolute deviation of the race's rounds / their median, for one
-    ``spread`` record: how far its median step time may be off on this machine. Robust to one stalled round
-    (the median's own rule), large where the rounds disagree with each other."""
+def noise_margin(record: dict) -> float:
+    """The relative gain a median step time of one ``spread`` record cannot vouch for: ``CLEAR_GAIN_MADS`` x
+    the median absolute deviation of the race's rounds / their median. Robust to one stalled round (the
+    median's own rule), large where the rounds disagree with each other."""
     return CLEAR_GAIN_MADS * record.get("step_ms_mad", 0.0) / record["step_ms"] if record["step_ms"] > 0 else 0.0
 
 
@@ -226,15 +226,15 @@ def clear_winner(plain_rate: float, plain_spread: dict, candidates: dict[str, tu
     """(the candidate to decode with, or None for plain decoding; why), from expected tokens/s.
 
     ``candidates``: name -> (expected tokens/s, its ``spread`` record). A candidate must beat plain decoding
-    by more than the timings' own spread (``relative_spread``: the larger of the two, plain decoding's alone
+    by more than the timings' own spread (``noise_margin``: the larger of the two, plain decoding's alone
     when ``varying``): a median over a few noisy rounds can be off by that much, and choosing a tree on an 8%
     expected gain from rounds 37-69 ms apart once made decoding 17% slower than plain decoding
     (BENCHMARKS.md, "Soft targets for EAGLE-3"). Among those that clear the bar, the best expected tokens/s
     wins; on a quiet machine (rounds within a few %) the bar is a few %."""
-    noise_plain = relative_spread(plain_spread)
+    noise_plain = noise_margin(plain_spread)
     best, best_rate, held_back = None, plain_rate, None
     for name, (rate, record) in candidates.items():
-        margin = noise_plain if varying else max(noise_plain, relative_spread(record))
+        margin = noise_plain if varying else max(noise_plain, noise_margin(record))
         if rate > plain_rate * (1 + margin):
             if rate > best_rate:
                 best, best_rate = name, rate
