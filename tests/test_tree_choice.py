@@ -122,6 +122,19 @@ def test_a_small_gain_inside_noisy_rounds_keeps_plain_decoding(inject):
     assert choose(min_rounds=4, max_rounds=4)[0].tree.name == "auto1"
 
 
+def test_the_race_stops_on_the_choice_it_reports(inject):
+    """Guards against: the race's stop rule ranking by expected tokens/s alone while the final choice applies
+    the noise bar, so that report.json's winners by round named a tree the choice then refused, and the race
+    timed extra rounds to settle a ranking that did not decide anything."""
+    ms = {"plain": 100, "auto1": 148, "auto3": 400}           # auto1: 1.08x plain, inside the noise below
+    inject(FakeClock(ms, outliers={("plain", 0): 1.3, ("plain", 1): 0.6}))  # plain rounds 130, 60, 100 ms
+    choice, _ = choose(min_rounds=2, max_rounds=6)
+    timing = choice.to_dict()["timing"]
+    assert choice.tree is None
+    assert timing["winner_by_round"] == ["auto1", "plain decoding", "plain decoding"], timing["winner_by_round"]
+    assert timing["stable"]
+
+
 def test_unstable_ranking_stops_at_the_cap_and_says_so(inject):
     """Guards against: an endless timing loop when the machine never settles, or keeping a choice that
     never stabilised without a word."""

@@ -296,7 +296,8 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
          max_rounds: int, log: Callable[[str], None], progress: bool, what: str = "trees",
          label: Callable[[str], str] = str, varying: bool = False) -> tuple[dict[str, float], dict[str, dict], dict]:
     """Time plain decoding (``PLAIN``, tau 1) and every candidate (name -> expected tau) in interleaved
-    rounds until the winner by expected tokens/s is stable (``choose_tree``'s docstring); ``timer(name)``
+    rounds until the choice (``clear_winner``: the best expected tokens/s that clears the timings' noise) is
+    stable (``choose_tree``'s docstring); ``timer(name)``
     times one run of steps. Returns (median step time per name, in s; each name's spread over rounds;
     the timing record, whose warnings are also logged). ``varying``: the candidates' work changes from
     step to step by itself (prompt lookup's proposals follow the text), so only plain decoding's spread
@@ -318,11 +319,13 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
         return {name: statistics.median(v) for name, v in rounds.items()}
 
     def winner(step: dict[str, float]) -> str:
-        best, best_rate = PLAIN, 1.0 / step[PLAIN]
-        for name in names:
-            if name != PLAIN and taus[name] / step[name] > best_rate:
-                best, best_rate = name, taus[name] / step[name]
-        return best
+        # The same rule as the final choice (clear_winner, on the rounds so far): a stop rule that ranked by
+        # expected tokens/s alone could stop on a tree the noise bar then refuses, or go on timing a race
+        # whose choice (plain decoding) had long been settled.
+        s = {name: spread(v) for name, v in rounds.items()}
+        rates = {n: (taus[n] / step[n], s[n]) for n in names if n != PLAIN}
+        best, _ = clear_winner(1.0 / step[PLAIN], s[PLAIN], rates, varying=varying)
+        return PLAIN if best is None else best
 
     bar = _bar(progress, max_rounds * len(names), f"timing {what}")
     try:
