@@ -60,12 +60,12 @@ def main() -> None:
         trained = last_eval(run)
         ev = trained["eval"]
         top1 = " / ".join(f"{ev.get(f'head{k}/top1', float('nan')):.3f}" for k in (1, 2, 3))
-        _, two = method_row(r["two"])
+        method, two = method_row(r["two"])
         _, code = method_row(r["code"])
         _, chain = method_row(r["chain"])
         loop = r["two"]["per_method"]["autoregressive"]["tokens_per_s"]
         cost = two["tau"] * loop / two["tokens_per_s"]
-        params = r["two"]["costs"][method_row(r["two"])[0]]["extra_parameters"] / 1e6
+        params = r["two"]["costs"][method]["extra_parameters"] / 1e6
         alpha = " / ".join(f"{a:.3f}" for a in chain["n_alpha"][:3])
         same = [x["greedy_identical_fraction"] for x in (two, code, chain)]
         print(f"| {NAMES[f]} | {params:.1f}M | {trained['steps']} / {train_seconds(args.bench, f)} | {top1} | "

@@ -381,8 +381,8 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
     candidate once, in an order rotated from round to round, so background load hits them alike.
     A candidate's step time is the median over rounds of each round's median step (steps slower
     than ``OUTLIER_FACTOR`` x their run's median dropped as stalls). Rounds continue, from
-    ``min_rounds`` up to ``max_rounds``, until two consecutive rounds agree on the winner (the
-    best expected tokens/s, or plain decoding). Each candidate's spread over rounds goes into the
+    ``min_rounds`` up to ``max_rounds``, until two consecutive rounds agree on the choice
+    (``clear_winner`` on the rounds so far, the rule the final choice applies). Each candidate's spread over rounds goes into the
     choice (report.json's ``tree``): a tree must beat plain decoding by more than that spread
     (``clear_winner``); a visibly loaded machine (load average above the cores, or a spread above
     ``NOISY_SPREAD``) gets a one-line warning."""
