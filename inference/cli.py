@@ -117,12 +117,12 @@ def check_tree(cfg) -> None:
     """Refuse a tree the heads cannot draft (deeper than the heads, more ranks than their outputs) from
     the heads' config.json alone, before the backbone loads. ``auto`` / ``calibrated:N`` are grown
     from the heads themselves and always fit."""
-    from .loading import read_heads_spec
+    from .loading import read_heads_spec_for
     from .runtime.tree import resolve_tree
 
     if not cfg.heads or cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"):
         return
-    spec = read_heads_spec(cfg.heads)
+    spec = read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
     tree = resolve_tree(cfg.tree, spec.num_heads)
     outputs = getattr(spec, "output_size", 0) or spec.vocab_size or 0
     tree.check_fits(spec.num_heads, outputs or 1 << 30)
@@ -191,12 +191,12 @@ def heads_spec(cfg):
     """The spec of the heads in ``cfg.heads`` (config only), or None when there are none or it cannot
     be read here (loading then refuses the directory in one line)."""
     from .errors import UserError
-    from .loading import read_heads_spec
+    from .loading import read_heads_spec_for
 
     if not cfg.heads or cfg.heads == "???":
         return None
     try:
-        return read_heads_spec(cfg.heads)
+        return read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
     except UserError:
         return None
 

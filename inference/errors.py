@@ -12,3 +12,13 @@ class UserError(Exception):
 
 class IncompatibleHeadsError(UserError):
     """A heads export that does not belong to the backbone it is being attached to."""
+
+
+class NeedsBackboneConfig(UserError):
+    """A heads directory whose config leaves facts to its target model (an EAGLE-3 drafter that names no
+    aux layers reads the target's default ones): its spec can be read only with the backbone's config.
+    ``base_model``: the target the directory records, "" if none, so a loader knows which one to read."""
+
+    def __init__(self, message: str, base_model: str = ""):
+        super().__init__(message)
+        self.base_model = base_model

@@ -22,21 +22,42 @@ from typing import Optional
 
 import torch
 
-from .backbone import load_backbone, parse_device, parse_dtype
-from .errors import UserError
+from .backbone import load_backbone, load_backbone_config, parse_device, parse_dtype
+from .errors import NeedsBackboneConfig, UserError
 from .formats.importers import detect_layout, importer_for
 from .heads.native import load_native, place, read_native_spec
 from .heads.spec import HeadsSpec, check_compatible
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 
 
-def read_heads_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
-    """The spec of any loadable heads directory, without loading weights."""
+def read_heads_spec(heads_dir: str | os.PathLike, backbone_config=None) -> HeadsSpec:
+    """The spec of any loadable heads directory, without loading weights. A layout whose config leaves
+    facts to the target (``NeedsBackboneConfig``) is read with ``backbone_config``."""
     d = Path(heads_dir)
     layout = detect_layout(d)
     if layout is not None:
-        return importer_for(layout).read_spec(d)
+        return importer_for(layout).spec(d, backbone_config)
     return read_native_spec(d)
+
+
+def target_config_for(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False):
+    """None when ``heads_dir``'s own config says everything; else the config (not the weights) of the
+    backbone it is to be loaded onto: ``backbone`` (a name or path), or the one the directory records.
+    An EAGLE-3 drafter that names no aux layers, as the EAGLE repository and SpecForge publish them,
+    reads its target's default layers, so its spec depends on the target's depth."""
+    try:
+        read_heads_spec(heads_dir)
+        return None
+    except NeedsBackboneConfig as e:
+        name = str(backbone) if backbone is not None else e.base_model
+        if not name:
+            raise
+        return load_backbone_config(name, trust_remote_code=trust_remote_code)
+
+
+def read_heads_spec_for(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False) -> HeadsSpec:
+    """``read_heads_spec`` for a directory about to be loaded onto ``backbone`` (``target_config_for``)."""
+    return read_heads_spec(heads_dir, target_config_for(heads_dir, backbone, trust_remote_code))
 
 
 def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
@@ -99,7 +120,11 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
     check_kernels(kernels)  # before any loading
-    spec = read_heads_spec(heads_dir)  # missing / unreadable export -> UserError before any model load
+    # missing / unreadable export -> UserError before any model load
+    if backbone is None or isinstance(backbone, (str, Path)):
+        spec = read_heads_spec_for(heads_dir, backbone, trust_remote_code=trust_remote_code)
+    else:
+        spec = read_heads_spec(heads_dir, getattr(backbone, "config", None))
     adapter_applied = False
     if backbone is None or isinstance(backbone, (str, Path)):
         name = str(backbone) if backbone is not None else spec.base_model

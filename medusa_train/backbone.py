@@ -357,6 +357,9 @@ def family_fields(heads_cfg, hf_config) -> dict:
 
     layer = draft_layer_config(text_config(hf_config))
     n = layer["target_layers"]
+    if heads_cfg.aux_layers is None and n < 2:  # hidden state 0 is the embeddings, which the engines cannot tap
+        raise UserError(f"eagle3 drafters read layers 1..N-1 of their backbone by default; this one has {n} layer(s): "
+                        "give heads.aux_layers, or use heads.kind=hydra or medusa")
     aux = list(heads_cfg.aux_layers) if heads_cfg.aux_layers is not None else default_aux_layers(n)
     bad = [i for i in aux if not 0 <= int(i) < n]
     if bad:

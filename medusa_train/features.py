@@ -156,7 +156,10 @@ class FeatureCache:
                                   "use another features.cache_dir or delete it")
         stored = list(manifest.get("aux_layers") or [])
         if aux_layers and stored != list(aux_layers):
-            if manifest["batches"] or manifest["eval"]:
+            # Shards and the eval file reach the disk before the manifest counts them (it is updated once the
+            # build completes), so a killed build leaves files the manifest does not show: look at the disk.
+            written = any(root.glob("train-*.safetensors")) or (root / EVAL_FILE).is_file()
+            if manifest["batches"] or manifest["eval"] or written:
                 raise UserError(f"features cache {root} stores aux layers {stored or 'none'}, this eagle3 drafter "
                                 f"reads {list(aux_layers)}; use another features.cache_dir (or heads.aux_layers="
                                 f"{stored})" if stored else f"features cache {root} was built without the aux "

@@ -456,11 +456,13 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
     assert b["per_batch_size"]["2"]["per_method"]["eagle3"]["greedy_identical"] is True
 
 
-def test_memory_estimate_of_the_drafter_cache_is_what_it_allocates(models, prompts):
+@pytest.mark.parametrize("ragged", ["compact", "gaps"])
+def test_memory_estimate_of_the_drafter_cache_is_what_it_allocates(models, prompts, ragged):
     """Guards against: the batch memory check (estimate first, refuse in one line) under-counting the
-    EAGLE-3 drafter's own cache: the estimate must be the bytes its keys and values take once allocated."""
+    EAGLE-3 drafter's own cache: the estimate must be the bytes its keys and values take once allocated,
+    also with ragged=gaps, whose backbone cache (up to depth + 1 slots per token) once sized the drafter's."""
     m = models["random"]
-    dec = registry_decoder(m)
+    dec = registry_decoder(m, ragged)
     lengths = [len(p) for p in prompts[:3]]
     with torch.inference_mode():
         dec.prefill([list(p) for p in prompts[:3]], 20)
@@ -470,10 +472,10 @@ def test_memory_estimate_of_the_drafter_cache_is_what_it_allocates(models, promp
     assert dec.drafter.cache_bytes(lengths, 20) == allocated > 0
 
 
-def registry_decoder(m):
+def registry_decoder(m, ragged="compact"):
     from inference.methods.registry import get, make_options
 
-    return get("eagle3").batch_decoder(m, make_options("eagle3", None, **SETTINGS["tree"]), None, None, "compact")
+    return get("eagle3").batch_decoder(m, make_options("eagle3", None, **SETTINGS["tree"]), None, None, ragged)
 
 
 def test_plain_steps_run_no_drafter_call(models, prompts, greedy):

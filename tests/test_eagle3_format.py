@@ -263,6 +263,34 @@ def test_foreign_layout_loads_with_the_engines_defaults(backbone, tmp_path):
         read_heads_spec(d)  # without the target its default layers are unknown
 
 
+def test_a_drafter_that_names_no_aux_layers_loads_onto_the_backbone_given_or_recorded(backbone, tmp_path, capsys):
+    """Guards against: a published drafter without aux ids (what the EAGLE repository and SpecForge
+    publish) refused by load_medusa, medusa-eval / medusa-generate and medusa-export even when the backbone
+    is given, with an error asking for exactly that: its spec must be read with the target's config
+    (the config file, not the weights), from backbone= or from the target the directory records."""
+    from inference.errors import NeedsBackboneConfig
+    from inference.loading import load_medusa, read_heads_spec_for, target_config_for
+
+    d, target = tmp_path / "f", tmp_path / "target"
+    write_foreign(d, backbone, draft_vocab=VOCAB)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("base_model_name_or_path", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    backbone.config.save_pretrained(target)  # a config-only target folder: enough for the spec
+    with pytest.raises(NeedsBackboneConfig, match="load it with its backbone"):
+        read_heads_spec_for(d)  # no backbone given, none recorded
+    assert read_heads_spec_for(d, target).aux_layers == default_aux_layers(LAYERS)
+    assert target_config_for(d, target).num_hidden_layers == LAYERS
+    m = load_medusa(d, backbone=backbone, kernels="stock")  # a model object: its own config
+    assert m.heads.spec.aux_layers == default_aux_layers(LAYERS)
+    (d / "config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(target)}))
+    assert read_heads_spec_for(d).aux_layers == default_aux_layers(LAYERS)  # the recorded target
+    code, _, err = run([f"heads={d}", "format=eagle3", f"out={tmp_path / 'e'}", f"backbone={target}"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == \
+        default_aux_layers(LAYERS)
+
+
 def test_sglang_style_ids_are_read_as_sglang_reads_them(backbone, tmp_path):
     """Guards against: eagle_config ids (layer outputs, SGLang adds one) taken as vLLM's layer inputs,
     which feeds the drafter hidden states one layer too early."""
@@ -280,6 +308,7 @@ def test_sglang_style_ids_are_read_as_sglang_reads_them(backbone, tmp_path):
     ({"num_hidden_layers": 2}, "one decoder layer"),
     ({"target_hidden_size": 2 * HIDDEN}, "target_hidden_size"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
+    ({"draft_vocab_size": VOCAB + 4}, "draft_vocab_size 100 exceeds vocab_size 96"),
     ({"num_attention_heads": 8, "num_key_value_heads": 8}, "has shape"),
 ])
 def test_importer_refuses_what_the_drafter_does_not_compute_in_one_line(backbone, tmp_path, extra, words):

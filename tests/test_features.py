@@ -157,3 +157,25 @@ def test_cache_grows_when_more_steps_are_asked(compose_tiny, out_dir):
     features.run_build(compose_tiny("trainer.max_steps=4", "features.mode=build", "features.shard_batches=2"))
     assert json.loads((root / features.MANIFEST).read_text())["batches"] == 4
     assert first.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("first_aux", [(2, 4, 6), ()])
+def test_a_killed_build_keeps_its_aux_layers(tmp_path, first_aux):
+    """Guards against: a build killed after writing shards (the manifest counts them only once the build
+    completes) rerun for other aux layers, or for an eagle3 drafter over a killed Medusa build: the manifest
+    was rewritten for the new layers and the old shards kept, so training read features of the wrong layers
+    or died on a missing tensor. The second claim must refuse in one line and leave the files as they were."""
+    cache = features.FeatureCache(tmp_path)
+    identity = {"backbone": "tiny", "data": 1}
+    cache.claim(identity, 1, aux_layers=first_aux)
+    batch = {k: torch.zeros(1, 4, dtype=torch.long) for k in features.KEYS}
+    batch.update(hidden=torch.zeros(1, 4, 8), greedy=torch.zeros(1, 4, dtype=torch.int32))
+    if first_aux:
+        batch["aux"] = torch.zeros(1, 4, 24)
+    cache.write(cache.shard_path(0), [batch], 0)  # the kill comes before the manifest update
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(UserError) as e:
+        cache.claim(identity, 1, aux_layers=(1, 3, 5))
+    assert "\n" not in str(e.value) and "features.cache_dir" in str(e.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert cache.claim(identity, 1, aux_layers=first_aux or ())["aux_layers"] == list(first_aux)  # its own: fine

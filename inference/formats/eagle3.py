@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import IncompatibleHeadsError, UserError
+from ..errors import IncompatibleHeadsError, NeedsBackboneConfig, UserError
 from ..heads.eagle3 import NUM_AUX, default_aux_layers
 from ..heads.native import load_state_checked
 from ..heads.registry import build_heads
@@ -211,11 +211,15 @@ def read_spec(d: Path, backbone_config=None) -> HeadsSpec:
     meta = raw.get(META) if isinstance(raw.get(META), dict) else {}
     layers = backbone_config.num_hidden_layers if backbone_config is not None else meta.get("target_layers")
     layers = None if layers is None else int(layers)
+    if draft_vocab > vocab:
+        raise UserError(f"{d / 'config.json'}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}; a draft "
+                        "vocabulary is a subset of the target's")
     aux = _aux_ids(d, raw)
     if aux is None:  # both engines then capture the target's default layers, known only with the target
         if layers is None:
-            raise UserError(f"{d / 'config.json'} names no aux layer ids (the engines then use the target's layers "
-                            "(2, N//2, N-3)): load it with its backbone")
+            raise NeedsBackboneConfig(f"{d / 'config.json'} names no aux layer ids (the engines then use the "
+                                      "target's layers (2, N//2, N-3)): load it with its backbone (backbone=)",
+                                      base_model=str(raw.get("base_model_name_or_path") or ""))
         aux = default_aux_layers(layers)
     if backbone_config is not None and not all(0 <= i < layers for i in aux):
         raise IncompatibleHeadsError(f"EAGLE-3 drafter in {d} reads aux layers {aux}, the backbone has hidden states "

@@ -141,8 +141,7 @@ class Eagle3BatchDrafter:
 
     # -- the cache: prompt, then every step's accepted positions ------------------------------------
     def prefilled(self, dec: BatchTreeDecoder, paths: list[list[int]], aux: torch.Tensor) -> None:
-        # committed entries never outnumber the backbone's real tokens, which fit its cache
-        self.dkv = RowDraftKV(dec.batch, dec.cache.capacity + self.max_entries, self.m.device)
+        self.dkv = RowDraftKV(dec.batch, self._capacity(dec.prompt_lengths, dec.max_new_tokens), self.m.device)
         self.cursor = ScheduleCursor(self.schedule)
         self.pending = [[] for _ in paths]
         self.accepted(dec, paths, aux)
@@ -270,9 +269,13 @@ class Eagle3BatchDrafter:
 
     def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
         """The drafter's own cache for this batch (one layer: keys and values per slot), for the memory check."""
-        # the backbone's compact capacity plus one step's draft entries, as ``prefilled`` allocates
-        capacity = batch_capacity(prompt_lengths, max_new_tokens, self.max_nodes, "compact", 0) + self.max_entries
-        return len(prompt_lengths) * capacity * draft_kv_bytes_per_slot(self.d.spec, self.m.dtype)
+        return len(prompt_lengths) * self._capacity(prompt_lengths, max_new_tokens) * \
+            draft_kv_bytes_per_slot(self.d.spec, self.m.dtype)
+
+    def _capacity(self, prompt_lengths, max_new_tokens: int) -> int:
+        # Committed entries are real tokens only (never the gaps a ``ragged=gaps`` backbone cache keeps), so
+        # the backbone's compact capacity holds them in either mode, plus one step's draft entries.
+        return batch_capacity(prompt_lengths, max_new_tokens, self.max_nodes, "compact", 0) + self.max_entries
 
     def rows_kept(self, index: list[int]) -> None:
         if self.dkv is not None:

@@ -240,6 +240,7 @@ class BatchTreeDecoder:
     def prefill(self, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
         m = self.m
         lens = [len(p) for p in prompts]
+        self.prompt_lengths, self.max_new_tokens = lens, max_new_tokens   # what a drafter sizes its own cache by
         capacity = batch_capacity(lens, max_new_tokens, self.drafter.max_nodes, self.ragged, self.drafter.max_depth)
         self.cache = RaggedKVCache(m.config.num_hidden_layers, len(prompts), capacity, m.device, self.ragged)
         mask, pos = self.cache.prefill_mask(lens, m.dtype)
