@@ -5,7 +5,9 @@
 #   bash scripts/bench_eagle3_ablation.sh                   # the ttt_steps=1 arm: ~10 min training + ~10 min evals
 #   ARMS="lr2e-3:optim.lr=2e-3 ttt2:heads.ttt_steps=2,trainer.max_steps=180" bash scripts/bench_eagle3_ablation.sh
 #
-# Data: the 320-conversation feature cache of scripts/bench_eagle3_teacher.sh (built there, or by its cache stage).
+# Data: the 320-conversation feature cache of scripts/bench_eagle3_teacher.sh (built there, or by its cache stage);
+# CONVS=1000 CACHE=runs/features_smollm2_1k_aux runs an arm at eagle3_smollm2's own data (the recipe's cache), whose
+# baseline is the recipe itself, trained and evaluated by scripts/bench_eagle3.sh.
 # Each arm is "name:override,override,..." on top of eagle3_smollm2 at that data; the baseline is that recipe at
 # 120 steps (~12 min here), trained and evaluated the same way by scripts/bench_families.sh (its eagle3 run).
 # An arm that changes the cost of a step sets trainer.max_steps so that its training takes about the same time.
@@ -19,11 +21,12 @@ STAGES=${STAGES:-"train eval"}
 ARMS=${ARMS:-"ttt1:heads.ttt_steps=1,trainer.max_steps=270"}  # 270: ~2.7 s/step in a 10-step probe vs 6.1 for ttt 3
 B=${BENCH_OUT:-runs/bench_eagle3_ablation}
 CACHE=${CACHE:-runs/features_aux_320}
+CONVS=${CONVS:-320}
 mkdir -p "$B"
 . scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
 
-data=(data.max_conversations=320 features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
-[[ -f "$CACHE/features.json" ]] || { echo "no feature cache at $CACHE: run scripts/bench_eagle3_teacher.sh's cache stage" >&2; exit 2; }
+data=(data.max_conversations="$CONVS" features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
+[[ -f "$CACHE/features.json" ]] || { echo "no feature cache at $CACHE: run scripts/bench_eagle3_teacher.sh's cache stage (or, for CONVS=1000, medusa-train eagle3_smollm2)" >&2; exit 2; }
 
 for arm in $ARMS; do
   name=${arm%%:*}
