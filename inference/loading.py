@@ -40,24 +40,25 @@ def read_heads_spec(heads_dir: str | os.PathLike, backbone_config=None) -> Heads
     return read_native_spec(d)
 
 
-def target_config_for(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False):
-    """None when ``heads_dir``'s own config says everything; else the config (not the weights) of the
-    backbone it is to be loaded onto: ``backbone`` (a name or path), or the one the directory records.
-    An EAGLE-3 drafter that names no aux layers, as the EAGLE repository and SpecForge publish them,
-    reads its target's default layers, so its spec depends on the target's depth."""
+def spec_with_target(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False):
+    """(spec, target config) of a directory about to be loaded onto ``backbone`` (a name or path; None:
+    the one the directory records). The target config is None when the directory's own config says
+    everything; else it is the backbone's config (not its weights): an EAGLE-3 drafter that names no aux
+    layers, as the EAGLE repository and SpecForge publish them, reads its target's default layers, so its
+    spec depends on the target's depth."""
     try:
-        read_heads_spec(heads_dir)
-        return None
+        return read_heads_spec(heads_dir), None
     except NeedsBackboneConfig as e:
         name = str(backbone) if backbone is not None else e.base_model
         if not name:
             raise
-        return load_backbone_config(name, trust_remote_code=trust_remote_code)
+        target = load_backbone_config(name, trust_remote_code=trust_remote_code)
+        return read_heads_spec(heads_dir, target), target
 
 
 def read_heads_spec_for(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False) -> HeadsSpec:
-    """``read_heads_spec`` for a directory about to be loaded onto ``backbone`` (``target_config_for``)."""
-    return read_heads_spec(heads_dir, target_config_for(heads_dir, backbone, trust_remote_code))
+    """``read_heads_spec`` for a directory about to be loaded onto ``backbone`` (``spec_with_target``)."""
+    return spec_with_target(heads_dir, backbone, trust_remote_code)[0]
 
 
 def load_heads(heads_dir: str | os.PathLike, backbone_config=None,

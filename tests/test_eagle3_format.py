@@ -269,7 +269,7 @@ def test_a_drafter_that_names_no_aux_layers_loads_onto_the_backbone_given_or_rec
     is given, with an error asking for exactly that: its spec must be read with the target's config
     (the config file, not the weights), from backbone= or from the target the directory records."""
     from inference.errors import NeedsBackboneConfig
-    from inference.loading import load_medusa, read_heads_spec_for, target_config_for
+    from inference.loading import load_medusa, read_heads_spec_for, spec_with_target
 
     d, target = tmp_path / "f", tmp_path / "target"
     write_foreign(d, backbone, draft_vocab=VOCAB)
@@ -280,7 +280,7 @@ def test_a_drafter_that_names_no_aux_layers_loads_onto_the_backbone_given_or_rec
     with pytest.raises(NeedsBackboneConfig, match="load it with its backbone"):
         read_heads_spec_for(d)  # no backbone given, none recorded
     assert read_heads_spec_for(d, target).aux_layers == default_aux_layers(LAYERS)
-    assert target_config_for(d, target).num_hidden_layers == LAYERS
+    assert spec_with_target(d, target)[1].num_hidden_layers == LAYERS
     m = load_medusa(d, backbone=backbone, kernels="stock")  # a model object: its own config
     assert m.heads.spec.aux_layers == default_aux_layers(LAYERS)
     (d / "config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(target)}))

@@ -50,7 +50,7 @@ def run_export(cfg) -> None:
     import torch
 
     from ..errors import UserError
-    from ..loading import load_heads, read_heads_spec, target_config_for
+    from ..loading import load_heads, spec_with_target
     from . import FORMATS
     from .export import ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for, megabytes
 
@@ -71,8 +71,8 @@ def run_export(cfg) -> None:
         warnings.simplefilter("always", FormatWarning)
         # The native loader's errors for a dir that is no heads at all, then the registry's for a
         # kind this format has no exporter for, before anything is loaded.
-        target = target_config_for(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
-        exporter_for(cfg.format, read_heads_spec(src, target).kind)
+        first, target = spec_with_target(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
+        exporter_for(cfg.format, first.kind)
         # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
         # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
         # Likewise an empty input-embedding table for drafters that borrow the backbone's (EAGLE-3):
