@@ -271,10 +271,11 @@ def test_lookup_timing_noise_is_not_reported_as_a_loaded_machine():
     def run(plain_spread: float, varying: bool) -> list[str]:
         calls = {PLAIN: 0, "chain3": 0}
 
-        def timer(name):   # each name's cost alternates from one of its timings to the next
+        def timer(name):   # each name's cost alternates from one round to the next (plain: 2 runs a round)
             calls[name] += 1
             swing = plain_spread if name == PLAIN else 2.0       # the candidate's cost swings 3x
-            return [0.01 * (1 + swing * (calls[name] % 2))] * 3
+            this_round = (calls[name] - 1) // 2 if name == PLAIN else calls[name]
+            return [0.01 * (1 + swing * (this_round % 2))] * 3
 
         _, _, timing = race({"chain3": 1.2}, timer, latency_steps=3, min_rounds=3, max_rounds=3,
                             log=lambda s: None, progress=False, varying=varying)

@@ -70,10 +70,12 @@ def markdown(r: dict) -> str:
                          + f" — {choice['reason']}")
         timing = choice.get("timing")
         if timing:
-            lines.append(f"- {what} timing: {timing['rounds']} interleaved rounds"
+            paired = " (each tree costed against the plain runs beside it)" if timing.get("paired") else ""
+            lines.append(f"- {what} timing: {timing['rounds']} interleaved rounds{paired}"
                          + ("" if timing.get("stable", True) else " (winner not yet stable)")
                          + "; step ms median [min-max]: "
                          + ", ".join(f"{c['name']} {c['step_ms']:.1f} [{c['step_ms_min']:.1f}-{c['step_ms_max']:.1f}]"
+                                     + (f" ({c['vs_plain_step']:.2f}x plain)" if "vs_plain_step" in c else "")
                                      for c in [{"name": "plain", **timing["autoregressive"]}, *choice["candidates"]]
                                      if "step_ms_min" in c))
             lines += [f"- warning: {w}" for w in timing.get("warnings", [])]

@@ -221,21 +221,39 @@ def noise_margin(record: dict) -> float:
     return CLEAR_GAIN_MADS * record.get("step_ms_mad", 0.0) / record["step_ms"] if record["step_ms"] > 0 else 0.0
 
 
+MOST_ROUNDS = 0.75  # of the race's rounds (3 of 3, 3 of 4, 4 of 5, 6 of 8) in which a candidate must beat plain decoding (beats_in_most_rounds)
+
+
+def beats_in_most_rounds(rate: float, plain_rate: float, record: dict) -> bool:
+    """Whether a candidate's expected tokens/s beats plain decoding's in at least ``MOST_ROUNDS`` of the
+    race's rounds, each round costed by its own ratio to the plain runs beside it (``race``): a median gain
+    carried by half the rounds on a drifting host is a coin toss, not a gain. A stalled round (a ratio above
+    ``OUTLIER_FACTOR`` x the median) is left out, as the median leaves it out."""
+    by_round, mid = record.get("vs_plain_by_round"), record.get("vs_plain_step")
+    if not by_round or not mid:
+        return True
+    counted = [r for r in by_round if 0 < r <= OUTLIER_FACTOR * mid]
+    wins = sum(rate * mid / r > plain_rate for r in counted)
+    return wins >= MOST_ROUNDS * len(counted)
+
+
 def clear_winner(plain_rate: float, plain_spread: dict, candidates: dict[str, tuple[float, dict]], *,
                  varying: bool = False) -> tuple[Optional[str], str]:
     """(the candidate to decode with, or None for plain decoding; why), from expected tokens/s.
 
     ``candidates``: name -> (expected tokens/s, its ``spread`` record). A candidate must beat plain decoding
-    by more than the timings' own spread (``noise_margin``: the larger of the two, plain decoding's alone
-    when ``varying``): a median over a few noisy rounds can be off by that much, and choosing a tree on an 8%
-    expected gain from rounds 37-69 ms apart once made decoding 17% slower than plain decoding
+    by more than the timings' own spread (``noise_margin`` of the candidate's record: ``race`` costs each
+    candidate against the plain runs beside it, so that spread is its ratio's, and a host's drift between
+    rounds, which moves both, does not raise the bar; plain decoding's spread when ``varying``, where the
+    candidate's own work varies): a median over a few noisy rounds can be off by that much, and choosing a
+    tree on an 8% expected gain from rounds 37-69 ms apart once made decoding 17% slower than plain decoding
     (BENCHMARKS.md, "Soft targets for EAGLE-3"). Among those that clear the bar, the best expected tokens/s
     wins; on a quiet machine (rounds within a few %) the bar is a few %."""
     noise_plain = noise_margin(plain_spread)
     best, best_rate, held_back = None, plain_rate, None
     for name, (rate, record) in candidates.items():
-        margin = noise_plain if varying else max(noise_plain, noise_margin(record))
-        if rate > plain_rate * (1 + margin):
+        margin = noise_plain if varying else noise_margin(record)
+        if rate > plain_rate * (1 + margin) and (varying or beats_in_most_rounds(rate, plain_rate, record)):
             if rate > best_rate:
                 best, best_rate = name, rate
         elif rate > plain_rate and (held_back is None or rate > held_back[1]):
@@ -297,11 +315,20 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
          label: Callable[[str], str] = str, varying: bool = False) -> tuple[dict[str, float], dict[str, dict], dict]:
     """Time plain decoding (``PLAIN``, tau 1) and every candidate (name -> expected tau) in interleaved
     rounds until the choice (``clear_winner``: the best expected tokens/s that clears the timings' noise) is
-    stable (``choose_tree``'s docstring); ``timer(name)``
-    times one run of steps. Returns (median step time per name, in s; each name's spread over rounds;
-    the timing record, whose warnings are also logged). ``varying``: the candidates' work changes from
-    step to step by itself (prompt lookup's proposals follow the text), so only plain decoding's spread
-    says whether the machine is loaded."""
+    stable (``choose_tree``'s docstring); ``timer(name)`` times one run of steps.
+
+    Each candidate is timed between two runs of plain decoding (a round is plain, c1, plain, c2, ...,
+    plain, the candidates' order rotated from round to round) and costed by its step over the mean of
+    those two neighbours: a host whose speed drifts from one second to the next (a 2-core cloud machine's
+    plain step moved 32 -> 57 ms within one evaluation, BENCHMARKS.md) moves both alike, so the ratio
+    keeps what the candidate itself costs, where two medians taken at different moments once put a
+    3-node tree below plain decoding and chose it. A candidate's step time is the median over rounds of
+    that ratio times plain decoding's median step, and its spread is the ratio's.
+
+    Returns (median step time per name, in s; each name's spread over rounds; the timing record, whose
+    warnings are also logged). ``varying``: the candidates' work changes from step to step by itself
+    (prompt lookup's proposals follow the text), so only plain decoding's spread says whether the
+    machine is loaded."""
     if min_rounds < 1 or max_rounds < min_rounds:
         raise UserError(f"{what} timing needs 1 <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
     warnings = []
@@ -310,36 +337,55 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
         warnings.append(f"other processes keep {load:.1f} of {cores} cores busy before timing {what}: step times "
                         "may be noisy (rerun on an idle machine or with threads=1)")
         log(f"warning: {warnings[-1]}")
-    names = [PLAIN] + [n for n in taus if n != PLAIN]
-    rounds: dict[str, list[float]] = {name: [] for name in names}
+    cands = [n for n in taus if n != PLAIN]
+    names = [PLAIN] + cands
+    rounds: dict[str, list[float]] = {name: [] for name in names}  # raw step per round (plain: the round's median)
+    ratios: dict[str, list[float]] = {name: [] for name in cands}  # step / its two plain neighbours' mean
     dropped = dict.fromkeys(names, 0)
     winners: list[str] = []
 
     def estimate() -> dict[str, float]:
-        return {name: statistics.median(v) for name, v in rounds.items()}
+        plain = statistics.median(rounds[PLAIN])
+        return {PLAIN: plain, **{n: statistics.median(ratios[n]) * plain for n in cands}}
+
+    def spreads_now(step: dict[str, float]) -> dict[str, dict]:
+        out = {PLAIN: spread(rounds[PLAIN], dropped[PLAIN])}
+        for n in cands:
+            out[n] = {**spread([r * step[PLAIN] for r in ratios[n]], dropped[n]),
+                      "vs_plain_step": round(statistics.median(ratios[n]), 4),
+                      "vs_plain_by_round": [round(r, 4) for r in ratios[n]]}
+        return out
 
     def winner(step: dict[str, float]) -> str:
         # The same rule as the final choice (clear_winner, on the rounds so far): a stop rule that ranked by
         # expected tokens/s alone could stop on a tree the noise bar then refuses, or go on timing a race
         # whose choice (plain decoding) had long been settled.
-        s = {name: spread(v) for name, v in rounds.items()}
-        rates = {n: (taus[n] / step[n], s[n]) for n in names if n != PLAIN}
+        s = spreads_now(step)
+        rates = {n: (taus[n] / step[n], s[n]) for n in cands}
         best, _ = clear_winner(1.0 / step[PLAIN], s[PLAIN], rates, varying=varying)
         return PLAIN if best is None else best
 
-    bar = _bar(progress, max_rounds * len(names), f"timing {what}")
+    def timed(name: str, r: int) -> float:
+        if bar is not None:
+            shown = PLAIN if name == PLAIN else label(name)
+            bar.set_description_str(f"timing {what}: round {r + 1}, {shown}")
+        sec, n_dropped = robust_step(timer(name))
+        dropped[name] += n_dropped
+        if bar is not None:
+            bar.update(1)
+        return sec
+
+    bar = _bar(progress, max_rounds * (2 * len(cands) + 1), f"timing {what}")
     try:
         for r in range(max_rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = cands[r % len(cands):] + cands[:r % len(cands)] if cands else []
+            plain_runs = [timed(PLAIN, r)]
             for name in order:
-                if bar is not None:
-                    shown = PLAIN if name == PLAIN else label(name)
-                    bar.set_description_str(f"timing {what}: round {r + 1}, {shown}")
-                sec, n_dropped = robust_step(timer(name))
+                sec = timed(name, r)
+                plain_runs.append(timed(PLAIN, r))
                 rounds[name].append(sec)
-                dropped[name] += n_dropped
-                if bar is not None:
-                    bar.update(1)
+                ratios[name].append(sec / (0.5 * (plain_runs[-2] + plain_runs[-1])))
+            rounds[PLAIN].append(statistics.median(plain_runs))
             winners.append(winner(estimate()))
             if r + 1 >= min_rounds and len(winners) > 1 and winners[-1] == winners[-2]:
                 break
@@ -360,13 +406,15 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
         warnings.append(f"the fastest candidate still changed after {len(winners)} timing rounds "
                         f"(winners by round: {', '.join(winners)}); kept the last one")
         log(f"warning: {warnings[-1]}")
-    spreads = {name: spread(rounds[name], dropped[name]) for name in names}
+    step = estimate()
+    spreads = spreads_now(step)
     timing = {"rounds": len(winners), "min_rounds": min_rounds, "max_rounds": max_rounds,
               "steps_per_round": latency_steps, "winner_by_round": winners, "stable": stable,
+              "paired": "each candidate costed against the plain runs just before and after it",
               "autoregressive": spreads[PLAIN],
               "load_average": None if load is None else round(load, 2), "cores": cores,
               "threads": torch.get_num_threads(), "warnings": warnings}
-    return estimate(), spreads, timing
+    return step, spreads, timing
 
 
 def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
@@ -377,13 +425,14 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
     """Grow a tree per budget from measured accuracy; keep the one with the best tau / step time.
     With ``fixed_nodes`` grow that one tree and keep it (no latency measurement).
 
-    Step times are measured in rounds (``race``): each round times plain decoding and every
-    candidate once, in an order rotated from round to round, so background load hits them alike.
-    A candidate's step time is the median over rounds of each round's median step (steps slower
-    than ``OUTLIER_FACTOR`` x their run's median dropped as stalls). Rounds continue, from
-    ``min_rounds`` up to ``max_rounds``, until two consecutive rounds agree on the choice
-    (``clear_winner`` on the rounds so far, the rule the final choice applies). Each candidate's spread over rounds goes into the
-    choice (report.json's ``tree``): a tree must beat plain decoding by more than that spread
+    Step times are measured in rounds (``race``): each round times every candidate once, in an order
+    rotated from round to round, each between two runs of plain decoding, and costs it by its step over
+    theirs, so background load and a host's drifting speed hit both sides alike. A candidate's step time
+    is the median over rounds of that ratio times plain decoding's median step (steps slower than
+    ``OUTLIER_FACTOR`` x their run's median dropped as stalls). Rounds continue, from ``min_rounds`` up
+    to ``max_rounds``, until two consecutive rounds agree on the choice (``clear_winner`` on the rounds so
+    far, the rule the final choice applies). Each candidate's spread over rounds goes into the choice
+    (report.json's ``tree``): a tree must beat plain decoding by more than that spread
     (``clear_winner``); a visibly loaded machine (load average above the cores, or a spread above
     ``NOISY_SPREAD``) gets a one-line warning."""
     if min_rounds < 1 or max_rounds < min_rounds:
