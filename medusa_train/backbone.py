@@ -179,13 +179,15 @@ class FrozenFeatures:
         return self.backbone_hidden(batch).to(self.compute_dtype)
 
     @torch.no_grad()
-    def greedy_ids(self, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    def greedy_ids(self, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor,
+                   everywhere: bool = False) -> torch.Tensor:
         """[B, T] the backbone's argmax over its full vocabulary where ``losses.backbone_labels`` reads it,
         IGNORE elsewhere. ``hidden`` comes from ``backbone_hidden`` (backbone dtype, not the heads'
-        rounding); the lm_head runs on ``GREEDY_CHUNK`` rows at a time so a 49k vocabulary stays small."""
+        rounding); the lm_head runs on ``GREEDY_CHUNK`` rows at a time so a 49k vocabulary stays small.
+        ``everywhere``: at every in-document position (``heads.train_on=all``), not only the replies'."""
         from .losses import greedy_positions
 
-        need = greedy_positions(labels.to(hidden.device), doc_ids.to(hidden.device))
+        need = greedy_positions(labels.to(hidden.device), doc_ids.to(hidden.device), everywhere)
         out = torch.full(need.shape, IGNORE, dtype=torch.long, device=hidden.device)
         rows = hidden[need]
         if rows.shape[0]:
@@ -193,9 +195,10 @@ class FrozenFeatures:
                                    for s in range(0, rows.shape[0], GREEDY_CHUNK)])
         return out
 
-    def features(self, batch: dict, greedy: bool = True, aux_layers=None) -> dict:
-        """``hidden`` (training precision), with ``greedy`` the ``greedy`` ids and with ``aux_layers`` the
-        ``aux`` features (training precision) the eagle3 drafter reads: one backbone forward for all."""
+    def features(self, batch: dict, greedy: bool = True, aux_layers=None, greedy_everywhere: bool = False) -> dict:
+        """``hidden`` (training precision), with ``greedy`` the ``greedy`` ids (at every in-document position
+        with ``greedy_everywhere``) and with ``aux_layers`` the ``aux`` features (training precision) the
+        eagle3 drafter reads: one backbone forward for all."""
         out = {}
         raw = self.backbone_hidden(batch, aux_layers)
         if aux_layers:
@@ -203,7 +206,7 @@ class FrozenFeatures:
             out["aux"] = aux.to(self.compute_dtype)
         out["hidden"] = raw.to(self.compute_dtype)
         if greedy:
-            out["greedy"] = self.greedy_ids(raw, batch["labels"], batch["doc_ids"])
+            out["greedy"] = self.greedy_ids(raw, batch["labels"], batch["doc_ids"], greedy_everywhere)
         return out
 
 

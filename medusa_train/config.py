@@ -106,9 +106,15 @@ class HeadsConfig:
     aux_layers: Optional[List[int]] = None
     draft_vocab_size: Optional[int] = None
     ttt_steps: Optional[int] = None
+    # Which positions train with heads.targets=backbone: "assistant" (the replies: what decoding drafts) or
+    # "all" (every position of a conversation, the user's turns too: the backbone's greedy token exists
+    # there as well, so the ~40% of a ShareGPT batch that only gave context also trains). Held-out accuracy
+    # stays on assistant positions either way. A feature cache must store the greedy ids everywhere for "all".
+    train_on: str = "assistant"
 
 
 TARGETS = ("data", "backbone")
+TRAIN_ON = ("assistant", "all")
 
 
 @dataclass
@@ -279,6 +285,9 @@ def validate(cfg) -> None:
         (not h.tie_weights or (kind == "mlp_speculator" and h.num_heads >= 2),
          "heads.tie_weights needs heads.kind=mlp_speculator and heads.num_heads >= 2"),
         (0.0 <= h.teacher_weight <= 1.0, f"heads.teacher_weight must be in [0, 1], got {h.teacher_weight}"),
+        (h.train_on in TRAIN_ON, f"heads.train_on must be one of {', '.join(TRAIN_ON)}, got {h.train_on!r}"),
+        (h.train_on == "assistant" or h.targets == "backbone",
+         "heads.train_on=all needs heads.targets=backbone (the dataset has no labels on the user's turns)"),
         (h.targets in TARGETS, f"heads.targets must be data or backbone, got {h.targets!r}"),
         (d.max_length >= 8, f"data.max_length must be >= 8, got {d.max_length}"),
         (precision == "fp32" or t.zero_stage >= 1,

@@ -131,7 +131,7 @@ class FeatureCache:
     def manifest(self) -> dict:
         return read_manifest(self.manifest_path, self.root)
 
-    def claim(self, identity: dict, shard_batches: int, aux_layers=()) -> dict:
+    def claim(self, identity: dict, shard_batches: int, aux_layers=(), greedy_everywhere: bool = False) -> dict:
         """Create the manifest, or check the existing cache was built for this backbone and data."""
         root = self.root
 
@@ -150,7 +150,7 @@ class FeatureCache:
             return None
 
         fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
-                 "shards": [], "eval": False, "aux_layers": list(aux_layers)}
+                 "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere}
         manifest = claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
                          mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
                                   "use another features.cache_dir or delete it")
@@ -158,15 +158,24 @@ class FeatureCache:
         if aux_layers and stored != list(aux_layers):
             # Shards and the eval file reach the disk before the manifest counts them (it is updated once the
             # build completes), so a killed build leaves files the manifest does not show: look at the disk.
-            written = any(root.glob("train-*.safetensors")) or (root / EVAL_FILE).is_file()
-            if manifest["batches"] or manifest["eval"] or written:
+            if manifest["batches"] or manifest["eval"] or self._written():
                 raise UserError(f"features cache {root} stores aux layers {stored or 'none'}, this eagle3 drafter "
                                 f"reads {list(aux_layers)}; use another features.cache_dir (or heads.aux_layers="
                                 f"{stored})" if stored else f"features cache {root} was built without the aux "
                                 "layers an eagle3 drafter reads; use another features.cache_dir or delete it")
             manifest = {**manifest, "aux_layers": list(aux_layers)}  # nothing stored yet: this run decides
             write_json_atomic(self.manifest_path, manifest)
+        if greedy_everywhere and not manifest.get("greedy_everywhere"):
+            if manifest["batches"] or manifest["eval"] or self._written():
+                raise UserError(f"features cache {root} stores the backbone's greedy tokens on the replies only; "
+                                "heads.train_on=all needs them at every position: use another features.cache_dir")
+            manifest = {**manifest, "greedy_everywhere": True}
+            write_json_atomic(self.manifest_path, manifest)
         return manifest
+
+    def _written(self) -> bool:
+        """Whether any shard or the eval file is on disk (a killed build writes them before the manifest counts them)."""
+        return any(self.root.glob("train-*.safetensors")) or (self.root / EVAL_FILE).is_file()
 
     def shard_path(self, k: int) -> Path:
         return self.root / f"train-{k:06d}.safetensors"
@@ -232,6 +241,7 @@ class CachePlan:
     shard_batches: int
     dtype: str  # on disk: bf16 | fp32
     aux_layers: tuple = ()  # backbone layers an eagle3 drafter reads (stored besides ``hidden``)
+    greedy_everywhere: bool = False  # greedy ids at every position, not only the replies' (heads.train_on=all)
     rank: int = 0
     world_size: int = 1
     progress_bar: bool = False
@@ -276,6 +286,7 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
     hidden_size = frozen.model.config.hidden_size
     store = parse_dtype(plan.dtype)
     aux_layers = list(manifest.get("aux_layers") or [])  # kept in every shard once a cache has them
+    everywhere = bool(manifest.get("greedy_everywhere"))  # likewise
     per_pos = (1 + len(aux_layers)) * hidden_size * store.itemsize + 8 * len(KEYS) + 4  # + int32 greedy id
     positions = sum(b * w for k in todo for (b, w) in shapes[k * S:k * S + counts[k]])
     eval_missing = not (cache.root / EVAL_FILE).is_file()
@@ -297,7 +308,7 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
 
     def stored(batch: dict) -> dict:
         """One batch as stored: its ids, the heads' hidden states and the backbone's greedy ids."""
-        f = frozen.features(batch, aux_layers=aux_layers)  # one backbone forward serves all
+        f = frozen.features(batch, aux_layers=aux_layers, greedy_everywhere=everywhere)  # one forward serves all
         out = {**{k: batch[k] for k in KEYS}, "hidden": f["hidden"].to("cpu", store),
                "greedy": f["greedy"].to("cpu", torch.int32)}
         if aux_layers:
@@ -403,7 +414,7 @@ def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
                eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
     """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
     cache = FeatureCache(cache_dir(cfg))
-    manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers)
+    manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers, plan.greedy_everywhere)
     cache.read_aux = bool(plan.aux_layers)
 
     def open_stream() -> ConversationStream:
@@ -437,6 +448,7 @@ def run_build(cfg) -> dict:
                     batch.micro_batch_size, pad_id)
     plan = cache_plan(cfg, batch.micro_batch_size, batch.grad_accum, pad_id, proc.rank, proc.world_size)
     plan.aux_layers = tuple(family_fields(cfg.heads, backbone.model.config).get("aux_layers", ()))
+    plan.greedy_everywhere = cfg.heads.train_on == "all"
     cache, manifest = open_cache(cfg, backbone, frozen, plan, data.eval_batches)
     if proc.is_main:
         print(f"[features] cache complete: {manifest['batches']} micro-batches in {cache.root}; train with "

@@ -52,25 +52,27 @@ def head_targets(labels: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.T
     return tgt
 
 
-def backbone_label_positions(labels: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: positions j that get a backbone label (j is labelled, j-1 is in the same document)."""
+def backbone_label_positions(labels: torch.Tensor, doc_ids: torch.Tensor, everywhere: bool = False) -> torch.Tensor:
+    """[B, T] bool: positions j that get a backbone label (j is labelled, or any position with
+    ``everywhere`` (``heads.train_on=all``); j-1 is in the same document)."""
     keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
     if labels.shape[1] > 1:
-        keep[:, 1:] = ((labels[:, 1:] != IGNORE) & (doc_ids[:, 1:] == doc_ids[:, :-1])
-                       & (doc_ids[:, 1:] > 0))
+        labelled = torch.ones_like(keep[:, 1:]) if everywhere else labels[:, 1:] != IGNORE
+        keep[:, 1:] = labelled & (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, 1:] > 0)
     return keep
 
 
-def greedy_positions(labels: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+def greedy_positions(labels: torch.Tensor, doc_ids: torch.Tensor, everywhere: bool = False) -> torch.Tensor:
     """[B, T] bool: the positions j-1 whose backbone argmax ``backbone_labels`` reads (only these
     need the backbone's vocabulary projection)."""
-    keep = backbone_label_positions(labels, doc_ids)
+    keep = backbone_label_positions(labels, doc_ids, everywhere)
     need = torch.zeros_like(keep)
     need[:, :-1] = keep[:, 1:]
     return need
 
 
-def backbone_labels(labels: torch.Tensor, doc_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+def backbone_labels(labels: torch.Tensor, doc_ids: torch.Tensor, greedy: torch.Tensor,
+                    everywhere: bool = False) -> torch.Tensor:
     """Labels of ``heads.targets=backbone``: ``out[j] = greedy[j-1]`` where ``labels[j]`` is set and
     j-1 is in the same packed document as j, IGNORE elsewhere.
 
@@ -80,12 +82,14 @@ def backbone_labels(labels: torch.Tensor, doc_ids: torch.Tensor, greedy: torch.T
     what a head should predict. Head k at t is then trained on greedy[t+k], the backbone's choice
     after the true tokens up to t+k; for Hydra head 1 (fed the true token t+1) this is exactly its
     conditional target. Drop-in for ``labels`` everywhere (``head_targets``, ``heads_loss``, metrics).
+    ``everywhere`` (``heads.train_on=all``): every in-document position whose greedy id was computed,
+    the user's turns too.
     """
-    keep = backbone_label_positions(labels, doc_ids)
+    keep = backbone_label_positions(labels, doc_ids, everywhere)
     out = torch.full_like(labels, IGNORE)
     if labels.shape[1] > 1:
         shifted = greedy[:, :-1].to(device=labels.device, dtype=labels.dtype)
-        out[:, 1:] = torch.where(keep[:, 1:], shifted, out[:, 1:])
+        out[:, 1:] = torch.where(keep[:, 1:] & (shifted != IGNORE), shifted, out[:, 1:])
     return out
 
 

@@ -83,6 +83,7 @@ class _FrozenHeads:
     def __init__(self, cfg, backbone, device: torch.device):
         self.cfg, self.backbone, self.device = cfg, backbone, device
         self.backbone_targets = cfg.heads.targets == "backbone"  # losses.backbone_labels
+        self.everywhere = cfg.heads.train_on == "all"  # greedy labels on the user's turns too
         self.aux_layers: Optional[list[int]] = None  # the layers an eagle3 drafter reads (set by ``wrap``)
 
     def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
@@ -106,7 +107,8 @@ class _FrozenHeads:
         ids, labels, doc = batch["input_ids"].to(dev), batch["labels"].to(dev), batch["doc_ids"].to(dev)
         f = self.features(batch)
         if self.backbone_targets:
-            labels = backbone_labels(labels, doc, f["greedy"].to(dev))
+            # Held-out batches (engine in eval mode) keep the replies' positions: the same measure whatever train_on.
+            labels = backbone_labels(labels, doc, f["greedy"].to(dev), self.everywhere and self.module.training)
         if self.aux_layers:
             return engine(f["hidden"], labels, doc, ids, f["aux"], batch["position_ids"].to(dev))
         return engine(f["hidden"], labels, doc, ids)
@@ -134,7 +136,8 @@ class OnlineSource(_FrozenHeads):
         return self.data.eval_batches()
 
     def features(self, batch: dict) -> dict:
-        return self.frozen.features(batch, greedy=self.backbone_targets, aux_layers=self.aux_layers)
+        return self.frozen.features(batch, greedy=self.backbone_targets, aux_layers=self.aux_layers,
+                                    greedy_everywhere=self.everywhere)
 
 
 class CachedSource(_FrozenHeads):
@@ -143,7 +146,7 @@ class CachedSource(_FrozenHeads):
     def __init__(self, cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):
         super().__init__(cfg, backbone, device)
         aux = family_fields(cfg.heads, backbone.model.config).get("aux_layers", ())
-        plan = dataclasses.replace(plan, aux_layers=tuple(aux))
+        plan = dataclasses.replace(plan, aux_layers=tuple(aux), greedy_everywhere=cfg.heads.train_on == "all")
         self.compute_dtype, self.plan = compute_dtype, plan
         frozen = FrozenFeatures(backbone.model, cfg.data.packing, compute_dtype, device)  # building only
         self.cache, self.manifest = features.open_cache(cfg, backbone, frozen, plan, data.eval_batches)

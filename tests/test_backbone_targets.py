@@ -38,6 +38,19 @@ def make_trainer(cfg) -> T.MedusaTrainer:
     return trainer
 
 
+def spy_labels(trainer) -> list:
+    """The labels each later loss call hands the heads, appended to the returned list."""
+    seen = []
+    forward = trainer.module.forward
+
+    def spy(hidden, lab, doc, ids=None):
+        seen.append(lab.clone())
+        return forward(hidden, lab, doc, ids)
+
+    trainer.module.forward = spy
+    return seen
+
+
 def full_logits_argmax(trainer, batch) -> torch.Tensor:
     """The whole causal LM (body + lm_head over every position), independently of the trainer's chunks."""
     ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["doc_ids"]
@@ -92,14 +105,7 @@ def test_online_greedy_ids_are_the_full_backbone_argmax_and_reach_the_loss(compo
     monkeypatch.setattr(backbone_module, "GREEDY_CHUNK", 7)  # many chunks, a ragged last one: the same ids
     assert torch.equal(trainer.source.frozen.greedy_ids(raw, labels, docs), greedy)
 
-    seen = []
-    forward = trainer.module.forward
-
-    def spy(hidden, lab, doc, ids=None):
-        seen.append(lab.clone())
-        return forward(hidden, lab, doc, ids)
-
-    trainer.module.forward = spy
+    seen = spy_labels(trainer)
     trainer.loss(batch)
     want = backbone_labels(labels, docs, expected)
     assert torch.equal(seen[0], want) and not torch.equal(want, labels)

@@ -1,0 +1,113 @@
+"""``heads.train_on=all``: heads trained on the backbone's greedy token at every position of a conversation
+(the user's turns too), not only the replies; held-out accuracy stays on the replies. The positions a
+feature cache stores greedy ids for must follow, and a cache that lacks them must be refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from inference.errors import UserError
+from medusa_train import features
+from medusa_train import trainer as T
+from medusa_train.config import validate
+from medusa_train.losses import backbone_labels, greedy_positions
+
+from conftest import losses, train_without_backbone
+from test_backbone_targets import BACKBONE, RUN, full_logits_argmax, make_trainer, spy_labels
+
+I = -100
+ALL = "heads.train_on=all"
+
+
+def test_labels_cover_every_in_document_position_but_never_cross_a_document():
+    """Guards against: train_on=all still training only on the replies (no gain, silently), labelling
+    padding, a position whose j-1 is in the previous packed document, or a position whose greedy id was
+    never computed (IGNORE in the cache) getting a label."""
+    labels = torch.tensor([[I, I, 12, 13, 14, 15, 16, 17, 18, I, 20],
+                           [30, 31, I, 33, 34, I, I, I, I, I, I]])
+    docs = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2, 2, 0, 0],
+                         [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]])
+    greedy = torch.arange(22).reshape(2, 11) + 100
+    assert backbone_labels(labels, docs, greedy, everywhere=True).tolist() == [
+        [I, 100, 101, 102, 103, 104, I, 106, 107, I, I],
+        [I, 111, 112, 113, 114, I, I, I, I, I, I]]
+    assert greedy_positions(labels, docs, everywhere=True).tolist() == [
+        [True, True, True, True, True, False, True, True, False, False, False],
+        [True, True, True, True, False, False, False, False, False, False, False]]
+    missing = greedy.clone()
+    missing[0, 0] = I  # not computed (a cache built for the replies only): no label, not a label of -100's row
+    assert backbone_labels(labels, docs, missing, everywhere=True)[0, 1] == I
+    assert backbone_labels(labels, docs, greedy).tolist() == [  # the default is unchanged
+        [I, I, 101, 102, 103, 104, I, 106, 107, I, I], [I, 111, I, 113, 114, I, I, I, I, I, I]]
+
+
+def test_training_reads_the_user_turns_and_evaluation_the_replies(compose_tiny):
+    """Guards against: the held-out accuracy of a train_on=all run measured on other positions than a default
+    run's (the two could not be compared), or the training loss still receiving reply-only labels."""
+    trainer = make_trainer(compose_tiny(*RUN, BACKBONE, ALL))
+    batch = next(iter(trainer.batches))
+    full = full_logits_argmax(trainer, batch)
+    seen = spy_labels(trainer)
+    trainer.loss(batch)
+    want = backbone_labels(batch["labels"], batch["doc_ids"], full, everywhere=True)
+    assert torch.equal(seen[0], want)
+    assert (want != I).sum() > (backbone_labels(batch["labels"], batch["doc_ids"], full) != I).sum()
+    seen.clear()
+    trainer.evaluate()
+    for b, lab in zip(trainer.eval_set, seen):
+        assert torch.equal(lab, backbone_labels(b["labels"], b["doc_ids"], full_logits_argmax(trainer, b)))
+    trainer.cleanup(plot=False)
+
+
+def test_a_cache_for_all_positions_trains_to_the_online_losses_and_serves_the_default(compose_tiny, tmp_path):
+    """Guards against: a cache built for train_on=all storing greedy ids on the replies only (its run would
+    train on less than the online one), and such a cache not serving a default run exactly as a reply-only
+    cache does (it stores a superset)."""
+    opts = ["features.mode=train", "features.dtype=fp32", "features.shard_batches=3"]
+    online = tmp_path / "online"
+    T.run(compose_tiny(*RUN, BACKBONE, ALL, out=online))
+    cached = tmp_path / "cached"
+    features.run_build(compose_tiny(*RUN, *opts, BACKBONE, ALL, out=cached))
+    manifest = json.loads((cached / "features" / features.MANIFEST).read_text())
+    assert manifest["greedy_everywhere"] is True
+    trainer = make_trainer(compose_tiny(*RUN, *opts, BACKBONE, ALL, out=cached))
+    stored = trainer.batches.batch(0)
+    need = greedy_positions(stored["labels"], stored["doc_ids"], everywhere=True)
+    assert torch.equal(stored["greedy"][need], full_logits_argmax(trainer, stored)[need])
+    train_without_backbone(trainer)
+    assert losses(cached, "train") == losses(online, "train")
+
+    default = tmp_path / "default"
+    T.run(compose_tiny(*RUN, BACKBONE, out=default))  # online, replies only
+    served = tmp_path / "served"
+    T.run(compose_tiny(*RUN, *opts, BACKBONE, f"features.cache_dir={cached / 'features'}", out=served))
+    assert losses(served, "train") == losses(default, "train")
+
+
+def test_a_reply_only_cache_is_refused_for_all_positions(compose_tiny, tmp_path):
+    """Guards against: train_on=all reading a cache whose greedy ids exist on the replies only (it would
+    train exactly as the default while claiming otherwise), or that cache being rewritten; one line, the
+    files untouched, nothing trained."""
+    cache = tmp_path / "cache"
+    opts = [*RUN, BACKBONE, "features.mode=train", f"features.cache_dir={cache}"]
+    T.run(compose_tiny(*opts, out=tmp_path / "first"))
+    before = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    with pytest.raises(UserError) as err:
+        T.run(compose_tiny(*opts, ALL, out=tmp_path / "refused"))
+    msg = str(err.value)
+    assert "heads.train_on=all" in msg and str(cache) in msg and "\n" not in msg, msg
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("bad, words", [(["heads.train_on=everything"], "heads.train_on must be one of"),
+                                        ([ALL], "needs heads.targets=backbone")])
+def test_bad_train_on_is_one_line(bad, words, compose_tiny):
+    """Guards against: a typo in heads.train_on silently training on the replies, and train_on=all with the
+    dataset's labels (there are none on the user's turns) running at all."""
+    with pytest.raises(UserError) as err:
+        validate(compose_tiny(*bad))
+    assert words in str(err.value) and "\n" not in str(err.value)
