@@ -34,11 +34,12 @@ where and at which precision the same maths runs -- ``trainer.zero_stage`` and `
 (same function, another kernel), ``backbone.trust_remote_code``, ``features.cache_dir`` (a location),
 ``lora.merge`` (what is written after training), and ``task`` / ``distill.*`` (not training).
 
-*Unsafe* (refused): everything else, and any key added later until it is listed as safe. In
+*Unsafe* (refused): everything else, and any key added later until it is listed as safe (against a
+checkpoint from before the key existed: set away from its default). In
 particular whatever changes the heads' shapes (``heads.*``: number, layers, projection,
 truncated vocabulary, kind), the data order or content (``data.*``, ``trainer.seed``,
 ``features.mode`` / ``.dtype`` / ``.shard_batches``), the loss (``heads.loss_*``,
-``heads.targets``, ``heads.teacher_weight``, ``lora.*``, the backbone: ``backbone.*``), or the
+``heads.targets``, ``heads.train_on``, ``heads.teacher_weight``, ``lora.*``, the backbone: ``backbone.*``), or the
 optimizer's meaning (``optim.*``, ``trainer.grad_clip``, the effective global batch; the LR
 schedule's base LR is restored from the checkpoint, so a changed ``optim.lr`` would not even
 take effect).
@@ -122,12 +123,15 @@ def is_safe_key(key: str) -> bool:
     return any(key == s or (s.endswith(".*") and key.startswith(s[:-1])) for s in SAFE_KEYS)
 
 
-def unsafe_changes(saved: dict, new: dict) -> list[str]:
+def unsafe_changes(saved: dict, new: dict, defaults: Optional[dict] = None) -> list[str]:
     """The dotted keys whose values differ between two flat configurations and are not safe to change.
 
     A key only one side has is compared only when the other side has a value at one of its parents
     (``backbone.random_init`` None vs ``backbone.random_init.hidden_size``: the structure changed);
-    otherwise it was added or removed by another version of medusa-train and its default stands."""
+    otherwise it was added or removed by another version of medusa-train, and the version that did not
+    have it behaved as its default: a new key is compared with its default in ``defaults`` (flat; the
+    schema's) when given (a checkpoint from before ``heads.train_on`` existed resumes with the default,
+    not with ``all``)."""
     diff = set()
     for k in set(saved) | set(new):
         if is_safe_key(k):
@@ -141,7 +145,19 @@ def unsafe_changes(saved: dict, new: dict) -> list[str]:
         hit = next((p for p in parents if p in other), None)
         if hit is not None and not is_safe_key(hit):
             diff.add(hit)
+        elif hit is None and k in new and defaults is not None and k in defaults:
+            if _norm(defaults[k]) != _norm(new[k]):
+                diff.add(k)
     return sorted(diff)
+
+
+def schema_defaults() -> dict:
+    """Every configuration key's default (flat), from the recipe schema."""
+    import dataclasses
+
+    from .config import RecipeConfig
+
+    return flatten(_norm(dataclasses.asdict(RecipeConfig())))
 
 
 def _norm(v):
@@ -165,7 +181,9 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
         saved = {k: saved_flat.get(k) for k in diff}
     else:
         saved = flatten(saved)
-        diff = unsafe_changes(saved, new)
+        defaults = schema_defaults()
+        diff = unsafe_changes(saved, new, defaults)
+        saved = {**{k: defaults[k] for k in diff if k not in saved and k in defaults}, **saved}
     if "global_batch_size" in state and int(state["global_batch_size"]) != int(effective_batch):
         diff.append(EFFECTIVE_BATCH)
         saved, new = {**saved, EFFECTIVE_BATCH: state["global_batch_size"]}, {**new, EFFECTIVE_BATCH: effective_batch}

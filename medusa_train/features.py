@@ -59,6 +59,12 @@ storing them in every shard it adds, so one cache built for an eagle3 run serves
 others read ``hidden`` only); a cache built without them is refused for eagle3 in one line rather
 than half-extended. They add 3 x hidden x bytes per position (shown in the disk estimate).
 
+Greedy ids everywhere (``heads.train_on=all``): by default the backbone's lm_head runs only where a
+reply's label needs it; a train_on=all run that finds a cache with nothing stored yet (new, or a manifest
+only) records ``greedy_everywhere`` in it, and the cache then computes them at every in-document position
+in every shard it adds, whoever extends it (a superset: it serves the default too). A cache holding
+reply-only ids is refused for train_on=all in one line.
+
 Format 2 (the only one read): every shard stores ``greedy``. A format-1 cache (built before greedy
 ids were stored) is refused in one line asking for a rebuild. The claim/compare/atomic-write of the
 manifest is ``manifest.py``'s, shared with distillation.

@@ -82,14 +82,17 @@ def backbone_labels(labels: torch.Tensor, doc_ids: torch.Tensor, greedy: torch.T
     what a head should predict. Head k at t is then trained on greedy[t+k], the backbone's choice
     after the true tokens up to t+k; for Hydra head 1 (fed the true token t+1) this is exactly its
     conditional target. Drop-in for ``labels`` everywhere (``head_targets``, ``heads_loss``, metrics).
-    ``everywhere`` (``heads.train_on=all``): every in-document position whose greedy id was computed,
-    the user's turns too.
+    ``everywhere`` (``heads.train_on=all``): every in-document position, the user's turns too; a greedy
+    id missing there (a cache built for the replies only) is an error, not a silently dropped label.
     """
     keep = backbone_label_positions(labels, doc_ids, everywhere)
     out = torch.full_like(labels, IGNORE)
     if labels.shape[1] > 1:
         shifted = greedy[:, :-1].to(device=labels.device, dtype=labels.dtype)
-        out[:, 1:] = torch.where(keep[:, 1:] & (shifted != IGNORE), shifted, out[:, 1:])
+        if everywhere and bool((keep[:, 1:] & (shifted == IGNORE)).any()):
+            raise RuntimeError("heads.train_on=all read a batch without the backbone's greedy ids on every "
+                               "position (a features cache built for the replies only?)")
+        out[:, 1:] = torch.where(keep[:, 1:], shifted, out[:, 1:])
     return out
 
 

@@ -128,6 +128,13 @@ def test_safe_unsafe_split():
     # a key nobody has classified yet is unsafe; one the checkpoint's version did not have is not compared
     assert checkpoint.unsafe_changes({**flat, "lora.new_key": 1}, {**flat, "lora.new_key": 2}) == ["lora.new_key"]
     assert checkpoint.unsafe_changes(flat, {**flat, "lora.new_key": 2}) == []
+    # ... unless it is set away from its default: the checkpoint's version trained with the default
+    defaults = {"heads.train_on": "assistant"}
+    assert checkpoint.unsafe_changes(flat, {**flat, "heads.train_on": "all"}, defaults) == ["heads.train_on"]
+    assert checkpoint.unsafe_changes(flat, {**flat, "heads.train_on": "assistant"}, defaults) == []
+    with pytest.raises(UserError, match=r'heads.train_on \("assistant" -> "all"\)'):
+        checkpoint.check_resume_config(Path("ck"), {"config": saved}, {**saved, "heads": {**saved["heads"],
+                                                                                     "train_on": "all"}}, 4)
     # a section that was empty (None) and is now set, or the reverse, is a change of that section
     assert checkpoint.unsafe_changes({**flat, "backbone.random_init": None},
                                      {**flat, "backbone.random_init.hidden_size": 64}) == ["backbone.random_init"]

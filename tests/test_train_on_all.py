@@ -25,7 +25,7 @@ ALL = "heads.train_on=all"
 def test_labels_cover_every_in_document_position_but_never_cross_a_document():
     """Guards against: train_on=all still training only on the replies (no gain, silently), labelling
     padding, a position whose j-1 is in the previous packed document, or a position whose greedy id was
-    never computed (IGNORE in the cache) getting a label."""
+    never computed (IGNORE in the cache) silently dropped or trained on as a label."""
     labels = torch.tensor([[I, I, 12, 13, 14, 15, 16, 17, 18, I, 20],
                            [30, 31, I, 33, 34, I, I, I, I, I, I]])
     docs = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2, 2, 0, 0],
@@ -38,8 +38,9 @@ def test_labels_cover_every_in_document_position_but_never_cross_a_document():
         [True, True, True, True, True, False, True, True, False, False, False],
         [True, True, True, True, False, False, False, False, False, False, False]]
     missing = greedy.clone()
-    missing[0, 0] = I  # not computed (a cache built for the replies only): no label, not a label of -100's row
-    assert backbone_labels(labels, docs, missing, everywhere=True)[0, 1] == I
+    missing[0, 0] = I  # not computed (a cache built for the replies only): an error, not a dropped label
+    with pytest.raises(RuntimeError, match="greedy ids"):
+        backbone_labels(labels, docs, missing, everywhere=True)
     assert backbone_labels(labels, docs, greedy).tolist() == [  # the default is unchanged
         [I, I, 101, 102, 103, 104, I, 106, 107, I, I], [I, 111, I, 113, 114, I, I, I, I, I, I]]
 

@@ -129,8 +129,10 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
         raise UserError(f"sizing {what} per batch needs at least one latency prompt: give num_prompts >= 1")
     taus = {name: tau for name, (_, tau) in candidates.items()}
     choices: dict[str, Any] = {PLAIN: None, **{name: c for name, (c, _) in candidates.items()}}
-    rounds_room = max_rounds * len(choices) * (warmup + latency_steps)
-    room = rounds_room * (max((choice_depth(c) for c in choices.values()), default=0) + 1) + 1
+    # race's rounds: C candidate runs (up to depth + 1 tokens a step) and C + 1 plain runs (1 token a step)
+    n_cand = len(choices) - 1
+    deepest = max((choice_depth(c) for c in choices.values()), default=0)
+    room = max_rounds * (warmup + latency_steps) * (n_cand + 1 + n_cand * (deepest + 1)) + 1
     plain = tree_label(None)
     picked, rates, table = {}, {}, {}
     for b in sizes:

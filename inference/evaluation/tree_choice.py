@@ -224,17 +224,24 @@ def noise_margin(record: dict) -> float:
 MOST_ROUNDS = 0.75  # of the race's rounds (3 of 3, 3 of 4, 4 of 5, 6 of 8) in which a candidate must beat plain decoding (beats_in_most_rounds)
 
 
-def beats_in_most_rounds(rate: float, plain_rate: float, record: dict) -> bool:
-    """Whether a candidate's expected tokens/s beats plain decoding's in at least ``MOST_ROUNDS`` of the
-    race's rounds, each round costed by its own ratio to the plain runs beside it (``race``): a median gain
-    carried by half the rounds on a drifting host is a coin toss, not a gain. A stalled round (a ratio above
-    ``OUTLIER_FACTOR`` x the median) is left out, as the median leaves it out."""
+def rounds_won(rate: float, plain_rate: float, record: dict) -> tuple[int, int]:
+    """(rounds in which a candidate's expected tokens/s beats plain decoding's, rounds counted), each round
+    costed by its own ratio to the plain runs beside it (``race``). A round whose ratio is more than
+    ``OUTLIER_FACTOR`` x off the median either way is left out, as the median leaves it out: a stalled
+    candidate run (high) or a stalled plain run beside it (low, which would count as a win)."""
     by_round, mid = record.get("vs_plain_by_round"), record.get("vs_plain_step")
     if not by_round or not mid:
-        return True
-    counted = [r for r in by_round if 0 < r <= OUTLIER_FACTOR * mid]
-    wins = sum(rate * mid / r > plain_rate for r in counted)
-    return wins >= MOST_ROUNDS * len(counted)
+        return 0, 0
+    counted = [r for r in by_round if mid / OUTLIER_FACTOR <= r <= OUTLIER_FACTOR * mid]
+    return sum(rate * mid / r > plain_rate for r in counted), len(counted)
+
+
+def beats_in_most_rounds(rate: float, plain_rate: float, record: dict) -> bool:
+    """Whether a candidate beats plain decoding in at least ``MOST_ROUNDS`` of the race's counted rounds
+    (``rounds_won``): a median gain carried by half the rounds on a drifting host is a coin toss, not a
+    gain. Records without per-round ratios (none timed) pass."""
+    wins, counted = rounds_won(rate, plain_rate, record)
+    return counted == 0 or wins >= MOST_ROUNDS * counted
 
 
 def clear_winner(plain_rate: float, plain_spread: dict, candidates: dict[str, tuple[float, dict]], *,
@@ -253,17 +260,22 @@ def clear_winner(plain_rate: float, plain_spread: dict, candidates: dict[str, tu
     best, best_rate, held_back = None, plain_rate, None
     for name, (rate, record) in candidates.items():
         margin = noise_plain if varying else noise_margin(record)
-        if rate > plain_rate * (1 + margin) and (varying or beats_in_most_rounds(rate, plain_rate, record)):
+        clears = rate > plain_rate * (1 + margin)
+        if clears and (varying or beats_in_most_rounds(rate, plain_rate, record)):
             if rate > best_rate:
                 best, best_rate = name, rate
         elif rate > plain_rate and (held_back is None or rate > held_back[1]):
-            held_back = (name, rate, margin)
+            if clears:
+                wins, counted = rounds_won(rate, plain_rate, record)
+                why = f"beat plain decoding in only {wins} of {counted} timing rounds"
+            else:
+                why = f"expected gain ({rate / plain_rate - 1:.0%}) is within the timings' spread ({margin:.0%})"
+            held_back = (name, rate, why)
     if best is not None:
         return best, f"{best_rate:.1f} tok/s expected vs plain {plain_rate:.1f}"
     if held_back is not None:
-        name, rate, margin = held_back
-        return None, (f"plain decoding: {name}'s expected gain ({rate / plain_rate - 1:.0%}) is within the "
-                      f"timings' spread ({margin:.0%}); rerun on an idle machine or with threads=1")
+        name, _, why = held_back
+        return None, f"plain decoding: {name}'s {why}; rerun on an idle machine or with threads=1"
     return None, "plain decoding is fastest"
 
 
@@ -352,8 +364,8 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
         out = {PLAIN: spread(rounds[PLAIN], dropped[PLAIN])}
         for n in cands:
             out[n] = {**spread([r * step[PLAIN] for r in ratios[n]], dropped[n]),
-                      "vs_plain_step": round(statistics.median(ratios[n]), 4),
-                      "vs_plain_by_round": [round(r, 4) for r in ratios[n]]}
+                      "vs_plain_step": round(statistics.median(ratios[n]), 6),
+                      "vs_plain_by_round": [round(r, 6) for r in ratios[n]]}
         return out
 
     def winner(step: dict[str, float]) -> str:
