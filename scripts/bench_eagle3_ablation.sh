@@ -32,6 +32,7 @@ for arm in $ARMS; do
   name=${arm%%:*}
   IFS=, read -r -a overrides <<< "${arm#*:}"
   [[ "${arm#*:}" == *trainer.max_steps=* ]] || overrides+=(trainer.max_steps=120)
+  [[ "${arm#*:}" == *heads.ttt_steps=* ]] || overrides+=(heads.ttt_steps=3)  # the baseline's (the recipe's former) depth
   run="$B/$name"
   if has train && [[ ! -f "$run/heads/config.json" ]]; then
     timed "train $name (${arm#*:})" "$BIN/medusa-train" eagle3_smollm2 "${data[@]}" features.mode=train \

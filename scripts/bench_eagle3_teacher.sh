@@ -35,7 +35,7 @@ for w in $ARMS; do
   run="$B/teacher_$w"
   if has train && [[ ! -f "$run/heads/config.json" ]]; then
     timed "train teacher_weight=$w" "$BIN/medusa-train" eagle3_smollm2 "${data[@]}" features.mode=train \
-        heads.teacher_weight="$w" trainer.max_steps="$STEPS" trainer.save_every=0 output_dir="$run"
+        heads.teacher_weight="$w" heads.ttt_steps=3 trainer.max_steps="$STEPS" trainer.save_every=0 output_dir="$run"
   fi
   if has eval; then
     common=(heads="$run/heads" num_prompts=20 max_new_tokens=96 progress_bar=false eagle_tree=fixed)

@@ -51,7 +51,7 @@ for f in $FAMILIES; do
   if has train && [[ ! -f "$run/heads/config.json" ]]; then
     timed "train $f (${!steps_var} steps)" "$BIN/medusa-train" "$(recipe "$f")" "${data[@]}" features.mode=train \
         heads.targets=backbone optim.lr=1e-3 optim.warmup_steps=20 trainer.max_steps="${!steps_var}" \
-        trainer.save_every=0 output_dir="$run"
+        trainer.save_every=0 output_dir="$run" $([[ $f == eagle3 ]] && echo heads.ttt_steps=3)
   fi
   if has eval; then
     common=(heads="$run/heads" max_new_tokens=96 progress_bar=false)
