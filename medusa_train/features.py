@@ -162,26 +162,27 @@ class FeatureCache:
                                   "use another features.cache_dir or delete it")
         stored = list(manifest.get("aux_layers") or [])
         if aux_layers and stored != list(aux_layers):
-            # Shards and the eval file reach the disk before the manifest counts them (it is updated once the
-            # build completes), so a killed build leaves files the manifest does not show: look at the disk.
-            if manifest["batches"] or manifest["eval"] or self._written():
-                raise UserError(f"features cache {root} stores aux layers {stored or 'none'}, this eagle3 drafter "
-                                f"reads {list(aux_layers)}; use another features.cache_dir (or heads.aux_layers="
-                                f"{stored})" if stored else f"features cache {root} was built without the aux "
-                                "layers an eagle3 drafter reads; use another features.cache_dir or delete it")
-            manifest = {**manifest, "aux_layers": list(aux_layers)}  # nothing stored yet: this run decides
-            write_json_atomic(self.manifest_path, manifest)
+            manifest = self._decide(manifest, "aux_layers", list(aux_layers), (
+                f"features cache {root} stores aux layers {stored}, this eagle3 drafter reads {list(aux_layers)}; "
+                f"use another features.cache_dir (or heads.aux_layers={stored})" if stored else
+                f"features cache {root} was built without the aux layers an eagle3 drafter reads; use another "
+                "features.cache_dir or delete it"))
         if greedy_everywhere and not manifest.get("greedy_everywhere"):
-            if manifest["batches"] or manifest["eval"] or self._written():
-                raise UserError(f"features cache {root} stores the backbone's greedy tokens on the replies only; "
-                                "heads.train_on=all needs them at every position: use another features.cache_dir")
-            manifest = {**manifest, "greedy_everywhere": True}
-            write_json_atomic(self.manifest_path, manifest)
+            manifest = self._decide(manifest, "greedy_everywhere", True, (
+                f"features cache {root} stores the backbone's greedy tokens on the replies only; "
+                "heads.train_on=all needs them at every position: use another features.cache_dir"))
         return manifest
 
-    def _written(self) -> bool:
-        """Whether any shard or the eval file is on disk (a killed build writes them before the manifest counts them)."""
-        return any(self.root.glob("train-*.safetensors")) or (self.root / EVAL_FILE).is_file()
+    def _decide(self, manifest: dict, key: str, value, refusal: str) -> dict:
+        """Set what the cache stores (``key``) while nothing is stored yet, else refuse with ``refusal``. Shards
+        and the eval file reach the disk before the manifest counts them (it is updated once the build
+        completes), so a killed build leaves files the manifest does not show: look at the disk too."""
+        written = any(self.root.glob("train-*.safetensors")) or (self.root / EVAL_FILE).is_file()
+        if manifest["batches"] or manifest["eval"] or written:
+            raise UserError(refusal)
+        manifest = {**manifest, key: value}
+        write_json_atomic(self.manifest_path, manifest)
+        return manifest
 
     def shard_path(self, k: int) -> Path:
         return self.root / f"train-{k:06d}.safetensors"
@@ -433,7 +434,8 @@ def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: i
     t, f = cfg.trainer, cfg.features
     return CachePlan(micro_batch_size=micro_batch_size, pad_id=pad_id, bucket_buffer=cfg.data.bucket_buffer,
                      needed=t.max_steps * grad_accum * world_size, shard_batches=f.shard_batches,
-                     dtype=enum_value(f.dtype), rank=rank, world_size=world_size, progress_bar=t.progress_bar)
+                     dtype=enum_value(f.dtype), greedy_everywhere=cfg.heads.train_on == "all", rank=rank,
+                     world_size=world_size, progress_bar=t.progress_bar)
 
 
 def run_build(cfg) -> dict:
@@ -454,7 +456,6 @@ def run_build(cfg) -> dict:
                     batch.micro_batch_size, pad_id)
     plan = cache_plan(cfg, batch.micro_batch_size, batch.grad_accum, pad_id, proc.rank, proc.world_size)
     plan.aux_layers = tuple(family_fields(cfg.heads, backbone.model.config).get("aux_layers", ()))
-    plan.greedy_everywhere = cfg.heads.train_on == "all"
     cache, manifest = open_cache(cfg, backbone, frozen, plan, data.eval_batches)
     if proc.is_main:
         print(f"[features] cache complete: {manifest['batches']} micro-batches in {cache.root}; train with "

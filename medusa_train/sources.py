@@ -136,8 +136,9 @@ class OnlineSource(_FrozenHeads):
         return self.data.eval_batches()
 
     def features(self, batch: dict) -> dict:
+        # Held-out batches read the replies' greedy ids only (``loss``): the lm_head runs on no other position.
         return self.frozen.features(batch, greedy=self.backbone_targets, aux_layers=self.aux_layers,
-                                    greedy_everywhere=self.everywhere)
+                                    greedy_everywhere=self.everywhere and self.module.training)
 
 
 class CachedSource(_FrozenHeads):
@@ -146,7 +147,7 @@ class CachedSource(_FrozenHeads):
     def __init__(self, cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):
         super().__init__(cfg, backbone, device)
         aux = family_fields(cfg.heads, backbone.model.config).get("aux_layers", ())
-        plan = dataclasses.replace(plan, aux_layers=tuple(aux), greedy_everywhere=cfg.heads.train_on == "all")
+        plan = dataclasses.replace(plan, aux_layers=tuple(aux))
         self.compute_dtype, self.plan = compute_dtype, plan
         frozen = FrozenFeatures(backbone.model, cfg.data.packing, compute_dtype, device)  # building only
         self.cache, self.manifest = features.open_cache(cfg, backbone, frozen, plan, data.eval_batches)
