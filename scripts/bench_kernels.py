@@ -75,7 +75,7 @@ def main() -> None:
     for n in NODES:
         s, r = statistics.median(times[(n, "stock")]), statistics.median(times[(n, "routed")])
         print(f"| {n} | {s * 1e3:.1f} | {r * 1e3:.1f} | {s / base:.2f} | {r / base:.2f} | {s / r:.2f}x |")
-    print("\nrouted through (W @ x^T)^T:", routing_summary(plans))
+    print("\nrouted (row counts through (W @ x^T)^T and the prepacked weight):", routing_summary(plans))
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def test_rows_measured_once_at_routing_and_never_while_decoding(monkeypatch):
     lin = nn.Linear(16, 32)
     (plan,) = lk.route_linear_kernels(lin, max_rows=4)
     assert calls == [1, 2, 3, 4] and set(plan.timings) == {1, 2, 3, 4}
-    assert all(set(t) == {lk.STOCK, lk.COLUMNS} for t in plan.timings.values())
+    timed = {lk.STOCK, lk.COLUMNS} | ({lk.PACKED} if plan.timings[1].keys() > {lk.STOCK, lk.COLUMNS} else set())
+    assert all(set(t) == timed for t in plan.timings.values())
     for rows in (1, 3, 50):
         lin(torch.randn(rows, 16))
     assert calls == [1, 2, 3, 4] and plan.kernel(50) == lk.STOCK
@@ -107,7 +108,80 @@ def test_not_routed_off_cpu():
     assert lk.route_linear_kernels(lin) == [] and type(lin) is nn.Linear
 
 
-@pytest.mark.parametrize("choice", [lk.STOCK, lk.COLUMNS])
+needs_onednn = pytest.mark.skipif(lk._pack(torch.zeros(2, 2)) is None, reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 33])
+def test_packed_product_equals_linear(rows, bias):
+    """Guards against the prepacked path computing another product (bias dropped, a 3-D batch
+    shape lost, a non-contiguous input read with the wrong strides)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40, bias=bias)
+    x = torch.randn(2, rows, 48)[..., ::2]  # non-contiguous rows
+    want = nn.functional.linear(x, lin.weight, lin.bias)
+    plans = lk.route_linear_kernels(lin)
+    _force(plans, lk.PACKED)
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_copy_follows_the_weight():
+    """Guards against a stale packed copy: a weight changed in place after routing (a LoRA merge, a
+    state dict loaded into the module) must be multiplied with its new values, not the packed old ones."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 32)
+    _force(lk.route_linear_kernels(lin), lk.PACKED)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    lin.load_state_dict({"weight": lin.weight.detach() + 1.0, "bias": lin.bias.detach()})
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_path_never_used_for_gradients():
+    """Guards against silently wrong gradients: oneDNN's op has no backward, so with autograd on a
+    routed linear must fall back to F.linear (the gradient then equals the unrouted module's)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    want = torch.autograd.grad(lin(torch.ones(3, 8)).square().sum(), lin.weight)[0]
+    _force(lk.route_linear_kernels(lin), lk.PACKED)
+    got = torch.autograd.grad(lin(torch.ones(3, 8)).square().sum(), lin.weight)[0]
+    torch.testing.assert_close(got, want)
+
+
+@needs_onednn
+def test_packed_copies_only_where_used_and_only_when_they_fit(monkeypatch):
+    """Guards against memory that buys nothing: shapes whose row counts all chose another product
+    keep no packed copy, and no copy is made when the copies would not fit in half the free memory."""
+    monkeypatch.setattr(lk, "_measure", lambda mods, rows, repeats, packed=False: {
+        lk.STOCK: 3.0, lk.COLUMNS: 1.0, **({lk.PACKED: 2.0} if packed else {})})
+    lin = nn.Linear(16, 32)
+    (plan,) = lk.route_linear_kernels(lin, max_rows=2)
+    assert set(plan.choice.values()) == {lk.COLUMNS} and not hasattr(lin, "_packed_weight")
+    monkeypatch.setattr(lk, "_measure", lambda mods, rows, repeats, packed=False: {
+        lk.STOCK: 3.0, lk.COLUMNS: 2.0, **({lk.PACKED: 1.0} if packed else {})})
+    lin = nn.Linear(16, 32)
+    (plan,) = lk.route_linear_kernels(lin, max_rows=2)
+    assert set(plan.choice.values()) == {lk.PACKED} and hasattr(lin, "_packed_weight")
+    assert lk.routing_summary([plan])["32x16"]["packed_rows"] == [1, 2]
+    lk.unroute_linear_kernels(lin)
+    assert not hasattr(lin, "_packed_weight")
+    monkeypatch.setattr(lk, "_free_memory_bytes", lambda: 1000)
+    lin = nn.Linear(16, 32)
+    (plan,) = lk.route_linear_kernels(lin, max_rows=2)
+    assert not plan.packed and set(plan.choice.values()) == {lk.COLUMNS} and not hasattr(lin, "_packed_weight")
+
+
+@pytest.mark.parametrize("choice", [lk.STOCK, lk.COLUMNS, pytest.param(lk.PACKED, marks=needs_onednn)])
 def test_greedy_decoding_identical_through_routed_kernels(choice):
     """Guards against a routed model breaking lossless verification: Medusa through either kernel
     must emit exactly the plain greedy tokens of the same routed model."""

@@ -498,12 +498,13 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
 
 
 # -- EAGLE-3's dynamic trees (method eagle3, eagle_tree=auto) -------------------------------------
-# (nodes N, depth D, top-k k): one or two depth-1 guesses (no expansion call: the catch-up call that
-# every step makes already drafts them; on a CPU a 2-3-node verification costs what a 1-token step
-# costs, so these pay with a depth-1 acceptance well under 0.5), chains, then trees of growing width;
-# EAGLE-2's own default is about (59, 6, 10), sized for a GPU, where a wider verification is almost free.
-EAGLE3_GRID = ((1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 2, 2), (4, 4, 1), (4, 3, 2), (8, 4, 4), (16, 5, 4),
-               (32, 6, 8))
+# (nodes N, depth D, top-k k): one, two or four depth-1 guesses (no expansion call: the catch-up call
+# that every step makes already drafts them; they pay for drafters trained one step deep, whose deeper
+# drafts are rarely right), chains, then trees of growing width. On a CPU with the prepacked kernels
+# (runtime/linear_kernels.py) a 3-16-node verification costs ~1.1-1.4x a 1-token step, so wide shallow
+# trees are cheap; EAGLE-2's own default is about (59, 6, 10), sized for a GPU.
+EAGLE3_GRID = ((1, 1, 1), (2, 1, 2), (4, 1, 4), (2, 2, 1), (3, 2, 2), (8, 2, 4), (4, 4, 1), (4, 3, 2), (8, 4, 4),
+               (16, 5, 4), (32, 6, 8))
 
 
 @dataclass

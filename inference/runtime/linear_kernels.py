@@ -8,16 +8,27 @@ Measured on cpu-2c (BENCHMARKS.md, "Skinny products"), SmolLM2's lm_head [49152 
 ``(W @ x^T)^T`` take 5 / 8 ms for 2 / 3 rows. Over a whole forward that made a 2-node tree step
 cost 1.6x a 1-token step, enough to make every tree slower than plain decoding.
 
-``route_linear_kernels(model)`` times both formulations on this machine, over the model's own
-weights of each shape, for every row count r <= ``max_rows`` (16: the tree sizes that pay on
-CPU), and routes each ``nn.Linear`` through a per-shape plan that keeps the faster for each r
-(the alternative must win by ``margin`` to be chosen). The same weights
-are read; nothing is copied, so memory does not change. Routing is CPU only: GPU libraries
-handle skinny products well, and a model on CUDA is left alone.
+A third formulation reads a copy of the weight that oneDNN has reordered ("prepacked") into its
+own blocked layout, ``torch.ops.mkldnn._linear_pointwise``: its kernel streams the blocked
+weight once for any small row count, so 3-16 rows cost about what one or two cost (cpu-2c-b, the
+whole SmolLM2 verification forward, routed: 8 rows 47 ms with packed weights vs 70-89 ms without,
+1-2 rows ~40 ms either way; BENCHMARKS.md "Prepacked weights"). It costs memory: one packed copy of
+every weight whose shape uses it for some row count (fp32 weights only; skipped when the copies
+would not fit in half the free memory, or where this torch build has no oneDNN).
 
-Results differ from ``F.linear`` only by floating-point summation order (~1e-6 relative), as
-any two BLAS kernels do; greedy verification compares the tree's logits with the same model's,
-so outputs stay token-identical to plain decoding through the same routed model.
+``route_linear_kernels(model)`` times the formulations on this machine, over the model's own
+weights of each shape, for every row count r <= ``max_rows`` (16: the tree sizes that pay on
+CPU), and routes each ``nn.Linear`` through a per-shape plan that keeps the fastest for each r
+(an alternative to ``F.linear`` must win by ``margin`` to be chosen). Packed copies of shapes
+that never use them are dropped after timing. Routing is CPU only: GPU libraries handle skinny
+products well, and a model on CUDA is left alone. A packed copy is checked against its weight
+(same storage, no in-place change since packing) at every call; a weight changed after routing
+(an adapter merged, a state dict loaded) is repacked rather than read stale.
+
+Results differ from ``F.linear`` only by floating-point summation order (~1e-6 relative; ~5e-5
+absolute on SmolLM2's logits through the packed path), as any two BLAS kernels do; greedy
+verification compares the tree's logits with the same model's, so outputs stay token-identical
+to plain decoding through the same routed model.
 
 ``stock_kernels()`` turns routing off inside a ``with`` block (the transformers ``generate``
 baseline is measured with stock kernels, so its speedup column means what a user gets today).
@@ -26,6 +37,7 @@ baseline is measured with stock kernels, so its speedup column means what a user
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
@@ -36,6 +48,7 @@ from torch import nn
 
 STOCK = "linear"          # F.linear(x, W): x @ W^T
 COLUMNS = "w_xt"           # (W @ x^T)^T: the weight times a block of columns
+PACKED = "onednn_packed"   # oneDNN's linear over a reordered (prepacked) copy of W
 _routing_on = True
 
 
@@ -45,13 +58,15 @@ class KernelPlan:
 
     ``members`` are every linear of that shape (timed together, see ``_measure``); row counts
     never measured (prefill, trees above ``max_rows``) use ``F.linear``. One row is measured too:
-    as a two-row product with a zero row against BLAS's matrix-vector kernel.
+    as a two-row product with a zero row against BLAS's matrix-vector kernel. ``packed``: the
+    members carry prepacked copies, so ``PACKED`` is a candidate.
     """
 
     shape: tuple[int, int]
     members: list = field(default_factory=list, repr=False)
     margin: float = 0.9
     repeats: int = 3
+    packed: bool = False
     choice: dict[int, str] = field(default_factory=dict)
     timings: dict[int, dict[str, float]] = field(default_factory=dict)
 
@@ -60,11 +75,17 @@ class KernelPlan:
 
     @torch.inference_mode()
     def decide(self, rows: int) -> str:
-        """Measure both formulations for ``rows`` and keep the faster."""
-        t = _measure(self.members, rows, self.repeats)
+        """Measure the formulations for ``rows`` and keep the fastest (F.linear unless another
+        takes < ``margin`` of its time)."""
+        t = _measure(self.members, rows, self.repeats, self.packed)
         self.timings[rows] = t
-        self.choice[rows] = COLUMNS if t[COLUMNS] < self.margin * t[STOCK] else STOCK
+        best = min((k for k in t if k != STOCK), key=t.get)
+        self.choice[rows] = best if t[best] < self.margin * t[STOCK] else STOCK
         return self.choice[rows]
+
+    @property
+    def uses_packed(self) -> bool:
+        return PACKED in self.choice.values()
 
 
 class RoutedLinear(nn.Linear):
@@ -76,9 +97,52 @@ class RoutedLinear(nn.Linear):
         plan = self.kernel_plan
         if plan is None or not _routing_on or x.device.type != "cpu" or not x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
-        if plan.kernel(x.numel() // x.shape[-1]) != COLUMNS:
-            return F.linear(x, self.weight, self.bias)
-        return _columns_product(x, self.weight, self.bias)
+        kernel = plan.kernel(x.numel() // x.shape[-1])
+        if kernel == COLUMNS:
+            return _columns_product(x, self.weight, self.bias)
+        if kernel == PACKED and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            # oneDNN's op has no backward: with autograd on, F.linear keeps gradients right
+            return _packed_product(x, _packed_weight(self), self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """oneDNN's reordered copy of an fp32 CPU weight, or None where this torch build cannot make one."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        with torch.inference_mode():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)  # 4: a hint, any row count works
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
+def _weight_key(weight: torch.Tensor) -> tuple:
+    """What identifies a weight's current values cheaply: its storage and its in-place version."""
+    return weight.data_ptr(), weight._version, weight.dtype
+
+
+def _attach_packed(m: nn.Linear) -> bool:
+    packed = _pack(m.weight)
+    if packed is None:
+        return False
+    m._packed_weight, m._packed_key = packed, _weight_key(m.weight)
+    return True
+
+
+def _packed_weight(m: nn.Linear) -> torch.Tensor:
+    """The module's packed copy, repacked if its weight changed since (never a stale copy)."""
+    if getattr(m, "_packed_key", None) != _weight_key(m.weight) and not _attach_packed(m):
+        raise RuntimeError("a routed linear's weight can no longer be packed; unroute_linear_kernels() it first")
+    return m._packed_weight
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _columns_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -114,8 +178,8 @@ def _time_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def _measure(modules: list[nn.Linear], rows: int, repeats: int) -> dict[str, float]:
-    """Time both formulations over every module of one shape in turn, so the weights stream from
+def _measure(modules: list[nn.Linear], rows: int, repeats: int, packed: bool = False) -> dict[str, float]:
+    """Time the formulations over every module of one shape in turn, so the weights stream from
     memory as in a forward pass (one matrix timed alone would sit in cache and mislead)."""
     w = modules[0].weight
     # fixed values, not torch.randn: timing must not advance the global random state
@@ -129,20 +193,34 @@ def _measure(modules: list[nn.Linear], rows: int, repeats: int) -> dict[str, flo
         for m in modules:
             _columns_product(x, m.weight, m.bias)
 
-    stock(), columns()  # warm-up
-    times = {STOCK: float("inf"), COLUMNS: float("inf")}
+    def prepacked():
+        for m in modules:
+            _packed_product(x, m._packed_weight, m.bias)
+
+    runs = {STOCK: stock, COLUMNS: columns, **({PACKED: prepacked} if packed else {})}
+    for run in runs.values():  # warm-up
+        run()
+    times = dict.fromkeys(runs, float("inf"))
     for _ in range(repeats):  # interleaved, best of each: noise on a shared machine only adds time
-        times[STOCK] = min(times[STOCK], _time_ms(stock, 1))
-        times[COLUMNS] = min(times[COLUMNS], _time_ms(columns, 1))
+        for name, run in runs.items():
+            times[name] = min(times[name], _time_ms(run, 1))
     return times
 
 
+def _free_memory_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def route_linear_kernels(model: nn.Module, *, extra: Iterable[nn.Module] = (), max_rows: int = 16,
-                         margin: float = 0.9, repeats: int = 3) -> list[KernelPlan]:
+                         margin: float = 0.9, repeats: int = 3, pack: bool = True) -> list[KernelPlan]:
     """Route every ``nn.Linear`` of ``model`` (and of the ``extra`` modules, e.g. the heads) on CPU;
     returns one plan per weight shape, or [] on other devices. Every row count 1..``max_rows``
-    is measured here, once (~5 s for SmolLM2-135M), never inside a timed decoding step. A row
-    count uses ``(W @ x^T)^T`` only where that took < ``margin`` x the time of ``F.linear``.
+    is measured here, once (~8 s for SmolLM2-135M), never inside a timed decoding step. A row
+    count uses ``(W @ x^T)^T`` or the prepacked weight only where that took < ``margin`` x the
+    time of ``F.linear``. ``pack=False``: no packed copies (no extra memory).
     """
     linears = [m for root in (model, *extra) for m in root.modules() if type(m) in (nn.Linear, RoutedLinear)]
     if not linears or linears[0].weight.device.type != "cpu":
@@ -153,9 +231,22 @@ def route_linear_kernels(model: nn.Module, *, extra: Iterable[nn.Module] = (), m
         plan = groups.setdefault(key, KernelPlan(shape=key[0], margin=margin, repeats=repeats))
         if not any(m is other for other in plan.members):  # a module reached twice (shared) is timed once
             plan.members.append(m)
+    if pack:
+        need = sum(m.weight.numel() * m.weight.element_size() for p in groups.values() for m in p.members)
+        free = _free_memory_bytes()
+        if free is None or need < free // 2:
+            for plan in groups.values():
+                plan.packed = all([_attach_packed(m) for m in plan.members])
+                if not plan.packed:
+                    for m in plan.members:
+                        _drop_packed(m)
     for plan in groups.values():
         for rows in range(1, max_rows + 1):
             plan.decide(rows)
+        if not plan.uses_packed:  # no row count reads the copies: give their memory back
+            plan.packed = False
+            for m in plan.members:
+                _drop_packed(m)
     for plan in groups.values():  # routed only once every shape is measured: timing ran stock code
         for m in plan.members:
             m.__class__ = RoutedLinear
@@ -170,11 +261,18 @@ def unroute_linear_kernels(*modules: nn.Module) -> None:
             if type(m) is RoutedLinear:
                 m.__class__ = nn.Linear
                 del m.kernel_plan
+                _drop_packed(m)
+
+
+def _drop_packed(m: nn.Module) -> None:
+    for name in ("_packed_weight", "_packed_key"):
+        m.__dict__.pop(name, None)
 
 
 def routing_summary(plans: list[KernelPlan]) -> dict:
     """What report.json records: per weight shape, the row counts measured and those routed
-    through ``(W @ x^T)^T``."""
+    through ``(W @ x^T)^T`` and through the prepacked weight."""
     return {f"{p.shape[0]}x{p.shape[1]}": {"measured_rows": sorted(p.timings),
-                                          "columns_rows": sorted(r for r, c in p.choice.items() if c == COLUMNS)}
+                                          "columns_rows": sorted(r for r, c in p.choice.items() if c == COLUMNS),
+                                          "packed_rows": sorted(r for r, c in p.choice.items() if c == PACKED)}
             for p in plans}
