@@ -175,7 +175,7 @@ def test_packed_copies_only_where_used_and_only_when_they_fit(monkeypatch):
     assert lk.routing_summary([plan])["32x16"]["packed_rows"] == [1, 2]
     lk.unroute_linear_kernels(lin)
     assert not hasattr(lin, "_packed_weight")
-    monkeypatch.setattr(lk, "_free_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(lk, "free_memory_bytes", lambda device: 1000)
     lin = nn.Linear(16, 32)
     (plan,) = lk.route_linear_kernels(lin, max_rows=2)
     assert not plan.packed and set(plan.choice.values()) == {lk.COLUMNS} and not hasattr(lin, "_packed_weight")

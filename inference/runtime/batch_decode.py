@@ -33,6 +33,7 @@ import torch
 from ..errors import UserError
 from .batch_cache import RaggedKVCache, pad_layout
 from .decode import GenerationOutput, _Emitter, _sync, check_budget, eos_set, seeded_generator
+from .memory import free_memory_bytes
 from .model import MedusaModel, kv_bytes_per_token
 from .tree import MedusaTree, TreeBuffers
 from .verify import SamplingConfig, choose_token, verify_rows
@@ -123,19 +124,6 @@ def batch_capacity(prompt_lengths: Sequence[int], max_new_tokens: int, extra_slo
     if mode == "compact":
         return width + max_new_tokens + extra_slots
     return width + max_new_tokens * (max_depth + 1) + extra_slots   # gaps: up to depth+1 slots per token
-
-
-def free_memory_bytes(device: torch.device) -> Optional[int]:
-    """Memory this process can still allocate on ``device`` (None where unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_batch_fits(m: MedusaModel, prompt_lengths: Sequence[int], max_new_tokens: int, extra_slots: int,

@@ -37,7 +37,6 @@ baseline is measured with stock kernels, so its speedup column means what a user
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
@@ -45,6 +44,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .memory import free_memory_bytes
 
 STOCK = "linear"          # F.linear(x, W): x @ W^T
 COLUMNS = "w_xt"           # (W @ x^T)^T: the weight times a block of columns
@@ -207,13 +208,6 @@ def _measure(modules: list[nn.Linear], rows: int, repeats: int, packed: bool = F
     return times
 
 
-def _free_memory_bytes() -> Optional[int]:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def route_linear_kernels(model: nn.Module, *, extra: Iterable[nn.Module] = (), max_rows: int = 16,
                          margin: float = 0.9, repeats: int = 3, pack: bool = True) -> list[KernelPlan]:
     """Route every ``nn.Linear`` of ``model`` (and of the ``extra`` modules, e.g. the heads) on CPU;
@@ -233,7 +227,7 @@ def route_linear_kernels(model: nn.Module, *, extra: Iterable[nn.Module] = (), m
             plan.members.append(m)
     if pack:
         need = sum(m.weight.numel() * m.weight.element_size() for p in groups.values() for m in p.members)
-        free = _free_memory_bytes()
+        free = free_memory_bytes(torch.device("cpu"))
         if free is None or need < free // 2:
             for plan in groups.values():
                 plan.packed = all([_attach_packed(m) for m in plan.members])
