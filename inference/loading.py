@@ -114,8 +114,8 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     the one their config records (``backbone=None``); a backbone given explicitly is used as
     is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
     when loading, and to the given model's own when a model object is passed. kernels: ``auto``
-    routes skinny CPU products through the faster formulation (``linear_kernels``; it changes the
-    class of the model's linears in place), ``stock`` leaves transformers' as they are; default
+    routes skinny CPU products through the fastest formulation (``linear_kernels``; it changes the
+    class of the model's linears in place and may keep prepacked copies of their weights), ``stock`` leaves transformers' as they are; default
     ``auto`` for a backbone loaded here, ``stock`` for a model object passed in.
     """
     if kernels is None:

@@ -9,8 +9,8 @@ machines and BLAS builds; so the same code gives 1.0x on one machine and 1.7x on
 script measures, on this machine, with nothing else running:
 
   1. the machine: CPU model, cores, load, torch's BLAS / OpenMP build, threads;
-  2. memory bandwidth: a 256 MiB copy, and the lm_head [49152 x 576] read by each product the
-     runtime can use for 1 and 2 rows (``F.linear``, ``torch.mv``, ``(W @ x^T)^T``), in GB/s;
+  2. memory bandwidth: a 256 MiB copy, and the lm_head [49152 x 576] read by the BLAS products
+     for 1 and 2 rows (``F.linear``, ``torch.mv``, ``(W @ x^T)^T``; not the prepacked one), in GB/s;
   3. the whole verification forward (decoder body + lm_head) for 1, 2 and 4 tokens, stock
      kernels vs routed (``inference/runtime/linear_kernels.py``), interleaved call by call,
      and the weight bandwidth each achieves (weight bytes / step time);

@@ -68,7 +68,7 @@ def test_rows_measured_once_at_routing_and_never_while_decoding(monkeypatch):
     lin = nn.Linear(16, 32)
     (plan,) = lk.route_linear_kernels(lin, max_rows=4)
     assert calls == [1, 2, 3, 4] and set(plan.timings) == {1, 2, 3, 4}
-    timed = {lk.STOCK, lk.COLUMNS} | ({lk.PACKED} if plan.timings[1].keys() > {lk.STOCK, lk.COLUMNS} else set())
+    timed = {lk.STOCK, lk.COLUMNS} | ({lk.PACKED} if lk._pack(lin.weight) is not None else set())
     assert all(set(t) == timed for t in plan.timings.values())
     for rows in (1, 3, 50):
         lin(torch.randn(rows, 16))
@@ -119,7 +119,7 @@ def test_packed_product_equals_linear(rows, bias):
     shape lost, a non-contiguous input read with the wrong strides)."""
     torch.manual_seed(0)
     lin = nn.Linear(24, 40, bias=bias)
-    x = torch.randn(2, rows, 48)[..., ::2]  # non-contiguous rows
+    x = torch.randn(1, rows, 48)[..., ::2]  # non-contiguous rows
     want = nn.functional.linear(x, lin.weight, lin.bias)
     plans = lk.route_linear_kernels(lin)
     _force(plans, lk.PACKED)
@@ -147,6 +147,32 @@ def test_packed_copy_follows_the_weight():
 
 
 @needs_onednn
+def test_packed_copy_gives_way_when_the_weight_cannot_be_packed():
+    """Guards against a routed model breaking when converted after routing (e.g. to bfloat16): its
+    packed copy cannot follow, so the product falls back to F.linear and the stale copy is dropped."""
+    lin = nn.Linear(16, 32)
+    _force(lk.route_linear_kernels(lin), lk.PACKED)
+    lin.to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = lin(x)
+    assert torch.equal(got, nn.functional.linear(x, lin.weight, lin.bias)) and not hasattr(lin, "_packed_weight")
+
+
+def test_routing_a_model_made_in_inference_mode():
+    """Guards against routing failing on weights created under torch.inference_mode() (they have no
+    version counter to check a packed copy against, so they are routed without one)."""
+    with torch.inference_mode():
+        lin = nn.Linear(16, 32)
+    plans = lk.route_linear_kernels(lin)
+    _force(plans, lk.PACKED)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
+    assert not any(p.packed for p in plans)
+
+
+@needs_onednn
 def test_packed_path_never_used_for_gradients():
     """Guards against silently wrong gradients: oneDNN's op has no backward, so with autograd on a
     routed linear must fall back to F.linear (the gradient then equals the unrouted module's)."""
@@ -156,12 +182,18 @@ def test_packed_path_never_used_for_gradients():
     _force(lk.route_linear_kernels(lin), lk.PACKED)
     got = torch.autograd.grad(lin(torch.ones(3, 8)).square().sum(), lin.weight)[0]
     torch.testing.assert_close(got, want)
+    lin.weight.requires_grad_(False)  # only the bias trains (e.g. a bias-only fine-tune)
+    got = torch.autograd.grad(lin(torch.ones(3, 8)).square().sum(), lin.bias)[0]
+    lin.weight.requires_grad_(True)
+    lk.unroute_linear_kernels(lin)
+    torch.testing.assert_close(got, torch.autograd.grad(lin(torch.ones(3, 8)).square().sum(), lin.bias)[0])
 
 
 @needs_onednn
 def test_packed_copies_only_where_used_and_only_when_they_fit(monkeypatch):
     """Guards against memory that buys nothing: shapes whose row counts all chose another product
     keep no packed copy, and no copy is made when the copies would not fit in half the free memory."""
+    monkeypatch.setattr(lk, "free_memory_bytes", lambda device: 1 << 40)
     monkeypatch.setattr(lk, "_measure", lambda mods, rows, repeats, packed=False: {
         lk.STOCK: 3.0, lk.COLUMNS: 1.0, **({lk.PACKED: 2.0} if packed else {})})
     lin = nn.Linear(16, 32)
@@ -175,10 +207,11 @@ def test_packed_copies_only_where_used_and_only_when_they_fit(monkeypatch):
     assert lk.routing_summary([plan])["32x16"]["packed_rows"] == [1, 2]
     lk.unroute_linear_kernels(lin)
     assert not hasattr(lin, "_packed_weight")
-    monkeypatch.setattr(lk, "free_memory_bytes", lambda device: 1000)
-    lin = nn.Linear(16, 32)
-    (plan,) = lk.route_linear_kernels(lin, max_rows=2)
-    assert not plan.packed and set(plan.choice.values()) == {lk.COLUMNS} and not hasattr(lin, "_packed_weight")
+    for free in (1000, None):  # too little room, or unknown: no copies
+        monkeypatch.setattr(lk, "free_memory_bytes", lambda device: free)
+        lin = nn.Linear(16, 32)
+        (plan,) = lk.route_linear_kernels(lin, max_rows=2)
+        assert not plan.packed and set(plan.choice.values()) == {lk.COLUMNS} and not hasattr(lin, "_packed_weight")
 
 
 @pytest.mark.parametrize("choice", [lk.STOCK, lk.COLUMNS, pytest.param(lk.PACKED, marks=needs_onednn)])

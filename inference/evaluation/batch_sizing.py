@@ -54,9 +54,9 @@ BATCH_BUDGETS = (1, 2, 3, 4, 8)   # draft nodes of the grown candidate trees (ro
 BATCH_CHAINS = (2, 3)             # chain lengths (root included)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CHAIN_LENGTHS = (1, 2, 3, 4, 6, 8)   # draft tokens of the candidate chains (and the method's most)
-# eagle3 (nodes, depth, topk) candidates at batch sizes: the batch-1 grid without its widest trees,
-# which a batch of rows multiplies into hundreds of verified rows per step
-EAGLE3_BATCH_GRID = ((1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 2, 2), (4, 4, 1), (4, 3, 2), (8, 4, 4))
+# eagle3 (nodes, depth, topk) candidates at batch sizes: the batch-1 grid's narrower trees (not its
+# widest, which a batch of rows multiplies into hundreds of verified rows per step)
+EAGLE3_BATCH_GRID = ((1, 1, 1), (2, 1, 2), (4, 1, 4), (2, 2, 1), (3, 2, 2), (4, 4, 1), (4, 3, 2), (8, 4, 4))
 
 
 @dataclass

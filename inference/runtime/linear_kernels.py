@@ -22,8 +22,11 @@ CPU), and routes each ``nn.Linear`` through a per-shape plan that keeps the fast
 (an alternative to ``F.linear`` must win by ``margin`` to be chosen). Packed copies of shapes
 that never use them are dropped after timing. Routing is CPU only: GPU libraries handle skinny
 products well, and a model on CUDA is left alone. A packed copy is checked against its weight
-(same storage, no in-place change since packing) at every call; a weight changed after routing
-(an adapter merged, a state dict loaded) is repacked rather than read stale.
+(same storage and dtype, no in-place change since packing) at every call; a weight changed
+after routing through the parameter (an adapter merged with ``add_``, a state dict loaded) is
+repacked rather than read stale, and one that can no longer be packed (another dtype) falls back
+to ``F.linear``. Writes through ``weight.data`` bypass torch's version counter and are not
+seen: unroute (or re-route) after changing weights that way.
 
 Results differ from ``F.linear`` only by floating-point summation order (~1e-6 relative; ~5e-5
 absolute on SmolLM2's logits through the packed path), as any two BLAS kernels do; greedy
@@ -97,20 +100,26 @@ class RoutedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.kernel_plan
         if plan is None or not _routing_on or x.device.type != "cpu" or not x.shape[-1]:
+            if x.device.type != "cpu":
+                _drop_packed(self)  # moved off the CPU: its CPU copy would only hold memory
             return F.linear(x, self.weight, self.bias)
         kernel = plan.kernel(x.numel() // x.shape[-1])
         if kernel == COLUMNS:
             return _columns_product(x, self.weight, self.bias)
-        if kernel == PACKED and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if kernel == PACKED and not (torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (x, self.weight, self.bias))):
             # oneDNN's op has no backward: with autograd on, F.linear keeps gradients right
-            return _packed_product(x, _packed_weight(self), self.bias)
+            packed = _packed_weight(self)
+            if packed is not None:
+                return _packed_product(x, packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 def _pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """oneDNN's reordered copy of an fp32 CPU weight, or None where this torch build cannot make one."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.is_inference()
+            or not torch.backends.mkldnn.is_available()):
+        return None  # (an inference-mode tensor has no version counter to tell a stale copy by)
     try:
         with torch.inference_mode():
             return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)  # 4: a hint, any row count works
@@ -131,10 +140,14 @@ def _attach_packed(m: nn.Linear) -> bool:
     return True
 
 
-def _packed_weight(m: nn.Linear) -> torch.Tensor:
-    """The module's packed copy, repacked if its weight changed since (never a stale copy)."""
+def _packed_weight(m: nn.Linear) -> Optional[torch.Tensor]:
+    """The module's packed copy, repacked if its weight changed since; None (use F.linear) when it
+    can no longer be packed (another dtype or device)."""
+    if m.weight.is_inference():
+        return None
     if getattr(m, "_packed_key", None) != _weight_key(m.weight) and not _attach_packed(m):
-        raise RuntimeError("a routed linear's weight can no longer be packed; unroute_linear_kernels() it first")
+        _drop_packed(m)
+        return None
     return m._packed_weight
 
 
@@ -228,7 +241,7 @@ def route_linear_kernels(model: nn.Module, *, extra: Iterable[nn.Module] = (), m
     if pack:
         need = sum(m.weight.numel() * m.weight.element_size() for p in groups.values() for m in p.members)
         free = free_memory_bytes(torch.device("cpu"))
-        if free is None or need < free // 2:
+        if free is not None and need < free // 2:  # unknown free memory: no copies
             for plan in groups.values():
                 plan.packed = all([_attach_packed(m) for m in plan.members])
                 if not plan.packed:
