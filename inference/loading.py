@@ -115,8 +115,9 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
     when loading, and to the given model's own when a model object is passed. kernels: ``auto``
     routes skinny CPU products through the fastest formulation (``linear_kernels``; it changes the
-    class of the model's linears in place and may keep prepacked copies of their weights), ``stock`` leaves transformers' as they are; default
-    ``auto`` for a backbone loaded here, ``stock`` for a model object passed in.
+    class of the model's linears in place and may keep prepacked copies of their weights),
+    ``stock`` leaves transformers' as they are; default ``auto`` for a backbone loaded here,
+    ``stock`` for a model object passed in.
     """
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"

@@ -6,8 +6,11 @@ One model (the heads' backbone, or embedded SmolLM2), one prompt in the KV cache
 count n the timed call is what a tree step runs: the decoder body over n new tokens with a
 tree-shaped 4D mask and explicit positions, then the lm_head on those n rows. ``stock`` runs
 transformers' ``F.linear``; ``routed`` lets ``inference.linear_kernels`` pick the product per
-(weight shape, n). The two are interleaved call by call; medians over ``--rounds`` x 10 calls.
-Prints a Markdown table with each time relative to a stock 1-token step.
+(weight shape, n); ``unpacked`` is routed with the same timings but without the prepacked-weight
+product (what routing chose before it existed). The three are interleaved call by call, ``--rounds``
+x 10 calls each. Prints a Markdown table of medians relative to a stock 1-token step, then the
+minimum and median of the routed arms: on a host whose speed changes from second to second the
+minimum is the cost, the median shows the noise.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 
 import torch
 
-from inference.runtime.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
+from inference.runtime.linear_kernels import PACKED, route_linear_kernels, routing_summary, stock_kernels
 from inference.backbone import load_backbone
 from inference.loading import load_medusa
 from inference.runtime.model import MedusaModel
@@ -60,14 +63,31 @@ def main() -> None:
         cache.truncate(past)
         return dt
 
-    for n in NODES:  # first use of each row count measures the kernels; not timed below
-        forward(n)
+    routed = {id(p): p.choice for p in plans}
+    unpacked = {id(p): {r: p.pick({k: v for k, v in t.items() if k != PACKED}) for r, t in p.timings.items()}
+                for p in plans}
+
+    def timed(n: int, arm: str) -> None:
+        for p in plans:
+            p.choice = (unpacked if arm == "unpacked" else routed)[id(p)]
+        if arm == "stock":
+            with stock_kernels():
+                times.setdefault((n, arm), []).append(forward(n))
+        else:
+            times.setdefault((n, arm), []).append(forward(n))
+
+    arms = ("stock", "unpacked", "routed")
+    for n in NODES:  # warm-up of each row count and arm; not timed below
+        for arm in arms:
+            timed(n, arm)
+    times.clear()
     for _ in range(args.rounds):
         for n in NODES:
             for _ in range(10):
-                with stock_kernels():
-                    times.setdefault((n, "stock"), []).append(forward(n))
-                times.setdefault((n, "routed"), []).append(forward(n))
+                for arm in arms:
+                    timed(n, arm)
+    for p in plans:
+        p.choice = routed[id(p)]
     base = statistics.median(times[(1, "stock")])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, context {past} tokens\n")
     print("| nodes | stock (ms) | routed (ms) | stock / 1-token step | routed / 1-token step | routed speedup |")
@@ -75,6 +95,12 @@ def main() -> None:
     for n in NODES:
         s, r = statistics.median(times[(n, "stock")]), statistics.median(times[(n, "routed")])
         print(f"| {n} | {s * 1e3:.1f} | {r * 1e3:.1f} | {s / base:.2f} | {r / base:.2f} | {s / r:.2f}x |")
+    print("\n| nodes | unpacked min (ms) | routed min (ms) | unpacked median | routed median |")
+    print("|---|---|---|---|---|")
+    for n in NODES:
+        u, r = times[(n, "unpacked")], times[(n, "routed")]
+        print(f"| {n} | {min(u) * 1e3:.1f} | {min(r) * 1e3:.1f} | {statistics.median(u) * 1e3:.1f} | "
+              f"{statistics.median(r) * 1e3:.1f} |")
     print("\nrouted (row counts through (W @ x^T)^T and the prepacked weight):", routing_summary(plans))
 
 

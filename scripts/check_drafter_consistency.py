@@ -32,16 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference.backbone import HiddenStateTap  # noqa: E402
 from inference.evaluation.prompts import load_prompts  # noqa: E402
 from inference.loading import load_medusa  # noqa: E402
-from inference.methods.autoregressive import AutoregressiveDecoder  # noqa: E402
-
-
-def greedy_reply(m, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
-    dec = AutoregressiveDecoder(m)
-    out = [dec.prefill(prompt, max_new_tokens)]
-    eos = set(m.eos_token_ids) if getattr(m, "eos_token_ids", None) else set()
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        out += dec.step()[0]
-    return out[:max_new_tokens]
+from inference.methods import generate  # noqa: E402
 
 
 @torch.inference_mode()
@@ -68,7 +59,7 @@ def main(heads_dir: str, num_prompts: int = 20, max_new_tokens: int = 96, replie
     dumped = []
     for p in load_prompts("embedded:mtbench", num_prompts):
         prompt = torch.tensor([m.encode_chat(p.turns[0])])
-        reply = greedy_reply(m, prompt, max_new_tokens)
+        reply = generate(m, prompt[0].tolist(), "autoregressive", max_new_tokens=max_new_tokens).tokens
         ids = torch.cat([prompt[0], torch.tensor(reply)])
         dumped.append({"id": p.id, "prompt": prompt[0].tolist(), "reply": reply})
         n, length = prompt.shape[1], ids.numel()

@@ -501,8 +501,8 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
 # (nodes N, depth D, top-k k): one, two or four depth-1 guesses (no expansion call: the catch-up call
 # that every step makes already drafts them; they pay for drafters trained one step deep, whose deeper
 # drafts are rarely right), chains, then trees of growing width. On a CPU with the prepacked kernels
-# (runtime/linear_kernels.py) a 3-16-node verification costs ~1.1-1.4x a 1-token step, so wide shallow
-# trees are cheap; EAGLE-2's own default is about (59, 6, 10), sized for a GPU.
+# (runtime/linear_kernels.py) a 3-8-node verification costs ~1.2-1.4x a 1-token step (16 nodes ~1.75x),
+# so wide shallow trees are cheap; EAGLE-2's own default is about (59, 6, 10), sized for a GPU.
 EAGLE3_GRID = ((1, 1, 1), (2, 1, 2), (4, 1, 4), (2, 2, 1), (3, 2, 2), (8, 2, 4), (4, 4, 1), (4, 3, 2), (8, 4, 4),
                (16, 5, 4), (32, 6, 8))
 

@@ -11,8 +11,8 @@ cost 1.6x a 1-token step, enough to make every tree slower than plain decoding.
 A third formulation reads a copy of the weight that oneDNN has reordered ("prepacked") into its
 own blocked layout, ``torch.ops.mkldnn._linear_pointwise``: its kernel streams the blocked
 weight once for any small row count, so 3-16 rows cost about what one or two cost (cpu-2c-b, the
-whole SmolLM2 verification forward, routed: 8 rows 47 ms with packed weights vs 70-89 ms without,
-1-2 rows ~40 ms either way; BENCHMARKS.md "Prepacked weights"). It costs memory: one packed copy of
+whole SmolLM2 verification forward, routed, fastest of 25-30 calls: 8 rows 47 ms with packed weights
+vs 76-78 ms without, 1-2 rows 31-38 ms either way; BENCHMARKS.md "Prepacked weights"). It costs memory: one packed copy of
 every weight whose shape uses it for some row count (fp32 weights only; skipped when the copies
 would not fit in half the free memory, or where this torch build has no oneDNN).
 
@@ -83,9 +83,13 @@ class KernelPlan:
         takes < ``margin`` of its time)."""
         t = _measure(self.members, rows, self.repeats, self.packed)
         self.timings[rows] = t
-        best = min((k for k in t if k != STOCK), key=t.get)
-        self.choice[rows] = best if t[best] < self.margin * t[STOCK] else STOCK
+        self.choice[rows] = self.pick(t)
         return self.choice[rows]
+
+    def pick(self, timings: dict[str, float]) -> str:
+        """The formulation these ``timings`` (ms per formulation) choose."""
+        best = min((k for k in timings if k != STOCK), key=timings.get, default=STOCK)
+        return best if timings[best] < self.margin * timings[STOCK] else STOCK
 
     @property
     def uses_packed(self) -> bool:
@@ -100,8 +104,6 @@ class RoutedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.kernel_plan
         if plan is None or not _routing_on or x.device.type != "cpu" or not x.shape[-1]:
-            if x.device.type != "cpu":
-                _drop_packed(self)  # moved off the CPU: its CPU copy would only hold memory
             return F.linear(x, self.weight, self.bias)
         kernel = plan.kernel(x.numel() // x.shape[-1])
         if kernel == COLUMNS:
@@ -113,6 +115,12 @@ class RoutedLinear(nn.Linear):
             if packed is not None:
                 return _packed_product(x, packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() replace the weight: its packed copy no longer matches and, off the
+        # CPU, would only hold memory; it is repacked on next use if the weight can still be packed
+        _drop_packed(self)
+        return super()._apply(fn, recurse)
 
 
 def _pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
