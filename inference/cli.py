@@ -61,6 +61,9 @@ class RuntimeConfig:
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = auto: one per core not kept busy by other processes)
     kernels: str = "auto"  # auto: skinny CPU products take the faster formulation (linear_kernels) | stock
+    # float: heads as trained | float16: the heads' own linears in float16 (runtime/draft_weights.py; drafting
+    # reads half the bytes, outputs unchanged since the backbone verifies)
+    draft_weights: str = "float"
     trust_remote_code: bool = False
     # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
     # backbone is the one the heads record (no backbone= given); set false for a merged model.
@@ -141,7 +144,8 @@ def _load(cfg):
         raise UserError("heads=<export directory> is required")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     return load_medusa(cfg.heads, backbone=cfg.backbone, device=device, dtype=cfg.dtype,
-                       trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter, kernels=cfg.kernels)
+                       trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter, kernels=cfg.kernels,
+                       draft_weights=cfg.draft_weights)
 
 
 def _sampling(cfg):

@@ -28,6 +28,7 @@ from .formats.importers import detect_layout, importer_for
 from .heads.native import load_native, place, read_native_spec
 from .heads.spec import HeadsSpec, check_compatible
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
+from .runtime.draft_weights import check_draft_weights, half_draft_weights
 
 
 def read_heads_spec(heads_dir: str | os.PathLike, backbone_config=None) -> HeadsSpec:
@@ -105,7 +106,8 @@ def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch
 
 
 def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
-                tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None) -> MedusaModel:
+                tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None,
+                draft_weights: str = "float") -> MedusaModel:
     """Backbone + tokenizer + heads, checked to belong together.
 
     backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
@@ -117,11 +119,14 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     routes skinny CPU products through the fastest formulation (``linear_kernels``; it changes the
     class of the model's linears in place and may keep prepacked copies of their weights),
     ``stock`` leaves transformers' as they are; default ``auto`` for a backbone loaded here,
-    ``stock`` for a model object passed in.
+    ``stock`` for a model object passed in. draft_weights: ``float16`` stores the heads' own linears in
+    float16 (``runtime.draft_weights``: drafting reads half the bytes; outputs unchanged, drafts may
+    move slightly), ``float`` keeps them as trained.
     """
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
     check_kernels(kernels)  # before any loading
+    check_draft_weights(draft_weights)
     # missing / unreadable export -> UserError before any model load
     if backbone is None or isinstance(backbone, (str, Path)):
         spec = read_heads_spec_for(heads_dir, backbone, trust_remote_code=trust_remote_code)
@@ -159,5 +164,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         adapter_applied = True
     heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
                        input_embeddings=emb.weight if emb is not None else None)
+    if draft_weights == "float16":  # before routing: the half linears are not routed
+        half_draft_weights(heads, model)
     return apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
                          kernels)
