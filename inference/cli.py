@@ -61,8 +61,8 @@ class RuntimeConfig:
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = auto: one per core not kept busy by other processes)
     kernels: str = "auto"  # auto: skinny CPU products take the faster formulation (linear_kernels) | stock
-    # float: heads as trained | float16: the heads' own linears in float16 (runtime/draft_weights.py; drafting
-    # reads half the bytes, outputs unchanged since the backbone verifies)
+    # float: heads as trained | float16: fp32 heads' own linears in float16 (runtime/draft_weights.py; drafting
+    # reads half the bytes; the backbone verifies, so greedy outputs and sampling's distribution are unchanged)
     draft_weights: str = "float"
     trust_remote_code: bool = False
     # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
@@ -211,9 +211,11 @@ def _load_eval(cfg, methods):
 
     from .backbone import load_backbone
     from .evaluation.tree_choice import auto_threads
+    from .runtime.draft_weights import check_draft_weights
     from .runtime.model import MedusaModel, apply_kernels, check_kernels
 
     check_kernels(cfg.kernels)
+    check_draft_weights(cfg.draft_weights)
     if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
         return _load(cfg)
     torch.set_num_threads(cfg.threads or auto_threads())

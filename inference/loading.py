@@ -119,9 +119,9 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     routes skinny CPU products through the fastest formulation (``linear_kernels``; it changes the
     class of the model's linears in place and may keep prepacked copies of their weights),
     ``stock`` leaves transformers' as they are; default ``auto`` for a backbone loaded here,
-    ``stock`` for a model object passed in. draft_weights: ``float16`` stores the heads' own linears in
-    float16 (``runtime.draft_weights``: drafting reads half the bytes; outputs unchanged, drafts may
-    move slightly), ``float`` keeps them as trained.
+    ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own linears in
+    float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
+    outputs and sampling's distribution do not), ``float`` keeps them as trained.
     """
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"

@@ -9,7 +9,8 @@ prompt (greedy, EOS ignored): the median per step of each phase of ``Eagle3Decod
 reranking, tensor bookkeeping, Python), against the whole step and the plain step; and the fastest
 step of each arm against the fastest plain step (on a host whose speed drifts, noise only adds time,
 so the minimum is the steadier estimate of what a step costs). Warm-up steps are left out. The phases are timed by wrapping the functions the step calls, so the method's code is the
-one measured.
+one measured. ``--draft-weights float float16`` adds an arm per setting of ``draft_weights`` on the same
+backbone (``one_backbone``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from contextlib import contextmanager
 import torch
 
 import inference.methods.eagle3 as eagle3_method
-from inference.loading import load_medusa
+from inference.loading import load_heads, load_medusa
 from inference.methods import generate
 from inference.runtime.cache import TreeKVCache
+from inference.runtime.draft_weights import half_draft_weights
 from inference.runtime.model import MedusaModel
 from inference.evaluation.prompts import load_prompts
 
@@ -105,6 +107,23 @@ def plain_steps(m, prompt, steps: int, warmup: int) -> list[float]:
     return list(out.step_s)[warmup:]
 
 
+def one_backbone(heads_dir: str, settings: list[str]) -> dict[str, MedusaModel]:
+    """One model per draft-weights setting, all on ONE backbone (loaded and kernel-routed once), so the
+    arms differ in their heads only: ``draft_weights=float16`` converts a second copy of the heads as
+    ``load_medusa`` would (before routing, which then leaves the float16 linears alone)."""
+    m = load_medusa(heads_dir)
+    models = {}
+    for w in dict.fromkeys(settings):
+        if w == "float":
+            models[w] = m
+            continue
+        heads = load_heads(heads_dir, backbone_config=m.model.config, lm_head_weight=m.lm_head.weight,
+                           device=m.device, dtype=m.dtype, input_embeddings=m.model.get_input_embeddings().weight)
+        half_draft_weights(heads, m.model)
+        models[w] = MedusaModel(model=m.model, tokenizer=m.tokenizer, heads=heads)
+    return models
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("heads")
@@ -117,7 +136,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=0, help="MT-Bench first turn index")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-    models = {w: load_medusa(args.heads, draft_weights=w) for w in args.draft_weights}
+    models = one_backbone(args.heads, args.draft_weights)
     plain_model = next(iter(models.values()))
     prompt = plain_model.encode_chat(load_prompts("embedded:mtbench", 1 + args.prompt)[args.prompt].turns[0])
     arms = [(w, s) for s in shapes for w in models]

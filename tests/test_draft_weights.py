@@ -73,16 +73,58 @@ def test_eagle3_with_half_drafter_stays_token_identical():
 
 
 def test_half_drafts_are_the_float_drafts():
-    """Guards against: a float16 drafter whose drafts are no longer the trained drafter's (overflow, a
-    lost ranking), which would cost acceptance for nothing."""
+    """Guards against: a float16 drafter whose drafts are no longer the trained drafter's (overflow on
+    the backbone's raw features, a lost ranking anywhere in fc / attention / MLP / lm_head), which would
+    cost acceptance for nothing."""
     model = tiny_llama(seed=3)
     m = random_drafter(model, scale=0.02)
-    hidden = torch.randn(64, m.heads.spec.hidden_size)
-    ref = m.heads.project(hidden)
-    half_draft_weights(m.heads, m.model)
-    got = m.heads.project(hidden)
+    d = m.heads
+    torch.manual_seed(0)
+    n, h = 24, d.spec.hidden_size
+    aux = torch.randn(1, n, 3 * h) * 30.0          # raw residual-stream features: large, unnormalised
+    tokens = torch.randint(0, d.spec.vocab_size, (1, n))
+    pos = torch.arange(n)[None]
+
+    def drafts():
+        normed, pre, _ = d.forward_step(tokens, d.combine(aux), pos)
+        return d.project(normed)[0], pre
+
+    ref, ref_pre = drafts()
+    assert half_draft_weights(d, m.model) == 9
+    got, got_pre = drafts()
+    assert torch.isfinite(got).all() and torch.isfinite(got_pre).all()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+    assert (got.topk(3).indices == ref.topk(3).indices).float().mean() >= 0.9
     assert (got - ref).abs().max() < 1e-2 * ref.abs().max()
+    assert (got - ref).abs().max() > 0               # converted: the drafts come from float16 weights
+
+
+def test_parameter_costs_count_half_weights_at_two_bytes():
+    """Guards against: converted heads reported as costing nothing (weights hidden from parameter
+    counts), which would put 0 in report.json's costs and compare.md's parameter column."""
+    from inference.methods.registry import extra_parameters
+
+    model = tiny_llama(seed=6)
+    m = random_drafter(model)
+    count, size = extra_parameters(m.heads, m.model)
+    linear_bytes = sum(x.weight.numel() * 4 for x in m.heads.modules() if isinstance(x, nn.Linear))
+    half_draft_weights(m.heads, m.model)
+    count16, size16 = extra_parameters(m.heads, m.model)
+    assert count16 == count
+    assert size16 == size - linear_bytes // 2
+
+
+def test_half_conversion_skips_non_fp32_heads_and_keeps_sharing():
+    """Guards against: bf16 heads rounded again into float16 (no bytes saved, bf16's range lost), and a
+    linear reached from two parents turned into two unshared copies."""
+    model = tiny_llama(seed=7)
+    heads = nn.Module()
+    heads.a = nn.Linear(64, 64).to(torch.bfloat16)
+    shared = nn.Linear(64, 8)
+    heads.b, heads.c = nn.Sequential(shared), nn.Sequential(shared)
+    assert half_draft_weights(heads, model) == 1
+    assert type(heads.a) is nn.Linear and heads.a.weight.dtype == torch.bfloat16
+    assert isinstance(heads.b[0], HalfLinear) and heads.b[0] is heads.c[0]
 
 
 def test_load_medusa_converts_on_request_and_refuses_bad_values(tmp_path):
@@ -94,7 +136,6 @@ def test_load_medusa_converts_on_request_and_refuses_bad_values(tmp_path):
         load_medusa(d, backbone="/nonexistent/backbone", draft_weights="int4")
     m = load_medusa(d, backbone=model, kernels="stock", draft_weights="float16")
     assert any(isinstance(x, HalfLinear) for x in m.heads.modules())
-    assert type(m.lm_head) is nn.Linear and m.lm_head.weight.dtype == torch.float32
     plain = load_medusa(d, backbone=model, kernels="stock")
     assert not any(isinstance(x, HalfLinear) for x in plain.heads.modules())
     p = PROMPTS[0]
@@ -103,11 +144,18 @@ def test_load_medusa_converts_on_request_and_refuses_bad_values(tmp_path):
 
 
 def test_half_heads_attach_and_decode_like_float_heads():
-    """Guards against: converted heads failing ``attach_heads``' dtype and device placement."""
+    """Guards against: converted heads failing ``attach_heads``' dtype and device placement, or drafting
+    differently from the float heads they came from (acceptance lost to the conversion)."""
     model = tiny_llama(seed=5)
-    heads = random_heads(model, projection="own")
-    half_draft_weights(heads, model)
-    m = attach_heads(model, heads)
-    assert all(b.dtype == torch.float16 for n, b in m.heads.named_buffers() if n.endswith("_half"))
-    assert generate(m, PROMPTS[1], "medusa", max_new_tokens=8).tokens == \
-        generate(m, PROMPTS[1], "autoregressive", max_new_tokens=8).tokens
+    heads = random_heads(model, projection="own", scale=0.2)
+    m_float = attach_heads(model, heads)
+    half = random_heads(model, projection="own", scale=0.2)     # same seed: the same weights
+    assert half_draft_weights(half, model) > 0
+    m_half = attach_heads(model, half)
+    halves = [b for n, b in m_half.heads.named_parameters() if n.endswith("_half")]
+    assert halves and all(b.dtype == torch.float16 for b in halves)
+    for p in PROMPTS:
+        a = generate(m_float, p, "medusa", max_new_tokens=16)
+        b = generate(m_half, p, "medusa", max_new_tokens=16)
+        assert b.tokens == a.tokens
+        assert abs(sum(b.accept_lengths) / len(b.accept_lengths) - sum(a.accept_lengths) / len(a.accept_lengths)) < 0.2
