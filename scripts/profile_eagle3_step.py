@@ -25,11 +25,11 @@ import torch
 
 import inference.methods.eagle3 as eagle3_method
 from inference.loading import load_heads, load_medusa
-from inference.methods import generate
 from inference.runtime.cache import TreeKVCache
 from inference.runtime.draft_weights import half_draft_weights
 from inference.runtime.model import MedusaModel
 from inference.evaluation.prompts import load_prompts
+from inference.evaluation.tree_choice import eagle3_step_times, step_times
 
 PHASES = ("draft", "tree buffers", "verify forward", "lm_head", "verify", "compaction", "catch-up")
 
@@ -94,17 +94,11 @@ def recording(warmup: int):
 
 
 def profile_shape(m, prompt, shape, steps: int, warmup: int) -> list[dict[str, float]]:
-    n, d, k = shape
     with recording(warmup) as rec:
-        # catch-up inside the step is timed; the prefill's call is not (rec.inside is False there)
-        generate(m, list(prompt), "eagle3", nodes=n, depth=d, topk=k, eos_token_ids=(),
-                 max_new_tokens=(warmup + steps + 1) * (d + 1), max_steps=warmup + steps)
+        # the race's own timed run; catch-up inside a step is timed, the prefill's call is not (rec.inside
+        # is False there)
+        eagle3_step_times(m, prompt, shape, steps=steps, warmup=warmup)
     return rec.steps
-
-
-def plain_steps(m, prompt, steps: int, warmup: int) -> list[float]:
-    out = generate(m, list(prompt), "autoregressive", eos_token_ids=(), max_new_tokens=warmup + steps + 1)
-    return list(out.step_s)[warmup:]
 
 
 def one_backbone(heads_dir: str, settings: list[str]) -> dict[str, MedusaModel]:
@@ -143,10 +137,10 @@ def main() -> None:
     results: dict[tuple, list[dict[str, float]]] = defaultdict(list)
     plain: list[float] = []
     for r in range(args.rounds):
-        plain += plain_steps(plain_model, prompt, args.steps, args.warmup)
+        plain += step_times(plain_model, prompt, None, steps=args.steps, warmup=args.warmup)
         for w, shape in arms[r % len(arms):] + arms[:r % len(arms)]:
             results[w, shape] += profile_shape(models[w], prompt, shape, args.steps, args.warmup)
-        plain += plain_steps(plain_model, prompt, args.steps, args.warmup)
+        plain += step_times(plain_model, prompt, None, steps=args.steps, warmup=args.warmup)
     base = statistics.median(plain) * 1e3
     print(f"threads {torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps, prompt {len(prompt)} tokens")
     print(f"plain step: median {base:.2f} ms, min {min(plain) * 1e3:.2f} ms ({len(plain)} steps)\n")
