@@ -9,6 +9,7 @@
     medusa-eval heads=runs/a/heads methods=[medusa_lookup] prompts=code  # Medusa tree + prompt lookup branch
     medusa-eval compare=true prompts=code out=runs/compare_code          # every method: compare.md + .png
     medusa-eval heads=runs/e3/heads methods=[eagle3] eagle_tree=auto    # EAGLE-3 drafter, dynamic trees
+    medusa-eval heads=runs/e3/heads methods=[eagle3_lookup] eagle_lookup_tokens=6   # + a prompt-lookup branch
     medusa-eval heads=runs/a/heads batch_size=[1,2,4,8,16,32]          # batched: throughput per batch size
     medusa-generate heads=runs/a/heads prompt="Write a haiku about the sea." tree=runs/a/eval/tree.json
     medusa-generate heads=runs/a/heads 'prompt=["Say hi.", "Name a colour."]'   # decoded as one batch
@@ -94,6 +95,11 @@ class EvalConfig(RuntimeConfig):
     # eagle3: auto (as tree=auto: (nodes, depth, topk) measured on the calibration prompts and this machine,
     # or plain decoding when nothing beats it) | fixed (eagle_nodes / eagle_depth / eagle_topk as given)
     eagle_tree: str = "auto"
+    # eagle3_lookup: the looked-up branch grafted onto eagle3's tree (measured: BENCHMARKS.md "EAGLE-3 plus
+    # prompt lookup"); its own keys, since a branch verified beside a tree pays only for longer matches
+    eagle_lookup_tokens: int = 6  # most tokens looked up per step
+    eagle_lookup_max_ngram: int = 3  # longest suffix looked up
+    eagle_lookup_min_ngram: int = 2  # shortest suffix looked up
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
@@ -254,7 +260,7 @@ def run_eval(cfg) -> dict:
 
     from omegaconf import OmegaConf
 
-    from .evaluation.evaluate import evaluate
+    from .evaluation.evaluate import EAGLE3_TREE_METHODS, evaluate
     from .evaluation.prompts import load_prompts
     from .evaluation.reports import write_compare, write_report
     from .methods import get
@@ -275,7 +281,7 @@ def run_eval(cfg) -> dict:
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
     calibrating = ((cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"))
                    and any(get(x).needs_tree for x in methods)) or (
-        "eagle3" in methods and options["eagle3"].tree == "auto") or (
+        any(x in methods and options[x].tree == "auto" for x in EAGLE3_TREE_METHODS)) or (
         sizes is not None and cfg.batch_chains == "auto" and any(get(x).chain is not None for x in methods))
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]

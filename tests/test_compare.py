@@ -41,7 +41,8 @@ def with_heads(backbone):
                        heads=random_heads(backbone.model, num_heads=2))
 
 
-METHODS = tuple(x for x in names() if x != "eagle3")  # every method Medusa heads decode with (eagle3: its own file)
+# every method Medusa heads decode with (eagle3 and eagle3_lookup need EAGLE-3 heads: their own files)
+METHODS = tuple(x for x in names() if x not in ("eagle3", "eagle3_lookup"))
 OPTIONS = {"draft": DraftSettings(draft="self:1", k=3), "lookahead": LookaheadSettings(window=3, ngram=3, guesses=3),
            "prompt_lookup": PromptLookupSettings(num_tokens=4), "medusa_lookup": MedusaLookupOptions(num_tokens=4)}
 

@@ -134,6 +134,19 @@ def test_acceptance_follows_the_drafts_and_output_stays_greedy(backbone, greedy,
         assert out.tau == 1.0
 
 
+def assert_draft_kv_is_a_fresh_catch_up(sm, dec, seq, tap) -> None:
+    """The decoder's committed drafter entries (and backbone cache length) after a step equal one
+    catch-up pass over the accepted sequence seq[:past] with true aux features."""
+    n = dec.past
+    with torch.inference_mode():
+        _, aux = sm.hidden_aux(torch.tensor([seq[:n]]), torch.arange(n)[None], sm.new_cache(n), tap)
+        _, _, (k, v) = sm.heads.forward_step(torch.tensor([seq[1:n + 1]]), sm.heads.combine(aux),
+                                             torch.arange(n)[None])
+    ck, cv = dec.dkv.view()
+    assert dec.dkv.length == n and dec.cache.length == n
+    assert torch.allclose(ck, k, atol=1e-5) and torch.allclose(cv, v, atol=1e-5)
+
+
 def test_draft_kv_equals_a_fresh_catch_up_after_every_step(backbone, greedy):
     """Guards against wrong compaction: after each step the drafter's committed entries must be
     those of a fresh catch-up over the whole accepted sequence with true features (stale tree
@@ -151,13 +164,7 @@ def test_draft_kv_equals_a_fresh_catch_up_after_every_step(backbone, greedy):
         lengths.append(len(new))
         n = dec.past
         assert emitted == seq[len(p):n + 1] and dec.root == seq[n]
-        with torch.inference_mode():
-            _, aux = sm.hidden_aux(torch.tensor([seq[:n]]), torch.arange(n)[None], sm.new_cache(n), tap)
-            _, _, (k, v) = sm.heads.forward_step(torch.tensor([seq[1:n + 1]]), sm.heads.combine(aux),
-                                                 torch.arange(n)[None])
-        ck, cv = dec.dkv.view()
-        assert dec.dkv.length == n and dec.cache.length == n
-        assert torch.allclose(ck, k, atol=1e-5) and torch.allclose(cv, v, atol=1e-5)
+        assert_draft_kv_is_a_fresh_catch_up(sm, dec, seq, tap)
     assert max(lengths) > 2  # multi-token steps were compacted
 
 
@@ -271,7 +278,7 @@ def test_eval_keys_pick_eagle3_for_eagle3_heads(m, monkeypatch):
 
 
 def fake_clock(ms: dict):
-    def clock(m, prompt_ids, shape, *, steps=8, warmup=2):
+    def clock(m, prompt_ids, shape, *, steps=8, warmup=2, **kw):
         return [ms[tc.eagle3_name(shape) if shape else "plain"] / 1e3] * steps
     return clock
 

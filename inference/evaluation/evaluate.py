@@ -23,7 +23,8 @@ one process, so the machine's background load hits them alike. The methods that 
 (``Method.needs_tree``) share the one ``tree_choice`` picks (``tree=auto``); when no tree beats
 plain decoding, they run without one (medusa decodes plainly, medusa_lookup runs prompt lookup
 alone) and say so. Method eagle3 with ``eagle_tree=auto`` gets its (nodes, depth, topk) the same way
-(``tree_choice.choose_eagle3``, on the same calibration prompts), recorded as ``eagle3_tree``.
+(``tree_choice.choose_eagle3``, on the same calibration prompts), recorded as ``eagle3_tree``; method
+eagle3_lookup gets its own, raced with its looked-up branch, recorded as ``eagle3_lookup_tree``.
 
 The trade-off matrix (``reports.write_compare``) adds what each method costs (``Method.costs``):
 extra parameters loaded (counted from the real modules, tensors shared with the backbone
@@ -51,6 +52,8 @@ from .prompts import Prompt, split_calibration
 from .tree_choice import DEFAULT_BUDGETS, TreeChoice, calibrated_choice, choose_eagle3, choose_tree
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
+# methods whose eagle_tree=auto is chosen by ``choose_eagle3``, each on its own decoding
+EAGLE3_TREE_METHODS = ("eagle3", "eagle3_lookup")
 
 
 @dataclass
@@ -149,7 +152,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     calib: list[list[int]] = []
     fixed = calibrated_choice(tree)
     with_tree = any(spec.needs_tree for spec in specs.values())
-    eagle_auto = "eagle3" in opts and opts["eagle3"].tree == "auto"
+    eagle_auto = [meth for meth in EAGLE3_TREE_METHODS if meth in opts and opts[meth].tree == "auto"]
     if ((tree == "auto" or fixed) and with_tree) or eagle_auto:
         calib_src, prompts = split_calibration(prompts, calibration_prompts)
         calib = [m.encode_chat(p.turns[0]) for p in calib_src]
@@ -165,13 +168,13 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     for meth, spec in specs.items():
         if spec.needs_tree:
             opts[meth] = dataclasses.replace(opts[meth], tree=choice.tree)
-    eagle_choice = None
-    if eagle_auto:
-        log(f"choosing eagle3's tree: tau on {len(calib)} calibration prompts, step latency on this device")
-        eagle_choice = choose_eagle3(m, calib, calib[0], calibration_tokens=calibration_tokens, log=log,
-                                     progress=progress)
-        log(f"eagle3 tree: {eagle_choice.to_dict()['name']} ({eagle_choice.reason})")
-        opts["eagle3"] = dataclasses.replace(opts["eagle3"], **eagle_choice.options())
+    eagle_choices = {}
+    for meth in eagle_auto:   # each raced with its own branches (eagle3_lookup's looked-up chain included)
+        log(f"choosing {meth}'s tree: tau on {len(calib)} calibration prompts, step latency on this device")
+        eagle_choices[meth] = choose_eagle3(m, calib, calib[0], calibration_tokens=calibration_tokens, log=log,
+                                            progress=progress, method=meth, options=opts[meth])
+        log(f"{meth} tree: {eagle_choices[meth].to_dict()['name']} ({eagle_choices[meth].reason})")
+        opts[meth] = dataclasses.replace(opts[meth], **eagle_choices[meth].options())
     reported = {meth: registry.options_report(o) for meth, o in opts.items() if dataclasses.fields(o)}
     for meth, spec in specs.items():
         if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
@@ -213,8 +216,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
               "method_options": reported, "run_length": run_length,
               "costs": {meth: dataclasses.asdict(spec.costs(m, opts[meth], run_length)) for meth, spec in specs.items()},
               "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock"}
-    if eagle_choice is not None:
-        report["eagle3_tree"] = eagle_choice.to_dict()
+    for meth, eagle_choice in eagle_choices.items():
+        report[f"{meth}_tree"] = eagle_choice.to_dict()
     if choice.accuracies is not None:
         cum = torch.tensor(choice.accuracies).cumsum(1)
         report["head_accuracy"] = {"per_rank": choice.accuracies, "topk": cum.tolist(),

@@ -537,25 +537,29 @@ def eagle3_name(shape: tuple[int, int, int]) -> str:
 
 
 def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional[tuple[int, int, int]], *,
-                      steps: int = 8, warmup: int = 2) -> list[float]:
-    """``step_times`` for method eagle3 with (nodes, depth, topk) = ``shape`` (None: plain decoding)."""
+                      steps: int = 8, warmup: int = 2, method: str = "eagle3", options=None) -> list[float]:
+    """``step_times`` for ``method`` (eagle3, or eagle3_lookup with ``options``' lookup settings) with
+    (nodes, depth, topk) = ``shape`` (None: plain decoding)."""
     if shape is None:
         return step_times(m, prompt_ids, None, steps=steps, warmup=warmup)
     n, d, k = shape
-    out = generate(m, list(prompt_ids), "eagle3", nodes=n, depth=d, topk=k, eos_token_ids=(),
-                   max_new_tokens=(warmup + steps + 1) * (d + 1), max_steps=warmup + steps, seed=0)
+    extra = getattr(options, "num_tokens", 0)          # a looked-up chain deepens a step's tree
+    out = generate(m, list(prompt_ids), method, options=options, nodes=n, depth=d, topk=k, tree="fixed",
+                   eos_token_ids=(), max_new_tokens=(warmup + steps + 1) * (d + extra + 1),
+                   max_steps=warmup + steps, seed=0)
     times = list(out.step_s)
     return times[warmup:] if len(times) > warmup else times
 
 
 def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: tuple[int, int, int], *,
-                       max_new_tokens: int = 48) -> float:
-    """Tokens per step of greedy eagle3 decoding with ``shape`` over ``prompts``: a dynamic tree has
+                       max_new_tokens: int = 48, method: str = "eagle3", options=None) -> float:
+    """Tokens per step of greedy ``method`` decoding with ``shape`` over ``prompts``: a dynamic tree has
     no fixed node values to add up, so its expected tau is measured by decoding."""
     n, d, k = shape
     tokens = steps = 0
     for p in prompts:
-        out = generate(m, list(p), "eagle3", nodes=n, depth=d, topk=k, max_new_tokens=max_new_tokens)
+        out = generate(m, list(p), method, options=options, nodes=n, depth=d, topk=k, tree="fixed",
+                       max_new_tokens=max_new_tokens)
         tokens, steps = tokens + sum(out.accept_lengths), steps + out.steps
     return tokens / steps if steps else 1.0
 
@@ -563,21 +567,25 @@ def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: 
 def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
                   grid: Sequence[tuple[int, int, int]] = EAGLE3_GRID, calibration_tokens: int = 48,
                   latency_steps: int = 6, min_rounds: int = 3, max_rounds: int = 8,
-                  log: Callable[[str], None] = print, progress: bool = False) -> Eagle3Choice:
+                  log: Callable[[str], None] = print, progress: bool = False, method: str = "eagle3",
+                  options=None) -> Eagle3Choice:
     """``choose_tree``'s rule for method eagle3: each (nodes, depth, topk) of ``grid``'s tau is measured
     by greedy decoding of the calibration prompts, its step time in ``race``'s interleaved rounds
     against plain decoding; the best expected tokens/s wins, plain decoding when nothing beats it by more
-    than the timings' spread (``clear_winner``)."""
+    than the timings' spread (``clear_winner``). ``method="eagle3_lookup"`` (with ``options``, whose
+    lookup settings are kept) races the same shapes with the looked-up branch on: its choice None sets
+    eagle_nodes=0, which that method decodes as prompt lookup alone."""
     if not calibration:
         raise UserError("choosing eagle3's tree needs at least one calibration prompt")
     shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
-    bar = _bar(progress, len(shapes), "calibrating eagle3")
+    bar = _bar(progress, len(shapes), f"calibrating {method}")
     taus = {}
     try:
         for i, (name, shape) in enumerate(shapes.items()):
             if bar is not None:
-                bar.set_description_str(f"calibrating eagle3: {name} ({i + 1}/{len(shapes)})")
-            taus[name] = measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens)
+                bar.set_description_str(f"calibrating {method}: {name} ({i + 1}/{len(shapes)})")
+            taus[name] = measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens,
+                                            method=method, options=options)
             if bar is not None:
                 bar.update(1)
     finally:
@@ -585,9 +593,10 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
             bar.close()
     prompt = list(latency_prompt)
     step, spreads, timing = race(taus, lambda name: eagle3_step_times(m, prompt, shapes.get(name),
-                                                                      steps=latency_steps),
+                                                                      steps=latency_steps, method=method,
+                                                                      options=options),
                                  latency_steps=latency_steps, min_rounds=min_rounds, max_rounds=max_rounds, log=log,
-                                 progress=progress, what="eagle3 trees")
+                                 progress=progress, what=f"{method} trees")
     ar_step = step[PLAIN]
     cands, rates = [], {}
     for name, shape in shapes.items():
@@ -595,7 +604,7 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
         cands.append({"name": name, "nodes": shape[0], "depth": shape[1], "topk": shape[2],
                       "measured_tau": round(taus[name], 4), **spreads[name],
                       "expected_tokens_per_s": round(rates[name], 2)})
-        log(f"  eagle3 {name:>11}: tau {taus[name]:.3f} (measured), step {step[name] * 1e3:.1f} ms -> "
+        log(f"  {method} {name:>11}: tau {taus[name]:.3f} (measured), step {step[name] * 1e3:.1f} ms -> "
             f"{rates[name]:.1f} tok/s expected")
     log(f"  plain decoding: step {ar_step * 1e3:.1f} ms -> {1 / ar_step:.1f} tok/s")
     name, why = clear_winner(1.0 / ar_step, spreads[PLAIN], {n: (rates[n], spreads[n]) for n in shapes})

@@ -38,7 +38,7 @@ Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -65,6 +65,7 @@ class Eagle3Options:
                        "a few settings and picks one, or plain decoding")
     # batches only: a setting (or None: plain steps) per batch size, as a batched evaluation sizes it
     schedule: Any = option(None, None, "a SpeculationSchedule of eagle3 settings (batched decoding)")
+    METHOD: ClassVar[str] = "eagle3"    # the method these options are for (its name in refusals)
 
     def __post_init__(self):
         for name, low in (("nodes", 0), ("depth", 1), ("topk", 1)):
@@ -86,8 +87,8 @@ class Eagle3Options:
         """Refuse, in one line, decoding ``m`` with these options: no EAGLE-3 heads, a tree left
         to an evaluation (eagle_tree=auto), more children than the drafter has outputs."""
         if m.heads is None:
-            raise UserError("method eagle3 needs EAGLE-3 heads (heads=<export directory>)")
-        reason = refuse_heads(m.heads.spec)
+            raise UserError(f"method {self.METHOD} needs EAGLE-3 heads (heads=<export directory>)")
+        reason = refuse_heads(m.heads.spec, self.METHOD)
         if reason:
             raise UserError(reason)
         if self.tree == "auto":
@@ -102,11 +103,11 @@ def max_nodes(depth: int, topk: int) -> int:
     return topk + (depth - 1) * topk * topk
 
 
-def refuse_heads(spec) -> Optional[str]:
-    """Why ``eagle3`` cannot decode with heads of ``spec`` (one line), or None."""
+def refuse_heads(spec, method: str = "eagle3") -> Optional[str]:
+    """Why ``method`` (eagle3, or a method built on it) cannot decode with heads of ``spec`` (one line), or None."""
     kind = getattr(spec, "kind", "medusa")
     if kind != "eagle3":
-        return f"method eagle3 needs EAGLE-3 heads (kind eagle3), these are {kind} heads: use methods=[medusa]"
+        return f"method {method} needs EAGLE-3 heads (kind eagle3), these are {kind} heads: use methods=[medusa]"
     return None
 
 
@@ -127,6 +128,7 @@ class Eagle3Decoder:
         self.root: Optional[int] = None
         self.root_logits = self.root_state = None
         self.last_path: list[int] = []
+        self.extra_nodes = 0        # tree nodes a step may add beyond the drafted ones (eagle3_lookup's graft)
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
@@ -134,9 +136,9 @@ class Eagle3Decoder:
         m, o = self.m, self.o
         n = prompt.shape[1]
         self.past = n
-        self.cache = m.new_cache(n + max_new_tokens + o.nodes + 1)
-        # committed entries (<= n + max_new_tokens + D) plus one step's draft entries
-        self.dkv = DraftKV(n + max_new_tokens + o.depth + 1 + (o.depth - 1) * o.topk)
+        self.cache = m.new_cache(n + max_new_tokens + o.nodes + 1 + self.extra_nodes)
+        # committed entries (<= n + max_new_tokens + the deepest tree) plus one step's draft entries
+        self.dkv = DraftKV(n + max_new_tokens + o.depth + 1 + self.extra_nodes + (o.depth - 1) * o.topk)
         h, aux = m.hidden_aux(prompt, torch.arange(n, device=m.device)[None], self.cache, self.tap)
         self.root = int(choose_token(m.logits(h[0, -1]), self.cfg, self.gen))
         self._catch_up(aux[0], torch.cat([prompt[0, 1:], prompt.new_tensor([self.root])]), 0)
@@ -192,10 +194,10 @@ class Eagle3Decoder:
             depths.append(torch.full((score.numel(),), depth + 1, dtype=torch.long, device=dev))
         return torch.cat(toks), torch.cat(scores), torch.cat(parents), torch.cat(depths)
 
-    @torch.inference_mode()
-    def step(self) -> tuple[list[int], int]:
-        """One draft-verify-compact step; returns (accepted tokens + the bonus token, the tree's depth)."""
-        m, past, dev = self.m, self.past, self.m.device
+    def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's tree (steps 1-3): tokens, parents (-1: the root) and depths [T] of the root and
+        the N best-scored drafted nodes, parents before children. ``eagle3_lookup`` grafts onto it."""
+        dev = self.m.device
         tok, score, parent, depth = self._draft()
         # step 3: the N best (stable sort: ties keep drafting order, parents first), back in drafting order
         keep = torch.sort(score, descending=True, stable=True).indices[:self.o.nodes].sort().values
@@ -204,9 +206,15 @@ class Eagle3Decoder:
         up = parent[keep]
         parents = torch.cat([up.new_tensor([-1]), torch.where(up < 0, 0, where[up.clamp(min=0)])])
         depths = torch.cat([depth.new_zeros(1), depth[keep]])
+        return torch.cat([tok.new_tensor([self.root]), tok[keep]]), parents, depths
+
+    @torch.inference_mode()
+    def step(self) -> tuple[list[int], int]:
+        """One draft-verify-compact step; returns (accepted tokens + the bonus token, the tree's depth)."""
+        m, past, dev = self.m, self.past, self.m.device
+        tokens, parents, depths = self.tree()
         max_depth = int(depths.max())
         buf = tree_buffers(parents, depths, max_depth)
-        tokens = torch.cat([tok.new_tensor([self.root]), tok[keep]])
         h, aux = m.hidden_aux(tokens[None], (depths + past)[None], self.cache, self.tap,
                               buf.additive_mask(past, m.dtype))
         verdict = verify(buf, tokens, m.logits(h[0]), self.cfg, None, self.gen)

@@ -49,7 +49,7 @@ from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .draft import chain_sampling
 from .medusa import tree_nodes
-from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings
+from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, match_in_tree
 from .registry import Method, heads_costs, option, register
 
 @dataclass
@@ -69,13 +69,7 @@ def match_prefix(tree: MedusaTree, node_tokens: Sequence[int], proposal: Sequenc
 
     ``node_tokens[i]`` is the token of tree node i (node 0 = the root). Returns (the last matched
     node, how many proposal tokens it matched); the unmatched rest is what the trie adds."""
-    node, n = 0, 0
-    for tok in proposal:
-        nxt = next((c for c in tree.children[node] if node_tokens[c] == tok), None)
-        if nxt is None:
-            break
-        node, n = nxt, n + 1
-    return node, n
+    return match_in_tree(tree.children, node_tokens, proposal)
 
 
 def graft_tree(tree: MedusaTree, node: int, length: int) -> tuple[MedusaTree, list[int]]:

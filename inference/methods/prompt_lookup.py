@@ -86,6 +86,21 @@ class NGramIndex:
         return []
 
 
+def match_in_tree(children: Sequence[Sequence[int]], node_tokens: Sequence[int],
+                  proposal: Sequence[int]) -> tuple[int, int]:
+    """Walk ``proposal`` down a tree from its root (node 0) while a child of the current node carries
+    its next token; ``children[i]``: node i's children, ``node_tokens[i]``: its token. Returns (the last
+    matched node, how many proposal tokens matched): where the hybrids (medusa_lookup, eagle3_lookup)
+    graft the unmatched rest, so that a looked-up prefix the tree already has costs no extra row."""
+    node, n = 0, 0
+    for tok in proposal:
+        nxt = next((c for c in children[node] if node_tokens[c] == tok), None)
+        if nxt is None:
+            break
+        node, n = nxt, n + 1
+    return node, n
+
+
 class PromptLookupDecoder:
     """Prompt lookup decoding state for one sequence; see the module docstring."""
 

@@ -127,6 +127,7 @@ BUILTIN_MODULES = (
     "inference.methods.prompt_lookup",
     "inference.methods.medusa_lookup",
     "inference.methods.eagle3",
+    "inference.methods.eagle3_lookup",
     "inference.methods.autoregressive",
     "inference.methods.hf_generate",
 )

@@ -1,0 +1,138 @@
+"""EAGLE-3's dynamic tree plus a prompt-lookup branch in one verification forward (method ``eagle3_lookup``).
+
+The EAGLE-3 drafter guesses common continuations; prompt lookup (``prompt_lookup.py``) guesses the
+ones that repeat the context: an answer that quotes its question, code that reuses identifiers, a
+list that repeats its pattern, and the loops a small model falls into under greedy decoding. What one
+misses the other often has, and a looked-up continuation is several tokens long where the drafter's
+depth-1 guess is one. Each step (batch 1):
+
+  1. the drafter grows its tree exactly as ``eagle3.Eagle3Decoder.tree`` does (same nodes, same tokens);
+  2. ``prompt_lookup.NGramIndex`` (incremental, over prompt + emitted tokens) proposes up to
+     ``num_tokens`` tokens after the root: what followed the latest earlier occurrence of the
+     context's last n tokens, n from ``max_ngram`` down to ``min_ngram``;
+  3. the proposal walks down the tree while a child carries its next token (shared prefixes share
+     nodes) and the rest of it is grafted as one chain under the last matched node, ranked after that
+     node's drafted children (``graft``): the trie has at most N + 1 + ``num_tokens`` nodes;
+  4. one backbone forward over the trie (its mask and positions from ``tree_buffers``, as every dynamic
+     tree's), the tap reading the drafter's aux layers of every node; ``verify`` picks the path; the
+     drafter catches up over the accepted path with those true features, wherever the path ran
+     (drafted nodes or looked-up ones), exactly as in ``eagle3``.
+
+When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly an
+eagle3 step. Greedy decoding is token-identical to plain greedy decoding; in sample mode the rule is
+eagle3's exact one for deterministic candidates (draft=topk; draft=sampled is refused, as by eagle3): the
+drafter's top-k and the looked-up tokens are all fixed before any target randomness. eagle_nodes=0 is
+prompt lookup alone.
+
+Why ``min_ngram`` matters here more than for prompt lookup alone: a one-token suffix almost always
+matches somewhere and its continuation is rarely right, and on a CPU every verified row costs (a
+5-row step ~1.2x a 1-row one with the prepacked kernels). BENCHMARKS.md "EAGLE-3 plus prompt lookup"
+measures the settings. Proposed per step = the trie's depth (the most it could accept), as
+``medusa_lookup`` counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence
+
+import torch
+
+from ..errors import UserError
+from ..runtime.model import MedusaModel
+from ..runtime.verify import SamplingConfig
+from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_costs, refuse_heads
+from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, match_in_tree
+from .registry import Method, option, register, slot_costs
+
+
+@dataclass
+class Eagle3LookupOptions(Eagle3Options):
+    """eagle3's tree keys plus the looked-up branch's own keys (its defaults differ from prompt_lookup's:
+    grafted rows cost every step they are verified, so only suffixes of 2+ tokens are looked up)."""
+
+    METHOD: ClassVar[str] = "eagle3_lookup"
+    num_tokens: int = option(6, "eagle_lookup_tokens", "most tokens looked up per step")
+    max_ngram: int = option(3, "eagle_lookup_max_ngram", "longest suffix looked up")
+    min_ngram: int = option(2, "eagle_lookup_min_ngram", "shortest suffix looked up")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, key in (("num_tokens", "eagle_lookup_tokens"), ("max_ngram", "eagle_lookup_max_ngram"),
+                          ("min_ngram", "eagle_lookup_min_ngram")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"{key} must be an integer >= 1, got {v!r}")
+        if self.min_ngram > self.max_ngram:
+            raise UserError(f"eagle_lookup_min_ngram ({self.min_ngram}) exceeds eagle_lookup_max_ngram "
+                            f"({self.max_ngram})")
+        self.lookup = PromptLookupSettings(self.num_tokens, self.max_ngram, self.min_ngram)
+
+
+def graft(tokens: Sequence[int], parents: Sequence[int], proposal: Sequence[int]) -> tuple[int, int]:
+    """Where ``proposal`` leaves the tree (node 0 the root; ``parents[i]`` node i's parent, parents before
+    children): (the last node whose path it follows, how many of its tokens that path covers); the rest
+    hangs under that node as a new chain."""
+    children: list[list[int]] = [[] for _ in parents]
+    for i in range(1, len(parents)):
+        children[int(parents[i])].append(i)
+    return match_in_tree(children, tokens, proposal)
+
+
+class Eagle3LookupDecoder(Eagle3Decoder):
+    """``Eagle3Decoder`` whose tree gets the looked-up continuation grafted on; see the module docstring."""
+
+    def __init__(self, m: MedusaModel, options: Eagle3LookupOptions, sampling: Optional[SamplingConfig] = None,
+                 seed: Optional[int] = None):
+        super().__init__(m, options, sampling, seed)    # refuses draft=sampled, as eagle3 does
+        self.s = options.lookup
+        self.index = NGramIndex(self.s.min_ngram, self.s.max_ngram)
+        self.extra_nodes = self.s.num_tokens
+        self.grafted = self.grafted_nodes = 0   # steps that grafted a chain, nodes grafted (for scripts' reports)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        root = super().prefill(prompt, max_new_tokens)
+        self.index.extend(prompt[0].tolist() + [root])
+        return root
+
+    def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, parents, depths = super().tree()
+        proposal = self.index.propose(self.s.num_tokens)
+        if not proposal:
+            return tokens, parents, depths
+        node, n = graft(tokens.tolist(), parents.tolist(), proposal)
+        if n == len(proposal):                  # already in the tree: a plain eagle3 step
+            return tokens, parents, depths
+        rest = len(proposal) - n
+        first = tokens.numel()
+        chain_parents = torch.arange(first - 1, first + rest - 1, device=parents.device)
+        chain_parents[0] = node
+        chain_depths = depths[node] + torch.arange(1, rest + 1, device=depths.device)
+        self.grafted += 1
+        self.grafted_nodes += rest
+        return (torch.cat([tokens, tokens.new_tensor(proposal[n:])]), torch.cat([parents, chain_parents]),
+                torch.cat([depths, chain_depths]))
+
+    @torch.inference_mode()
+    def step(self) -> tuple[list[int], int]:
+        new, depth = super().step()
+        self.index.extend(new)
+        return new, depth
+
+
+def eagle3_lookup_costs(m: MedusaModel, o: Eagle3LookupOptions, run_length: int):
+    """eagle3's costs plus the looked-up chain's backbone cache slots."""
+    if not o.nodes:
+        return slot_costs(m, o.lookup.extra_kv_tokens)
+    costs = eagle3_costs(m, o, run_length)
+    costs.extra_kv_cache_bytes += slot_costs(m, o.num_tokens).extra_kv_cache_bytes
+    return costs
+
+
+register(Method(
+    "eagle3_lookup", "EAGLE-3's dynamic tree plus a prompt-lookup branch, verified in one forward (needs eagle3 "
+    "heads=; eagle_* and eagle_lookup_* keys)", Eagle3LookupOptions,
+    decoder=lambda m, o, sampling, seed: (Eagle3LookupDecoder(m, o, sampling, seed) if o.nodes
+                                          else PromptLookupDecoder(m, o.lookup, sampling, seed)),
+    costs=eagle3_lookup_costs, needs_heads=True, refuses=lambda spec: refuse_heads(spec, "eagle3_lookup")))

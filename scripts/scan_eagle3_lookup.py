@@ -1,0 +1,97 @@
+"""Tokens per step of ``eagle3`` and ``eagle3_lookup`` settings on the same prompts, and what each verifies
+per step (BENCHMARKS.md "EAGLE-3 plus prompt lookup").
+
+    .venv/bin/python scripts/scan_eagle3_lookup.py runs/eagle3_smollm2/heads [num_prompts] [max_new_tokens] SETTING...
+
+A SETTING is an eagle3 tree ``nN-dD-kK``, optionally followed by a lookup branch ``+tT-mM`` (at most T
+looked-up tokens, suffixes of at most 3 and at least M tokens): ``n1-d1-k1``, ``n1-d1-k1+t3-m2``.
+Greedy decoding is deterministic, so tau and the rows per step need one run each; speed is not measured
+here (``medusa-eval`` does that, methods interleaved). Every output is checked against plain greedy
+decoding. Printed per setting: tau, the fraction of steps that grafted a looked-up chain, the mean
+rows verified per step (root + drafted nodes + grafted nodes), and the tokens per step of the steps
+that grafted against those that did not.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference.evaluation.prompts import load_prompts  # noqa: E402
+from inference.loading import load_medusa  # noqa: E402
+from inference.methods import generate  # noqa: E402
+from inference.methods.eagle3_lookup import Eagle3LookupDecoder, Eagle3LookupOptions  # noqa: E402
+from inference.runtime.decode import run_decoder  # noqa: E402
+
+SETTING = re.compile(r"^n(\d+)-d(\d+)-k(\d+)(?:\+t(\d+)-m(\d+))?$")
+
+
+def parse(setting: str) -> dict:
+    match = SETTING.match(setting)
+    if not match:
+        raise SystemExit(f"bad setting {setting!r}: expected nN-dD-kK or nN-dD-kK+tT-mM")
+    n, d, k, t, mn = match.groups()
+    out = dict(nodes=int(n), depth=int(d), topk=int(k))
+    if t is not None:
+        out.update(num_tokens=int(t), min_ngram=int(mn), max_ngram=max(3, int(mn)))
+    return out
+
+
+def decode(m, ids: list[int], opts: dict, max_new_tokens: int):
+    """(tokens, per-step accepted lengths, per-step grafted flag, rows verified in all) of one prompt."""
+    if "num_tokens" not in opts:
+        out = generate(m, ids, "eagle3", max_new_tokens=max_new_tokens, **opts)
+        return out.tokens, out.accept_lengths, [False] * out.steps, out.steps * (opts["nodes"] + 1)
+    dec = Eagle3LookupDecoder(m, Eagle3LookupOptions(**opts))
+    grafted = []
+    step = dec.step
+
+    def recorded():                              # each step: did it graft a looked-up chain?
+        before = dec.grafted
+        result = step()
+        grafted.append(dec.grafted > before)
+        return result
+
+    dec.step = recorded
+    stream = run_decoder(dec, m, ids, max_new_tokens, None, None)
+    try:
+        while True:
+            next(stream)
+    except StopIteration as stop:
+        out = stop.value
+    return out.tokens, out.accept_lengths, grafted, out.steps * (opts["nodes"] + 1) + dec.grafted_nodes
+
+
+def main(heads_dir: str, num_prompts: int, max_new_tokens: int, settings: list[str]) -> None:
+    torch.manual_seed(0)
+    m = load_medusa(heads_dir)
+    prompts = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", num_prompts)]
+    plain = [generate(m, ids, "autoregressive", max_new_tokens=max_new_tokens).tokens for ids in prompts]
+    print(f"{heads_dir}: MT-Bench first turns 1-{num_prompts}, {max_new_tokens} tokens, greedy")
+    print("| setting | tau | = greedy | steps grafting | rows per step | tau, grafting steps / others |")
+    print("|---|---|---|---|---|---|")
+    for setting in settings:
+        opts = parse(setting)
+        lengths, flags, rows, same = [], [], 0, 0
+        for ids, ref in zip(prompts, plain):
+            tokens, acc, grafted, r = decode(m, ids, opts, max_new_tokens)
+            same += tokens == ref
+            lengths += acc
+            flags += grafted
+            rows += r
+        on = [a for a, g in zip(lengths, flags) if g]
+        off = [a for a, g in zip(lengths, flags) if not g]
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")   # noqa: E731
+        print(f"| {setting} | {mean(lengths):.3f} | {same}/{len(prompts)} | {len(on) / len(lengths):.2f} | "
+              f"{rows / len(lengths):.2f} | {mean(on):.2f} / {mean(off):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 5:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
