@@ -26,7 +26,7 @@ from inference.evaluation.prompts import load_prompts  # noqa: E402
 from inference.loading import load_medusa  # noqa: E402
 from inference.methods import generate  # noqa: E402
 from inference.methods.eagle3_lookup import Eagle3LookupDecoder, Eagle3LookupOptions  # noqa: E402
-from inference.runtime.decode import run_decoder  # noqa: E402
+from inference.runtime.decode import TokenStream, run_decoder  # noqa: E402
 
 SETTING = re.compile(r"^n(\d+)-d(\d+)-k(\d+)(?:\+t(\d+)-m(\d+))?$")
 
@@ -58,12 +58,10 @@ def decode(m, ids: list[int], opts: dict, max_new_tokens: int):
         return result
 
     dec.step = recorded
-    stream = run_decoder(dec, m, ids, max_new_tokens, None, None)
-    try:
-        while True:
-            next(stream)
-    except StopIteration as stop:
-        out = stop.value
+    stream = TokenStream(run_decoder(dec, m, ids, max_new_tokens, None, None))
+    for _ in stream:
+        pass
+    out = stream.result
     return out.tokens, out.accept_lengths, grafted, out.steps * (opts["nodes"] + 1) + dec.grafted_nodes
 
 

@@ -33,16 +33,17 @@ measures the settings. Proposed per step = the trie's depth (the most it could a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import torch
 
-from ..errors import UserError
 from ..runtime.model import MedusaModel
 from ..runtime.verify import SamplingConfig
 from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_costs, refuse_heads
-from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, match_in_tree
+from .prompt_lookup import (NGramIndex, PromptLookupDecoder, PromptLookupSettings, check_lookup_settings,
+                            match_in_tree)
 from .registry import Method, option, register, slot_costs
 
 
@@ -58,14 +59,8 @@ class Eagle3LookupOptions(Eagle3Options):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, key in (("num_tokens", "eagle_lookup_tokens"), ("max_ngram", "eagle_lookup_max_ngram"),
-                          ("min_ngram", "eagle_lookup_min_ngram")):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UserError(f"{key} must be an integer >= 1, got {v!r}")
-        if self.min_ngram > self.max_ngram:
-            raise UserError(f"eagle_lookup_min_ngram ({self.min_ngram}) exceeds eagle_lookup_max_ngram "
-                            f"({self.max_ngram})")
+        keys = {f.name: f.metadata["key"] for f in dataclasses.fields(self)}
+        check_lookup_settings(self, keys.get)          # named by this method's keys (eagle_lookup_*)
         self.lookup = PromptLookupSettings(self.num_tokens, self.max_ngram, self.min_ngram)
 
 

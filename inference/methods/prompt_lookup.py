@@ -35,6 +35,17 @@ from .draft import chain_buffers, chain_cursor, chain_sampling, check_chain_sche
 from .registry import ChainSizing, Method, option, register, slot_costs
 
 
+def check_lookup_settings(o, label) -> None:
+    """Refuse, in one line, lookup settings ``o`` (num_tokens, max_ngram, min_ngram) a decoder cannot use;
+    ``label(field)`` names a field as its options class does (prompt_lookup's, eagle3_lookup's keys)."""
+    for name in ("num_tokens", "max_ngram", "min_ngram"):
+        v = getattr(o, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"{label(name)} must be an integer >= 1, got {v!r}")
+    if o.min_ngram > o.max_ngram:
+        raise UserError(f"{label('min_ngram')} ({o.min_ngram}) exceeds {label('max_ngram')} ({o.max_ngram})")
+
+
 @dataclass
 class PromptLookupSettings:
     """num_tokens: most tokens proposed per step; max_ngram/min_ngram: suffix lengths tried."""
@@ -46,12 +57,7 @@ class PromptLookupSettings:
     schedule: Any = option(None, None, "a SpeculationSchedule of chains (batched decoding)")
 
     def __post_init__(self):
-        for name in ("num_tokens", "max_ngram", "min_ngram"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UserError(f"prompt lookup {name} must be an integer >= 1, got {v!r}")
-        if self.min_ngram > self.max_ngram:
-            raise UserError(f"prompt lookup min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
+        check_lookup_settings(self, lambda name: f"prompt lookup {name}")
         check_chain_schedule(self.schedule, self.num_tokens, "prompt_lookup_tokens")
 
     @property
