@@ -184,8 +184,8 @@ def test_batched_eval_sizes_chain_methods_per_batch_size(m, prompts, monkeypatch
     and batch_chains=fixed still sizing."""
     calls = []
 
-    def fake_sizing(mm, method, options, calib, latency, sizes, **kw):
-        calls.append((method, len(calib), len(latency), list(sizes)))
+    def fake_sizing(mm, *, method, options, calibration, latency_prompts, batch_sizes, **kw):
+        calls.append((method, len(calibration), len(latency_prompts), list(batch_sizes)))
         sched = SpeculationSchedule({1: chain_tree(3), 2: None})
         return batch_sizing.BatchSizing(sched, {1: {"winner": "chain3"}, 2: {"winner": "plain"}}), {"most": 4}
 

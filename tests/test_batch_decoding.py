@@ -482,7 +482,7 @@ def test_speculation_moves_to_plain_as_rows_finish(m, prompts, refs, eos_case, p
     (lambda m, p: generate_batch(m, [p[3]], tree="tree8", ragged="padded"), "ragged must be one of compact, gaps"),
     (lambda m, p: generate_batch(m, [p[3]], "lookahead"),
      "method lookahead decodes one prompt at a time; batched methods: medusa, draft, prompt_lookup, eagle3, "
-     "autoregressive"),
+     "eagle3_lookup, autoregressive"),
     (lambda m, p: generate_batch(wrap(m.model, None), [p[3]], "medusa"), "no Medusa heads"),
 ], ids=["size-0", "size-negative", "size-bool", "size-float", "no-prompts", "text-batch", "1d-tensor", "flat-ids",
         "nested-ids", "empty-prompt", "text-prompt", "id-over-vocab", "negative-id", "over-context", "no-new-tokens",

@@ -427,8 +427,9 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
 
     calls = []
 
-    def fake(m, calib, latency, sizes, **kw):
-        calls.append((len(calib), len(latency), list(sizes)))
+    def fake(m, *, method, calibration, latency_prompts, batch_sizes, **kw):
+        assert method == "eagle3"
+        calls.append((len(calibration), len(latency_prompts), list(batch_sizes)))
         sched = SpeculationSchedule({1: Eagle3Options(**SETTINGS["chain"]), 2: None})
         return BatchSizing(sched, {1: {"winner": "n3-d3-k1"}, 2: {"winner": "plain"}}), {"measured_tau": {}}
 

@@ -30,7 +30,8 @@ The chain methods (draft model, prompt lookup) get a chain length per batch size
 ``chains="auto"`` (``batch_sizing.choose_chain_schedule``: up to their set draft_k /
 prompt_lookup_tokens, none where no length pays), or their set length at every B with ``"fixed"``.
 EAGLE-3 with ``eagle_tree=auto`` gets its (nodes, depth, top-k) per batch size the same way
-(``batch_sizing.choose_eagle3_schedule``); with ``fixed``, its set setting at every B.
+(``batch_sizing.choose_eagle3_schedule``), and ``eagle3_lookup`` too, each setting measured with its
+looked-up branch on; with ``fixed``, the set setting at every B.
 ``report["batched"]["speculation"][method]`` records each sized method's schedule and how it was
 measured; ``per_batch_size[B]["speculation"][method]`` the choice in force at B.
 """
@@ -51,7 +52,7 @@ from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
 from ..runtime.tree import chain_tree, resolve_tree
 from ..runtime.verify import SamplingConfig
-from .evaluate import machine
+from .evaluate import EAGLE3_TREE_METHODS, machine
 from .prompts import Prompt, split_calibration
 from .batch_sizing import choose_chain_schedule, choose_eagle3_schedule, choose_schedule
 from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
@@ -195,10 +196,10 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     tree_methods = [x for x in opts if registry.get(x).needs_tree]
     chain_methods = [x for x in opts if registry.get(x).chain is not None and chains == "auto"
                      and getattr(opts[x], "schedule", None) is None]
-    eagle3_auto = "eagle3" in opts and opts["eagle3"].tree == "auto" and opts["eagle3"].schedule is None
+    eagle_auto = [x for x in EAGLE3_TREE_METHODS if x in opts and opts[x].tree == "auto" and opts[x].schedule is None]
     calib_src: list[Prompt] = []
     if (tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree)) or chain_methods \
-            or eagle3_auto:
+            or eagle_auto:
         calib_src, prompts = split_calibration(list(prompts), calibration_prompts)
     if not prompts:
         raise UserError("no prompts to evaluate")
@@ -215,28 +216,20 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
             opts[x] = dataclasses.replace(opts[x], tree=schedule)
             reported.setdefault(x, {})["tree"] = schedule.to_dict()
             schedules[x], speculation[x] = schedule, record
-    for x in chain_methods:
-        log(f"choosing {x}'s chain length per batch size: acceptance on {len(calib)} calibration prompts, "
+    sized = [(x, "chain", "chain length", "acceptance", choose_chain_schedule) for x in chain_methods] + \
+        [(x, "tree", "tree", "tau of each setting", choose_eagle3_schedule) for x in eagle_auto]
+    for x, what, noun, basis, choose in sized:   # eagle3_lookup sized with its looked-up branch on
+        log(f"choosing {x}'s {noun} per batch size: {basis} on {len(calib)} calibration prompts, "
             "batch step latency on this device")
-        sizing, record = choose_chain_schedule(m, x, opts[x], calib, ids, sorted({1, *sizes}),
-                                               calibration_tokens=calibration_tokens, log=log, progress=progress)
+        sizing, record = choose(m, method=x, options=opts[x], calibration=calib, latency_prompts=ids,
+                                batch_sizes=sorted({1, *sizes}), calibration_tokens=calibration_tokens, log=log,
+                                progress=progress)
         opts[x] = dataclasses.replace(opts[x], schedule=sizing.schedule)
         reported.setdefault(x, {})["schedule"] = sizing.schedule.to_dict()
         schedules[x] = sizing.schedule
-        speculation[x] = {"chain": "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
+        speculation[x] = {what: "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
                           "sizing": sizing.to_dict()}
-        log(f"{x} chain per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
-    if eagle3_auto:
-        log(f"choosing eagle3's tree per batch size: tau of each setting on {len(calib)} calibration prompts, "
-            "batch step latency on this device")
-        sizing, record = choose_eagle3_schedule(m, calib, ids, sorted({1, *sizes}),
-                                                calibration_tokens=calibration_tokens, log=log, progress=progress)
-        opts["eagle3"] = dataclasses.replace(opts["eagle3"], schedule=sizing.schedule)
-        reported.setdefault("eagle3", {})["schedule"] = sizing.schedule.to_dict()
-        schedules["eagle3"] = sizing.schedule
-        speculation["eagle3"] = {"tree": "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
-                                 "sizing": sizing.to_dict()}
-        log("eagle3 tree per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
+        log(f"{x} {what} per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
     for x in opts:
         if registry.get(x).chain is not None and x not in schedules:   # fixed: the set length at every B
             given = getattr(opts[x], "schedule", None)
@@ -244,11 +237,12 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
                                                          for b in sizes})
             speculation[x] = {"chain": "given" if given else "fixed", "schedule": schedules[x].to_dict(),
                               "sizing": None}
-    if "eagle3" in opts and "eagle3" not in schedules:   # eagle_tree=fixed (or a given schedule)
-        o = opts["eagle3"]
-        schedules["eagle3"] = o.schedule or SpeculationSchedule({b: o if o.nodes else None for b in sizes})
-        speculation["eagle3"] = {"tree": "given" if o.schedule else "fixed",
-                                 "schedule": schedules["eagle3"].to_dict(), "sizing": None}
+    for x in EAGLE3_TREE_METHODS:
+        if x in opts and x not in schedules:   # eagle_tree=fixed (or a given schedule)
+            o = opts[x]
+            schedules[x] = o.schedule or SpeculationSchedule({b: o.fixed_choice() for b in sizes})
+            speculation[x] = {"tree": "given" if o.schedule else "fixed", "schedule": schedules[x].to_dict(),
+                              "sizing": None}
     reference = None
     if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
         reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]

@@ -40,7 +40,6 @@ import torch
 from ..errors import UserError
 from ..methods import registry
 from ..methods.eagle3 import Eagle3Options
-from ..methods.eagle3_batch import Eagle3BatchDrafter
 from ..methods.medusa import HeadsDrafter
 from ..runtime.batch_decode import BatchTreeDecoder, Drafter, PlainDrafter, check_batch_size
 from ..runtime.speculation import (ScheduleCursor, SpeculationSchedule, choice_depth, draft_tokens, fixed,
@@ -190,21 +189,25 @@ class _Setting:
 def choose_eagle3_schedule(m: MedusaModel, calibration: Sequence[Sequence[int]],
                            latency_prompts: Sequence[Sequence[int]], batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                            *, grid: Sequence[tuple[int, int, int]] = EAGLE3_BATCH_GRID, calibration_tokens: int = 48,
-                           **timing) -> tuple[BatchSizing, dict]:
+                           method: str = "eagle3", options=None, **timing) -> tuple[BatchSizing, dict]:
     """EAGLE-3's (nodes, depth, topk) per batch size (module docstring): (the sizing, each setting's
-    measured tau)."""
+    measured tau). ``method="eagle3_lookup"`` (with ``options``, whose looked-up branch is kept) sizes
+    the same shapes with the branch on: tau by batch-1 decoding with it, step times by its batched
+    drafter on the latency prompts (grafts where those prompts repeat themselves)."""
     if not calibration:
-        raise UserError("sizing eagle3 per batch needs at least one calibration prompt: give calibration_prompts "
-                        ">= 1 (or eagle_tree=fixed)")
+        raise UserError(f"sizing {method} per batch needs at least one calibration prompt: give "
+                        "calibration_prompts >= 1 (or eagle_tree=fixed)")
+    base = options if options is not None else Eagle3Options()
     shapes = list(dict.fromkeys(tuple(s) for s in grid))
-    settings = {eagle3_name(s): Eagle3Options(nodes=s[0], depth=s[1], topk=s[2]) for s in shapes}
-    taus = {name: measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens)
-            for name, shape in zip(settings, shapes)}
+    settings = {eagle3_name(s): dataclasses.replace(base, nodes=s[0], depth=s[1], topk=s[2], tree="fixed",
+                                                    schedule=None) for s in shapes}
+    taus = {name: measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens, method=method,
+                                     options=base) for name, shape in zip(settings, shapes)}
     cands = {name: (o, taus[name]) for name, o in settings.items()}
     # sized for the largest setting; batch-size keys here only collect the settings
-    shared = Eagle3BatchDrafter(m, SpeculationSchedule(dict(enumerate(settings.values(), 1))))
+    shared = base.batch_drafter(m, SpeculationSchedule(dict(enumerate(settings.values(), 1))))
     sizing = size_speculation(m, cands, lambda o: _Setting(shared, o), latency_prompts, batch_sizes,
-                              what="eagle3 trees", **timing)
+                              what=f"{method} trees", **timing)
     return sizing, {"measured_tau": {name: round(t, 4) for name, t in taus.items()}}
 
 

@@ -83,6 +83,14 @@ class Eagle3Options:
     def label(self) -> str:
         return f"n{self.nodes}-d{self.depth}-k{self.topk}" if self.nodes else "plain decoding"
 
+    def fixed_choice(self):
+        """What these options decode at every batch size, as a schedule records it (None: plain decoding)."""
+        return self if self.nodes else None
+
+    def batch_drafter(self, m: MedusaModel, schedule) -> Eagle3BatchDrafter:
+        """The batched drafter of ``schedule``'s settings for this method (``eagle3_lookup`` adds its branch)."""
+        return Eagle3BatchDrafter(m, schedule)
+
     def check_model(self, m: MedusaModel) -> None:
         """Refuse, in one line, decoding ``m`` with these options: no EAGLE-3 heads, a tree left
         to an evaluation (eagle_tree=auto), more children than the drafter has outputs."""

@@ -214,11 +214,19 @@ class Eagle3BatchDrafter:
         roots = torch.full((b, 1), -1, dtype=torch.long, device=dev)
         parents = torch.cat([roots, torch.where(up < 0, 0, where.gather(1, up.clamp(min=0)))], 1)
         depths = torch.cat([torch.zeros_like(roots), depth.gather(1, keep)], 1)
-        # every row keeps exactly N nodes (N <= the nodes drafted), so no row needs padding nodes
-        deepest = depths.max(1).values.tolist()
-        trees = RowTrees.stack([tree_buffers(parents[i], depths[i], deepest[i]) for i in range(b)])
+        tokens = torch.cat([dec.root[:, None], tok.gather(1, keep)], 1)
+        rows = self.amend(dec, [(tokens[i], parents[i], depths[i]) for i in range(b)])
+        # every row keeps exactly N drafted nodes; only nodes ``amend`` adds make rows differ (padded: -1)
+        trees = RowTrees.stack([tree_buffers(p, d, int(d.max())) for _, p, d in rows])
+        width = trees.num_nodes
+        cand = torch.stack([torch.cat([t[1:], t.new_full((width - t.numel(),), -1)]) for t, _, _ in rows])
         self.row_proposed = [t.max_depth for t in trees.rows]
-        return trees, tok.gather(1, keep), None
+        return trees, cand, None
+
+    def amend(self, dec: BatchTreeDecoder, rows: list) -> list:
+        """Each row's tree (tokens with the root first, parents (-1: the root), depths) as drafted; a
+        subclass may add nodes per row (``eagle3_lookup`` grafts its looked-up branch)."""
+        return rows
 
     def _grow(self, o):
         """Every row's dynamic tree (batch 1's ``Eagle3Decoder._draft`` with a leading row axis): token,

@@ -18,6 +18,10 @@ depth-1 guess is one. Each step (batch 1):
      drafter catches up over the accepted path with those true features, wherever the path ran
      (drafted nodes or looked-up ones), exactly as in ``eagle3``.
 
+Batches (``generate_batch``, ``Eagle3LookupBatchDrafter``): every row grows its tree as batched eagle3
+does and grafts its own looked-up branch as here; the rows' tries, of different sizes, are verified
+in one forward (narrower ones padded with nodes that are never accepted).
+
 When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly an
 eagle3 step. Greedy decoding is token-identical to plain greedy decoding; in sample mode the rule is
 eagle3's exact one for deterministic candidates (draft=topk; draft=sampled is refused, as by eagle3): the
@@ -39,11 +43,14 @@ from typing import ClassVar, Optional, Sequence
 
 import torch
 
+from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.model import MedusaModel
 from ..runtime.verify import SamplingConfig
 from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_costs, refuse_heads
-from .prompt_lookup import (NGramIndex, PromptLookupDecoder, PromptLookupSettings, check_lookup_settings,
-                            match_in_tree)
+from .prompt_lookup import (LookupDrafter, NGramIndex, PromptLookupDecoder, PromptLookupSettings,
+                            check_lookup_settings, match_in_tree)
+from .draft import chain_sampling
+from .eagle3_batch import Eagle3BatchDrafter
 from .registry import Method, option, register, slot_costs
 
 
@@ -63,6 +70,18 @@ class Eagle3LookupOptions(Eagle3Options):
         check_lookup_settings(self, keys.get)          # named by this method's keys (eagle_lookup_*)
         self.lookup = PromptLookupSettings(self.num_tokens, self.max_ngram, self.min_ngram)
 
+    @property
+    def label(self) -> str:
+        branch = f"t{self.num_tokens}-m{self.min_ngram}"
+        return f"n{self.nodes}-d{self.depth}-k{self.topk}+{branch}" if self.nodes else f"prompt lookup {branch}"
+
+    def fixed_choice(self):
+        return self                  # eagle_nodes=0 is prompt lookup alone, not plain decoding
+
+    def batch_drafter(self, m: MedusaModel, schedule) -> "Eagle3LookupBatchDrafter":
+        """The batched drafter of ``schedule``'s tree settings with this method's looked-up branch."""
+        return Eagle3LookupBatchDrafter(m, schedule, self.lookup)
+
 
 def graft(tokens: Sequence[int], parents: Sequence[int], proposal: Sequence[int]) -> tuple[int, int]:
     """Where ``proposal`` leaves the tree (node 0 the root; ``parents[i]`` node i's parent, parents before
@@ -72,6 +91,23 @@ def graft(tokens: Sequence[int], parents: Sequence[int], proposal: Sequence[int]
     for i in range(1, len(parents)):
         children[int(parents[i])].append(i)
     return match_in_tree(children, tokens, proposal)
+
+
+def graft_branch(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, proposal: Sequence[int]):
+    """One tree (tokens with the root first, parents (-1: the root), depths [T]) with ``proposal``'s
+    part that the tree lacks hung on as one chain (``graft``): (tokens, parents, depths, nodes added)."""
+    if not proposal:
+        return tokens, parents, depths, 0
+    node, n = graft(tokens.tolist(), parents.tolist(), proposal)
+    rest = len(proposal) - n
+    if not rest:                                # already in the tree: a plain eagle3 step
+        return tokens, parents, depths, 0
+    first = tokens.numel()
+    chain_parents = torch.arange(first - 1, first + rest - 1, device=parents.device)
+    chain_parents[0] = node
+    chain_depths = depths[node] + torch.arange(1, rest + 1, device=depths.device)
+    return (torch.cat([tokens, tokens.new_tensor(proposal[n:])]), torch.cat([parents, chain_parents]),
+            torch.cat([depths, chain_depths]), rest)
 
 
 class Eagle3LookupDecoder(Eagle3Decoder):
@@ -93,27 +129,70 @@ class Eagle3LookupDecoder(Eagle3Decoder):
 
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, parents, depths = super().tree()
-        proposal = self.index.propose(self.s.num_tokens)
-        if not proposal:
-            return tokens, parents, depths
-        node, n = graft(tokens.tolist(), parents.tolist(), proposal)
-        if n == len(proposal):                  # already in the tree: a plain eagle3 step
-            return tokens, parents, depths
-        rest = len(proposal) - n
-        first = tokens.numel()
-        chain_parents = torch.arange(first - 1, first + rest - 1, device=parents.device)
-        chain_parents[0] = node
-        chain_depths = depths[node] + torch.arange(1, rest + 1, device=depths.device)
-        self.grafted += 1
+        tokens, parents, depths, rest = graft_branch(tokens, parents, depths, self.index.propose(self.s.num_tokens))
+        self.grafted += int(rest > 0)
         self.grafted_nodes += rest
-        return (torch.cat([tokens, tokens.new_tensor(proposal[n:])]), torch.cat([parents, chain_parents]),
-                torch.cat([depths, chain_depths]))
+        return tokens, parents, depths
 
     @torch.inference_mode()
     def step(self) -> tuple[list[int], int]:
         new, depth = super().step()
         self.index.extend(new)
         return new, depth
+
+
+class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
+    """Batched ``eagle3_lookup`` (``generate_batch``): every row grows its eagle3 tree exactly as
+    ``Eagle3BatchDrafter`` does, and gets its own looked-up branch grafted on as at batch 1 (each row
+    looks up its own context); a row whose graft is shorter than another's pads with nodes that are
+    computed and never accepted (``RowTrees``). A plain step of the schedule (None) drafts and looks
+    up nothing. Proposed per row and step = its tree's depth, as at batch 1."""
+
+    def __init__(self, m: MedusaModel, options, lookup: PromptLookupSettings):
+        super().__init__(m, options)
+        self.s = lookup
+        self.max_nodes += lookup.num_tokens
+        self.max_depth = max(self.max_depth, lookup.num_tokens)   # a graft's depth is its proposal's length
+        self.indexes: list[NGramIndex] = []
+        self.seen: list[int] = []
+
+    def prefilled(self, dec: BatchTreeDecoder, paths, aux) -> None:
+        self.indexes = []            # a new batch (the batch sizing reuses one drafter for many)
+        super().prefilled(dec, paths, aux)
+
+    def amend(self, dec: BatchTreeDecoder, rows: list) -> list:
+        if not self.indexes:
+            self.indexes = [NGramIndex(self.s.min_ngram, self.s.max_ngram) for _ in dec.history]
+            self.seen = [0] * len(dec.history)
+        out = []
+        for b, (hist, row) in enumerate(zip(dec.history, rows)):
+            self.indexes[b].extend(hist[self.seen[b]:])
+            self.seen[b] = len(hist)
+            out.append(graft_branch(*row, self.indexes[b].propose(self.s.num_tokens))[:3])
+        return out
+
+    def rows_kept(self, index: list[int]) -> None:
+        super().rows_kept(index)
+        if self.indexes:
+            self.indexes = [self.indexes[i] for i in index]
+            self.seen = [self.seen[i] for i in index]
+
+
+def eagle3_lookup_batch_decoder(m: MedusaModel, o: Eagle3LookupOptions, sampling: Optional[SamplingConfig], seed,
+                                ragged: str) -> BatchTreeDecoder:
+    """Every row eagle3's tree plus its looked-up branch, with the options' setting or the setting
+    ``o.schedule`` gives per batch size. eagle_nodes=0 is batched prompt lookup with this method's
+    lookup keys, as batch 1 decodes prompt lookup alone then; a schedule's None is a plain step (the
+    batch sizing raced the settings against plain decoding), so one plain at every size is the plain
+    batched loop, as for eagle3."""
+    if o.schedule is not None:
+        sized = any(c is not None for c in o.schedule.choices.values())
+        drafter = Eagle3LookupBatchDrafter(m, o.schedule, o.lookup) if sized else PlainDrafter()
+        return BatchTreeDecoder(m, drafter, sampling, seed, ragged)
+    if not o.nodes:
+        return BatchTreeDecoder(m, LookupDrafter(m, o.lookup), chain_sampling(sampling or SamplingConfig()), seed,
+                                ragged)
+    return BatchTreeDecoder(m, Eagle3LookupBatchDrafter(m, o, o.lookup), sampling, seed, ragged)
 
 
 def eagle3_lookup_costs(m: MedusaModel, o: Eagle3LookupOptions, run_length: int):
@@ -130,4 +209,5 @@ register(Method(
     "heads=; eagle_* and eagle_lookup_* keys)", Eagle3LookupOptions,
     decoder=lambda m, o, sampling, seed: (Eagle3LookupDecoder(m, o, sampling, seed) if o.nodes
                                           else PromptLookupDecoder(m, o.lookup, sampling, seed)),
+    batch_decoder=eagle3_lookup_batch_decoder,
     costs=eagle3_lookup_costs, needs_heads=True, refuses=lambda spec: refuse_heads(spec, "eagle3_lookup")))
