@@ -18,11 +18,13 @@
 #    (where it proposes more often).
 # 5. eagle3: the EAGLE-3 drafter (runs/eagle3_smollm2/heads: medusa-train eagle3_smollm2) batched, its
 #    (nodes, depth, top-k) chosen per batch size (eagle_tree=auto), against the same baselines.
+# 6. eagle3_lookup: the same drafter with each row's looked-up branch, beside eagle3, both at the set
+#    one-draft tree (eagle_tree=fixed, n1-d1-k1, the setting eagle3's sizing picks at batch 1) at B = 1, 2, 4.
 # Run it alone: every figure here is a latency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${MEDUSA_BIN:-.venv/bin}
-STAGES=${STAGES:-"ragged eval rounds chains eagle3"}
+STAGES=${STAGES:-"ragged eval rounds chains eagle3 eagle3_lookup"}
 B=${BENCH_OUT:-runs/bench_batch}
 QUICK=${QUICK_HEADS:-runs/medusa1_smollm2/heads}
 BEST=${BEST_HEADS:-runs/hydra_smollm2_greedy/heads}
@@ -61,4 +63,10 @@ fi
 if has eagle3; then
   timed "eval eagle3" "$BIN/medusa-eval" heads="$EAGLE3" methods=[eagle3] batch_size=[1,2,4,8,16,32] num_prompts=32 \
       max_new_tokens=96 progress_bar=false out="$B/eagle3_smollm2"
+fi
+
+if has eagle3_lookup; then
+  timed "eval eagle3_lookup" "$BIN/medusa-eval" heads="$EAGLE3" methods=[eagle3,eagle3_lookup] batch_size=[1,2,4] \
+      num_prompts=16 max_new_tokens=96 eagle_tree=fixed eagle_nodes=1 eagle_depth=1 eagle_topk=1 progress_bar=false \
+      out="$B/eagle3_lookup_smollm2"
 fi

@@ -46,11 +46,11 @@ import torch
 from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.model import MedusaModel
 from ..runtime.verify import SamplingConfig
+from .draft import chain_sampling
 from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_costs, refuse_heads
+from .eagle3_batch import Eagle3BatchDrafter
 from .prompt_lookup import (LookupDrafter, NGramIndex, PromptLookupDecoder, PromptLookupSettings,
                             check_lookup_settings, match_in_tree)
-from .draft import chain_sampling
-from .eagle3_batch import Eagle3BatchDrafter
 from .registry import Method, option, register, slot_costs
 
 
