@@ -250,13 +250,15 @@ def eagle3_costs(m: MedusaModel, o: Eagle3Options, run_length: int) -> Costs:
 
 def eagle3_batch_decoder(m: MedusaModel, o: Eagle3Options, sampling: Optional[SamplingConfig], seed, ragged: str):
     """Batched eagle3 (``eagle3_batch``): every row its own dynamic tree, with the options' setting or
-    the setting ``o.schedule`` gives per batch size; eagle_nodes=0 (or a schedule plain at every
-    size) is the plain batched loop, as batch 1 decodes plainly then."""
+    the setting ``o.schedule`` gives per batch size, through the options' own batched drafter (so
+    ``eagle3_lookup`` adds its branch here too); eagle_nodes=0 (or a schedule plain at every size) is
+    the plain batched loop, as batch 1 decodes plainly then."""
+    settings = o.schedule if o.schedule is not None else o
     if o.schedule is not None:
-        sized = any(c is not None for c in o.schedule.choices.values())
-        drafter = Eagle3BatchDrafter(m, o.schedule) if sized else PlainDrafter()   # plain at every size
+        speculates = any(c is not None for c in o.schedule.choices.values())   # else plain at every size
     else:
-        drafter = Eagle3BatchDrafter(m, o) if o.nodes else PlainDrafter()
+        speculates = bool(o.nodes)
+    drafter = o.batch_drafter(m, settings) if speculates else PlainDrafter()
     return BatchTreeDecoder(m, drafter, sampling, seed, ragged)
 
 

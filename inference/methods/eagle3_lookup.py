@@ -43,11 +43,11 @@ from typing import ClassVar, Optional, Sequence
 
 import torch
 
-from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
+from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.model import MedusaModel
 from ..runtime.verify import SamplingConfig
 from .draft import chain_sampling
-from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_costs, refuse_heads
+from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_batch_decoder, eagle3_costs, refuse_heads
 from .eagle3_batch import Eagle3BatchDrafter
 from .prompt_lookup import (LookupDrafter, NGramIndex, PromptLookupDecoder, PromptLookupSettings,
                             check_lookup_settings, match_in_tree)
@@ -180,19 +180,14 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
 
 def eagle3_lookup_batch_decoder(m: MedusaModel, o: Eagle3LookupOptions, sampling: Optional[SamplingConfig], seed,
                                 ragged: str) -> BatchTreeDecoder:
-    """Every row eagle3's tree plus its looked-up branch, with the options' setting or the setting
-    ``o.schedule`` gives per batch size. eagle_nodes=0 is batched prompt lookup with this method's
-    lookup keys, as batch 1 decodes prompt lookup alone then; a schedule's None is a plain step (the
-    batch sizing raced the settings against plain decoding), so one plain at every size is the plain
-    batched loop, as for eagle3."""
-    if o.schedule is not None:
-        sized = any(c is not None for c in o.schedule.choices.values())
-        drafter = Eagle3LookupBatchDrafter(m, o.schedule, o.lookup) if sized else PlainDrafter()
-        return BatchTreeDecoder(m, drafter, sampling, seed, ragged)
-    if not o.nodes:
+    """Every row eagle3's tree plus its looked-up branch (eagle3's batched decoder, through these
+    options' ``batch_drafter``). eagle_nodes=0 without a schedule is batched prompt lookup with this
+    method's lookup keys, as batch 1 decodes prompt lookup alone then; a schedule's None is a plain step
+    (the batch sizing raced the settings against plain decoding), as for eagle3."""
+    if o.schedule is None and not o.nodes:
         return BatchTreeDecoder(m, LookupDrafter(m, o.lookup), chain_sampling(sampling or SamplingConfig()), seed,
                                 ragged)
-    return BatchTreeDecoder(m, Eagle3LookupBatchDrafter(m, o, o.lookup), sampling, seed, ragged)
+    return eagle3_batch_decoder(m, o, sampling, seed, ragged)
 
 
 def eagle3_lookup_costs(m: MedusaModel, o: Eagle3LookupOptions, run_length: int):
