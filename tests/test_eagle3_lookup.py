@@ -217,3 +217,37 @@ def test_auto_races_the_hybrid_with_its_branch_and_the_report_shows_it(monkeypat
     assert report["method_options"]["eagle3_lookup"]["eagle_lookup_tokens"] == 3
     assert report["per_method"]["eagle3_lookup"]["greedy_identical_fraction"] == 1.0
     assert "- eagle3_lookup tree: none (plain decoding)" in markdown(report)
+
+
+@pytest.mark.parametrize("grafts", [True, False])
+def test_auto_costs_the_steps_that_verify_a_looked_up_chain(monkeypatch, grafts):
+    """Guards against eagle_tree=auto for eagle3_lookup costing a tree by the race's median step, which
+    is a step without a looked-up chain: tau counts the chains' tokens, so a setting whose chain steps
+    make it slower than plain decoding would be chosen. eagle3 (no branch) is costed by the median as before."""
+    from types import SimpleNamespace
+
+    # calibration: 4 steps of 2 tokens (tau 2), one of them 2.7x the others (a step verifying a chain)
+    calibration = SimpleNamespace(accept_lengths=[2, 2, 2, 2], steps=4, step_s=[0.015, 0.015, 0.015, 0.040])
+    monkeypatch.setattr(tc, "generate", lambda *a, **k: calibration)
+    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(tc, "eagle3_step_times",   # the race: plain 10 ms, the tree's median step 15 ms
+                        lambda m, p, shape, **k: [0.010 if shape is None else 0.015] * 6)
+    options = Eagle3LookupOptions(nodes=1, depth=1, topk=1, num_tokens=3) if grafts else None
+    choice = tc.choose_eagle3(None, [[1, 2, 3]], [1, 2, 3], grid=[(1, 1, 1)], log=lambda s: None,
+                              method="eagle3_lookup" if grafts else "eagle3", options=options)
+    (cand,) = choice.candidates
+    if grafts:   # mean / median 21.25 / 15 ms: 2 / 21.25 ms = 94 tokens/s < plain 100
+        assert cand["mean_over_median_step"] == pytest.approx(21.25 / 15, abs=1e-4)
+        assert cand["expected_tokens_per_s"] == pytest.approx(2 / 0.02125, abs=0.01)
+        assert choice.shape is None
+    else:        # 2 / 15 ms = 133 tokens/s: the tree
+        assert cand["mean_over_median_step"] == 1.0
+        assert choice.shape == (1, 1, 1)
+
+
+def test_mean_over_median_drops_stalls():
+    """Guards against one stalled step (a page fault, another process) counting as the cost of a
+    method's costlier steps."""
+    assert tc.mean_over_median([0.01] * 9 + [0.5]) == pytest.approx(1.0)
+    assert tc.mean_over_median([0.01, 0.01, 0.02]) == pytest.approx((0.04 / 3) / 0.01)
+    assert tc.mean_over_median([]) == 1.0

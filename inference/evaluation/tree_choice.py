@@ -552,16 +552,31 @@ def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional
 
 
 def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: tuple[int, int, int], *,
-                       max_new_tokens: int = 48, method: str = "eagle3", options=None) -> float:
+                       max_new_tokens: int = 48, method: str = "eagle3", options=None,
+                       step_s: Optional[list[float]] = None) -> float:
     """Tokens per step of greedy ``method`` decoding with ``shape`` over ``prompts``: a dynamic tree has
-    no fixed node values to add up, so its expected tau is measured by decoding."""
+    no fixed node values to add up, so its expected tau is measured by decoding. ``step_s``: a list that
+    gets every step's wall time (``mean_over_median``)."""
     n, d, k = shape
     tokens = steps = 0
     for p in prompts:
         out = generate(m, list(p), method, options=options, nodes=n, depth=d, topk=k, tree="fixed",
                        max_new_tokens=max_new_tokens)
         tokens, steps = tokens + sum(out.accept_lengths), steps + out.steps
+        if step_s is not None:
+            step_s += out.step_s
     return tokens / steps if steps else 1.0
+
+
+def mean_over_median(times: Sequence[float]) -> float:
+    """Mean step over median step of one decoding (stalls dropped as ``robust_step`` drops them): what a
+    method whose steps differ by themselves costs per step beyond its typical step. ``eagle3_lookup``
+    verifies its looked-up chain on some steps only (~15% on MT-Bench, each ~1.3x a step without it), so
+    the race's median step is a step without one, and tau / median would count the chains' tokens and
+    not their cost."""
+    mid = statistics.median(times) if times else 0.0
+    kept = [t for t in times if t <= OUTLIER_FACTOR * mid]
+    return statistics.mean(kept) / mid if kept and mid > 0 else 1.0
 
 
 def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
@@ -579,13 +594,16 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
         raise UserError("choosing eagle3's tree needs at least one calibration prompt")
     shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
     bar = _bar(progress, len(shapes), f"calibrating {method}")
-    taus = {}
+    taus, mix = {}, {}
+    grafts = bool(getattr(options, "num_tokens", 0))     # a looked-up branch: steps differ in the rows they verify
     try:
         for i, (name, shape) in enumerate(shapes.items()):
             if bar is not None:
                 bar.set_description_str(f"calibrating {method}: {name} ({i + 1}/{len(shapes)})")
+            calibration_steps: list[float] = []
             taus[name] = measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens,
-                                            method=method, options=options)
+                                            method=method, options=options, step_s=calibration_steps)
+            mix[name] = mean_over_median(calibration_steps) if grafts else 1.0
             if bar is not None:
                 bar.update(1)
     finally:
@@ -598,11 +616,15 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
                                  latency_steps=latency_steps, min_rounds=min_rounds, max_rounds=max_rounds, log=log,
                                  progress=progress, what=f"{method} trees")
     ar_step = step[PLAIN]
+    # the race times one prompt's steps; a branch's share of costlier steps comes from the calibration
+    # prompts, the same decodes that gave tau (their mean / median step, measured within each decode set)
+    step = {name: sec * mix.get(name, 1.0) for name, sec in step.items()}
     cands, rates = [], {}
     for name, shape in shapes.items():
         rates[name] = taus[name] / step[name]
         cands.append({"name": name, "nodes": shape[0], "depth": shape[1], "topk": shape[2],
                       "measured_tau": round(taus[name], 4), **spreads[name],
+                      "mean_over_median_step": round(mix[name], 4),
                       "expected_tokens_per_s": round(rates[name], 2)})
         log(f"  {method} {name:>11}: tau {taus[name]:.3f} (measured), step {step[name] * 1e3:.1f} ms -> "
             f"{rates[name]:.1f} tok/s expected")
