@@ -24,28 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference.evaluation.prompts import load_prompts  # noqa: E402
 from inference.loading import load_medusa  # noqa: E402
 from inference.methods import generate  # noqa: E402
-from inference.methods.eagle3_lookup import Eagle3LookupDecoder, Eagle3LookupOptions  # noqa: E402
-from inference.runtime.decode import TokenStream, run_decoder  # noqa: E402
-from scan_eagle3_lookup import parse  # noqa: E402
-
-
-def lookup_run(m, ids: list[int], opts: dict, max_new_tokens: int):
-    """(generation output, rows verified in each step) of one prompt."""
-    dec = Eagle3LookupDecoder(m, Eagle3LookupOptions(**opts))
-    rows: list[int] = []
-    step = dec.step
-
-    def recorded():
-        before = dec.grafted_nodes
-        result = step()
-        rows.append(opts["nodes"] + 1 + dec.grafted_nodes - before)
-        return result
-
-    dec.step = recorded
-    stream = TokenStream(run_decoder(dec, m, ids, max_new_tokens, None, None))
-    for _ in stream:
-        pass
-    return stream.result, rows
+from scan_eagle3_lookup import lookup_run, parse  # noqa: E402
 
 
 def main(heads_dir: str, num_prompts: int, max_new_tokens: int, setting: str, draft_weights: str) -> None:

@@ -42,27 +42,33 @@ def parse(setting: str) -> dict:
     return out
 
 
-def decode(m, ids: list[int], opts: dict, max_new_tokens: int):
-    """(tokens, per-step accepted lengths, per-step grafted flag, rows verified in all) of one prompt."""
-    if "num_tokens" not in opts:
-        out = generate(m, ids, "eagle3", max_new_tokens=max_new_tokens, **opts)
-        return out.tokens, out.accept_lengths, [False] * out.steps, out.steps * (opts["nodes"] + 1)
+def lookup_run(m, ids: list[int], opts: dict, max_new_tokens: int):
+    """(generation output, rows verified in each step) of one prompt decoded by ``eagle3_lookup``: each
+    step verifies the root, the drafted nodes and the nodes of the looked-up chain it grafted (if any)."""
     dec = Eagle3LookupDecoder(m, Eagle3LookupOptions(**opts))
-    grafted = []
+    rows: list[int] = []
     step = dec.step
 
-    def recorded():                              # each step: did it graft a looked-up chain?
-        before = dec.grafted
+    def recorded():                              # each step: how many grafted nodes it verified
+        before = dec.grafted_nodes
         result = step()
-        grafted.append(dec.grafted > before)
+        rows.append(opts["nodes"] + 1 + dec.grafted_nodes - before)
         return result
 
     dec.step = recorded
     stream = TokenStream(run_decoder(dec, m, ids, max_new_tokens, None, None))
     for _ in stream:
         pass
-    out = stream.result
-    return out.tokens, out.accept_lengths, grafted, out.steps * (opts["nodes"] + 1) + dec.grafted_nodes
+    return stream.result, rows
+
+
+def decode(m, ids: list[int], opts: dict, max_new_tokens: int):
+    """(tokens, per-step accepted lengths, per-step grafted flag, rows verified in all) of one prompt."""
+    if "num_tokens" not in opts:
+        out = generate(m, ids, "eagle3", max_new_tokens=max_new_tokens, **opts)
+        return out.tokens, out.accept_lengths, [False] * out.steps, out.steps * (opts["nodes"] + 1)
+    out, rows = lookup_run(m, ids, opts, max_new_tokens)
+    return out.tokens, out.accept_lengths, [r > opts["nodes"] + 1 for r in rows], sum(rows)
 
 
 def main(heads_dir: str, num_prompts: int, max_new_tokens: int, settings: list[str]) -> None:

@@ -284,3 +284,18 @@ def test_lookup_timing_noise_is_not_reported_as_a_loaded_machine():
     assert run(0.0, varying=False) and "chain3" in run(0.0, varying=False)[0]
     assert run(0.0, varying=True) == []
     assert run(3.0, varying=True) and PLAIN in run(3.0, varying=True)[0]
+
+
+def test_varying_candidates_are_costed_by_their_mean_step():
+    """Guards against a method whose steps differ by themselves (a looked-up chain verified on one step
+    in four, at 2x the cost) costed by its median step, a step without the chain: the race would count
+    the chain's tokens and not its cost, and choose it where it is slower than plain decoding."""
+    from inference.evaluation.tree_choice import race
+
+    def timer(name):
+        return [0.01] * 4 if name == PLAIN else [0.01, 0.01, 0.01, 0.02]
+
+    for varying, cost in ((False, 0.01), (True, 0.0125)):
+        step, _, _ = race({"chain3": 1.2}, timer, latency_steps=4, min_rounds=2, max_rounds=2,
+                          log=lambda s: None, progress=False, varying=varying)
+        assert step["chain3"] == pytest.approx(cost) and step[PLAIN] == pytest.approx(0.01)

@@ -243,3 +243,24 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
     f = fixed["batched"]
     assert f["speculation"]["eagle3_lookup"]["schedule"] == {"2": "prompt lookup t6-m1"}
     assert f["per_batch_size"]["2"]["per_method"]["eagle3_lookup"]["greedy_identical"] is True
+
+
+def test_batch_sizing_costs_the_steps_that_graft(models, prompts, monkeypatch):  # noqa: F811
+    """Guards against eagle3_lookup's batched sizing costing each setting by its median step (a step
+    with no looked-up chain, the costlier ones passed over), which eagle3, whose steps do not vary,
+    keeps."""
+    from inference.evaluation import batch_sizing
+
+    seen = {}
+
+    def fake_size(m, cands, drafter_for, latency_prompts, batch_sizes, *, what, varying=False, **kw):
+        seen[what] = varying
+        return batch_sizing.BatchSizing(batch_sizing.SpeculationSchedule({}, {}, 0.05), {})
+
+    monkeypatch.setattr(batch_sizing, "size_speculation", fake_size)
+    m = models["scripted"]
+    kw = dict(grid=((2, 2, 1),), calibration_tokens=4)
+    batch_sizing.choose_eagle3_schedule(m, [REPEATING], batch_of(prompts)[:2], [1], method="eagle3_lookup",
+                                        options=Eagle3LookupOptions(tree="auto", **LOOKUP), **kw)
+    batch_sizing.choose_eagle3_schedule(m, [REPEATING], batch_of(prompts)[:2], [1], **kw)
+    assert seen == {"eagle3_lookup trees": True, "eagle3 trees": False}

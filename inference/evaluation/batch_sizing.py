@@ -16,6 +16,8 @@ that rule for any candidates and drafters; per family:
 - EAGLE-3 (``choose_eagle3_schedule``): (nodes, depth, top-k) settings whose tau is measured by
   batch-1 decoding of the calibration prompts (a dynamic tree has no fixed node values to add up),
   timed with one shared drafter pointed at each setting in turn (its cache must see every step);
+  with a looked-up branch (``eagle3_lookup``) each setting is costed by its mean step at that batch
+  size, since only some steps graft a chain (at batch B, any of B rows');
 - chain methods, the draft model and prompt lookup (``choose_chain_schedule``): chains of 1..most
   draft tokens. One batch-1 calibration run per prompt with the longest chain records how many
   tokens each step accepted (A); a chain of k tokens accepts min(A, k) of the same proposal (the
@@ -206,8 +208,11 @@ def choose_eagle3_schedule(m: MedusaModel, calibration: Sequence[Sequence[int]],
     cands = {name: (o, taus[name]) for name, o in settings.items()}
     # sized for the largest setting; batch-size keys here only collect the settings
     shared = base.batch_drafter(m, SpeculationSchedule(dict(enumerate(settings.values(), 1))))
+    # a looked-up branch grafts on some steps only, and at batch b on any of b rows' (narrower rows padded):
+    # the race costs each setting by its mean step at that batch size (``race``'s varying)
+    grafts = bool(getattr(base, "num_tokens", 0))
     sizing = size_speculation(m, cands, lambda o: _Setting(shared, o), latency_prompts, batch_sizes,
-                              what=f"{method} trees", **timing)
+                              what=f"{method} trees", varying=grafts, **timing)
     return sizing, {"measured_tau": {name: round(t, 4) for name, t in taus.items()}}
 
 

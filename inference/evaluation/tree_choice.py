@@ -131,14 +131,16 @@ def step_times(m: MedusaModel, prompt_ids: Sequence[int], tree: Optional[MedusaT
     return times[warmup:] if len(times) > warmup else times
 
 
-def robust_step(times: Sequence[float]) -> tuple[float, int]:
-    """(median of the step times after dropping stalls above ``OUTLIER_FACTOR`` x the median, number dropped)."""
+def robust_step(times: Sequence[float], mean: bool = False) -> tuple[float, int]:
+    """(median of the step times after dropping stalls above ``OUTLIER_FACTOR`` x the median, number dropped).
+    ``mean``: their mean instead, for a method whose steps differ by themselves (a looked-up chain verified on
+    some steps only), where the median is a step without the costlier work and would not count it."""
     times = [t for t in times if t == t]  # NaN out
     if not times:
         return float("nan"), 0
     mid = statistics.median(times)
     kept = [t for t in times if t <= OUTLIER_FACTOR * mid]
-    return statistics.median(kept), len(times) - len(kept)
+    return (statistics.mean(kept) if mean else statistics.median(kept)), len(times) - len(kept)
 
 
 def measure_step_latency(m: MedusaModel, input_ids, trees: Sequence, *, steps: int = 8, warmup: int = 2,
@@ -340,7 +342,8 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
     Returns (median step time per name, in s; each name's spread over rounds; the timing record, whose
     warnings are also logged). ``varying``: the candidates' work changes from step to step by itself
     (prompt lookup's proposals follow the text), so only plain decoding's spread says whether the
-    machine is loaded."""
+    machine is loaded, and a candidate's run is costed by its mean step (stalls dropped), which counts
+    the costlier steps its median would pass over."""
     if min_rounds < 1 or max_rounds < min_rounds:
         raise UserError(f"{what} timing needs 1 <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
     warnings = []
@@ -381,7 +384,7 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
         if bar is not None:
             shown = PLAIN if name == PLAIN else label(name)
             bar.set_description_str(f"timing {what}: round {r + 1}, {shown}")
-        sec, n_dropped = robust_step(timer(name))
+        sec, n_dropped = robust_step(timer(name), mean=varying and name != PLAIN)
         dropped[name] += n_dropped
         if bar is not None:
             bar.update(1)
