@@ -12,6 +12,11 @@ On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no d
   3b. batched verification: the step time of the runtime's batched decoder (``BatchTreeDecoder``) for
      1..16 nodes per row at batch 1..32, and the node count the per-batch rule would pick there
      (expected tau from the accuracies below over the measured step, or plain decoding);
+  3c. EAGLE-3: a random drafter of ``eagle3_smollm2``'s shape (one decoder layer, draft vocabulary 8,192)
+     on that backbone, one decoding step for the (nodes, depth, top-k) settings whose tau the recipe's
+     drafter measured on MT-Bench on CPU (below), against plain decoding, interleaved rounds; what those
+     taus would buy over the measured steps (the CPU reaches 1.24x at n1-d1-k1, each verified row
+     costing ~7% of a step there);
   4. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone: training step
      tokens/s against the backbone's forward (scripts/bench_train.py's interleaved loop).
 Then the verdicts against the targets, a Markdown summary (summary.md, also printed) and every
@@ -66,6 +71,11 @@ HEAD_ACCURACY = json.loads("""{
                [0.198, 0.093, 0.055],
                [0.203, 0.086, 0.052]]
 }""")
+
+# eagle3_smollm2's drafter (BENCHMARKS.md "EAGLE-3 plus prompt lookup" / "eagle3_smollm2 retrained"): greedy tau on
+# MT-Bench first turns 1-20, 96 tokens, eagle3 without the lookup branch; deterministic, so the GPU times steps only.
+EAGLE3_TAU = {(1, 1, 1): 1.320, (4, 1, 4): 1.534}
+EAGLE3_DRAFT_VOCAB = 8192
 
 TARGET_TREE_STEP = 1.3    # a 16-node verification step costs < 1.3x a 1-token step (bf16)
 TARGET_PLAIN_LOOP = 0.90  # the runtime's plain loop within 10% of generate, or faster
@@ -135,6 +145,51 @@ def auto_choice(steps: dict) -> dict:
     return {"plain_tokens_per_s": plain_rate, "candidates": rows, "chosen": chosen,
             "expected_speedup": round(chosen["expected_tokens_per_s"] / plain_rate, 3) if chosen else 1.0,
             "accuracies": HEAD_ACCURACY}
+
+
+# -- 3c. EAGLE-3 ---------------------------------------------------------------------------------------------------
+def eagle3_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
+    """``m``'s backbone with a random EAGLE-3 drafter of the recipe's shape (draft vocabulary: the first
+    ``EAGLE3_DRAFT_VOCAB`` ids; random weights draft the same amount of work as trained ones)."""
+    from inference.heads.eagle3 import default_aux_layers, draft_layer_config
+    from inference.heads.registry import init_heads
+    from inference.heads.spec import HeadsSpec
+    from inference.runtime.model import attach_heads
+
+    model, cfg = m.model, m.model.config
+    vocab = min(EAGLE3_DRAFT_VOCAB, cfg.vocab_size)
+    spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                     projection="truncated", truncated_vocab_size=vocab, kind="eagle3",
+                     aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_layer=draft_layer_config(cfg),
+                     base_model="random:llama")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = init_heads(spec, model.get_output_embeddings().weight.float().cpu(),
+                           model.get_input_embeddings().weight.float().cpu(), torch.arange(vocab))
+    return attach_heads(model, heads)
+
+
+def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int, per_round: int,
+                 prompt_len: int) -> dict:
+    """Median ms of one eagle3 decoding step per (nodes, depth, topk) and of a plain step, timed in
+    interleaved rounds on one random prompt; expected tokens/s from ``EAGLE3_TAU`` over those steps."""
+    from inference.evaluation.tree_choice import eagle3_step_times
+
+    prompt = torch.randint(0, m.model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    names = [None, *shapes]
+    times: dict = {s: [] for s in names}
+    for _ in range(rounds):
+        for s in names:
+            times[s] += eagle3_step_times(m, prompt, s, steps=per_round, warmup=2)
+    plain = median(times[None])
+    rows = []
+    for s in shapes:
+        med = median(times[s])
+        tau = EAGLE3_TAU.get(s)
+        rows.append({"setting": "n{}-d{}-k{}".format(*s), "ms": round(med * 1e3, 3), "vs_plain": round(med / plain, 3),
+                     "cpu_tau": tau, "expected_speedup": round(tau * plain / med, 3) if tau else None,
+                     "samples": len(times[s])})
+    return {"plain_ms": round(plain * 1e3, 3), "settings": rows, "draft_vocab": m.heads.spec.truncated_vocab_size}
 
 
 # -- 3b. batched verification -------------------------------------------------------------------------------------
@@ -332,6 +387,14 @@ def summary(result: dict) -> str:
         for b, r in bs.items():
             lines.append(f"| {b} | " + " | ".join(f"{r['steps'][n]['ms']:.2f} ({r['steps'][n]['vs_1']:.2f}x)"
                                                   for n in nodes) + f" | {r['pick']} |")
+    e3 = result.get("eagle3_steps")
+    if e3:
+        lines += ["", f"EAGLE-3 decoding step (random drafter of `eagle3_smollm2`'s shape, draft vocabulary {e3['draft_vocab']}; "
+                      f"plain step {e3['plain_ms']:.2f} ms; expected = the recipe drafter's MT-Bench tau measured on CPU "
+                      "over this step):", "", "| setting | step (ms) | vs plain step | tau (CPU, MT-Bench) | expected vs plain loop |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['setting']} | {r['ms']:.2f} | {r['vs_plain']:.2f}x | {r['cpu_tau']} | "
+                  f"{r['expected_speedup']:.2f}x |" for r in e3["settings"]]
     pl = result.get("plain_loop_vs_generate")
     if pl:
         lines += ["", f"Plain loop vs `generate` ({pl['prompts']} random-token prompts x {result['new_tokens']} new tokens, "
@@ -355,7 +418,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"))
     ap.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1")
     ap.add_argument("--tier-xml", default=None, help="pytest's JUnit XML of the gpu tier")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "train"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "train"])
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -405,9 +468,14 @@ def main() -> None:
                    for _ in range(sizes["prompts"])]
         result["plain_loop_vs_generate"] = plain_loop_vs_generate(m, prompts, sizes["new_tokens"])
 
+    def eagle3():
+        result["eagle3_steps"] = eagle3_steps(eagle3_model(m), list(EAGLE3_TAU), sizes["rounds"], sizes["per_round"],
+                                              sizes["prompt_len"])
+
     section("steps", steps)
     section("batch", batch)
     section("plain", plain)
+    section("eagle3", eagle3)
     del m
     if device.type == "cuda":
         torch.cuda.empty_cache()

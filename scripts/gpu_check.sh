@@ -4,7 +4,8 @@
 #   1. the gpu test tier (pytest -m gpu: tree verification vs sequential decoding in bf16/fp16,
 #      greedy identity in fp32, KV cache + compaction on CUDA, DeepSpeed heads steps: ZeRO 0 fp32, ZeRO 1 and 2 bf16);
 #   2. scripts/gpu_check.py on a SmolLM2-135M-shaped random Llama in bf16: verification step for
-#      1..64 tree nodes, plain loop vs transformers' generate, what tree=auto would choose, the
+#      1..64 tree nodes, plain loop vs transformers' generate, what tree=auto would choose, batched
+#      steps, an EAGLE-3 step of eagle3_smollm2's shape vs a plain step, the
 #      training step's tokens/s vs the backbone forward (real trainer, DeepSpeed ZeRO 1, bf16);
 #   3. summary.md (Markdown for BENCHMARKS.md's GPU column, with the three verdicts) and gpu_check.json.
 #

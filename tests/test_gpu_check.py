@@ -31,13 +31,16 @@ def test_gpu_check_dry_run_writes_summary_and_json(tmp_path):
     assert {"plain_tokens_per_s", "candidates", "chosen", "accuracies"} <= set(result["tree_auto"])
     pl = result["plain_loop_vs_generate"]
     assert pl["identical"] == pl["prompts"] == 2 and pl["ratio"] > 0
+    e3 = result["eagle3_steps"]
+    assert e3["plain_ms"] > 0 and [r["setting"] for r in e3["settings"]] == ["n1-d1-k1", "n4-d1-k4"]
+    assert all(r["ms"] > 0 and r["expected_speedup"] > 0 for r in e3["settings"])
     tr = result["training"]
     assert tr["finite"] and tr["train_tokens_per_s"] > 0 and tr["forward_tokens_per_s"] > 0
     assert [v["target"] for v in result["verdicts"]] == [
         "gpu test tier passes", "16-node verification step < 1.3x a 1-token step (bf16)",
         "runtime plain loop within 10% of generate, or faster"]
     assert result["verdicts"][0]["verdict"] == "skipped"
-    for text in ("| target | verdict | detail |", "Verification step", "tree=auto", "Plain loop vs `generate`",
+    for text in ("| target | verdict | detail |", "Verification step", "tree=auto", "EAGLE-3 decoding step", "Plain loop vs `generate`",
                  "training (real trainer, DeepSpeed)", "DRY RUN"):
         assert text in summary, text
     assert "## GPU check" in proc.stdout  # the summary is printed last
