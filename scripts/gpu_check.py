@@ -147,51 +147,6 @@ def auto_choice(steps: dict) -> dict:
             "accuracies": HEAD_ACCURACY}
 
 
-# -- 3c. EAGLE-3 ---------------------------------------------------------------------------------------------------
-def eagle3_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
-    """``m``'s backbone with a random EAGLE-3 drafter of the recipe's shape (draft vocabulary: the first
-    ``EAGLE3_DRAFT_VOCAB`` ids; random weights draft the same amount of work as trained ones)."""
-    from inference.heads.eagle3 import default_aux_layers, draft_layer_config
-    from inference.heads.registry import init_heads
-    from inference.heads.spec import HeadsSpec
-    from inference.runtime.model import attach_heads
-
-    model, cfg = m.model, m.model.config
-    vocab = min(EAGLE3_DRAFT_VOCAB, cfg.vocab_size)
-    spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                     projection="truncated", truncated_vocab_size=vocab, kind="eagle3",
-                     aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_layer=draft_layer_config(cfg),
-                     base_model="random:llama")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        heads = init_heads(spec, model.get_output_embeddings().weight.float().cpu(),
-                           model.get_input_embeddings().weight.float().cpu(), torch.arange(vocab))
-    return attach_heads(model, heads)
-
-
-def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int, per_round: int,
-                 prompt_len: int) -> dict:
-    """Median ms of one eagle3 decoding step per (nodes, depth, topk) and of a plain step, timed in
-    interleaved rounds on one random prompt; expected tokens/s from ``EAGLE3_TAU`` over those steps."""
-    from inference.evaluation.tree_choice import eagle3_step_times
-
-    prompt = torch.randint(0, m.model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
-    names = [None, *shapes]
-    times: dict = {s: [] for s in names}
-    for _ in range(rounds):
-        for s in names:
-            times[s] += eagle3_step_times(m, prompt, s, steps=per_round, warmup=2)
-    plain = median(times[None])
-    rows = []
-    for s in shapes:
-        med = median(times[s])
-        tau = EAGLE3_TAU.get(s)
-        rows.append({"setting": "n{}-d{}-k{}".format(*s), "ms": round(med * 1e3, 3), "vs_plain": round(med / plain, 3),
-                     "cpu_tau": tau, "expected_speedup": round(tau * plain / med, 3) if tau else None,
-                     "samples": len(times[s])})
-    return {"plain_ms": round(plain * 1e3, 3), "settings": rows, "draft_vocab": m.heads.spec.truncated_vocab_size}
-
-
 # -- 3b. batched verification -------------------------------------------------------------------------------------
 class _RandomDrafter:
     """Proposes random tokens in a fixed tree: what a batched verification step costs, whatever the heads."""
@@ -239,6 +194,51 @@ def batch_steps(m: MedusaModel, batches: list[int], nodes: list[int], steps: int
         rates[1] = 1.0 / base
         out[b] = {"steps": row, "pick": max(rates, key=rates.get)}
     return out
+
+
+# -- 3c. EAGLE-3 ---------------------------------------------------------------------------------------------------
+def eagle3_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
+    """``m``'s backbone with a random EAGLE-3 drafter of the recipe's shape (draft vocabulary: the first
+    ``EAGLE3_DRAFT_VOCAB`` ids; random weights draft the same amount of work as trained ones)."""
+    from inference.heads.eagle3 import default_aux_layers, draft_layer_config
+    from inference.heads.registry import init_heads
+    from inference.heads.spec import HeadsSpec
+    from inference.runtime.model import attach_heads
+
+    model, cfg = m.model, m.model.config
+    vocab = min(EAGLE3_DRAFT_VOCAB, cfg.vocab_size)
+    spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                     projection="truncated", truncated_vocab_size=vocab, kind="eagle3",
+                     aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_layer=draft_layer_config(cfg),
+                     base_model="random:llama")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = init_heads(spec, model.get_output_embeddings().weight.float().cpu(),
+                           model.get_input_embeddings().weight.float().cpu(), torch.arange(vocab))
+    return attach_heads(model, heads)
+
+
+def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int, per_round: int,
+                 prompt_len: int) -> dict:
+    """Median ms of one eagle3 decoding step per (nodes, depth, topk) and of a plain step, timed in
+    interleaved rounds on one random prompt; expected tokens/s from ``EAGLE3_TAU`` over those steps."""
+    from inference.evaluation.tree_choice import eagle3_step_times
+
+    prompt = torch.randint(0, m.model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    names = [None, *shapes]
+    times: dict = {s: [] for s in names}
+    for _ in range(rounds):
+        for s in names:
+            times[s] += eagle3_step_times(m, prompt, s, steps=per_round, warmup=2)
+    plain = median(times[None])
+    rows = []
+    for s in shapes:
+        med = median(times[s])
+        tau = EAGLE3_TAU.get(s)
+        rows.append({"setting": "n{}-d{}-k{}".format(*s), "ms": round(med * 1e3, 3), "vs_plain": round(med / plain, 3),
+                     "cpu_tau": tau, "expected_speedup": round(tau * plain / med, 3) if tau else None,
+                     "samples": len(times[s])})
+    return {"plain_ms": round(plain * 1e3, 3), "settings": rows, "draft_vocab": m.heads.spec.truncated_vocab_size}
 
 
 # -- 4. training step vs backbone forward -----------------------------------------------------------------------
