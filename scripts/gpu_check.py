@@ -222,7 +222,7 @@ def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int
                  prompt_len: int) -> dict:
     """Median ms of one eagle3 decoding step per (nodes, depth, topk) and of a plain step, timed in
     interleaved rounds on one random prompt; expected tokens/s from ``EAGLE3_TAU`` over those steps."""
-    from inference.evaluation.tree_choice import eagle3_step_times
+    from inference.evaluation.tree_choice import eagle3_name, eagle3_step_times
 
     prompt = torch.randint(0, m.model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
     names = [None, *shapes]
@@ -234,9 +234,8 @@ def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int
     rows = []
     for s in shapes:
         med = median(times[s])
-        tau = EAGLE3_TAU.get(s)
-        rows.append({"setting": "n{}-d{}-k{}".format(*s), "ms": round(med * 1e3, 3), "vs_plain": round(med / plain, 3),
-                     "cpu_tau": tau, "expected_speedup": round(tau * plain / med, 3) if tau else None,
+        rows.append({"setting": eagle3_name(s), "ms": round(med * 1e3, 3), "vs_plain": round(med / plain, 3),
+                     "cpu_tau": EAGLE3_TAU[s], "expected_speedup": round(EAGLE3_TAU[s] * plain / med, 3),
                      "samples": len(times[s])})
     return {"plain_ms": round(plain * 1e3, 3), "settings": rows, "draft_vocab": m.heads.spec.truncated_vocab_size}
 

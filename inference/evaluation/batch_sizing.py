@@ -210,9 +210,8 @@ def choose_eagle3_schedule(m: MedusaModel, calibration: Sequence[Sequence[int]],
     shared = base.batch_drafter(m, SpeculationSchedule(dict(enumerate(settings.values(), 1))))
     # a looked-up branch grafts on some steps only, and at batch b on any of b rows' (narrower rows padded):
     # the race costs each setting by its mean step at that batch size (``race``'s varying)
-    grafts = bool(getattr(base, "num_tokens", 0))
     sizing = size_speculation(m, cands, lambda o: _Setting(shared, o), latency_prompts, batch_sizes,
-                              what=f"{method} trees", varying=grafts, **timing)
+                              what=f"{method} trees", varying=base.steps_vary, **timing)
     return sizing, {"measured_tau": {name: round(t, 4) for name, t in taus.items()}}
 
 

@@ -598,7 +598,7 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
     bar = _bar(progress, len(shapes), f"calibrating {method}")
     taus, mix = {}, {}
-    grafts = bool(getattr(options, "num_tokens", 0))     # a looked-up branch: steps differ in the rows they verify
+    grafts = options is not None and options.steps_vary   # a looked-up branch: steps differ in the rows they verify
     try:
         for i, (name, shape) in enumerate(shapes.items()):
             if bar is not None:

@@ -87,6 +87,12 @@ class Eagle3Options:
         """What these options decode at every batch size, as a schedule records it (None: plain decoding)."""
         return self if self.nodes else None
 
+    @property
+    def steps_vary(self) -> bool:
+        """Whether steps of one setting differ in the rows they verify by themselves (a looked-up branch
+        grafted on some steps only): the latency-aware choices then cost a setting by its mean step."""
+        return False
+
     def batch_drafter(self, m: MedusaModel, schedule) -> Eagle3BatchDrafter:
         """The batched drafter of ``schedule``'s settings for this method (``eagle3_lookup`` adds its branch)."""
         return Eagle3BatchDrafter(m, schedule)

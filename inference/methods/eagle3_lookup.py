@@ -78,6 +78,10 @@ class Eagle3LookupOptions(Eagle3Options):
     def fixed_choice(self):
         return self                  # eagle_nodes=0 is prompt lookup alone, not plain decoding
 
+    @property
+    def steps_vary(self) -> bool:
+        return self.num_tokens > 0   # a chain is grafted only where the context repeats itself
+
     def batch_drafter(self, m: MedusaModel, schedule) -> "Eagle3LookupBatchDrafter":
         """The batched drafter of ``schedule``'s tree settings with this method's looked-up branch."""
         return Eagle3LookupBatchDrafter(m, schedule, self.lookup)
