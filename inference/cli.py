@@ -72,6 +72,9 @@ class RuntimeConfig:
     eagle_nodes: int = 8  # eagle3 (EAGLE-3 heads): draft tokens verified per step (root excluded); 0: plain
     eagle_depth: int = 4  # eagle3: depth of the dynamic tree (depth - 1 drafter calls per step)
     eagle_topk: int = 4  # eagle3: children per expanded node, nodes expanded per depth
+    # eagle3: verify only the drafted nodes whose draft probability (product along the path) is >= this;
+    # 0: all eagle_nodes (EAGLE-2). On a CPU every verified row costs (BENCHMARKS.md "Confidence floor")
+    eagle_min_prob: float = 0.0
 
 
 @dataclass

@@ -33,7 +33,9 @@ from test_runtime_sampling import chi_square_pvalue
 N = 30                                   # new tokens per row
 LENGTHS = (1, 7, 300, 3, 60)             # the batch's prompt lengths
 SWAP = 150                               # the length of the prompt that replaces one (leakage test)
-SETTINGS = {"tree": dict(nodes=8, depth=4, topk=3), "chain": dict(nodes=3, depth=3, topk=1)}
+# "floor": eagle_min_prob drops a different number of nodes per row and step (rows of different sizes)
+SETTINGS = {"tree": dict(nodes=8, depth=4, topk=3), "chain": dict(nodes=3, depth=3, topk=1),
+            "floor": dict(nodes=8, depth=4, topk=3, min_prob=0.1)}
 
 
 class TableDrafter(ScriptedDrafter):

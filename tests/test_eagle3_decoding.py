@@ -20,7 +20,7 @@ from inference.methods import check_methods, generate
 from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options
 from inference.methods.registry import options_from_keys
 from inference.runtime.model import attach_heads
-from inference.runtime.tree import MedusaTree, tree_buffers
+from inference.runtime.tree import MedusaTree, select_nodes, tree_buffers
 from inference.runtime.verify import SamplingConfig
 
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401 (autouse fixture)
@@ -111,10 +111,13 @@ def test_tree_buffers_from_parents_equal_medusa_trees():
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(nodes=3, depth=3, topk=1), dict(nodes=20, depth=5, topk=3),
-                                  dict(nodes=1, depth=1, topk=2)], ids=["default", "chain", "deep", "depth1"])
+                                  dict(nodes=1, depth=1, topk=2), dict(nodes=20, depth=5, topk=3, min_prob=0.02),
+                                  dict(min_prob=0.999)],
+                         ids=["default", "chain", "deep", "depth1", "floor", "floor-drops-all"])
 def test_greedy_is_token_identical_to_plain_greedy(m, greedy, opts):
     """Guards against any drafting, masking, verification or compaction bug changing greedy output
-    (k=1 chains, depths beyond the drafter's trained num_heads=2, a one-level tree)."""
+    (k=1 chains, depths beyond the drafter's trained num_heads=2, a one-level tree, trees pruned by
+    eagle_min_prob, down to the root alone)."""
     for p in PROMPTS:
         out = generate(m, p, "eagle3", max_new_tokens=40, eos_token_ids=(), **opts)
         assert out.tokens == greedy[tuple(p)], (p, opts)
@@ -145,6 +148,46 @@ def assert_draft_kv_is_a_fresh_catch_up(sm, dec, seq, tap) -> None:
     ck, cv = dec.dkv.view()
     assert dec.dkv.length == n and dec.cache.length == n
     assert torch.allclose(ck, k, atol=1e-5) and torch.allclose(cv, v, atol=1e-5)
+
+
+def test_select_nodes_keeps_the_best_above_the_floor_with_their_ancestors():
+    """Guards against the rerank keeping a node without its parent (a tree verify cannot walk), ranking
+    ties to the later node, or letting the probability floor drop a parent but keep its child."""
+    #            0     1     2     3 (of 0) 4 (of 0) 5 (of 1) 6 (of 3)
+    score = torch.tensor([-0.2, -1.0, -3.0, -0.5, -1.0, -1.5, -0.6])
+    parent = torch.tensor([-1, -1, -1, 0, 0, 1, 3])
+    keep, parents = select_nodes(score, parent, 4)
+    assert keep.tolist() == [0, 1, 3, 6] and parents.tolist() == [-1, 0, 0, 1, 3]   # 1 before 4: ties to the earlier
+    keep, parents = select_nodes(score, parent, 7, min_score=-0.55)
+    assert keep.tolist() == [0, 3] and parents.tolist() == [-1, 0, 1]
+    keep, parents = select_nodes(score, parent, 7, min_score=0.0)
+    assert keep.numel() == 0 and parents.tolist() == [-1]
+
+
+def test_min_prob_drops_the_guesses_the_drafter_rates_unlikely(backbone, greedy):
+    """Guards against eagle_min_prob doing nothing, or dropping the drafts that get accepted: with the
+    right token ranked first at ~0.8 and decoys at <= 0.11, a floor of 0.3 must verify the chain of
+    right tokens alone (4 nodes of 8) and accept as much as the full tree; 0.9 drops every draft (plain
+    steps through the tree path) and output stays greedy throughout."""
+    p = PROMPTS[0]
+    sm = scripted(backbone, p + greedy[tuple(p)], lambda q: 0)
+    sizes = {}
+    for floor in (0.0, 0.3, 0.9):
+        dec = Eagle3Decoder(sm, Eagle3Options(nodes=8, depth=4, topk=3, min_prob=floor))
+        grown, rows = dec.tree, []
+        dec.tree = lambda: (lambda t: rows.append(t[0].numel()) or t)(grown())
+        emitted = [dec.prefill(torch.tensor([p]), 40)]
+        taus = []
+        while len(emitted) < 30:
+            new, _ = dec.step()
+            emitted += new
+            taus.append(len(new))
+        assert emitted[:30] == greedy[tuple(p)][:30], floor
+        sizes[floor] = (rows, taus)
+    assert set(sizes[0.0][0]) == {9} and set(sizes[0.3][0]) == {5} and set(sizes[0.9][0]) == {1}
+    assert sizes[0.3][1] == sizes[0.0][1] and min(sizes[0.0][1]) == 5 and set(sizes[0.9][1]) == {1}
+    opts = Eagle3Options(nodes=2, depth=1, topk=2, min_prob=0.1)
+    assert opts.label == "n2-d1-k2-p0.1" and opts.steps_vary and not Eagle3Options().steps_vary
 
 
 def test_draft_kv_equals_a_fresh_catch_up_after_every_step(backbone, greedy):
@@ -255,7 +298,10 @@ def test_mistakes_are_one_line_refusals(m, backbone):
     for bad, match in ((dict(nodes=40, depth=2, topk=4), "more than depth 2 x top-4"),
                        (dict(depth=0), "eagle_depth must be"), (dict(tree="maybe"), "eagle_tree must be"),
                        (dict(topk=200), "more than the drafter's 96 outputs"),
-                       (dict(tree="auto"), "chosen by an evaluation")):
+                       (dict(tree="auto"), "chosen by an evaluation"),
+                       (dict(min_prob=1.0), "eagle_min_prob must be a probability"),
+                       (dict(min_prob=-0.1), "eagle_min_prob must be a probability"),
+                       (dict(min_prob="high"), "eagle_min_prob must be a probability")):
         with pytest.raises(UserError, match=match):
             generate(m, PROMPTS[0], "eagle3", max_new_tokens=4, **bad)
     with pytest.raises(UserError, match="draft=sampled"):
@@ -273,8 +319,11 @@ def test_eval_keys_pick_eagle3_for_eagle3_heads(m, monkeypatch):
     assert "eagle3" in chosen and "medusa" not in chosen and "medusa_lookup" not in chosen
     with pytest.raises(UserError, match=r"use methods=\[eagle3\]"):
         cli.eval_methods(cli.EvalConfig(heads="h", methods=["medusa"]))
-    opts = options_from_keys("eagle3", cli.EvalConfig(eagle_nodes=5, eagle_depth=2, eagle_topk=3, eagle_tree="auto"))
-    assert (opts.nodes, opts.depth, opts.topk, opts.tree) == (5, 2, 3, "auto")
+    opts = options_from_keys("eagle3", cli.EvalConfig(eagle_nodes=5, eagle_depth=2, eagle_topk=3, eagle_tree="auto",
+                                                      eagle_min_prob=0.2))
+    assert (opts.nodes, opts.depth, opts.topk, opts.tree, opts.min_prob) == (5, 2, 3, "auto", 0.2)
+    with pytest.raises(UserError, match="eagle_min_prob must be a probability in"):
+        options_from_keys("eagle3", cli.EvalConfig(eagle_min_prob=1.5))
 
 
 def fake_clock(ms: dict):

@@ -70,10 +70,11 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
 
     _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
          "kernels=stock", "progress_bar=false", "threads=1", "eagle_tree=fixed", "eagle_nodes=4", "eagle_depth=3",
-         "eagle_topk=2",
+         "eagle_topk=2", "eagle_min_prob=0.01",
          cwd=tmp_path)
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["per_method"]["eagle3"]["greedy_identical_fraction"] == 1.0
+    assert report["method_options"]["eagle3"]["eagle_min_prob"] == 0.01
     assert len(report["per_method"]["eagle3"]["n_alpha"]) == 3
 
     _run("medusa-export", "heads=runs/e3/heads", "format=eagle3", "out=runs/e3/eagle3", cwd=tmp_path)

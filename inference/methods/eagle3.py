@@ -14,9 +14,11 @@ One step, batch 1:
      state, seeing the committed entries, its ancestors' draft entries and itself through an
      additive mask); their entries go after the committed ones; each row's top-k become its
      children, scored parent score + log q (EAGLE-2: k^2 candidates per depth, k expanded);
-  3. rerank: the N best-scored drafted nodes form the tree. A child never scores above its
-     parent and ties go to the earlier (shallower) node, so every kept node's ancestors are kept;
-     drafting order puts parents first, as ``TreeBuffers`` need;
+  3. rerank: the N best-scored drafted nodes form the tree, less those whose draft probability
+     (exp score) is below ``eagle_min_prob``: a verified row costs on a CPU (~7% of a plain step
+     each on SmolLM2), so a guess the drafter itself rates unlikely is not worth one there. A child
+     never scores above its parent and ties go to the earlier (shallower) node, so every kept node's
+     ancestors are kept; drafting order puts parents first, as ``TreeBuffers`` need;
   4. one backbone forward over root + tree (tree mask, positions past + depth, as Medusa), the
      tap reading the drafter's three aux layers on the way; ``verify`` (greedy; typical; exact
      sampling, the candidates being deterministic: draft=topk) picks the path and the bonus;
@@ -31,12 +33,13 @@ Batches (``generate_batch``): ``eagle3_batch``, every row its own tree grown as 
 trees verified in one forward.
 
 Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
-0 = plain decoding), eagle_depth D, eagle_topk k; eagle_tree=auto lets an evaluation choose
+0 = plain decoding), eagle_depth D, eagle_topk k, eagle_min_prob p (0: every one of the N); eagle_tree=auto lets an evaluation choose
 (N, D, k), or plain decoding when no setting beats it (``evaluation.tree_choice.choose_eagle3``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -47,7 +50,7 @@ from ..heads.eagle3 import DraftKV, draft_kv_bytes_per_slot
 from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import seeded_generator
 from ..runtime.model import MedusaModel
-from ..runtime.tree import tree_buffers
+from ..runtime.tree import select_nodes, tree_buffers
 from ..runtime.verify import SamplingConfig, choose_token, verify
 from .autoregressive import AutoregressiveDecoder
 from .eagle3_batch import Eagle3BatchDrafter
@@ -61,6 +64,8 @@ class Eagle3Options:
     nodes: int = option(8, "eagle_nodes", "N: draft tokens verified per step (root excluded); 0: plain decoding")
     depth: int = option(4, "eagle_depth", "D: tree depth (D-1 drafter calls per step)")
     topk: int = option(4, "eagle_topk", "k: children per expanded node, nodes expanded per depth")
+    min_prob: float = option(0.0, "eagle_min_prob", "p: of the N best drafted nodes, verify only those whose "
+                             "draft probability (the product along their path) is at least p; 0: all N")
     tree: str = option("fixed", "eagle_tree", "fixed: eagle_nodes/depth/topk | auto: an evaluation measures "
                        "a few settings and picks one, or plain decoding")
     # batches only: a setting (or None: plain steps) per batch size, as a batched evaluation sizes it
@@ -72,6 +77,9 @@ class Eagle3Options:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise UserError(f"eagle_{name} must be an integer >= {low}, got {v!r}")
+        p = self.min_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise UserError(f"eagle_min_prob must be a probability in [0, 1), got {p!r}")
         if self.tree not in TREE_SETTINGS:
             raise UserError(f"eagle_tree must be one of {', '.join(TREE_SETTINGS)}, got {self.tree!r}")
         most = max_nodes(self.depth, self.topk)
@@ -81,7 +89,14 @@ class Eagle3Options:
 
     @property
     def label(self) -> str:
-        return f"n{self.nodes}-d{self.depth}-k{self.topk}" if self.nodes else "plain decoding"
+        if not self.nodes:
+            return "plain decoding"
+        return f"n{self.nodes}-d{self.depth}-k{self.topk}" + (f"-p{self.min_prob:g}" if self.min_prob else "")
+
+    @property
+    def min_score(self) -> Optional[float]:
+        """The lowest cumulative log-probability a verified node may have (None: no floor)."""
+        return math.log(self.min_prob) if self.min_prob else None
 
     def fixed_choice(self):
         """What these options decode at every batch size, as a schedule records it (None: plain decoding)."""
@@ -90,8 +105,9 @@ class Eagle3Options:
     @property
     def steps_vary(self) -> bool:
         """Whether steps of one setting differ in the rows they verify by themselves (a looked-up branch
-        grafted on some steps only): the latency-aware choices then cost a setting by its mean step."""
-        return False
+        grafted on some steps only, or nodes dropped below eagle_min_prob on some): the latency-aware
+        choices then cost a setting by its mean step."""
+        return self.min_prob > 0
 
     def batch_drafter(self, m: MedusaModel, schedule) -> Eagle3BatchDrafter:
         """The batched drafter of ``schedule``'s settings for this method (``eagle3_lookup`` adds its branch)."""
@@ -210,15 +226,10 @@ class Eagle3Decoder:
 
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This step's tree (steps 1-3): tokens, parents (-1: the root) and depths [T] of the root and
-        the N best-scored drafted nodes, parents before children. ``eagle3_lookup`` grafts onto it."""
-        dev = self.m.device
+        the N best-scored drafted nodes (those below eagle_min_prob dropped), parents before children.
+        ``eagle3_lookup`` grafts onto it."""
         tok, score, parent, depth = self._draft()
-        # step 3: the N best (stable sort: ties keep drafting order, parents first), back in drafting order
-        keep = torch.sort(score, descending=True, stable=True).indices[:self.o.nodes].sort().values
-        where = torch.zeros(tok.numel(), dtype=torch.long, device=dev)
-        where[keep] = torch.arange(1, keep.numel() + 1, device=dev)
-        up = parent[keep]
-        parents = torch.cat([up.new_tensor([-1]), torch.where(up < 0, 0, where[up.clamp(min=0)])])
+        keep, parents = select_nodes(score, parent, self.o.nodes, self.o.min_score)
         depths = torch.cat([depth.new_zeros(1), depth[keep]])
         return torch.cat([tok.new_tensor([self.root]), tok[keep]]), parents, depths
 

@@ -9,9 +9,9 @@ draft entries. One step for the B active rows (``Eagle3BatchDrafter``):
   2. depths 2..D: ONE drafter call over B x k expanded nodes (each row's k best of the last depth),
      row b's nodes at position committed[b]-1+d, each seeing its row's committed entries, its
      ancestors' draft entries and itself (a per-row additive mask); same scores, same top-k;
-  3. rerank per row: its N best nodes (stable sort: ties to the earlier node, ancestors kept).
-     Every row keeps N nodes (one setting for all rows in a step) but the shapes differ, so each
-     row gets its own ``TreeBuffers`` (``RowTrees``), verified row by row with ``verify``;
+  3. rerank per row: its N best nodes (stable sort: ties to the earlier node, ancestors kept), less
+     those below eagle_min_prob, as at batch 1. Rows differ in shape (and, with eagle_min_prob, in
+     size), so each row gets its own ``TreeBuffers`` (``RowTrees``), verified row by row with ``verify``;
   4. ``accepted``: after the (tapped) verification forward, every row catches up over its root and
      accepted nodes with their TRUE aux features, fed the next accepted token / the bonus, in one
      drafter call (paths right-padded to the longest); that step's draft entries are dropped.
@@ -36,7 +36,7 @@ from ..heads.eagle3 import draft_kv_bytes_per_slot
 from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
 from ..runtime.model import MedusaModel
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule
-from ..runtime.tree import RowTrees, tree_buffers
+from ..runtime.tree import RowTrees, select_nodes, tree_buffers
 from ..runtime.verify import SamplingConfig
 
 
@@ -205,18 +205,13 @@ class Eagle3BatchDrafter:
             return root_only(dev), torch.empty(dec.batch, 0, dtype=torch.long, device=dev), None
         self.catch_up_pending()
         tok, score, parent, depth = self._grow(o)
-        # batch 1's rerank, per row: the N best (stable: ties keep drafting order, parents first), in drafting order
-        b = tok.shape[0]
-        keep = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :o.nodes].sort(dim=-1).values
-        where = torch.zeros(tok.shape, dtype=torch.long, device=dev)
-        where.scatter_(1, keep, torch.arange(1, o.nodes + 1, device=dev).expand(b, -1))
-        up = parent.gather(1, keep)
-        roots = torch.full((b, 1), -1, dtype=torch.long, device=dev)
-        parents = torch.cat([roots, torch.where(up < 0, 0, where.gather(1, up.clamp(min=0)))], 1)
-        depths = torch.cat([torch.zeros_like(roots), depth.gather(1, keep)], 1)
-        tokens = torch.cat([dec.root[:, None], tok.gather(1, keep)], 1)
-        rows = self.amend(dec, [(tokens[i], parents[i], depths[i]) for i in range(b)])
-        # every row keeps exactly N drafted nodes; only nodes ``amend`` adds make rows differ (padded: -1)
+        rows = []
+        for i in range(tok.shape[0]):       # batch 1's rerank, row by row
+            keep, parents = select_nodes(score[i], parent[i], o.nodes, o.min_score)
+            rows.append((torch.cat([dec.root[i:i + 1], tok[i, keep]]), parents,
+                         torch.cat([depth.new_zeros(1), depth[i, keep]])))
+        rows = self.amend(dec, rows)
+        # rows differ in size where eagle_min_prob drops nodes or ``amend`` adds some (padded: -1)
         trees = RowTrees.stack([tree_buffers(p, d, int(d.max())) for _, p, d in rows])
         width = trees.num_nodes
         cand = torch.stack([torch.cat([t[1:], t.new_full((width - t.numel(),), -1)]) for t, _, _ in rows])

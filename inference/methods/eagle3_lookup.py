@@ -80,7 +80,7 @@ class Eagle3LookupOptions(Eagle3Options):
 
     @property
     def steps_vary(self) -> bool:
-        return self.num_tokens > 0   # a chain is grafted only where the context repeats itself
+        return self.num_tokens > 0 or super().steps_vary   # a chain is grafted only where the context repeats itself
 
     def batch_drafter(self, m: MedusaModel, schedule) -> "Eagle3LookupBatchDrafter":
         """The batched drafter of ``schedule``'s tree settings with this method's looked-up branch."""

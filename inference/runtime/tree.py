@@ -359,6 +359,24 @@ def tree_buffers(parents: torch.Tensor, depth: torch.Tensor, max_depth: int) -> 
                        topk_per_depth=per_depth, slots_per_depth=per_depth)
 
 
+def select_nodes(score: torch.Tensor, parent: torch.Tensor, nodes: int,
+                 min_score: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tree an EAGLE-2 rerank keeps from drafted nodes with cumulative log-probabilities ``score`` [M]
+    and ``parent`` [M] (-1: the root; parents drafted before their children): the ``nodes`` best-scored
+    (stable sort: ties go to the earlier node), those below ``min_score`` dropped. Returns (the kept
+    nodes' indices in drafting order [K], their parents [K + 1] as nodes of the kept tree: the root
+    first with parent -1, kept node i at i + 1). A child never scores above its parent (its score adds a
+    log-probability), so every kept node's parent is kept, by the rank and by the threshold alike."""
+    keep = torch.sort(score, descending=True, stable=True).indices[:nodes]
+    if min_score is not None:
+        keep = keep[score[keep] >= min_score]
+    keep = keep.sort().values
+    where = torch.zeros(score.numel(), dtype=torch.long, device=score.device)
+    where[keep] = torch.arange(1, keep.numel() + 1, device=score.device)
+    up = parent[keep]
+    return keep, torch.cat([up.new_tensor([-1]), torch.where(up < 0, 0, where[up.clamp(min=0)])])
+
+
 @dataclass(frozen=True)
 class RowTrees:
     """One tree per row of a batch (dynamic trees: each row grows its own, method ``eagle3``): the
