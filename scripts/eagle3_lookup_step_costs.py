@@ -24,13 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference.evaluation.prompts import load_prompts  # noqa: E402
 from inference.loading import load_medusa  # noqa: E402
 from inference.methods import generate  # noqa: E402
-from scan_eagle3_lookup import lookup_run, parse  # noqa: E402
+from scan_eagle3_lookup import parse, setting_run  # noqa: E402
 
 
 def main(heads_dir: str, num_prompts: int, max_new_tokens: int, setting: str, draft_weights: str) -> None:
     opts = parse(setting)
-    if "num_tokens" not in opts:
-        raise SystemExit(f"{setting}: give a lookup branch (+tT-mM)")
     m = load_medusa(heads_dir, draft_weights=draft_weights)
     prompts = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", num_prompts)]
     plain_steps, steps_by_rows, lookup_steps = [], defaultdict(list), []
@@ -41,7 +39,7 @@ def main(heads_dir: str, num_prompts: int, max_new_tokens: int, setting: str, dr
         plain_steps += out.step_s
         secs["plain"] += out.prefill_s + out.decode_s
         tokens["plain"] += len(out.tokens)
-        out, rows = lookup_run(m, ids, opts, max_new_tokens)
+        out, rows, _ = setting_run(m, ids, opts, max_new_tokens)
         secs["lookup"] += out.prefill_s + out.decode_s
         tokens["lookup"] += len(out.tokens)
         lookup_steps += out.step_s

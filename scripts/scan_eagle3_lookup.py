@@ -3,8 +3,9 @@ per step (BENCHMARKS.md "EAGLE-3 plus prompt lookup").
 
     .venv/bin/python scripts/scan_eagle3_lookup.py runs/eagle3_smollm2/heads [num_prompts] [max_new_tokens] SETTING...
 
-A SETTING is an eagle3 tree ``nN-dD-kK``, optionally followed by a lookup branch ``+tT-mM`` (at most T
-looked-up tokens, suffixes of at most 3 and at least M tokens): ``n1-d1-k1``, ``n1-d1-k1+t3-m2``.
+A SETTING is an eagle3 tree ``nN-dD-kK``, optionally with a probability floor ``-pP`` (eagle_min_prob) and
+a lookup branch ``+tT-mM`` (at most T looked-up tokens, suffixes of at most 3 and at least M tokens):
+``n1-d1-k1``, ``n1-d1-k1+t3-m2``, ``n4-d1-k4-p0.1+t6-m2``.
 Greedy decoding is deterministic, so tau and the rows per step need one run each; speed is not measured
 here (``medusa-eval`` does that, methods interleaved). Every output is checked against plain greedy
 decoding. Printed per setting: tau, the fraction of steps that grafted a looked-up chain, the mean
@@ -25,50 +26,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference.evaluation.prompts import load_prompts  # noqa: E402
 from inference.loading import load_medusa  # noqa: E402
 from inference.methods import generate  # noqa: E402
+from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options  # noqa: E402
 from inference.methods.eagle3_lookup import Eagle3LookupDecoder, Eagle3LookupOptions  # noqa: E402
 from inference.runtime.decode import TokenStream, run_decoder  # noqa: E402
 
-SETTING = re.compile(r"^n(\d+)-d(\d+)-k(\d+)(?:\+t(\d+)-m(\d+))?$")
+SETTING = re.compile(r"^n(\d+)-d(\d+)-k(\d+)(?:-p(0?\.\d+))?(?:\+t(\d+)-m(\d+))?$")
 
 
 def parse(setting: str) -> dict:
     match = SETTING.match(setting)
     if not match:
-        raise SystemExit(f"bad setting {setting!r}: expected nN-dD-kK or nN-dD-kK+tT-mM")
-    n, d, k, t, mn = match.groups()
-    out = dict(nodes=int(n), depth=int(d), topk=int(k))
+        raise SystemExit(f"bad setting {setting!r}: expected nN-dD-kK[-pP][+tT-mM]")
+    n, d, k, p, t, mn = match.groups()
+    out = dict(nodes=int(n), depth=int(d), topk=int(k), min_prob=float(p or 0))
     if t is not None:
         out.update(num_tokens=int(t), min_ngram=int(mn), max_ngram=max(3, int(mn)))
     return out
 
 
-def lookup_run(m, ids: list[int], opts: dict, max_new_tokens: int):
-    """(generation output, rows verified in each step) of one prompt decoded by ``eagle3_lookup``: each
-    step verifies the root, the drafted nodes and the nodes of the looked-up chain it grafted (if any)."""
-    dec = Eagle3LookupDecoder(m, Eagle3LookupOptions(**opts))
+def setting_run(m, ids: list[int], opts: dict, max_new_tokens: int):
+    """(generation output, rows verified in each step, whether each step grafted a looked-up chain) of one
+    prompt decoded by ``eagle3_lookup`` (or
+    ``eagle3`` for a setting without a branch): each step verifies the root, the drafted nodes kept (all
+    N, or those above the floor) and the nodes of the looked-up chain it grafted (if any)."""
+    if "num_tokens" in opts:
+        dec = Eagle3LookupDecoder(m, Eagle3LookupOptions(**opts))
+    else:
+        dec = Eagle3Decoder(m, Eagle3Options(**opts))
     rows: list[int] = []
-    step = dec.step
+    grafts: list[bool] = []
+    tree = dec.tree
 
-    def recorded():                              # each step: how many grafted nodes it verified
-        before = dec.grafted_nodes
-        result = step()
-        rows.append(opts["nodes"] + 1 + dec.grafted_nodes - before)
-        return result
+    def recorded():                              # each step's tree, as verified
+        before = getattr(dec, "grafted_nodes", 0)
+        out = tree()
+        rows.append(out[0].numel())
+        grafts.append(getattr(dec, "grafted_nodes", 0) > before)
+        return out
 
-    dec.step = recorded
+    dec.tree = recorded
     stream = TokenStream(run_decoder(dec, m, ids, max_new_tokens, None, None))
     for _ in stream:
         pass
-    return stream.result, rows
+    return stream.result, rows, grafts
 
 
 def decode(m, ids: list[int], opts: dict, max_new_tokens: int):
     """(tokens, per-step accepted lengths, per-step grafted flag, rows verified in all) of one prompt."""
-    if "num_tokens" not in opts:
-        out = generate(m, ids, "eagle3", max_new_tokens=max_new_tokens, **opts)
-        return out.tokens, out.accept_lengths, [False] * out.steps, out.steps * (opts["nodes"] + 1)
-    out, rows = lookup_run(m, ids, opts, max_new_tokens)
-    return out.tokens, out.accept_lengths, [r > opts["nodes"] + 1 for r in rows], sum(rows)
+    out, rows, grafts = setting_run(m, ids, opts, max_new_tokens)
+    return out.tokens, out.accept_lengths, grafts, sum(rows)
 
 
 def main(heads_dir: str, num_prompts: int, max_new_tokens: int, settings: list[str]) -> None:

@@ -352,6 +352,28 @@ def test_auto_picks_plain_decoding_when_drafts_are_useless(backbone, greedy, mon
     assert out.tokens == greedy[tuple(p)][:12] and out.tau > 2
 
 
+def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
+    """Guards against a grid shape's floor (its fourth element, eagle_min_prob) being lost on the way: in
+    the calibration decodes (tau), in the race (names), in the chosen options or in the report, and
+    against a floor shape being costed by its median step where its steps differ by themselves."""
+    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(tc, "eagle3_step_times", fake_clock({"plain": 100, "n4-d1-k4": 130, "n4-d1-k4-p0.3": 110}))
+    p = PROMPTS[0]
+    sm = scripted(backbone, p + greedy[tuple(p)], lambda q: 1 if q % 4 == 1 else 0)
+    choice = tc.choose_eagle3(sm, [p], p, grid=[(4, 1, 4), (4, 1, 4, 0.3)], calibration_tokens=24,
+                              log=lambda s: None)
+    assert choice.shape == (4, 1, 4, 0.3) and choice.options()["min_prob"] == 0.3
+    info = choice.to_dict()
+    assert info["name"] == "n4-d1-k4-p0.3" and info["min_prob"] == 0.3
+    by_name = {c["name"]: c for c in info["candidates"]}
+    # rank-1 drafts (every 4th position) sit at ~0.28 < 0.3: the floor drops them, and their acceptances
+    assert by_name["n4-d1-k4-p0.3"]["measured_tau"] < by_name["n4-d1-k4"]["measured_tau"]
+    assert by_name["n4-d1-k4"]["mean_over_median_step"] == 1.0 and "min_prob" not in by_name["n4-d1-k4"]
+    out = generate(sm, p, "eagle3", max_new_tokens=24, eos_token_ids=(), **choice.options())
+    assert out.tokens == greedy[tuple(p)][:24]
+    assert tc.eagle3_name((4, 1, 4, 0.1)) == Eagle3Options(nodes=4, depth=1, topk=4, min_prob=0.1).label
+
+
 def test_evaluate_records_the_eagle3_choice(monkeypatch, tmp_path):
     """Guards against an eagle_tree=auto choice the report does not show (report.json's eagle3_tree,
     report.md's line) or an evaluation that then decodes differently from plain greedy."""

@@ -49,7 +49,7 @@ from ..runtime.speculation import (ScheduleCursor, SpeculationSchedule, choice_d
 from ..runtime.decode import _sync
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, chain_tree, expected_tau, grow_tree
-from .tree_choice import PLAIN, clear_winner, eagle3_name, measure_eagle3_tau, race
+from .tree_choice import PLAIN, clear_winner, eagle3_fields, eagle3_name, measure_eagle3_tau, race
 
 BATCH_BUDGETS = (1, 2, 3, 4, 8)   # draft nodes of the grown candidate trees (root not counted)
 BATCH_CHAINS = (2, 3)             # chain lengths (root included)
@@ -201,8 +201,8 @@ def choose_eagle3_schedule(m: MedusaModel, calibration: Sequence[Sequence[int]],
                         "calibration_prompts >= 1 (or eagle_tree=fixed)")
     base = options if options is not None else Eagle3Options()
     shapes = list(dict.fromkeys(tuple(s) for s in grid))
-    settings = {eagle3_name(s): dataclasses.replace(base, nodes=s[0], depth=s[1], topk=s[2], tree="fixed",
-                                                    schedule=None) for s in shapes}
+    settings = {eagle3_name(s): dataclasses.replace(base, **eagle3_fields(s), tree="fixed", schedule=None)
+                for s in shapes}
     taus = {name: measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens, method=method,
                                      options=base) for name, shape in zip(settings, shapes)}
     cands = {name: (o, taus[name]) for name, o in settings.items()}

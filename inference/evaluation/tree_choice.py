@@ -505,16 +505,19 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
 # that every step makes already drafts them; they pay for drafters trained one step deep, whose deeper
 # drafts are rarely right), chains, then trees of growing width. On a CPU with the prepacked kernels
 # (runtime/linear_kernels.py) a 3-8-node verification costs ~1.2-1.4x a 1-token step (16 nodes ~1.75x),
-# so wide shallow trees are cheap; EAGLE-2's own default is about (59, 6, 10), sized for a GPU.
-EAGLE3_GRID = ((1, 1, 1), (2, 1, 2), (4, 1, 4), (2, 2, 1), (3, 2, 2), (8, 2, 4), (4, 4, 1), (4, 3, 2), (8, 4, 4),
-               (16, 5, 4), (32, 6, 8))
+# so wide shallow trees are cheap; EAGLE-2's own default is about (59, 6, 10), sized for a GPU. A fourth
+# element is a probability floor (eagle_min_prob): of the N nodes, only those the drafter rates at least
+# that likely are verified, so a step verifies 2 rows where the drafter is sure and up to N + 1 where it
+# hesitates (on a CPU each row costs ~7% of a step; on a GPU the race will prefer the shapes without it).
+EAGLE3_GRID = ((1, 1, 1), (2, 1, 2), (4, 1, 4), (4, 1, 4, 0.1), (2, 2, 1), (3, 2, 2), (8, 2, 4), (8, 2, 4, 0.1),
+               (4, 4, 1), (4, 3, 2), (8, 4, 4), (16, 5, 4), (32, 6, 8))
 
 
 @dataclass
 class Eagle3Choice:
-    """(nodes, depth, topk) for method eagle3, or None: plain decoding is faster on this machine."""
+    """(nodes, depth, topk[, min_prob]) for method eagle3, or None: plain decoding is faster on this machine."""
 
-    shape: Optional[tuple[int, int, int]]
+    shape: Optional[tuple]
     reason: str
     candidates: list = field(default_factory=list)  # {name, nodes, depth, topk, measured_tau, step_ms (+ spread), rate}
     autoregressive_step_ms: float = 0.0
@@ -522,48 +525,55 @@ class Eagle3Choice:
 
     def options(self) -> dict:
         """The eagle3 option fields this choice sets (nodes=0: plain decoding)."""
-        n, d, k = self.shape or (0, 1, 1)
-        return {"nodes": n, "depth": d, "topk": k, "tree": "fixed"}
+        return {**eagle3_fields(self.shape or (0, 1, 1)), "tree": "fixed"}
 
     def to_dict(self) -> dict:
-        n, d, k = self.shape or (0, 0, 0)
-        out = {"name": eagle3_name(self.shape) if self.shape else "none (plain decoding)", "nodes": n, "depth": d,
-               "topk": k, "reason": self.reason, "candidates": self.candidates,
+        out = {"name": eagle3_name(self.shape) if self.shape else "none (plain decoding)",
+               **eagle3_fields(self.shape or (0, 0, 0)), "reason": self.reason, "candidates": self.candidates,
                "autoregressive_step_ms": self.autoregressive_step_ms}
         if self.timing:
             out["timing"] = self.timing
         return out
 
 
-def eagle3_name(shape: tuple[int, int, int]) -> str:
-    return "n{}-d{}-k{}".format(*shape)
+def eagle3_fields(shape: tuple) -> dict:
+    """The eagle3 option fields a grid shape sets: (nodes, depth, topk), and min_prob when it has a fourth
+    element (a shape without one keeps the options' own floor)."""
+    out = {"nodes": shape[0], "depth": shape[1], "topk": shape[2]}
+    if len(shape) > 3:
+        out["min_prob"] = shape[3]
+    return out
 
 
-def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional[tuple[int, int, int]], *,
+def eagle3_name(shape: tuple) -> str:
+    """A shape's name, as ``Eagle3Options.label`` names the same setting: n4-d1-k4, n4-d1-k4-p0.1."""
+    name = "n{}-d{}-k{}".format(*shape[:3])
+    return name + f"-p{shape[3]:g}" if len(shape) > 3 and shape[3] else name
+
+
+def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional[tuple], *,
                       steps: int = 8, warmup: int = 2, method: str = "eagle3", options=None) -> list[float]:
     """``step_times`` for ``method`` (eagle3, or eagle3_lookup with ``options``' lookup settings) with
-    (nodes, depth, topk) = ``shape`` (None: plain decoding)."""
+    (nodes, depth, topk[, min_prob]) = ``shape`` (None: plain decoding)."""
     if shape is None:
         return step_times(m, prompt_ids, None, steps=steps, warmup=warmup)
-    n, d, k = shape
     extra = getattr(options, "num_tokens", 0)          # a looked-up chain deepens a step's tree
-    out = generate(m, list(prompt_ids), method, options=options, nodes=n, depth=d, topk=k, tree="fixed",
-                   eos_token_ids=(), max_new_tokens=(warmup + steps + 1) * (d + extra + 1),
+    out = generate(m, list(prompt_ids), method, options=options, **eagle3_fields(shape), tree="fixed",
+                   eos_token_ids=(), max_new_tokens=(warmup + steps + 1) * (shape[1] + extra + 1),
                    max_steps=warmup + steps, seed=0)
     times = list(out.step_s)
     return times[warmup:] if len(times) > warmup else times
 
 
-def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: tuple[int, int, int], *,
+def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: tuple, *,
                        max_new_tokens: int = 48, method: str = "eagle3", options=None,
                        step_s: Optional[list[float]] = None) -> float:
     """Tokens per step of greedy ``method`` decoding with ``shape`` over ``prompts``: a dynamic tree has
     no fixed node values to add up, so its expected tau is measured by decoding. ``step_s``: a list that
     gets every step's wall time (``mean_over_median``)."""
-    n, d, k = shape
     tokens = steps = 0
     for p in prompts:
-        out = generate(m, list(p), method, options=options, nodes=n, depth=d, topk=k, tree="fixed",
+        out = generate(m, list(p), method, options=options, **eagle3_fields(shape), tree="fixed",
                        max_new_tokens=max_new_tokens)
         tokens, steps = tokens + sum(out.accept_lengths), steps + out.steps
         if step_s is not None:
@@ -583,11 +593,11 @@ def mean_over_median(times: Sequence[float]) -> float:
 
 
 def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
-                  grid: Sequence[tuple[int, int, int]] = EAGLE3_GRID, calibration_tokens: int = 48,
+                  grid: Sequence[tuple] = EAGLE3_GRID, calibration_tokens: int = 48,
                   latency_steps: int = 6, min_rounds: int = 3, max_rounds: int = 8,
                   log: Callable[[str], None] = print, progress: bool = False, method: str = "eagle3",
                   options=None) -> Eagle3Choice:
-    """``choose_tree``'s rule for method eagle3: each (nodes, depth, topk) of ``grid``'s tau is measured
+    """``choose_tree``'s rule for method eagle3: each (nodes, depth, topk[, min_prob]) of ``grid``'s tau is measured
     by greedy decoding of the calibration prompts, its step time in ``race``'s interleaved rounds
     against plain decoding; the best expected tokens/s wins, plain decoding when nothing beats it by more
     than the timings' spread (``clear_winner``). ``method="eagle3_lookup"`` (with ``options``, whose
@@ -598,7 +608,8 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
     bar = _bar(progress, len(shapes), f"calibrating {method}")
     taus, mix = {}, {}
-    grafts = options is not None and options.steps_vary   # a looked-up branch: steps differ in the rows they verify
+    # a looked-up branch or a probability floor: steps differ in the rows they verify
+    varies = options is not None and options.steps_vary
     try:
         for i, (name, shape) in enumerate(shapes.items()):
             if bar is not None:
@@ -606,7 +617,8 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
             calibration_steps: list[float] = []
             taus[name] = measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens,
                                             method=method, options=options, step_s=calibration_steps)
-            mix[name] = mean_over_median(calibration_steps) if grafts else 1.0
+            floor = len(shape) > 3 and shape[3] > 0
+            mix[name] = mean_over_median(calibration_steps) if varies or floor else 1.0
             if bar is not None:
                 bar.update(1)
     finally:
@@ -625,8 +637,7 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     cands, rates = [], {}
     for name, shape in shapes.items():
         rates[name] = taus[name] / step[name]
-        cands.append({"name": name, "nodes": shape[0], "depth": shape[1], "topk": shape[2],
-                      "measured_tau": round(taus[name], 4), **spreads[name],
+        cands.append({"name": name, **eagle3_fields(shape), "measured_tau": round(taus[name], 4), **spreads[name],
                       "mean_over_median_step": round(mix[name], 4),
                       "expected_tokens_per_s": round(rates[name], 2)})
         log(f"  {method} {name:>11}: tau {taus[name]:.3f} (measured), step {step[name] * 1e3:.1f} ms -> "
