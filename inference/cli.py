@@ -73,7 +73,7 @@ class RuntimeConfig:
     eagle_depth: int = 4  # eagle3: depth of the dynamic tree (depth - 1 drafter calls per step)
     eagle_topk: int = 4  # eagle3: children per expanded node, nodes expanded per depth
     # eagle3: verify only the drafted nodes whose draft probability (product along the path) is >= this;
-    # 0: all eagle_nodes (EAGLE-2). On a CPU every verified row costs (BENCHMARKS.md "Confidence floor")
+    # 0: all eagle_nodes (EAGLE-2). On a CPU every verified row costs (BENCHMARKS.md "A probability floor on the tree")
     eagle_min_prob: float = 0.0
 
 

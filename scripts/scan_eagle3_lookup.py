@@ -1,7 +1,10 @@
 """Tokens per step of ``eagle3`` and ``eagle3_lookup`` settings on the same prompts, and what each verifies
 per step (BENCHMARKS.md "EAGLE-3 plus prompt lookup").
 
-    .venv/bin/python scripts/scan_eagle3_lookup.py runs/eagle3_smollm2/heads [num_prompts] [max_new_tokens] SETTING...
+    .venv/bin/python scripts/scan_eagle3_lookup.py runs/eagle3_smollm2/heads PROMPTS MAX_NEW_TOKENS SETTING...
+
+PROMPTS: N (MT-Bench first turns 1..N) or A-B (turns A..B: e.g. 21-40 to choose a setting on prompts
+that an evaluation of the first 20 does not use).
 
 A SETTING is an eagle3 tree ``nN-dD-kK``, optionally with a probability floor ``-pP`` (eagle_min_prob) and
 a lookup branch ``+tT-mM`` (at most T looked-up tokens, suffixes of at most 3 and at least M tokens):
@@ -77,12 +80,19 @@ def decode(m, ids: list[int], opts: dict, max_new_tokens: int):
     return out.tokens, out.accept_lengths, grafts, sum(rows)
 
 
-def main(heads_dir: str, num_prompts: int, max_new_tokens: int, settings: list[str]) -> None:
+def prompt_range(text: str) -> tuple[int, int]:
+    """``N`` -> (1, N); ``A-B`` -> (A, B): MT-Bench first turns, 1-based, inclusive."""
+    first, _, last = text.partition("-")
+    return (int(first), int(last)) if last else (1, int(first))
+
+
+def main(heads_dir: str, prompts_arg: str, max_new_tokens: int, settings: list[str]) -> None:
+    first, last = prompt_range(prompts_arg)
     torch.manual_seed(0)
     m = load_medusa(heads_dir)
-    prompts = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", num_prompts)]
+    prompts = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", last)[first - 1:]]
     plain = [generate(m, ids, "autoregressive", max_new_tokens=max_new_tokens).tokens for ids in prompts]
-    print(f"{heads_dir}: MT-Bench first turns 1-{num_prompts}, {max_new_tokens} tokens, greedy")
+    print(f"{heads_dir}: MT-Bench first turns {first}-{last}, {max_new_tokens} tokens, greedy")
     print("| setting | tau | = greedy | steps grafting | rows per step | tau, grafting steps / others |")
     print("|---|---|---|---|---|---|")
     for setting in settings:
@@ -104,4 +114,4 @@ def main(heads_dir: str, num_prompts: int, max_new_tokens: int, settings: list[s
 if __name__ == "__main__":
     if len(sys.argv) < 5:
         raise SystemExit(__doc__)
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:])
