@@ -33,8 +33,9 @@ Batches (``generate_batch``): ``eagle3_batch``, every row its own tree grown as 
 trees verified in one forward.
 
 Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
-0 = plain decoding), eagle_depth D, eagle_topk k, eagle_min_prob p (0: every one of the N); eagle_tree=auto lets an evaluation choose
-(N, D, k), or plain decoding when no setting beats it (``evaluation.tree_choice.choose_eagle3``).
+0 = plain decoding), eagle_depth D, eagle_topk k, eagle_min_prob p (0: every one of the N);
+eagle_tree=auto lets an evaluation choose (N, D, k[, p]), or plain decoding when no setting beats it
+(``evaluation.tree_choice.choose_eagle3``).
 """
 
 from __future__ import annotations
