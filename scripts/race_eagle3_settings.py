@@ -57,14 +57,14 @@ def main(heads_dir: str, num_prompts: int, max_new_tokens: int, rounds: int, dra
                 tokens[name] += len(out.tokens)
                 steps[name] += len(out.accept_lengths)
                 accepted[name] += sum(out.accept_lengths)
-            if r == 0:
+            if r == 0:               # greedy: outputs and tau are the same every round
                 for s in settings:
                     same[s] += outs[s].tokens == outs[PLAIN].tokens
         plain_rate = tokens[PLAIN] / secs[PLAIN]
         cells = []
         for s in settings:
             ratios[s].append(tokens[s] / secs[s] / plain_rate)
-            taus[s] = accepted[s] / max(steps[s], 1)
+            taus.setdefault(s, accepted[s] / max(steps[s], 1))
             cells.append(f"{s} {ratios[s][-1]:.3f}x")
         print(f"round {r + 1}: plain {plain_rate:.2f} tokens/s; " + "; ".join(cells), flush=True)
     print("| setting | tau | vs the loop, median (rounds) | = greedy |")

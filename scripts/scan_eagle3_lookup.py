@@ -49,9 +49,8 @@ def parse(setting: str) -> dict:
 
 def setting_run(m, ids: list[int], opts: dict, max_new_tokens: int):
     """(generation output, rows verified in each step, whether each step grafted a looked-up chain) of one
-    prompt decoded by ``eagle3_lookup`` (or
-    ``eagle3`` for a setting without a branch): each step verifies the root, the drafted nodes kept (all
-    N, or those above the floor) and the nodes of the looked-up chain it grafted (if any)."""
+    prompt decoded by ``eagle3_lookup`` (``eagle3`` for a setting without a branch): each step verifies the
+    root, the drafted nodes kept (all N, or those above the floor) and the looked-up chain it grafted."""
     if "num_tokens" in opts:
         dec = Eagle3LookupDecoder(m, Eagle3LookupOptions(**opts))
     else:

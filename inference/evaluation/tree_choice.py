@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import UserError
-from ..methods import generate
+from ..methods import generate, registry
 from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, grow_tree, resolve_tree
 from ..runtime.verify import SamplingConfig
@@ -608,8 +608,6 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
     bar = _bar(progress, len(shapes), f"calibrating {method}")
     taus, mix = {}, {}
-    # a looked-up branch or a probability floor: steps differ in the rows they verify
-    varies = options is not None and options.steps_vary
     try:
         for i, (name, shape) in enumerate(shapes.items()):
             if bar is not None:
@@ -617,8 +615,9 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
             calibration_steps: list[float] = []
             taus[name] = measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens,
                                             method=method, options=options, step_s=calibration_steps)
-            floor = len(shape) > 3 and shape[3] > 0
-            mix[name] = mean_over_median(calibration_steps) if varies or floor else 1.0
+            # a looked-up branch or a probability floor: the setting's steps differ in the rows they verify
+            setting = registry.make_options(method, options, **eagle3_fields(shape), tree="fixed")
+            mix[name] = mean_over_median(calibration_steps) if setting.steps_vary else 1.0
             if bar is not None:
                 bar.update(1)
     finally:

@@ -80,7 +80,7 @@ class Eagle3Options:
                 raise UserError(f"eagle_{name} must be an integer >= {low}, got {v!r}")
         p = self.min_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-            raise UserError(f"eagle_min_prob must be a probability in [0, 1), got {p!r}")
+            raise UserError(f"eagle_min_prob must be a probability in [0, 1) (0 verifies all eagle_nodes), got {p!r}")
         if self.tree not in TREE_SETTINGS:
             raise UserError(f"eagle_tree must be one of {', '.join(TREE_SETTINGS)}, got {self.tree!r}")
         most = max_nodes(self.depth, self.topk)
