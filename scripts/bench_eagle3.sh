@@ -5,7 +5,8 @@
 #   STAGES="eval export" bash scripts/bench_eagle3.sh
 #   SETTINGS="" EAGLE3_RUN=runs/eagle3_cpu BENCH_OUT=runs/bench_eagle3_cpu bash scripts/bench_eagle3.sh   # the recipe now
 #
-# 1. train: recipe eagle3_smollm2 (builds runs/features_smollm2_1k_aux once: last layer + 3 aux layers);
+# 1. train: recipe eagle3_smollm2 at the section's data, 1,000 conversations x 1,024 tokens (builds
+#    runs/features_smollm2_1k_aux once: last layer + 3 aux layers; the recipe now caches 2,000 x 512);
 # 2. eval: medusa-eval on MT-Bench first turns 1-20 and on the bundled code prompts, eagle3 (tree chosen on
 #    this machine, eagle_tree=auto) vs the runtime's plain loop vs transformers' generate, interleaved;
 #    plus one fixed setting per run for the per-depth acceptance at a known tree;
@@ -22,7 +23,7 @@ mkdir -p "$B"
 
 # The section's figures are the 3-step drafter (the recipe's defaults until it went one step deep for CPU decoding);
 # SETTINGS="" trains the recipe as it is now.
-read -r -a settings <<< "${SETTINGS-heads.ttt_steps=3 trainer.max_steps=300}"
+read -r -a settings <<< "${SETTINGS-heads.ttt_steps=3 trainer.max_steps=300 data.max_conversations=1000 data.max_length=1024 features.cache_dir=runs/features_smollm2_1k_aux}"
 if has train && [[ ! -f "$RUN/heads/config.json" ]]; then
   timed "eagle3_smollm2 (cache + training)" "$BIN/medusa-train" eagle3_smollm2 output_dir="$RUN" "${settings[@]}" \
       trainer.progress_bar=false logger.wandb=disabled

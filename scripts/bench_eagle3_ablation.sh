@@ -6,7 +6,7 @@
 #   ARMS="lr2e-3:optim.lr=2e-3 ttt2:heads.ttt_steps=2,trainer.max_steps=180" bash scripts/bench_eagle3_ablation.sh
 #
 # Data: the 320-conversation feature cache of scripts/bench_eagle3_teacher.sh (built there, or by its cache stage);
-# CONVS=1000 CACHE=runs/features_smollm2_1k_aux runs an arm at eagle3_smollm2's own data (the recipe's cache), whose
+# CONVS=1000 CACHE=runs/features_smollm2_1k_aux runs an arm at eagle3_smollm2's earlier data (1,000 x 1,024 tokens), whose
 # baseline is the recipe itself, trained and evaluated by scripts/bench_eagle3.sh.
 # Each arm is "name:override,override,..." on top of eagle3_smollm2 at that data; the baseline is that recipe at
 # 120 steps (~12 min here), trained and evaluated the same way by scripts/bench_families.sh (its eagle3 run).
@@ -25,8 +25,8 @@ CONVS=${CONVS:-320}
 mkdir -p "$B"
 . scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
 
-data=(data.max_conversations="$CONVS" features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
-[[ -f "$CACHE/features.json" ]] || { echo "no feature cache at $CACHE: run scripts/bench_eagle3_teacher.sh's cache stage (or, for CONVS=1000, medusa-train eagle3_smollm2)" >&2; exit 2; }
+data=(data.max_length=1024 data.max_conversations="$CONVS" features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
+[[ -f "$CACHE/features.json" ]] || { echo "no feature cache at $CACHE: run scripts/bench_eagle3_teacher.sh's cache stage (or, for CONVS=1000, medusa-train eagle3_smollm2 data.max_conversations=1000 data.max_length=1024 features.cache_dir=$CACHE)" >&2; exit 2; }
 
 for arm in $ARMS; do
   name=${arm%%:*}

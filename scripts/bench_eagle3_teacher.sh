@@ -24,7 +24,7 @@ CACHE=${CACHE:-runs/features_aux_320}
 mkdir -p "$B"
 . scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
 
-data=(data.max_conversations=320 features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
+data=(data.max_length=1024 data.max_conversations=320 features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
 
 if has cache; then
   timed "cache (320 conversations)" "$BIN/medusa-train" eagle3_smollm2 "${data[@]}" features.mode=build \

@@ -30,7 +30,7 @@ STEPS_eagle3=${STEPS_eagle3:-120}
 mkdir -p "$B"
 . scripts/bench_stages.sh   # has <stage>, timed <label> <command...>
 
-data=(data.max_conversations=320 features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
+data=(data.max_length=1024 data.max_conversations=320 features.cache_dir="$CACHE" trainer.progress_bar=false logger.wandb=disabled)
 recipe() {
   case $1 in
     medusa) echo medusa1_smollm2_greedy ;;
