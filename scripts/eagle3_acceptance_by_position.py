@@ -21,7 +21,7 @@ if len(sys.argv) != 4:
 heads, n_prompts, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 m = load_medusa(heads)
 prompts = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", 40)[20:20 + n_prompts]]
-buckets = {}
+buckets: dict[str, list[int]] = {}    # context-length bucket -> tokens of each step taken there
 for ids in prompts:
     dec = Eagle3Decoder(m, Eagle3Options(nodes=1, depth=1, topk=1))
     orig = dec.step
@@ -32,8 +32,9 @@ for ids in prompts:
         buckets.setdefault(b, []).append(len(new_toks))
         return new_toks, d
     dec.step = step
-    s = TokenStream(run_decoder(dec, m, ids, new, None, None))
-    for _ in s: pass
+    for _ in TokenStream(run_decoder(dec, m, ids, new, None, None)):
+        pass
 for b in ("<256", "256-511", "512-767", ">=768"):
     xs = buckets.get(b, [])
-    if xs: print(heads, b, len(xs), "steps, tau %.3f" % (sum(xs) / len(xs)))
+    if xs:
+        print(f"{heads} context {b}: {len(xs)} steps, tokens per step {sum(xs) / len(xs):.3f}")
