@@ -11,30 +11,26 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scan_eagle3_lookup import setting_run  # noqa: E402
+
 from inference.evaluation.prompts import load_prompts  # noqa: E402
 from inference.loading import load_medusa  # noqa: E402
-from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options  # noqa: E402
-from inference.runtime.decode import TokenStream, run_decoder  # noqa: E402
+
+BUCKETS = ((256, "<256"), (512, "256-511"), (768, "512-767"), (float("inf"), ">=768"))
 
 if len(sys.argv) != 4:
     raise SystemExit(__doc__)
 heads, n_prompts, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 m = load_medusa(heads)
 prompts = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", 40)[20:20 + n_prompts]]
-buckets: dict[str, list[int]] = {}    # context-length bucket -> tokens of each step taken there
+buckets: dict[str, list[int]] = {name: [] for _, name in BUCKETS}   # context bucket -> tokens of each step there
 for ids in prompts:
-    dec = Eagle3Decoder(m, Eagle3Options(nodes=1, depth=1, topk=1))
-    orig = dec.step
-    def step(dec=dec, orig=orig):
-        pos = dec.past
-        new_toks, d = orig()
-        b = "<256" if pos < 256 else "256-511" if pos < 512 else "512-767" if pos < 768 else ">=768"
-        buckets.setdefault(b, []).append(len(new_toks))
-        return new_toks, d
-    dec.step = step
-    for _ in TokenStream(run_decoder(dec, m, ids, new, None, None)):
-        pass
-for b in ("<256", "256-511", "512-767", ">=768"):
-    xs = buckets.get(b, [])
+    out, _, _ = setting_run(m, ids, dict(nodes=1, depth=1, topk=1), new)
+    context = len(ids)                  # a step starts at the prompt plus every token the steps before emitted
+    for tokens in out.accept_lengths:
+        buckets[next(name for limit, name in BUCKETS if context < limit)].append(tokens)
+        context += tokens
+for name, xs in buckets.items():
     if xs:
-        print(f"{heads} context {b}: {len(xs)} steps, tokens per step {sum(xs) / len(xs):.3f}")
+        print(f"{heads} context {name}: {len(xs)} steps, tokens per step {sum(xs) / len(xs):.3f}")

@@ -4,7 +4,8 @@
         [SETTING] [float|float16]
 
 SETTING as in ``scan_eagle3_lookup.py`` (default ``n1-d1-k1+t6-m2``: the method's defaults at the two-row
-tree; a setting without a branch, ``n4-d1-k4-p0.1``, is decoded by ``eagle3``). Per prompt, plain decoding and the setting run one after the other (interleaved prompt by prompt,
+tree; a setting without a branch, ``n4-d1-k4-p0.1``, is decoded by ``eagle3``). Per prompt, plain
+decoding and the setting run one after the other (interleaved prompt by prompt,
 greedy, the method's own decoder driven by ``run_decoder``, which times every step the way medusa-eval
 does). Printed: both methods' tokens/s (prefill included) and their ratio; the mean step of each; and
 the median step per number of verified rows (root + drafted nodes + grafted nodes) against the plain
