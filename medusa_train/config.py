@@ -95,6 +95,10 @@ class HeadsConfig:
     # Weight of a distillation term: CE against the backbone's own distribution of the token
     # each head guesses (Hydra++'s teacher loss); 0 = labels only, 1 = teacher only.
     teacher_weight: float = 0.0
+    # Training-time noise on the features the heads read (EAGLE's data noise, made scale-free): Gaussian
+    # with std = feature_noise x the RMS of each backbone layer's state at that position (eagle3: each of its
+    # three aux layers), on training batches only. A regulariser for drafters that overfit their data.
+    feature_noise: float = 0.0
     # What head k at t learns to predict: "data" = the dataset token t+k+1 (the labels);
     # "backbone" = the frozen backbone's greedy token there (argmax after the true prefix up to
     # t+k), which is what greedy verification accepts (losses.backbone_labels).
@@ -285,6 +289,7 @@ def validate(cfg) -> None:
         (not h.tie_weights or (kind == "mlp_speculator" and h.num_heads >= 2),
          "heads.tie_weights needs heads.kind=mlp_speculator and heads.num_heads >= 2"),
         (0.0 <= h.teacher_weight <= 1.0, f"heads.teacher_weight must be in [0, 1], got {h.teacher_weight}"),
+        (0.0 <= h.feature_noise <= 1.0, f"heads.feature_noise must be in [0, 1], got {h.feature_noise}"),
         (h.train_on in TRAIN_ON, f"heads.train_on must be one of {', '.join(TRAIN_ON)}, got {h.train_on!r}"),
         (h.train_on == "assistant" or h.targets == "backbone",
          "heads.train_on=all needs heads.targets=backbone (the dataset has no labels on the user's turns)"),

@@ -90,8 +90,9 @@ class JointWithLoss(nn.Module):
     """
 
     def __init__(self, peft_model, body, lm_head: nn.Module, heads, weights: list[float], inv_map,
-                 lcfg, teacher_weight: float = 0.0):
+                 lcfg, teacher_weight: float = 0.0, feature_noise: float = 0.0):
         super().__init__()
+        self.feature_noise = feature_noise
         self.peft_model = peft_model
         self.heads = heads
         self.weights = weights
@@ -127,7 +128,7 @@ class JointWithLoss(nn.Module):
             backbone = F.cross_entropy(student, nxt[where]) if student.shape[0] else student.sum() * 0.0
         heads = heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
                            input_ids=input_ids, teacher_weight=self.teacher_weight,
-                           lm_head_weight=self.lm_head.weight)
+                           lm_head_weight=self.lm_head.weight, feature_noise=self.feature_noise)
         c = heads_coefficient(self.step, self.lcfg)
         self.last_parts = {"backbone_loss": float(backbone.detach()), "heads_loss": float(heads.detach()),
                            "heads_coefficient": c}
@@ -226,7 +227,8 @@ class JointSource:
         spec.backbone_adapter = ADAPTER_DIR
         init_heads_from(heads, self.cfg.lora.init_heads, lm_head_weight(model), model.get_input_embeddings().weight)
         self.module = JointWithLoss(self.peft_model, self.body, model.get_output_embeddings(), heads, weights,
-                                    inv_map, self.cfg.lora, self.cfg.heads.teacher_weight)
+                                    inv_map, self.cfg.lora, self.cfg.heads.teacher_weight,
+                                    self.cfg.heads.feature_noise)
         return self.module
 
     def param_groups(self, lr: float) -> list[dict]:

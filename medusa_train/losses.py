@@ -24,6 +24,10 @@ Optional teacher term (``teacher_weight`` w): head k's loss becomes
 (1 - w) CE(label) + w CE(p_backbone), where p_backbone is the frozen backbone's own
 distribution of the same token, lm_head(h_{t+k+1}) — restricted to the token map for
 truncated heads. Hydra++ found this best: the heads learn what the backbone will verify.
+
+Optional feature noise (``feature_noise`` s, training batches only, ``add_feature_noise``): the
+features the heads read get Gaussian noise of std s x their per-position RMS (per layer for the
+aux features), as EAGLE perturbs its drafter's inputs; the teacher term reads the clean states.
 """
 
 from __future__ import annotations
@@ -168,30 +172,48 @@ def simulated_tau(top1: list[float]) -> float:
     return tau
 
 
+def add_feature_noise(x: torch.Tensor, scale: float, parts: int = 1) -> torch.Tensor:
+    """x [..., parts * H] plus Gaussian noise of std ``scale`` x the RMS of each H-wide part at each
+    position: relative, because a low layer's states are an order of magnitude smaller than a high
+    one's, so one absolute amplitude would drown the first and not touch the last. Draws from the
+    global torch RNG, which checkpoints save, so a resumed run draws the same noise."""
+    if scale <= 0:
+        return x
+    split = x.unflatten(-1, (parts, x.shape[-1] // parts))
+    rms = split.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)
+    return (split + torch.randn_like(split) * (scale * rms)).flatten(-2)
+
+
 def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor,
                weights: list[float], inv_map: torch.Tensor | None,
                metrics: HeadMetrics | None = None, input_ids: torch.Tensor | None = None,
                teacher_weight: float = 0.0, lm_head_weight: torch.Tensor | None = None,
-               aux: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+               aux: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               feature_noise: float = 0.0) -> torch.Tensor:
     """sum_k lambda_k * loss_k over positions with a target; fills ``metrics`` if given.
 
     For truncated heads, targets outside the head's vocabulary are excluded from the CE
     (they cannot be predicted) but counted as misses in the accuracy. ``input_ids`` is
     needed by dependent heads; ``lm_head_weight`` by the teacher term; ``aux`` and ``position_ids``
-    by drafters that read several layers (eagle3).
+    by drafters that read several layers (eagle3); ``feature_noise`` perturbs what the heads read
+    while they train (module docstring).
     """
     total = hidden.new_zeros(())
+    noise = feature_noise if heads.training else 0.0  # held-out batches run in eval mode: clean
+    eagle = bool(getattr(heads, "needs_aux_layers", False))
+    head_in = hidden if eagle else add_feature_noise(hidden, noise)  # the teacher term keeps ``hidden``
     dependent = bool(getattr(heads, "sequential", False))
     if dependent and input_ids is None:
         raise ValueError("dependent heads need the batch's input_ids")
-    if getattr(heads, "needs_aux_layers", False):
+    if eagle:
         if aux is None or position_ids is None:
             raise ValueError("eagle3 drafters need the batch's aux features and position_ids")
         mask0 = block_causal_mask(doc_ids, aux.dtype)  # causal within a packed document (padding: itself)
-        feats = heads.ttt_features(aux, future_tokens(input_ids, len(weights)), position_ids.to(aux.device),
+        noisy = add_feature_noise(aux, noise, aux.shape[-1] // hidden.shape[-1])  # each aux layer its own scale
+        feats = heads.ttt_features(noisy, future_tokens(input_ids, len(weights)), position_ids.to(aux.device),
                                    mask0, steps=len(weights))
     elif dependent:
-        feats = heads.teacher_forced_features(hidden, future_tokens(input_ids, len(weights)))
+        feats = heads.teacher_forced_features(head_in, future_tokens(input_ids, len(weights)))
     token_map = getattr(heads, "token_map", None)
     for k in range(len(weights)):
         tgt = head_targets(labels, doc_ids, k + 1)
@@ -201,7 +223,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
         # gathering its weights, or the ranks deadlock.
         tgt = tgt[mask]
         local = inv_map[tgt] if inv_map is not None else tgt
-        f = feats[k][mask] if dependent else heads.head_hidden(hidden[mask], k)
+        f = feats[k][mask] if dependent else heads.head_hidden(head_in[mask], k)
         logits = heads.project(f, k).float()
         valid = local >= 0
         if bool(valid.any()):

@@ -59,8 +59,9 @@ class HeadsWithLoss(nn.Module):
     """What the DeepSpeed engine wraps for frozen features: the heads, and their loss as ``forward``."""
 
     def __init__(self, heads, weights: list[float], inv_map, teacher_weight: float = 0.0,
-                 lm_head_weight: Optional[torch.Tensor] = None):
+                 lm_head_weight: Optional[torch.Tensor] = None, feature_noise: float = 0.0):
         super().__init__()
+        self.feature_noise = feature_noise
         self.heads = heads
         self.weights = weights
         self.inv_map = inv_map
@@ -74,7 +75,8 @@ class HeadsWithLoss(nn.Module):
     def forward(self, hidden, labels, doc_ids, input_ids=None, aux=None, position_ids=None):
         return heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
                           input_ids=input_ids, teacher_weight=self.teacher_weight,
-                          lm_head_weight=self.lm_head_weight, aux=aux, position_ids=position_ids)
+                          lm_head_weight=self.lm_head_weight, aux=aux, position_ids=position_ids,
+                          feature_noise=self.feature_noise)
 
 
 class _FrozenHeads:
@@ -89,7 +91,7 @@ class _FrozenHeads:
     def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
         self.aux_layers = list(spec.aux_layers) if getattr(heads, "needs_aux_layers", False) else None
         self.module = HeadsWithLoss(heads, weights, inv_map, self.cfg.heads.teacher_weight,
-                                    lm_head_weight(self.backbone.model))
+                                    lm_head_weight(self.backbone.model), self.cfg.heads.feature_noise)
         return self.module
 
     def param_groups(self, lr: float) -> list:

@@ -85,6 +85,8 @@ def test_default_schema_is_valid():
     ({"heads__tie_weights": True}, "heads.tie_weights"),
     ({"heads__kind": "mlp_speculator", "heads__tie_weights": True, "heads__num_heads": 1}, "heads.tie_weights"),
     ({"heads__teacher_weight": 1.5}, "heads.teacher_weight"),
+    ({"heads__feature_noise": -0.1}, "heads.feature_noise"),
+    ({"heads__feature_noise": 2.0}, "heads.feature_noise"),
     ({"heads__loss_weights": [1.0, 0.5]}, "heads.loss_weights"),
     ({"data__max_length": 4}, "data.max_length"),
     ({"backbone__dtype": "int8"}, "backbone.dtype"),

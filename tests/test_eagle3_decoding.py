@@ -358,10 +358,15 @@ def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
     against a floor shape being costed by its median step where its steps differ by themselves."""
     monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
     monkeypatch.setattr(tc, "eagle3_step_times", fake_clock({"plain": 100, "n4-d1-k4": 130, "n4-d1-k4-p0.3": 110}))
+    # The calibration decodes' own wall-clock steps set a varying setting's mean / median factor: fixed here,
+    # or a loaded machine's noisy steps decide the race (110 x 1.2 > 130) instead of the fake clock.
+    mixed = []
+    monkeypatch.setattr(tc, "mean_over_median", lambda times: (mixed.append(len(times)), 1.05)[1])
     p = PROMPTS[0]
     sm = scripted(backbone, p + greedy[tuple(p)], lambda q: 1 if q % 4 == 1 else 0)
     choice = tc.choose_eagle3(sm, [p], p, grid=[(4, 1, 4), (4, 1, 4, 0.3)], calibration_tokens=24,
                               log=lambda s: None)
+    assert len(mixed) == 1 and mixed[0] > 0           # the floor shape only, from its calibration steps
     assert choice.shape == (4, 1, 4, 0.3) and choice.options()["min_prob"] == 0.3
     info = choice.to_dict()
     assert info["name"] == "n4-d1-k4-p0.3" and info["min_prob"] == 0.3
@@ -369,6 +374,7 @@ def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
     # rank-1 drafts (every 4th position) sit at ~0.28 < 0.3: the floor drops them, and their acceptances
     assert by_name["n4-d1-k4-p0.3"]["measured_tau"] < by_name["n4-d1-k4"]["measured_tau"]
     assert by_name["n4-d1-k4"]["mean_over_median_step"] == 1.0 and "min_prob" not in by_name["n4-d1-k4"]
+    assert by_name["n4-d1-k4-p0.3"]["mean_over_median_step"] == 1.05
     out = generate(sm, p, "eagle3", max_new_tokens=24, eos_token_ids=(), **choice.options())
     assert out.tokens == greedy[tuple(p)][:24]
     assert tc.eagle3_name((4, 1, 4, 0.1)) == Eagle3Options(nodes=4, depth=1, topk=4, min_prob=0.1).label

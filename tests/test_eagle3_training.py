@@ -189,3 +189,38 @@ def test_eagle3_trains_on_the_teacher_term(compose_tiny, tmp_path):
     T.run(compose_tiny(*RUN, out=tmp_path / "hard"))
     soft, hard = losses(tmp_path / "soft", "train"), losses(tmp_path / "hard", "train")
     assert len(soft) == 3 and all(map(math.isfinite, soft)) and soft != hard
+
+
+def test_feature_noise_perturbs_each_aux_layer_at_its_own_scale_while_training():
+    """Guards against: heads.feature_noise skipped for eagle3 drafters (their features come as ``aux``, not
+    ``hidden``), scaled by the RMS of the three layers together (hidden_states[2] is far smaller than
+    hidden_states[N-3] in a trained model, so it would drown), or applied to held-out batches."""
+    from medusa_train.losses import heads_loss
+
+    model = tiny_llama()
+    d = random_drafter(model, steps=1)
+    ids = torch.randint(0, 90, (2, 64))
+    doc, pos = torch.ones_like(ids), torch.arange(64).expand(2, 64)
+    with HiddenStateTap(model, d.spec.aux_layers) as tap, torch.no_grad():
+        hidden = model.model(input_ids=ids, position_ids=pos).last_hidden_state
+    aux = tap.features()
+    aux = aux * torch.tensor([0.01] * 64 + [1.0] * 64 + [50.0] * 64)   # layers of very different scales
+    seen = []
+    original = d.ttt_features
+    d.ttt_features = lambda a, *rest, **kw: (seen.append(a), original(a, *rest, **kw))[1]
+    heads_loss(d, hidden, ids, doc, [1.0], None, input_ids=ids, aux=aux, position_ids=pos, feature_noise=0.3)
+    assert torch.equal(seen[-1], aux)                        # eval mode (held-out batches): clean
+    d.train()
+    heads_loss(d, hidden, ids, doc, [1.0], None, input_ids=ids, aux=aux, position_ids=pos, feature_noise=0.3)
+    noise = (seen[-1] - aux).unflatten(-1, (3, 64))
+    rms = aux.unflatten(-1, (3, 64)).pow(2).mean(-1, keepdim=True).sqrt()
+    assert torch.allclose((noise / rms).std(dim=(0, 1, 3)), torch.full((3,), 0.3), rtol=0.05)
+
+
+def test_eagle3_trains_with_feature_noise(compose_tiny, tmp_path):
+    """Guards against: heads.feature_noise not reaching the trainer's loss (a recipe that sets it trains
+    exactly as without it) or a noisy run whose loss is not finite."""
+    T.run(compose_tiny(*RUN, "heads.feature_noise=0.2", out=tmp_path / "noisy"))
+    T.run(compose_tiny(*RUN, out=tmp_path / "clean"))
+    noisy, clean = losses(tmp_path / "noisy", "train"), losses(tmp_path / "clean", "train")
+    assert len(noisy) == 3 and all(map(math.isfinite, noisy)) and noisy != clean

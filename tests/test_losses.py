@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from inference.heads.medusa import MedusaHeads
 from inference.heads.spec import HeadsSpec
-from medusa_train.losses import HeadMetrics, head_targets, heads_loss, simulated_tau, vocab_to_local
+from medusa_train import losses as L
+from medusa_train.losses import (HeadMetrics, add_feature_noise, head_targets, heads_loss, simulated_tau,
+                                   vocab_to_local)
 
 I = -100  # IGNORE
 
@@ -145,3 +147,36 @@ def test_metrics_summary_and_simulated_tau():
     assert s["sim_tau"] == pytest.approx(1 + 0.3 + 0.3 * 0.1)
     assert simulated_tau([0.5, 0.5]) == pytest.approx(1.75)
     assert simulated_tau([]) == 1.0
+
+
+def test_feature_noise_follows_each_layers_own_scale():
+    """Guards against: one absolute noise amplitude for every layer (a low layer's small states drowned, a
+    high layer's large ones untouched), noise scaled by the whole vector's RMS across layers, or a scale of 0
+    still perturbing (or copying) the features."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(4, 256, 16) * 0.01, torch.randn(4, 256, 16) * 100.0], dim=-1)
+    assert add_feature_noise(x, 0.0, 2) is x
+    noise = (add_feature_noise(x, 0.2, 2) - x).unflatten(-1, (2, 16))
+    rms = x.unflatten(-1, (2, 16)).pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = (noise / rms).std(dim=(0, 1, 3))                 # per part: noise std / that part's RMS
+    assert torch.allclose(ratio, torch.tensor([0.2, 0.2]), rtol=0.05)
+
+
+def test_feature_noise_only_while_training_and_never_on_the_teacher(monkeypatch):
+    """Guards against: noise on held-out batches (the engine's eval mode: held-out accuracy would measure a
+    perturbed drafter), heads.feature_noise ignored by the loss, or the teacher term (the backbone's own
+    distribution) computed from the noisy states instead of the clean ones."""
+    heads = _heads()
+    hidden = torch.randn(1, 11, 8)
+    labels = torch.tensor([[I, I, 2, 3, 4, 5, I, 7, 8, I, I]])
+    clean = heads_loss(heads, hidden, labels, DOCS, [0.8, 0.64], None)
+    heads.eval()
+    assert torch.equal(heads_loss(heads, hidden, labels, DOCS, [0.8, 0.64], None, feature_noise=0.5), clean)
+    heads.train()
+    assert not torch.allclose(heads_loss(heads, hidden, labels, DOCS, [0.8, 0.64], None, feature_noise=0.5),
+                              clean)
+    seen = []
+    monkeypatch.setattr(L, "_teacher_ce", lambda logits, h, *a: (seen.append(h), logits.sum() * 0)[1])
+    heads_loss(heads, hidden, labels, DOCS, [0.8, 0.64], None, teacher_weight=0.5,
+               lm_head_weight=torch.randn(10, 8), feature_noise=0.5)
+    assert seen and all(h is hidden for h in seen)

@@ -349,8 +349,10 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
             mask[:, s - t:] = torch.triu(torch.full((t, t), torch.finfo(q.dtype).min, dtype=q.dtype,
                                                     device=q.device), 1)
             mask = mask[None, None]
-        ctx = F.scaled_dot_product_attention(q, attn.expand_kv(keys), attn.expand_kv(values),
-                                             attn_mask=None if mask is None else mask.to(q.dtype))
+        # GQA inside the kernel: repeating the whole cache's keys and values per query head copied
+        # (heads / kv_heads) x the cache on every call, twice the attention's own cost at 300 entries.
+        ctx = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask.to(q.dtype),
+                                             enable_gqa=attn.heads != attn.kv_heads)
         normed, pre = self._finish(hidden, attn.out(ctx))
         return normed, pre, (k, v)
 
