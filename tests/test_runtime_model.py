@@ -84,7 +84,7 @@ def test_backbone_by_path_and_bad_paths(export, tmp_path):
     heads.spec = spec
     save_heads(heads, path)
     m = load_medusa(path)
-    assert m.model.config._attn_implementation == "sdpa" and m.tokenizer is not None
+    assert m.model.config._attn_implementation == "medusa_sdpa" and m.tokenizer is not None   # sdpa, switched
     text = m.tokenizer.decode(m.encode_chat("hi"))
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(UserError, match="cannot load backbone"):

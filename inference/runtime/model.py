@@ -2,7 +2,8 @@
 
 Loading both from disk is ``inference.loading.load_medusa``; ``attach_heads`` wraps heads already
 in memory. ``MedusaModel`` refuses attention implementations that ignore custom 4D tree masks
-(sdpa and eager apply them; flash-attention kernels do not).
+(sdpa and eager apply them; flash-attention kernels do not), and moves an sdpa backbone to
+``runtime.attention``'s function (the same math, grouped-query attention in the kernel on CPU).
 
 ``MedusaModel`` runs the decoder body (not ``*ForCausalLM.forward``) so the 49k-vocabulary
 lm_head is applied only where logits are needed: the last prompt position, the tree nodes.
@@ -17,11 +18,12 @@ from typing import Any, Optional
 import torch
 
 from ..backbone import HiddenStateTap, eos_token_ids, scale_logits, text_config
+from .attention import NAME as DECODING_ATTENTION, use_decoding_attention
 from .cache import TreeKVCache
 from ..errors import UserError
 from ..heads.spec import check_compatible
 
-_MASKING_ATTENTION = ("sdpa", "eager")
+_MASKING_ATTENTION = ("sdpa", "eager", DECODING_ATTENTION)
 KERNEL_MODES = ("auto", "stock")
 
 
@@ -47,6 +49,7 @@ class MedusaModel:
         if impl not in _MASKING_ATTENTION:
             raise UserError(f"the backbone uses attention {impl!r}, which ignores tree masks; "
                             "load it with attn_implementation='sdpa'")
+        use_decoding_attention(self.model)   # sdpa -> the same, minus a KV-head copy per masked call on CPU
         base = getattr(self.model, self.model.base_model_prefix, None)
         if base is None or self.model.get_output_embeddings() is None:
             raise UserError(f"{type(self.model).__name__} has no decoder body + lm_head; Medusa needs a causal LM")

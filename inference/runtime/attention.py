@@ -1,0 +1,69 @@
+"""The backbone's attention during decoding: transformers' SDPA, with grouped-query attention in the kernel
+for masked multi-row calls on CPU.
+
+Tree verification (and batched decoding) calls attention with an explicit mask and several query rows.
+transformers' ``sdpa_attention_forward`` then repeats every key/value head (``repeat_kv``) to the number of
+query heads before calling SDPA, because CUDA's fused kernels cannot combine a mask with grouped-query
+attention; a one-row call without a mask (the plain loop) takes a path without the copy. On CPU that copy
+is the whole KV cache, per layer, per verification step: for SmolLM2 (3 key/value heads for 9 query
+heads) 60-100 us per layer at a 250-token context, ~2-3 ms (4-6%) of a ~50 ms step, and ~2.4 ms per layer
+at 1,000 tokens, where freshly allocated copies start to cost page faults (``scripts/bench_tree_attention.py``).
+torch's CPU kernel takes the mask and ``enable_gqa=True`` together and gives bit-identical outputs (it
+indexes the shared head instead of reading a copy), so on CPU this module calls it that way.
+
+Everything else (other devices, one row, no mask, soft-capping, position biases, attention sinks) goes to
+transformers' own function unchanged. ``use_decoding_attention`` installs it on a model loaded with
+``attn_implementation="sdpa"`` under its own registered name (masks are built exactly as for ``sdpa``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "medusa_sdpa"
+
+# Keyword arguments that change the attention's math beyond (mask, scale, dropout): delegate when present.
+_DELEGATE_KWARGS = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+def _sdpa_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def decoding_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention-function signature: ``query`` [B, Hq, n, D], ``key``/``value`` [B, Hkv, S, D];
+    returns ([B, n, Hq, D], None) like ``sdpa_attention_forward``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups > 1 and attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
+            and key.shape[-1] == value.shape[-1] and not any(kwargs.get(k) is not None for k in _DELEGATE_KWARGS)):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, is_causal=False, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                           is_causal=is_causal, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, decoding_attention_forward)
+    # Masks are built as for sdpa; a name without a mask function would get no mask at all.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def use_decoding_attention(model) -> None:
+    """Switch ``model`` (and its sub-configs) from ``sdpa`` to this module's function, in place; other
+    implementations (eager) are left as they are."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    _register()
+    model.config._attn_implementation = NAME
+    for sub in model.modules():     # modules holding their own config object (multimodal wrappers)
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and cfg is not model.config and getattr(cfg, "_attn_implementation", None) == "sdpa":
+            cfg._attn_implementation = NAME
