@@ -131,3 +131,21 @@ def test_tree_decoding_output_is_unchanged(perfect):
     tree = generate(m, prompt, tree="tree8", max_new_tokens=24)
     assert tree.tokens == plain.tokens
     assert (tree.tau > 2.5) == perfect
+
+
+def test_generate_baseline_attends_with_transformers_sdpa(monkeypatch):
+    """Guards against transformers' ``generate`` baseline (hf_generate) being timed with the runtime's own
+    attention instead of what a transformers user gets, and against the switch not being restored after."""
+    model = tiny_llama(vocab=96, seed=0)
+    m = MedusaModel(model=model, tokenizer=None, heads=None, eos_token_ids=[0])
+    seen = []
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        seen.append(model.config._attn_implementation)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    out = generate(m, [1, 5, 9, 17], "hf_generate", max_new_tokens=4)
+    assert seen == ["sdpa"] and len(out.tokens) >= 1
+    assert model.config._attn_implementation == attention.NAME

@@ -1,7 +1,7 @@
 """transformers' own greedy ``generate`` (method ``hf_generate``): the baseline a user gets today.
 
 Not a ``Decoder``: it registers a runner. Its default cache, timed like the others, with stock
-kernels (no ``linear_kernels`` routing); the output is cut after the first EOS, as the runtime
+kernels (no ``linear_kernels`` routing) and transformers' own sdpa (not ``runtime.attention``); the output is cut after the first EOS, as the runtime
 cuts. Greedy mode only.
 
 ``hf_generate_batch`` is its batched form (the batched evaluation's second baseline): one
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..runtime.attention import transformers_attention
 from ..runtime.batch_decode import BatchOutput
 from ..runtime.decode import GenerationOutput
 from ..runtime.linear_kernels import stock_kernels
@@ -44,7 +45,7 @@ def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tok
     """Greedy ``generate`` of [B, L] ids -> (each row's new tokens cut after its first EOS, wall seconds)."""
     eos = list(m.eos_token_ids)
     t0 = time.perf_counter()
-    with torch.inference_mode(), stock_kernels():
+    with torch.inference_mode(), stock_kernels(), transformers_attention(m.model):
         out = m.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                do_sample=False, eos_token_id=eos or None, pad_token_id=pad_id(m))
     if m.device.type == "cuda":

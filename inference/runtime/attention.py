@@ -18,13 +18,15 @@ transformers' own function unchanged. ``use_decoding_attention`` installs it on 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
 NAME = "medusa_sdpa"
 
 # Keyword arguments that change the attention's math beyond (mask, scale, dropout): delegate when present.
-_DELEGATE_KWARGS = ("softcap", "position_bias", "s_aux", "sinks")
+_DELEGATE_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "head_mask")
 
 
 def _sdpa_forward():
@@ -66,4 +68,19 @@ def use_decoding_attention(model) -> None:
     for sub in model.modules():     # modules holding their own config object (multimodal wrappers)
         cfg = getattr(sub, "config", None)
         if cfg is not None and cfg is not model.config and getattr(cfg, "_attn_implementation", None) == "sdpa":
+            cfg._attn_implementation = NAME
+
+
+@contextmanager
+def transformers_attention(model):
+    """Within: ``model`` attends with transformers' own sdpa again (the ``generate`` baseline times what a
+    user of transformers gets)."""
+    switched = [c for c in {id(c): c for c in (getattr(s, "config", None) for s in model.modules())}.values()
+                if c is not None and getattr(c, "_attn_implementation", None) == NAME]
+    for cfg in switched:
+        cfg._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for cfg in switched:
             cfg._attn_implementation = NAME
