@@ -60,7 +60,8 @@ def main(contexts: list[int], rounds: int, backbone: str) -> None:
                     run(impl)
                     times[impl].append(time.perf_counter() - t)
             a, b = (statistics.median(times[k]) * 1e3 for k in ("sdpa", NAME))
-            print(f"| {past} | {rows} | {a:.1f} | {b:.1f} | {a - b:+.1f} ms ({(a - b) / a:+.1%}) | {same} |", flush=True)
+            print(f"| {past} | {rows} | {a:.1f} | {b:.1f} | {a - b:+.1f} ms ({(a - b) / a:+.1%}) | {same} |",
+                  flush=True)
     model.config._attn_implementation = NAME
 
 

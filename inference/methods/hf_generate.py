@@ -1,8 +1,8 @@
 """transformers' own greedy ``generate`` (method ``hf_generate``): the baseline a user gets today.
 
 Not a ``Decoder``: it registers a runner. Its default cache, timed like the others, with stock
-kernels (no ``linear_kernels`` routing) and transformers' own sdpa (not ``runtime.attention``); the output is cut after the first EOS, as the runtime
-cuts. Greedy mode only.
+kernels (no ``linear_kernels`` routing) and transformers' own sdpa (not ``runtime.attention``); the
+output is cut after the first EOS, as the runtime cuts. Greedy mode only.
 
 ``hf_generate_batch`` is its batched form (the batched evaluation's second baseline): one
 ``generate`` call over left-padded prompts with an attention mask, each row cut after its first
