@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "medusa_sdpa"
 
@@ -30,8 +31,7 @@ _DELEGATE_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "head_mask")
 
 
 def _sdpa_forward():
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """transformers' function, looked up per call so that tests can watch what is handed to it."""
     return sdpa_attention_forward
 
 
@@ -58,25 +58,28 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
+def _configs_using(model, impl: str) -> list:
+    """The distinct config objects of ``model`` and its modules (multimodal wrappers hold their own) whose
+    attention implementation is ``impl``."""
+    configs = {id(c): c for c in (getattr(sub, "config", None) for sub in model.modules()) if c is not None}
+    return [c for c in configs.values() if getattr(c, "_attn_implementation", None) == impl]
+
+
 def use_decoding_attention(model) -> None:
     """Switch ``model`` (and its sub-configs) from ``sdpa`` to this module's function, in place; other
     implementations (eager) are left as they are."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
     _register()
-    model.config._attn_implementation = NAME
-    for sub in model.modules():     # modules holding their own config object (multimodal wrappers)
-        cfg = getattr(sub, "config", None)
-        if cfg is not None and cfg is not model.config and getattr(cfg, "_attn_implementation", None) == "sdpa":
-            cfg._attn_implementation = NAME
+    for cfg in _configs_using(model, "sdpa"):
+        cfg._attn_implementation = NAME
 
 
 @contextmanager
 def transformers_attention(model):
     """Within: ``model`` attends with transformers' own sdpa again (the ``generate`` baseline times what a
     user of transformers gets)."""
-    switched = [c for c in {id(c): c for c in (getattr(s, "config", None) for s in model.modules())}.values()
-                if c is not None and getattr(c, "_attn_implementation", None) == NAME]
+    switched = _configs_using(model, NAME)
     for cfg in switched:
         cfg._attn_implementation = "sdpa"
     try:
