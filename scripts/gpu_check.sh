@@ -16,10 +16,12 @@
 # The reply's output_tail ends with the summary; $OUT holds summary.md, gpu_check.json,
 # gpu_tier.xml, gpu_tier.log and check.log (5 files, well under the 8-file limit).
 #
-# Here, on CPU, the same paths on a tiny model in seconds (what tests/test_gpu_check.py runs):
+# Here, on CPU, the same paths on a tiny model in seconds, the gpu tier included (on the CPU;
+# what tests/test_gpu_check.py runs):
 #     bash scripts/gpu_check.sh --dry-run [--out DIR]      # or GPU_CHECK_DRY_RUN=1
 #
-# Options: --out DIR (default runs/gpu_check, or $OUT when set), --dry-run, --no-tier (skip pytest).
+# Options: --out DIR (default runs/gpu_check, or $OUT when set), --dry-run, --no-tier (skip pytest),
+# --full-shape (with --dry-run: the SmolLM2-135M shape at the dry run's sizes, ~30 s more).
 # Python: $PYTHON, else python3. If .whl/ holds wheels and DeepSpeed is not importable, they are
 # installed into /tmp/gpu_check_site (no index, no deps) and put on PYTHONPATH.
 set -uo pipefail
@@ -27,12 +29,14 @@ cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_check}
 dry=${GPU_CHECK_DRY_RUN:-0}
 tier=1
+full=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2;;
     --out=*) out="${1#--out=}"; shift;;
     --dry-run) dry=1; shift;;
     --no-tier) tier=0; shift;;
+    --full-shape) full=1; shift;;
     *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2;;
   esac
 done
@@ -56,13 +60,16 @@ fi
 } 2>&1 | tee "$out/check.log"
 xml_arg=()
 if [ "$tier" = 1 ]; then
-  # The gpu tier: every test marked gpu (they skip without CUDA). 4 minutes at most.
+  # The gpu tier: every test marked gpu. 4 minutes at most. The dry run runs it on the CPU
+  # (GPU_TIER_DEVICE=cpu, ~15 s) so that the tier's own code is known to work before a GPU is lent.
+  [ "$dry" = 1 ] && export GPU_TIER_DEVICE=cpu
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/gpu_tier.xml" \
     tests/test_runtime_gpu.py tests/test_train_gpu.py 2>&1 | tee "$out/gpu_tier.log" | tail -15
   xml_arg=(--tier-xml "$out/gpu_tier.xml")
 fi
 dry_arg=()
 [ "$dry" = 1 ] && dry_arg=(--dry-run)
+[ "$full" = 1 ] && dry_arg+=(--full-shape)
 timeout 300 "$PY" scripts/gpu_check.py --out "$out" "${dry_arg[@]}" "${xml_arg[@]}" 2>&1 | tee -a "$out/check.log"
 rc=${PIPESTATUS[0]}
 [ -f "$out/summary.md" ] || { echo "gpu_check.sh: no summary written (rc $rc)" >&2; exit 1; }

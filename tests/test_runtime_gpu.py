@@ -4,6 +4,7 @@ sequential decoding in fp32/bf16/fp16, greedy identity, the KV cache and its com
 import pytest
 import torch
 
+from conftest import GPU_TIER_DEVICE as DEV
 from inference.methods import generate
 from inference.methods.medusa import TreeDecoder
 from inference.runtime.model import MedusaModel
@@ -18,7 +19,7 @@ PROMPT = [5, 17, 3, 88, 41, 9]
 
 def test_cuda_fp32_greedy_is_lossless():
     """Guards against CPU-only assumptions (host tensors in masks, indices or the cache) on CUDA."""
-    model = tiny_llama(vocab=96, seed=0).to("cuda")
+    model = tiny_llama(vocab=96, seed=0).to(DEV)
     m = wrap(model, random_heads(model, num_heads=4))
     ref = generate(m, PROMPT, "autoregressive", max_new_tokens=40).tokens
     for tree in ("tree8", "mc_sim_7b_63"):
@@ -28,7 +29,7 @@ def test_cuda_fp32_greedy_is_lossless():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_half_precision_runs_every_mode(dtype):
     """Guards against dtype mismatches (mask, heads, draft q) in half precision on CUDA."""
-    model = tiny_llama(vocab=96, seed=0).to("cuda", dtype)
+    model = tiny_llama(vocab=96, seed=0).to(DEV, dtype)
     m = wrap(model, random_heads(model, num_heads=3))
     for cfg in (SamplingConfig(), SamplingConfig(mode="typical", temperature=0.7),
                 SamplingConfig(mode="sample", temperature=0.7, top_p=0.9),
@@ -56,29 +57,29 @@ def test_cuda_tree_verification_equals_sequential_decoding(tree, dtype, tol):
     """Guards against wrong tree masks / positions / cache rows on CUDA and in half precision: every
     node's logits equal running prompt + its root-to-node path as an ordinary sequence (same dtype;
     the tolerance is the rounding of that dtype, ||got - ref|| / ||ref||)."""
-    model = tiny_llama(vocab=V, seed=0, init=0.2).to("cuda", dtype)
+    model = tiny_llama(vocab=V, seed=0, init=0.2).to(DEV, dtype)
     m = wrap(model, random_heads(model, num_heads=4))
-    tokens = torch.randint(0, V, (tree.num_nodes,), generator=torch.Generator().manual_seed(0)).cuda()
-    buf = tree.buffers("cuda")
+    tokens = torch.randint(0, V, (tree.num_nodes,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    buf = tree.buffers(DEV)
     cache = m.new_cache(64 + tree.num_nodes)
     past = len(PROMPT)
     with torch.inference_mode():
-        m.hidden(torch.tensor([PROMPT], device="cuda"), torch.arange(past, device="cuda")[None], cache)
+        m.hidden(torch.tensor([PROMPT], device=DEV), torch.arange(past, device=DEV)[None], cache)
         h = m.hidden(tokens[None], (buf.position_offsets + past)[None], cache, buf.additive_mask(past, dtype))
         got = m.logits(h[0])
-        assert got.is_cuda and got.dtype == dtype and cache.length == past + tree.num_nodes
+        assert got.device.type == DEV and got.dtype == dtype and cache.length == past + tree.num_nodes
         for i in range(tree.num_nodes):
-            seq = torch.tensor([PROMPT + tokens[tree.ancestors(i)].tolist()], device="cuda")
+            seq = torch.tensor([PROMPT + tokens[tree.ancestors(i)].tolist()], device=DEV)
             ref = m.model(input_ids=seq).logits[0, -1]
             assert _rel(got[i], ref) < tol, (i, _rel(got[i], ref))
 
 
 def test_cuda_greedy_identity_fp32_all_trees():
     """Greedy Medusa on CUDA in fp32 is token-identical to the plain loop and to transformers' generate."""
-    model = tiny_llama(vocab=V, seed=0).to("cuda")
+    model = tiny_llama(vocab=V, seed=0).to(DEV)
     m = wrap(model, random_heads(model, num_heads=4))
     ref = generate(m, PROMPT, "autoregressive", max_new_tokens=40).tokens
-    hf = model.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=40, do_sample=False, pad_token_id=0)
+    hf = model.generate(torch.tensor([PROMPT], device=DEV), max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert hf[0, len(PROMPT):].tolist() == ref
     for tree in ("chain4", "tree4", "tree16", "tree64"):
         assert generate(m, PROMPT, tree=tree, max_new_tokens=40).tokens == ref, tree
@@ -88,7 +89,7 @@ def _cuda_sequential_kv(m, tokens):
     cache = m.new_cache(len(tokens))
     with torch.inference_mode():
         for i, t in enumerate(tokens):
-            m.hidden(torch.tensor([[t]], device="cuda"), torch.tensor([[i]], device="cuda"), cache)
+            m.hidden(torch.tensor([[t]], device=DEV), torch.tensor([[i]], device=DEV), cache)
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
@@ -96,7 +97,7 @@ def _cuda_sequential_kv(m, tokens):
 def test_cuda_kv_cache_compaction(case):
     """Guards against a compacted KV cache on CUDA that differs from feeding prompt + accepted tokens
     one by one (stale or misordered tree rows, host index tensors), and against wrong acceptance."""
-    model = tiny_llama(vocab=V, seed=0).to("cuda")
+    model = tiny_llama(vocab=V, seed=0).to(DEV)
     g = generate(MedusaModel(model=model, tokenizer=None, heads=None), PROMPT, "autoregressive",
                  max_new_tokens=16).tokens
     w = lambda t, k=1: (t + k) % V  # noqa: E731
@@ -107,13 +108,13 @@ def test_cuda_kv_cache_compaction(case):
     path = {"all": [0, 1, 3, 6], "none": [0], "rank1-branch": [0, 2, 5], "stop-at-depth-2": [0, 1]}[case]
     m = wrap(model, FixedHeads(V, [list(r) for r in ranked]))
     dec = TreeDecoder(m, TREE)
-    assert dec.prefill(torch.tensor([PROMPT], device="cuda"), max_new_tokens=12) == g[0]
+    assert dec.prefill(torch.tensor([PROMPT], device=DEV), max_new_tokens=12) == g[0]
     new, _ = dec.step()
     n = len(path)
     assert dec.last_path == path and new == g[1:1 + n]
     assert dec.cache.length == dec.past == len(PROMPT) + n
     for layer, (k, v) in zip(dec.cache.layers, _cuda_sequential_kv(m, PROMPT + g[:n])):
-        assert layer.keys.is_cuda
+        assert layer.keys.device.type == DEV
         torch.testing.assert_close(layer.keys, k, atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.values, v, atol=1e-5, rtol=0)
     assert dec.root == g[n] and dec.step()[0][0] == g[n + 1]  # decoding continues from the compacted cache
