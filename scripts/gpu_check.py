@@ -17,8 +17,8 @@ On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no d
      drafter measured on MT-Bench on CPU (below), against plain decoding, interleaved rounds; what those
      taus would buy over the measured steps (the CPU reaches 1.24x at n1-d1-k1, each verified row
      costing ~7% of a step there);
-  4. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone: training step
-     tokens/s against the backbone's forward (scripts/bench_train.py's interleaved loop).
+  4. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone:
+     training step tokens/s against the backbone's forward (scripts/bench_train.py's interleaved loop).
 Then the verdicts against the targets, a Markdown summary (summary.md, also printed) and every
 figure as JSON (gpu_check.json). ``--dry-run``: CPU, a tiny Llama, 1-2 node counts, a few tokens:
 the same code paths in well under a minute; with ``--full-shape`` the SmolLM2-135M shape at those sizes.
@@ -66,7 +66,8 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 # (0.271 / 0.198 / 0.203); ranks 1-2 share that section's held-out top-3 minus top-1 (0.163 / 0.148 /
 # 0.138) in a 0.6 geometric decay, as inference.runtime.tree.reference_accuracies splits ranks.
 HEAD_ACCURACY = json.loads("""{
-  "source": "BENCHMARKS.md, Hydra heads on greedy targets (hydra_smollm2_greedy): top-1 from tree=auto's MT-Bench calibration, ranks 2-3 from held-out top-3",
+  "source": "BENCHMARKS.md, Hydra heads on greedy targets (hydra_smollm2_greedy): top-1 from tree=auto's MT-Bench \
+calibration, ranks 2-3 from held-out top-3",
   "per_rank": [[0.271, 0.102, 0.061],
                [0.198, 0.093, 0.055],
                [0.203, 0.086, 0.052]]
@@ -224,7 +225,8 @@ def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int
     interleaved rounds on one random prompt; expected tokens/s from ``EAGLE3_TAU`` over those steps."""
     from inference.evaluation.tree_choice import eagle3_name, eagle3_step_times
 
-    prompt = torch.randint(0, m.model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, m.model.config.vocab_size, (prompt_len,), generator=g).tolist()
     names = [None, *shapes]
     times: dict = {s: [] for s in names}
     for _ in range(rounds):
@@ -302,7 +304,8 @@ def train_throughput(shape: dict, device: str, precision: str, zero: int, micro:
     trainable = sum(p.numel() for p in tr.module.parameters() if p.requires_grad)
     out = {"zero_stage": zero, "precision": precision, "micro_batch": micro, "max_length": max_length,
            "tokens_per_batch": tokens, "forward_tokens_per_s": round(median(fwd), 1),
-           "train_tokens_per_s": round(median(train), 1), "ratio": round(median([t / f for t, f in zip(train, fwd)]), 3),
+           "train_tokens_per_s": round(median(train), 1),
+           "ratio": round(median([t / f for t, f in zip(train, fwd)]), 3),
            "trainable_params_m": round(trainable / 1e6, 2), "losses": [round(x, 4) for x in losses],
            "finite": all(x == x and abs(x) < float("inf") for x in losses)}
     if dev.type == "cuda":
@@ -347,13 +350,13 @@ def verdicts(result: dict) -> list[dict]:
         out.append({"target": f"16-node verification step < {TARGET_TREE_STEP}x a 1-token step (bf16)",
                     "verdict": "not run", "detail": ""})
     pl = result.get("plain_loop_vs_generate")
+    target = "runtime plain loop within 10% of generate, or faster"
     if pl:
-        out.append({"target": "runtime plain loop within 10% of generate, or faster",
-                    "verdict": "PASS" if pl["ratio"] >= TARGET_PLAIN_LOOP else "FAIL",
-                    "detail": f"{pl['ratio']:.2f}x ({pl['runtime_tokens_per_s']} vs {pl['hf_generate_tokens_per_s']} tokens/s, "
-                              f"{pl['identical']}/{pl['prompts']} identical)"})
+        out.append({"target": target, "verdict": "PASS" if pl["ratio"] >= TARGET_PLAIN_LOOP else "FAIL",
+                    "detail": f"{pl['ratio']:.2f}x ({pl['runtime_tokens_per_s']} vs {pl['hf_generate_tokens_per_s']} "
+                              f"tokens/s, {pl['identical']}/{pl['prompts']} identical)"})
     else:
-        out.append({"target": "runtime plain loop within 10% of generate, or faster", "verdict": "not run", "detail": ""})
+        out.append({"target": target, "verdict": "not run", "detail": ""})
     return out
 
 
@@ -385,27 +388,30 @@ def summary(result: dict) -> str:
     if bs:
         nodes = list(next(iter(bs.values()))["steps"])
         lines += ["", "Batched decoding step (ms; x a 1-node step at that batch size; the per-batch rule's pick):", "",
-                  "| batch | " + " | ".join(f"{n} nodes" for n in nodes) + " | pick |", "|---|" + "---|" * (len(nodes) + 1)]
+                  "| batch | " + " | ".join(f"{n} nodes" for n in nodes) + " | pick |",
+                  "|---|" + "---|" * (len(nodes) + 1)]
         for b, r in bs.items():
             lines.append(f"| {b} | " + " | ".join(f"{r['steps'][n]['ms']:.2f} ({r['steps'][n]['vs_1']:.2f}x)"
                                                   for n in nodes) + f" | {r['pick']} |")
     e3 = result.get("eagle3_steps")
     if e3:
-        lines += ["", f"EAGLE-3 decoding step (random drafter of `eagle3_smollm2`'s shape, draft vocabulary {e3['draft_vocab']}; "
-                      f"plain step {e3['plain_ms']:.2f} ms; expected = the recipe drafter's MT-Bench tau measured on CPU "
-                      "over this step):", "", "| setting | step (ms) | vs plain step | tau (CPU, MT-Bench) | expected vs plain loop |",
+        lines += ["", f"EAGLE-3 decoding step (random drafter of `eagle3_smollm2`'s shape, draft vocabulary "
+                      f"{e3['draft_vocab']}; plain step {e3['plain_ms']:.2f} ms; expected = the recipe drafter's "
+                      "MT-Bench tau measured on CPU over this step):", "",
+                  "| setting | step (ms) | vs plain step | tau (CPU, MT-Bench) | expected vs plain loop |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['setting']} | {r['ms']:.2f} | {r['vs_plain']:.2f}x | {r['cpu_tau']} | "
                   f"{r['expected_speedup']:.2f}x |" for r in e3["settings"]]
     pl = result.get("plain_loop_vs_generate")
     if pl:
-        lines += ["", f"Plain loop vs `generate` ({pl['prompts']} random-token prompts x {result['new_tokens']} new tokens, "
-                      f"greedy, EOS disabled, interleaved): runtime {pl['runtime_tokens_per_s']} tokens/s, `generate` "
-                      f"{pl['hf_generate_tokens_per_s']} tokens/s = **{pl['ratio']:.2f}x**, {pl['identical']}/{pl['prompts']} identical"]
+        lines += ["", f"Plain loop vs `generate` ({pl['prompts']} random-token prompts x {result['new_tokens']} new "
+                      f"tokens, greedy, EOS disabled, interleaved): runtime {pl['runtime_tokens_per_s']} tokens/s, "
+                      f"`generate` {pl['hf_generate_tokens_per_s']} tokens/s = **{pl['ratio']:.2f}x**, "
+                      f"{pl['identical']}/{pl['prompts']} identical"]
     tr = result.get("training")
     if tr:
-        lines += ["", "| training (real trainer, DeepSpeed) | tokens/batch | backbone forward tok/s | train step tok/s | ratio | "
-                      "trainable | peak GPU memory |", "|---|---|---|---|---|---|---|",
+        lines += ["", "| training (real trainer, DeepSpeed) | tokens/batch | backbone forward tok/s | train step tok/s "
+                      "| ratio | trainable | peak GPU memory |", "|---|---|---|---|---|---|---|",
                   f"| ZeRO {tr['zero_stage']}, {tr['precision']}, micro {tr['micro_batch']} x {tr['max_length']} | "
                   f"{tr['tokens_per_batch']} | {tr['forward_tokens_per_s']:.0f} | {tr['train_tokens_per_s']:.0f} | "
                   f"{tr['ratio']:.2f} | {tr['trainable_params_m']}M | {tr.get('peak_gpu_memory_gb', '-')} GB |"]
@@ -444,7 +450,8 @@ def main() -> None:
                  batch_steps=2 if dry else 6)
     name = "tiny Llama" if shape is TINY else "SmolLM2-135M-shaped Llama (random)"
     result = {"dry_run": dry, "machine": machine(), "backbone": name,
-              "shape": shape, "dtype": str(dtype).replace("torch.", ""), "sizes": sizes, "new_tokens": sizes["new_tokens"],
+              "shape": shape, "dtype": str(dtype).replace("torch.", ""), "sizes": sizes,
+              "new_tokens": sizes["new_tokens"],
               "gpu_tier": tier_result(Path(args.tier_xml) if args.tier_xml else None), "errors": {}}
 
     def section(name, fn):

@@ -50,13 +50,17 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import deepspeed, hydra, dataset
   site=/tmp/gpu_check_site
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
     || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
-  export PYTHONPATH="$PYTHONPATH:$site"   # after the repo; the image's own packages stay first in sys.path order below it
+  # PYTHONPATH precedes site-packages, so a carried wheel shadows the image's copy of the same package; of
+  # those carried, only typing-extensions is also in the image (4.16.0 here: newer, backward-compatible).
+  export PYTHONPATH="$PYTHONPATH:$site"
 fi
 {
   echo "== gpu_check $(date -u +%FT%TZ) dry_run=$dry"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
-  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-  "$PY" -c "import deepspeed, hydra, omegaconf, datasets; print('deepspeed', deepspeed.__version__, 'hydra', hydra.__version__, 'datasets', datasets.__version__)" 2>&1 | tail -1
+  "$PY" -c "import torch, transformers as t; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+'transformers', t.__version__)"
+  "$PY" -c "import deepspeed, hydra, omegaconf, datasets as d; print('deepspeed', deepspeed.__version__,
+'hydra', hydra.__version__, 'datasets', d.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$out/check.log"
 xml_arg=()
 if [ "$tier" = 1 ]; then

@@ -42,8 +42,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # The device the gpu tier runs on: cuda, or cpu to check the tier itself on a machine without a GPU.
 GPU_TIER_DEVICE = os.environ.get("GPU_TIER_DEVICE", "cuda")
-if GPU_TIER_DEVICE not in ("cuda", "cpu"):
-    raise pytest.UsageError(f"GPU_TIER_DEVICE must be cuda or cpu, not {GPU_TIER_DEVICE!r}")
+
+
+def pytest_configure(config):
+    if GPU_TIER_DEVICE not in ("cuda", "cpu"):  # one line from pytest, before any test is collected
+        raise pytest.UsageError(f"GPU_TIER_DEVICE must be cuda or cpu, not {GPU_TIER_DEVICE!r}")
 
 
 def pytest_collection_modifyitems(config, items):
