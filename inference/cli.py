@@ -18,7 +18,7 @@ Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never im
 only these entry points do. User mistakes print one line and exit 2.
 
 medusa-eval picks its methods with ``methods=[...]`` (default: the first method that decodes with the
-heads: medusa, or eagle3 for EAGLE-3 heads); ``compare=true`` is short for every available method
+heads: medusa, or eagle3_lookup for EAGLE-3 heads); ``compare=true`` is short for every available method
 (those needing heads only with heads=, and only those that decode with them) and also writes the
 trade-off matrix; medusa-generate decodes with that same default method. The baselines are always
 added: autoregressive, and hf_generate in greedy mode. Without heads= the backbone is ``backbone=``
@@ -69,12 +69,20 @@ class RuntimeConfig:
     # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
     # backbone is the one the heads record (no backbone= given); set false for a merged model.
     apply_adapter: Optional[bool] = None
-    eagle_nodes: int = 8  # eagle3 (EAGLE-3 heads): draft tokens verified per step (root excluded); 0: plain
-    eagle_depth: int = 4  # eagle3: depth of the dynamic tree (depth - 1 drafter calls per step)
+    # eagle3 (EAGLE-3 heads): draft tokens verified per step (root excluded; 0: plain decoding) and the
+    # dynamic tree's depth (depth - 1 drafter calls per step). Unset: fitted to the drafter (methods/eagle3.py
+    # fitted_tree: no deeper than it was trained to draft, at most 4; as many nodes as that holds, at most 8)
+    eagle_nodes: Optional[int] = None
+    eagle_depth: Optional[int] = None
     eagle_topk: int = 4  # eagle3: children per expanded node, nodes expanded per depth
     # eagle3: verify only the drafted nodes whose draft probability (product along the path) is >= this;
     # 0: all eagle_nodes (EAGLE-2). On a CPU every verified row costs (BENCHMARKS.md "A probability floor on the tree")
     eagle_min_prob: float = 0.0
+    # eagle3_lookup: the looked-up branch grafted onto eagle3's tree (measured: BENCHMARKS.md "EAGLE-3 plus
+    # prompt lookup"); its own keys, since a branch verified beside a tree pays only for longer matches
+    eagle_lookup_tokens: int = 6  # most tokens looked up per step
+    eagle_lookup_max_ngram: int = 3  # longest suffix looked up
+    eagle_lookup_min_ngram: int = 2  # shortest suffix looked up
 
 
 @dataclass
@@ -98,11 +106,6 @@ class EvalConfig(RuntimeConfig):
     # eagle3: auto (as tree=auto: (nodes, depth, topk) measured on the calibration prompts and this machine,
     # or plain decoding when nothing beats it) | fixed (eagle_nodes / eagle_depth / eagle_topk as given)
     eagle_tree: str = "auto"
-    # eagle3_lookup: the looked-up branch grafted onto eagle3's tree (measured: BENCHMARKS.md "EAGLE-3 plus
-    # prompt lookup"); its own keys, since a branch verified beside a tree pays only for longer matches
-    eagle_lookup_tokens: int = 6  # most tokens looked up per step
-    eagle_lookup_max_ngram: int = 3  # longest suffix looked up
-    eagle_lookup_min_ngram: int = 2  # shortest suffix looked up
     calibration_prompts: int = 8
     calibration_tokens: int = 48
     tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
@@ -122,6 +125,9 @@ class GenerateConfig(RuntimeConfig):
     prompts_file: Optional[str] = None  # several prompts: a JSONL (forms as medusa-eval prompts=) | code
     batch_size: Any = None  # several prompts: how many decode together (default: all of them)
     tree: str = "tree4"
+    # EAGLE-3 heads: a medusa-eval's eagle3_tree.json / eagle3_lookup_tree.json (eagle_tree=auto's choice on
+    # this machine): decode with that method and its settings; unset: eagle3 with eagle_* keys (or fitted)
+    eagle_tree: Optional[str] = None
     system: Optional[str] = None
 
 
@@ -234,10 +240,18 @@ def _load_eval(cfg, methods):
     return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels)
 
 
+def fit_eagle_keys(cfg, spec) -> None:
+    """Set eagle_nodes / eagle_depth left unset to the drafter's fitted tree (``eagle3.fitted_tree``)."""
+    from .methods.eagle3 import fitted_tree
+
+    cfg.eagle_nodes, cfg.eagle_depth = fitted_tree(spec, cfg.eagle_nodes, cfg.eagle_depth, cfg.eagle_topk)
+
+
 def _method_options(cfg, methods: list[str]) -> dict:
     """Each method's typed options from its keys (bad K / W / N -> one line before any model loads)."""
     from .methods.registry import options_from_keys
 
+    fit_eagle_keys(cfg, heads_spec(cfg))
     return {meth: options_from_keys(meth, cfg) for meth in methods}
 
 
@@ -337,6 +351,11 @@ def run_eval(cfg) -> dict:
 
         MedusaTree(report["tree"]["choices"], name=report["tree"]["name"]).save(out / "tree.json")
         paths.append(out / "tree.json")
+    if sizes is None:  # eagle_tree=auto's choices, for medusa-generate eagle_tree=<file>
+        from .evaluation.eagle3_choice_file import write_choices
+
+        spec = heads_spec(cfg)
+        paths += write_choices(out, report, getattr(spec, "base_model_fingerprint", "") or "")
     print()
     if sizes is not None:
         print_batched(report["batched"])
@@ -350,6 +369,10 @@ def run_eval(cfg) -> dict:
             parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
         print(" | ".join(parts))
     print("report: " + ", ".join(str(p) for p in paths))
+    for p in paths:
+        if p.name.endswith("_tree.json") and p.name != "tree.json":
+            method = p.name[:-len("_tree.json")]
+            print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads} eagle_tree={p}")
     return report
 
 
@@ -413,7 +436,20 @@ def run_generate(cfg) -> None:
     if cfg.heads in ("???", ""):
         raise UserError("heads=<export directory> is required")
     spec = heads_spec(cfg)
-    method = methods_for_heads(spec)[0] if spec is not None else "medusa"  # eagle3 for EAGLE-3 heads
+    method = methods_for_heads(spec)[0] if spec is not None else "medusa"  # eagle3_lookup for EAGLE-3 heads
+    if cfg.eagle_tree not in (None, "fixed", "auto"):  # an evaluation's choice: its method and settings
+        from .evaluation.eagle3_choice_file import read_choice
+
+        if spec is None or spec.kind != "eagle3":
+            raise UserError("eagle_tree=<file> is for EAGLE-3 heads (medusa-eval's eagle3_tree.json); "
+                            "Medusa-family heads take the evaluation's tree.json as tree=<file>")
+        method, settings = read_choice(cfg.eagle_tree, spec, methods_for_heads(spec))
+        for key, value in settings.items():
+            setattr(cfg, key, value)
+        cfg.eagle_tree = "fixed"
+    elif cfg.eagle_tree is None:
+        cfg.eagle_tree = "fixed"   # auto stays, for eagle3's one-line refusal (it is an evaluation's choice)
+    fit_eagle_keys(cfg, spec)
     batching = get(method).batch_decoder is not None
     if size is not None and size > 1 and not batching:
         raise UserError(f"method {method} (these heads) decodes one prompt at a time: drop batch_size "

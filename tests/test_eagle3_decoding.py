@@ -309,12 +309,13 @@ def test_mistakes_are_one_line_refusals(m, backbone):
 
 
 def test_eval_keys_pick_eagle3_for_eagle3_heads(m, monkeypatch):
-    """Guards against medusa-eval running (or comparing) medusa on EAGLE-3 heads: the default and
-    compare=true must pick eagle3, and methods=[medusa] must be refused before the backbone loads."""
+    """Guards against medusa-eval running (or comparing) medusa on EAGLE-3 heads: the default must be the
+    faster eagle3_lookup, compare=true must pick eagle3, and methods=[medusa] must be refused before the
+    backbone loads."""
     import inference.cli as cli
 
     monkeypatch.setattr(cli, "heads_spec", lambda cfg: m.heads.spec)
-    assert cli.eval_methods(cli.EvalConfig(heads="h"))[0] == "eagle3"
+    assert cli.eval_methods(cli.EvalConfig(heads="h"))[0] == "eagle3_lookup"
     chosen = cli.eval_methods(cli.EvalConfig(heads="h", compare=True))
     assert "eagle3" in chosen and "medusa" not in chosen and "medusa_lookup" not in chosen
     with pytest.raises(UserError, match=r"use methods=\[eagle3\]"):

@@ -176,7 +176,7 @@ def test_keys_costs_and_the_methods_for_eagle3_heads(m):
     import inference.cli as cli
     from inference.methods.eagle3 import Eagle3Options, eagle3_costs
 
-    assert methods_for_heads(m.heads.spec)[:2] == ["eagle3", "eagle3_lookup"]
+    assert methods_for_heads(m.heads.spec)[:2] == ["eagle3_lookup", "eagle3"]   # the default first
     o = options_from_keys("eagle3_lookup", cli.EvalConfig(eagle_nodes=1, eagle_depth=1, eagle_topk=1,
                                                           eagle_lookup_tokens=3, eagle_lookup_min_ngram=2))
     assert (o.nodes, o.num_tokens, o.min_ngram, o.max_ngram) == (1, 3, 2, 3)

@@ -59,7 +59,8 @@ def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
 def test_eagle3_drafter_from_the_command_line(tmp_path):
     """Guards against: an eagle3 drafter that trains but cannot be evaluated, exported or generated with from
     the CLI — eval picking the static-tree medusa method for it, an export the runtime cannot import back
-    (the vLLM/SGLang directory must load as the same drafter), or generate refusing its own heads."""
+    (the vLLM/SGLang directory must load as the same drafter), generate refusing its own heads, or an
+    eagle_tree=auto choice that medusa-generate cannot decode with (eagle3_tree.json)."""
     run = tmp_path / "runs" / "e3"
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in
                                                       ["Say hello.", "Count to three."]) + "\n")
@@ -68,14 +69,32 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     spec = json.loads((run / "heads" / "config.json").read_text())
     assert spec["kind"] == "eagle3" and spec["num_heads"] == 2
 
-    _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
-         "kernels=stock", "progress_bar=false", "threads=1", "eagle_tree=fixed", "eagle_nodes=4", "eagle_depth=3",
+    _run("medusa-eval", "heads=runs/e3/heads", "methods=[eagle3]", "prompts=prompts.jsonl", "num_prompts=2",
+         "max_new_tokens=8", "kernels=stock", "progress_bar=false", "threads=1", "eagle_tree=fixed", "eagle_nodes=4",
+         "eagle_depth=3",
          "eagle_topk=2", "eagle_min_prob=0.01",
          cwd=tmp_path)
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["per_method"]["eagle3"]["greedy_identical_fraction"] == 1.0
     assert report["method_options"]["eagle3"]["eagle_min_prob"] == 0.01
     assert len(report["per_method"]["eagle3"]["n_alpha"]) == 3
+    assert not (run / "eval" / "eagle3_tree.json").exists()  # a fixed tree: nothing chosen, nothing to reuse
+
+    # the default method (eagle3_lookup) at eagle_tree=auto: its choice saved by the evaluation and decoded
+    # by medusa-generate as measured
+    proc = _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=1", "max_new_tokens=8",
+                "kernels=stock", "progress_bar=false", "threads=1", "calibration_prompts=1", "calibration_tokens=8",
+                "out=runs/e3/eval_auto", cwd=tmp_path)
+    path = run / "eval_auto" / "eagle3_lookup_tree.json"
+    choice = json.loads(path.read_text())
+    chosen = json.loads((run / "eval_auto" / "report.json").read_text())["method_options"]["eagle3_lookup"]
+    assert choice["method"] == "eagle3_lookup" and choice["settings"]["eagle_nodes"] == chosen["eagle_nodes"]
+    assert choice["settings"]["eagle_lookup_tokens"] == chosen["eagle_lookup_tokens"]
+    assert choice["base_model_fingerprint"] == spec["base_model_fingerprint"]
+    assert f"eagle_tree={path.relative_to(tmp_path)}" in proc.stdout   # the line that decodes with it
+    proc = _run("medusa-generate", "heads=runs/e3/heads", f"eagle_tree={path.relative_to(tmp_path)}",
+                "prompt=Say hello.", "max_new_tokens=8", "kernels=stock", "threads=1", cwd=tmp_path)
+    assert "tokens, tau" in proc.stderr
 
     _run("medusa-export", "heads=runs/e3/heads", "format=eagle3", "out=runs/e3/eagle3", cwd=tmp_path)
     cfg = json.loads((run / "eagle3" / "config.json").read_text())

@@ -124,7 +124,8 @@ class Eagle3Options:
             raise UserError(reason)
         if self.tree == "auto":
             raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval), from calibration prompts; "
-                            "to decode directly give eagle_nodes / eagle_depth / eagle_topk")
+                            "decode with its choice (medusa-generate eagle_tree=<eval dir>/eagle3_tree.json) "
+                            "or give eagle_nodes / eagle_depth / eagle_topk")
         if self.topk > m.heads.spec.output_size:
             raise UserError(f"eagle_topk={self.topk} is more than the drafter's {m.heads.spec.output_size} outputs")
 
@@ -132,6 +133,28 @@ class Eagle3Options:
 def max_nodes(depth: int, topk: int) -> int:
     """Nodes a step drafts: k at depth 1, then k^2 at each deeper depth (k parents x k children)."""
     return topk + (depth - 1) * topk * topk
+
+
+FITTED_MAX_DEPTH, FITTED_MAX_NODES = 4, 8   # the library's own defaults (Eagle3Options): EAGLE-2-like, small
+
+
+def fitted_tree(spec, nodes: Optional[int], depth: Optional[int], topk: Any) -> tuple[int, int]:
+    """(eagle_nodes, eagle_depth) for the command-line keys left unset (None), from the drafter: a tree no
+    deeper than it was trained to draft (its spec's ``num_heads``, the training-time-test steps; at most 4)
+    and as many nodes as that depth and top-k hold (at most 8). A drafter trained one step deep has never
+    continued from its own features, so its deeper drafts are guesses it never learned: on 2 CPU cores the
+    recipe's one-step drafter decodes n8-d4-k4 slower than plain decoding (expected 20.7 vs 23.5 tokens/s)
+    and n4-d1-k4 faster (28.0; BENCHMARKS.md "Decoding defaults fitted to the drafter"). Given keys are
+    kept as they are (Eagle3Options checks them)."""
+    if depth is None:
+        trained = getattr(spec, "num_heads", None) if getattr(spec, "kind", None) == "eagle3" else None
+        depth = max(1, min(FITTED_MAX_DEPTH, int(trained or FITTED_MAX_DEPTH)))
+    if nodes is None:
+        def valid(v):  # a bad depth / top-k is refused by Eagle3Options, naming that key, not eagle_nodes
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        nodes = min(FITTED_MAX_NODES, max_nodes(depth, topk)) if valid(depth) and valid(topk) else FITTED_MAX_NODES
+    return nodes, depth
 
 
 def refuse_heads(spec, method: str = "eagle3") -> Optional[str]:

@@ -112,6 +112,9 @@ class Method:
     baseline: bool = False     # a speedup reference: always run, no acceptance rate
     greedy_only: bool = False
     refuses: Optional[Callable[[Any], Optional[str]]] = None
+    # among the methods that decode the same heads, the higher one is the default (medusa-eval without
+    # methods=, medusa-generate); equal ones keep the registration order
+    default_priority: int = 0
 
     def keys(self) -> list[str]:
         """Its ``medusa-eval`` option keys."""
@@ -198,9 +201,11 @@ def check_methods(methods: Sequence[str], m: Optional[MedusaModel] = None) -> li
 
 
 def methods_for_heads(spec) -> list[str]:
-    """The methods that decode with heads of ``spec`` (``needs_heads``, not refusing them), in order."""
-    return [x for x in names() if _METHODS[x].needs_heads
-            and (_METHODS[x].refuses is None or not _METHODS[x].refuses(spec))]
+    """The methods that decode with heads of ``spec`` (``needs_heads``, not refusing them), the default first
+    (``default_priority``, then registration order)."""
+    usable = [x for x in names() if _METHODS[x].needs_heads
+              and (_METHODS[x].refuses is None or not _METHODS[x].refuses(spec))]
+    return sorted(usable, key=lambda x: -_METHODS[x].default_priority)
 
 
 # -- options --------------------------------------------------------------------------------
@@ -222,10 +227,11 @@ def make_options(method: str, options=None, **fields):
 
 
 def options_from_keys(method: str, config) -> Any:
-    """``method``'s options read from command-line keys (``config.<key>``), defaults elsewhere."""
+    """``method``'s options read from command-line keys (``config.<key>``), defaults elsewhere (a key
+    absent from ``config`` or left unset there, None)."""
     cls = get(method).options
     values = {f.name: enum_value(getattr(config, f.metadata["key"])) for f in dataclasses.fields(cls)
-              if f.metadata.get("key") and hasattr(config, f.metadata["key"])}
+              if f.metadata.get("key") and getattr(config, f.metadata["key"], None) is not None}
     return cls(**values)
 
 

@@ -1,0 +1,102 @@
+"""EAGLE-3 decoding settings on the command line: the tree fitted to the drafter when eagle_nodes /
+eagle_depth are unset (``eagle3.fitted_tree``), and an evaluation's eagle_tree=auto choice saved for
+medusa-generate (``evaluation/eagle3_choice_file.py``)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from inference.errors import UserError
+from inference.evaluation.eagle3_choice_file import read_choice, write_choices
+from inference.methods.eagle3 import fitted_tree
+from inference.methods.registry import options_from_keys
+
+
+def _spec(num_heads, kind="eagle3", fingerprint="abc"):
+    return SimpleNamespace(kind=kind, num_heads=num_heads, base_model_fingerprint=fingerprint)
+
+
+@pytest.mark.parametrize("trained, topk, expected", [(1, 4, (4, 1)), (2, 4, (8, 2)), (3, 2, (8, 3)), (7, 4, (8, 4)),
+                                                      (1, 2, (2, 1)), (2, 1, (2, 2))])
+def test_fitted_tree_is_no_deeper_than_the_drafter_was_trained(trained, topk, expected):
+    """Guards against the default tree drafting deeper than the drafter ever learned to (a one-step drafter's
+    n8-d4-k4 decodes slower than plain decoding on a CPU) or holding more nodes than depth x top-k can."""
+    assert fitted_tree(_spec(trained), None, None, topk) == expected
+
+
+def test_fitted_tree_keeps_given_keys_and_leaves_bad_ones_to_the_options():
+    """Guards against fitting overriding what the user set, and against a bad eagle_depth / eagle_topk being
+    reported as a bad eagle_nodes (the options must name the key that is wrong)."""
+    assert fitted_tree(_spec(1), 6, 2, 4) == (6, 2)
+    assert fitted_tree(_spec(1), None, 3, 2) == (8, 3)
+    assert fitted_tree(_spec(1), 3, None, 4) == (3, 1)
+    assert fitted_tree(None, None, None, 4) == (8, 4)                  # no drafter known: the library's defaults
+    assert fitted_tree(_spec(2, kind="medusa"), None, None, 4) == (8, 4)
+    assert fitted_tree(_spec(1), None, 0, 4)[0] == 8
+    assert fitted_tree(_spec(1), None, None, "x") == (8, 1)
+    with pytest.raises(UserError, match="eagle_depth must be an integer >= 1"):
+        options_from_keys("eagle3", SimpleNamespace(eagle_nodes=8, eagle_depth=0, eagle_topk=4))
+
+
+def test_eval_options_take_the_fitted_tree(monkeypatch):
+    """Guards against medusa-eval / medusa-generate decoding a one-step drafter with n8-d4-k4 when no
+    eagle_* key is given, and against unset keys reaching the options as None."""
+    import inference.cli as cli
+
+    monkeypatch.setattr(cli, "heads_spec", lambda cfg: _spec(1))
+    opts = cli._method_options(cli.EvalConfig(heads="h", eagle_tree="fixed"), ["eagle3", "eagle3_lookup"])
+    assert (opts["eagle3"].nodes, opts["eagle3"].depth, opts["eagle3"].topk) == (4, 1, 4)
+    assert (opts["eagle3_lookup"].nodes, opts["eagle3_lookup"].depth) == (4, 1)
+    opts = cli._method_options(cli.EvalConfig(heads="h", eagle_depth=2, eagle_topk=2), ["eagle3"])
+    assert (opts["eagle3"].nodes, opts["eagle3"].depth, opts["eagle3"].topk) == (6, 2, 2)
+    assert options_from_keys("eagle3", cli.EvalConfig()).nodes == 8   # unset, no drafter: the library default
+
+
+def _report(method="eagle3", nodes=4):
+    return {"method_options": {method: {"eagle_nodes": nodes, "eagle_depth": 1, "eagle_topk": 4,
+                                        "eagle_min_prob": 0.0, "eagle_tree": "fixed", "schedule": None,
+                                        **({"eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3,
+                                            "eagle_lookup_min_ngram": 2} if method == "eagle3_lookup" else {})},
+                               "autoregressive": {}},
+            f"{method}_tree": {"name": f"n{nodes}-d1-k4", "reason": "best measured tau / step time"}}
+
+
+def test_choice_round_trip(tmp_path):
+    """Guards against medusa-generate decoding with other settings than the evaluation measured: the file
+    carries the method and every key of its setting (the looked-up branch's too), and nothing else."""
+    paths = write_choices(tmp_path, _report("eagle3_lookup"), "abc")
+    assert [p.name for p in paths] == ["eagle3_lookup_tree.json"]
+    assert not list(tmp_path.glob("*.tmp"))
+    method, keys = read_choice(str(paths[0]), _spec(1), ["eagle3", "eagle3_lookup"])
+    assert method == "eagle3_lookup"
+    assert keys == {"eagle_nodes": 4, "eagle_depth": 1, "eagle_topk": 4, "eagle_min_prob": 0.0,
+                    "eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3, "eagle_lookup_min_ngram": 2}
+    assert write_choices(tmp_path / "none", {"method_options": {"eagle3": {"eagle_nodes": 8}}}) == []  # fixed
+
+
+def test_choice_file_refusals(tmp_path):
+    """Guards against a wrong eagle_tree= file decoding silently (or with a traceback): missing, not JSON,
+    not a choice, a method these heads do not decode with, another backbone's drafter, unknown keys."""
+    (path,) = write_choices(tmp_path, _report(), "abc")
+    usable = ["eagle3", "eagle3_lookup"]
+    with pytest.raises(UserError, match="no such file"):
+        read_choice(str(tmp_path / "missing.json"), _spec(1), usable)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not a readable JSON file"):
+        read_choice(str(bad), _spec(1), usable)
+    bad.write_text(json.dumps({"nodes": 4}))
+    with pytest.raises(UserError, match="not an EAGLE-3 tree choice"):
+        read_choice(str(bad), _spec(1), usable)
+    with pytest.raises(UserError, match="which these heads do not decode with"):
+        read_choice(str(path), _spec(1), ["medusa"])
+    with pytest.raises(UserError, match="drafter of another backbone"):
+        read_choice(str(path), _spec(1, fingerprint="other"), usable)
+    record = json.loads(path.read_text())
+    record["settings"]["tree"] = "auto"
+    bad.write_text(json.dumps(record))
+    with pytest.raises(UserError, match=r"unknown settings \['tree'\]"):
+        read_choice(str(bad), _spec(1), usable)
