@@ -13,6 +13,7 @@
     medusa-eval heads=runs/a/heads batch_size=[1,2,4,8,16,32]          # batched: throughput per batch size
     medusa-generate heads=runs/a/heads prompt="Write a haiku about the sea." tree=runs/a/eval/tree.json
     medusa-generate heads=runs/a/heads 'prompt=["Say hi.", "Name a colour."]'   # decoded as one batch
+    medusa-generate heads=runs/e3/heads prompt="Hi." eagle_tree=runs/e3/eval/eagle3_lookup_tree.json  # eval's pick
 
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra;
 only these entry points do. User mistakes print one line and exit 2.
@@ -447,8 +448,11 @@ def run_generate(cfg) -> None:
         for key, value in settings.items():
             setattr(cfg, key, value)
         cfg.eagle_tree = "fixed"
-    elif cfg.eagle_tree is None:
-        cfg.eagle_tree = "fixed"   # auto stays, for eagle3's one-line refusal (it is an evaluation's choice)
+    elif cfg.eagle_tree == "auto":   # an evaluation's choice: refused here, before the backbone loads
+        raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval ... eagle_tree=auto); decode "
+                        "with its choice: eagle_tree=<eval dir>/eagle3_lookup_tree.json (or eagle3_tree.json)")
+    else:
+        cfg.eagle_tree = "fixed"
     fit_eagle_keys(cfg, spec)
     batching = get(method).batch_decoder is not None
     if size is not None and size > 1 and not batching:

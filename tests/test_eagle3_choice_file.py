@@ -100,3 +100,17 @@ def test_choice_file_refusals(tmp_path):
     bad.write_text(json.dumps(record))
     with pytest.raises(UserError, match=r"unknown settings \['tree'\]"):
         read_choice(str(bad), _spec(1), usable)
+
+
+@pytest.mark.parametrize("kind, value, match", [("eagle3", "auto", "chosen by an evaluation"),
+                                                ("eagle3", "missing.json", "no such file"),
+                                                ("medusa", "choice.json", "is for EAGLE-3 heads")])
+def test_generate_refuses_a_bad_eagle_tree_before_loading(monkeypatch, kind, value, match):
+    """Guards against medusa-generate loading the backbone (seconds to minutes) before refusing an eagle_tree=
+    it cannot decode with: auto (an evaluation's choice), a missing file, a file given for Medusa heads."""
+    import inference.cli as cli
+
+    monkeypatch.setattr(cli, "heads_spec", lambda cfg: _spec(1, kind=kind))
+    monkeypatch.setattr(cli, "_load", lambda cfg: pytest.fail("loaded the backbone before refusing"))
+    with pytest.raises(UserError, match=match):
+        cli.run_generate(cli.GenerateConfig(heads="h", prompt="hi", eagle_tree=value))
