@@ -143,9 +143,9 @@ def fitted_tree(spec, nodes: Optional[int], depth: Optional[int], topk: Any) -> 
     deeper than it was trained to draft (its spec's ``num_heads``, the training-time-test steps; at most 4)
     and as many nodes as that depth and top-k hold (at most 8). A drafter trained one step deep has never
     continued from its own features, so its deeper drafts are guesses it never learned: on 2 CPU cores the
-    recipe's one-step drafter decodes n8-d4-k4 slower than plain decoding (expected 20.7 vs 23.5 tokens/s)
-    and n4-d1-k4 faster (28.0; BENCHMARKS.md "Decoding defaults fitted to the drafter"). Given keys are
-    kept as they are (Eagle3Options checks them)."""
+    recipe's one-step drafter decodes n8-d4-k4 no faster than plain decoding (0.99x) and n4-d1-k4 at 1.21x
+    (BENCHMARKS.md "Decoding defaults fitted to the drafter"). Given keys are kept as they are
+    (Eagle3Options checks them)."""
     if depth is None:
         trained = getattr(spec, "num_heads", None) if getattr(spec, "kind", None) == "eagle3" else None
         depth = max(1, min(FITTED_MAX_DEPTH, int(trained or FITTED_MAX_DEPTH)))
