@@ -248,11 +248,12 @@ def fit_eagle_keys(cfg, spec) -> None:
     cfg.eagle_nodes, cfg.eagle_depth = fitted_tree(spec, cfg.eagle_nodes, cfg.eagle_depth, cfg.eagle_topk)
 
 
-def _method_options(cfg, methods: list[str]) -> dict:
-    """Each method's typed options from its keys (bad K / W / N -> one line before any model loads)."""
+def _method_options(cfg, methods: list[str], spec) -> dict:
+    """Each method's typed options from its keys (bad K / W / N -> one line before any model loads);
+    ``spec``: the heads' (``heads_spec``), which unset eagle_* keys are fitted to."""
     from .methods.registry import options_from_keys
 
-    fit_eagle_keys(cfg, heads_spec(cfg))
+    fit_eagle_keys(cfg, spec)
     return {meth: options_from_keys(meth, cfg) for meth in methods}
 
 
@@ -286,7 +287,7 @@ def run_eval(cfg) -> dict:
     sampling = _sampling(cfg)
     sizes = eval_batch_sizes(cfg)
     methods = eval_methods(cfg)
-    options = _method_options(cfg, methods)
+    options = _method_options(cfg, methods, heads_spec(cfg))
     if sizes is not None:  # before the backbone loads: methods that cannot decode batches
         from .evaluation.batch_eval import check_batchable
 
@@ -352,11 +353,12 @@ def run_eval(cfg) -> dict:
 
         MedusaTree(report["tree"]["choices"], name=report["tree"]["name"]).save(out / "tree.json")
         paths.append(out / "tree.json")
+    choices = {}
     if sizes is None:  # eagle_tree=auto's choices, for medusa-generate eagle_tree=<file>
         from .evaluation.eagle3_choice_file import write_choices
 
-        spec = heads_spec(cfg)
-        paths += write_choices(out, report, getattr(spec, "base_model_fingerprint", "") or "")
+        choices = write_choices(out, report, getattr(spec, "base_model_fingerprint", "") or "")  # loaded heads
+        paths += choices.values()
     print()
     if sizes is not None:
         print_batched(report["batched"])
@@ -370,10 +372,8 @@ def run_eval(cfg) -> dict:
             parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
         print(" | ".join(parts))
     print("report: " + ", ".join(str(p) for p in paths))
-    for p in paths:
-        if p.name.endswith("_tree.json") and p.name != "tree.json":
-            method = p.name[:-len("_tree.json")]
-            print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads} eagle_tree={p}")
+    for method, path in choices.items():
+        print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads} eagle_tree={path}")
     return report
 
 
@@ -447,12 +447,10 @@ def run_generate(cfg) -> None:
         method, settings = read_choice(cfg.eagle_tree, spec, methods_for_heads(spec))
         for key, value in settings.items():
             setattr(cfg, key, value)
-        cfg.eagle_tree = "fixed"
     elif cfg.eagle_tree == "auto":   # an evaluation's choice: refused here, before the backbone loads
         raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval ... eagle_tree=auto); decode "
                         "with its choice: eagle_tree=<eval dir>/eagle3_lookup_tree.json (or eagle3_tree.json)")
-    else:
-        cfg.eagle_tree = "fixed"
+    cfg.eagle_tree = "fixed"   # the options' own key: a file has been read into eagle_* keys above
     fit_eagle_keys(cfg, spec)
     batching = get(method).batch_decoder is not None
     if size is not None and size > 1 and not batching:

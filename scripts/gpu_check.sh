@@ -51,7 +51,7 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import deepspeed, hydra, dataset
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
     || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
   # PYTHONPATH precedes site-packages, so a carried wheel shadows the image's copy of the same package; of
-  # those carried, only typing-extensions is also in the image (4.16.0 here: newer, backward-compatible).
+  # those carried, only typing-extensions is also in the image (the carried 4.16.0 keeps older APIs).
   export PYTHONPATH="$PYTHONPATH:$site"
 fi
 {

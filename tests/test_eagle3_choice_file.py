@@ -41,16 +41,15 @@ def test_fitted_tree_keeps_given_keys_and_leaves_bad_ones_to_the_options():
         options_from_keys("eagle3", SimpleNamespace(eagle_nodes=8, eagle_depth=0, eagle_topk=4))
 
 
-def test_eval_options_take_the_fitted_tree(monkeypatch):
+def test_eval_options_take_the_fitted_tree():
     """Guards against medusa-eval / medusa-generate decoding a one-step drafter with n8-d4-k4 when no
     eagle_* key is given, and against unset keys reaching the options as None."""
     import inference.cli as cli
 
-    monkeypatch.setattr(cli, "heads_spec", lambda cfg: _spec(1))
-    opts = cli._method_options(cli.EvalConfig(heads="h", eagle_tree="fixed"), ["eagle3", "eagle3_lookup"])
+    opts = cli._method_options(cli.EvalConfig(heads="h", eagle_tree="fixed"), ["eagle3", "eagle3_lookup"], _spec(1))
     assert (opts["eagle3"].nodes, opts["eagle3"].depth, opts["eagle3"].topk) == (4, 1, 4)
     assert (opts["eagle3_lookup"].nodes, opts["eagle3_lookup"].depth) == (4, 1)
-    opts = cli._method_options(cli.EvalConfig(heads="h", eagle_depth=2, eagle_topk=2), ["eagle3"])
+    opts = cli._method_options(cli.EvalConfig(heads="h", eagle_depth=2, eagle_topk=2), ["eagle3"], _spec(1))
     assert (opts["eagle3"].nodes, opts["eagle3"].depth, opts["eagle3"].topk) == (6, 2, 2)
     assert options_from_keys("eagle3", cli.EvalConfig()).nodes == 8   # unset, no drafter: the library default
 
@@ -67,20 +66,20 @@ def _report(method="eagle3", nodes=4):
 def test_choice_round_trip(tmp_path):
     """Guards against medusa-generate decoding with other settings than the evaluation measured: the file
     carries the method and every key of its setting (the looked-up branch's too), and nothing else."""
-    paths = write_choices(tmp_path, _report("eagle3_lookup"), "abc")
+    paths = list(write_choices(tmp_path, _report("eagle3_lookup"), "abc").values())
     assert [p.name for p in paths] == ["eagle3_lookup_tree.json"]
     assert not list(tmp_path.glob("*.tmp"))
     method, keys = read_choice(str(paths[0]), _spec(1), ["eagle3", "eagle3_lookup"])
     assert method == "eagle3_lookup"
     assert keys == {"eagle_nodes": 4, "eagle_depth": 1, "eagle_topk": 4, "eagle_min_prob": 0.0,
                     "eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3, "eagle_lookup_min_ngram": 2}
-    assert write_choices(tmp_path / "none", {"method_options": {"eagle3": {"eagle_nodes": 8}}}) == []  # fixed
+    assert write_choices(tmp_path / "none", {"method_options": {"eagle3": {"eagle_nodes": 8}}}) == {}  # fixed
 
 
 def test_choice_file_refusals(tmp_path):
     """Guards against a wrong eagle_tree= file decoding silently (or with a traceback): missing, not JSON,
     not a choice, a method these heads do not decode with, another backbone's drafter, unknown keys."""
-    (path,) = write_choices(tmp_path, _report(), "abc")
+    (path,) = write_choices(tmp_path, _report(), "abc").values()
     usable = ["eagle3", "eagle3_lookup"]
     with pytest.raises(UserError, match="no such file"):
         read_choice(str(tmp_path / "missing.json"), _spec(1), usable)

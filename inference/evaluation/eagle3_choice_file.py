@@ -22,11 +22,11 @@ SETTING_KEYS = ("eagle_nodes", "eagle_depth", "eagle_topk", "eagle_min_prob",
                 "eagle_lookup_tokens", "eagle_lookup_max_ngram", "eagle_lookup_min_ngram")
 
 
-def write_choices(out: Path, report: dict, base_model_fingerprint: str = "") -> list[Path]:
+def write_choices(out: Path, report: dict, base_model_fingerprint: str = "") -> dict[str, Path]:
     """One ``<method>_tree.json`` per method whose tree the evaluation chose (report's ``<method>_tree``,
-    its options' keys from report's ``method_options``); the paths written. A batched evaluation sizes per
-    batch size instead (report's ``batched``) and writes none."""
-    paths = []
+    its options' keys from report's ``method_options``); {method: path written}. A batched evaluation
+    sizes per batch size instead (report's ``batched``) and writes none."""
+    paths = {}
     for method, options in (report.get("method_options") or {}).items():
         chosen = report.get(f"{method}_tree")
         if not chosen:
@@ -38,7 +38,7 @@ def write_choices(out: Path, report: dict, base_model_fingerprint: str = "") -> 
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         tmp.replace(path)  # never a half-written choice
-        paths.append(path)
+        paths[method] = path
     return paths
 
 
@@ -54,7 +54,8 @@ def read_choice(path: str, spec, usable: list[str]) -> tuple[str, dict]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"eagle_tree={path}: not a readable JSON file ({e})") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(record.get("settings"), dict):
-        raise UserError(f"eagle_tree={path}: not an EAGLE-3 tree choice written by medusa-eval")
+        raise UserError(f"eagle_tree={path}: not an EAGLE-3 tree choice written by medusa-eval (give the "
+                        "eagle3_tree.json or eagle3_lookup_tree.json it wrote beside report.json)")
     method = record.get("method")
     if method not in usable:
         raise UserError(f"eagle_tree={path} is for method {method!r}, which these heads do not decode with "
@@ -63,8 +64,9 @@ def read_choice(path: str, spec, usable: list[str]) -> tuple[str, dict]:
     ours = getattr(spec, "base_model_fingerprint", "") or None
     if theirs and ours and theirs != ours:
         raise UserError(f"eagle_tree={path} was chosen for a drafter of another backbone "
-                        f"(fingerprint {theirs}, these heads' {ours})")
+                        f"(fingerprint {theirs}, these heads' {ours}): run medusa-eval with these heads")
     unknown = sorted(set(record["settings"]) - set(SETTING_KEYS))
     if unknown:
-        raise UserError(f"eagle_tree={path}: unknown settings {unknown}")
+        raise UserError(f"eagle_tree={path}: unknown settings {unknown} (written by another medusa-train? "
+                        "rerun medusa-eval ... eagle_tree=auto)")
     return method, dict(record["settings"])
