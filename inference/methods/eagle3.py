@@ -143,7 +143,7 @@ def fitted_tree(spec, nodes: Optional[int], depth: Optional[int], topk: Any) -> 
     deeper than it was trained to draft (its spec's ``num_heads``, the training-time-test steps; at most 4)
     and as many nodes as that depth and top-k hold (at most 8). A drafter trained one step deep has never
     continued from its own features, so its deeper drafts are guesses it never learned: on 2 CPU cores the
-    recipe's one-step drafter decodes n8-d4-k4 no faster than plain decoding (0.99x) and n4-d1-k4 at 1.21x
+    recipe's one-step drafter decodes n8-d4-k4 no faster than plain decoding (0.99x) and n4-d1-k4 at 1.16-1.21x
     (BENCHMARKS.md "Decoding defaults fitted to the drafter"). Given keys are kept as they are
     (Eagle3Options checks them)."""
     if depth is None:
