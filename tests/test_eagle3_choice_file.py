@@ -51,7 +51,7 @@ def test_eval_options_take_the_fitted_tree():
     assert (opts["eagle3_lookup"].nodes, opts["eagle3_lookup"].depth) == (4, 1)
     opts = cli._method_options(cli.EvalConfig(heads="h", eagle_depth=2, eagle_topk=2), ["eagle3"], _spec(1))
     assert (opts["eagle3"].nodes, opts["eagle3"].depth, opts["eagle3"].topk) == (6, 2, 2)
-    assert options_from_keys("eagle3", cli.EvalConfig()).nodes == 8   # unset, no drafter: the library default
+    assert options_from_keys("eagle3", cli.EvalConfig()).nodes is None   # unset, no drafter: fitted at load
 
 
 def _report(method="eagle3", nodes=4):

@@ -35,8 +35,8 @@ def eagle3_spec(model, num_heads: int = 2, aux=None) -> HeadsSpec:
                      draft_layer=draft_layer_config(cfg), base_model="random:llama")
 
 
-def random_drafter(model, cls=Eagle3Drafter, seed: int = 3, scale: float = 0.1, aux=None):
-    spec = eagle3_spec(model, aux=aux)
+def random_drafter(model, cls=Eagle3Drafter, seed: int = 3, scale: float = 0.1, aux=None, num_heads: int = 2):
+    spec = eagle3_spec(model, num_heads=num_heads, aux=aux)
     fresh = init_heads(spec, model.lm_head.weight, model.get_input_embeddings().weight)
     d = cls(spec)
     d.load_state_dict(fresh.state_dict())
@@ -121,6 +121,35 @@ def test_greedy_is_token_identical_to_plain_greedy(m, greedy, opts):
     for p in PROMPTS:
         out = generate(m, p, "eagle3", max_new_tokens=40, eos_token_ids=(), **opts)
         assert out.tokens == greedy[tuple(p)], (p, opts)
+
+
+def test_library_defaults_fit_the_drafter(backbone, m, greedy):
+    """Guards against the Python API (generate / generate_batch / Eagle3Decoder without eagle_* options)
+    drafting deeper than the drafter was trained to (the library's fixed n8-d4-k4 decoded the recipe's
+    one-step drafter at 0.99x the loop, BENCHMARKS.md) and against unset options reaching a decoder, its
+    costs or a report as None."""
+    from inference.methods import generate_batch
+    from inference.methods.eagle3 import eagle3_costs
+    from inference.methods.registry import fitted_options, make_options, options_report
+
+    one_step = random_drafter(backbone, num_heads=1)
+    assert make_options("eagle3").label == "fitted to the drafter"
+    assert fitted_options(one_step, "eagle3", make_options("eagle3")).label == "n4-d1-k4"
+    assert fitted_options(one_step, "eagle3_lookup", make_options("eagle3_lookup")).label == "n4-d1-k4+t6-m2"
+    assert fitted_options(m, "eagle3", make_options("eagle3")).label == "n8-d2-k4"          # trained 2 steps
+    given = make_options("eagle3", nodes=2, depth=3, topk=1)
+    assert fitted_options(one_step, "eagle3", given) is given                             # given keys are kept
+    assert fitted_options(one_step, "eagle3", make_options("eagle3", depth=2)).label == "n8-d2-k4"
+    assert Eagle3Decoder(one_step, Eagle3Options()).o.label == "n4-d1-k4"
+    report = options_report(fitted_options(one_step, "eagle3", make_options("eagle3")))
+    assert (report["eagle_nodes"], report["eagle_depth"]) == (4, 1)
+    assert eagle3_costs(one_step, fitted_options(one_step, "eagle3", Eagle3Options()), 10).extra_kv_cache_bytes > 0
+    for p in PROMPTS:
+        out = generate(one_step, p, "eagle3", max_new_tokens=40, eos_token_ids=())
+        assert out.tokens == greedy[tuple(p)]
+        assert max(out.proposed) == 1 and max(out.accept_lengths) <= 2      # depth 1: one draft token deep
+    rows = generate_batch(one_step, [list(p) for p in PROMPTS], "eagle3_lookup", max_new_tokens=40, eos_token_ids=())
+    assert [r.tokens for r in rows.rows] == [greedy[tuple(p)] for p in PROMPTS]
 
 
 @pytest.mark.parametrize("rank,least_tau", [(lambda p: 0, 4.0), (lambda p: 1 if p % 3 == 0 else 0, 2.0),

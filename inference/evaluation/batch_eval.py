@@ -187,7 +187,8 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     refused = [x for x in measured if registry.get(x).greedy_only and not greedy]
     if refused:
         raise UserError(f"{refused[0]} is measured in greedy mode only")
-    opts = {x: registry.make_options(x, (options or {}).get(x)) for x in measured if x != HF}
+    opts = {x: registry.fitted_options(m, x, registry.make_options(x, (options or {}).get(x)))
+            for x in measured if x != HF}
     check_batchable(methods, sizes)
     for x, o in opts.items():
         if registry.get(x).prepare is not None:   # loaded once for every batch (a draft model)

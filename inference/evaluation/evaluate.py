@@ -146,7 +146,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     greedy_only = [meth for meth, spec in specs.items() if spec.greedy_only]
     if greedy_only and not sampling.is_greedy:
         raise UserError(f"{greedy_only[0]} is measured in greedy mode only")
-    opts = {meth: registry.make_options(meth, (options or {}).get(meth)) for meth in methods}
+    opts = {meth: registry.fitted_options(m, meth, registry.make_options(meth, (options or {}).get(meth)))
+            for meth in methods}
     if turns not in ("first", "both"):
         raise UserError(f"turns must be first|both, got {turns!r}")
     calib: list[list[int]] = []

@@ -40,6 +40,7 @@ eagle_tree=auto lets an evaluation choose (N, D, k[, p]), or plain decoding when
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
@@ -62,8 +63,11 @@ TREE_SETTINGS = ("fixed", "auto")
 
 @dataclass
 class Eagle3Options:
-    nodes: int = option(8, "eagle_nodes", "N: draft tokens verified per step (root excluded); 0: plain decoding")
-    depth: int = option(4, "eagle_depth", "D: tree depth (D-1 drafter calls per step)")
+    # nodes / depth left None are fitted to the drafter when the options meet the model (``fitted``)
+    nodes: Optional[int] = option(None, "eagle_nodes", "N: draft tokens verified per step (root excluded); 0: "
+                                  "plain decoding; unset: fitted to the drafter (at most 8)")
+    depth: Optional[int] = option(None, "eagle_depth", "D: tree depth (D-1 drafter calls per step); unset: the "
+                                  "drafter's trained draft steps (at most 4)")
     topk: int = option(4, "eagle_topk", "k: children per expanded node, nodes expanded per depth")
     min_prob: float = option(0.0, "eagle_min_prob", "p: of the N best drafted nodes, verify only those whose "
                              "draft probability (the product along their path) is at least p; 0: all N")
@@ -76,6 +80,8 @@ class Eagle3Options:
     def __post_init__(self):
         for name, low in (("nodes", 0), ("depth", 1), ("topk", 1)):
             v = getattr(self, name)
+            if v is None and name != "topk":
+                continue   # fitted to the drafter later
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise UserError(f"eagle_{name} must be an integer >= {low}, got {v!r}")
         p = self.min_prob
@@ -83,13 +89,25 @@ class Eagle3Options:
             raise UserError(f"eagle_min_prob must be a probability in [0, 1) (0 verifies all eagle_nodes), got {p!r}")
         if self.tree not in TREE_SETTINGS:
             raise UserError(f"eagle_tree must be one of {', '.join(TREE_SETTINGS)}, got {self.tree!r}")
+        if self.nodes is None or self.depth is None:
+            return
         most = max_nodes(self.depth, self.topk)
         if self.nodes > most:
             raise UserError(f"eagle_nodes={self.nodes} is more than depth {self.depth} x top-{self.topk} drafts "
                             f"(k + (D-1) k^2 = {most})")
 
+    def fitted(self, spec) -> "Eagle3Options":
+        """These options with eagle_nodes / eagle_depth left unset fitted to the drafter of ``spec``
+        (``fitted_tree``); unchanged when both are given."""
+        if self.nodes is not None and self.depth is not None:
+            return self
+        nodes, depth = fitted_tree(spec, self.nodes, self.depth, self.topk)
+        return dataclasses.replace(self, nodes=nodes, depth=depth)
+
     @property
     def label(self) -> str:
+        if self.nodes is None or self.depth is None:
+            return "fitted to the drafter"
         if not self.nodes:
             return "plain decoding"
         return f"n{self.nodes}-d{self.depth}-k{self.topk}" + (f"-p{self.min_prob:g}" if self.min_prob else "")
@@ -135,11 +153,11 @@ def max_nodes(depth: int, topk: int) -> int:
     return topk + (depth - 1) * topk * topk
 
 
-FITTED_MAX_DEPTH, FITTED_MAX_NODES = 4, 8   # the library's own defaults (Eagle3Options): EAGLE-2-like, small
+FITTED_MAX_DEPTH, FITTED_MAX_NODES = 4, 8   # caps of the tree fitted for unset eagle_depth / eagle_nodes
 
 
 def fitted_tree(spec, nodes: Optional[int], depth: Optional[int], topk: Any) -> tuple[int, int]:
-    """(eagle_nodes, eagle_depth) for the command-line keys left unset (None), from the drafter: a tree no
+    """(eagle_nodes, eagle_depth) for the keys / options left unset (None), from the drafter: a tree no
     deeper than it was trained to draft (its spec's ``num_heads``, the training-time-test steps; at most 4)
     and as many nodes as that depth and top-k hold (at most 8). A drafter trained one step deep has never
     continued from its own features, so its deeper drafts are guesses it never learned: on 2 CPU cores the
@@ -172,6 +190,7 @@ class Eagle3Decoder:
     def __init__(self, m: MedusaModel, options: Eagle3Options, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
         options.check_model(m)
+        options = options.fitted(m.heads.spec)    # constructed directly, not through generate()
         self.m, self.o, self.drafter = m, options, m.heads
         self.cfg = sampling or SamplingConfig()
         self.drafter.check_sampling(self.cfg)
@@ -278,6 +297,11 @@ class Eagle3Decoder:
         return accepted.tolist() + [verdict.bonus], max_depth
 
 
+def fit_options(m: MedusaModel, o: Eagle3Options) -> Eagle3Options:
+    """``Method.fit``: the options with an unset tree fitted to ``m``'s drafter (no heads: the caps)."""
+    return o.fitted(m.heads.spec if m.heads is not None else None)
+
+
 def eagle3_costs(m: MedusaModel, o: Eagle3Options, run_length: int) -> Costs:
     """The drafter's parameters, the tree's backbone KV slots and the drafter's own KV cache (one
     layer, the whole run plus one step's draft entries)."""
@@ -309,7 +333,7 @@ register(Method(
     decoder=lambda m, o, sampling, seed: (Eagle3Decoder(m, o, sampling, seed) if o.nodes
                                           else AutoregressiveDecoder(m, sampling, seed)),
     batch_decoder=eagle3_batch_decoder,
-    costs=eagle3_costs, needs_heads=True, refuses=refuse_heads,
+    costs=eagle3_costs, needs_heads=True, refuses=refuse_heads, fit=fit_options,
     # n-alpha per depth 1..D (a kept tree may be shallower in a step; then its deeper depths count as
     # proposed and not accepted, so the rates are lower bounds)
     proposed=lambda o: o.depth if o.nodes else 0))

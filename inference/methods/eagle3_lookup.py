@@ -47,7 +47,7 @@ from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.model import MedusaModel
 from ..runtime.verify import SamplingConfig
 from .draft import chain_sampling
-from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_batch_decoder, eagle3_costs, refuse_heads
+from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_batch_decoder, eagle3_costs, fit_options, refuse_heads
 from .eagle3_batch import Eagle3BatchDrafter
 from .prompt_lookup import (LookupDrafter, NGramIndex, PromptLookupDecoder, PromptLookupSettings,
                             check_lookup_settings, match_in_tree)
@@ -210,6 +210,7 @@ register(Method(
                                           else PromptLookupDecoder(m, o.lookup, sampling, seed)),
     batch_decoder=eagle3_lookup_batch_decoder,
     costs=eagle3_lookup_costs, needs_heads=True, refuses=lambda spec: refuse_heads(spec, "eagle3_lookup"),
+    fit=fit_options,
     # EAGLE-3 heads' default: faster than eagle3 in every interleaved run on the recipe's drafter (1.09-1.21x
     # over it; 1.48x vs 1.23x the loop, each at eagle_tree=auto) and lossless alike (BENCHMARKS.md "Decoding
     # defaults fitted to the drafter")

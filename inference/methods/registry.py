@@ -93,7 +93,9 @@ class Method:
     decodes one prompt at a time; ``generate_batch`` refuses it for batches); chain: how its chain
     length is sized per batch size (``ChainSizing``; None: not a chain method).
     costs(m, options, run_length) -> Costs. prepare(m, options) -> options resolves what is
-    loaded once per evaluation (a draft model). proposed(options) -> draft tokens counted per
+    loaded once per evaluation (a draft model). fit(m, options) -> options fills the settings left
+    unset from the loaded model (EAGLE-3: a tree no deeper than the drafter was trained to draft);
+    ``fitted_options`` applies it wherever options meet a model. proposed(options) -> draft tokens counted per
     step for the acceptance rate (None: what each step reports). refuses(heads spec) -> why the
     method cannot decode with those heads, in one line (None: it can)."""
 
@@ -106,6 +108,7 @@ class Method:
     chain: Optional[ChainSizing] = None
     costs: Callable[..., Costs] = lambda m, options, run_length: Costs()
     prepare: Optional[Callable[[MedusaModel, Any], Any]] = None
+    fit: Optional[Callable[[MedusaModel, Any], Any]] = None   # (m, options) -> options, unset ones set for m
     proposed: Optional[Callable[[Any], int]] = None
     needs_heads: bool = False
     needs_tree: bool = False   # takes ``tree`` in its options: evaluate's tree choice fills it
@@ -226,6 +229,12 @@ def make_options(method: str, options=None, **fields):
     return dataclasses.replace(options, **fields) if fields else options
 
 
+def fitted_options(m, method: str, options):
+    """``method``'s options with the settings left unset filled from the model ``m`` (``Method.fit``)."""
+    fit = get(method).fit
+    return fit(as_medusa_model(m), options) if fit is not None else options
+
+
 def options_from_keys(method: str, config) -> Any:
     """``method``'s options read from command-line keys (``config.<key>``), defaults elsewhere (a key
     absent from ``config`` or left unset there, None)."""
@@ -260,11 +269,12 @@ def _runner_steps(out: GenerationOutput):
 def _prepare(m, method: str, options, sampling: Optional[SamplingConfig], option_fields: dict):
     """(the method, its options, the model as a ``MedusaModel``, the sampling config), checked."""
     spec = get(method)
-    opts = make_options(method, options, **option_fields)
+    m = as_medusa_model(m)
+    opts = fitted_options(m, method, make_options(method, options, **option_fields))
     sampling = sampling or SamplingConfig()
     if spec.greedy_only and not sampling.is_greedy:
         raise UserError(f"{method} is measured in greedy mode only")
-    return spec, opts, as_medusa_model(m), sampling
+    return spec, opts, m, sampling
 
 
 def stream(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens: int = 128,
