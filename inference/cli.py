@@ -127,7 +127,8 @@ class GenerateConfig(RuntimeConfig):
     batch_size: Any = None  # several prompts: how many decode together (default: all of them)
     tree: str = "tree4"
     # EAGLE-3 heads: a medusa-eval's eagle3_tree.json / eagle3_lookup_tree.json (eagle_tree=auto's choice on
-    # this machine): decode with that method and its settings; unset: eagle3 with eagle_* keys (or fitted)
+    # this machine): decode with that method and its settings (a batched evaluation's file: its setting per
+    # batch size, which batches decode with); unset: the heads' default method with eagle_* keys (or fitted)
     eagle_tree: Optional[str] = None
     system: Optional[str] = None
 
@@ -353,12 +354,11 @@ def run_eval(cfg) -> dict:
 
         MedusaTree(report["tree"]["choices"], name=report["tree"]["name"]).save(out / "tree.json")
         paths.append(out / "tree.json")
-    choices = {}
-    if sizes is None:  # eagle_tree=auto's choices, for medusa-generate eagle_tree=<file>
-        from .evaluation.eagle3_choice_file import write_choices
+    from .evaluation.eagle3_choice_file import write_choices
 
-        choices = write_choices(out, report, getattr(spec, "base_model_fingerprint", "") or "")  # loaded heads
-        paths += choices.values()
+    # eagle_tree=auto's choices (batched: per batch size), for medusa-generate eagle_tree=<file>
+    choices = write_choices(out, report, getattr(spec, "base_model_fingerprint", "") or "")  # the loaded heads'
+    paths += choices.values()
     print()
     if sizes is not None:
         print_batched(report["batched"])
@@ -372,8 +372,9 @@ def run_eval(cfg) -> dict:
             parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
         print(" | ".join(parts))
     print("report: " + ", ".join(str(p) for p in paths))
+    batches = " prompts_file=<prompts.jsonl> batch_size=<B>" if sizes is not None else ""
     for method, path in choices.items():
-        print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads} eagle_tree={path}")
+        print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads}{batches} eagle_tree={path}")
     return report
 
 
@@ -424,6 +425,29 @@ def generate_prompts(cfg) -> tuple[list[str], bool]:
     return texts, True
 
 
+def eagle_tree_choice(cfg, spec, method: str):
+    """(the method to decode with, the ``Choice`` read or None) for medusa-generate's ``eagle_tree``: a file
+    medusa-eval wrote sets the method and its eagle_* keys on ``cfg``; ``auto`` is refused (an evaluation's to
+    make); before the backbone loads."""
+    from .errors import UserError
+    from .methods.registry import methods_for_heads
+
+    if cfg.eagle_tree == "auto":
+        raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval ... eagle_tree=auto); decode "
+                        "with its choice: eagle_tree=<eval dir>/eagle3_lookup_tree.json (or eagle3_tree.json)")
+    if cfg.eagle_tree in (None, "fixed"):
+        return method, None
+    from .evaluation.eagle3_choice_file import read_choice
+
+    if spec is None or spec.kind != "eagle3":
+        raise UserError("eagle_tree=<file> is for EAGLE-3 heads (medusa-eval's eagle3_tree.json); "
+                        "Medusa-family heads take the evaluation's tree.json as tree=<file>")
+    choice = read_choice(cfg.eagle_tree, spec, methods_for_heads(spec))
+    for key, value in choice.settings.items():
+        setattr(cfg, key, value)
+    return choice.method, choice
+
+
 def run_generate(cfg) -> None:
     from .errors import UserError
     from .methods import stream as decode_stream
@@ -438,18 +462,7 @@ def run_generate(cfg) -> None:
         raise UserError("heads=<export directory> is required")
     spec = heads_spec(cfg)
     method = methods_for_heads(spec)[0] if spec is not None else "medusa"  # eagle3_lookup for EAGLE-3 heads
-    if cfg.eagle_tree not in (None, "fixed", "auto"):  # an evaluation's choice: its method and settings
-        from .evaluation.eagle3_choice_file import read_choice
-
-        if spec is None or spec.kind != "eagle3":
-            raise UserError("eagle_tree=<file> is for EAGLE-3 heads (medusa-eval's eagle3_tree.json); "
-                            "Medusa-family heads take the evaluation's tree.json as tree=<file>")
-        method, settings = read_choice(cfg.eagle_tree, spec, methods_for_heads(spec))
-        for key, value in settings.items():
-            setattr(cfg, key, value)
-    elif cfg.eagle_tree == "auto":   # an evaluation's choice: refused here, before the backbone loads
-        raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval ... eagle_tree=auto); decode "
-                        "with its choice: eagle_tree=<eval dir>/eagle3_lookup_tree.json (or eagle3_tree.json)")
+    method, choice = eagle_tree_choice(cfg, spec, method)
     cfg.eagle_tree = "fixed"   # the options' own key: a file has been read into eagle_* keys above
     fit_eagle_keys(cfg, spec)
     batching = get(method).batch_decoder is not None
@@ -458,9 +471,17 @@ def run_generate(cfg) -> None:
                         f"(methods that decode batches: {', '.join(batched_names())})")
     tree = {"tree": cfg.tree} if get(method).needs_tree else {}
     options = options_from_keys(method, cfg)  # bad eagle_* keys: one line before the backbone loads
+    if choice is not None and choice.schedule is not None:   # a batched evaluation's choice per batch size
+        from dataclasses import replace
+
+        from .evaluation.eagle3_choice_file import eagle3_schedule
+
+        options = replace(options, schedule=eagle3_schedule(method, choice.schedule, cfg))
     if tree:
         check_tree(cfg)  # before the backbone loads
     m = _load(cfg)
+    if choice is not None and choice.plain_alone and not (several and batching):
+        method, options = "autoregressive", None   # the batched evaluation found plain decoding best alone
     if several:
         ids = [m.encode_chat(t, system=cfg.system) for t in texts]
         generate_several(m, texts, ids, method, size or len(ids), batching, options, _sampling(cfg), cfg, tree)

@@ -200,7 +200,8 @@ def test_caches_are_sized_for_the_grafted_branch(models, prompts, greedy, monkey
     assert drafter.cache_bytes([len(p) for p in batch], N) == len(batch) * per_row
 
 
-def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them(models, prompts, greedy):  # noqa: F811
+def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them(models, prompts, greedy,  # noqa: F811
+                                                                                tmp_path):
     """Guards against eagle3_lookup sized as eagle3 (tau measured without the branch, step times of
     eagle3's drafter, which never grafts), a schedule whose settings lose the lookup keys, and a
     batched medusa-eval that refuses eagle_tree=auto for it or records another schedule than the
@@ -241,8 +242,19 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
     assert b["per_batch_size"]["2"]["per_method"]["eagle3_lookup"]["greedy_identical"] is True
     assert set(b["speculation"]["eagle3_lookup"]["calibration"]["measured_tau"]) == {
         "n1-d1-k1", "n2-d1-k2", "n4-d1-k4", "n2-d2-k1", "n3-d2-k2", "n4-d4-k1", "n4-d3-k2", "n8-d4-k4"}
+    # what the evaluation chose, through its choice file, is the schedule medusa-generate decodes batches with
+    from types import SimpleNamespace
+
+    from inference.evaluation.eagle3_choice_file import eagle3_schedule, read_choice, write_choices
+
+    (path,) = write_choices(tmp_path, r).values()
+    choice = read_choice(str(path), m.heads.spec, ["eagle3", "eagle3_lookup"])
+    rebuilt = eagle3_schedule(choice.method, choice.schedule, SimpleNamespace())
+    assert rebuilt.to_dict() == b["speculation"]["eagle3_lookup"]["schedule"]
+    assert all(c is None or c.lookup == o.lookup for c in rebuilt.choices.values())
     f = fixed["batched"]
     assert f["speculation"]["eagle3_lookup"]["schedule"] == {"2": "prompt lookup t6-m1"}
+    assert write_choices(tmp_path / "fixed", fixed) == {}                                   # nothing was chosen
     assert f["per_batch_size"]["2"]["per_method"]["eagle3_lookup"]["greedy_identical"] is True
 
 

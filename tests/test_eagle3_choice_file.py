@@ -69,9 +69,9 @@ def test_choice_round_trip(tmp_path):
     paths = list(write_choices(tmp_path, _report("eagle3_lookup"), "abc").values())
     assert [p.name for p in paths] == ["eagle3_lookup_tree.json"]
     assert not list(tmp_path.glob("*.tmp"))
-    method, keys = read_choice(str(paths[0]), _spec(1), ["eagle3", "eagle3_lookup"])
-    assert method == "eagle3_lookup"
-    assert keys == {"eagle_nodes": 4, "eagle_depth": 1, "eagle_topk": 4, "eagle_min_prob": 0.0,
+    choice = read_choice(str(paths[0]), _spec(1), ["eagle3", "eagle3_lookup"])
+    assert choice.method == "eagle3_lookup" and choice.schedule is None and not choice.plain_alone
+    assert choice.settings == {"eagle_nodes": 4, "eagle_depth": 1, "eagle_topk": 4, "eagle_min_prob": 0.0,
                     "eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3, "eagle_lookup_min_ngram": 2}
     assert write_choices(tmp_path / "none", {"method_options": {"eagle3": {"eagle_nodes": 8}}}) == {}  # fixed
 
@@ -113,3 +113,98 @@ def test_generate_refuses_a_bad_eagle_tree_before_loading(monkeypatch, kind, val
     monkeypatch.setattr(cli, "_load", lambda cfg: pytest.fail("loaded the backbone before refusing"))
     with pytest.raises(UserError, match=match):
         cli.run_generate(cli.GenerateConfig(heads="h", prompt="hi", eagle_tree=value))
+
+
+LOOKUP_KEYS = {"eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3, "eagle_lookup_min_ngram": 2}
+
+
+def _batched_report(at_one=True):
+    from inference.evaluation.eagle3_choice_file import schedule_record
+    from inference.methods.eagle3_lookup import Eagle3LookupOptions
+    from inference.runtime.speculation import SpeculationSchedule
+
+    lookup = dict(num_tokens=12, max_ngram=3, min_ngram=2)
+    four, one = Eagle3LookupOptions(nodes=4, depth=1, topk=4, min_prob=0.1, **lookup), \
+        Eagle3LookupOptions(nodes=1, depth=1, topk=1, **lookup)
+    choices = {1: four if at_one else None, 2: one, 4: None}
+    rates = {1: {four.label: 30.0, "plain": 22.0}, 2: {one.label: 41.0, "plain": 39.0}, 4: {"plain": 70.0}}
+    schedule = SpeculationSchedule(choices, rates, 0.07)
+    return {"method_options": {"eagle3_lookup": {"eagle_tree": "auto"}},
+            "batched": {"speculation": {"eagle3_lookup": {"tree": "auto", "schedule": schedule.to_dict(),
+                                                          "settings": schedule_record(schedule)},
+                                        "autoregressive": {"tree": "fixed", "schedule": {"1": "plain"}}}}}, schedule
+
+
+@pytest.mark.parametrize("at_one", [True, False], ids=["speculates-alone", "plain-alone"])
+def test_batched_choice_round_trip(tmp_path, at_one):
+    """Guards against a batched evaluation's per-batch-size choice being lost (no file) or changed on the way
+    to medusa-generate: every batch size's setting (plain ones too), the looked-up branch's keys, the rates
+    and switch gain the decoder's hysteresis compares; one prompt alone decodes with the batch-1 choice, or
+    plainly where the evaluation found plain decoding best there."""
+    from inference.evaluation.eagle3_choice_file import eagle3_schedule
+
+    report, schedule = _batched_report(at_one)
+    (path,) = write_choices(tmp_path, report, "abc").values()
+    assert path.name == "eagle3_lookup_tree.json"
+    choice = read_choice(str(path), _spec(1), ["eagle3", "eagle3_lookup"])
+    assert choice.method == "eagle3_lookup" and choice.plain_alone is (not at_one)
+    first = {"eagle_nodes": 4, "eagle_depth": 1, "eagle_topk": 4, "eagle_min_prob": 0.1} if at_one else \
+        {"eagle_nodes": 1, "eagle_depth": 1, "eagle_topk": 1, "eagle_min_prob": 0.0}
+    assert choice.settings == {**first, **LOOKUP_KEYS}   # alone, or the first speculating size's (plain-alone)
+    rebuilt = eagle3_schedule(choice.method, choice.schedule, SimpleNamespace(eagle_topk=4, eagle_lookup_tokens=6))
+    assert rebuilt.to_dict() == schedule.to_dict() and rebuilt.rates == schedule.rates
+    assert rebuilt.switch_gain == 0.07
+    for b, c in schedule.choices.items():
+        got = rebuilt.choices[b]
+        assert (got is None) if c is None else (got.label == c.label and got.lookup == c.lookup and got.tree == "fixed")
+
+
+def test_batched_choice_refuses_a_damaged_schedule(tmp_path):
+    """Guards against a hand-edited or truncated batched choice file decoding with a traceback or with
+    settings nobody measured: one line naming the file."""
+    report, _ = _batched_report()
+    (path,) = write_choices(tmp_path, report, "abc").values()
+    for damage, match in ((lambda r: r["schedule"].pop("choices"), "schedule is damaged"),
+                          (lambda r: r["schedule"]["choices"].update({"x": None}), "schedule is damaged"),
+                          (lambda r: r["schedule"]["choices"]["2"].update({"tree": "auto"}), "unknown settings"),
+                          (lambda r: r["schedule"].update({"choices": {"0": None}}), "no batch size >= 1"),
+                          (lambda r: r["schedule"]["choices"].update({"2": [1, 2]}), "not a mapping")):
+        record = json.loads(path.read_text())
+        damage(record)
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(record))
+        with pytest.raises(UserError, match=match):
+            read_choice(str(bad), _spec(1), ["eagle3", "eagle3_lookup"])
+
+
+@pytest.mark.parametrize("at_one, prompts, method", [(True, "hi", "eagle3_lookup"), (False, "hi", "autoregressive"),
+                                                     (False, ["a", "b"], "eagle3_lookup")],
+                         ids=["alone", "alone-plain", "batch"])
+def test_generate_decodes_a_batched_choice(tmp_path, monkeypatch, at_one, prompts, method):
+    """Guards against medusa-generate ignoring a batched evaluation's schedule (batches decoded at the batch-1
+    setting) or speculating alone where that evaluation found plain decoding best at batch 1."""
+    import inference.cli as cli
+    import inference.methods as methods
+
+    report, schedule = _batched_report(at_one)
+    (path,) = write_choices(tmp_path, report, "abc").values()
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kw):
+        seen["args"], seen["kw"] = args, kw
+        raise Stop
+
+    monkeypatch.setattr(cli, "heads_spec", lambda cfg: _spec(1))
+    monkeypatch.setattr(cli, "_load", lambda cfg: SimpleNamespace(encode_chat=lambda text, system=None: [1, 2]))
+    monkeypatch.setattr(cli, "generate_several", capture)
+    monkeypatch.setattr(methods, "stream", capture)
+    with pytest.raises(Stop):
+        cli.run_generate(cli.GenerateConfig(heads="h", prompt=prompts, eagle_tree=str(path)))
+    args = seen["args"]
+    used, options = (args[3], args[6]) if isinstance(prompts, list) else (args[2], seen["kw"]["options"])
+    assert used == method
+    if method == "eagle3_lookup":
+        assert options.schedule.to_dict() == schedule.to_dict() and options.lookup == schedule.choices[2].lookup

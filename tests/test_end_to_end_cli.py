@@ -95,6 +95,21 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     proc = _run("medusa-generate", "heads=runs/e3/heads", f"eagle_tree={path.relative_to(tmp_path)}",
                 "prompt=Say hello.", "max_new_tokens=8", "kernels=stock", "threads=1", cwd=tmp_path)
     assert "tokens, tau" in proc.stderr
+    # batched: the choice per batch size saved, and medusa-generate's batches decoded with that schedule
+    proc = _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
+                "kernels=stock", "progress_bar=false", "threads=1", "calibration_prompts=1", "calibration_tokens=8",
+                "batch_size=[1,2]", "out=runs/e3/eval_batched", cwd=tmp_path)
+    path = run / "eval_batched" / "eagle3_lookup_tree.json"
+    choice = json.loads(path.read_text())
+    sized = json.loads((run / "eval_batched" / "report.json").read_text())["batched"]["speculation"]["eagle3_lookup"]
+    assert set(choice["schedule"]["choices"]) == {"1", "2"} and choice["schedule"] == sized["settings"]
+    assert f"batch_size=<B> eagle_tree={path.relative_to(tmp_path)}" in proc.stdout
+    (tmp_path / "three.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ["Hi.", "Yes?", "No."]) + "\n")
+    proc = _run("medusa-generate", "heads=runs/e3/heads", f"eagle_tree={path.relative_to(tmp_path)}",
+                "prompts_file=three.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",
+                cwd=tmp_path)
+    assert [f"=== [{i}/3]" in proc.stdout for i in (1, 2, 3)] == [True] * 3
+    assert "batch of 2:" in proc.stderr and "batch of 1:" in proc.stderr
 
     _run("medusa-export", "heads=runs/e3/heads", "format=eagle3", "out=runs/e3/eagle3", cwd=tmp_path)
     cfg = json.loads((run / "eagle3" / "config.json").read_text())
