@@ -137,12 +137,16 @@ def check_tree(cfg) -> None:
     """Refuse a tree the heads cannot draft (deeper than the heads, more ranks than their outputs) from
     the heads' config.json alone, before the backbone loads. ``auto`` / ``calibrated:N`` are grown
     from the heads themselves and always fit."""
+    from .evaluation.tree_schedule_file import is_tree_schedule, read_tree_schedule
     from .loading import read_heads_spec_for
     from .runtime.tree import resolve_tree
 
     if not cfg.heads or cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"):
         return
     spec = read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
+    if is_tree_schedule(cfg.tree):   # a batched evaluation's tree per batch size: every tree checked
+        read_tree_schedule(cfg.tree, spec)
+        return
     tree = resolve_tree(cfg.tree, spec.num_heads)
     outputs = getattr(spec, "output_size", 0) or spec.vocab_size or 0
     tree.check_fits(spec.num_heads, outputs or 1 << 30)
@@ -355,10 +359,14 @@ def run_eval(cfg) -> dict:
         MedusaTree(report["tree"]["choices"], name=report["tree"]["name"]).save(out / "tree.json")
         paths.append(out / "tree.json")
     from .evaluation.eagle3_choice_file import write_choices
+    from .evaluation.tree_schedule_file import write_tree_schedule
 
-    # eagle_tree=auto's choices (batched: per batch size), for medusa-generate eagle_tree=<file>
-    choices = write_choices(out, report, getattr(spec, "base_model_fingerprint", "") or "")  # the loaded heads'
-    paths += choices.values()
+    # eagle_tree=auto's choices (batched: per batch size), for medusa-generate eagle_tree=<file>; a batched
+    # evaluation's Medusa trees per batch size, for medusa-generate tree=<file>
+    fingerprint = getattr(spec, "base_model_fingerprint", "") or ""   # the loaded heads'
+    choices = write_choices(out, report, fingerprint)
+    trees = write_tree_schedule(out, report, fingerprint) if sizes is not None else None
+    paths += list(choices.values()) + ([trees] if trees else [])
     print()
     if sizes is not None:
         print_batched(report["batched"])
@@ -375,6 +383,8 @@ def run_eval(cfg) -> dict:
     batches = " prompts_file=<prompts.jsonl> batch_size=<B>" if sizes is not None else ""
     for method, path in choices.items():
         print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads}{batches} eagle_tree={path}")
+    if trees:
+        print(f"decode with these trees: medusa-generate heads={cfg.heads}{batches} tree={trees}")
     return report
 
 
@@ -456,6 +466,8 @@ def run_generate(cfg) -> None:
     from .methods.registry import batched_names, methods_for_heads, options_from_keys
     from .runtime.batch_decode import check_batch_size
 
+    from .evaluation.tree_schedule_file import is_tree_schedule, read_tree_schedule
+
     texts, several = generate_prompts(cfg)
     size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None
     if cfg.heads in ("???", ""):
@@ -471,17 +483,28 @@ def run_generate(cfg) -> None:
                         f"(methods that decode batches: {', '.join(batched_names())})")
     tree = {"tree": cfg.tree} if get(method).needs_tree else {}
     options = options_from_keys(method, cfg)  # bad eagle_* keys: one line before the backbone loads
+    together = several and batching   # prompts decoded in batches: a batched evaluation's schedule applies
     if choice is not None and choice.schedule is not None:   # a batched evaluation's choice per batch size
         from dataclasses import replace
 
         from .evaluation.eagle3_choice_file import eagle3_schedule
 
         options = replace(options, schedule=eagle3_schedule(method, choice.schedule, cfg))
-    if tree:
+        if choice.plain_alone and not together:   # the evaluation found plain decoding best at batch 1
+            method, options = "autoregressive", None
+    if tree and is_tree_schedule(cfg.tree):   # a batched evaluation's Medusa tree per batch size
+        schedule = read_tree_schedule(cfg.tree, spec)   # every tree checked against the heads
+        tree = {"tree": schedule if together else schedule.choices[min(schedule.choices)]}
+        if tree["tree"] is None:   # plain decoding won at batch 1
+            method, tree, options = "autoregressive", {}, None
+    elif tree:
         check_tree(cfg)  # before the backbone loads
+    sized = (choice is not None and choice.schedule is not None) or (tree and is_tree_schedule(cfg.tree))
+    if together and method != "autoregressive" and not sized:
+        print(f"note: every batch speculates as one prompt would; on a CPU that stops paying from 2-4 rows "
+              f"(BENCHMARKS.md): medusa-eval heads={cfg.heads} batch_size=[1,2,4,...] measures it per batch size "
+              f"and writes the file to decode batches with", file=sys.stderr)
     m = _load(cfg)
-    if choice is not None and choice.plain_alone and not (several and batching):
-        method, options = "autoregressive", None   # the batched evaluation found plain decoding best alone
     if several:
         ids = [m.encode_chat(t, system=cfg.system) for t in texts]
         generate_several(m, texts, ids, method, size or len(ids), batching, options, _sampling(cfg), cfg, tree)

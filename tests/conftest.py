@@ -205,3 +205,31 @@ def call_main(main, argv, capsys) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+class DecodeCalled(Exception):
+    """Raised by ``generate_calls`` where medusa-generate would start decoding."""
+
+
+@pytest.fixture
+def generate_calls(monkeypatch):
+    """medusa-generate (``inference.cli.run_generate``) up to its decoding call, on heads that are never loaded:
+    ``spec`` is what ``heads_spec`` returns (set ``calls["spec"]``), the model a stub, and the decoding call
+    (``generate_several`` for several prompts, ``stream`` for one) records its arguments in ``calls`` and
+    raises ``DecodeCalled``."""
+    import inference.cli as cli
+    import inference.methods as methods
+    from types import SimpleNamespace
+
+    calls: dict = {}
+
+    def capture(*args, **kw):
+        calls["args"], calls["kw"] = args, kw
+        raise DecodeCalled
+
+    monkeypatch.setattr(cli, "heads_spec", lambda cfg: calls["spec"])
+    monkeypatch.setattr("inference.loading.read_heads_spec_for", lambda *a, **k: calls["spec"])
+    monkeypatch.setattr(cli, "_load", lambda cfg: SimpleNamespace(encode_chat=lambda text, system=None: [1, 2]))
+    monkeypatch.setattr(cli, "generate_several", capture)
+    monkeypatch.setattr(methods, "stream", capture)
+    return calls

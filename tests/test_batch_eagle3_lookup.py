@@ -209,6 +209,7 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
     from inference.evaluation import batch_eval, batch_sizing
     from inference.evaluation.prompts import Prompt
     from inference.evaluation.tree_choice import measure_eagle3_tau
+    from inference.runtime.speculation import tree_label
 
     m = models["scripted"]
     o = Eagle3LookupOptions(tree="auto", **LOOKUP)
@@ -223,6 +224,10 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
     assert record["measured_tau"]["n2-d2-k1"] == pytest.approx(with_branch, abs=1e-4) and with_branch > without
     for choice in sizing.schedule.choices.values():
         assert choice is None or (isinstance(choice, Eagle3LookupOptions) and choice.lookup == o.lookup)
+    # the hysteresis finds every choice's expected rate under the label it looks up (not the shape's name)
+    for b, choice in sizing.schedule.choices.items():
+        assert tree_label(choice) in sizing.schedule.rates[b]
+        assert all(k == "plain" or k.endswith(f"+t{o.num_tokens}-m{o.min_ngram}") for k in sizing.schedule.rates[b])
 
     items = [Prompt(id=str(i), turns=[str(i)]) for i in range(5)]
     texts = [REPEATING] + [prompts[i] for i in range(4)]

@@ -181,7 +181,9 @@ def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch)
     assert calls["sizes"] == [1, 4] and len(calls["latency"]) == 3 == b["num_prompts"]  # 2 of 5 held out
     assert len(calls["per_rank"]) == 2 and calls["per_rank"] == r["head_accuracy"]["per_rank"]
     assert b["speculation"]["medusa"] == {"tree": "auto", "schedule": {"1": "chain2", "4": "plain"},
-                                          "sizing": {"1": {"winner": "chain2"}, "4": {"winner": "plain"}}}
+                                          "sizing": {"1": {"winner": "chain2"}, "4": {"winner": "plain"}},
+                                          "trees": {"choices": {"1": {"name": "chain2", "choices": [[0]]},
+                                                                "4": None}, "rates": {}, "switch_gain": 0.05}}
     one, four = b["per_batch_size"]["1"], b["per_batch_size"]["4"]
     assert one["speculation"] == {"medusa": "chain2"} and four["speculation"] == {"medusa": "plain"}
     assert one["per_method"]["medusa"]["nodes_per_step"] == 2.0 and one["per_method"]["medusa"]["tau"] > 1.0

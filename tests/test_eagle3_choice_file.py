@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from conftest import DecodeCalled
 
 from inference.errors import UserError
 from inference.evaluation.eagle3_choice_file import read_choice, write_choices
@@ -180,31 +181,24 @@ def test_batched_choice_refuses_a_damaged_schedule(tmp_path):
 @pytest.mark.parametrize("at_one, prompts, method", [(True, "hi", "eagle3_lookup"), (False, "hi", "autoregressive"),
                                                      (False, ["a", "b"], "eagle3_lookup")],
                          ids=["alone", "alone-plain", "batch"])
-def test_generate_decodes_a_batched_choice(tmp_path, monkeypatch, at_one, prompts, method):
+def test_generate_decodes_a_batched_choice(tmp_path, generate_calls, capsys, at_one, prompts, method):
     """Guards against medusa-generate ignoring a batched evaluation's schedule (batches decoded at the batch-1
     setting) or speculating alone where that evaluation found plain decoding best at batch 1."""
     import inference.cli as cli
-    import inference.methods as methods
 
     report, schedule = _batched_report(at_one)
     (path,) = write_choices(tmp_path, report, "abc").values()
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def capture(*args, **kw):
-        seen["args"], seen["kw"] = args, kw
-        raise Stop
-
-    monkeypatch.setattr(cli, "heads_spec", lambda cfg: _spec(1))
-    monkeypatch.setattr(cli, "_load", lambda cfg: SimpleNamespace(encode_chat=lambda text, system=None: [1, 2]))
-    monkeypatch.setattr(cli, "generate_several", capture)
-    monkeypatch.setattr(methods, "stream", capture)
-    with pytest.raises(Stop):
+    generate_calls["spec"] = _spec(1)
+    with pytest.raises(DecodeCalled):
         cli.run_generate(cli.GenerateConfig(heads="h", prompt=prompts, eagle_tree=str(path)))
-    args = seen["args"]
-    used, options = (args[3], args[6]) if isinstance(prompts, list) else (args[2], seen["kw"]["options"])
+    args = generate_calls["args"]
+    used, options = (args[3], args[6]) if isinstance(prompts, list) else (args[2], generate_calls["kw"]["options"])
     assert used == method
     if method == "eagle3_lookup":
         assert options.schedule.to_dict() == schedule.to_dict() and options.lookup == schedule.choices[2].lookup
+    assert "note:" not in capsys.readouterr().err
+    if isinstance(prompts, list):   # batches without a batched evaluation's file: told how to get one
+        with pytest.raises(DecodeCalled):
+            cli.run_generate(cli.GenerateConfig(heads="h", prompt=prompts))
+        assert "batch_size=[1,2,4,...] measures it per batch size" in capsys.readouterr().err
+        assert generate_calls["args"][6].schedule is None

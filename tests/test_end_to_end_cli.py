@@ -40,6 +40,20 @@ def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["per_method"]["medusa"]["greedy_identical_fraction"] == 1.0  # lossless on the kept backbone
 
+    # batched: the tree per batch size saved (tree_schedule.json), and medusa-generate's batches decoded with it
+    proc = _run("medusa-eval", "heads=runs/debug_tiny/heads", "prompts=prompts.jsonl", "num_prompts=2",
+                "max_new_tokens=8", "kernels=stock", "progress_bar=false", "threads=1", "calibration_prompts=1",
+                "calibration_tokens=8", "batch_size=[1,2]", "out=runs/debug_tiny/eval_batched", cwd=tmp_path)
+    path = run / "eval_batched" / "tree_schedule.json"
+    saved = json.loads(path.read_text())["schedule"]
+    sized = json.loads((run / "eval_batched" / "report.json").read_text())["batched"]["speculation"]["medusa"]
+    assert set(saved["choices"]) == {"1", "2"} and saved == sized["trees"]
+    assert f"batch_size=<B> tree={path.relative_to(tmp_path)}" in proc.stdout
+    proc = _run("medusa-generate", "heads=runs/debug_tiny/heads", f"tree={path.relative_to(tmp_path)}",
+                "prompts_file=prompts.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",
+                cwd=tmp_path)
+    assert "batch of 2:" in proc.stderr and "batch of 1:" in proc.stderr
+
     _run("medusa-export", "heads=runs/debug_tiny/heads", "format=medusa_v1", "out=runs/debug_tiny/medusa_v1",
          "materialize=true", cwd=tmp_path)
     proc = _run("medusa-generate", "heads=runs/debug_tiny/medusa_v1", "prompt=Say hello.", "max_new_tokens=8",

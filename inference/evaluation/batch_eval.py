@@ -56,6 +56,7 @@ from .evaluate import EAGLE3_TREE_METHODS, machine
 from .prompts import Prompt, split_calibration
 from .batch_sizing import choose_chain_schedule, choose_eagle3_schedule, choose_schedule
 from .eagle3_choice_file import schedule_record
+from .tree_schedule_file import schedule_trees
 from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
 
 PLAIN, HF = "autoregressive", "hf_generate"
@@ -112,8 +113,9 @@ def choose_speculation(m: MedusaModel, tree, sizes: Sequence[int], calib: list[l
     # batch 1 is always sized too: the last rows of a batch decode alone once the others have finished
     sizing = choose_schedule(m, per_rank, latency, sorted({1, *sizes}), log=log, progress=progress)
     log("speculation per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
-    return sizing.schedule, {"tree": "auto", "schedule": sizing.schedule.to_dict(), "sizing": sizing.to_dict()}, \
-        per_rank
+    # the trees themselves, for medusa-generate tree=<out>/tree_schedule.json (tree_schedule_file)
+    return sizing.schedule, {"tree": "auto", "schedule": sizing.schedule.to_dict(), "sizing": sizing.to_dict(),
+                             "trees": schedule_trees(sizing.schedule)}, per_rank
 
 
 # -- the numbers ------------------------------------------------------------------------------

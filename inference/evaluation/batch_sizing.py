@@ -152,7 +152,9 @@ def size_speculation(m: MedusaModel, candidates: dict[str, tuple[Any, float]], d
                                  varying=varying)
         best = name or plain
         picked[b] = choices[name] if name else None
-        rates[b] = rate
+        # keyed as the schedule's hysteresis looks them up (``tree_label`` of a choice): a candidate's name here
+        # can differ from its label (eagle3_lookup's setting "n4-d1-k4" is labelled "n4-d1-k4+t6-m2")
+        rates[b] = {plain: rate[plain], **{tree_label(c): rate[n] for n, (c, _) in candidates.items()}}
         table[b] = {"winner": best, "plain_step_ms": round(step[PLAIN] * 1e3, 3),
                     "plain_tokens_per_s": round(rate[plain], 2), "candidates": rows, "timing": timing}
         log(f"  batch {b:>3}: plain {step[PLAIN] * 1e3:.1f} ms/step; best {best} "

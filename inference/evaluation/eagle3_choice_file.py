@@ -35,11 +35,11 @@ class Choice:
     """What a choice file says to decode with: ``method``; ``settings``, its command-line keys for one prompt
     at a time (a batched evaluation's: its batch-1 choice, or, where it found plain decoding best at batch 1
     (``plain_alone``), the keys of the smallest batch size that speculates, so that the looked-up branch's
-    keys match the schedule's); ``schedule``: a batched evaluation's record (``schedule_record``) or None."""
+    keys match the schedule's); ``schedule``: a batched evaluation's, of keys, or None."""
 
     method: str
     settings: dict
-    schedule: Optional[dict] = None
+    schedule: Any = None     # a SpeculationSchedule of setting keys (None: plain decoding at that batch size)
     plain_alone: bool = False
 
 
@@ -53,11 +53,9 @@ def schedule_record(schedule) -> dict:
     keys (None: plain decoding), the expected tokens/s per setting that the decoder's hysteresis compares,
     and its switch gain."""
     from ..methods.registry import options_report
+    from ..runtime.speculation import schedule_record as record_of
 
-    return {"choices": {str(b): setting_keys(options_report(c)) if c is not None else None
-                        for b, c in sorted(schedule.choices.items())},
-            "rates": {str(b): dict(r) for b, r in sorted(schedule.rates.items())},
-            "switch_gain": schedule.switch_gain}
+    return record_of(schedule, lambda c: setting_keys(options_report(c)))
 
 
 def _write(out: Path, method: str, record: dict) -> Path:
@@ -103,19 +101,19 @@ def _check_setting(path: str, keys: Any) -> dict:
     return dict(keys)
 
 
-def _check_schedule(path: str, record: Any) -> dict:
-    """A batched file's ``schedule``, its batch sizes and settings checked (one line for a damaged file)."""
+def _check_schedule(path: str, record: Any):
+    """A batched file's ``schedule`` as a ``SpeculationSchedule`` of setting keys (None: plain), its batch sizes
+    and settings checked (one line for a damaged file)."""
+    from ..runtime.speculation import schedule_from_record
+
     try:
-        choices = {int(b): (None if keys is None else _check_setting(path, keys))
-                   for b, keys in record["choices"].items()}
-        rates = {int(b): {str(k): float(v) for k, v in r.items()} for b, r in record.get("rates", {}).items()}
-        gain = float(record.get("switch_gain", 0.05))
+        schedule = schedule_from_record(record, lambda keys: _check_setting(path, keys))
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UserError(f"eagle_tree={path}: its per-batch-size schedule is damaged (rerun medusa-eval ... "
                         "batch_size=[...] eagle_tree=auto)") from None
-    if not choices or min(choices) < 1:
+    if not schedule.choices or min(schedule.choices) < 1:
         raise UserError(f"eagle_tree={path}: its schedule names no batch size >= 1")
-    return {"choices": choices, "rates": rates, "switch_gain": gain}
+    return schedule
 
 
 def read_choice(path: str, spec, usable: list[str]) -> Choice:
@@ -145,15 +143,16 @@ def read_choice(path: str, spec, usable: list[str]) -> Choice:
     if record.get("schedule") is None:
         return Choice(method, _check_setting(path, record["settings"]))
     schedule = _check_schedule(path, record["schedule"])
-    first = schedule["choices"][min(schedule["choices"])]
-    speculating = [keys for _, keys in sorted(schedule["choices"].items()) if keys is not None]
+    first = schedule.choices[min(schedule.choices)]
+    speculating = [keys for _, keys in sorted(schedule.choices.items()) if keys is not None]
     settings = first if first is not None else (speculating[0] if speculating else {})
     return Choice(method, settings, schedule, plain_alone=first is None)
 
 
-def eagle3_schedule(method: str, schedule: dict, config):
-    """The ``SpeculationSchedule`` of ``method``'s options that a batched choice file describes: each batch
-    size's keys over ``config``'s (the command line's) other keys; None stays plain decoding."""
+def eagle3_schedule(method: str, schedule, config):
+    """The ``SpeculationSchedule`` of ``method``'s options that a batched choice file's schedule of keys
+    (``Choice.schedule``) describes: each batch size's keys over ``config``'s (the command line's) other keys;
+    None stays plain decoding."""
     from ..methods.registry import get, options_from_keys
     from ..runtime.speculation import SpeculationSchedule
 
@@ -162,6 +161,5 @@ def eagle3_schedule(method: str, schedule: dict, config):
     def options(keys):
         return options_from_keys(method, SimpleNamespace(**{**base, **keys, "eagle_tree": "fixed"}))
 
-    return SpeculationSchedule({b: options(keys) if keys is not None else None
-                                for b, keys in schedule["choices"].items()},
-                               schedule["rates"], schedule["switch_gain"])
+    return SpeculationSchedule({b: options(keys) if keys is not None else None for b, keys in schedule.choices.items()},
+                               schedule.rates, schedule.switch_gain)

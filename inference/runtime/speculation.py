@@ -11,7 +11,7 @@ a chain (``chain_tree(k + 1)``: k draft tokens for the draft model or prompt loo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .tree import MedusaTree
 
@@ -62,6 +62,22 @@ class ScheduleCursor:
         self.current = self.schedule.choose(active, self.current, self.started)
         self.started = True
         return self.current
+
+
+def schedule_record(schedule: SpeculationSchedule, encode: Callable[[Any], Any]) -> dict:
+    """A schedule as JSON: each batch size's choice through ``encode`` (None stays None: plain decoding), the
+    expected tokens/s per choice label that the hysteresis compares, the switch gain."""
+    return {"choices": {str(b): encode(c) if c is not None else None for b, c in sorted(schedule.choices.items())},
+            "rates": {str(b): dict(r) for b, r in sorted(schedule.rates.items())},
+            "switch_gain": schedule.switch_gain}
+
+
+def schedule_from_record(record: dict, decode: Callable[[Any], Any]) -> SpeculationSchedule:
+    """The schedule ``schedule_record`` wrote, each choice through ``decode``; KeyError / TypeError /
+    ValueError / AttributeError for a damaged record (the caller names the file)."""
+    choices = {int(b): decode(c) if c is not None else None for b, c in record["choices"].items()}
+    rates = {int(b): {str(k): float(v) for k, v in r.items()} for b, r in record.get("rates", {}).items()}
+    return SpeculationSchedule(choices, rates, float(record.get("switch_gain", 0.05)))
 
 
 def fixed(choice: Any) -> SpeculationSchedule:

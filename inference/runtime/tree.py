@@ -233,6 +233,9 @@ class MedusaTree:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"tree file {p} is not valid JSON ({e})") from None
         if isinstance(raw, dict):
+            if raw.get("format") == "medusa-train tree schedule":   # evaluation/tree_schedule_file.py
+                raise UserError(f"tree file {p} holds a tree per batch size (a batched medusa-eval's): "
+                                "medusa-generate decodes with it; give one tree here (tree.json, a name or choices)")
             if raw.get("format") != TREE_FORMAT or "choices" not in raw:
                 raise UserError(f"tree file {p} is not a {TREE_FORMAT} file (needs format and choices)")
             if raw.get("version", 0) > TREE_FORMAT_VERSION:
