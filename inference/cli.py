@@ -30,9 +30,11 @@ batch_size=B (or a list, batch_size=[1,2,4,8]) evaluates batched decoding instea
 consecutive batches of B, each batch decoded by every requested method that batches (generate_batch),
 the plain batched loop and transformers' batched generate; report.json's ``batched`` section and
 throughput_vs_batch.png. Speculation is sized per batch size on this machine: Medusa's tree with
-tree=auto, the draft model's k and prompt lookup's chain length with batch_chains=auto (default).
-medusa-generate takes several prompts as prompt=[...] or prompts_file= (a
-JSONL as medusa-eval's prompts=) and decodes them together (batch_size=N: N at a time).
+tree=auto, the draft model's k and prompt lookup's chain length with batch_chains=auto (default), EAGLE-3's
+setting with eagle_tree=auto; the trees and EAGLE-3 settings are saved (tree_schedule.json,
+eagle3_lookup_tree.json) for medusa-generate. medusa-generate takes several prompts as prompt=[...] or
+prompts_file= (a JSONL as medusa-eval's prompts=) and decodes them together (batch_size=N: N at a time),
+with such a file (tree=<file> / eagle_tree=<file>) speculating as the evaluation measured per batch size.
 """
 from __future__ import annotations
 
