@@ -64,7 +64,9 @@ class RuntimeConfig:
     max_new_tokens: int = 128
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = auto: one per core not kept busy by other processes)
-    kernels: str = "auto"  # auto: skinny CPU products take the faster formulation (linear_kernels) | stock
+    # auto: skinny CPU products take the faster formulation (linear_kernels), chosen by timing them once per
+    # machine (kept in ~/.cache/medusa-train/kernel_plans.json) | measure: time them afresh | stock: transformers'
+    kernels: str = "auto"
     # float: heads as trained | float16: fp32 heads' own linears in float16 (runtime/draft_weights.py; drafting
     # reads half the bytes; the backbone verifies, so greedy outputs and sampling's distribution are unchanged)
     draft_weights: str = "float"
@@ -234,6 +236,7 @@ def _load_eval(cfg, methods):
 
     from .backbone import load_backbone
     from .evaluation.tree_choice import auto_threads
+    from .loading import kernel_plans_path
     from .runtime.draft_weights import check_draft_weights
     from .runtime.model import MedusaModel, apply_kernels, check_kernels
 
@@ -245,7 +248,7 @@ def _load_eval(cfg, methods):
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, _ = load_backbone(cfg.backbone or "embedded:smollm2", device=device, dtype=cfg.dtype,
                                   trust_remote_code=cfg.trust_remote_code)
-    return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels)
+    return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels, kernel_plans_path())
 
 
 def fit_eagle_keys(cfg, spec) -> None:

@@ -117,9 +117,10 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
     when loading, and to the given model's own when a model object is passed. kernels: ``auto``
     routes skinny CPU products through the fastest formulation (``linear_kernels``; it changes the
-    class of the model's linears in place and may keep prepacked copies of their weights),
-    ``stock`` leaves transformers' as they are; default ``auto`` for a backbone loaded here,
-    ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own linears in
+    class of the model's linears in place and may keep prepacked copies of their weights; choices
+    measured by an earlier launch on this machine are reused from ``kernel_plans_path()``), ``measure``
+    measures them afresh, ``stock`` leaves transformers' as they are; default ``auto`` for a backbone
+    loaded here, ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own linears in
     float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
     outputs and sampling's distribution do not), ``float`` keeps them as trained.
     """
@@ -167,4 +168,17 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     if draft_weights == "float16":  # before routing: the half linears are not routed
         half_draft_weights(heads, model)
     return apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
-                         kernels)
+                         kernels, kernel_plans_path())
+
+
+def kernel_plans_path() -> Optional[Path]:
+    """Where ``kernels=auto`` keeps the kernel choices measured on this machine (``runtime/kernel_plan_cache``):
+    ``$MEDUSA_TRAIN_KERNEL_PLANS`` (a file; ``none``: keep none, measure at every launch), else
+    ``kernel_plans.json`` in the cache (``$MEDUSA_TRAIN_CACHE``, default ``~/.cache/medusa-train``)."""
+    from .assets import cache_dir
+    from .runtime.kernel_plan_cache import FILE_NAME
+
+    given = os.environ.get("MEDUSA_TRAIN_KERNEL_PLANS", "").strip()
+    if given.lower() == "none":
+        return None
+    return Path(given) if given else cache_dir() / FILE_NAME

@@ -44,6 +44,19 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 GPU_TIER_DEVICE = os.environ.get("GPU_TIER_DEVICE", "cuda")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_plans_kept_apart(tmp_path_factory):
+    """Kernel choices measured by tests (tiny shapes, a loaded machine) go to a file of the session's, never
+    the user's ~/.cache/medusa-train/kernel_plans.json (subprocesses inherit the variable)."""
+    before = os.environ.get("MEDUSA_TRAIN_KERNEL_PLANS")
+    os.environ["MEDUSA_TRAIN_KERNEL_PLANS"] = str(tmp_path_factory.mktemp("kernel_plans") / "kernel_plans.json")
+    yield
+    if before is None:
+        os.environ.pop("MEDUSA_TRAIN_KERNEL_PLANS", None)
+    else:
+        os.environ["MEDUSA_TRAIN_KERNEL_PLANS"] = before
+
+
 def pytest_configure(config):
     if GPU_TIER_DEVICE not in ("cuda", "cpu"):  # one line from pytest, before any test is collected
         raise pytest.UsageError(f"GPU_TIER_DEVICE must be cuda or cpu, not {GPU_TIER_DEVICE!r}")

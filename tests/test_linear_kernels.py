@@ -260,3 +260,104 @@ def test_hf_generate_baseline_runs_stock_kernels(monkeypatch):
     assert len(out.tokens) >= 1 and not used
     generate(m, [5, 6, 7], "autoregressive", max_new_tokens=4, eos_token_ids=())
     assert used  # the runtime's own loop does use them
+
+
+# -- kernel choices kept between launches (runtime/kernel_plan_cache.py) --------------------------------
+def _no_timing(monkeypatch):
+    monkeypatch.setattr(lk.KernelPlan, "decide", lambda self, rows: pytest.fail("measured a stored choice"))
+
+
+def test_stored_choices_route_the_next_launch_without_timing(tmp_path, monkeypatch):
+    """Guards against every launch paying the ~12 s measurement again (the choice depends on machine, torch,
+    threads and shape only), and against a stored choice routing differently from the measured one."""
+    from inference.runtime.kernel_plan_cache import KernelPlanCache
+
+    path = tmp_path / "plans.json"
+    model = tiny_llama()
+    first = {p.shape: dict(p.choice) for p in lk.route_linear_kernels(model, cache=KernelPlanCache(path))}
+    lk.unroute_linear_kernels(model)
+    assert path.is_file() and not list(tmp_path.glob("*.tmp"))
+    with monkeypatch.context() as mp:
+        _no_timing(mp)
+        plans = lk.route_linear_kernels(model, cache=KernelPlanCache(path))
+    assert {p.shape: p.choice for p in plans} == first and {p.source for p in plans} == {"cached"}
+    assert {v["source"] for v in lk.routing_summary(plans).values()} == {"cached"}
+    lk.unroute_linear_kernels(model)
+    calls = []
+    original = lk.KernelPlan.decide
+    monkeypatch.setattr(lk.KernelPlan, "decide", lambda self, rows: calls.append(rows) or original(self, rows))
+    plans = lk.route_linear_kernels(model, cache=KernelPlanCache(path), remeasure=True)   # kernels=measure
+    assert calls and {p.source for p in plans} == {"measured"}
+
+
+def test_stored_choices_are_keyed_by_what_they_depend_on(tmp_path, monkeypatch):
+    """Guards against choices measured under other conditions being reused: another thread count, no
+    prepacked copies (a stored oneDNN choice cannot run), another row range; and against a damaged file
+    stopping a launch instead of being measured over."""
+    from inference.runtime.kernel_plan_cache import KernelPlanCache
+
+    path = tmp_path / "plans.json"
+    lin = nn.Linear(32, 48)
+    plans = lk.route_linear_kernels(lin, cache=KernelPlanCache(path), max_rows=4)
+    lk.unroute_linear_kernels(lin)
+    cache = KernelPlanCache(path)
+    (key,) = cache.entries
+    cache.entries[key]["choice"] = {str(r): lk.PACKED for r in range(1, 5)}   # as if oneDNN's won everywhere
+    cache.changed = True
+    cache.save()
+    measured = []
+    original = lk.KernelPlan.decide
+    monkeypatch.setattr(lk.KernelPlan, "decide", lambda self, rows: measured.append(rows) or original(self, rows))
+    lk.route_linear_kernels(lin, cache=KernelPlanCache(path), max_rows=4, pack=False)   # no copies: measured
+    lk.unroute_linear_kernels(lin)
+    assert measured == [1, 2, 3, 4]
+    measured.clear()
+    lk.route_linear_kernels(lin, cache=KernelPlanCache(path), max_rows=6)                # other rows: measured
+    lk.unroute_linear_kernels(lin)
+    assert measured == [1, 2, 3, 4, 5, 6]
+    measured.clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        lk.route_linear_kernels(lin, cache=KernelPlanCache(path), max_rows=4)           # other threads: measured
+    finally:
+        torch.set_num_threads(threads)
+    lk.unroute_linear_kernels(lin)
+    assert measured == [1, 2, 3, 4] and plans
+    path.write_text("{not json")
+    assert KernelPlanCache(path).entries == {}
+    lk.route_linear_kernels(lin, cache=KernelPlanCache(path), max_rows=4)
+    lk.unroute_linear_kernels(lin)
+    assert KernelPlanCache(path).entries   # rewritten whole
+
+
+def test_load_medusa_reuses_the_machine_s_choices(tmp_path, monkeypatch):
+    """Guards against load_medusa (medusa-generate, medusa-eval) measuring at every launch, against
+    kernels=measure not refreshing the file, and against MEDUSA_TRAIN_KERNEL_PLANS=none still keeping one."""
+    model = tiny_llama()
+    save_heads(random_heads(model), tmp_path / "heads")
+    path = tmp_path / "plans.json"
+    monkeypatch.setenv("MEDUSA_TRAIN_KERNEL_PLANS", str(path))
+    first = load_medusa(tmp_path / "heads", backbone=tiny_llama(), kernels="auto")
+    assert path.is_file() and {p.source for p in first.kernel_plans} == {"measured"}
+    with monkeypatch.context() as mp:
+        _no_timing(mp)
+        again = load_medusa(tmp_path / "heads", backbone=tiny_llama(), kernels="auto")
+    assert {p.source for p in again.kernel_plans} == {"cached"}
+    fresh = load_medusa(tmp_path / "heads", backbone=tiny_llama(), kernels="measure")
+    assert {p.source for p in fresh.kernel_plans} == {"measured"}
+    path.unlink()
+    monkeypatch.setenv("MEDUSA_TRAIN_KERNEL_PLANS", "none")
+    load_medusa(tmp_path / "heads", backbone=tiny_llama(), kernels="auto")
+    assert not path.exists()
+
+
+def test_an_unwritable_cache_only_costs_the_measurement(tmp_path):
+    """Guards against a cache that cannot be written (its directory a file here; read-only elsewhere) failing
+    a launch: the choices are measured and used."""
+    from inference.runtime.kernel_plan_cache import KernelPlanCache
+
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("x")
+    plans = lk.route_linear_kernels(nn.Linear(16, 16), cache=KernelPlanCache(blocker / "plans.json"), max_rows=2)
+    assert plans and plans[0].source == "measured" and blocker.read_text() == "x"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -24,7 +25,7 @@ from ..errors import UserError
 from ..heads.spec import check_compatible
 
 _MASKING_ATTENTION = ("sdpa", "eager", DECODING_ATTENTION)
-KERNEL_MODES = ("auto", "stock")
+KERNEL_MODES = ("auto", "measure", "stock")
 
 
 @dataclass
@@ -113,13 +114,18 @@ class MedusaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return scale_logits(self.lm_head(hidden), self._logit_scale, self._softcap)
 
-    def route_kernels(self) -> None:
+    def route_kernels(self, plan_cache: Optional[Path] = None, remeasure: bool = False) -> None:
         """Let each linear of backbone and heads pick its fastest CPU product per row count
-        (``linear_kernels``; measured once here, ~8 s for SmolLM2; prepacked weight copies where
-        they win, which take that memory again). No-op off CPU."""
+        (``linear_kernels``; measured here, ~8-12 s for SmolLM2, or read from ``plan_cache`` where an
+        earlier launch on this machine measured the same shapes (``kernel_plan_cache``; ``remeasure``:
+        measure all the same); prepacked weight copies where they win, which take that memory again).
+        No-op off CPU."""
+        from .kernel_plan_cache import KernelPlanCache
         from .linear_kernels import route_linear_kernels
 
-        self.kernel_plans = route_linear_kernels(self.model, extra=[self.heads] if self.heads is not None else [])
+        cache = KernelPlanCache(plan_cache) if plan_cache is not None else None
+        self.kernel_plans = route_linear_kernels(self.model, extra=[self.heads] if self.heads is not None else [],
+                                                 cache=cache, remeasure=remeasure)
 
     def head_logits(self, hidden: torch.Tensor, count: Optional[int] = None) -> list[torch.Tensor]:
         """The first ``count`` (default: all) heads' logits at ``hidden`` (local vocabulary for
@@ -151,11 +157,13 @@ def kv_bytes_per_token(m: MedusaModel) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
 
 
-def apply_kernels(m: MedusaModel, kernels: str) -> MedusaModel:
-    """``auto``: route the model's linears (``MedusaModel.route_kernels``); ``stock``: leave them."""
+def apply_kernels(m: MedusaModel, kernels: str, plan_cache: Optional[Path] = None) -> MedusaModel:
+    """``auto``: route the model's linears (``MedusaModel.route_kernels``), with the choices ``plan_cache``
+    holds for this machine where it has them; ``measure``: route measuring every choice afresh (and store
+    them in ``plan_cache``); ``stock``: leave them."""
     check_kernels(kernels)
-    if kernels == "auto":
-        m.route_kernels()
+    if kernels in ("auto", "measure"):
+        m.route_kernels(plan_cache, remeasure=kernels == "measure")
     return m
 
 
