@@ -314,8 +314,10 @@ def run_eval(cfg) -> dict:
         sizes is not None and cfg.batch_chains == "auto" and any(get(x).chain is not None for x in methods))
     if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
         prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
+    tree = cfg.tree
     if any(get(x).needs_tree for x in methods):
         check_tree(cfg)  # before the backbone loads
+        tree = _eval_tree_schedule(cfg, sizes) or tree
     m = _load_eval(cfg, methods)
     settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
     settings["backbone"] = settings.get("backbone") or ("embedded:smollm2" if not cfg.heads else None)
@@ -323,7 +325,7 @@ def run_eval(cfg) -> dict:
     if sizes is not None:
         from .evaluation.batch_eval import evaluate_batched
 
-        report = evaluate_batched(m, prompts, methods=methods, batch_sizes=sizes, tree=cfg.tree,
+        report = evaluate_batched(m, prompts, methods=methods, batch_sizes=sizes, tree=tree,
                                   max_new_tokens=cfg.max_new_tokens, sampling=sampling,
                                   calibration_prompts=cfg.calibration_prompts, calibration_tokens=cfg.calibration_tokens,
                                   seed=cfg.seed, progress=cfg.progress_bar, settings=settings, options=options,
@@ -391,6 +393,23 @@ def run_eval(cfg) -> dict:
     if trees:
         print(f"decode with these trees: medusa-generate heads={cfg.heads}{batches} tree={trees}")
     return report
+
+
+def _eval_tree_schedule(cfg, sizes):
+    """A batched evaluation's tree_schedule.json given as ``tree=``: the schedule to measure again (batched), or
+    one clear line (one prompt at a time needs one tree); None for any other tree."""
+    from .errors import UserError
+    from .evaluation.tree_schedule_file import is_tree_schedule, read_tree_schedule
+
+    if not is_tree_schedule(cfg.tree):
+        return None
+    if sizes is None:
+        raise UserError(f"tree={cfg.tree} holds a tree per batch size: evaluate it batched (batch_size=[...]) or "
+                        "give one tree (tree.json, a name or choices)")
+    spec = heads_spec(cfg)
+    if spec is None:
+        raise UserError(f"tree={cfg.tree} is for the Medusa-family heads it was measured with: give heads=")
+    return read_tree_schedule(cfg.tree, spec)
 
 
 def print_batched(b: dict) -> None:

@@ -53,6 +53,11 @@ def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
                 "prompts_file=prompts.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",
                 cwd=tmp_path)
     assert "batch of 2:" in proc.stderr and "batch of 1:" in proc.stderr
+    _run("medusa-eval", "heads=runs/debug_tiny/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
+         "kernels=stock", "progress_bar=false", "threads=1", "batch_size=[1,2]", f"tree={path.relative_to(tmp_path)}",
+         "out=runs/debug_tiny/eval_again", cwd=tmp_path)   # the same schedule measured again
+    again = json.loads((run / "eval_again" / "report.json").read_text())["batched"]["speculation"]["medusa"]
+    assert again["tree"] == "given" and again["schedule"] == sized["schedule"]
 
     _run("medusa-export", "heads=runs/debug_tiny/heads", "format=medusa_v1", "out=runs/debug_tiny/medusa_v1",
          "materialize=true", cwd=tmp_path)

@@ -90,3 +90,18 @@ def test_generate_decodes_with_the_schedule(tmp_path, generate_calls, at_one, pr
         assert given is None
     else:
         assert given.name == tree and given.paths == schedule.choices[1].paths
+
+
+def test_eval_measures_a_schedule_again_batched_only(tmp_path, monkeypatch):
+    """Guards against medusa-eval taking a tree_schedule.json as one tree (a traceback, or the batch-1 tree
+    silently) where one prompt at a time is evaluated, and against a batched evaluation ignoring it."""
+    import inference.cli as cli
+
+    report, schedule = _report()
+    path = write_tree_schedule(tmp_path, report, "abc")
+    monkeypatch.setattr(cli, "heads_spec", lambda cfg: _spec())
+    cfg = cli.EvalConfig(heads="h", tree=str(path))
+    with pytest.raises(UserError, match="evaluate it batched"):
+        cli._eval_tree_schedule(cfg, None)
+    assert cli._eval_tree_schedule(cfg, [1, 2]).to_dict() == schedule.to_dict()
+    assert cli._eval_tree_schedule(cli.EvalConfig(heads="h", tree="chain2"), [1, 2]) is None
