@@ -484,13 +484,11 @@ def eagle_tree_choice(cfg, spec, method: str):
 
 def run_generate(cfg) -> None:
     from .errors import UserError
-    from .methods import stream as decode_stream
-
+    from .evaluation.tree_schedule_file import is_tree_schedule, read_tree_schedule
     from .methods import get
+    from .methods import stream as decode_stream
     from .methods.registry import batched_names, methods_for_heads, options_from_keys
     from .runtime.batch_decode import check_batch_size
-
-    from .evaluation.tree_schedule_file import is_tree_schedule, read_tree_schedule
 
     texts, several = generate_prompts(cfg)
     size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None

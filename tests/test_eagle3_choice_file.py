@@ -120,7 +120,7 @@ LOOKUP_KEYS = {"eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3, "eagle_lo
 
 
 def _batched_report(at_one=True):
-    from inference.evaluation.eagle3_choice_file import schedule_record
+    from inference.evaluation.eagle3_choice_file import schedule_settings
     from inference.methods.eagle3_lookup import Eagle3LookupOptions
     from inference.runtime.speculation import SpeculationSchedule
 
@@ -132,7 +132,7 @@ def _batched_report(at_one=True):
     schedule = SpeculationSchedule(choices, rates, 0.07)
     return {"method_options": {"eagle3_lookup": {"eagle_tree": "auto"}},
             "batched": {"speculation": {"eagle3_lookup": {"tree": "auto", "schedule": schedule.to_dict(),
-                                                          "settings": schedule_record(schedule)},
+                                                          "settings": schedule_settings(schedule)},
                                         "autoregressive": {"tree": "fixed", "schedule": {"1": "plain"}}}}}, schedule
 
 

@@ -141,6 +141,10 @@ def test_library_defaults_fit_the_drafter(backbone, m, greedy):
     assert fitted_options(one_step, "eagle3", given) is given                             # given keys are kept
     assert fitted_options(one_step, "eagle3", make_options("eagle3", depth=2)).label == "n8-d2-k4"
     assert Eagle3Decoder(one_step, Eagle3Options()).o.label == "n4-d1-k4"
+    from inference.methods.eagle3_batch import Eagle3BatchDrafter
+
+    drafter = Eagle3BatchDrafter(one_step, Eagle3Options())
+    assert (drafter.max_depth, drafter.max_nodes) == (1, 5)
     report = options_report(fitted_options(one_step, "eagle3", make_options("eagle3")))
     assert (report["eagle_nodes"], report["eagle_depth"]) == (4, 1)
     assert eagle3_costs(one_step, fitted_options(one_step, "eagle3", Eagle3Options()), 10).extra_kv_cache_bytes > 0

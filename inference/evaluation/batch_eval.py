@@ -55,7 +55,7 @@ from ..runtime.verify import SamplingConfig
 from .evaluate import EAGLE3_TREE_METHODS, machine
 from .prompts import Prompt, split_calibration
 from .batch_sizing import choose_chain_schedule, choose_eagle3_schedule, choose_schedule
-from .eagle3_choice_file import schedule_record
+from .eagle3_choice_file import schedule_settings
 from .tree_schedule_file import schedule_trees
 from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
 
@@ -234,7 +234,7 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
         speculation[x] = {what: "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
                           "sizing": sizing.to_dict()}
         if x in eagle_auto:   # each batch size's keys, for medusa-generate eagle_tree=<file> (eagle3_choice_file)
-            speculation[x]["settings"] = schedule_record(sizing.schedule)
+            speculation[x]["settings"] = schedule_settings(sizing.schedule)
         log(f"{x} {what} per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
     for x in opts:
         if registry.get(x).chain is not None and x not in schedules:   # fixed: the set length at every B

@@ -48,7 +48,7 @@ def setting_keys(options_report: dict) -> dict:
     return {k: options_report[k] for k in SETTING_KEYS if k in options_report}
 
 
-def schedule_record(schedule) -> dict:
+def schedule_settings(schedule) -> dict:
     """A ``SpeculationSchedule`` of eagle3 settings as a choice file stores it: each measured batch size's
     keys (None: plain decoding), the expected tokens/s per setting that the decoder's hysteresis compares,
     and its switch gain."""
@@ -69,7 +69,7 @@ def _write(out: Path, method: str, record: dict) -> Path:
 def write_choices(out: Path, report: dict, base_model_fingerprint: str = "") -> dict[str, Path]:
     """One ``<method>_tree.json`` per method whose tree the evaluation chose: one prompt at a time, report's
     ``<method>_tree`` with its options' keys from ``method_options``; batched, report's
-    ``batched.speculation.<method>`` sized with ``tree: auto`` (its ``settings``, a ``schedule_record``).
+    ``batched.speculation.<method>`` sized with ``tree: auto`` (its ``settings``, from ``schedule_settings``).
     {method: path written}."""
     paths = {}
     for method, options in (report.get("method_options") or {}).items():

@@ -122,6 +122,11 @@ class Eagle3BatchDrafter:
             if not callable(getattr(c, "check_model", None)):
                 raise UserError(f"an eagle3 schedule holds eagle3 options or None, got {type(c).__name__}")
             c.check_model(m)
+        if any(c.nodes is None or c.depth is None for c in settings):   # built directly with the tree left unset
+            schedule = SpeculationSchedule({b: c.fitted(m.heads.spec) if c is not None else None
+                                            for b, c in schedule.choices.items()}, schedule.rates, schedule.switch_gain)
+            settings = [c for c in schedule.choices.values() if c is not None]
+        for c in settings:
             if not c.nodes:
                 raise UserError("eagle_nodes=0 is plain decoding: a schedule says so with None")
         self.m, self.d, self.schedule = m, m.heads, schedule
