@@ -65,3 +65,20 @@ def test_gpu_check_dry_run_at_the_full_smollm2_shape(tmp_path):
     assert result["eagle3_steps"]["draft_vocab"] == 8192
     assert result["training"]["finite"] and result["training"]["trainable_params_m"] > 10
     assert "SmolLM2-135M-shaped" in (out / "summary.md").read_text()
+
+
+def test_profile_gpu_step_dry_run(tmp_path):
+    """Guards against the GPU step profiler (scripts/profile_gpu_step.py, what found the cuDNN planning cost)
+    breaking while no GPU is around: on CPU it times every step kind, records the attention calls' arguments
+    and writes profile.json / profile.txt."""
+    out = tmp_path / "profile"
+    proc = subprocess.run([sys.executable, "scripts/profile_gpu_step.py", "--dry-run", "--out", str(out)], cwd=ROOT,
+                          env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "profile.json").read_text())
+    for k in ("plain_step", "verify_16", "batch1_step", "batch8_step"):
+        assert res[k]["wall_ms"] > 0 and "kernel_ms" in res[k], res[k]
+    for k in ("plain_attention", "batch1_attention", "batch8_attention"):
+        assert res[k]["calls"] > 0 and res[k]["args"]["q"].startswith("("), res[k]
+    assert res["launch"]["host_us_per_launch"] > 0
+    assert "BatchTreeDecoder.step, batch 8" in (out / "profile.txt").read_text()

@@ -118,3 +118,28 @@ def test_cuda_kv_cache_compaction(case):
         torch.testing.assert_close(layer.keys, k, atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.values, v, atol=1e-5, rtol=0)
     assert dec.root == g[n] and dec.step()[0][0] == g[n + 1]  # decoding continues from the compacted cache
+
+
+def test_cuda_decoding_attention_runs_without_cudnn(monkeypatch):
+    """Guards against the decoding loop (plain, tree and batched) reaching torch's cuDNN SDPA backend on CUDA:
+    it plans a graph per new key length, which made a batched step on an H200 3x slower (BENCHMARKS.md
+    "GPU check"). Every delegated attention call sees the flag off on CUDA; it is back on afterwards."""
+    from inference.methods import generate_batch
+    from inference.runtime import attention
+
+    real = attention._sdpa_forward()
+    seen = []
+
+    def watch(*a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(attention, "_sdpa_forward", lambda: watch)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    model = tiny_llama(vocab=96, seed=0).to(DEV, torch.bfloat16)
+    m = wrap(model, random_heads(model, num_heads=3))
+    generate(m, PROMPT, "autoregressive", max_new_tokens=4)
+    generate(m, PROMPT, tree="tree8", max_new_tokens=4)
+    generate_batch(m, [PROMPT, PROMPT[:3]], tree="tree8", max_new_tokens=4)
+    assert seen and set(seen) == {DEV != "cuda"}
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from ..attention_backends import decoding_sdpa
 from ..errors import IncompatibleHeadsError, UserError
 from .drafting import ContextDrafting
 from .registry import HeadFamily, register_family
@@ -351,8 +352,9 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
             mask = mask[None, None]
         # GQA inside the kernel: repeating the whole cache's keys and values per query head copied
         # (heads / kv_heads) x the cache on every call, twice the attention's own cost at 300 entries.
-        ctx = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask.to(q.dtype),
-                                             enable_gqa=attn.heads != attn.kv_heads)
+        with decoding_sdpa(q.device):  # the drafter's cache grows every call: no cuDNN plan per length
+            ctx = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask.to(q.dtype),
+                                                 enable_gqa=attn.heads != attn.kv_heads)
         normed, pre = self._finish(hidden, attn.out(ctx))
         return normed, pre, (k, v)
 

@@ -1,0 +1,49 @@
+"""Which fused SDPA kernels decoding may use on CUDA: every one but cuDNN's.
+
+While decoding, the attention's key length grows by one or more every call. torch's cuDNN SDPA backend
+builds (and caches) an execution plan per distinct shape, so on a decoding loop every call is a new plan:
+on an H200 (torch 2.11, SmolLM2-135M shape, bf16) that cost 1.4 ms of host time per call against 0.05 ms
+for a shape it had seen, 30 layers x 1.4 ms = 42 of a batched step's 66 ms (``scripts/profile_gpu_step.py``,
+BENCHMARKS.md "GPU check"). The memory-efficient and flash kernels take any length at no planning cost;
+torch picks among them (and the math fallback) as usual. Training, whose shapes are fixed, is left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+class _WithoutCudnnSdp:
+    """Turns torch's cuDNN SDPA backend off for the block and restores it after. Three flag calls (~1 us)
+    instead of ``torch.nn.attention.sdpa_kernel`` (~12 us): this is entered once per layer per step."""
+
+    __slots__ = ("was",)
+
+    def __enter__(self):
+        self.was = torch.backends.cuda.cudnn_sdp_enabled()
+        if self.was:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        return self
+
+    def __exit__(self, *exc):
+        if self.was:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+        return False
+
+
+class _Nothing:
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOTHING = _Nothing()
+
+
+def decoding_sdpa(device: torch.device):
+    """A context in which scaled_dot_product_attention on ``device`` never plans a cuDNN graph (CUDA only):
+    torch then picks among the flash, memory-efficient and math kernels as usual."""
+    return _WithoutCudnnSdp() if device.type == "cuda" else _NOTHING
