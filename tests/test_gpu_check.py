@@ -33,6 +33,7 @@ def test_gpu_check_dry_run_writes_summary_and_json(tmp_path):
     assert {"plain_tokens_per_s", "candidates", "chosen", "accuracies"} <= set(result["tree_auto"])
     pl = result["plain_loop_vs_generate"]
     assert pl["identical"] == pl["prompts"] == 2 and pl["ratio"] > 0
+    assert pl["identical_same_kernels"] == 2
     e3 = result["eagle3_steps"]
     assert e3["plain_ms"] > 0 and [r["setting"] for r in e3["settings"]] == ["n1-d1-k1", "n4-d1-k4"]
     assert all(r["ms"] > 0 and r["expected_speedup"] > 0 for r in e3["settings"])
