@@ -10,7 +10,12 @@ torch picks among them (and the math fallback) as usual. Training, whose shapes 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+
+_NO_CHANGE = nullcontext()  # reusable: entered on every CPU attention call, so built once
+
 
 class _WithoutCudnnSdp:
     """Turns torch's cuDNN SDPA backend off for the block and restores it after. Three flag calls (~1 us)
@@ -30,20 +35,7 @@ class _WithoutCudnnSdp:
         return False
 
 
-class _Nothing:
-    __slots__ = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NOTHING = _Nothing()
-
-
 def decoding_sdpa(device: torch.device):
     """A context in which scaled_dot_product_attention on ``device`` never plans a cuDNN graph (CUDA only):
     torch then picks among the flash, memory-efficient and math kernels as usual."""
-    return _WithoutCudnnSdp() if device.type == "cuda" else _NOTHING
+    return _WithoutCudnnSdp() if device.type == "cuda" else _NO_CHANGE

@@ -69,10 +69,11 @@ def verification_step(m: MedusaModel, prompt: Sequence[int], max_nodes: int) -> 
     return step
 
 
-def plain_loop_vs_generate(m: MedusaModel, prompts: Sequence[Sequence[int]], tokens: int) -> dict:
+def plain_loop_vs_generate(m: MedusaModel, prompts: Sequence[Sequence[int]], tokens: int,
+                           with_tokens: bool = False) -> dict:
     """The runtime's plain loop vs transformers' greedy generate (stock kernels), interleaved prompt
     by prompt (order alternating); tokens/s over all prompts, prefill included, and how many
-    outputs were token-identical."""
+    outputs were token-identical (``with_tokens``: and the runtime's tokens per prompt)."""
     rows = []
     for i, ids in enumerate(prompts):
         runs = {}
@@ -85,7 +86,8 @@ def plain_loop_vs_generate(m: MedusaModel, prompts: Sequence[Sequence[int]], tok
     return {"runtime_tokens_per_s": round(rate["autoregressive"], 2), "hf_generate_tokens_per_s": round(rate["hf_generate"], 2),
             "ratio": round(rate["autoregressive"] / rate["hf_generate"], 3),
             "identical": sum(r["autoregressive"].tokens == r["hf_generate"].tokens for r in rows), "prompts": len(rows),
-            "new_tokens": [len(r["autoregressive"].tokens) for r in rows]}
+            "new_tokens": [len(r["autoregressive"].tokens) for r in rows],
+            **({"runtime_tokens": [r["autoregressive"].tokens for r in rows]} if with_tokens else {})}
 
 
 def median(xs: Sequence[float]) -> float:

@@ -130,8 +130,9 @@ def tree_steps(m: MedusaModel, nodes: list[int], rounds: int, per_round: int) ->
 
 
 # -- 2b. greedy identity with generate on the same attention kernels -------------------------------------------
-def same_kernel_identity(m: MedusaModel, prompts: list, tokens: int) -> int:
-    """How many prompts' greedy outputs of the plain loop equal ``generate``'s when ``generate`` too runs without
+def same_kernel_identity(m: MedusaModel, prompts: list, runtime_tokens: list, tokens: int) -> int:
+    """How many prompts' greedy outputs of the plain loop (``runtime_tokens``, from ``plain_loop_vs_generate``)
+    equal ``generate``'s when ``generate`` too runs without
     cuDNN SDPA (as decoding does: inference/attention_backends.py). With stock backends the two run different
     bf16 attention kernels, and a random-weight model's near-tied logits make rounding flip the argmax; this
     count separates that from a real difference."""
@@ -139,8 +140,7 @@ def same_kernel_identity(m: MedusaModel, prompts: list, tokens: int) -> int:
     from inference.methods import generate
 
     same = 0
-    for ids in prompts:
-        ours = generate(m, list(ids), "autoregressive", max_new_tokens=tokens).tokens
+    for ids, ours in zip(prompts, runtime_tokens):
         with decoding_sdpa(m.device):
             theirs = generate(m, list(ids), "hf_generate", max_new_tokens=tokens).tokens
         same += ours == theirs
@@ -500,8 +500,9 @@ def main() -> None:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, shape["vocab_size"], (sizes["prompt_len"],), generator=g).tolist()
                    for _ in range(sizes["prompts"])]
-        result["plain_loop_vs_generate"] = pl = plain_loop_vs_generate(m, prompts, sizes["new_tokens"])
-        pl["identical_same_kernels"] = same_kernel_identity(m, prompts, sizes["new_tokens"])
+        result["plain_loop_vs_generate"] = pl = plain_loop_vs_generate(m, prompts, sizes["new_tokens"],
+                                                                          with_tokens=True)
+        pl["identical_same_kernels"] = same_kernel_identity(m, prompts, pl.pop("runtime_tokens"), sizes["new_tokens"])
 
     def eagle3():
         result["eagle3_steps"] = eagle3_steps(eagle3_model(m), list(EAGLE3_TAU), sizes["rounds"], sizes["per_round"],

@@ -56,7 +56,12 @@ def launch_cost(device: torch.device, n: int) -> dict:
     host = time.perf_counter() - t
     sync(device)
     total = time.perf_counter() - t
-    return {"launches": n, "host_us_per_launch": round(1e6 * host / n, 2), "total_us_per_launch": round(1e6 * total / n, 2)}
+    return {"launches": n, "host_us_per_launch": round(1e6 * host / n, 2),
+            "total_us_per_launch": round(1e6 * total / n, 2)}
+
+
+def activities(device: torch.device) -> list:
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
 
 
 def profiled(fn, device: torch.device, steps: int) -> dict:
@@ -72,9 +77,7 @@ def profiled(fn, device: torch.device, steps: int) -> dict:
         sync(device)
         walls.append(time.perf_counter() - t)
     out = {"wall_ms": round(1e3 * median(walls), 3)}
-    cuda = device.type == "cuda"
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
+    with profile(activities=activities(device)) as prof:
         for _ in range(steps):
             fn()
         sync(device)
@@ -123,8 +126,7 @@ def attention_calls(fn, device: torch.device, steps: int) -> dict:
 
 
 def op_table(fn, device: torch.device, steps: int) -> str:
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
+    with profile(activities=activities(device)) as prof:
         for _ in range(steps):
             fn()
         sync(device)
