@@ -16,7 +16,9 @@
     medusa-generate heads=runs/e3/heads prompt="Hi." eagle_tree=runs/e3/eval/eagle3_lookup_tree.json  # eval's pick
 
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra;
-only these entry points do. User mistakes print one line and exit 2.
+only these entry points do. User mistakes print one line and exit 2, before anything loads where the keys,
+the heads' config.json and the prompts decide (cli_checks.py). Boolean keys take true/false, yes/no, on/off,
+1/0. EAGLE-3 trees: eagle_depth at most 32, eagle_topk at most 64, eagle_nodes at most 256.
 
 medusa-eval picks its methods with ``methods=[...]`` (default: the first method that decodes with the
 heads: medusa, or eagle3_lookup for EAGLE-3 heads); ``compare=true`` is short for every available method
@@ -42,6 +44,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from .cli_checks import (check_decoding_keys, check_eval_keys, check_options_fit_heads, check_tree, eval_out_dir,
+                         eval_prompts, generate_prompts, heads_spec)
 from .cli_support import enum_value, run_cli
 
 
@@ -137,25 +141,6 @@ class GenerateConfig(RuntimeConfig):
     system: Optional[str] = None
 
 
-def check_tree(cfg) -> None:
-    """Refuse a tree the heads cannot draft (deeper than the heads, more ranks than their outputs) from
-    the heads' config.json alone, before the backbone loads. ``auto`` / ``calibrated:N`` are grown
-    from the heads themselves and always fit."""
-    from .evaluation.tree_schedule_file import is_tree_schedule, read_tree_schedule
-    from .loading import read_heads_spec_for
-    from .runtime.tree import resolve_tree
-
-    if not cfg.heads or cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"):
-        return
-    spec = read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
-    if is_tree_schedule(cfg.tree):   # a batched evaluation's tree per batch size: every tree checked
-        read_tree_schedule(cfg.tree, spec)
-        return
-    tree = resolve_tree(cfg.tree, spec.num_heads)
-    outputs = getattr(spec, "output_size", 0) or spec.vocab_size or 0
-    tree.check_fits(spec.num_heads, outputs or 1 << 30)
-
-
 def _load(cfg):
     import torch
 
@@ -171,14 +156,6 @@ def _load(cfg):
     return load_medusa(cfg.heads, backbone=cfg.backbone, device=device, dtype=cfg.dtype,
                        trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter, kernels=cfg.kernels,
                        draft_weights=cfg.draft_weights)
-
-
-def _sampling(cfg):
-    from .runtime.verify import SamplingConfig
-
-    return SamplingConfig(mode=cfg.mode, temperature=cfg.temperature if cfg.mode != "greedy" else 1.0,
-                          top_k=cfg.top_k, top_p=cfg.top_p, typical_epsilon=cfg.typical_epsilon,
-                          typical_delta=cfg.typical_delta)
 
 
 def eval_methods(cfg) -> list[str]:
@@ -216,20 +193,6 @@ def eval_methods(cfg) -> list[str]:
     return methods
 
 
-def heads_spec(cfg):
-    """The spec of the heads in ``cfg.heads`` (config only), or None when there are none or it cannot
-    be read here (loading then refuses the directory in one line)."""
-    from .errors import UserError
-    from .loading import read_heads_spec_for
-
-    if not cfg.heads or cfg.heads == "???":
-        return None
-    try:
-        return read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
-    except UserError:
-        return None
-
-
 def _load_eval(cfg, methods):
     """Backbone (+ heads when given) on the chosen device; without heads the backbone is ``backbone=``."""
     import torch
@@ -260,81 +223,50 @@ def fit_eagle_keys(cfg, spec) -> None:
 
 def _method_options(cfg, methods: list[str], spec) -> dict:
     """Each method's typed options from its keys (bad K / W / N -> one line before any model loads);
-    ``spec``: the heads' (``heads_spec``), which unset eagle_* keys are fitted to."""
+    ``spec``: the heads' (``heads_spec``), which unset eagle_* keys are fitted to and options are checked against."""
     from .methods.registry import options_from_keys
 
     fit_eagle_keys(cfg, spec)
-    return {meth: options_from_keys(meth, cfg) for meth in methods}
-
-
-def eval_batch_sizes(cfg) -> Optional[list[int]]:
-    """The batch sizes of a batched evaluation (None: one prompt at a time), checked before anything loads."""
-    from .errors import UserError
-    from .evaluation.batch_eval import CHAIN_SIZING, parse_batch_sizes
-
-    sizes = parse_batch_sizes(cfg.batch_size)
-    if isinstance(cfg.batch_rounds, bool) or not isinstance(cfg.batch_rounds, int) or cfg.batch_rounds < 1:
-        raise UserError(f"batch_rounds must be an integer >= 1, got {cfg.batch_rounds!r}")
-    if cfg.batch_chains not in CHAIN_SIZING:
-        raise UserError(f"batch_chains must be one of {', '.join(CHAIN_SIZING)}, got {cfg.batch_chains!r}")
-    if sizes is not None and cfg.compare:
-        raise UserError("compare=true measures one prompt at a time: with batch_size give methods=[...]")
-    if sizes is not None and cfg.turns != "first":
-        raise UserError("batch_size decodes first turns only: drop turns= or batch_size=")
-    return sizes
+    options = {meth: options_from_keys(meth, cfg) for meth in methods}
+    check_options_fit_heads(options, spec)
+    return options
 
 
 def run_eval(cfg) -> dict:
-    from pathlib import Path
-
     from omegaconf import OmegaConf
 
-    from .evaluation.evaluate import EAGLE3_TREE_METHODS, evaluate
-    from .evaluation.prompts import load_prompts
-    from .evaluation.reports import write_compare, write_report
+    from .evaluation.batch_eval import check_batchable, evaluate_batched
+    from .evaluation.batch_reports import print_batched
+    from .evaluation.evaluate import evaluate
+    from .evaluation.reports import print_per_method, write_compare, write_report
     from .methods import get
 
-    sampling = _sampling(cfg)
-    sizes = eval_batch_sizes(cfg)
+    sampling, sizes = check_eval_keys(cfg)   # everything the config alone decides, before anything loads
     methods = eval_methods(cfg)
-    options = _method_options(cfg, methods, heads_spec(cfg))
+    options = _method_options(cfg, methods, heads_spec(cfg, strict=True))   # heads given: readable
     if sizes is not None:  # before the backbone loads: methods that cannot decode batches
-        from .evaluation.batch_eval import check_batchable
-
         check_batchable(methods, sizes)
-    prompts = load_prompts(cfg.prompts)
-    wanted = cfg.num_prompts
-    if wanted is not None and wanted < 1:
-        from .errors import UserError
-
-        raise UserError(f"num_prompts must be >= 1, got {wanted}")
-    calibrating = ((cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"))
-                   and any(get(x).needs_tree for x in methods)) or (
-        any(x in methods and options[x].tree == "auto" for x in EAGLE3_TREE_METHODS)) or (
-        sizes is not None and cfg.batch_chains == "auto" and any(get(x).chain is not None for x in methods))
-    if wanted is not None:  # keep the calibration prompts apart from the evaluated ones
-        prompts = prompts[:wanted] + prompts[wanted:][-cfg.calibration_prompts:] if calibrating else prompts[:wanted]
+    prompts, calibration = eval_prompts(cfg, methods, options, sizes)
     tree = cfg.tree
     if any(get(x).needs_tree for x in methods):
         check_tree(cfg)  # before the backbone loads
         tree = _eval_tree_schedule(cfg, sizes) or tree
+    out = eval_out_dir(cfg)
     m = _load_eval(cfg, methods)
     settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
     settings["backbone"] = settings.get("backbone") or ("embedded:smollm2" if not cfg.heads else None)
     settings["methods"] = methods
     if sizes is not None:
-        from .evaluation.batch_eval import evaluate_batched
-
         report = evaluate_batched(m, prompts, methods=methods, batch_sizes=sizes, tree=tree,
                                   max_new_tokens=cfg.max_new_tokens, sampling=sampling,
                                   calibration_prompts=cfg.calibration_prompts, calibration_tokens=cfg.calibration_tokens,
                                   seed=cfg.seed, progress=cfg.progress_bar, settings=settings, options=options,
-                                  rounds=cfg.batch_rounds, chains=cfg.batch_chains)
+                                  rounds=cfg.batch_rounds, chains=cfg.batch_chains, calibration=calibration)
     else:
         report = evaluate(m, prompts, methods=methods, tree=cfg.tree, max_new_tokens=cfg.max_new_tokens,
                           sampling=sampling, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
                           calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets), seed=cfg.seed,
-                          progress=cfg.progress_bar, settings=settings, options=options)
+                          progress=cfg.progress_bar, settings=settings, options=options, calibration=calibration)
     spec = getattr(m.heads, "spec", None)
     if getattr(spec, "backbone_adapter", None) and m.adapter_applied:
         # Medusa-2 heads decode on the adapted backbone: say how far it is from the original.
@@ -344,19 +276,12 @@ def run_eval(cfg) -> dict:
 
         original, _, _ = load_backbone(cfg.backbone or spec.base_model, device=m.device, dtype=cfg.dtype,
                                        trust_remote_code=cfg.trust_remote_code)
-        evaluated = prompts[:wanted] if wanted is not None else prompts
-        ids = [m.encode_chat(p.turns[0]) for p in evaluated[:8]]
+        ids = [m.encode_chat(p.turns[0]) for p in prompts[:8]]
         report["backbone_drift"] = greedy_drift(m, MedusaModel(model=original, tokenizer=None, heads=None), ids,
                                                 cfg.max_new_tokens)
         print(f"backbone drift vs the original ({len(ids)} prompts): greedy token agreement "
               f"{report['backbone_drift']['greedy_token_agreement']:.1%}, identical answers "
               f"{report['backbone_drift']['identical_answers']:.1%}")
-    if cfg.out:
-        out = Path(cfg.out)
-    elif cfg.heads:
-        out = Path(cfg.heads).resolve().parent / ("compare" if cfg.compare else "eval")
-    else:
-        out = Path("runs") / ("compare" if cfg.compare else "eval")
     paths = write_report(out, report)
     if cfg.compare:
         paths += write_compare(out, report)
@@ -377,15 +302,7 @@ def run_eval(cfg) -> dict:
     print()
     if sizes is not None:
         print_batched(report["batched"])
-    for meth, row in report.get("per_method", {}).items():
-        parts = [f"{meth:>14}: {row['tokens_per_s']:8.2f} tok/s", f"tau {row['tau']:.3f}"]
-        if "speedup_vs_autoregressive" in row:
-            parts.append(f"{row['speedup_vs_autoregressive']:.2f}x vs autoregressive")
-        if "speedup_vs_hf_generate" in row:
-            parts.append(f"{row['speedup_vs_hf_generate']:.2f}x vs HF generate")
-        if "greedy_identical_fraction" in row and meth != "autoregressive":
-            parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
-        print(" | ".join(parts))
+    print_per_method(report)
     print("report: " + ", ".join(str(p) for p in paths))
     batches = " prompts_file=<prompts.jsonl> batch_size=<B>" if sizes is not None else ""
     for method, path in choices.items():
@@ -410,53 +327,6 @@ def _eval_tree_schedule(cfg, sizes):
     if spec is None:
         raise UserError(f"tree={cfg.tree} is for the Medusa-family heads it was measured with: give heads=")
     return read_tree_schedule(cfg.tree, spec)
-
-
-def print_batched(b: dict) -> None:
-    """One line per batch size: each method's tokens/s and speedup over the plain batched loop."""
-    for size, entry in b["per_batch_size"].items():
-        parts = [f"batch {size:>3}"]
-        for meth, row in entry["per_method"].items():
-            vs = row.get("speedup_vs_autoregressive")
-            parts.append(f"{meth} {row['tokens_per_s']:.1f} tok/s" + (f" ({vs:.2f}x)" if vs is not None else ""))
-        if entry.get("speculation"):
-            parts.append("speculation " + ", ".join(f"{x} {v}" for x, v in entry["speculation"].items()))
-        print(" | ".join(parts))
-    for meth, size in b["speculation_stops_paying"].items():
-        print(f"{meth}: " + (f"speculation stops paying at batch size {size}" if size is not None
-                             else "faster than the plain batched loop at every batch size"))
-    for meth, same in (b.get("greedy_identical") or {}).items():
-        if meth != "hf_generate":
-            print(f"{meth}: every row identical to greedy: {same}")
-
-
-def generate_prompts(cfg) -> tuple[list[str], bool]:
-    """(the prompts, whether several were asked for: prompt=[...], prompts_file= or batch_size=)."""
-    from .errors import UserError
-
-    given = cfg.prompt
-    if cfg.prompts_file is not None:
-        if given is not None:
-            raise UserError("give one of prompt= or prompts_file=")
-        from .evaluation.prompts import load_prompts
-
-        return [p.turns[0] for p in load_prompts(cfg.prompts_file)], True
-    if isinstance(given, (int, float)) and not isinstance(given, bool):
-        given = str(given)
-    if isinstance(given, str) or given is None:
-        if not (given or "").strip():
-            raise UserError('prompt="..." is required and must not be empty')
-        return [given], cfg.batch_size is not None
-    if not hasattr(given, "__iter__") or hasattr(given, "keys"):
-        raise UserError('prompt must be text or a list of texts (quote a prompt holding ": ", e.g. '
-                        'prompt="\"Write: a poem\"")')
-    texts = list(given)
-    if not texts:
-        raise UserError('prompt="..." is required and must not be empty')
-    for i, t in enumerate(texts, start=1):
-        if not isinstance(t, str) or not t.strip():
-            raise UserError(f"prompt {i} of {len(texts)} is {'empty' if isinstance(t, str) else 'not text'}")
-    return texts, True
 
 
 def eagle_tree_choice(cfg, spec, method: str):
@@ -491,6 +361,7 @@ def run_generate(cfg) -> None:
     from .runtime.batch_decode import check_batch_size
 
     texts, several = generate_prompts(cfg)
+    sampling = check_decoding_keys(cfg)   # before anything loads, as every check below
     size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None
     if cfg.heads in ("???", ""):
         raise UserError("heads=<export directory> is required")
@@ -505,6 +376,7 @@ def run_generate(cfg) -> None:
                         f"(methods that decode batches: {', '.join(batched_names())})")
     tree = {"tree": cfg.tree} if get(method).needs_tree else {}
     options = options_from_keys(method, cfg)  # bad eagle_* keys: one line before the backbone loads
+    check_options_fit_heads({method: options}, spec)
     together = several and batching   # prompts decoded in batches: a batched evaluation's schedule applies
     if choice is not None and choice.schedule is not None:   # a batched evaluation's choice per batch size
         from dataclasses import replace
@@ -529,11 +401,11 @@ def run_generate(cfg) -> None:
     m = _load(cfg)
     if several:
         ids = [m.encode_chat(t, system=cfg.system) for t in texts]
-        generate_several(m, texts, ids, method, size or len(ids), batching, options, _sampling(cfg), cfg, tree)
+        generate_several(m, texts, ids, method, size or len(ids), batching, options, sampling, cfg, tree)
         return
     ids = m.encode_chat(texts[0], system=cfg.system)
     stream = decode_stream(m, ids, method, options=options, max_new_tokens=cfg.max_new_tokens,
-                           sampling=_sampling(cfg), seed=cfg.seed, **tree)
+                           sampling=sampling, seed=cfg.seed, **tree)
     shown, tokens = "", []
     for chunk in stream:  # decode the whole answer each time: multi-byte characters span tokens
         tokens += chunk

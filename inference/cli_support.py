@@ -14,6 +14,9 @@ import sys
 from typing import Any, NoReturn, Optional
 
 EXIT_USER_ERROR = 2
+# What a boolean key takes (any case). OmegaConf alone would also take any integer (materialize=3 -> true)
+# and words such as "Y"; a value outside these is more likely a slip than a yes.
+BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
 _OMEGACONF_NOISE = ("full_key", "reference_type", "object_type", "To append", "Set the environment")
 
 
@@ -37,8 +40,14 @@ def parse_overrides(prog: str, schema, argv: list[str]):
         fail(prog, f"arguments are key=value overrides, got {bad[0]!r} (see {prog} --help)")
     from omegaconf import OmegaConf
 
+    structured = OmegaConf.structured(schema)
+    not_boolean = next(((k, v) for k, v in (a.split("=", 1) for a in argv) if _is_boolean_key(structured, k)
+                        and v.strip().lower() not in BOOLEAN_WORDS + ("null", "none")), None)
+    if not_boolean:
+        fail(prog, f"{not_boolean[0]} must be true or false (or yes/no, on/off, 1/0), got {not_boolean[1]!r} "
+                   f"(see {prog} --help)")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv))
+        cfg = OmegaConf.merge(structured, OmegaConf.from_dotlist(argv))
     except Exception as e:  # unknown key / wrong type
         fail(prog, f"{config_error_line(e)} (see {prog} --help)")
     # A required key ("???" in the schema) left unset would otherwise surface as OmegaConf's
@@ -48,6 +57,18 @@ def parse_overrides(prog: str, schema, argv: list[str]):
         fail(prog, f"{' and '.join(k + '=' for k in missing)} {'is' if len(missing) == 1 else 'are'} required "
                    f"(see {prog} --help)")
     return cfg
+
+
+def _is_boolean_key(structured, key: str) -> bool:
+    """Whether ``key`` (dotted) names a boolean field of the schema ``structured``."""
+    from omegaconf import BooleanNode, DictConfig
+
+    node = structured
+    for part in key.lstrip("+~").split("."):
+        node = node._get_node(part, validate_access=False) if isinstance(node, DictConfig) else None
+        if node is None:
+            return False
+    return isinstance(node, BooleanNode)
 
 
 def enum_value(x: Any) -> Any:

@@ -17,6 +17,7 @@ another backbone (hidden size, vocabulary, config fingerprint) and missing or co
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -24,8 +25,10 @@ import torch
 
 from .backbone import load_backbone, load_backbone_config, parse_device, parse_dtype
 from .errors import NeedsBackboneConfig, UserError
+from .formats.export import FormatWarning
 from .formats.importers import detect_layout, importer_for
-from .heads.native import load_native, place, read_native_spec
+from .heads.native import check_config_object, load_native, place, read_native_spec
+from .heads.registry import family
 from .heads.spec import HeadsSpec, check_compatible
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 from .runtime.draft_weights import check_draft_weights, half_draft_weights
@@ -35,10 +38,32 @@ def read_heads_spec(heads_dir: str | os.PathLike, backbone_config=None) -> Heads
     """The spec of any loadable heads directory, without loading weights. A layout whose config leaves
     facts to the target (``NeedsBackboneConfig``) is read with ``backbone_config``."""
     d = Path(heads_dir)
+    check_config_object(d)   # every layout's detection looks keys up in it
     layout = detect_layout(d)
     if layout is not None:
         return importer_for(layout).spec(d, backbone_config)
-    return read_native_spec(d)
+    return _canonical_spec(read_native_spec(d), f"heads in {d}")
+
+
+def _spec_before_load(heads_dir, backbone_config=None) -> HeadsSpec:
+    """``read_heads_spec`` for a directory that is loaded next: without the layout's notes, which the load
+    gives once, after checking the heads fit the backbone (so a refusal is one line on its own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FormatWarning)
+        return read_heads_spec(heads_dir, backbone_config)
+
+
+def _canonical_spec(spec: HeadsSpec, where: str) -> HeadsSpec:
+    """The spec as its family runs it once loaded (EAGLE-3: aux ids in the engines' ascending order, ids
+    named twice refused): ``canonical_spec`` on the family's module, if it has one."""
+    canonical = getattr(family(spec.kind).module, "canonical_spec", None)
+    return canonical(spec, where) if canonical is not None else spec
+
+
+def _canonicalize(heads, where: str):
+    """Loaded heads in the form their family serves (``canonicalize`` on the module, if it has one)."""
+    canonicalize = getattr(heads, "canonicalize", None)
+    return canonicalize(where) if canonicalize is not None else heads
 
 
 def spec_with_target(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False):
@@ -48,13 +73,38 @@ def spec_with_target(heads_dir: str | os.PathLike, backbone=None, trust_remote_c
     layers, as the EAGLE repository and SpecForge publish them, reads its target's default layers, so its
     spec depends on the target's depth."""
     try:
-        return read_heads_spec(heads_dir), None
+        return _spec_before_load(heads_dir), None
     except NeedsBackboneConfig as e:
         name = str(backbone) if backbone is not None else e.base_model
         if not name:
             raise
         target = load_backbone_config(name, trust_remote_code=trust_remote_code)
-        return read_heads_spec(heads_dir, target), target
+        return _spec_before_load(heads_dir, target), target
+
+
+def export_target(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False):
+    """(spec, target config) of a directory about to be exported: ``spec_with_target``, plus the target's
+    config (never its weights) whenever a target is named, so that ``load_heads`` refuses heads made for
+    another one before anything is written (hidden size, vocabulary, config fingerprint, EAGLE-3 aux ids
+    beyond its depth), whatever the family. ``backbone`` must be readable (one line otherwise); without
+    it the base model the heads record is read when it can be (a ``random:`` test model or a hub id
+    offline cannot: then there is nothing to check against, as before)."""
+    spec, target = spec_with_target(heads_dir, backbone, trust_remote_code)
+    if target is not None:  # the spec itself needed it (an EAGLE-3 dir naming no aux ids)
+        return spec, target
+    if backbone is not None:
+        target = load_backbone_config(str(backbone), trust_remote_code=trust_remote_code)
+    elif spec.base_model and not spec.base_model.startswith("random:"):
+        try:
+            target = load_backbone_config(spec.base_model, trust_remote_code=trust_remote_code)
+        except UserError:
+            pass
+    return spec, target if _checkable(target) else None
+
+
+def _checkable(config) -> bool:
+    """A config ``check_compatible`` can compare heads with (a multimodal one nests its sizes: not here)."""
+    return config is not None and getattr(config, "hidden_size", None) is not None
 
 
 def read_heads_spec_for(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False) -> HeadsSpec:
@@ -69,10 +119,13 @@ def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
     """Load heads strictly; with ``backbone_config``, refuse heads made for another model."""
     d = Path(heads_dir)
     if detect_layout(d) is not None:
-        return import_heads(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
+        heads = import_heads(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
+                             input_embeddings=input_embeddings)
+    else:
+        _canonical_spec(read_native_spec(d), f"heads in {d}")  # refused before any weight is read
+        heads = load_native(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
                             input_embeddings=input_embeddings)
-    return load_native(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
-                       input_embeddings=input_embeddings)
+    return _canonicalize(heads, f"heads in {d}")
 
 
 def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch.Tensor] = None,
@@ -83,13 +136,18 @@ def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch
     if layout is None:
         raise UserError(f"{d} is neither a heads export nor a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 directory")
     importer = importer_for(layout)
-    spec = importer.spec(d, backbone_config)
-    if not spec.vocab_size:  # TGI v2 without vocab_size in its config: the backbone's vocabulary
-        known = backbone_config.vocab_size if backbone_config is not None else \
-            lm_head_weight.shape[0] if lm_head_weight is not None else 0
-        spec.vocab_size = int(known)
-    if backbone_config is not None:
-        check_compatible(spec, backbone_config, where=f"heads in {d}")
+    # The layout's notes only once the heads fit this backbone: a refusal is then one line on its own.
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", FormatWarning)
+        spec = importer.spec(d, backbone_config)
+        if not spec.vocab_size:  # TGI v2 without vocab_size in its config: the backbone's vocabulary
+            known = backbone_config.vocab_size if backbone_config is not None else \
+                lm_head_weight.shape[0] if lm_head_weight is not None else 0
+            spec.vocab_size = int(known)
+        if backbone_config is not None:
+            check_compatible(spec, backbone_config, where=f"heads in {d}")
+    for note in notes:
+        warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
     heads, own_lm_head = importer.load(d, spec)
     if spec.projection == "shared":
         # A vLLM dir carries its own lm_head copy: run what the engine would run.
@@ -132,12 +190,13 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     if backbone is None or isinstance(backbone, (str, Path)):
         spec = read_heads_spec_for(heads_dir, backbone, trust_remote_code=trust_remote_code)
     else:
-        spec = read_heads_spec(heads_dir, getattr(backbone, "config", None))
+        spec = _spec_before_load(heads_dir, getattr(backbone, "config", None))
     adapter_applied = False
     if backbone is None or isinstance(backbone, (str, Path)):
         name = str(backbone) if backbone is not None else spec.base_model
         if not name:
             raise UserError(f"heads in {heads_dir} do not record their backbone; pass backbone=")
+        _refuse_another_target(heads_dir, spec, name, trust_remote_code)
         dev = parse_device(device or "cpu")
         dt = parse_dtype(dtype or torch.float32)
         model, tok, _ = load_backbone(name, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
@@ -169,6 +228,18 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         half_draft_weights(heads, model)
     return apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
                          kernels, kernel_plans_path())
+
+
+def _refuse_another_target(heads_dir, spec: HeadsSpec, name: str, trust_remote_code: bool) -> None:
+    """Heads made for another target, refused from that target's config before its weights load (the
+    load checks again, on the model's own config). A config that cannot be read here is left to
+    ``load_backbone``, which says why in one line; a spec without a vocabulary (TGI v2) takes the target's."""
+    try:
+        config = load_backbone_config(name, trust_remote_code=trust_remote_code)
+    except UserError:
+        return
+    if spec.vocab_size and _checkable(config):
+        check_compatible(spec, config, where=f"heads in {heads_dir}")
 
 
 def kernel_plans_path() -> Optional[Path]:

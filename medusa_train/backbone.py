@@ -22,6 +22,7 @@ from inference import backbone as runtime_backbone
 from inference.backbone import HiddenStateTap, backbone_logits, decoder_body, parse_dtype, text_config
 from inference.errors import UserError
 
+from .config import draft_depth
 from .data.masks import attention_mask
 from .data.tokenize import IGNORE
 
@@ -265,6 +266,23 @@ def micro_batch_bytes(hf_config, length: int, batch: int, dtype_bytes: int) -> i
     return batch * (length * per_token + mask)
 
 
+def ttt_unroll_bytes(heads_cfg, hf_config, length: int, batch: int, dtype_bytes: int) -> int:
+    """Memory an eagle3 drafter's training-time test keeps for backward over a ``[batch, length]`` micro-batch
+    (0 for other kinds): per step, the drafter layer's per-token tensors (inputs, q/k/v, attention, SwiGLU,
+    norms) and the fp32 logits + log-softmax of the draft vocabulary; and step j's attention over the
+    j + 1 blocks of keys, values and mask before it, so the unroll grows with the square of the steps."""
+    if str(heads_cfg.kind) != "eagle3":
+        return 0
+    text = text_config(hf_config)
+    hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    inter = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    steps = draft_depth(heads_cfg)
+    draft_vocab = draft_vocabulary(heads_cfg, vocab)[1] or vocab
+    per_step = (18 * hidden + 4 * inter) * dtype_bytes + 2 * draft_vocab * 4
+    per_block = (2 * hidden + length) * dtype_bytes  # a step's keys + values and its mask row, per earlier step
+    return batch * length * (steps * per_step + steps * (steps + 1) // 2 * per_block)
+
+
 def available_memory(device: torch.device) -> tuple[int, str] | None:
     """(bytes free, what) on ``device``: GPU memory free, or RAM available (cgroup limit included)."""
     if device.type == "cuda":
@@ -321,18 +339,25 @@ def check_fits(cfg) -> None:
     if free is None:
         return
     activations = micro_batch_bytes(hf_config, length, batch, dtype_bytes)
+    head_bytes = 4 if enum_value(cfg.trainer.precision) == "fp32" else 2  # what the heads compute in
+    unroll = ttt_unroll_bytes(cfg.heads, hf_config, length, batch, head_bytes)
     try:
         weights = parameter_count(hf_config, cfg.backbone.trust_remote_code) * dtype_bytes
     except Exception:  # an architecture transformers cannot build here: the loader will say so
         weights = 0
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    need = (activations + weights) * max(processes, 1)
+    need = (activations + unroll + weights) * max(processes, 1)
     have, what = free
     if need > have:
-        raise UserError(f"data.max_length={length} x trainer.micro_batch_size={batch} needs about {_gb(need)} "
-                        f"({_gb(activations)} for one micro-batch through the frozen backbone, {_gb(weights)} of "
-                        f"weights{f', x{processes} processes' if processes > 1 else ''}) but only {_gb(have)} of "
-                        f"{what}; lower data.max_length or trainer.micro_batch_size")
+        keys, drafter = ["data.max_length", "trainer.micro_batch_size"], ""
+        if unroll:  # an eagle3 drafter: its unrolled steps are the third factor
+            keys.append("heads.ttt_steps" if cfg.heads.ttt_steps is not None else "heads.num_heads")
+            drafter = f", {_gb(unroll)} for the drafter unrolled over its {draft_depth(cfg.heads)} TTT steps"
+        sizes = " x ".join(f"{k}={v}" for k, v in zip(keys, (length, batch, draft_depth(cfg.heads))))
+        per_process = f", x{processes} processes" if processes > 1 else ""
+        raise UserError(f"{sizes} needs about {_gb(need)} ({_gb(activations)} for one micro-batch through the frozen "
+                        f"backbone{drafter}, {_gb(weights)} of weights{per_process}) but only {_gb(have)} of {what}; "
+                        f"lower {', '.join(keys[:-1])} or {keys[-1]}")
 
 
 # -- head families that read more of the backbone than its last layer (eagle3) --------------------------------
@@ -356,19 +381,20 @@ def family_fields(heads_cfg, hf_config) -> dict:
     the backbone's config), ``{}`` for other kinds; one line if the backbone cannot host the family."""
     if str(heads_cfg.kind) != "eagle3":
         return {}
-    from inference.heads.eagle3 import default_aux_layers, draft_layer_config
+    from inference.heads.eagle3 import default_aux_layers, draft_layer_config, refuse_repeated_aux_layers
 
     layer = draft_layer_config(text_config(hf_config))
     n = layer["target_layers"]
-    if heads_cfg.aux_layers is None and n < 2:  # hidden state 0 is the embeddings, which the engines cannot tap
-        raise UserError(f"eagle3 drafters read layers 1..N-1 of their backbone by default; this one has {n} layer(s): "
-                        "give heads.aux_layers, or use heads.kind=hydra or medusa")
+    # default_aux_layers refuses a target too shallow for three distinct servable layers (fewer than 4)
     aux = list(heads_cfg.aux_layers) if heads_cfg.aux_layers is not None else default_aux_layers(n)
     bad = [i for i in aux if not 0 <= int(i) < n]
     if bad:
         raise UserError(f"heads.aux_layers {bad} are out of range: the backbone has hidden states 0..{n - 1} "
                         f"(0 = embeddings, i = layer i's input; {n} layers)")
-    return {"aux_layers": [int(i) for i in aux], "draft_layer": layer}
+    refuse_repeated_aux_layers(aux, "heads.aux_layers")
+    # Ascending, the order vLLM and SGLang capture them (walking the layers): a fresh fc learns its columns
+    # in that order, so the spec, the features cache and the export all say the layers actually read.
+    return {"aux_layers": sorted(int(i) for i in aux), "draft_layer": layer}
 
 
 def check_family(cfg) -> None:

@@ -34,6 +34,12 @@ where and at which precision the same maths runs -- ``trainer.zero_stage`` and `
 (same function, another kernel), ``backbone.trust_remote_code``, ``features.cache_dir`` (a location),
 ``lora.merge`` (what is written after training), and ``task`` / ``distill.*`` (not training).
 
+A key written out with the value the run already resolved is no change (``resolved_settings``):
+``heads.aux_layers`` equal to the layers the default picked (in any order: they are read ascending),
+``heads.ttt_steps`` equal to ``num_heads``, ``heads.draft_vocab_size`` equal to the truncated
+vocabulary, ``heads.loss_weights`` equal to decay^k, ``heads.inner_dim`` equal to the backbone's
+width, and the reverse (a run that spelled them out resumed without them).
+
 *Unsafe* (refused): everything else, and any key added later until it is listed as safe (against a
 checkpoint from before the key existed: set away from its default). In
 particular whatever changes the heads' shapes (``heads.*``: number, layers, projection,
@@ -47,16 +53,23 @@ take effect).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Optional
+from types import SimpleNamespace
+from typing import Callable, Optional
 
 import torch
+from omegaconf import OmegaConf
 
+from inference.backbone import text_config
 from inference.errors import UserError
+from .backbone import backbone_config, draft_vocabulary, family_fields
+from .config import HeadsConfig, RecipeConfig, draft_depth, loss_weights
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
@@ -153,10 +166,6 @@ def unsafe_changes(saved: dict, new: dict, defaults: Optional[dict] = None) -> l
 
 def schema_defaults() -> dict:
     """Every configuration key's default (flat), from the recipe schema."""
-    import dataclasses
-
-    from .config import RecipeConfig
-
     return flatten(_norm(dataclasses.asdict(RecipeConfig())))
 
 
@@ -164,10 +173,13 @@ def _norm(v):
     return json.loads(json.dumps(v, default=str))  # tuples -> lists, enums -> str: compare what was saved
 
 
-def check_resume_config(path: Path, state: dict, config: dict, effective_batch: int) -> None:
+def check_resume_config(path: Path, state: dict, config: dict, effective_batch: int,
+                        resolve: Optional[Callable[[dict], dict]] = None) -> None:
     """Refuse (one line naming the keys) to resume checkpoint ``path`` under a configuration that
     differs from its own in a key that is not safe to change (module docstring). ``config`` is the
-    new run's resolved configuration (nested), ``state`` the checkpoint's trainer state."""
+    new run's resolved configuration (nested), ``state`` the checkpoint's trainer state; ``resolve``
+    (``resolved_settings`` bound to the backbone) maps a configuration to the values its automatic keys
+    took, so a key written out with the value the run resolved is the same run."""
     if not config:  # nothing to compare with (a configuration that is not a config tree)
         return
     saved = state.get("config")
@@ -183,6 +195,8 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
         saved = flatten(saved)
         defaults = schema_defaults()
         diff = unsafe_changes(saved, new, defaults)
+        if diff and resolve is not None:
+            diff = _unresolved(diff, state["config"], config, resolve)
         saved = {**{k: defaults[k] for k in diff if k not in saved and k in defaults}, **saved}
     if "global_batch_size" in state and int(state["global_batch_size"]) != int(effective_batch):
         diff.append(EFFECTIVE_BATCH)
@@ -193,6 +207,57 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
         raise UserError(f"cannot resume {path}: it was trained with a different configuration: {shown}{more}; "
                         "these change what is trained, so use a new output_dir (or trainer.resume=never to "
                         "start over here), or rerun with the checkpoint's values")
+
+
+def _unresolved(diff: list[str], saved: dict, new: dict, resolve: Callable[[dict], dict]) -> list[str]:
+    """The keys of ``diff`` that still differ once both configurations' automatic values are resolved
+    (``heads.aux_layers=null`` and the layers that default picks are the same drafter)."""
+    try:
+        before, after = resolve(saved), resolve(new)
+    except UserError:  # the saved configuration does not resolve on this backbone: compare as written
+        return diff
+    return [k for k in diff if not (k in before and k in after and _norm(before[k]) == _norm(after[k]))]
+
+
+def resolved_settings(config: dict, hf_config) -> dict:
+    """The values the automatic heads keys of a configuration (nested, as saved) take on the backbone
+    ``hf_config`` describes, flat: the loss weights (decay^k), the mlp_speculator width (0 = the
+    backbone's) and eagle3's aux layers (default, ascending), TTT steps and draft vocabulary."""
+    h = SimpleNamespace(**{**dataclasses.asdict(HeadsConfig()), **(config.get("heads") or {})})
+    text = text_config(hf_config)
+    out = {"heads.loss_weights": loss_weights(h), "heads.inner_dim": h.inner_dim or text.hidden_size}
+    if str(h.kind) == "eagle3":
+        vocab = int(text.vocab_size)
+        out["heads.aux_layers"] = family_fields(h, hf_config)["aux_layers"]
+        out["heads.ttt_steps"] = draft_depth(h)
+        out["heads.draft_vocab_size"] = draft_vocabulary(h, vocab)[1] or vocab
+    return out
+
+
+def config_dict(cfg) -> dict:
+    """The resolved configuration as plain JSON-able data (enums as their names): what a checkpoint keeps."""
+    if OmegaConf.is_config(cfg):
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    if dataclasses.is_dataclass(cfg):
+        return json.loads(json.dumps(dataclasses.asdict(cfg), default=lambda v: getattr(v, "value", str(v))))
+    return {}
+
+
+def resume_point(cfg, effective_batch: int) -> tuple[Optional[Path], Optional[dict]]:
+    """(checkpoint, its trainer state) that run ``cfg`` resumes, or (None, None) to start fresh; refused in
+    one line, before any weight or data loads, when it was trained under another configuration."""
+    path = find_resume(Path(cfg.output_dir), cfg.trainer.resume)
+    if path is None:
+        return None, None
+    state = read_state(path)
+
+    @functools.cache
+    def hf_config():  # read only when a differing key may be an automatic one written out
+        return backbone_config(cfg.backbone)
+
+    check_resume_config(path, state, config_dict(cfg), effective_batch,
+                        lambda config: resolved_settings(config, hf_config()))
+    return path, state
 
 
 def _short(v) -> str:

@@ -19,10 +19,14 @@ heavy imports happen only once a recipe runs, so ``--help`` is instant.
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib import resources
+from pathlib import Path
 
 from inference.cli_support import config_error_line, enum_value, fail
+from inference.errors import UserError
+from .config import check_data_source, derived_batch, launch_world_size, register_configs, validate
 
 RECIPE_PACKAGE = "recipes"
 
@@ -117,8 +121,6 @@ def backbone_overrides(overrides: list[str]) -> list[str]:
 
 
 def _task(cfg) -> None:
-    from inference.errors import UserError
-
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
@@ -130,7 +132,9 @@ def _task(cfg) -> None:
             with open_dict(cfg):
                 cfg.output_dir = hc.runtime.output_dir
         if not _PRECHECKED:  # runs with Hydra flags (sweeps) are checked here, per job
+            validate(cfg)
             preflight(cfg)
+        write_run_record(cfg)
         run(cfg)
     except UserError as e:
         _fail(str(e))
@@ -153,23 +157,90 @@ _PRECHECKED = False
 
 def preflight(cfg) -> None:
     """What a run needs from disk, checked before any weight or data loads: a readable local data source,
-    and a ``data.max_length`` the backbone has positions (and this machine memory) for."""
+    a ``data.max_length`` the backbone has positions (and this machine memory) for, and for a training of
+    heads: a truncated vocabulary the backbone has tokens for, a device for the precision, and a checkpoint
+    to resume that was trained under this configuration."""
     from .backbone import check_family, check_fits
-    from .config import check_data_source
 
     check_data_source(cfg.data.source)
     check_fits(cfg)
     check_family(cfg)
+    if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
+        check_draft_vocabulary(cfg)
+        check_precision_device(cfg.trainer)
+        check_resume(cfg)
+
+
+def check_draft_vocabulary(cfg) -> None:
+    """Refuse a truncated vocabulary larger than the backbone's, from its config alone."""
+    from inference.backbone import text_config
+
+    from .backbone import backbone_config, draft_vocabulary
+
+    vocab = int(text_config(backbone_config(cfg.backbone)).vocab_size)
+    _, size = draft_vocabulary(cfg.heads, vocab)  # refuses heads.draft_vocab_size beyond it itself
+    if size is not None and size > vocab:
+        raise UserError(f"heads.truncated_vocab_size={size} exceeds the backbone vocabulary ({vocab}); use at most "
+                        f"{vocab} (or heads.projection=own for all of it)")
+
+
+def check_precision_device(trainer) -> None:
+    """fp16 trains only on a GPU (DeepSpeed's loss scaling); refused before anything loads."""
+    from .distributed import resolve_device
+
+    if enum_value(trainer.precision) == "fp16" and resolve_device(trainer.device).type != "cuda":
+        raise UserError("trainer.precision=fp16 needs a GPU; on CPU use fp32 (or bf16)")
+
+
+def check_resume(cfg) -> None:
+    """The checkpoint ``trainer.resume`` names (or ``auto`` finds) exists and was trained under this configuration
+    (``checkpoint.resume_point``): refused here, before the run's record is written over."""
+    from .checkpoint import resume_point
+
+    resume_point(cfg, derived_batch(cfg.trainer, launch_world_size()).global_batch_size)
+
+
+def create_output_dir(output_dir) -> None:
+    """Create the accepted run's folder (what Hydra would do next), or say in one line why it cannot be
+    (``config.check_output_dir`` cannot tell from permissions alone: root may write /proc, the kernel refuses)."""
+    try:
+        Path(str(output_dir)).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"output_dir={output_dir} cannot be created: {e.strerror or e}")
+
+
+RECORD_DIR = ".hydra"
+
+
+def write_run_record(cfg) -> None:
+    """Hydra's record of the run, ``<output_dir>/.hydra/{config,hydra,overrides}.yaml``, written here once the
+    configuration is accepted: the recipes set ``hydra.output_subdir: null`` because Hydra writes it before
+    the app runs, so a refused command left one behind, and a refused resume overwrote the run's own record
+    with the settings it refused. Each file is replaced atomically and only when its text changes: an idle
+    rerun touches nothing; an accepted resume records what it changed (safe keys only, e.g. trainer.max_steps)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # one writer per run
+        return
+    hydra_cfg = HydraConfig.instance().cfg
+    record = {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
+              "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task)}
+    folder = Path(str(cfg.output_dir)) / RECORD_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in record.items():
+        path = folder / name
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            continue
+        tmp = folder / f".{name}.tmp-{os.getpid()}"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def _precheck(recipe: str, overrides: list[str]) -> None:
     """Compose and validate the config, and check that the backbone can take (and this machine hold)
     ``data.max_length`` from its config alone; one error line for a bad key, type, value or size."""
     global _PRECHECKED
-    from inference.errors import UserError
-
-    from .config import validate
-
     try:
         cfg = compose_recipe(recipe, overrides)
     except Exception as e:  # Hydra / OmegaConf composition errors
@@ -179,6 +250,7 @@ def _precheck(recipe: str, overrides: list[str]) -> None:
         preflight(cfg)
     except UserError as e:
         _fail(str(e))
+    create_output_dir(cfg.output_dir)  # accepted: now the folder may be made (Hydra would, with a traceback)
     _PRECHECKED = True
 
 
@@ -198,8 +270,6 @@ def main(argv: list[str] | None = None) -> None:
         _precheck(recipe, backbone_overrides(overrides))  # plain overrides: fail fast, in one line, before Hydra runs
     import hydra
 
-    from .config import register_configs
-
     register_configs()
     sys.argv = [f"medusa-train {recipe}", *rest]
     hydra.main(version_base=None, config_path=f"pkg://{RECIPE_PACKAGE}", config_name=recipe)(_task)()
@@ -210,8 +280,6 @@ def compose_recipe(recipe: str, overrides: list[str] | None = None):
     """The composed, type-checked config of a recipe, without running it (tests, tooling)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
-
-    from .config import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()

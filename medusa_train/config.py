@@ -7,6 +7,7 @@ others (world size, accumulation, global batch) are computed in ``derived_batch`
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
@@ -284,6 +285,8 @@ def validate(cfg) -> None:
         (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto|cpu|cuda, got {t.device!r}"),
         (h.num_heads >= 1, f"heads.num_heads must be >= 1, got {h.num_heads}"),
         (h.num_layers >= 0, f"heads.num_layers must be >= 0, got {h.num_layers}"),
+        (h.truncated_vocab_size >= 1 or not _uses_truncated_vocab(h),
+         f"heads.truncated_vocab_size must be >= 1, got {h.truncated_vocab_size}"),
         (h.inner_dim >= 0, f"heads.inner_dim must be >= 0 (0 = backbone width), got {h.inner_dim}"),
         (kind in KINDS, f"heads.kind must be one of {list(KINDS)}, got {kind!r}"),
         (not h.tie_weights or (kind == "mlp_speculator" and h.num_heads >= 2),
@@ -311,11 +314,22 @@ def validate(cfg) -> None:
             raise UserError(msg)
     _validate_eagle3(cfg)
     loss_weights(h)
+    derived_batch(t, launch_world_size())
     _validate_optim(cfg.optim)
     _validate_backbone(cfg.backbone)
     check_output_dir(cfg.output_dir)
     _validate_distill_and_features(cfg)
     _validate_lora(cfg)
+
+
+def _uses_truncated_vocab(h) -> bool:
+    """Whether ``heads.truncated_vocab_size`` sizes the heads (eagle3's ``draft_vocab_size`` wins over it)."""
+    return enum_value(h.projection) == "truncated" and not (str(h.kind) == "eagle3" and h.draft_vocab_size is not None)
+
+
+def launch_world_size() -> int:
+    """The processes a launcher started (``WORLD_SIZE``; 1 without one): what ``derived_batch`` divides by."""
+    return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
 
 
 def _validate_optim(o) -> None:
@@ -397,13 +411,21 @@ def _validate_eagle3(cfg) -> None:
             raise UserError(f"heads.{key} is an eagle3 setting; set heads.kind=eagle3 or remove it")
     if not eagle:
         return
-    if h.ttt_steps is not None and h.ttt_steps < 1:
-        raise UserError(f"heads.ttt_steps must be >= 1, got {h.ttt_steps}")
+    depth_key = "heads.ttt_steps" if h.ttt_steps is not None else "heads.num_heads"
+    if not 1 <= draft_depth(h) <= MAX_TTT_STEPS:
+        # Training unrolls the drafter once per step and keeps every step's activations for backward:
+        # memory grows with the square of the steps (each attends to the chain before it).
+        raise UserError(f"{depth_key} must be in 1..{MAX_TTT_STEPS} for heads.kind=eagle3 (the training-time-test "
+                        f"steps unrolled per batch; SpecForge unrolls 7), got {draft_depth(h)}")
     if h.draft_vocab_size is not None and h.draft_vocab_size < 1:
         raise UserError(f"heads.draft_vocab_size must be >= 1, got {h.draft_vocab_size}")
     if h.aux_layers is not None and len(h.aux_layers) != 3:
         raise UserError(f"heads.aux_layers must name 3 backbone layers (vLLM and SGLang read three), "
                         f"got {list(h.aux_layers)}")
+    if h.aux_layers is not None and len(set(h.aux_layers)) != len(h.aux_layers):
+        # vLLM and SGLang capture each listed layer once: fc would get 2H at serve time and fail.
+        raise UserError(f"heads.aux_layers names a layer more than once ({list(h.aux_layers)}): vLLM and SGLang "
+                        "capture each layer once, so name three distinct layers")
     if enum_value(h.projection) == "shared":
         raise UserError("heads.kind=eagle3 has its own lm_head: use heads.projection=own or truncated "
                         "(or heads.draft_vocab_size)")
@@ -411,6 +433,9 @@ def _validate_eagle3(cfg) -> None:
         raise UserError(f"heads.kind=eagle3 has one decoder layer: heads.num_layers must be 1, got {h.num_layers}")
     if cfg.lora.enabled:
         raise UserError("heads.kind=eagle3 trains on the frozen backbone: set lora.enabled=false")
+
+
+MAX_TTT_STEPS = 32  # eagle3 draft steps unrolled in training (heads.ttt_steps); engines draft 3-8
 
 
 def draft_depth(h) -> int:

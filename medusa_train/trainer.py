@@ -29,8 +29,6 @@ final hidden state, not the backbone's 49k-vocabulary logits).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import signal
 import time
@@ -76,19 +74,14 @@ class MedusaTrainer:
         self.is_main = proc.is_main
         self.plan = derived_batch(t, self.world_size)
         self.compute_dtype = parse_dtype(precision)  # what the heads are fed
-        self.run_config = _config_dict(cfg)
+        self.run_config = checkpoint.config_dict(cfg)
 
         # Before any weights (backbone or checkpoint) or data are touched: is there a checkpoint to
         # resume, was it trained under this configuration, and is that run already complete?
-        self.resume_from = checkpoint.find_resume(self.output_dir, t.resume)
-        resume_state = None
-        if self.resume_from is not None:
-            resume_state = checkpoint.read_state(self.resume_from)
-            checkpoint.check_resume_config(self.resume_from, resume_state, self.run_config,
-                                           self.plan.global_batch_size)
-            if self._already_exported(resume_state):
-                self.step = int(resume_state["step"])
-                return
+        self.resume_from, resume_state = checkpoint.resume_point(cfg, self.plan.global_batch_size)
+        if resume_state is not None and self._already_exported(resume_state):
+            self.step = int(resume_state["step"])
+            return
 
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed, run_dir=self.output_dir,
                                       write=self.is_main)  # a random backbone is kept in <output_dir>/backbone
@@ -110,16 +103,10 @@ class MedusaTrainer:
             if self.is_main:
                 print(f"[medusa-train] resumed from {self.resume_from} at step {state['step']}", flush=True)
         self.step = state["step"]
-        data_state = state["data"]
-        per_rank = state.get("data_per_rank")
-        if per_rank and len(per_rank) == self.world_size:
-            data_state = per_rank[self.rank]
-        elif per_rank and self.is_main:
-            print(f"[medusa-train] resuming with {self.world_size} processes instead of {len(per_rank)}: each rank "
-                  "restarts its data shard at the saved epoch position of rank 0", flush=True)
-        self.batches = self.source.batches(**data_state)
+        self.batches = self.source.batches(**self._rank_data_state(state))
         self.eval_set = self.source.eval_batches()
         self.data_state = self.batches.state()  # position after the last *completed* optimizer step
+        self.batch_counts = self.source.stats.batch_counts()  # the padding fraction's counters at that step
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.tracker = Tracker(self.output_dir, cfg.logger, self.run_config, t.max_steps, self.step,
                                enabled=self.is_main, progress=t.progress_bar)
@@ -133,6 +120,20 @@ class MedusaTrainer:
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+
+    def _rank_data_state(self, state: dict) -> dict:
+        """This rank's data position in checkpoint ``state`` (its own, or rank 0's under another world size),
+        and the batch counters behind the logged padding fraction restored with it."""
+        data_state, counts = state["data"], state.get("batch_counts_per_rank")
+        per_rank = state.get("data_per_rank")
+        if per_rank and len(per_rank) == self.world_size:
+            data_state = per_rank[self.rank]
+        elif per_rank and self.is_main:
+            print(f"[medusa-train] resuming with {self.world_size} processes instead of {len(per_rank)}: each rank "
+                  "restarts its data shard at the saved epoch position of rank 0", flush=True)
+        if counts:  # checkpoints written before the counters were saved: they restart (as they did)
+            self.source.stats.restore_batch_counts(counts[self.rank] if len(counts) == self.world_size else counts[0])
+        return data_state
 
     def _already_exported(self, state: dict) -> bool:
         """True (and ``self.finished`` set) when checkpoint ``state`` reached ``trainer.max_steps`` and its
@@ -243,6 +244,7 @@ class MedusaTrainer:
                 grad_norm = float(norm) if norm is not None else float("nan")
             self.step += 1
             self.data_state = self.batches.state()
+            self.batch_counts = self.source.stats.batch_counts()
             loss_sum += step_loss
             if self.tracker:
                 self.tracker.advance()
@@ -297,14 +299,18 @@ class MedusaTrainer:
 
     def save_checkpoint(self) -> Path:
         # Each rank reads its own shard, so each has its own data position; an interrupted
-        # step's micro-batches are not counted (the resumed run redoes that step whole).
-        per_rank = [self.data_state]
+        # step's micro-batches are not counted (the resumed run redoes that step whole), in the data
+        # position nor in the padding fraction's counters.
+        mine = (self.data_state, self.batch_counts)
+        per_rank = [mine]
         if self.world_size > 1:
             import torch.distributed as dist
 
             per_rank = [None] * self.world_size
-            dist.all_gather_object(per_rank, self.data_state)
-        state = {"step": self.step, "data": per_rank[0], "data_per_rank": per_rank, "heads": self.spec.to_dict(),
+            dist.all_gather_object(per_rank, mine)
+        data_per_rank = [data for data, _ in per_rank]
+        state = {"step": self.step, "data": data_per_rank[0], "data_per_rank": data_per_rank,
+                 "batch_counts_per_rank": [counts for _, counts in per_rank], "heads": self.spec.to_dict(),
                  "world_size": self.world_size, "global_batch_size": self.plan.global_batch_size,
                  "config": self.run_config}  # compared with the next run's on resume (checkpoint docstring)
         return checkpoint.save(self.engine, self.output_dir, self.step, state, self.cfg.trainer.keep_last, self.rank)
@@ -333,17 +339,6 @@ class MedusaTrainer:
         if self.tracker:
             png = self.tracker.close(self.output_dir / "training_curves.png" if plot else None)
         return png
-
-
-def _config_dict(cfg) -> dict:
-    """The resolved configuration as plain JSON-able data (enums as their names)."""
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(cfg):
-        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    if dataclasses.is_dataclass(cfg):
-        return json.loads(json.dumps(dataclasses.asdict(cfg), default=lambda v: getattr(v, "value", str(v))))
-    return {}
 
 
 def _raise_interrupt(signum, frame):

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                     max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu")
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=320, tie_word_embeddings=True, rope_theta=100000.0,
             max_position_embeddings=512, rms_norm_eps=1e-5, hidden_act="silu")
 

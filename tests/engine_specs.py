@@ -45,6 +45,7 @@ If an engine changes its loader, update the matching function here and the expor
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -516,22 +517,38 @@ def _eagle3_config_problems(cfg: dict, hidden_size: int, vocab_size: int, archs:
     return problems
 
 
+def captured_layers(ids, num_layers: int) -> tuple:
+    """The layers a target captures for ``ids``, in the order fc receives them: both engines' Llama
+    forward walks the layers and appends ``hidden_states + residual`` when ``idx in aux_layers``, so
+    ascending and each layer once whatever order (or repeats) the config lists."""
+    wanted = set(ids)
+    return tuple(idx for idx in range(num_layers) if idx in wanted)
+
+
 def vllm_eagle3_aux_ids(cfg: dict, num_layers: int) -> tuple:
     """gpu_model_runner ``_get_eagle3_aux_layers_from_config``, else the target's
     ``get_eagle3_aux_hidden_state_layers``; llama.py captures the *input* of layer idx, so these are
-    transformers hidden_states ids as they are."""
+    transformers hidden_states ids as they are, captured while walking the layers (``captured_layers``)."""
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return tuple(ids) if ids else (2, num_layers // 2, num_layers - 3)
+    return captured_layers(ids if ids else (2, num_layers // 2, num_layers - 3), num_layers)
 
 
 def sglang_eagle3_aux_ids(cfg: dict, num_layers: int) -> tuple:
     """model_runner reads ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` only;
     ``set_eagle3_layers_to_capture`` adds 1 (its ids name layer outputs); llama.py captures the input
-    of each listed layer. Default (2, N//2, N-3), taken as is."""
+    of each listed layer while walking the layers (``captured_layers``). Default (2, N//2, N-3), taken as is."""
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return tuple(i + 1 for i in ids) if ids is not None else (2, num_layers // 2, num_layers - 3)
+    ids = [i + 1 for i in ids] if ids is not None else (2, num_layers // 2, num_layers - 3)
+    return captured_layers(ids, num_layers)
+
+
+def engine_aux_features(hidden_states, layer_ids) -> torch.Tensor:
+    """What the target hands the drafter: the captured layers' states concatenated in capture order.
+    ``hidden_states``: transformers' tuple (index i = the input of layer i, = vLLM's hidden + residual);
+    ``layer_ids`` from ``vllm_eagle3_aux_ids`` / ``sglang_eagle3_aux_ids``."""
+    return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
 
 
 def vllm_eagle3_load(d: Path, hidden_size: int, vocab_size: int) -> tuple[dict, dict, list[str]]:
@@ -611,13 +628,87 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """get_rope(is_neox_style=True), both engines' Llama default: the two halves rotate together.
-    x [T, heads, D], positions [T]."""
+def _inv_freq(base: float, d: int) -> torch.Tensor:
+    """RotaryEmbedding._compute_inv_freq (both engines)."""
+    return 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+
+
+def _llama3_inv_freq(rope: dict, inv: torch.Tensor) -> torch.Tensor:
+    """Llama3RotaryEmbedding._compute_inv_freq (vLLM llama3_rope.py; SGLang rope_variant.py)."""
+    f, low, high, omax = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], \
+        rope["original_max_position_embeddings"]
+    wave = 2 * math.pi / inv
+    smooth = (omax / wave - low) / (high - low) if low != high else 0
+    return torch.where(wave < omax / high, inv, torch.where(wave > omax / low, inv / f,
+                                                              (1 - smooth) * inv / f + smooth * inv))
+
+
+def _yarn_inv_freq(rope: dict, base: float, d: int) -> tuple[torch.Tensor, float]:
+    """YaRNScalingRotaryEmbedding (vLLM yarn_scaling_rope.py + common.py; SGLang yarn.py): the ramp over
+    original_max_position_embeddings, cos/sin times yarn_get_mscale(factor) * attn_factor (SGLang)."""
+    f, omax = rope["factor"], rope["original_max_position_embeddings"]
+
+    def corr(rot):
+        return (d * math.log(omax / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(corr(rope.get("beta_fast", 32))), 0)
+    high = min(math.ceil(corr(rope.get("beta_slow", 1))), d - 1)
+    high = high + 0.001 if low == high else high
+    pos = base ** (torch.arange(0, d, 2, dtype=torch.float) / d)
+    mask = 1 - torch.clamp((torch.arange(d // 2, dtype=torch.float) - low) / (high - low), 0, 1)
+    mscale = (1.0 if f <= 1 else 0.1 * math.log(f) + 1.0) * rope.get("attn_factor", 1)
+    return (1.0 / (f * pos)) * (1 - mask) + (1.0 / pos) * mask, mscale
+
+
+def _longrope_inv_freq(cfg: dict, rope: dict, base: float, d: int, positions: torch.Tensor, sglang: bool):
+    """Phi3LongRoPEScaledRotaryEmbedding: mscale from max_position / original (short_mscale / long_mscale
+    override it); SGLang takes the long factors when a position of the batch is > original, vLLM at every
+    position once max_model_len > original (restated as always: the case longrope is served for)."""
+    omax, scale = rope["original_max_position_embeddings"], cfg["max_position_embeddings"] / \
+        rope["original_max_position_embeddings"]
+    default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(omax))
+    use_long = bool((positions > omax).any()) if sglang else True
+    factors = torch.tensor(rope["long_factor" if use_long else "short_factor"], dtype=torch.float32)
+    mscale = rope.get("long_mscale" if use_long else "short_mscale") or default
+    return 1.0 / (factors * base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), mscale
+
+
+def engine_rope_cos_sin(cfg: dict, d: int, positions: torch.Tensor, sglang: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos / sin [T, D/2] rows get_rope's cos_sin_cache holds at ``positions`` for a Llama drafter
+    config: vLLM get_rope (rotary_embedding/__init__.py, commit 07b12f1b16d5568eeb29a52fd8c9296a51f478ed;
+    llama3 045d7575, yarn 0cd57848, linear 0f17ee06, dynamic 3cfbaf33, longrope 17d618b0) reads
+    rope_scaling copied into rope_parameters; SGLang get_rope (layers/rotary_embedding/factory.py, commit
+    108c36c008291c3a1ea524342837056c503c5724; rope_variant.py / yarn.py 0b1fd02d) reads config.rope_scaling.
+    Both take rope_theta as the base; linear divides the positions; dynamic fixes one base for the whole
+    cache (max_len = max_position x factor): vLLM 3cfbaf33 base x (max_len / max_position - (factor - 1))^(D/(D-2))
+    = the base itself, SGLang base x (factor x max_len / max_position - (factor - 1))^(D/(D-2))."""
+    base, max_pos = cfg.get("rope_theta", 10000.0), cfg.get("max_position_embeddings", 8192)
+    rope = cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    t, inv, mscale = positions.float(), _inv_freq(base, d), 1.0
+    if kind == "linear":
+        t = t / rope["factor"]
+    elif kind == "dynamic":
+        f = rope["factor"]
+        stretch = (f if sglang else 1.0) * (max_pos * f) / max_pos
+        inv = _inv_freq(base * (stretch - (f - 1)) ** (d / (d - 2)), d)
+    elif kind == "llama3":
+        inv = _llama3_inv_freq(rope, inv)
+    elif kind == "yarn":
+        inv, mscale = _yarn_inv_freq(rope, base, d)
+    elif kind == "longrope":
+        inv, mscale = _longrope_inv_freq(cfg, rope, base, d, positions, sglang)
+    elif kind != "default":
+        raise ValueError(f"Unknown RoPE scaling type {kind}")  # both engines
+    ang = t[:, None] * inv[None]
+    return ang.cos() * mscale, ang.sin() * mscale
+
+
+def _rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """is_neox_style=True, both engines' Llama default: the two halves rotate together.
+    x [T, heads, D], cos / sin [T, D/2]."""
     d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = positions.float()[:, None] * inv[None]                       # [T, D/2]
-    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    cos, sin = cos[:, None], sin[:, None]
     a, b = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
 
@@ -634,19 +725,24 @@ def eagle3_engine_forward(params: dict, cfg: dict, layer: str, embed: torch.Tens
       residual = x + residual; x = mlp(post_attention_layernorm(residual))     (fused add + norm)
       prenorm = x + residual; normed = norm(prenorm)                            (fused add + norm)
     Returns (normed [T, H] for compute_logits, prenorm [T, H] fed to the next step, (k, v))."""
-    eps, theta = cfg.get("rms_norm_eps", 1e-6), cfg.get("rope_theta", 10000.0)
+    eps = cfg.get("rms_norm_eps", 1e-6)
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
     if hidden.shape[-1] != h:
-        hidden = hidden @ params["model.fc.weight"].T
+        fc = params["model.fc.weight"]
+        if hidden.shape[-1] != fc.shape[1]:  # e.g. a layer named twice: captured once, fc gets 2H
+            raise RuntimeError(f"fc expects {fc.shape[1]} features, the target captured {hidden.shape[-1]} "
+                               "(shape error at serve time)")
+        hidden = hidden @ fc.T
     e = _rms(embed[tokens], params[f"{layer}input_layernorm.weight"], eps)
     residual = hidden
     x = torch.cat([e, _rms(hidden, params[f"{layer}hidden_norm.weight"], eps)], -1)
     qkv = x @ params[f"{layer}self_attn.qkv_proj.weight"].T
     q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], -1)
     t = q.shape[0]
-    q = _rope_neox(q.view(t, heads, hd), positions, theta)
-    k = _rope_neox(k.view(t, kv, hd), positions, theta)
+    cos, sin = engine_rope_cos_sin(cfg, hd, positions, sglang=layer == "model.midlayer.")
+    q = _rope_neox(q.view(t, heads, hd), cos, sin)
+    k = _rope_neox(k.view(t, kv, hd), cos, sin)
     v = v.view(t, kv, hd)
     if past is not None:
         k_all, v_all = torch.cat([past[0], k]), torch.cat([past[1], v])

@@ -359,7 +359,7 @@ def test_generate_batch_runs_eagle3_and_refuses_what_batch_one_refuses(models, b
             (lambda: generate_batch(m, prompts[:2], "eagle3", tree="auto"), "chosen by an evaluation"),
             (lambda: generate_batch(m, prompts[:2], "eagle3", sampling=SamplingConfig(mode="sample", draft="sampled")),
              "draft=sampled"),
-            (lambda: generate_batch(m, prompts[:2], "eagle3", topk=200), "more than the drafter's 96 outputs"),
+            (lambda: generate_batch(m, prompts[:2], "eagle3", topk=200), "eagle_topk must be an integer in 1..64"),
             (lambda: generate_batch(medusa, prompts[:2], "eagle3"), "needs EAGLE-3 heads"),
             (lambda: Eagle3BatchDrafter(m, SpeculationSchedule({1: None, 4: None})), "at least one eagle3 setting"),
             (lambda: Eagle3BatchDrafter(m, SpeculationSchedule({1: Eagle3Options(nodes=0), 4: Eagle3Options()})),

@@ -38,7 +38,7 @@ def test_fitted_tree_keeps_given_keys_and_leaves_bad_ones_to_the_options():
     assert fitted_tree(_spec(2, kind="medusa"), None, None, 4) == (8, 4)
     assert fitted_tree(_spec(1), None, 0, 4)[0] == 8
     assert fitted_tree(_spec(1), None, None, "x") == (8, 1)
-    with pytest.raises(UserError, match="eagle_depth must be an integer >= 1"):
+    with pytest.raises(UserError, match="eagle_depth must be an integer in 1..32"):
         options_from_keys("eagle3", SimpleNamespace(eagle_nodes=8, eagle_depth=0, eagle_topk=4))
 
 

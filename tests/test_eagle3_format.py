@@ -21,7 +21,9 @@ from inference.loading import load_heads, read_heads_spec
 from test_formats_cli import run  # in-process medusa-export: (code, stdout, stderr lines)
 from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 
-VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 64, 5, 40
+# 8 layers: the engines' default for a config naming no ids, (2, N//2, N-3) = (2, 4, 5), is three distinct
+# layers (on 5 it is (2, 2, 2), which they cannot serve: refused)
+VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 64, 8, 40
 AUX = [1, 2, 4]
 TOL = 1e-5  # fp32: the same math in another order
 

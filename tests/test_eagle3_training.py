@@ -22,8 +22,9 @@ from medusa_train.losses import future_tokens
 
 from conftest import losses, train_without_backbone
 
+# 4 layers: the fewest with three distinct servable aux layers (debug_tiny's 2 are refused for eagle3)
 RUN = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.save_every=0", "logger.plot=false",
-       "heads.kind=eagle3"]
+       "heads.kind=eagle3", "backbone.random_init.num_hidden_layers=4"]
 
 
 def tiny_llama(layers: int = 6, vocab: int = 90):
@@ -115,13 +116,13 @@ def test_online_and_cached_training_agree_and_one_cache_serves_every_family(comp
     cfg = compose_tiny(*RUN, "features.mode=train", "features.dtype=fp32", out=cached)
     features.run_build(cfg)
     manifest = json.loads((cached / "features" / features.MANIFEST).read_text())
-    assert manifest["aux_layers"] == [1, 1, 1]  # the default (2, N//2, N-3) kept in 1..N-1 on a 2-layer backbone
+    assert manifest["aux_layers"] == [1, 2, 3]  # three distinct layers on a 4-layer backbone ((2, 2, 1) is not)
     trainer = T.MedusaTrainer(cfg)
     trainer.setup()
     train_without_backbone(trainer)
     assert losses(cached, "train") == losses(online, "train")
     spec = trainer.spec
-    assert spec.kind == "eagle3" and spec.aux_layers == [1, 1, 1] and spec.num_heads == 3
+    assert spec.kind == "eagle3" and spec.aux_layers == [1, 2, 3] and spec.num_heads == 3
 
     # the eagle3 cache serves Medusa heads as it is
     medusa = [a for a in RUN if a != "heads.kind=eagle3"]

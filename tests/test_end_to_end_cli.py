@@ -83,7 +83,8 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     run = tmp_path / "runs" / "e3"
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in
                                                       ["Say hello.", "Count to three."]) + "\n")
-    _run("medusa-train", "debug_tiny", "heads.kind=eagle3", "heads.ttt_steps=2", "trainer.max_steps=2",
+    _run("medusa-train", "debug_tiny", "heads.kind=eagle3", "backbone.random_init.num_hidden_layers=4",
+         "heads.ttt_steps=2", "trainer.max_steps=2",
          f"data.source={TINY_DATA}", "trainer.threads=1", "logger.plot=false", "output_dir=runs/e3", cwd=tmp_path)
     spec = json.loads((run / "heads" / "config.json").read_text())
     assert spec["kind"] == "eagle3" and spec["num_heads"] == 2

@@ -138,7 +138,7 @@ class _Tok:
         return dict(self._vocab)
 
 
-@pytest.mark.parametrize("spec, words", [("self:0", "1..2"), ("self:3", "1..2"), ("self:x", "self:N"),
+@pytest.mark.parametrize("spec, words", [("self:0", "N >= 1"), ("self:3", "1..2"), ("self:x", "self:N"),
                                          ("small-vocab", "vocabulary"), ("other-tokenizer", "tokenizer"),
                                          ("other-eos", "eos_token_id")])
 def test_bad_drafts_are_refused_with_one_line(m, spec, words):

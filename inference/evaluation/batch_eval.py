@@ -52,7 +52,7 @@ from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
 from ..runtime.tree import chain_tree, resolve_tree
 from ..runtime.verify import SamplingConfig
-from .evaluate import EAGLE3_TREE_METHODS, machine
+from .evaluate import EAGLE3_TREE_METHODS, check_settings, machine
 from .prompts import Prompt, split_calibration
 from .batch_sizing import choose_chain_schedule, choose_eagle3_schedule, choose_schedule
 from .eagle3_choice_file import schedule_settings
@@ -87,6 +87,17 @@ def check_batchable(methods: Sequence[str], sizes: Sequence[int]) -> None:
         if x != HF and registry.get(x).batch_decoder is None:
             raise UserError(f"method {x} decodes one prompt at a time, so batch_size={given} cannot run it; "
                             f"methods that decode batches: {', '.join(registry.batched_names())}")
+
+
+def check_sizes_measured(sizes: Sequence[int], evaluated: int) -> None:
+    """Refuse, in one line, batch sizes above the number of prompts evaluated: such a batch is only as large as
+    the prompts, so a report under its size (e.g. "speculation stops paying at batch size 10^8") would claim a
+    measurement never made."""
+    over = [b for b in sizes if b > evaluated]
+    if over:
+        prompts = f"{evaluated} prompt{'s' if evaluated != 1 else ''}"
+        raise UserError(f"batch_size {', '.join(map(str, over))} {'exceeds' if len(over) == 1 else 'exceed'} the "
+                        f"{prompts} evaluated: give more prompts (num_prompts=, prompts=) or smaller batch sizes")
 
 
 # -- the tree per batch size ------------------------------------------------------------------
@@ -175,15 +186,17 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
                      tree: Any = "auto", max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
                      calibration_prompts: int = 8, calibration_tokens: int = 48, seed: int = 0,
                      progress: bool = True, log: Callable[[str], None] = print, settings: Optional[dict] = None,
-                     options: Optional[Mapping[str, Any]] = None, rounds: int = 1, chains: str = "auto") -> dict:
+                     options: Optional[Mapping[str, Any]] = None, rounds: int = 1, chains: str = "auto",
+                     calibration: Optional[list[Prompt]] = None) -> dict:
     """Run ``methods`` (+ the plain batched loop, + HF's batched generate in greedy mode) on batches of
-    ``prompts`` at every batch size, interleaved; the report's ``batched`` section (module docstring)."""
+    ``prompts`` at every batch size, interleaved; the report's ``batched`` section (module docstring).
+    ``calibration``: as ``evaluate``'s (None: the last ``calibration_prompts`` of ``prompts`` held out)."""
     if chains not in CHAIN_SIZING:
         raise UserError(f"batch_chains must be one of {', '.join(CHAIN_SIZING)}, got {chains!r}")
     sampling = sampling or SamplingConfig()
     greedy = sampling.is_greedy
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_settings(max_new_tokens=max_new_tokens, calibration_prompts=calibration_prompts,
+                   calibration_tokens=calibration_tokens)
     sizes = parse_batch_sizes([batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes))
     methods = registry.check_methods(list(methods), m)
     measured = list(methods) + [b for b in (PLAIN, HF) if b not in methods and (b == PLAIN or greedy)]
@@ -204,9 +217,11 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     calib_src: list[Prompt] = []
     if (tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree)) or chain_methods \
             or eagle_auto:
-        calib_src, prompts = split_calibration(list(prompts), calibration_prompts)
+        calib_src, prompts = (list(calibration), list(prompts)) if calibration else \
+            split_calibration(list(prompts), calibration_prompts)
     if not prompts:
         raise UserError("no prompts to evaluate")
+    check_sizes_measured(sizes, len(prompts))
     ids = [m.encode_chat(p.turns[0]) for p in prompts]
     calib = [m.encode_chat(p.turns[0]) for p in calib_src]
     schedules: dict[str, SpeculationSchedule] = {}

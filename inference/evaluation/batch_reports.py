@@ -80,3 +80,21 @@ def plot_throughput(out_dir: Path, r: dict) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def print_batched(b: dict) -> None:
+    """One line per batch size: each method's tokens/s and speedup over the plain batched loop."""
+    for size, entry in b["per_batch_size"].items():
+        parts = [f"batch {size:>3}"]
+        for meth, row in entry["per_method"].items():
+            vs = row.get("speedup_vs_autoregressive")
+            parts.append(f"{meth} {row['tokens_per_s']:.1f} tok/s" + (f" ({vs:.2f}x)" if vs is not None else ""))
+        if entry.get("speculation"):
+            parts.append("speculation " + ", ".join(f"{x} {v}" for x, v in entry["speculation"].items()))
+        print(" | ".join(parts))
+    for meth, size in b["speculation_stops_paying"].items():
+        print(f"{meth}: " + (f"speculation stops paying at batch size {size}" if size is not None
+                             else "faster than the plain batched loop at every batch size"))
+    for meth, same in (b.get("greedy_identical") or {}).items():
+        if meth != "hf_generate":
+            print(f"{meth}: every row identical to greedy: {same}")

@@ -129,18 +129,43 @@ def machine() -> dict:
 
 
 # -- the whole evaluation ------------------------------------------------------------------
+def _count(value, low: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def check_settings(*, max_new_tokens: int, turns: str = "first", calibration_prompts: int = 8,
+                   calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS, tree: Any = None) -> None:
+    """Refuse, in one line, evaluation settings that cannot be measured; from the settings alone, so
+    medusa-eval calls it before the backbone loads. No calibration prompt, token or non-empty node budget
+    would leave nothing timed, and a report saying "plain decoding is fastest" all the same."""
+    if not _count(max_new_tokens):
+        raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if turns not in ("first", "both"):
+        raise UserError(f"turns must be first|both, got {turns!r}")
+    for name, value in (("calibration_prompts", calibration_prompts), ("calibration_tokens", calibration_tokens)):
+        if not _count(value):
+            raise UserError(f"{name} must be an integer >= 1, got {value!r}")
+    given = list(budgets) if isinstance(budgets, Sequence) and not isinstance(budgets, str) else None
+    if not given or not all(_count(b) for b in given):
+        raise UserError(f"tree_budgets must be a non-empty list of node counts >= 1 (root excluded), got {budgets!r}")
+    calibrated_choice(tree)   # tree=calibrated:N with a bad N
+
+
 def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = DEFAULT_METHODS, tree="auto",
              max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, turns: str = "first",
              calibration_prompts: int = 8, calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS,
              seed: int = 0, progress: bool = True, log: Callable[[str], None] = print,
-             settings: Optional[dict] = None, options: Optional[Mapping[str, Any]] = None) -> dict:
+             settings: Optional[dict] = None, options: Optional[Mapping[str, Any]] = None,
+             calibration: Optional[list[Prompt]] = None) -> dict:
     """Run ``methods`` interleaved on ``prompts`` and summarise them (module docstring).
 
     ``options``: method name -> its options object (defaults for the others); the tree methods'
-    ``tree`` comes from ``tree`` (the choice). ``m.heads`` may be None when no method needs heads."""
+    ``tree`` comes from ``tree`` (the choice). ``m.heads`` may be None when no method needs heads.
+    ``calibration``: the calibration prompts, all of ``prompts`` evaluated (``prompts.select_prompts``);
+    None: the last ``calibration_prompts`` held out (``split_calibration``)."""
     sampling = sampling or SamplingConfig()
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_settings(max_new_tokens=max_new_tokens, turns=turns, calibration_prompts=calibration_prompts,
+                   calibration_tokens=calibration_tokens, budgets=budgets, tree=tree)
     methods = registry.check_methods(methods, m)
     specs = {meth: registry.get(meth) for meth in methods}
     greedy_only = [meth for meth, spec in specs.items() if spec.greedy_only]
@@ -148,14 +173,12 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         raise UserError(f"{greedy_only[0]} is measured in greedy mode only")
     opts = {meth: registry.fitted_options(m, meth, registry.make_options(meth, (options or {}).get(meth)))
             for meth in methods}
-    if turns not in ("first", "both"):
-        raise UserError(f"turns must be first|both, got {turns!r}")
     calib: list[list[int]] = []
     fixed = calibrated_choice(tree)
     with_tree = any(spec.needs_tree for spec in specs.values())
     eagle_auto = [meth for meth in EAGLE3_TREE_METHODS if meth in opts and opts[meth].tree == "auto"]
     if ((tree == "auto" or fixed) and with_tree) or eagle_auto:
-        calib_src, prompts = split_calibration(prompts, calibration_prompts)
+        calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
         calib = [m.encode_chat(p.turns[0]) for p in calib_src]
     if (tree == "auto" or fixed) and with_tree:
         log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")

@@ -61,6 +61,20 @@ def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[
     return prompts[:max(calibration_prompts, 1)], prompts
 
 
+def select_prompts(prompts: list[Prompt], num_prompts: Optional[int], calibration_prompts: int) -> tuple[
+        list[Prompt], list[Prompt]]:
+    """(evaluated prompts, calibration prompts) for an evaluation that calibrates: without ``num_prompts`` as
+    ``split_calibration``; with it, exactly the first ``num_prompts`` evaluated and up to ``calibration_prompts``
+    of those after them held out (none after them: the first evaluated ones calibrate too). Held-out prompts
+    fewer than ``calibration_prompts`` once made the evaluation split them again, evaluating more prompts than
+    asked (num_prompts=1 of 3 evaluated all 3)."""
+    if num_prompts is None:
+        calibration, evaluated = split_calibration(prompts, calibration_prompts)
+        return evaluated, calibration
+    evaluated = prompts[:num_prompts]
+    return evaluated, prompts[num_prompts:][-calibration_prompts:] or evaluated[:calibration_prompts]
+
+
 def _turns(rec) -> list:
     if isinstance(rec, str):
         return [rec]

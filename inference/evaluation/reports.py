@@ -9,10 +9,22 @@ import json
 import os
 from pathlib import Path
 
+from ..errors import UserError
 from .batch_reports import batched_markdown, plot_throughput
 
 
 # -- reports ---------------------------------------------------------------------------------
+def check_report_dir(out_dir: Path) -> None:
+    """Refuse, in one line, a report folder that cannot be written (a file, under a file, in a folder this
+    user cannot write), before the evaluation: ``write_report`` runs only after everything was measured."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"out={out_dir} is a file, not a folder")
+    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"out={out_dir} cannot be created: {existing} is "
+                        f"{'a file' if not existing.is_dir() else 'not writable'}")
+
+
 def write_report(out_dir: Path, report: dict) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "report.json", out_dir / "report.md"]
@@ -25,6 +37,19 @@ def write_report(out_dir: Path, report: dict) -> list[Path]:
     if batched:
         paths.append(plot_throughput(out_dir, report))
     return paths
+
+
+def print_per_method(report: dict) -> None:
+    """One line per method of a one-prompt-at-a-time evaluation: tokens/s, tau, speedups, greedy identity."""
+    for meth, row in report.get("per_method", {}).items():
+        parts = [f"{meth:>14}: {row['tokens_per_s']:8.2f} tok/s", f"tau {row['tau']:.3f}"]
+        if "speedup_vs_autoregressive" in row:
+            parts.append(f"{row['speedup_vs_autoregressive']:.2f}x vs autoregressive")
+        if "speedup_vs_hf_generate" in row:
+            parts.append(f"{row['speedup_vs_hf_generate']:.2f}x vs HF generate")
+        if "greedy_identical_fraction" in row and meth != "autoregressive":
+            parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
+        print(" | ".join(parts))
 
 
 def _fmt(v, spec=".3f", default="-") -> str:

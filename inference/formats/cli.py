@@ -12,8 +12,10 @@ Keys:
   out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true
   materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
                     that need them (tensorrt_llm, medusa_v1, tgi with >1 layer); prints the size cost
-  backbone=NAME     where the lm_head of shared heads is read, and for tgi the attention head size
-                    its launcher needs (config only) (default: the heads' base model)
+  backbone=NAME     the target the heads are checked against before anything is written (its config:
+                    hidden size, vocabulary, fingerprint, EAGLE-3 aux layers), where the lm_head of
+                    shared heads is read, and for tgi the attention head size its launcher needs
+                    (default: the heads' base model, checked when its config can be read)
   base_model=NAME   the base model written into the engine config (default: the heads' own);
                     use a hub id or path the engine can load
   dtype=NAME        keep (default) | float16 | bfloat16 | float32
@@ -50,7 +52,7 @@ def run_export(cfg) -> None:
     import torch
 
     from ..errors import UserError
-    from ..loading import load_heads, spec_with_target
+    from ..loading import export_target, load_heads
     from . import FORMATS
     from .export import ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for, megabytes
 
@@ -70,8 +72,9 @@ def run_export(cfg) -> None:
     with warnings.catch_warnings(record=True) as caught:  # one line each, not Python's two-line warnings
         warnings.simplefilter("always", FormatWarning)
         # The native loader's errors for a dir that is no heads at all, then the registry's for a
-        # kind this format has no exporter for, before anything is loaded.
-        first, target = spec_with_target(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
+        # kind this format has no exporter for, before anything is loaded; the target's config (from
+        # backbone= or the heads' own base model) so heads made for another target are refused.
+        first, target = export_target(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
         exporter_for(cfg.format, first.kind)
         # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
         # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
@@ -83,7 +86,7 @@ def run_export(cfg) -> None:
         print(f"medusa-export: warning: {message}", file=sys.stderr)
     spec = heads.spec
 
-    loaded = {}
+    loaded = {} if target is None else {"config": target}
 
     def backbone_lm_head():
         if "w" not in loaded:

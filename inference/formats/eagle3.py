@@ -33,22 +33,31 @@ runs their forward on an export):
     the TTT depth, the target's layer count and fingerprint, so an export re-imports as the same spec.
 
 The importer reads that layout as SpecForge, the EAGLE repo and vLLM / SGLang users publish it
-(``model.safetensors`` or ``pytorch_model.bin`` with ``torch.load(weights_only=True)``), refusing in one
-line what our drafter does not compute (``norm_before_residual: true``, more layers, biases, scaled
-RoPE, a draft width other than the target's) and, with a backbone, a target it was not made for.
+(``model.safetensors`` or ``pytorch_model.bin`` with ``torch.load(weights_only=True)``; the EAGLE
+repository's trainer names the architecture ``LlamaForCausalLM``, which vLLM renames for method eagle3,
+so a one-layer config holding ``fc.weight`` and ``midlayer.*`` is read as one), with its aux ids
+ascending as both engines capture them (no permutation: fc runs as they run it), refusing in one
+line what our drafter does not compute (``norm_before_residual: true``, more layers, biases, a RoPE
+scaling the engines would rotate otherwise than it (``heads/rope.py``), a draft width other than the
+target's) and, with a backbone, a target it was not made for. ``rope_scaling`` (llama3, linear, yarn,
+longrope) is written and read as vLLM's and SGLang's ``get_rope`` read it (``heads/rope.py``).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..errors import IncompatibleHeadsError, NeedsBackboneConfig, UserError
-from ..heads.eagle3 import NUM_AUX, default_aux_layers
+from ..heads.eagle3 import (NUM_AUX, ascending_fc, engine_default_aux_layers, refuse_repeated_aux_layers,
+                            repeated_aux_layers)
 from ..heads.native import load_state_checked
+from ..heads.rope import engine_rope_scaling, export_rope_scaling
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
 from .export import ExportOptions, ExportPlan, FormatWarning, refuse_unless_kind, register_exporter
@@ -57,6 +66,8 @@ from .reference import load_pickle_weights
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # vLLM's registry maps both to its EAGLE-3 Llama
+# What the EAGLE repository's trainer (eagle/traineagle3) writes: vLLM prefixes "Eagle3" for method eagle3.
+EAGLE_REPO_ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS, PICKLE = "model.safetensors", "pytorch_model.bin"
 META = "medusa_train"
 # Foreign checkpoints do not say how many steps they were unrolled in training; SpecForge's default.
@@ -78,8 +89,11 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     if 0 in spec.aux_layers:
         raise UserError(f"aux layer 0 (the embeddings) cannot be served: vLLM and SGLang capture hidden_states + "
                         f"residual before each layer and residual is None before layer 0 (aux {spec.aux_layers})")
+    refuse_repeated_aux_layers(spec.aux_layers, "this drafter")
+    aux = sorted(spec.aux_layers)  # the engines capture ascending: fc's blocks follow (ascending_fc)
     state = heads.state_dict()
     tensors = {name: state[name].detach() for name in LAYER_WEIGHTS}
+    tensors["fc.weight"] = ascending_fc(tensors["fc.weight"], spec.aux_layers)
     lm_head = state["lm_head.weight"].detach().cpu()
     if spec.projection == "truncated":
         # Sorted by target id, as SpecForge writes d2t (offsets >= 0); the rows move with their ids.
@@ -105,6 +119,7 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         "hidden_act": layer["hidden_act"],
         "rms_norm_eps": layer["rms_norm_eps"],
         "rope_theta": layer["rope_theta"],
+        **export_rope_scaling(layer),  # rope_scaling as vLLM's and SGLang's get_rope read it (heads/rope.py)
         "max_position_embeddings": layer["max_position_embeddings"],
         "attention_bias": False,
         "mlp_bias": False,
@@ -112,8 +127,8 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         "draft_vocab_size": spec.output_size,
         "tie_word_embeddings": False,
         "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in spec.aux_layers],
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],
                          "use_aux_hidden_state": True},
         "torch_dtype": str(dtype).removeprefix("torch."),
         "base_model_name_or_path": base,
@@ -141,33 +156,81 @@ def _raw_config(d: Path) -> dict | None:
 
 
 def is_eagle3_dir(d: Path) -> bool:
-    """By the config alone, so a dir without weights gets this layout's error, not the native one's."""
+    """By the config alone, so a dir without weights gets this layout's error, not the native one's; the
+    EAGLE repository's own layout (``LlamaForCausalLM``, which vLLM renames to its EAGLE-3 class) by its
+    one-layer config with a ``draft_vocab_size`` (which its trainer requires) or the drafter's weight names,
+    so a one-layer Llama target is not taken for one."""
     raw = _raw_config(d)
     archs = raw.get("architectures") if raw else None
-    return isinstance(archs, list) and any(a in ARCHITECTURES for a in archs)
+    if not isinstance(archs, list):
+        return False
+    if any(a in ARCHITECTURES for a in archs):
+        return True
+    return EAGLE_REPO_ARCHITECTURE in archs and raw.get("num_hidden_layers") == 1 and \
+        ("draft_vocab_size" in raw or _holds_drafter_weights(d))  # no target config has draft_vocab_size
+
+
+def _holds_drafter_weights(d: Path) -> bool:
+    """Whether the dir's weights are an EAGLE-3 drafter's (``fc.weight`` and ``midlayer.*``): the names
+    only (a safetensors header; a ``.bin`` memory-mapped, ``weights_only``)."""
+    names: list[str] = []
+    try:
+        if (d / WEIGHTS).is_file():
+            with safe_open(str(d / WEIGHTS), framework="pt") as f:
+                names = list(f.keys())
+        elif (d / PICKLE).is_file():
+            obj = torch.load(d / PICKLE, map_location="cpu", weights_only=True, mmap=True)
+            names = [str(k) for k in obj] if isinstance(obj, dict) else []
+    except (OSError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, pickle.UnpicklingError,
+            SafetensorError):
+        # an unreadable file is not this layout's to claim; the loader that does claim it says why
+        return False
+    names = [n.removeprefix("model.") for n in names]
+    return "fc.weight" in names and any(n.startswith("midlayer.") for n in names)
 
 
 def _aux_ids(d: Path, raw: dict) -> list[int] | None:
-    """Our (transformers hidden_states) ids: vLLM's top-level key as is, else SGLang's eagle_config + 1."""
+    """Our (transformers hidden_states) ids as the engines capture them: vLLM's top-level key as is, else
+    SGLang's eagle_config + 1; ascending, since both collect the listed layers while walking the target's
+    layers and feed fc in that order whatever order the config lists them in."""
+    where = d / "config.json"
     top = raw.get("eagle_aux_hidden_state_layer_ids") or None
     eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     sglang = eagle.get("eagle_aux_hidden_state_layer_ids") or None
-    sglang = [int(i) + 1 for i in sglang] if sglang else None
+    try:
+        top = [int(i) for i in top] if top is not None else None
+        sglang = [int(i) + 1 for i in sglang] if sglang is not None else None
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of integers") from None
     if top is not None:
-        top = [int(i) for i in top]
-        if sglang is not None and sglang != top:
-            warnings.warn(f"{d / 'config.json'}: vLLM captures hidden states {top} (top-level ids), SGLang {sglang} "
-                          f"(eagle_config ids + 1): using vLLM's", FormatWarning, stacklevel=4)
+        if sglang is not None and sorted(sglang) != sorted(top):
+            warnings.warn(f"{where}: vLLM captures hidden states {sorted(top)} (top-level ids), SGLang "
+                          f"{sorted(sglang)} (eagle_config ids + 1): using vLLM's", FormatWarning, stacklevel=4)
         ids = top
     elif sglang is not None:
-        warnings.warn(f"{d / 'config.json'} names its aux layers only in eagle_config: read as SGLang does (hidden "
-                      f"states {sglang}); vLLM captures one layer earlier", FormatWarning, stacklevel=4)
+        warnings.warn(f"{where} names its aux layers only in eagle_config: read as SGLang does (hidden "
+                      f"states {sorted(sglang)}); vLLM captures one layer earlier", FormatWarning, stacklevel=4)
         ids = sglang
     else:
         return None
     if len(ids) != NUM_AUX:
-        raise UserError(f"{d / 'config.json'} names {len(ids)} aux layers; EAGLE-3 drafters read {NUM_AUX}")
-    return ids
+        raise UserError(f"{where} names {len(ids)} aux layers; EAGLE-3 drafters read {NUM_AUX}")
+    refuse_repeated_aux_layers(ids, str(where))
+    if ids != sorted(ids):
+        warnings.warn(f"{where} lists aux layers {ids} out of order: vLLM and SGLang capture them ascending "
+                      f"({sorted(ids)}) and feed fc in that order; read as they run it", FormatWarning, stacklevel=4)
+    return sorted(ids)
+
+
+def _target_default_aux(d: Path, layers: int) -> list[int]:
+    """The layers the engines capture for a config that names none, refused in one line when they are
+    not three distinct servable ids of this target (a shallow one: the engines would feed fc 2H)."""
+    ids = engine_default_aux_layers(layers)
+    if repeated_aux_layers(ids) or min(ids) < 1:
+        raise IncompatibleHeadsError(f"{d / 'config.json'} names no aux layer ids, and on a {layers}-layer target "
+                                     f"the engines' default (2, N//2, N-3) = {ids} is not three distinct layers "
+                                     "1..N-1: it was trained for a deeper target")
+    return sorted(ids)
 
 
 def _refusals(d: Path, raw: dict) -> None:
@@ -187,10 +250,7 @@ def _refusals(d: Path, raw: dict) -> None:
             raise UserError(f"{where}: {key}=true; this drafter's linear layers have no bias")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UserError(f"{where}: hidden_act {raw['hidden_act']!r}; this drafter's MLP is SwiGLU (silu)")
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    rope_type = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
-    if rope_type != "default":
-        raise UserError(f"{where}: rope type {rope_type!r}; this drafter implements default RoPE only")
+    engine_rope_scaling(raw, where)  # a rope type or option the engines would rotate differently from the drafter
     target_hidden = raw.get("target_hidden_size")
     if target_hidden is not None and int(target_hidden) != int(raw.get("hidden_size", 0)):
         raise UserError(f"{where}: target_hidden_size {target_hidden} != hidden_size {raw.get('hidden_size')}; this "
@@ -220,7 +280,7 @@ def read_spec(d: Path, backbone_config=None) -> HeadsSpec:
             raise NeedsBackboneConfig(f"{d / 'config.json'} names no aux layer ids (the engines then use the "
                                       "target's layers (2, N//2, N-3)): load it with its backbone (backbone=)",
                                       base_model=str(raw.get("base_model_name_or_path") or ""))
-        aux = default_aux_layers(layers)
+        aux = _target_default_aux(d, layers)
     if backbone_config is not None and not all(0 <= i < layers for i in aux):
         raise IncompatibleHeadsError(f"EAGLE-3 drafter in {d} reads aux layers {aux}, the backbone has hidden states "
                                      f"0..{layers - 1} ({layers} layers): it was trained for another target")
@@ -237,6 +297,9 @@ def read_spec(d: Path, backbone_config=None) -> HeadsSpec:
         "max_position_embeddings": int(raw.get("max_position_embeddings") or 2048),
         "target_layers": layers,
     }
+    rope = engine_rope_scaling(raw, d / "config.json")
+    if rope:  # absent = plain RoPE, as draft_layer_config writes it
+        draft_layer["rope_scaling"] = rope
     # A draft vocabulary as large as the target's is held as a full lm_head (``load`` puts the rows at
     # their ids), so only a smaller one needs the token map.
     truncated = draft_vocab < vocab
@@ -249,7 +312,6 @@ def read_spec(d: Path, backbone_config=None) -> HeadsSpec:
 
 
 def _weights(d: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if (d / WEIGHTS).is_file():

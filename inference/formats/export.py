@@ -139,6 +139,23 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         raise UserError(f"out={out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"out={out} is not empty: pass overwrite=true to replace it")
+    base = out.absolute().parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UserError(f"out={out} cannot be created: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UserError(f"out={out} cannot be created: {base} is not writable")
+
+
+def _writable_temp_dir(out: Path) -> Path:
+    """``out``'s parent created and a temp dir made in it, or one line saying why it cannot be (a
+    folder where the file system refuses new entries, e.g. under /proc, passes ``check_out_dir``)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return make_temp_dir(out)  # clears what writers killed here left first (heads.native.recover_dir)
+    except OSError as e:
+        raise UserError(f"out={out} cannot be created ({e.strerror or e})") from None
 
 
 def write_plan(plan: ExportPlan, out: Path) -> None:
@@ -150,8 +167,7 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
     up first (``heads.native.recover_dir``)."""
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(out)  # clears what writers killed here left first (heads.native.recover_dir)
+    tmp = _writable_temp_dir(out)
     try:
         # metadata format=pt: transformers' and the engines' safetensors readers expect it.
         save_file(plan.tensors, str(tmp / plan.weights_file), metadata={"format": "pt"})

@@ -11,9 +11,12 @@ The drafter (arXiv 2503.01840; the math vLLM's and SGLang's ``llama_eagle3.py`` 
 
 ``a_t^i`` is hidden_states[i] in transformers' numbering (0 = the embeddings, i = the output of
 decoder layer i-1), which is also vLLM's "input of layer i" (``eagle_aux_hidden_state_layer_ids``);
-the EAGLE-3 default is (2, N//2, N-3). e() is the backbone's own frozen input embedding (borrowed,
-not stored). The draft vocabulary is the truncated projection's token map (``token_map[i]`` =
-vocabulary id of draft index i; ``d2t`` in the serving layout) or the whole vocabulary.
+the EAGLE-3 default is (2, N//2, N-3), three distinct ids on shallow targets (``default_aux_layers``).
+The engines capture the listed layers while walking the target's layers, so ascending and each once:
+that is the order fc's column blocks follow here too (``canonicalize``). e() is the backbone's own
+frozen input embedding (borrowed, not stored). The draft vocabulary is the truncated projection's
+token map (``token_map[i]`` = vocabulary id of draft index i; ``d2t`` in the serving layout) or the
+whole vocabulary.
 
 Positions: the drafter entry fed (g_p, x_{p+1}) sits at RoPE position p; depth j of a chain
 started at p sits at p + j, exactly where decoding puts it, so training and decoding agree.
@@ -30,6 +33,7 @@ rebuild without the backbone), ``projection`` own or truncated (the draft vocabu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -41,6 +45,7 @@ from ..attention_backends import decoding_sdpa
 from ..errors import IncompatibleHeadsError, UserError
 from .drafting import ContextDrafting
 from .registry import HeadFamily, register_family
+from .rope import DraftRotary, rope_scaling_of
 from .spec import HeadsSpec
 
 NUM_AUX = 3  # vLLM and SGLang build fc over exactly three target layers
@@ -48,11 +53,51 @@ _LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "interm
                "rms_norm_eps", "rope_theta", "hidden_act", "max_position_embeddings", "target_layers")
 
 
+MIN_TARGET_LAYERS = NUM_AUX + 1  # three distinct servable ids in 1..N-1 (id 0, the embeddings, cannot be tapped)
+
+
+def engine_default_aux_layers(num_layers: int) -> list[int]:
+    """What vLLM and SGLang capture for a drafter whose config names no aux ids: EAGLE-3's low /
+    middle / high layers (2, N//2, N-3), as they compute them (possibly repeated on shallow targets)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high layers: hidden_states (2, N//2, N-3), kept >= 1 on tiny backbones
-    (id 0, the embeddings, cannot be served: the engines tap hidden + residual, None before layer 0)."""
-    top = max(num_layers - 1, 1)
-    return [min(2, top), min(max(num_layers // 2, 1), top), min(max(num_layers - 3, 1), top)]
+    """The ids a new drafter reads: EAGLE-3's (2, N//2, N-3) where they are three distinct servable ids,
+    else three spread over 1..N-1 (targets of 4-6 layers: the engines capture each layer once, so a
+    repeated id would leave fc 2H wide at serve time). Ascending, the order the engines capture them."""
+    if num_layers < MIN_TARGET_LAYERS:
+        raise UserError(f"eagle3 drafters read three distinct layers 1..N-1 of their target (what vLLM and SGLang "
+                        f"can capture); this one has {num_layers} layer(s): use heads.kind=hydra or medusa")
+    eagle = engine_default_aux_layers(num_layers)
+    if len(set(eagle)) == NUM_AUX and min(eagle) >= 1:
+        return sorted(eagle)
+    return [1, num_layers // 2, num_layers - 1]
+
+
+def repeated_aux_layers(aux) -> list[int]:
+    """The ids ``aux`` names more than once (the engines capture each layer once: fc would get 2H)."""
+    ids = [int(i) for i in aux]
+    return sorted({i for i in ids if ids.count(i) > 1})
+
+
+def refuse_repeated_aux_layers(aux, where: str) -> None:
+    """One line for aux ids naming a layer twice: vLLM and SGLang walk the target's layers and capture
+    each listed one once, so fc (3H wide) would receive 2H and fail with a shape error at serve time."""
+    twice = repeated_aux_layers(aux)
+    if twice:
+        raise UserError(f"{where} names aux layer(s) {twice} more than once ({list(aux)}): vLLM and SGLang capture "
+                        f"each layer once, so fc would receive {len(set(aux))} layers instead of {NUM_AUX}; "
+                        "name three distinct layers")
+
+
+def ascending_fc(fc_weight: torch.Tensor, aux) -> torch.Tensor:
+    """fc.weight [H, 3H] with its three column blocks reordered from ``aux``'s order to ascending ids, so
+    fc([a_sorted...]) equals the original fc([a_aux...]): the order vLLM and SGLang feed it (they collect
+    hidden states while walking the layers)."""
+    blocks = fc_weight.chunk(len(aux), dim=1)
+    order = sorted(range(len(aux)), key=lambda j: int(aux[j]))
+    return torch.cat([blocks[j] for j in order], dim=1)
 
 
 def draft_layer_config(backbone_config) -> dict:
@@ -69,11 +114,9 @@ def draft_layer_config(backbone_config) -> dict:
     if act not in ("silu", "swish"):
         raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: it uses {act!r}, the drafter's "
                         "Llama MLP needs silu")
+    # The target's rope scaling (llama3, YaRN, ...), saved with the heads; absent = plain RoPE.
+    scaling = rope_scaling_of(cfg, f"cannot build an EAGLE-3 decoder layer for {name}")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
-    if rope_type != "default":
-        raise UserError(f"cannot build an EAGLE-3 decoder layer for {name}: rope type {rope_type!r} is not "
-                        "supported (default RoPE only)")
     theta = cfg.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
     heads = int(cfg["num_attention_heads"])
     return {
@@ -86,6 +129,7 @@ def draft_layer_config(backbone_config) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": int(cfg.get("max_position_embeddings") or 8192),
         "target_layers": int(cfg["num_hidden_layers"]),
+        **({"rope_scaling": scaling} if scaling else {}),
     }
 
 
@@ -155,14 +199,10 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
-        inv = 1.0 / (layer["rope_theta"] ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rotary = DraftRotary(layer, self.head_dim)  # the target's rope scaling, if any (heads/rope.py)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, D], positions [B, T]."""
-        freqs = positions[:, None, :, None].float() * self.inv_freq.to(x.device)   # [B, 1, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D], cos / sin [B, 1, T, D]."""
         return x * cos + _rotate_half(x) * sin
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
@@ -171,7 +211,8 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        return self.rope(q, positions), self.rope(k, positions), v
+        cos, sin = self.rotary.cos_sin(positions[:, None], x.dtype)  # once for q and k
+        return self.rope(q, cos, sin), self.rope(k, cos, sin), v
 
     def expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
         rep = self.heads // self.kv_heads
@@ -295,6 +336,28 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
             d.lm_head.weight.copy_(w)
         d.attach_backbone(lm_head_weight, input_embeddings)
         return d
+
+    # -- the engines' aux order (ascending, each layer once) ----------------------------------------
+    @staticmethod
+    def canonical_spec(spec: HeadsSpec, where: str) -> HeadsSpec:
+        """``spec`` as it will run once loaded: aux ids ascending (``canonicalize`` permutes fc to match);
+        one line for ids naming a layer twice, which no engine can serve."""
+        refuse_repeated_aux_layers(spec.aux_layers, where)
+        if spec.aux_layers == sorted(spec.aux_layers):
+            return spec
+        return dataclasses.replace(spec, aux_layers=sorted(spec.aux_layers))
+
+    def canonicalize(self, where: str) -> "Eagle3Drafter":
+        """Loaded weights in the engines' order: a drafter trained with aux ids out of order (fc's column
+        blocks in that order) gets fc permuted and its ids sorted, so it computes the same drafts with the
+        layers captured the way vLLM and SGLang capture them (ascending); repeated ids are refused."""
+        aux = list(self.spec.aux_layers)
+        refuse_repeated_aux_layers(aux, where)
+        if aux != sorted(aux):
+            with torch.no_grad():
+                self.fc.weight.copy_(ascending_fc(self.fc.weight, aux))
+            self.spec.aux_layers = sorted(aux)
+        return self
 
     @property
     def needs_lm_head(self) -> bool:

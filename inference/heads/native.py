@@ -172,6 +172,19 @@ def recover_dir(out: str | os.PathLike) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def check_config_object(heads_dir: str | os.PathLike) -> None:
+    """Refuse, in one line, a heads directory whose config.json is valid JSON but not an object (a list, a
+    number): every layout's reader, ours and the importers' detection, looks keys up in it."""
+    f = Path(heads_dir) / CONFIG_FILE
+    try:
+        raw = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        return   # unreadable or not JSON: the layout's own reader says so
+    if not isinstance(raw, dict):
+        raise UserError(f"{f} is not a JSON object (a heads config holds keys such as num_heads), "
+                        f"got {type(raw).__name__}")
+
+
 def read_native_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
     """The spec of a native export, or a one-line ``UserError`` saying why the dir is not one."""
     d = Path(heads_dir)
@@ -188,6 +201,7 @@ def read_native_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
         raw = json.loads((d / CONFIG_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{d / CONFIG_FILE} is not valid JSON ({e})") from None
+    check_config_object(d)
     if raw.get("format_version", 0) > FORMAT_VERSION:
         raise UserError(f"{d} was written by a newer medusa-train (format {raw['format_version']})")
     try:

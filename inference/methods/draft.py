@@ -202,6 +202,8 @@ def parse_self_draft(spec) -> Optional[int]:
         return 0
     if not arg.isdigit():
         raise UserError(f"self-draft must be written self:N (N layers of the backbone), got {spec!r}")
+    if int(arg) < 1:
+        raise UserError(f"a self-draft takes N >= 1 layers of the backbone, got {spec!r}")
     return int(arg)
 
 def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> MedusaModel:

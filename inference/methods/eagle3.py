@@ -59,16 +59,21 @@ from .eagle3_batch import Eagle3BatchDrafter
 from .registry import Costs, Method, heads_costs, option, register
 
 TREE_SETTINGS = ("fixed", "auto")
+# The largest eagle_* settings taken: a step costs D-1 drafter calls over k^2 candidates, then one verification of
+# N + 1 rows, so eagle_depth=100000 is 10^5 calls a step. Far above any setting that pays: EAGLE-2's own default is
+# (59 nodes, depth 6, top-10), SGLang's speculative_num_steps / speculative_eagle_topk / speculative_num_draft_tokens
+# are served in the single digits / ~10 / <= 64, and this runtime's choices stop at (32, 6, 8) (EAGLE3_GRID).
+EAGLE_BOUNDS = {"nodes": (0, 256), "depth": (1, 32), "topk": (1, 64)}
 
 
 @dataclass
 class Eagle3Options:
     # nodes / depth left None are fitted to the drafter when the options meet the model (``fitted``)
-    nodes: Optional[int] = option(None, "eagle_nodes", "N: draft tokens verified per step (root excluded); 0: "
-                                  "plain decoding; unset: fitted to the drafter (at most 8)")
-    depth: Optional[int] = option(None, "eagle_depth", "D: tree depth (D-1 drafter calls per step); unset: the "
-                                  "drafter's trained draft steps (at most 4)")
-    topk: int = option(4, "eagle_topk", "k: children per expanded node, nodes expanded per depth")
+    nodes: Optional[int] = option(None, "eagle_nodes", "N: draft tokens verified per step (root excluded), at most "
+                                  "256; 0: plain decoding; unset: fitted to the drafter (at most 8)")
+    depth: Optional[int] = option(None, "eagle_depth", "D: tree depth (D-1 drafter calls per step), at most 32; "
+                                  "unset: the drafter's trained draft steps (at most 4)")
+    topk: int = option(4, "eagle_topk", "k: children per expanded node, nodes expanded per depth; at most 64")
     min_prob: float = option(0.0, "eagle_min_prob", "p: of the N best drafted nodes, verify only those whose "
                              "draft probability (the product along their path) is at least p; 0: all N")
     tree: str = option("fixed", "eagle_tree", "fixed: eagle_nodes/depth/topk | auto: an evaluation measures "
@@ -78,12 +83,12 @@ class Eagle3Options:
     METHOD: ClassVar[str] = "eagle3"    # the method these options are for (its name in refusals)
 
     def __post_init__(self):
-        for name, low in (("nodes", 0), ("depth", 1), ("topk", 1)):
+        for name, (low, high) in EAGLE_BOUNDS.items():
             v = getattr(self, name)
             if v is None and name != "topk":
                 continue   # fitted to the drafter later
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise UserError(f"eagle_{name} must be an integer >= {low}, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise UserError(f"eagle_{name} must be an integer in {low}..{high}, got {v!r}")
         p = self.min_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise UserError(f"eagle_min_prob must be a probability in [0, 1) (0 verifies all eagle_nodes), got {p!r}")
@@ -144,8 +149,14 @@ class Eagle3Options:
             raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval), from calibration prompts; "
                             "decode with its choice (medusa-generate eagle_tree=<eval dir>/eagle3_tree.json) "
                             "or give eagle_nodes / eagle_depth / eagle_topk")
-        if self.topk > m.heads.spec.output_size:
-            raise UserError(f"eagle_topk={self.topk} is more than the drafter's {m.heads.spec.output_size} outputs")
+        self.check_spec(m.heads.spec)
+
+    def check_spec(self, spec) -> None:
+        """Refuse, in one line, what the drafter's config (``spec``) alone rules out: more children per node
+        than it has outputs. Called before the backbone loads, and again by ``check_model``."""
+        outputs = getattr(spec, "output_size", None) if getattr(spec, "kind", None) == "eagle3" else None
+        if outputs and self.topk > outputs:
+            raise UserError(f"eagle_topk={self.topk} is more than the drafter's {outputs} outputs")
 
 
 def max_nodes(depth: int, topk: int) -> int:

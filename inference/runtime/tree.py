@@ -240,8 +240,10 @@ class MedusaTree:
                 raise UserError(f"tree file {p} is not a {TREE_FORMAT} file (needs format and choices)")
             if raw.get("version", 0) > TREE_FORMAT_VERSION:
                 raise UserError(f"tree file {p} was written by a newer medusa-train (version {raw['version']})")
-            return cls(raw["choices"], name=raw.get("name") or p.stem)
-        return cls(raw, name=p.stem)
+        choices = raw["choices"] if isinstance(raw, dict) else raw
+        if isinstance(choices, list) and not choices:   # plain decoding is a method of its own, never a tree file
+            raise UserError(f"tree file {p} holds no tree paths: give at least one, such as [[0], [0, 0], [1]]")
+        return cls(choices, name=(raw.get("name") if isinstance(raw, dict) else None) or p.stem)
 
 
 def _validate(choices) -> tuple[tuple[int, ...], ...]:

@@ -45,6 +45,17 @@ class StreamStats:
     def as_dict(self) -> dict:
         return {**self.__dict__, "padding_fraction": round(self.padding_fraction, 4)}
 
+    # What ``count`` adds up: a checkpoint saves them and a resume restores them, so the padding fraction
+    # is over the whole run (the resumed stream replays the skipped batches without counting them).
+    BATCH_COUNTERS = ("tokens", "padding", "label_tokens")
+
+    def batch_counts(self) -> dict:
+        return {k: getattr(self, k) for k in self.BATCH_COUNTERS}
+
+    def restore_batch_counts(self, counts: dict) -> None:
+        for k in self.BATCH_COUNTERS:
+            setattr(self, k, int(counts.get(k, 0)))
+
     def count(self, batch: dict) -> None:
         """Add one training micro-batch's real, padding and label tokens (online or cached alike)."""
         real = int((batch["doc_ids"] > 0).sum())

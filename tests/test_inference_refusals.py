@@ -1,0 +1,170 @@
+"""medusa-eval / medusa-generate / medusa-export refuse what their keys alone decide before anything loads
+(issue 43, items 7, 9, 10 and 11).
+
+Each row runs a command in-process with the loaders replaced by a failure (``no_loading``): a refusal that
+only comes after the backbone loaded (behind its progress bars, minutes into a large model) fails the
+test with "the backbone was loaded". Every refusal must be one ``<prog>: error: ...`` line, exit 2, and
+leave the test's folder as it was. ``{tmp}`` in an argument is the test's folder (``setup``): a Medusa
+export and an EAGLE-3 export whose recorded backbone does not exist, three prompts, a plain file, a tree
+file holding ``[]`` and a heads dir whose config.json is a JSON list.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+EVAL, GEN, EXPORT = "medusa-eval", "medusa-generate", "medusa-export"
+MEDUSA, EAGLE = "heads={tmp}/heads3", "heads={tmp}/e3"
+PROMPTS = "prompts={tmp}/prompts.jsonl"
+
+REFUSED = [
+    # -- item 7: EAGLE-3 trees beyond any serious setting (10^5 drafter calls a step), before loading -------------
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_depth=100000", "eagle_nodes=8"],
+     "eagle_depth must be an integer in 1..32, got 100000"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_topk=100000", "eagle_nodes=8",
+            "eagle_depth=3"], "eagle_topk must be an integer in 1..64, got 100000"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_nodes=100000", "eagle_depth=8",
+            "eagle_topk=64"], "eagle_nodes must be an integer in 0..256, got 100000"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_topk=60", "eagle_nodes=8",
+            "eagle_depth=2"], "eagle_topk=60 is more than the drafter's 50 outputs"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_depth=100000", "eagle_nodes=8"], "eagle_depth must be an integer in 1..32"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_topk=1000", "eagle_nodes=8", "eagle_depth=3"],
+     "eagle_topk must be an integer in 1..64"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_topk=60", "eagle_nodes=8", "eagle_depth=2"],
+     "eagle_topk=60 is more than the drafter's 50 outputs"),
+    # -- item 9: refused only after the backbone loaded, after the evaluation, or with a traceback ----------------
+    (EVAL, [MEDUSA, PROMPTS, "out={tmp}/afile"], "out={tmp}/afile is a file, not a folder"),
+    (EVAL, [MEDUSA, PROMPTS, "out={tmp}/afile/eval"], "out={tmp}/afile/eval cannot be created"),
+    (EVAL, ["heads={tmp}/listcfg", PROMPTS], "config.json is not a JSON object"),
+    (GEN, ["heads={tmp}/listcfg", "prompt=hi"], "config.json is not a JSON object"),
+    (EXPORT, ["heads={tmp}/listcfg", "format=vllm", "out={tmp}/o"], "config.json is not a JSON object"),
+    (EVAL, [MEDUSA, PROMPTS, "threads=-1"], "threads must be an integer >= 0 (0: one per idle core), got -1"),
+    (GEN, [MEDUSA, "prompt=hi", "threads=-1"], "threads must be an integer >= 0"),
+    (EVAL, [MEDUSA, PROMPTS, "max_new_tokens=0"], "max_new_tokens must be an integer >= 1, got 0"),
+    (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=0"], "max_new_tokens must be an integer >= 1, got 0"),
+    (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=-3"], "max_new_tokens must be an integer >= 1, got -3"),
+    (EVAL, [MEDUSA, PROMPTS, "calibration_tokens=0"], "calibration_tokens must be an integer >= 1, got 0"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[4,-2]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=calibrated:1"], "tree=calibrated:N needs N >= 2 nodes"),
+    (EVAL, [MEDUSA, PROMPTS, "turns=bogus"], "turns must be first|both, got 'bogus'"),
+    (EVAL, ["methods=[draft]", PROMPTS, "draft=self:0"], "a self-draft takes N >= 1 layers of the backbone, got 'self:0'"),
+    (GEN, [MEDUSA, "prompt=hi", "mode=sample", "temperature=0"], "sample mode needs temperature > 0"),
+    (GEN, [MEDUSA, "prompt=hi", "mode=sample", "top_p=0"], "top_p must be in (0, 1], got 0.0"),
+    (GEN, [MEDUSA, "prompt=hi", "mode=bogus"], "decoding mode must be one of"),
+    # -- item 10: reports of what was not measured ----------------------------------------------------------------
+    (EVAL, [MEDUSA, PROMPTS, "tree=chain2", "batch_size=100000000"],
+     "batch_size 100000000 exceeds the 3 prompts evaluated"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=chain2", "batch_size=[1,2,4,8]"], "batch_size 4, 8 exceed the 3 prompts evaluated"),
+    (EVAL, [MEDUSA, PROMPTS, "num_prompts=1", "calibration_prompts=2", "batch_size=[1,2]"],   # 2 held out
+     "batch_size 2 exceeds the 1 prompt evaluated"),
+    (EVAL, [MEDUSA, PROMPTS, "calibration_prompts=0"], "calibration_prompts must be an integer >= 1, got 0"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[0]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    # -- item 11: an empty tree file; booleans that are not true/false -------------------------------------------
+    (EVAL, [MEDUSA, PROMPTS, "tree={tmp}/empty_tree.json"], "holds no tree paths"),
+    (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/empty_tree.json"], "holds no tree paths"),
+    (EXPORT, [MEDUSA, "format=vllm", "out={tmp}/o", "materialize=3"],
+     "materialize must be true or false (or yes/no, on/off, 1/0), got '3'"),
+    (EVAL, [MEDUSA, PROMPTS, "compare=2"], "compare must be true or false"),
+    (GEN, [MEDUSA, "prompt=hi", "trust_remote_code=maybe"], "trust_remote_code must be true or false"),
+    (GEN, [MEDUSA, "prompt=hi", "apply_adapter=-1"], "apply_adapter must be true or false"),
+]
+
+
+@pytest.fixture
+def setup(tmp_path) -> Path:
+    from inference.heads.eagle3 import draft_layer_config
+    from inference.heads.spec import HeadsSpec
+
+    missing = str(tmp_path / "no_such_backbone")   # a check made after loading would fail with "not found"
+    specs = {"heads3": HeadsSpec(num_heads=3, num_layers=1, hidden_size=64, vocab_size=320, base_model=missing),
+             "e3": HeadsSpec(num_heads=2, num_layers=1, hidden_size=64, vocab_size=320, kind="eagle3",
+                             projection="truncated", truncated_vocab_size=50, aux_layers=[1, 2, 3],
+                             draft_layer=draft_layer_config({"hidden_size": 64, "num_attention_heads": 4,
+                                                             "intermediate_size": 128, "num_hidden_layers": 4,
+                                                             "model_type": "llama"}),
+                             base_model=missing)}
+    for name, spec in specs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(spec.to_dict()))
+        (tmp_path / name / "model.safetensors").write_bytes(b"")   # never read: every row fails before
+    (tmp_path / "listcfg").mkdir()
+    (tmp_path / "listcfg" / "config.json").write_text("[1, 2]")
+    (tmp_path / "listcfg" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi.", "Yes?", "No.")))
+    (tmp_path / "afile").write_text("not a folder\n")
+    (tmp_path / "empty_tree.json").write_text("[]\n")
+    return tmp_path
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every way the commands load a backbone (or heads' weights) fails the test."""
+    import inference.backbone
+    import inference.cli
+    import inference.loading
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the backbone was loaded before the refusal")
+
+    for module, name in ((inference.cli, "_load"), (inference.cli, "_load_eval"), (inference.loading, "load_backbone"),
+                         (inference.backbone, "load_backbone"), (inference.loading, "load_heads")):
+        monkeypatch.setattr(module, name, loaded)
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size if p.is_file() else -1) for p in root.rglob("*")}
+
+
+def _row_id(row):
+    prog, argv, _ = row
+    return f"{prog.split('-')[1]}:{' '.join(a.replace('{tmp}/', '') for a in argv)}"[:70]
+
+
+@pytest.mark.parametrize("prog, argv, phrase", REFUSED, ids=[_row_id(r) for r in REFUSED])
+def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loading, capsys, monkeypatch):
+    """Guards against (issue 43): eagle_depth / eagle_topk / eagle_nodes of 10^5 accepted (10^5 drafter calls
+    a step); max_new_tokens=0, temperature, calibration, tree budget and turns refusals that came only after the
+    backbone loaded; medusa-eval out=<a file> refused only after evaluating everything; a config.json list ->
+    AttributeError; threads=-1 -> RuntimeError; batch_size beyond the prompts, calibration_prompts=0 and
+    tree_budgets=[0] reported as measured; a tree file holding [] decoded as plain decoding; materialize=3 and
+    other non-boolean words taken as true."""
+    from inference.cli import eval_main, generate_main
+    from inference.formats.cli import export_main
+
+    tmp = setup
+    monkeypatch.chdir(tmp)
+    args = [a.replace("{tmp}", str(tmp)) for a in argv]
+    before = _snapshot(tmp)
+    main = {EVAL: eval_main, GEN: generate_main, EXPORT: export_main}[prog]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[transformers]")]
+    assert exit_.value.code == 2, err[-3000:]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    assert phrase.replace("{tmp}", str(tmp)) in lines[0], (phrase, lines[0])
+    assert _snapshot(tmp) == before, "a refused command wrote files"
+
+
+@pytest.mark.parametrize("word, value", [("true", True), ("False", False), ("yes", True), ("off", False),
+                                         ("1", True), ("0", False)])
+def test_boolean_keys_take_the_usual_words(word, value):
+    """Guards against the strict boolean check refusing the words a user means as true/false."""
+    from inference.cli_support import parse_overrides
+    from inference.formats.cli import ExportConfig
+
+    cfg = parse_overrides("medusa-export", ExportConfig, [f"materialize={word}", "heads=h", "format=vllm", "out=o"])
+    assert cfg.materialize is value
+
+
+def test_eagle_bounds_are_in_the_help():
+    """Guards against bounds a user meets only as a refusal: medusa-eval --help states them."""
+    from inference.cli import eval_help
+
+    text = eval_help()
+    assert "at most 32" in text and "at most 64" in text and "at most 256" in text
