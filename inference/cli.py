@@ -92,6 +92,7 @@ class RuntimeConfig:
     eagle_lookup_tokens: int = 6  # most tokens looked up per step
     eagle_lookup_max_ngram: int = 3  # longest suffix looked up
     eagle_lookup_min_ngram: int = 2  # shortest suffix looked up
+    eagle_lookup_switch: int = 0  # a suffix match this long verifies the looked-up chain alone (0: never)
 
 
 @dataclass

@@ -282,3 +282,20 @@ def test_batch_sizing_costs_the_steps_that_graft(models, prompts, monkeypatch): 
                                         options=Eagle3LookupOptions(tree="auto", **LOOKUP), **kw)
     batch_sizing.choose_eagle3_schedule(m, [REPEATING], batch_of(prompts)[:2], [1], **kw)
     assert seen == {"eagle3_lookup trees": True, "eagle3 trees": False}
+
+
+@pytest.mark.parametrize("switch", [1, 3])
+def test_rows_that_switch_to_the_looked_up_chain_stay_batch_one_and_greedy(models, prompts, switch):
+    """Guards against a batched row whose lookup matched a long suffix (its tree replaced by the root and
+    the looked-up chain, eagle_lookup_switch) reading another row's nodes, or padding of a switched row
+    being accepted: every row emits batch-1 eagle3_lookup's tokens with the same switch (= plain greedy),
+    step by step, while other rows in the same step keep their drafted trees."""
+    batch = batch_of(prompts)
+    m = models["random"]
+    opts = dict(nodes=4, depth=2, topk=2, **LOOKUP, switch=switch)
+    out = generate_batch(m, batch, "eagle3_lookup", max_new_tokens=N, eos_token_ids=(), **opts)
+    for i, (p, row) in enumerate(zip(batch, out.rows)):
+        single = generate(m, p, "eagle3_lookup", max_new_tokens=N, eos_token_ids=(), **opts)
+        plain = generate(m, p, "autoregressive", max_new_tokens=N, eos_token_ids=()).tokens
+        assert row.tokens == single.tokens == plain, i
+        assert row.accept_lengths == single.accept_lengths, i

@@ -116,7 +116,7 @@ def test_generate_refuses_a_bad_eagle_tree_before_loading(monkeypatch, kind, val
         cli.run_generate(cli.GenerateConfig(heads="h", prompt="hi", eagle_tree=value))
 
 
-LOOKUP_KEYS = {"eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3, "eagle_lookup_min_ngram": 2}
+LOOKUP_KEYS = {"eagle_lookup_tokens": 12, "eagle_lookup_max_ngram": 3, "eagle_lookup_min_ngram": 2, "eagle_lookup_switch": 0}
 
 
 def _batched_report(at_one=True):

@@ -9,6 +9,8 @@ the looked-up branch can be forced.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -162,7 +164,8 @@ def test_mistakes_are_one_line_refusals(m, backbone):
         assert "\n" not in str(e.value)
     for bad, match in ((dict(min_ngram=0), "eagle_lookup_min_ngram must be"),
                        (dict(min_ngram=4, max_ngram=2), "exceeds eagle_lookup_max_ngram"),
-                       (dict(num_tokens=0), "eagle_lookup_tokens must be"), (dict(num_tokens=True), "eagle_lookup_tokens"),
+                       (dict(num_tokens=-1), "eagle_lookup_tokens must be"), (dict(num_tokens=True), "eagle_lookup_tokens"),
+                       (dict(switch=4), "eagle_lookup_switch must be"), (dict(switch=1), "eagle_lookup_switch must be"),
                        (dict(nodes=40, depth=2, topk=4), "more than")):
         with pytest.raises(UserError, match=match):
             generate(m, PROMPTS[0], "eagle3_lookup", max_new_tokens=4, **bad)
@@ -199,7 +202,8 @@ def test_auto_races_the_hybrid_with_its_branch_and_the_report_shows_it(monkeypat
     em = random_drafter(bb.model.eval())
     em.tokenizer = bb.tokenizer
     seen = []
-    clock = fake_clock({"plain": 100, **{tc.eagle3_name(s): 400 for s in tc.EAGLE3_GRID}})
+    parts = Eagle3LookupOptions(num_tokens=3).part_shapes()
+    clock = fake_clock({"plain": 100, **{tc.eagle3_name(s): 400 for s in tc.EAGLE3_GRID + parts}})
 
     def timed(m, prompt_ids, shape, *, steps=8, warmup=2, method="eagle3", options=None):
         seen.append((method, type(options).__name__))
@@ -213,8 +217,9 @@ def test_auto_races_the_hybrid_with_its_branch_and_the_report_shows_it(monkeypat
                       options={"eagle3_lookup": Eagle3LookupOptions(tree="auto", num_tokens=3)})
     assert ("eagle3_lookup", "Eagle3LookupOptions") in seen and "eagle3_tree" not in report
     assert report["eagle3_lookup_tree"]["name"] == "none (plain decoding)"
+    # plain decoding is nothing drafted and nothing looked up (eagle_nodes=0 alone is the lookup alone)
     assert report["method_options"]["eagle3_lookup"]["eagle_nodes"] == 0
-    assert report["method_options"]["eagle3_lookup"]["eagle_lookup_tokens"] == 3
+    assert report["method_options"]["eagle3_lookup"]["eagle_lookup_tokens"] == 0
     assert report["per_method"]["eagle3_lookup"]["greedy_identical_fraction"] == 1.0
     assert "- eagle3_lookup tree: none (plain decoding)" in markdown(report)
 
@@ -235,11 +240,12 @@ def test_auto_costs_the_steps_that_verify_a_looked_up_chain(monkeypatch, grafts)
     options = Eagle3LookupOptions(nodes=1, depth=1, topk=1, num_tokens=3) if grafts else None
     choice = tc.choose_eagle3(None, [[1, 2, 3]], [1, 2, 3], grid=[(1, 1, 1)], log=lambda s: None,
                               method="eagle3_lookup" if grafts else "eagle3", options=options)
-    (cand,) = choice.candidates
+    cand = next(c for c in choice.candidates if c["name"] == "n1-d1-k1")
     if grafts:   # mean / median 21.25 / 15 ms: 2 / 21.25 ms = 94 tokens/s < plain 100
         assert cand["mean_over_median_step"] == pytest.approx(21.25 / 15, abs=1e-4)
         assert cand["expected_tokens_per_s"] == pytest.approx(2 / 0.02125, abs=0.01)
-        assert choice.shape is None
+        # the drafter alone (a part raced too) is costed by its median step, as eagle3: 133 tokens/s wins
+        assert tc.eagle3_fields(choice.shape)["num_tokens"] == 0 and choice.shape[0] > 0
     else:        # 2 / 15 ms = 133 tokens/s: the tree
         assert cand["mean_over_median_step"] == 1.0
         assert choice.shape == (1, 1, 1)
@@ -251,3 +257,111 @@ def test_mean_over_median_drops_stalls():
     assert tc.mean_over_median([0.01] * 9 + [0.5]) == pytest.approx(1.0)
     assert tc.mean_over_median([0.01, 0.01, 0.02]) == pytest.approx((0.04 / 3) / 0.01)
     assert tc.mean_over_median([]) == 1.0
+
+
+# -- the parts of the combination (issue 43 item 12): the lookup alone, the drafter alone, switching ----
+def copying_oracle(seq: list[int], right: int, matched: int):
+    """``oracle`` whose every proposal reports a suffix match of ``matched`` tokens (text being copied)."""
+    base = oracle(seq, right)
+
+    class Copying(base):
+        def propose(self, count):
+            out = super().propose(count)
+            self.last_match = matched if out else 0
+            return out
+    return Copying
+
+
+@pytest.mark.parametrize("opts", [dict(nodes=4, depth=1, topk=4, num_tokens=4, switch=2),
+                                  dict(nodes=8, depth=2, topk=4, num_tokens=6, switch=3),
+                                  dict(nodes=4, depth=2, topk=2, num_tokens=0),
+                                  dict(nodes=0, num_tokens=0)], ids=["switch-any", "switch-full", "drafter-alone",
+                                                                     "plain"])
+def test_the_parts_and_switching_stay_token_identical(m, opts):
+    """Guards against a switched step (the chain alone, no drafted rows), the drafter alone or plain decoding
+    expressed in eagle3_lookup's keys changing greedy output, on repeating and non-repeating prompts."""
+    for p in PROMPTS + (REPEATING,):
+        ref = generate(m, p, "autoregressive", max_new_tokens=40, eos_token_ids=()).tokens
+        assert generate(m, p, "eagle3_lookup", max_new_tokens=40, eos_token_ids=(), **opts).tokens == ref, (p, opts)
+
+
+def test_a_switched_step_verifies_the_looked_up_chain_alone(backbone, greedy, monkeypatch):
+    """Guards against the switch still verifying the drafter's nodes (the rows it exists to save) or
+    losing the drafter's state: where the lookup matched a long suffix, a step's tree is the root and the
+    chain only, the chain is accepted, and the drafter's committed entries still equal a fresh catch-up
+    over the accepted tokens, so the steps after it draft as usual."""
+    p = PROMPTS[0]
+    seq = p + greedy[tuple(p)]
+    sm = scripted(backbone, seq, lambda q: None)                # the drafter is always wrong
+    monkeypatch.setattr(hybrid, "NGramIndex", copying_oracle(seq, 3, matched=3))
+    dec = Eagle3LookupDecoder(sm, Eagle3LookupOptions(nodes=4, depth=1, topk=4, num_tokens=3, switch=3))
+    emitted = [dec.prefill(torch.tensor([p]), 40)]
+    tokens, parents, depths = dec.tree()
+    assert tokens.numel() == 4 and parents.tolist() == [-1, 0, 1, 2] and depths.tolist() == [0, 1, 2, 3]
+    dec.dkv.truncate(dec.past)
+    tap = sm.aux_tap(sm.heads.spec.aux_layers)
+    for _ in range(5):
+        new, depth = dec.step()
+        emitted += new
+        assert len(new) == 4 and depth == 3 and emitted == seq[len(p):dec.past + 1]
+        assert_draft_kv_is_a_fresh_catch_up(sm, dec, seq, tap)
+    assert dec.switched == 6 and dec.grafted == 6          # 6 trees built: the one above and 5 steps
+
+
+def test_a_short_match_below_the_switch_keeps_the_drafted_tree(backbone, greedy, monkeypatch):
+    """Guards against switching on every proposal: a match shorter than eagle_lookup_switch keeps the
+    drafter's nodes and grafts the chain beside them, as without a switch."""
+    p = PROMPTS[0]
+    seq = p + greedy[tuple(p)]
+    sm = scripted(backbone, seq, lambda q: None)
+    monkeypatch.setattr(hybrid, "NGramIndex", copying_oracle(seq, 3, matched=2))
+    dec = Eagle3LookupDecoder(sm, Eagle3LookupOptions(nodes=4, depth=1, topk=4, num_tokens=3, switch=3))
+    dec.prefill(torch.tensor([p]), 40)
+    tokens, _, _ = dec.tree()
+    assert tokens.numel() == 1 + 4 + 3 and dec.switched == 0
+
+
+def test_the_drafter_alone_is_an_eagle3_step_and_neither_part_is_plain_decoding(m):
+    """Guards against eagle_lookup_tokens=0 still grafting or costing a lookup, and against eagle3_lookup
+    with nothing drafted and nothing looked up decoding anything but plain decoding (an eagle_tree=auto
+    choice of plain decoding must decode plainly, not with the lookup alone)."""
+    from inference.methods.autoregressive import AutoregressiveDecoder
+    from inference.methods.eagle3 import Eagle3Decoder
+    from inference.methods.registry import get
+
+    opts = dict(nodes=4, depth=2, topk=2)
+    for p in PROMPTS + (REPEATING,):
+        ref = generate(m, p, "eagle3", max_new_tokens=30, eos_token_ids=(), **opts)
+        alone = generate(m, p, "eagle3_lookup", max_new_tokens=30, eos_token_ids=(), num_tokens=0, **opts)
+        assert (alone.tokens, alone.accept_lengths, alone.proposed) == (ref.tokens, ref.accept_lengths, ref.proposed)
+    decoder = get("eagle3_lookup").decoder
+    assert type(decoder(m, Eagle3LookupOptions(num_tokens=0, **opts), None, 0)) is Eagle3Decoder
+    assert type(decoder(m, Eagle3LookupOptions(nodes=0, num_tokens=0), None, 0)) is AutoregressiveDecoder
+    assert Eagle3LookupOptions(nodes=0, num_tokens=0).fixed_choice() is None
+    assert Eagle3LookupOptions(nodes=0, num_tokens=3).fixed_choice() is not None     # the lookup alone
+    assert eagle3_lookup_costs(m, Eagle3LookupOptions(nodes=0, num_tokens=0), 100).extra_kv_cache_bytes == 0
+
+
+@pytest.mark.parametrize("winner", ["lookup-only", "n4-d1-k4-t0", "n4-d1-k4-s3", "n4-d1-k4"])
+def test_auto_races_the_lookup_alone_the_drafter_alone_and_switching(backbone, greedy, monkeypatch, winner):
+    """Guards against eagle_tree=auto for eagle3_lookup choosing among combined shapes only, so that on
+    prompts where one part alone is faster (code: the lookup alone) the combination decodes below it:
+    the lookup alone, the drafter alone and the switching shapes are raced too, whichever is fastest is
+    chosen, and its options decode token-identically."""
+    p = PROMPTS[0]
+    sm = scripted(backbone, p + greedy[tuple(p)], lambda q: 0)
+    options = Eagle3LookupOptions(num_tokens=3, tree="auto")
+    names = {tc.eagle3_name(s) for s in ((4, 1, 4), *options.part_shapes())}
+    assert {"lookup-only", "n2-d1-k2-t0", "n4-d1-k4-t0", "n8-d2-k4-t0", "n4-d1-k4-s3", "n4-d1-k4-s2"} <= names
+    ms = {name: 400.0 for name in names}
+    ms[winner] = 1.0
+    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(tc, "eagle3_step_times", fake_clock({"plain": 100, **ms}))
+    monkeypatch.setattr(tc, "mean_over_median", lambda times: 1.0)
+    choice = tc.choose_eagle3(sm, [p], p, grid=[(4, 1, 4)], calibration_tokens=12, log=lambda s: None,
+                              method="eagle3_lookup", options=options)
+    assert choice.to_dict()["name"] == winner
+    assert {c["name"] for c in choice.candidates} == names
+    chosen = dataclasses.replace(options, **choice.options())
+    out = generate(sm, p, "eagle3_lookup", options=chosen, max_new_tokens=12, eos_token_ids=())
+    assert out.tokens == greedy[tuple(p)][:12]

@@ -27,7 +27,7 @@ from ..errors import UserError
 
 FORMAT = "medusa-train eagle3 tree choice"
 SETTING_KEYS = ("eagle_nodes", "eagle_depth", "eagle_topk", "eagle_min_prob",
-                "eagle_lookup_tokens", "eagle_lookup_max_ngram", "eagle_lookup_min_ngram")
+                "eagle_lookup_tokens", "eagle_lookup_max_ngram", "eagle_lookup_min_ngram", "eagle_lookup_switch")
 
 
 @dataclass

@@ -536,19 +536,27 @@ class Eagle3Choice:
         return out
 
 
+# A shape's elements past (nodes, depth, topk), each None or absent = the options' own value: the probability
+# floor, then for methods with a looked-up branch its tokens (0: the drafter alone) and its switch
+_OPTIONAL_FIELDS = ("min_prob", "num_tokens", "switch")
+
+
 def eagle3_fields(shape: tuple) -> dict:
-    """The eagle3 option fields a grid shape sets: (nodes, depth, topk), and min_prob when it has a fourth
-    element (a shape without one keeps the options' own floor)."""
+    """The option fields a grid shape sets: (nodes, depth, topk), then those of min_prob, num_tokens and
+    switch it gives (a shape without them keeps the options' own)."""
     out = {"nodes": shape[0], "depth": shape[1], "topk": shape[2]}
-    if len(shape) > 3:
-        out["min_prob"] = shape[3]
+    out.update({k: v for k, v in zip(_OPTIONAL_FIELDS, shape[3:]) if v is not None})
     return out
 
 
 def eagle3_name(shape: tuple) -> str:
-    """A shape's name, as ``Eagle3Options.label`` names the same setting: n4-d1-k4, n4-d1-k4-p0.1."""
-    name = "n{}-d{}-k{}".format(*shape[:3])
-    return name + f"-p{shape[3]:g}" if len(shape) > 3 and shape[3] else name
+    """A shape's name, as ``Eagle3Options.label`` names the same setting: n4-d1-k4, n4-d1-k4-p0.1; with a
+    looked-up branch's fields: n4-d1-k4-t0 (the drafter alone), n4-d1-k4-s3 (switching), lookup-only."""
+    f = eagle3_fields(shape)
+    if not f["nodes"]:
+        return "none (plain decoding)" if f.get("num_tokens") == 0 else "lookup-only"
+    name = "n{}-d{}-k{}".format(*shape[:3]) + (f"-p{f['min_prob']:g}" if f.get("min_prob") else "")
+    return name + "".join(f"-{tag}{f[k]}" for tag, k in (("t", "num_tokens"), ("s", "switch")) if k in f)
 
 
 def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional[tuple], *,
@@ -605,6 +613,9 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     eagle_nodes=0, which that method decodes as prompt lookup alone."""
     if not calibration:
         raise UserError("choosing eagle3's tree needs at least one calibration prompt")
+    # a combined method races its parts too (eagle3_lookup: the lookup alone, the drafter alone, switching)
+    parts = getattr(options, "part_shapes", None)
+    grid = tuple(grid) + (tuple(parts()) if parts is not None else ())
     shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
     bar = _bar(progress, len(shapes), f"calibrating {method}")
     taus, mix = {}, {}
@@ -644,4 +655,7 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     log(f"  plain decoding: step {ar_step * 1e3:.1f} ms -> {1 / ar_step:.1f} tok/s")
     name, why = clear_winner(1.0 / ar_step, spreads[PLAIN], {n: (rates[n], spreads[n]) for n in shapes})
     reason = f"best measured tau / step time ({why})" if name is not None else why
-    return Eagle3Choice(shapes[name] if name is not None else None, reason, cands, round(ar_step * 1e3, 2), timing)
+    # plain decoding, as these options write it (eagle3: nodes=0; a method with a branch: that off too)
+    plain = getattr(options, "plain_shape", None)
+    chosen = shapes[name] if name is not None else (plain if plain is not None else None)
+    return Eagle3Choice(chosen, reason, cands, round(ar_step * 1e3, 2), timing)

@@ -35,13 +35,14 @@ from .draft import chain_buffers, chain_cursor, chain_sampling, check_chain_sche
 from .registry import ChainSizing, Method, option, register, slot_costs
 
 
-def check_lookup_settings(o, label) -> None:
+def check_lookup_settings(o, label, min_tokens: int = 1) -> None:
     """Refuse, in one line, lookup settings ``o`` (num_tokens, max_ngram, min_ngram) a decoder cannot use;
-    ``label(field)`` names a field as its options class does (prompt_lookup's, eagle3_lookup's keys)."""
+    ``label(field)`` names a field as its options class does (prompt_lookup's, eagle3_lookup's keys);
+    ``min_tokens``: the fewest tokens looked up a step (0 where the lookup can be switched off)."""
     for name in ("num_tokens", "max_ngram", "min_ngram"):
-        v = getattr(o, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise UserError(f"{label(name)} must be an integer >= 1, got {v!r}")
+        v, low = getattr(o, name), (min_tokens if name == "num_tokens" else 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise UserError(f"{label(name)} must be an integer >= {low}, got {v!r}")
     if o.min_ngram > o.max_ngram:
         raise UserError(f"{label('min_ngram')} ({o.min_ngram}) exceeds {label('max_ngram')} ({o.max_ngram})")
 
@@ -71,6 +72,7 @@ class NGramIndex:
     def __init__(self, min_ngram: int, max_ngram: int):
         self.sizes = range(min_ngram, max_ngram + 1)
         self.seq: list[int] = []
+        self.last_match = 0   # the suffix length the last proposal was matched on
         self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -82,13 +84,17 @@ class NGramIndex:
                     self.after[n][tuple(self.seq[end - n:end])] = end
 
     def propose(self, count: int) -> list[int]:
-        """What followed the latest earlier occurrence of the longest matching suffix (<= count)."""
+        """What followed the latest earlier occurrence of the longest matching suffix (<= count). The
+        suffix's length is kept in ``last_match`` (0: no match): a longer match is a surer sign that the
+        text is being copied (``eagle3_lookup``'s switch reads it)."""
         for n in reversed(self.sizes):
             if len(self.seq) < n:
                 continue
             start = self.after[n].get(tuple(self.seq[-n:]))
             if start is not None:
+                self.last_match = n
                 return self.seq[start:start + count]
+        self.last_match = 0
         return []
 
 
