@@ -65,6 +65,18 @@ def mtbench_questions_path() -> Path:
     return path
 
 
+def _conversion_dir(gguf_path: Path) -> Path:
+    return cache_dir() / "backbones" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+
+
+def cached_conversion(gguf_path: Path) -> Path | None:
+    """The folder ``converted_gguf_dir`` made for ``gguf_path`` already, or None (nothing converted here)."""
+    target = _conversion_dir(gguf_path)
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    return None
+
+
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """A safetensors model directory converted from ``gguf_path`` once, then reused.
 
@@ -72,9 +84,8 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     from its config and given the dequantised state dict. The write is atomic (temp dir +
     rename), so an interrupted conversion is simply redone.
     """
-    st = gguf_path.stat()
-    target = cache_dir() / "backbones" / f"{gguf_path.stem}-{st.st_size}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    target = _conversion_dir(gguf_path)
+    if cached_conversion(gguf_path) is not None:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

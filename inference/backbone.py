@@ -85,12 +85,15 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
 
 def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, trust_remote_code: bool = False,
                          revision: Optional[str] = None):
-    """The backbone's transformers config, without its weights (and without converting a GGUF:
-    its metadata is read in place), with ``load_backbone``'s errors."""
+    """The backbone's transformers config, without its weights (and without converting a GGUF: the
+    conversion's config.json when one was made, else its metadata read in place), with ``load_backbone``'s errors."""
     from transformers import AutoConfig
 
     gguf = assets.gguf_source(name_or_path, gguf_file)
-    if gguf is not None:
+    converted = assets.cached_conversion(gguf) if gguf is not None else None
+    if converted is not None:   # its config.json: read in no time, where the GGUF's metadata takes seconds
+        path, kwargs = str(converted), {}
+    elif gguf is not None:
         path, kwargs = str(gguf.parent), dict(gguf_file=gguf.name)
     else:
         path, kwargs = name_or_path, {}

@@ -18,7 +18,8 @@
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra;
 only these entry points do. User mistakes print one line and exit 2, before anything loads where the keys,
 the heads' config.json and the prompts decide (cli_checks.py). Boolean keys take true/false, yes/no, on/off,
-1/0. EAGLE-3 trees: eagle_depth at most 32, eagle_topk at most 64, eagle_nodes at most 256.
+1/0. Bounds: eagle_depth at most 32; eagle_topk, eagle_lookup_tokens, prompt_lookup_tokens, draft_k, lookahead_window,
+lookahead_guesses at most 64; *_ngram at most 16; eagle_nodes, trees (treeN, chainN, calibrated:N) at most 256 nodes.
 
 medusa-eval picks its methods with ``methods=[...]`` (default: the first method that decodes with the
 heads: medusa, or eagle3_lookup for EAGLE-3 heads); ``compare=true`` is short for every available method
@@ -44,8 +45,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from .cli_checks import (check_decoding_keys, check_eval_keys, check_options_fit_heads, check_tree, eval_out_dir,
-                         eval_prompts, generate_prompts, heads_spec)
+from .cli_checks import (check_decoding_keys, check_eval_keys, check_options_fit, check_tree, encode_prompts,
+                         eval_out_dir, eval_prompts, generate_prompts, heads_spec)
 from .cli_support import enum_value, run_cli
 
 
@@ -229,7 +230,7 @@ def _method_options(cfg, methods: list[str], spec) -> dict:
 
     fit_eagle_keys(cfg, spec)
     options = {meth: options_from_keys(meth, cfg) for meth in methods}
-    check_options_fit_heads(options, spec)
+    check_options_fit(options, spec, cfg)   # the heads' config and the backbone's (not its weights)
     return options
 
 
@@ -377,7 +378,7 @@ def run_generate(cfg) -> None:
                         f"(methods that decode batches: {', '.join(batched_names())})")
     tree = {"tree": cfg.tree} if get(method).needs_tree else {}
     options = options_from_keys(method, cfg)  # bad eagle_* keys: one line before the backbone loads
-    check_options_fit_heads({method: options}, spec)
+    check_options_fit({method: options}, spec, cfg)
     together = several and batching   # prompts decoded in batches: a batched evaluation's schedule applies
     if choice is not None and choice.schedule is not None:   # a batched evaluation's choice per batch size
         from dataclasses import replace
@@ -400,12 +401,11 @@ def run_generate(cfg) -> None:
               f"(BENCHMARKS.md): medusa-eval heads={cfg.heads} batch_size=[1,2,4,...] measures it per batch size "
               f"and writes the file to decode batches with", file=sys.stderr)
     m = _load(cfg)
+    ids = encode_prompts(m, texts, cfg)   # every prompt fits the backbone's positions before any is decoded
     if several:
-        ids = [m.encode_chat(t, system=cfg.system) for t in texts]
         generate_several(m, texts, ids, method, size or len(ids), batching, options, sampling, cfg, tree)
         return
-    ids = m.encode_chat(texts[0], system=cfg.system)
-    stream = decode_stream(m, ids, method, options=options, max_new_tokens=cfg.max_new_tokens,
+    stream = decode_stream(m, ids[0], method, options=options, max_new_tokens=cfg.max_new_tokens,
                            sampling=sampling, seed=cfg.seed, **tree)
     shown, tokens = "", []
     for chunk in stream:  # decode the whole answer each time: multi-byte characters span tokens

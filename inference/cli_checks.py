@@ -49,13 +49,50 @@ def heads_spec(cfg, strict: bool = False):
         return None
 
 
-def check_options_fit_heads(options: dict, spec) -> None:
-    """What each method's options can tell from the heads' config alone (EAGLE-3: top-k within the
-    drafter's outputs); ``check_model`` says it again once the heads are loaded."""
+def check_options_fit(options: dict, spec, cfg) -> None:
+    """What each method's options can tell from the heads' config alone (EAGLE-3: top-k within the drafter's
+    outputs) and from the backbone's (``backbone_config``: a self:N draft within its layers), and
+    max_new_tokens within its positions; ``check_model`` / the decoders say it again once loaded."""
+    from .runtime.decode import check_positions
+
     for opts in options.values():
         check = getattr(opts, "check_spec", None)
         if check is not None and spec is not None:
             check(spec)
+    config = backbone_config(cfg, spec)
+    if config is None:
+        return
+    check_positions(config, cfg.max_new_tokens)
+    for opts in options.values():
+        check = getattr(opts, "check_backbone", None)
+        if check is not None:
+            check(config)
+
+
+def backbone_config(cfg, spec):
+    """The config (not the weights) of the backbone the command loads: ``backbone=``, else the one the heads
+    record, else (no heads) embedded:smollm2; None when it cannot be read here (the load says why)."""
+    from .backbone import load_backbone_config
+
+    name = cfg.backbone or (spec.base_model if spec is not None else None) or (None if cfg.heads else
+                                                                                "embedded:smollm2")
+    if not name or str(name).startswith("random:"):
+        return None
+    try:
+        return load_backbone_config(str(name), trust_remote_code=cfg.trust_remote_code)
+    except (UserError, OSError, ValueError):
+        return None
+
+
+def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
+    """medusa-generate's prompts encoded, every one checked to fit the backbone's positions with max_new_tokens
+    before any is decoded."""
+    from .runtime.decode import check_budget
+
+    ids = [m.encode_chat(t, system=cfg.system) for t in texts]
+    for i, row in enumerate(ids, start=1):
+        check_budget(m, len(row), cfg.max_new_tokens, what=f"prompt {i} of {len(ids)}" if len(ids) > 1 else "prompt")
+    return ids
 
 
 def check_tree(cfg) -> None:

@@ -41,7 +41,7 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     from omegaconf import OmegaConf
 
     structured = OmegaConf.structured(schema)
-    not_boolean = next(((k, v) for k, v in (a.split("=", 1) for a in argv) if _is_boolean_key(structured, k)
+    not_boolean = next(((k, v) for k, v in (a.split("=", 1) for a in argv) if is_boolean_key(structured, k)
                         and v.strip().lower() not in BOOLEAN_WORDS + ("null", "none")), None)
     if not_boolean:
         fail(prog, f"{not_boolean[0]} must be true or false (or yes/no, on/off, 1/0), got {not_boolean[1]!r} "
@@ -59,7 +59,7 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     return cfg
 
 
-def _is_boolean_key(structured, key: str) -> bool:
+def is_boolean_key(structured, key: str) -> bool:
     """Whether ``key`` (dotted) names a boolean field of the schema ``structured``."""
     from omegaconf import BooleanNode, DictConfig
 

@@ -310,10 +310,59 @@ def _gb(n: float) -> str:
     return f"{n / 2**30:.1f} GB"
 
 
+def _backbone_dtype_bytes(backbone_cfg, hf_config) -> int:
+    """Bytes per backbone weight and activation: ``backbone.dtype`` (``auto``: the config's own dtype)."""
+    if backbone_cfg.dtype == "auto":
+        dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    else:
+        dtype = parse_dtype(backbone_cfg.dtype)
+    return torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+
+
+def head_parameter_count(heads_cfg, hf_config) -> int:
+    """Parameters of the heads ``heads.*`` describes on this backbone, asked of their family: the module
+    ``inference.heads.build_heads`` would build from the spec the trainer writes, built on the meta device."""
+    from inference.heads.registry import build_heads
+    from inference.heads.spec import HeadsSpec
+
+    text = text_config(hf_config)
+    vocab = int(text.vocab_size)
+    projection, size = draft_vocabulary(heads_cfg, vocab)
+    spec = HeadsSpec(num_heads=draft_depth(heads_cfg), num_layers=int(heads_cfg.num_layers),
+                     hidden_size=int(text.hidden_size), vocab_size=vocab, projection=projection,
+                     truncated_vocab_size=min(size, vocab) if size else None, kind=str(heads_cfg.kind),
+                     inner_dim=int(heads_cfg.inner_dim) or None, tie_weights=bool(heads_cfg.tie_weights),
+                     scale_input=bool(heads_cfg.scale_input), **family_fields(heads_cfg, hf_config))
+    with torch.device("meta"):
+        heads = build_heads(spec)
+    return sum(p.numel() for p in heads.parameters())
+
+
+# Per trained head parameter: the fp32 weight (or bf16 weight + fp32 master), its gradient and AdamW's two fp32
+# moments: 4 + 4 + 8 bytes either way.
+HEAD_STATE_BYTES = 16
+
+
+def head_state_advice(heads_cfg) -> str:
+    """Which keys size the heads' parameters: what the line that refuses them asks to lower."""
+    from inference.cli_support import enum_value
+
+    kind, projection = str(heads_cfg.kind), enum_value(heads_cfg.projection)
+    keys = ["heads.draft_vocab_size"] if kind == "eagle3" else ["heads.num_heads", "heads.num_layers"]
+    if kind == "mlp_speculator":
+        keys.append("heads.inner_dim")
+    if kind != "eagle3" and projection == "truncated":
+        keys.append("heads.truncated_vocab_size")
+    advice = f"lower {', '.join(keys[:-1])} or {keys[-1]}"
+    return advice + (" (or use heads.projection=truncated)" if projection == "own" else "")
+
+
 def check_fits(cfg) -> None:
     """Refuse, before any weight or data loads, a ``data.max_length`` the backbone has no positions for
-    (its config's ``max_position_embeddings``) or a micro-batch (``trainer.micro_batch_size`` rows of
-    that length through the frozen forward, plus the weights) that this machine cannot hold."""
+    (its config's ``max_position_embeddings``) or a run this machine cannot hold: a micro-batch
+    (``trainer.micro_batch_size`` rows of that length through the frozen forward), the weights, and the heads'
+    own parameters with their gradients and optimizer state."""
     from inference.cli_support import enum_value
 
     from .distributed import resolve_device
@@ -326,12 +375,7 @@ def check_fits(cfg) -> None:
     if positions and length > int(positions):
         raise UserError(f"data.max_length={length} exceeds the {int(positions)} positions of the backbone "
                         f"(max_position_embeddings of its config); use data.max_length <= {int(positions)}")
-    if cfg.backbone.dtype == "auto":
-        dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    else:
-        dtype = parse_dtype(cfg.backbone.dtype)
-    dtype_bytes = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    dtype_bytes = _backbone_dtype_bytes(cfg.backbone, hf_config)
     device = resolve_device(cfg.trainer.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -345,19 +389,53 @@ def check_fits(cfg) -> None:
         weights = parameter_count(hf_config, cfg.backbone.trust_remote_code) * dtype_bytes
     except Exception:  # an architecture transformers cannot build here: the loader will say so
         weights = 0
+    trained = enum_value(cfg.features.mode) != "build"  # a cache build trains no heads
+    heads = head_parameter_count(cfg.heads, hf_config) * HEAD_STATE_BYTES if trained else 0
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    need = (activations + unroll + weights) * max(processes, 1)
+    need = (activations + unroll + weights + heads) * max(processes, 1)
+    if need > free[0]:
+        _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes)
+
+
+def _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes) -> None:
+    """The one line ``check_fits`` refuses with: what each part needs and which keys to lower."""
     have, what = free
-    if need > have:
-        keys, drafter = ["data.max_length", "trainer.micro_batch_size"], ""
-        if unroll:  # an eagle3 drafter: its unrolled steps are the third factor
-            keys.append("heads.ttt_steps" if cfg.heads.ttt_steps is not None else "heads.num_heads")
-            drafter = f", {_gb(unroll)} for the drafter unrolled over its {draft_depth(cfg.heads)} TTT steps"
-        sizes = " x ".join(f"{k}={v}" for k, v in zip(keys, (length, batch, draft_depth(cfg.heads))))
-        per_process = f", x{processes} processes" if processes > 1 else ""
-        raise UserError(f"{sizes} needs about {_gb(need)} ({_gb(activations)} for one micro-batch through the frozen "
-                        f"backbone{drafter}, {_gb(weights)} of weights{per_process}) but only {_gb(have)} of {what}; "
-                        f"lower {', '.join(keys[:-1])} or {keys[-1]}")
+    length, batch, depth = int(cfg.data.max_length), int(cfg.trainer.micro_batch_size), draft_depth(cfg.heads)
+    per_process = f", x{processes} processes" if processes > 1 else ""
+    parts = (f"{_gb(activations)} for one micro-batch through the frozen backbone"
+             + (f", {_gb(unroll)} for the drafter unrolled over its {depth} TTT steps" if unroll else "")
+             + f", {_gb(weights)} of weights, {_gb(heads)} for the heads' parameters, gradients and AdamW state"
+             + per_process)
+    if heads > activations + unroll + weights:  # the heads themselves are what does not fit
+        h = cfg.heads
+        raise UserError(f"heads.kind={h.kind} with heads.num_heads={h.num_heads}, heads.num_layers={h.num_layers} has "
+                        f"{heads // HEAD_STATE_BYTES:,} parameters: the run needs about {_gb(need)} ({parts}) but only "
+                        f"{_gb(have)} of {what}; {head_state_advice(h)}")
+    keys = ["data.max_length", "trainer.micro_batch_size"]
+    if unroll:  # an eagle3 drafter: its unrolled steps are the third factor
+        keys.append("heads.ttt_steps" if cfg.heads.ttt_steps is not None else "heads.num_heads")
+    sizes = " x ".join(f"{k}={v}" for k, v in zip(keys, (length, batch, depth)))
+    raise UserError(f"{sizes} needs about {_gb(need)} ({parts}) but only {_gb(have)} of {what}; "
+                    f"lower {', '.join(keys[:-1])} or {keys[-1]}")
+
+
+ATTENTION_DEFAULT = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+
+
+def check_attn_implementation(backbone_cfg) -> None:
+    """Refuse a ``backbone.attn_implementation`` transformers does not know (a random backbone would ignore
+    it silently, a pretrained one fail with a traceback): ``eager`` or a registered attention interface
+    (sdpa, flash_attention_2/3, flex_attention, ...), or a hub kernel (``org/repo``)."""
+    value = backbone_cfg.attn_implementation
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    except ImportError:  # an older transformers: its documented values
+        known = list(ATTENTION_DEFAULT)
+    if value is None or str(value) in known or "/" in str(value):
+        return
+    raise UserError(f"backbone.attn_implementation must be one of {', '.join(known)}, got {value!r}")
 
 
 # -- head families that read more of the backbone than its last layer (eagle3) --------------------------------

@@ -24,7 +24,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from inference.cli_support import config_error_line, enum_value, fail
+from inference.cli_support import BOOLEAN_WORDS, is_boolean_key, config_error_line, enum_value, fail
 from inference.errors import UserError
 from .config import check_data_source, derived_batch, launch_world_size, register_configs, validate
 
@@ -153,22 +153,26 @@ def task_runner(cfg):
 
 
 _PRECHECKED = False
+_PRINT_FLAGS = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help"}  # print, run nothing
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, resume: bool = True) -> None:
     """What a run needs from disk, checked before any weight or data loads: a readable local data source,
     a ``data.max_length`` the backbone has positions (and this machine memory) for, and for a training of
     heads: a truncated vocabulary the backbone has tokens for, a device for the precision, and a checkpoint
-    to resume that was trained under this configuration."""
-    from .backbone import check_family, check_fits
+    to resume that was trained under this configuration (not with ``resume=False``: a sweep's jobs resume from
+    folders Hydra names only when each runs)."""
+    from .backbone import check_attn_implementation, check_family, check_fits
 
     check_data_source(cfg.data.source)
+    check_attn_implementation(cfg.backbone)
     check_fits(cfg)
     check_family(cfg)
     if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
         check_draft_vocabulary(cfg)
         check_precision_device(cfg.trainer)
-        check_resume(cfg)
+        if resume:
+            check_resume(cfg)
 
 
 def check_draft_vocabulary(cfg) -> None:
@@ -237,21 +241,57 @@ def write_run_record(cfg) -> None:
         os.replace(tmp, path)
 
 
-def _precheck(recipe: str, overrides: list[str]) -> None:
+def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
     """Compose and validate the config, and check that the backbone can take (and this machine hold)
-    ``data.max_length`` from its config alone; one error line for a bad key, type, value or size."""
+    ``data.max_length`` from its config alone; one error line for a bad key, type, value or size.
+    A single run's folder is then created; a sweep job (``sweep``) leaves that, and its resume check, to Hydra."""
     global _PRECHECKED
+    check_boolean_overrides(overrides)
     try:
         cfg = compose_recipe(recipe, overrides)
     except Exception as e:  # Hydra / OmegaConf composition errors
         _fail(f"{config_error_line(e)} (list the keys: medusa-train {recipe} --cfg job)")
     try:
         validate(cfg)
-        preflight(cfg)
+        preflight(cfg, resume=not sweep)
     except UserError as e:
         _fail(str(e))
-    create_output_dir(cfg.output_dir)  # accepted: now the folder may be made (Hydra would, with a traceback)
-    _PRECHECKED = True
+    if not sweep:
+        create_output_dir(cfg.output_dir)  # accepted: now the folder may be made (Hydra would, with a traceback)
+        _PRECHECKED = True
+
+
+def check_boolean_overrides(overrides: list[str]) -> None:
+    """A boolean key takes true/false (yes/no, on/off, 1/0) only: OmegaConf alone would read any integer
+    (``heads.scale_input=3``) as true."""
+    from omegaconf import OmegaConf
+
+    from .config import RecipeConfig
+
+    schema = OmegaConf.structured(RecipeConfig)
+    for arg in overrides:
+        if "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        try:
+            boolean = is_boolean_key(schema, key)
+        except Exception:  # a key inside an untyped dict (backbone.random_init.*): composing judges it
+            boolean = False
+        if boolean and value.strip().lower() not in BOOLEAN_WORDS + ("null", "none"):
+            _fail(f"{override_key(arg)} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The overrides of each job a Hydra sweep (``-m``) runs, crossed as Hydra's basic sweeper crosses them
+    (``a=1,2 b=x,y``: four jobs; ``range()`` and ``choice()`` too); one line for what it cannot parse."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        return [list(job) for job in BasicSweeper.split_arguments(parsed, None)[0]]
+    except Exception as e:  # an override Hydra's grammar refuses, or a sweep the basic sweeper cannot run
+        _fail(f"{config_error_line(e)} (a sweep is key=a,b,c, range(start,stop) or choice(a,b))")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,13 +305,22 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"unknown recipe {recipe!r}; available: {', '.join(available_recipes())}")
 
     overrides, flags = split_args(rest)
-    rest = backbone_overrides(rest)
-    if not flags:
-        _precheck(recipe, backbone_overrides(overrides))  # plain overrides: fail fast, in one line, before Hydra runs
+    overrides = backbone_overrides(overrides)
+    names = {f.split("=", 1)[0] for f in flags}
+    multirun = bool(names & {"-m", "--multirun"})
+    if multirun and names & {"--cfg", "-c", "--info", "-i"}:
+        _fail("-m/--multirun runs a sweep and --cfg/--info print a config: give one of them")
+    if multirun and not names & _PRINT_FLAGS:
+        # Every job of a sweep, before Hydra runs the first: one bad combination refuses the sweep, nothing written.
+        for job in sweep_jobs(overrides):
+            _precheck(recipe, job, sweep=True)
+    elif not names & _PRINT_FLAGS:
+        _precheck(recipe, overrides)  # a single run: fail fast, in one line, before Hydra runs
     import hydra
 
     register_configs()
-    sys.argv = [f"medusa-train {recipe}", *rest]
+    # Flags first: Hydra's argparse takes no flag after its first override (output_dir=x -m a=1,2).
+    sys.argv = [f"medusa-train {recipe}", *flags, *overrides]
     hydra.main(version_base=None, config_path=f"pkg://{RECIPE_PACKAGE}", config_name=recipe)(_task)()
 
 

@@ -51,7 +51,7 @@ class BackboneConfig:
     name_or_path: str = "embedded:smollm2"
     gguf_file: Optional[str] = None  # load a .gguf inside name_or_path (dequantised, cached as safetensors)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 | ... (backbone.check_attn_implementation)
     trust_remote_code: bool = False  # runs code from the model repo: only for sources you trust
     revision: Optional[str] = None
     random_init: Optional[dict] = None  # tiny random backbone from a config dict (tests, debug)
@@ -69,9 +69,9 @@ class DataConfig:
     split: str = "train"
     max_length: int = 1024  # tokens per conversation; longer ones are truncated (counted)
     packing: bool = True  # pack conversations into rows of <= max_length (padding only bin slack); else length-bucket
-    bucket_buffer: int = 256  # conversations sorted together when packing=false
-    shuffle_buffer: int = 2000  # conversations shuffled in a streaming buffer
-    max_conversations: Optional[int] = None  # stop after this many training conversations
+    bucket_buffer: int = 256  # conversations sorted together when packing=false (at least a micro-batch)
+    shuffle_buffer: int = 2000  # conversations shuffled in a streaming buffer (0 or 1 = stream order)
+    max_conversations: Optional[int] = None  # stop after this many training conversations (null = all)
     eval_conversations: int = 64  # held out (taken first from the stream) for per-head accuracy
     vocab_scan_conversations: int = 2000  # conversations scanned to pick the truncated vocabulary
     system_prompt: Optional[str] = None  # prepended when a conversation has none
@@ -156,7 +156,7 @@ class TrainerConfig:
     max_steps: int = 200  # optimizer steps
     micro_batch_size: int = 2  # rows per forward pass per process
     global_batch_size: Optional[int] = None  # rows per optimizer step; default micro * world
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max gradient norm (0 = no clipping, DeepSpeed's gradient_clipping)
     precision: Precision = Precision.fp32  # bf16/fp16 need zero_stage >= 1 (fp32 masters live there)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0..3 (heads only: the frozen backbone stays whole)
     device: str = "auto"  # auto | cpu | cuda
@@ -167,7 +167,7 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto (latest checkpoint in output_dir, if any) | never | <checkpoint dir>
     progress_bar: bool = True
-    threads: int = 0  # torch CPU threads (0 = torch default)
+    threads: int = 0  # torch CPU threads (0 = torch default), at most MAX_THREADS
 
 
 @dataclass
@@ -256,6 +256,9 @@ def derived_batch(trainer: TrainerConfig, world_size: int) -> BatchPlan:
     if micro < 1:
         raise UserError(f"trainer.micro_batch_size must be >= 1, got {micro}")
     per_step = micro * world_size
+    if trainer.global_batch_size is not None and trainer.global_batch_size < 1:
+        raise UserError(f"trainer.global_batch_size must be >= 1 (or null for micro_batch_size x world_size), "
+                        f"got {trainer.global_batch_size}")
     glob = trainer.global_batch_size or per_step
     if glob % per_step:
         raise UserError(
@@ -266,9 +269,15 @@ def derived_batch(trainer: TrainerConfig, world_size: int) -> BatchPlan:
 def loss_weights(heads: HeadsConfig) -> list[float]:
     n = draft_depth(heads)
     if heads.loss_weights is not None:
-        if len(heads.loss_weights) != n:
-            raise UserError(f"heads.loss_weights has {len(heads.loss_weights)} values for {n} heads")
-        return list(heads.loss_weights)
+        weights = [float(w) for w in heads.loss_weights]
+        if len(weights) != n:
+            raise UserError(f"heads.loss_weights has {len(weights)} values for {n} heads")
+        if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
+            raise UserError(f"heads.loss_weights must be >= 0 with at least one > 0 (a negative weight trains a head "
+                            f"away from its target), got {weights}")
+        return weights
+    if not heads.loss_decay > 0:
+        raise UserError(f"heads.loss_decay must be > 0 (lambda_k = loss_decay ** k), got {heads.loss_decay}")
     return [heads.loss_decay ** k for k in range(1, n + 1)]
 
 
@@ -314,12 +323,61 @@ def validate(cfg) -> None:
             raise UserError(msg)
     _validate_eagle3(cfg)
     loss_weights(h)
+    _validate_sizes(cfg)
     derived_batch(t, launch_world_size())
     _validate_optim(cfg.optim)
     _validate_backbone(cfg.backbone)
     check_output_dir(cfg.output_dir)
     _validate_distill_and_features(cfg)
     _validate_lora(cfg)
+
+
+MAX_HEADS = 64  # heads.num_heads (engines draft 1-10 tokens ahead; each head is a projection to the vocabulary)
+MAX_HEAD_LAYERS = 64  # heads.num_layers (Medusa uses 1)
+MAX_THREADS = 1024  # trainer.threads (OpenMP refuses far more with an ImportError)
+# backbone.random_init keys that are sizes or counts: positive integers, or transformers fails with a traceback.
+RANDOM_INIT_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
+
+
+def _validate_sizes(cfg) -> None:
+    """Counts and sizes with no meaning below (or far above) a bound, naming the key."""
+    t, h, d = cfg.trainer, cfg.heads, cfg.data
+    kind = str(h.kind)
+    checks = [
+        (kind == "eagle3" or h.num_heads <= MAX_HEADS,  # eagle3: the TTT steps, bounded by _validate_eagle3
+         f"heads.num_heads must be in 1..{MAX_HEADS}, got {h.num_heads}"),
+        (h.num_layers <= MAX_HEAD_LAYERS, f"heads.num_layers must be in 0..{MAX_HEAD_LAYERS}, got {h.num_layers}"),
+        (kind == "mlp_speculator" or (h.inner_dim == 0 and not h.scale_input),
+         "heads.inner_dim and heads.scale_input are mlp_speculator settings; set heads.kind=mlp_speculator or "
+         "remove them"),
+        (0 <= t.threads <= MAX_THREADS, f"trainer.threads must be in 0..{MAX_THREADS} (0 = torch's default), "
+                                        f"got {t.threads}"),
+        (t.grad_clip >= 0, f"trainer.grad_clip must be >= 0 (0 = no clipping), got {t.grad_clip}"),
+        (d.max_conversations is None or d.max_conversations >= 1,
+         f"data.max_conversations must be >= 1 (or null for all), got {d.max_conversations}"),
+        (d.eval_conversations >= 1, f"data.eval_conversations must be >= 1 (the held-out conversations per-head "
+                                    f"accuracy is measured on), got {d.eval_conversations}"),
+        (d.vocab_scan_conversations >= 1,
+         f"data.vocab_scan_conversations must be >= 1, got {d.vocab_scan_conversations}"),
+        (d.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0 (0 = stream order), got {d.shuffle_buffer}"),
+        (d.bucket_buffer >= 0, f"data.bucket_buffer must be >= 0, got {d.bucket_buffer}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    _validate_random_init(cfg.backbone.random_init)
+
+
+def _validate_random_init(random_init) -> None:
+    """The size keys of ``backbone.random_init``: positive integers (transformers would build a model with
+    -64 hidden units, or none at all, and fail later with a traceback)."""
+    for key in RANDOM_INIT_SIZES:
+        value = (random_init or {}).get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"backbone.random_init.{key} must be a positive integer, got {value!r}")
 
 
 def _uses_truncated_vocab(h) -> bool:
@@ -355,10 +413,12 @@ def _validate_backbone(b) -> None:
 
 
 def check_output_dir(output_dir) -> None:
-    """Refuse an ``output_dir`` that is a file or cannot be created, without creating anything."""
+    """Refuse an ``output_dir`` that is empty, a file or cannot be created, without creating anything."""
     import os
     from pathlib import Path
 
+    if output_dir is None or not str(output_dir).strip():
+        raise UserError("output_dir is empty: name the run's folder (output_dir=runs/<name>)")
     path = Path(os.path.expanduser(str(output_dir)))
     if path.exists() and not path.is_dir():
         raise UserError(f"output_dir={output_dir} is a file, not a folder")

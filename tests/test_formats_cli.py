@@ -103,7 +103,8 @@ def test_unknown_format_is_one_line_exit_2(backbone_dir, tmp_path, capsys):
 
 
 def test_non_empty_out_without_overwrite_is_one_line_exit_2(backbone_dir, tmp_path, capsys):
-    """Guards against: replacing a directory the user did not ask to replace."""
+    """Guards against: replacing a directory the user did not ask to replace; and overwrite=true deleting a
+    folder that is no export (here: files without a config.json), where a previous export is replaced."""
     _, model = backbone_dir
     src = heads_dir(tmp_path, model)
     (tmp_path / "o").mkdir()
@@ -111,7 +112,48 @@ def test_non_empty_out_without_overwrite_is_one_line_exit_2(backbone_dir, tmp_pa
     code, _, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'o'}"], capsys)
     assert_one_line_error(code, err, "is not empty", "overwrite=true")
     code, _, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'o'}", "overwrite=true"], capsys)
-    assert code == 0 and not (tmp_path / "o" / "x").exists()
+    assert_one_line_error(code, err, "is not an export")
+    assert (tmp_path / "o" / "x").read_text() == "keep"
+    code, _, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
+    assert code == 0, err
+    code, _, err = run([f"heads={src}", "format=tgi", f"out={tmp_path / 'v'}", "overwrite=true"], capsys)
+    assert code == 0, err   # a previous export: replaced
+
+
+def _snapshot(root):
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("out, words", [
+    ("run", ("holds heads=", "would delete the heads it reads")),             # the run folder the heads are in
+    ("link_to_run", ("holds heads=", "would delete the heads it reads")),     # the same, through a symlink
+    (".", ("holds heads=",)),                                                 # two levels up
+    ("run/heads/sub", ("is inside heads=",)),
+    ("run/heads", ("must differ from heads=",)),
+    ("other_run", ("is not an export",)),                                     # a training run: checkpoints/
+])
+def test_out_holding_or_inside_the_heads_or_a_run_is_refused_whatever_overwrite_says(out, words, backbone_dir,
+                                                                                     tmp_path, capsys, monkeypatch):
+    """Guards against the data loss of medusa-export heads=RUN/heads out=RUN overwrite=true: exit 0 and the
+    whole run folder, the heads it read included, deleted (the atomic replace renames out= aside and removes
+    it); out= inside the heads; and overwrite=true deleting a training run's folder (checkpoints/) that is
+    no export. Nothing may change on disk."""
+    _, model = backbone_dir
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    src = save_heads(random_heads(model), run_dir / "heads")
+    (run_dir / "checkpoints" / "step1").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step1" / "state.pt").write_bytes(b"weights")
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    other = tmp_path / "other_run"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.json").write_text("{}")
+    (tmp_path / "link_to_run").symlink_to(run_dir)
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(tmp_path)
+    code, _, err = run([f"heads={src}", "format=vllm", f"out={out}", "overwrite=true"], capsys)
+    assert_one_line_error(code, err, *words)
+    assert _snapshot(tmp_path) == before
 
 
 def test_other_head_kinds_are_refused_before_loading(tmp_path, capsys):

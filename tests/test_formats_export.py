@@ -290,14 +290,19 @@ def test_materialising_prints_the_size_cost(backbone, tmp_path):
 
 
 def test_non_empty_out_is_refused_unless_overwrite(backbone, tmp_path):
-    """Guards against: an export silently replacing a directory the user still needs."""
+    """Guards against: an export silently replacing a directory the user still needs, and overwrite=True
+    deleting a folder that is no previous export (files without a config.json, subfolders)."""
     heads = make_heads(backbone, "own")
     out = tmp_path / "x"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(UserError, match="overwrite=true"):
         export(heads, "vllm", out, backbone)
+    with pytest.raises(UserError, match="is not an export"):
+        export_heads(heads, "vllm", out, overwrite=True, options=options(backbone))
     assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    export(heads, "tgi", out, backbone)   # a previous export, which overwrite=True replaces
     export_heads(heads, "vllm", out, overwrite=True, options=options(backbone))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind

@@ -71,6 +71,34 @@ REFUSED = [
     (EVAL, [MEDUSA, PROMPTS, "compare=2"], "compare must be true or false"),
     (GEN, [MEDUSA, "prompt=hi", "trust_remote_code=maybe"], "trust_remote_code must be true or false"),
     (GEN, [MEDUSA, "prompt=hi", "apply_adapter=-1"], "apply_adapter must be true or false"),
+    # -- review 2: refused only after loading (or never), a traceback or gigabytes allocated ----------------------
+    (EVAL, [MEDUSA, PROMPTS, "out=/proc/medusa_no_such/eval"], "out=/proc/medusa_no_such/eval cannot be created"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "eagle_tree=fixed", "eagle_nodes=8", "eagle_depth=3",
+            "eagle_lookup_tokens=100000000"], "eagle_lookup_tokens must be an integer in 0..64, got 100000000"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_nodes=8", "eagle_depth=3", "eagle_lookup_tokens=100000000"],
+     "eagle_lookup_tokens must be an integer in 0..64"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "eagle_tree=fixed", "eagle_nodes=8", "eagle_depth=3",
+            "eagle_lookup_max_ngram=1000"], "eagle_lookup_max_ngram must be an integer in 1..16"),
+    (EVAL, ["methods=[prompt_lookup]", PROMPTS, "prompt_lookup_tokens=100000000"],
+     "prompt lookup num_tokens must be an integer in 1..64, got 100000000"),
+    (EVAL, ["methods=[lookahead]", PROMPTS, "lookahead_window=100000"], "lookahead window must be an integer in 2..64"),
+    (EVAL, ["methods=[lookahead]", PROMPTS, "lookahead_ngram=100000"], "lookahead ngram must be an integer in 2..16"),
+    (EVAL, ["methods=[lookahead]", PROMPTS, "lookahead_guesses=100000"], "lookahead guesses must be an integer in 1..64"),
+    (EVAL, ["methods=[draft]", PROMPTS, "draft_k=100000"], "draft_k (draft tokens per step) must be an integer in 1..64"),
+    (EVAL, [MEDUSA, PROMPTS, "backbone={tmp}/bb", "max_new_tokens=1000000000"],
+     "max_new_tokens=1000000000 does not fit the backbone's 64 positions with a prompt: at most 63"),
+    (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bb", "max_new_tokens=64"],
+     "max_new_tokens=64 does not fit the backbone's 64 positions"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bb", "max_new_tokens=1000000000"],
+     "max_new_tokens=1000000000 does not fit the backbone's 64 positions"),
+    (EVAL, ["methods=[draft]", PROMPTS, "backbone={tmp}/bb", "draft=self:100", "max_new_tokens=8"],
+     "a self-draft takes 1..2 of the backbone's layers, got 'self:100'"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=tree99999999"], "tree tree99999999 has more than 256 nodes"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=tree9999"], "tree tree9999 has more than 256 nodes"),
+    (GEN, [MEDUSA, "prompt=hi", "tree=tree99999999"], "tree tree99999999 has more than 256 nodes"),
+    (GEN, [MEDUSA, "prompt=hi", "tree=chain99999999"], "tree chain99999999 has more than 256 nodes"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=calibrated:100000"], "tree=calibrated:N needs N >= 2 nodes (root included), at most 256"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[100000000]"], "tree_budgets must be a non-empty list of node counts >= 1"),
 ]
 
 
@@ -97,6 +125,10 @@ def setup(tmp_path) -> Path:
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi.", "Yes?", "No.")))
     (tmp_path / "afile").write_text("not a folder\n")
     (tmp_path / "empty_tree.json").write_text("[]\n")
+    from transformers import LlamaConfig   # a backbone's config alone (no weights): 64 positions, 2 layers
+
+    LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=64).save_pretrained(tmp_path / "bb")
     return tmp_path
 
 
@@ -131,7 +163,10 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
     backbone loaded; medusa-eval out=<a file> refused only after evaluating everything; a config.json list ->
     AttributeError; threads=-1 -> RuntimeError; batch_size beyond the prompts, calibration_prompts=0 and
     tree_budgets=[0] reported as measured; a tree file holding [] decoded as plain decoding; materialize=3 and
-    other non-boolean words taken as true."""
+    other non-boolean words taken as true. Review 2: out=/proc/... evaluated in full, then a FileNotFoundError;
+    eagle_lookup_tokens=10^8 allocating 12.8 GB after loading (and the other unbounded lookup / lookahead /
+    draft_k keys); max_new_tokens beyond the backbone's positions and draft=self:100 refused only after loading;
+    tree=tree99999999 a MemoryError and tree9999 accepted; tree_budgets=[10^8] accepted."""
     from inference.cli import eval_main, generate_main
     from inference.formats.cli import export_main
 
@@ -168,3 +203,49 @@ def test_eagle_bounds_are_in_the_help():
 
     text = eval_help()
     assert "at most 32" in text and "at most 64" in text and "at most 256" in text
+
+
+def test_an_auto_tree_is_named_by_the_nodes_it_has(monkeypatch):
+    """Guards against tree_budgets=[100000000] reported as the chosen tree "auto100000000" while growth (which
+    stops where no node is worth anything) gave it 4 nodes: a report names only what was measured."""
+    import torch
+
+    import inference.evaluation.tree_choice as tc
+    from inference.evaluation.batch_sizing import candidate_trees
+
+    per_rank = [[0.6, 0.2] + [0.0] * 8, [0.4, 0.1] + [0.0] * 8]   # 6 nodes with a value, whatever the budget
+    hits = torch.tensor([[int(v * 1000) for v in row] for row in per_rank])
+    monkeypatch.setattr(tc, "measure_head_accuracy", lambda m, prompts, **kw: tc.HeadAccuracy(hits, torch.tensor([1000] * 2)))
+    monkeypatch.setattr(tc, "machine_load", lambda: (0.2, 2))
+    monkeypatch.setattr(tc, "step_times", lambda m, ids, tree, *, steps=8, **kw: [0.1 if tree is None else 0.05] * steps)
+    choice = tc.choose_tree(None, [[1, 2, 3]] * 2, [1, 2, 3], budgets=[3, 200], log=lambda line: None)
+    assert {c["name"]: c["nodes"] for c in choice.candidates} == {"auto3": 4, "auto6": 7}
+    assert choice.tree is not None and choice.tree.name == f"auto{len(choice.tree.paths)}"
+    assert [t.name for t, _ in candidate_trees(per_rank, 2, budgets=[3, 200], chains=())] == ["auto3", "auto6"]
+
+
+def test_every_prompt_is_checked_against_the_positions_before_any_is_decoded(monkeypatch):
+    """Guards against an evaluation (one prompt at a time or batched) refusing a prompt longer than the
+    backbone's positions only when its turn came, mid-run, after decoding the prompts before it."""
+    from medusa_train.backbone import byte_tokenizer
+
+    from inference.errors import UserError
+    from inference.evaluation import batch_eval, evaluate as evaluate_module
+    from inference.evaluation.prompts import Prompt
+    from inference.methods import registry
+    from inference.runtime.model import MedusaModel
+    from runtime_support import tiny_llama
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("a prompt was decoded before the refusal")
+
+    monkeypatch.setattr(registry, "generate", decoded)
+    monkeypatch.setattr(batch_eval, "hf_generate_batch", decoded)
+    m = MedusaModel(model=tiny_llama(vocab=259, max_positions=64), tokenizer=byte_tokenizer(), heads=None)
+    prompts = [Prompt("short", ["Hi."]), Prompt("long", ["x" * 200])]
+    with pytest.raises(UserError, match=r"prompt 'long' \(\d+ tokens\) \+ max_new_tokens \(4\) exceeds the backbone's 64"):
+        evaluate_module.evaluate(m, prompts, methods=["autoregressive"], max_new_tokens=4, progress=False,
+                                 log=lambda line: None)
+    with pytest.raises(UserError, match="prompt 'long'"):
+        batch_eval.evaluate_batched(m, prompts, methods=["autoregressive"], batch_sizes=[1], max_new_tokens=4,
+                                    progress=False, log=lambda line: None)

@@ -4,10 +4,12 @@ behind; and a TTT unroll the memory estimate counts and the configuration bounds
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY_DATA, clean_env, console_script
 from inference.errors import UserError
@@ -117,3 +119,141 @@ def test_ttt_steps_is_bounded(compose_tiny):
     for args in (["heads.ttt_steps=100000"], ["heads.num_heads=100000"]):
         with pytest.raises(UserError, match=rf"heads.{args[0][6:].split('=')[0]}.*1..{MAX_TTT_STEPS}"):
             validate(compose_tiny("heads.kind=eagle3", *args))
+
+
+# -- issue: values that trained silently, ended in a traceback or wrote files before being refused -------------
+LATE_OR_NEVER = [
+    (["heads.num_heads=100000"], "heads.num_heads must be in 1..64"),
+    (["heads.num_layers=1000000"], "heads.num_layers must be in 0..64"),
+    (["heads.kind=hydra", "heads.num_heads=100000"], "heads.num_heads must be in 1..64"),
+    (["heads.inner_dim=100000000"], "heads.inner_dim and heads.scale_input are mlp_speculator settings"),
+    (["heads.kind=mlp_speculator", "heads.inner_dim=100000000"], "lower heads.num_heads, heads.num_layers, heads.inner_dim"),
+    (["trainer.threads=-1"], "trainer.threads must be in 0..1024"),
+    (["trainer.threads=100000"], "trainer.threads must be in 0..1024"),
+    (["backbone.random_init.hidden_size=-64"], "backbone.random_init.hidden_size must be a positive integer"),
+    (["backbone.random_init.num_hidden_layers=0"], "backbone.random_init.num_hidden_layers must be a positive integer"),
+    (["data.max_conversations=0"], "data.max_conversations must be >= 1"),
+    (["data.eval_conversations=-1"], "data.eval_conversations must be >= 1"),
+    (["heads.scale_input=3"], "heads.scale_input must be true or false"),
+    (["data.packing=3"], "data.packing must be true or false"),
+    (["backbone.attn_implementation=bogus"], "backbone.attn_implementation must be one of eager"),
+    (["output_dir="], "output_dir is empty"),
+    (["-m", "heads.num_heads=2,0"], "heads.num_heads must be >= 1, got 0"),
+    (["-m", "heads.num_heads=2", "data.packing=true,3"], "data.packing must be true or false"),
+]
+
+
+@pytest.mark.parametrize("args, phrase", LATE_OR_NEVER, ids=[" ".join(a) for a, _ in LATE_OR_NEVER])
+def test_bad_value_is_refused_before_anything_is_written(args, phrase, tmp_path):
+    """Guards against: heads.num_heads=100000 / num_layers=1000000 / an mlp_speculator inner_dim=1e8 passing the
+    memory estimate (which did not count the heads' parameters, gradients and AdamW state) and failing after a
+    minute with an allocation traceback, with .hydra/ and backbone/ written; trainer.threads=-1 or 100000 and a
+    negative or zero backbone.random_init size ending in tracebacks; data.max_conversations=0 refused only after
+    the backbone was saved; heads.scale_input=3 or data.packing=3 read as true; an unknown
+    backbone.attn_implementation silently ignored; output_dir= (empty) training into the current folder; a
+    sweep (-m) running its good jobs (and writing multirun/) before refusing a bad one."""
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, *args)
+    assert_one_line_refusal(proc, phrase)
+    assert snapshot(tmp_path) == before, "a refused command wrote files"
+
+
+def test_sweep_flag_after_an_override_is_refused_in_one_line(tmp_path):
+    """Guards against: ``output_dir=DIR -m heads.num_heads=2,0`` (an override before -m) printing Hydra's
+    argparse usage block instead of one line: -m is taken anywhere among the arguments."""
+    out = tmp_path / "out"
+    proc = subprocess.run([console_script("medusa-train"), "debug_tiny", f"output_dir={out}", "-m",
+                           "heads.num_heads=2,0"], capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
+                          timeout=240)
+    assert_one_line_refusal(proc, "heads.num_heads must be >= 1, got 0")
+    assert not out.exists()
+
+
+def test_sweep_flag_after_an_override_runs_the_sweep(tmp_path):
+    """Guards against: an override before -m sending the whole command to Hydra's argparse (usage block,
+    exit 2) instead of running the sweep."""
+    proc = medusa_train(tmp_path, "trainer.max_steps=1", "logger.plot=false", "-m", "heads.num_heads=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "multirun" / "0" / "heads").is_dir()
+
+
+def test_sweep_jobs_cross_the_values_as_hydra_does():
+    """Guards against: a sweep's combinations prechecked other than as Hydra runs them (a bad job slipping by)."""
+    from medusa_train.cli import sweep_jobs
+
+    jobs = sweep_jobs(["heads.num_heads=1,2", "trainer.max_steps=range(1,3)", "output_dir=x"])
+    assert len(jobs) == 4 and ["heads.num_heads=2", "trainer.max_steps=2", "output_dir=x"] in jobs
+
+
+CONFIG_REFUSED = [
+    (["heads.loss_decay=-1"], "heads.loss_decay must be > 0"),
+    (["heads.loss_decay=0"], "heads.loss_decay must be > 0"),
+    (["heads.loss_weights=[1,-1,1]"], "heads.loss_weights must be >= 0"),
+    (["heads.loss_weights=[0,0,0]"], "heads.loss_weights must be >= 0 with at least one > 0"),
+    (["trainer.global_batch_size=0"], "trainer.global_batch_size must be >= 1 (or null"),
+    (["trainer.global_batch_size=-4"], "trainer.global_batch_size must be >= 1"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
+    (["data.bucket_buffer=-1"], "data.bucket_buffer must be >= 0"),
+    (["data.shuffle_buffer=-1"], "data.shuffle_buffer must be >= 0"),
+    (["data.eval_conversations=0"], "data.eval_conversations must be >= 1"),
+    (["data.vocab_scan_conversations=0"], "data.vocab_scan_conversations must be >= 1"),
+    (["heads.scale_input=true"], "heads.inner_dim and heads.scale_input are mlp_speculator settings"),
+    (["backbone.random_init.num_attention_heads=-2"], "backbone.random_init.num_attention_heads"),
+    (["heads.kind=mlp_speculator", "heads.num_layers=65"], "heads.num_layers must be in 0..64"),
+]
+
+
+@pytest.mark.parametrize("args, phrase", CONFIG_REFUSED, ids=[" ".join(a) for a, _ in CONFIG_REFUSED])
+def test_meaningless_value_is_refused_by_validation(args, phrase, compose_tiny):
+    """Guards against: a negative loss decay or loss weight (training heads away from their targets), a
+    global batch of 0 silently read as the default, a negative grad_clip or buffer, and data.eval_conversations=0
+    (which failed only after the backbone loaded: no held-out conversations) training silently or late."""
+    from medusa_train.config import validate
+
+    with pytest.raises(UserError, match=re.escape(phrase)):
+        validate(compose_tiny(*args))
+
+
+def test_accepted_edges_still_validate(compose_tiny):
+    """Guards against: the new bounds refusing documented values (0 = off / default)."""
+    from medusa_train.config import validate
+
+    validate(compose_tiny("trainer.threads=0", "trainer.grad_clip=0", "data.shuffle_buffer=0", "data.bucket_buffer=0",
+                          "trainer.global_batch_size=null", "heads.loss_weights=[1,0,0]"))
+    validate(compose_tiny("heads.num_heads=64", "heads.num_layers=64"))
+    validate(compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=32", "heads.scale_input=true"))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator", "eagle3"])
+def test_head_parameter_count_matches_the_trained_heads(kind, compose_tiny):
+    """Guards against: the memory estimate counting heads other than those the trainer builds (the estimate
+    asks each family for its module, built on the meta device from the spec the trainer writes)."""
+    from inference.heads.registry import init_heads
+    from inference.heads.spec import HeadsSpec
+    from medusa_train.backbone import draft_vocabulary, family_fields, head_parameter_count, random_config
+    from medusa_train.config import draft_depth
+
+    extra = ["backbone.random_init.num_hidden_layers=8"] if kind == "eagle3" else ["heads.num_layers=2"]
+    cfg = compose_tiny(f"heads.kind={kind}", *extra)
+    hf = random_config(dict(cfg.backbone.random_init))
+    projection, n = draft_vocabulary(cfg.heads, hf.vocab_size)
+    spec = HeadsSpec(num_heads=draft_depth(cfg.heads), num_layers=cfg.heads.num_layers, hidden_size=hf.hidden_size,
+                     vocab_size=hf.vocab_size, projection=projection, truncated_vocab_size=n, kind=kind,
+                     **family_fields(cfg.heads, hf))
+    matrix = torch.zeros(hf.vocab_size, hf.hidden_size)
+    heads = init_heads(spec, matrix, matrix, torch.arange(n))
+    assert head_parameter_count(cfg.heads, hf) == sum(p.numel() for p in heads.parameters()) > 0
+
+
+def test_heads_state_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch):
+    """Guards against: check_fits counting the frozen forward and the backbone's weights only, so heads whose
+    parameters (with gradients and two fp32 AdamW moments each) cannot fit passed the check and failed after
+    the backbone loaded, with an allocation traceback."""
+    from medusa_train import backbone as B
+
+    monkeypatch.setattr(B, "available_memory", lambda device: (256 * 2**20, "RAM available"))
+    B.check_fits(compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=64"))
+    big = compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=4096")  # ~4096^2 x 2 params x 16 B > 256 MB
+    with pytest.raises(UserError, match=r"heads.kind=mlp_speculator .* parameters.*lower heads.num_heads, "
+                                        r"heads.num_layers, heads.inner_dim or heads.truncated_vocab_size"):
+        B.check_fits(big)

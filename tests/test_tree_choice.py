@@ -202,7 +202,7 @@ def test_spread_lands_in_report_json_and_md(tiny_medusa, inject, tmp_path):
 def test_both_measuring_phases_show_progress(tiny_medusa, monkeypatch, capsys):
     """Guards against: medusa-eval sitting silent for minutes while it calibrates the heads and times the
     trees; and the bars showing when progress is off."""
-    monkeypatch.setattr(tc, "step_times", FakeClock({"plain": 1, "auto1": 1, "auto2": 1, "auto3": 1, "auto4": 1}))
+    monkeypatch.setattr(tc, "step_times", FakeClock({"plain": 1, "auto0": 1, "auto1": 1, "auto2": 1, "auto3": 1, "auto4": 1}))
     calib = [tiny_medusa.encode_chat(f"question {i}?") for i in range(2)]
     tc.choose_tree(tiny_medusa, calib, calib[0], budgets=[1, 2], calibration_tokens=4, log=lambda s: None,
                    progress=True)

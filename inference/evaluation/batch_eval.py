@@ -53,7 +53,7 @@ from ..runtime.model import MedusaModel
 from ..runtime.tree import chain_tree, resolve_tree
 from ..runtime.verify import SamplingConfig
 from .evaluate import EAGLE3_TREE_METHODS, check_settings, machine
-from .prompts import Prompt, split_calibration
+from .prompts import Prompt, encode_checked, split_calibration
 from .batch_sizing import choose_chain_schedule, choose_eagle3_schedule, choose_schedule
 from .eagle3_choice_file import schedule_settings
 from .tree_schedule_file import schedule_trees
@@ -222,8 +222,8 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     if not prompts:
         raise UserError("no prompts to evaluate")
     check_sizes_measured(sizes, len(prompts))
-    ids = [m.encode_chat(p.turns[0]) for p in prompts]
-    calib = [m.encode_chat(p.turns[0]) for p in calib_src]
+    ids = encode_checked(m, prompts, max_new_tokens)   # every prompt fits before anything is decoded
+    calib = encode_checked(m, calib_src, calibration_tokens)
     schedules: dict[str, SpeculationSchedule] = {}
     speculation: dict[str, dict] = {}
     per_rank = None

@@ -77,7 +77,8 @@ def candidate_trees(per_rank, num_heads: int, budgets: Sequence[int] = BATCH_BUD
     """Distinct trees grown for ``budgets`` and top-1 chains of ``chains`` tokens, with expected tau."""
     out, seen = [], set()
     for b in sorted(set(budgets)):
-        tree, tau = grow_tree(per_rank, b, name=f"auto{b}")
+        tree, tau = grow_tree(per_rank, b)
+        tree.name = f"auto{len(tree.paths)}"   # the nodes it has (root excluded): growth stops at value 0
         out.append((tree, tau))
     for n in chains:
         if n - 1 <= num_heads:

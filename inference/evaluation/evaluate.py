@@ -45,10 +45,10 @@ import torch
 from ..errors import UserError
 from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
-from ..runtime.tree import expected_tau, resolve_tree
+from ..runtime.tree import MAX_TREE_NODES, expected_tau, resolve_tree
 from ..runtime.verify import SamplingConfig
 from ..methods import registry
-from .prompts import Prompt, split_calibration
+from .prompts import Prompt, encode_checked, split_calibration
 from .tree_choice import DEFAULT_BUDGETS, TreeChoice, calibrated_choice, choose_eagle3, choose_tree
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
@@ -146,8 +146,9 @@ def check_settings(*, max_new_tokens: int, turns: str = "first", calibration_pro
         if not _count(value):
             raise UserError(f"{name} must be an integer >= 1, got {value!r}")
     given = list(budgets) if isinstance(budgets, Sequence) and not isinstance(budgets, str) else None
-    if not given or not all(_count(b) for b in given):
-        raise UserError(f"tree_budgets must be a non-empty list of node counts >= 1 (root excluded), got {budgets!r}")
+    if not given or not all(_count(b) and b < MAX_TREE_NODES for b in given):
+        raise UserError(f"tree_budgets must be a non-empty list of node counts >= 1 (root excluded), each at most "
+                        f"{MAX_TREE_NODES - 1}, got {budgets!r}")
     calibrated_choice(tree)   # tree=calibrated:N with a bad N
 
 
@@ -179,7 +180,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     eagle_auto = [meth for meth in EAGLE3_TREE_METHODS if meth in opts and opts[meth].tree == "auto"]
     if ((tree == "auto" or fixed) and with_tree) or eagle_auto:
         calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
-        calib = [m.encode_chat(p.turns[0]) for p in calib_src]
+        calib = encode_checked(m, calib_src, calibration_tokens)
+    encode_checked(m, prompts, max_new_tokens)   # every first turn fits before anything is decoded
     if (tree == "auto" or fixed) and with_tree:
         log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")
         choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log,

@@ -9,6 +9,7 @@ from typing import Optional
 
 from .. import assets
 from ..errors import UserError
+from ..runtime.decode import check_budget
 
 CODE_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "code_prompts.jsonl"
 PROMPT_SETS = {"code": CODE_PROMPTS, "embedded:code": CODE_PROMPTS}
@@ -19,6 +20,15 @@ class Prompt:
     id: str
     turns: list[str]
     category: str = ""
+
+
+def encode_checked(m, prompts: list[Prompt], max_new_tokens: int) -> list[list[int]]:
+    """The first turns of ``prompts`` encoded for ``m``, every one checked to fit the backbone's positions with
+    ``max_new_tokens`` before any is decoded (an evaluation refused mid-run has wasted what it decoded)."""
+    ids = [m.encode_chat(p.turns[0]) for p in prompts]
+    for p, row in zip(prompts, ids):
+        check_budget(m, len(row), max_new_tokens, what=f"prompt {p.id!r}")
+    return ids
 
 
 def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:

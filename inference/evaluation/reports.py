@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from ..errors import UserError
@@ -16,13 +17,27 @@ from .batch_reports import batched_markdown, plot_throughput
 # -- reports ---------------------------------------------------------------------------------
 def check_report_dir(out_dir: Path) -> None:
     """Refuse, in one line, a report folder that cannot be written (a file, under a file, in a folder this
-    user cannot write), before the evaluation: ``write_report`` runs only after everything was measured."""
+    user cannot write, where the file system refuses new entries: /proc), before the evaluation:
+    ``write_report`` runs only after everything was measured. The folder is made and, if it was new,
+    removed again (with the parents made for it), so a refused or failed evaluation leaves nothing."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out={out_dir} is a file, not a folder")
     existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"out={out_dir} cannot be created: {existing} is "
                         f"{'a file' if not existing.is_dir() else 'not writable'}")
+    made = [p for p in (out_dir.absolute(), *out_dir.absolute().parents) if not p.exists()]
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out_dir).close()   # an entry the folder really takes (gone on close)
+    except OSError as e:
+        raise UserError(f"out={out_dir} cannot be created ({e.strerror or e})") from None
+    finally:
+        for p in made:   # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
 
 
 def write_report(out_dir: Path, report: dict) -> list[Path]:

@@ -30,7 +30,7 @@ import torch
 from ..errors import UserError
 from ..methods import generate, registry
 from ..runtime.model import MedusaModel
-from ..runtime.tree import MedusaTree, grow_tree, resolve_tree
+from ..runtime.tree import MAX_TREE_NODES, MedusaTree, grow_tree, resolve_tree
 from ..runtime.verify import SamplingConfig
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -308,8 +308,9 @@ def calibrated_choice(tree_setting: str) -> Optional[int]:
     if not isinstance(tree_setting, str) or not tree_setting.startswith("calibrated:"):
         return None
     n = tree_setting.split(":", 1)[1]
-    if not n.isdigit() or int(n) < 2:
-        raise UserError(f"tree=calibrated:N needs N >= 2 nodes (root included), got {tree_setting!r}")
+    if not n.isdigit() or not 2 <= int(n) <= MAX_TREE_NODES:
+        raise UserError(f"tree=calibrated:N needs N >= 2 nodes (root included), at most {MAX_TREE_NODES}, "
+                        f"got {tree_setting!r}")
     return int(n)
 
 
@@ -473,7 +474,8 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
     trees = []
     seen = set()
     for b in sorted(set(budgets)):
-        tree, tau = grow_tree(per_rank, b, name=f"auto{b}")
+        tree, tau = grow_tree(per_rank, b)
+        tree.name = f"auto{len(tree.paths)}"   # the nodes it has (root excluded): growth stops at value 0
         key = tuple(map(tuple, tree.choices))
         if tree.num_nodes == 0 or key in seen:
             continue

@@ -9,7 +9,9 @@
 Keys:
   heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 dir (re-export)
   format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM and SGLang)
-  out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true
+  out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true, and even then
+                    unless it is a previous export (a config.json and files, no subfolders); never
+                    the heads= folder, a folder holding it or one inside it
   materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
                     that need them (tensorrt_llm, medusa_v1, tgi with >1 layer); prints the size cost
   backbone=NAME     the target the heads are checked against before anything is written (its config:
@@ -65,9 +67,7 @@ def run_export(cfg) -> None:
     if cfg.dtype not in dtypes:
         raise UserError(f"dtype must be one of {', '.join(dtypes)}, got {cfg.dtype!r}")
     src, out = Path(cfg.heads), Path(cfg.out)
-    if out.resolve() == src.resolve():
-        raise UserError("out= must differ from heads= (the export would replace its own source)")
-    check_out_dir(out, cfg.overwrite)
+    check_out_dir(out, cfg.overwrite, source=src)   # never the heads' own folder, one above or inside it
 
     with warnings.catch_warnings(record=True) as caught:  # one line each, not Python's two-line warnings
         warnings.simplefilter("always", FormatWarning)

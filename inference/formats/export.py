@@ -134,11 +134,28 @@ def export_heads(heads, format_name: str, out, *, overwrite: bool = False,
                         weight_bytes=plan.weight_bytes, notes=plan.notes)
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
+def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> None:
+    """Refuse, in one line, an ``out`` the export must not write: ``source`` itself, a folder holding it
+    or one inside it (replacing it would delete the heads being read), a file, a non-empty folder without
+    ``overwrite``, and, even with ``overwrite``, a non-empty folder that is not an export (``_is_export``:
+    a training run, a home folder), or a place that cannot be created."""
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()   # symlinks followed: the folders actually touched
+        if dst == src:
+            raise UserError("out= must differ from heads= (the export would replace its own source)")
+        if dst in src.parents:
+            raise UserError(f"out={out} holds heads={source}: the export would delete the heads it reads; "
+                            "give out= a folder of its own")
+        if src in dst.parents:
+            raise UserError(f"out={out} is inside heads={source}: give out= a folder outside the heads")
     if out.exists() and not out.is_dir():
         raise UserError(f"out={out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"out={out} is not empty: pass overwrite=true to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"out={out} is not empty: pass overwrite=true to replace it")
+        if not _is_export(out):
+            raise UserError(f"out={out} is not an export (overwrite=true replaces only a folder holding a "
+                            "config.json and files, no subfolders): give out= a new or empty folder")
     base = out.absolute().parent
     while not base.exists() and base != base.parent:
         base = base.parent
@@ -146,6 +163,14 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         raise UserError(f"out={out} cannot be created: {base} is not a directory")
     if not os.access(base, os.W_OK | os.X_OK):
         raise UserError(f"out={out} cannot be created: {base} is not writable")
+
+
+def _is_export(folder: Path) -> bool:
+    """Whether ``folder`` looks like a previous export, which ``overwrite=true`` may replace: every format
+    writes a flat folder (config.json, one weights file, small text files); a training run (checkpoints/,
+    heads/) or any other folder with subfolders is not one, and neither is a folder without config.json."""
+    entries = list(folder.iterdir())
+    return (folder / "config.json").is_file() and not any(e.is_dir() or e.is_symlink() for e in entries)
 
 
 def _writable_temp_dir(out: Path) -> Path:

@@ -110,22 +110,33 @@ def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int
     return list(proposal[:n]), verdict.bonus
 
 # -- the draft model ----------------------------------------------------------------------
+MAX_DRAFT_K = 64   # a chain is verified in one forward pass: longer ones only cost (and a typo allocates GBs)
+
+
 @dataclass
 class DraftSettings:
     """The draft model (``load_draft``'s spec), k draft tokens per step, adaptive k."""
 
     draft: Any = option("self:4", "draft", "self:N (the backbone's first N layers) | a path or hub id | a model")
-    k: int = option(4, "draft_k", "draft tokens per step")
+    k: int = option(4, "draft_k", f"draft tokens per step (at most {MAX_DRAFT_K})")
     adaptive: bool = option(False, "draft_adaptive", "move k within 1..2k from the last step's acceptance")
     trust_remote_code: bool = option(False, "trust_remote_code", "for a draft checkpoint with custom code")
     # batches only: chains of at most k tokens per batch size (medusa-eval sizes them); None: k everywhere
     schedule: Any = option(None, None, "a SpeculationSchedule of chains (batched decoding)")
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise UserError(f"draft_k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_DRAFT_K:
+            raise UserError(f"draft_k (draft tokens per step) must be an integer in 1..{MAX_DRAFT_K}, got {self.k!r}")
         parse_self_draft(self.draft)  # a malformed self:N fails before any model is loaded
         check_chain_schedule(self.schedule, self.k, "draft_k")
+
+    def check_backbone(self, config) -> None:
+        """Refuse, from the backbone's config alone (before its weights load), a self:N deeper than it."""
+        layers = parse_self_draft(self.draft)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        total = getattr(text, "num_hidden_layers", None)
+        if layers and isinstance(total, int) and layers > total:
+            raise UserError(f"a self-draft takes 1..{total} of the backbone's layers, got {self.draft!r}")
 
     @property
     def k_max(self) -> int:

@@ -35,7 +35,7 @@ root, the trie and the last window level.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import torch
 
@@ -53,15 +53,18 @@ class LookaheadSettings:
     """window W (Jacobi columns), ngram N (n-gram size; N-1 window levels), guesses G (pool
     candidates verified per step)."""
 
-    window: int = option(5, "lookahead_window", "W: Jacobi window columns")
-    ngram: int = option(4, "lookahead_ngram", "N: n-gram size (N-1 window levels)")
-    guesses: int = option(5, "lookahead_guesses", "G: pool candidates verified per step")
+    window: int = option(5, "lookahead_window", "W: Jacobi window columns (at most 64)")
+    ngram: int = option(4, "lookahead_ngram", "N: n-gram size (N-1 window levels; at most 16)")
+    guesses: int = option(5, "lookahead_guesses", "G: pool candidates verified per step (at most 64)")
+
+    # (low, high) per key: a step verifies 1 + (N-1)(W+G) rows, so the highs already make a step of ~2000 rows
+    BOUNDS: ClassVar[dict] = {"window": (2, 64), "ngram": (2, 16), "guesses": (1, 64)}
 
     def __post_init__(self):
-        for name, low in (("window", 2), ("ngram", 2), ("guesses", 1)):
+        for name, (low, high) in self.BOUNDS.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise UserError(f"lookahead {name} must be an integer >= {low}, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise UserError(f"lookahead {name} must be an integer in {low}..{high}, got {v!r}")
 
     @property
     def extra_kv_tokens(self) -> int:

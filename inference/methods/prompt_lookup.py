@@ -35,14 +35,20 @@ from .draft import chain_buffers, chain_cursor, chain_sampling, check_chain_sche
 from .registry import ChainSizing, Method, option, register, slot_costs
 
 
+# The most tokens looked up a step and the longest suffix: a chain is verified in one forward pass (its rows
+# cost every step), so beyond these nothing is gained and a typo (10^8) would only allocate gigabytes.
+MAX_LOOKUP_TOKENS, MAX_NGRAM = 64, 16
+
+
 def check_lookup_settings(o, label, min_tokens: int = 1) -> None:
     """Refuse, in one line, lookup settings ``o`` (num_tokens, max_ngram, min_ngram) a decoder cannot use;
     ``label(field)`` names a field as its options class does (prompt_lookup's, eagle3_lookup's keys);
     ``min_tokens``: the fewest tokens looked up a step (0 where the lookup can be switched off)."""
     for name in ("num_tokens", "max_ngram", "min_ngram"):
         v, low = getattr(o, name), (min_tokens if name == "num_tokens" else 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise UserError(f"{label(name)} must be an integer >= {low}, got {v!r}")
+        high = MAX_LOOKUP_TOKENS if name == "num_tokens" else MAX_NGRAM
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise UserError(f"{label(name)} must be an integer in {low}..{high}, got {v!r}")
     if o.min_ngram > o.max_ngram:
         raise UserError(f"{label('min_ngram')} ({o.min_ngram}) exceeds {label('max_ngram')} ({o.max_ngram})")
 
@@ -51,8 +57,8 @@ def check_lookup_settings(o, label, min_tokens: int = 1) -> None:
 class PromptLookupSettings:
     """num_tokens: most tokens proposed per step; max_ngram/min_ngram: suffix lengths tried."""
 
-    num_tokens: int = option(10, "prompt_lookup_tokens", "most tokens proposed per step")
-    max_ngram: int = option(3, "prompt_lookup_max_ngram", "longest suffix looked up")
+    num_tokens: int = option(10, "prompt_lookup_tokens", f"most tokens proposed per step (at most {MAX_LOOKUP_TOKENS})")
+    max_ngram: int = option(3, "prompt_lookup_max_ngram", f"longest suffix looked up (at most {MAX_NGRAM})")
     min_ngram: int = option(1, "prompt_lookup_min_ngram", "shortest suffix looked up")
     # batches only: chains of at most num_tokens per batch size (medusa-eval sizes them); None: num_tokens
     schedule: Any = option(None, None, "a SpeculationSchedule of chains (batched decoding)")

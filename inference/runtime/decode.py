@@ -99,13 +99,24 @@ def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long, device=m.device)
 
 
-def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int) -> None:
+def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
+    """Refuse a prompt (``what`` names it) whose tokens + ``max_new_tokens`` exceed the backbone's positions."""
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     limit = m.max_positions
     if limit and prompt_len + max_new_tokens > limit:
-        raise UserError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+        raise UserError(f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                         f"backbone's {limit} positions")
+
+
+def check_positions(config, max_new_tokens: int) -> None:
+    """Refuse, from the backbone's config alone (before its weights load), a ``max_new_tokens`` that leaves no
+    position for even a one-token prompt; each prompt is checked once encoded (``check_budget``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0 and max_new_tokens >= limit:
+        raise UserError(f"max_new_tokens={max_new_tokens} does not fit the backbone's {limit} positions with a "
+                        f"prompt: at most {limit - 1}, less the prompt's tokens")
 
 
 def seeded_generator(device: torch.device, seed: Optional[int]) -> torch.Generator:

@@ -41,6 +41,10 @@ from ..errors import UserError
 
 TREE_FORMAT = "medusa-tree"
 TREE_FORMAT_VERSION = 1
+# The most nodes (root included) a named tree (treeN, chainN), tree=calibrated:N or a tree_budgets entry may
+# ask for: the largest default is 64 nodes (mc_sim_7b_63) and the automatic budgets stop at 33, as EAGLE-3's
+# eagle_nodes at 256; every node is a row verified each step, so beyond this a tree only costs.
+MAX_TREE_NODES = 256
 
 # Medusa's default 63-node tree for Vicuna-7B (FasterDecoding/Medusa medusa_choices.py,
 # "mc_sim_7b_63"): depth <= 4, ranks <= 9. Kept verbatim so results compare with the paper's.
@@ -424,6 +428,10 @@ def chain_tree(length: int) -> MedusaTree:
 
 def default_tree(name: str, num_heads: int) -> MedusaTree:
     """A named default tree (``DEFAULT_TREE_NAMES``) fitted to ``num_heads`` heads."""
+    digits = name[5:] if name.startswith("chain") else name[4:] if name.startswith("tree") else ""
+    if digits.isdigit() and int(digits) > MAX_TREE_NODES:   # before growing it: tree10^8 is a MemoryError
+        raise UserError(f"tree {name} has more than {MAX_TREE_NODES} nodes (every node is verified each step): "
+                        f"use at most {name[:-len(digits)]}{MAX_TREE_NODES}")
     if name == "mc_sim_7b_63":
         tree = MedusaTree(MC_SIM_7B_63, name=name)
     elif name.startswith("chain") and name[5:].isdigit():
