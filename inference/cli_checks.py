@@ -74,8 +74,7 @@ def backbone_config(cfg, spec):
     record, else (no heads) embedded:smollm2; None when it cannot be read here (the load says why)."""
     from .backbone import load_backbone_config
 
-    name = cfg.backbone or (spec.base_model if spec is not None else None) or (None if cfg.heads else
-                                                                                "embedded:smollm2")
+    name = cfg.backbone or getattr(spec, "base_model", None) or (None if cfg.heads else "embedded:smollm2")
     if not name or str(name).startswith("random:"):
         return None
     try:

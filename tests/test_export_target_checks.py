@@ -108,7 +108,8 @@ def test_an_output_folder_that_cannot_be_created_is_one_line(target, tmp_path, c
     """Guards against: out= under /proc (or below a file) ending in a FileNotFoundError traceback instead of
     one line and exit 2, with nothing written."""
     src = save_heads(random_heads(target), tmp_path / "medusa")
-    for out in ("/proc/medusa-export-test/out", str(src / "config.json" / "out")):
+    (tmp_path / "a-file").write_text("not a folder")
+    for out in ("/proc/medusa-export-test/out", str(tmp_path / "a-file" / "out")):
         code, _, err = run([f"heads={src}", "format=vllm", f"out={out}"], capsys)
         assert_one_line_error(code, err, f"out={out} cannot be created")
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())

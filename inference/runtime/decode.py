@@ -103,7 +103,7 @@ def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int, what: str
     """Refuse a prompt (``what`` names it) whose tokens + ``max_new_tokens`` exceed the backbone's positions."""
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    limit = m.max_positions
+    limit = getattr(m, "max_positions", None)   # None: no positional limit known
     if limit and prompt_len + max_new_tokens > limit:
         raise UserError(f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                         f"backbone's {limit} positions")
