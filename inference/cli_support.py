@@ -41,11 +41,10 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     from omegaconf import OmegaConf
 
     structured = OmegaConf.structured(schema)
-    not_boolean = next(((k, v) for k, v in (a.split("=", 1) for a in argv) if is_boolean_key(structured, k)
-                        and v.strip().lower() not in BOOLEAN_WORDS + ("null", "none")), None)
+    not_boolean = non_boolean_override(structured, argv)
     if not_boolean:
-        fail(prog, f"{not_boolean[0]} must be true or false (or yes/no, on/off, 1/0), got {not_boolean[1]!r} "
-                   f"(see {prog} --help)")
+        fail(prog, f"{not_boolean[0].split('=', 1)[0]} must be true or false (or yes/no, on/off, 1/0), got "
+                   f"{not_boolean[1]!r} (see {prog} --help)")
     try:
         cfg = OmegaConf.merge(structured, OmegaConf.from_dotlist(argv))
     except Exception as e:  # unknown key / wrong type
@@ -59,15 +58,29 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     return cfg
 
 
+def non_boolean_override(structured, argv: list[str]) -> Optional[tuple[str, str]]:
+    """The first ``key=value`` of ``argv`` (and its value) whose key is a boolean field of the schema
+    ``structured`` but whose value is no boolean word: OmegaConf alone reads any integer (``=3``) as true."""
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and is_boolean_key(structured, key) and value.strip().lower() not in BOOLEAN_WORDS + ("null", "none"):
+            return arg, value
+    return None
+
+
 def is_boolean_key(structured, key: str) -> bool:
-    """Whether ``key`` (dotted) names a boolean field of the schema ``structured``."""
+    """Whether ``key`` (dotted) names a boolean field of the schema ``structured`` (False for a key inside
+    an untyped dict, such as backbone.random_init.*: composing judges those)."""
     from omegaconf import BooleanNode, DictConfig
 
     node = structured
-    for part in key.lstrip("+~").split("."):
-        node = node._get_node(part, validate_access=False) if isinstance(node, DictConfig) else None
-        if node is None:
-            return False
+    try:
+        for part in key.lstrip("+~").split("."):
+            node = node._get_node(part, validate_access=False) if isinstance(node, DictConfig) else None
+            if node is None:
+                return False
+    except Exception:
+        return False
     return isinstance(node, BooleanNode)
 
 

@@ -24,7 +24,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from inference.cli_support import BOOLEAN_WORDS, is_boolean_key, config_error_line, enum_value, fail
+from inference.cli_support import config_error_line, enum_value, fail, non_boolean_override
 from inference.errors import UserError
 from .config import check_data_source, derived_batch, launch_world_size, register_configs, validate
 
@@ -268,17 +268,10 @@ def check_boolean_overrides(overrides: list[str]) -> None:
 
     from .config import RecipeConfig
 
-    schema = OmegaConf.structured(RecipeConfig)
-    for arg in overrides:
-        if "=" not in arg:
-            continue
-        key, value = arg.split("=", 1)
-        try:
-            boolean = is_boolean_key(schema, key)
-        except Exception:  # a key inside an untyped dict (backbone.random_init.*): composing judges it
-            boolean = False
-        if boolean and value.strip().lower() not in BOOLEAN_WORDS + ("null", "none"):
-            _fail(f"{override_key(arg)} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
+    not_boolean = non_boolean_override(OmegaConf.structured(RecipeConfig), overrides)
+    if not_boolean:
+        arg, value = not_boolean
+        _fail(f"{override_key(arg)} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
