@@ -3,8 +3,8 @@
 While decoding, the attention's key length grows by one or more every call. torch's cuDNN SDPA backend
 builds (and caches) an execution plan per distinct shape, so on a decoding loop every call is a new plan:
 on an H200 (torch 2.11, SmolLM2-135M shape, bf16) that cost 1.4 ms of host time per call against 0.05 ms
-for a shape it had seen, 30 layers x 1.4 ms = 42 of a batched step's 66 ms (``scripts/profile_gpu_step.py``,
-BENCHMARKS.md "GPU check"). The memory-efficient and flash kernels take any length at no planning cost;
+for a shape it had seen, 30 layers x 1.4 ms = 42 of a batched step's 66 ms (``python scripts/bench.py profile-gpu``,
+benchmarks/history.md "GPU check"). The memory-efficient and flash kernels take any length at no planning cost;
 torch picks among them (and the math fallback) as usual. Training, whose shapes are fixed, is left alone.
 """
 

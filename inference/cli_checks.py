@@ -3,9 +3,10 @@
 A backbone takes seconds to minutes to load, behind its progress bars; a mistake that the keys, the heads'
 config.json or the prompts file already show is refused first, in one line. Each rule lives with its concept
 (sampling: ``runtime.verify.SamplingConfig``; a method's keys: its options class, which also checks them
-against the heads' config, ``check_spec``; evaluation settings: ``evaluation.evaluate.check_settings``; batch
-sizes: ``evaluation.batch_eval``; the report folder: ``evaluation.reports``); this module gathers what each
-command needs from its config. Its imports are made where they are used, so ``--help`` stays fast.
+against the heads' config, ``check_spec``; a choice, its method's speculation shape (``methods.shape``) and
+the choice file's reader (``methods.choice_file``); evaluation settings: ``evaluation.evaluate.check_settings``;
+batch sizes: ``evaluation.batch_eval``; the report folder: ``evaluation.reports``); this module gathers what
+each command needs from its config. Its imports are made where they are used, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -94,39 +95,68 @@ def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
     return ids
 
 
-def check_tree(cfg) -> None:
-    """Refuse a tree the heads cannot draft (deeper than the heads, more ranks than their outputs, an empty
-    tree file) from the heads' config.json alone. ``auto`` / ``calibrated:N`` are grown from the heads
-    themselves and always fit."""
-    from .evaluation.tree_schedule_file import is_tree_schedule, read_tree_schedule
-    from .loading import read_heads_spec_for
-    from .runtime.tree import resolve_tree
+def method_options(cfg, method: str, spec):
+    """``method``'s typed options from the command line's keys (bad K / W / N: one line), the settings left unset
+    fitted to the heads of ``spec`` (``fitted``, where the options have it: EAGLE-3's tree)."""
+    from .methods.registry import options_from_keys
 
-    if not cfg.heads or cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"):
-        return
-    spec = read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
-    if is_tree_schedule(cfg.tree):   # a batched evaluation's tree per batch size: every tree checked
-        read_tree_schedule(cfg.tree, spec)
-        return
-    tree = resolve_tree(cfg.tree, spec.num_heads)
-    outputs = getattr(spec, "output_size", 0) or spec.vocab_size or 0
-    tree.check_fits(spec.num_heads, outputs or 1 << 30)
+    options = options_from_keys(method, cfg)
+    fitted = getattr(options, "fitted", None)
+    return fitted(spec) if fitted is not None else options
+
+
+def choice_modes(cfg, options: dict) -> dict:
+    """method -> ``auto`` / ``fixed`` for the methods with a speculation shape: ``choice=``, or fixed where a key
+    naming the shape itself was given (``tree=tree8``; ``shape.method_mode``)."""
+    from .methods.registry import get
+    from .methods.shape import keyed_fields, method_mode
+
+    mode = cfg.choice if cfg.choice in ("auto", "fixed") else "fixed"   # a file: applied by the caller
+    modes = {}
+    for x, opts in options.items():
+        shape = get(x).shape
+        if shape is not None:
+            given = [name for name, key in keyed_fields(opts).items() if getattr(cfg, key, None) is not None]
+            modes[x] = method_mode(shape, mode, given)
+    return modes
+
+
+def check_fixed_choices(options: dict, modes: dict, spec) -> None:
+    """Refuse, from the heads' config alone, a fixed choice the heads cannot decode with (a tree deeper than the
+    heads, more ranks than their outputs, an empty or old tree file); a choice still to measure always fits."""
+    from .methods.registry import get
+
+    for x, mode in modes.items():
+        shape = get(x).shape
+        if spec is None or shape.calibrates(options[x], mode, False) or shape.calibrates(options[x], mode, True):
+            continue
+        choice = shape.fixed_choice(options[x], spec)
+        if choice is not None:
+            shape.check_spec(choice, spec)
+
+
+def read_choice_file(cfg, spec, usable: list[str]):
+    """The ``SavedChoice`` of ``choice=<file>`` (None for auto / fixed), read against the heads of ``spec``
+    with the command line's other keys (``choice_file.read_choice``)."""
+    from .methods.choice_file import is_choice_file, read_choice
+
+    if not is_choice_file(cfg.choice):
+        return None
+    return read_choice(cfg.choice, spec, usable, lambda method: method_options(cfg, method, spec))
 
 
 def check_eval_keys(cfg):
     """(sampling settings, batch sizes or None: one prompt at a time) of an evaluation, every key the
     config alone decides checked: decoding, batching, calibration, tree budgets, turns."""
-    from .evaluation.batch_eval import CHAIN_SIZING, parse_batch_sizes
+    from .evaluation.batch_eval import parse_batch_sizes
     from .evaluation.evaluate import check_settings
 
     sampling = check_decoding_keys(cfg)
     check_settings(max_new_tokens=cfg.max_new_tokens, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
-                   calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets), tree=cfg.tree)
+                   calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets))
     sizes = parse_batch_sizes(cfg.batch_size)
     if isinstance(cfg.batch_rounds, bool) or not isinstance(cfg.batch_rounds, int) or cfg.batch_rounds < 1:
         raise UserError(f"batch_rounds must be an integer >= 1, got {cfg.batch_rounds!r}")
-    if cfg.batch_chains not in CHAIN_SIZING:
-        raise UserError(f"batch_chains must be one of {', '.join(CHAIN_SIZING)}, got {cfg.batch_chains!r}")
     if sizes is not None and cfg.compare:
         raise UserError("compare=true measures one prompt at a time: with batch_size give methods=[...]")
     if sizes is not None and cfg.turns != "first":
@@ -134,23 +164,54 @@ def check_eval_keys(cfg):
     return sampling, sizes
 
 
-def eval_prompts(cfg, methods: list[str], options: dict, sizes: Optional[list[int]]):
-    """(the prompts evaluated, the calibration prompts or None when nothing calibrates); batch sizes above
+def eval_methods(cfg) -> list[str]:
+    """The methods an evaluation runs, from ``methods`` / ``compare``, the mode and whether heads exist."""
+    from .cli_support import enum_value
+    from .methods import get, names
+    from .methods.registry import check_methods, methods_for_heads
+
+    if cfg.method is not None:
+        raise UserError("method= is gone: give methods=[name, ...] (the baselines are added)")
+    if cfg.methods is not None and cfg.compare:
+        raise UserError("give one of methods= or compare=true")
+    greedy = enum_value(cfg.mode) == "greedy"
+    baselines = [x for x in names() if get(x).baseline and (greedy or not get(x).greedy_only)]
+    spec = heads_spec(cfg)  # unreadable: every heads method, medusa by default (loading says what is wrong)
+    usable = [] if not cfg.heads else methods_for_heads(spec) if spec is not None else \
+        [x for x in names() if get(x).needs_heads]
+    if cfg.compare:
+        chosen = [x for x in names() if not get(x).baseline and (x in usable or not get(x).needs_heads)]
+    elif cfg.methods is not None:
+        chosen = [str(x) for x in (cfg.methods if not isinstance(cfg.methods, str) else cfg.methods.split(","))]
+    elif cfg.heads:
+        chosen = usable[:1]
+    else:
+        free = "|".join(x for x in names() if not get(x).needs_heads and not get(x).baseline)
+        raise UserError(f"give heads=<export directory> to evaluate Medusa heads, or methods=[{free}] "
+                        "(or compare=true) for the training-free methods")
+    methods = check_methods(chosen + [b for b in baselines if b not in chosen])
+    needing = [x for x in methods if get(x).needs_heads]
+    if needing and not cfg.heads:
+        raise UserError(f"method {needing[0]} needs heads=<export directory>")
+    refused = [x for x in needing if x not in usable]
+    if refused:  # e.g. methods=[medusa] with EAGLE-3 heads: one line before the backbone loads
+        raise UserError(get(refused[0]).refuses(spec))
+    return methods
+
+
+def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]]):
+    """(the prompts evaluated, the calibration prompts or None when no choice calibrates); batch sizes above
     the prompts evaluated refused (they would be reported as measured, but never were)."""
     from .evaluation.batch_eval import check_sizes_measured
-    from .evaluation.evaluate import EAGLE3_TREE_METHODS
+    from .evaluation.choosing import calibrating
     from .evaluation.prompts import load_prompts, select_prompts
-    from .methods import get
 
     prompts = load_prompts(cfg.prompts)
     wanted = cfg.num_prompts
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1):
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
-    calibrating = ((cfg.tree == "auto" or str(cfg.tree).startswith("calibrated:"))
-                   and any(get(x).needs_tree for x in methods)) or (
-        any(x in methods and options[x].tree == "auto" for x in EAGLE3_TREE_METHODS)) or (
-        sizes is not None and cfg.batch_chains == "auto" and any(get(x).chain is not None for x in methods))
-    evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) if calibrating else \
+    evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) \
+        if calibrating(options, modes, sizes is not None) else \
         (prompts[:wanted] if wanted is not None else prompts, None)
     if sizes is not None:
         check_sizes_measured(sizes, len(evaluated))

@@ -11,7 +11,7 @@ keeps the lines that say what is wrong.
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 EXIT_USER_ERROR = 2
 # What a boolean key takes (any case). OmegaConf alone would also take any integer (materialize=3 -> true)
@@ -89,16 +89,21 @@ def enum_value(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
-def run_cli(prog: str, doc: str, schema, task, argv: Optional[list[str]], help_when_empty: bool = False) -> None:
-    """``--help`` (or no argument at all, with ``help_when_empty``) prints ``doc``; otherwise parse ``argv`` onto ``schema`` and run ``task(cfg)``,
-    turning a ``UserError`` into one line and exit 2."""
+def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]], help_when_empty: bool = False,
+            refuse: Optional[Callable[[list[str]], Optional[str]]] = None) -> None:
+    """``--help`` (or no argument at all, with ``help_when_empty``) prints ``doc`` (a callable: its text, built
+    only then); otherwise parse ``argv`` onto ``schema`` (a callable: built only then) and run ``task(cfg)``,
+    turning a ``UserError`` into one line and exit 2. ``refuse(argv)``: a line refusing replaced keys, or None."""
     from .errors import UserError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if (not argv and help_when_empty) or (argv and argv[0] in ("-h", "--help", "help")):
-        print(doc.strip())
+        print((doc() if callable(doc) else doc).strip())
         return
-    cfg = parse_overrides(prog, schema, argv)
+    refused = refuse(argv) if refuse is not None else None
+    if refused:
+        fail(prog, f"{refused} (see {prog} --help)")
+    cfg = parse_overrides(prog, schema() if callable(schema) and not isinstance(schema, type) else schema, argv)
     try:
         task(cfg)
     except UserError as e:

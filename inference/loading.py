@@ -253,3 +253,14 @@ def kernel_plans_path() -> Optional[Path]:
     if given.lower() == "none":
         return None
     return Path(given) if given else cache_dir() / FILE_NAME
+
+
+def attach_heads(model, heads, tokenizer=None) -> MedusaModel:
+    """Wrap in-memory heads (e.g. fresh ``MedusaHeads.from_lm_head``), checked against the backbone, without an
+    export round trip."""
+    p = model.get_output_embeddings().weight
+    check_compatible(heads.spec, model.config)
+    heads = heads.to(device=p.device, dtype=p.dtype).eval()
+    emb = model.get_input_embeddings()
+    heads.attach_backbone(p, emb.weight if emb is not None else None)
+    return MedusaModel(model=model, tokenizer=tokenizer, heads=heads)

@@ -35,10 +35,13 @@ where and at which precision the same maths runs -- ``trainer.zero_stage`` and `
 ``lora.merge`` (what is written after training), and ``task`` / ``distill.*`` (not training).
 
 A key written out with the value the run already resolved is no change (``resolved_settings``):
-``heads.aux_layers`` equal to the layers the default picked (in any order: they are read ascending),
-``heads.ttt_steps`` equal to ``num_heads``, ``heads.draft_vocab_size`` equal to the truncated
-vocabulary, ``heads.loss_weights`` equal to decay^k, ``heads.inner_dim`` equal to the backbone's
-width, and the reverse (a run that spelled them out resumed without them).
+``heads.loss_weights`` equal to decay^k, and whatever the heads family resolves itself
+(``TrainingFamily.resolved``; e.g. eagle3's ``heads.aux_layers`` equal to the layers the default picked,
+in any order, ``heads.ttt_steps`` equal to ``num_heads``, ``heads.draft_vocab_size`` equal to the
+truncated vocabulary; mlp_speculator's ``heads.inner_dim`` equal to the backbone's width), and the
+reverse (a run that spelled them out resumed without them). A run recorded before the heads keys were
+split by family (every family's keys in every record) resumes: keys its family no longer has are gone
+from the new configuration, so they are not compared.
 
 *Unsafe* (refused): everything else, and any key added later until it is listed as safe (against a
 checkpoint from before the key existed: set away from its default). In
@@ -66,10 +69,10 @@ from typing import Callable, Optional
 import torch
 from omegaconf import OmegaConf
 
-from inference.backbone import text_config
 from inference.errors import UserError
-from .backbone import backbone_config, draft_vocabulary, family_fields
-from .config import HeadsConfig, RecipeConfig, draft_depth, loss_weights
+from .backbone import backbone_config
+from .config import RecipeConfig, loss_weights
+from .families import training_family
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
@@ -164,9 +167,9 @@ def unsafe_changes(saved: dict, new: dict, defaults: Optional[dict] = None) -> l
     return sorted(diff)
 
 
-def schema_defaults() -> dict:
-    """Every configuration key's default (flat), from the recipe schema."""
-    return flatten(_norm(dataclasses.asdict(RecipeConfig())))
+def schema_defaults(kind: str = "medusa") -> dict:
+    """Every configuration key's default (flat), from the recipe schema with heads family ``kind``'s group."""
+    return flatten(_norm(dataclasses.asdict(RecipeConfig(heads=training_family(kind).config(kind=kind)))))
 
 
 def _norm(v):
@@ -193,7 +196,7 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
         saved = {k: saved_flat.get(k) for k in diff}
     else:
         saved = flatten(saved)
-        defaults = schema_defaults()
+        defaults = schema_defaults(str((config.get("heads") or {}).get("kind", "medusa")))
         diff = unsafe_changes(saved, new, defaults)
         if diff and resolve is not None:
             diff = _unresolved(diff, state["config"], config, resolve)
@@ -221,17 +224,11 @@ def _unresolved(diff: list[str], saved: dict, new: dict, resolve: Callable[[dict
 
 def resolved_settings(config: dict, hf_config) -> dict:
     """The values the automatic heads keys of a configuration (nested, as saved) take on the backbone
-    ``hf_config`` describes, flat: the loss weights (decay^k), the mlp_speculator width (0 = the
-    backbone's) and eagle3's aux layers (default, ascending), TTT steps and draft vocabulary."""
-    h = SimpleNamespace(**{**dataclasses.asdict(HeadsConfig()), **(config.get("heads") or {})})
-    text = text_config(hf_config)
-    out = {"heads.loss_weights": loss_weights(h), "heads.inner_dim": h.inner_dim or text.hidden_size}
-    if str(h.kind) == "eagle3":
-        vocab = int(text.vocab_size)
-        out["heads.aux_layers"] = family_fields(h, hf_config)["aux_layers"]
-        out["heads.ttt_steps"] = draft_depth(h)
-        out["heads.draft_vocab_size"] = draft_vocabulary(h, vocab)[1] or vocab
-    return out
+    ``hf_config`` describes, flat: the loss weights (decay^k) and the family's own (``TrainingFamily.resolved``)."""
+    saved = config.get("heads") or {}
+    fam = training_family(saved.get("kind", "medusa"))
+    h = SimpleNamespace(**{**dataclasses.asdict(fam.config()), **saved})
+    return {"heads.loss_weights": loss_weights(h), **fam.resolved(h, hf_config)}
 
 
 def config_dict(cfg) -> dict:

@@ -15,18 +15,24 @@ heavy imports happen only once a recipe runs, so ``--help`` is instant.
 
 ``backbone.name_or_path=...`` on the command line trains on that backbone: it clears a recipe's
 ``backbone.random_init`` (debug_tiny's) unless ``backbone.random_init`` is given too.
+
+The heads family is a config group (``recipes/heads/<kind>.yaml``, the family's own keys beside the common
+ones): ``heads=eagle3`` selects it, and so does ``heads.kind=eagle3``, which is rewritten into that choice.
+A key of another family (``heads.inner_dim`` with medusa heads) is refused in one line naming its family.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from importlib import resources
 from pathlib import Path
 
 from inference.cli_support import config_error_line, enum_value, fail, non_boolean_override
 from inference.errors import UserError
-from .config import check_data_source, derived_batch, launch_world_size, register_configs, validate
+from .config import register_configs, validate
+from .families import family_kinds, stray_key_line
 
 RECIPE_PACKAGE = "recipes"
 
@@ -120,6 +126,44 @@ def backbone_overrides(overrides: list[str]) -> list[str]:
     return list(overrides)
 
 
+def heads_kind_overrides(overrides: list[str]) -> list[str]:
+    """``heads.kind=<kind>`` chooses the family's config group, ``heads=<kind>``: the family's keys come with
+    it (a value set on the recipe's group would keep the recipe family's keys). Both given and differing: one line."""
+    out, chosen = [], {}
+    for arg in overrides:
+        key = override_key(arg)
+        if key in ("heads", "heads.kind") and "=" in arg and not arg.startswith(("~", "+")):
+            chosen[key] = arg.split("=", 1)[1]
+            arg = f"heads={chosen[key]}"
+        out.append(arg)
+    if len(set(chosen.values())) > 1:
+        raise UserError(f"heads={chosen['heads']} and heads.kind={chosen['heads.kind']} name two families: give one")
+    unknown = [k for k in chosen.values() if "," not in k and k not in family_kinds()]  # (a sweep: per job)
+    if unknown:
+        raise UserError(f"heads.kind must be one of {list(family_kinds())}, got {unknown[0]!r}")
+    return out
+
+
+def recipe_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides as Hydra composes them (``backbone_overrides``, ``heads_kind_overrides``)."""
+    return heads_kind_overrides(backbone_overrides(overrides))
+
+
+def compose_error_line(recipe: str, overrides: list[str], e: BaseException) -> str:
+    """A composition error as one line; a ``heads`` key that the chosen family's group does not have (another
+    family's setting, or a typo) names the family whose key it is."""
+    text = f"{e}\n{e.__cause__ or ''}"
+    stray = re.search(r"Key '(\w+)' not in '\w*HeadsConfig'", text)
+    if stray is None:
+        return f"{config_error_line(e)} (list the keys: medusa-train {recipe} --cfg job)"
+    chosen = [a.split("=", 1)[1] for a in recipe_overrides(overrides) if override_key(a) == "heads" and "=" in a]
+    try:
+        kind = chosen[-1] if chosen else compose_recipe(recipe, []).heads.kind
+        return stray_key_line(kind, stray.group(1))
+    except Exception:  # the family itself is unknown: Hydra's own line names the missing group option
+        return f"{config_error_line(e)} (list the keys: medusa-train {recipe} --cfg job)"
+
+
 def _task(cfg) -> None:
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -132,6 +176,8 @@ def _task(cfg) -> None:
             with open_dict(cfg):
                 cfg.output_dir = hc.runtime.output_dir
         if not _PRECHECKED:  # runs with Hydra flags (sweeps) are checked here, per job
+            from .preflight import preflight  # loads torch: not for --help
+
             validate(cfg)
             preflight(cfg)
         write_run_record(cfg)
@@ -154,54 +200,6 @@ def task_runner(cfg):
 
 _PRECHECKED = False
 _PRINT_FLAGS = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help"}  # print, run nothing
-
-
-def preflight(cfg, resume: bool = True) -> None:
-    """What a run needs from disk, checked before any weight or data loads: a readable local data source,
-    a ``data.max_length`` the backbone has positions (and this machine memory) for, and for a training of
-    heads: a truncated vocabulary the backbone has tokens for, a device for the precision, and a checkpoint
-    to resume that was trained under this configuration (not with ``resume=False``: a sweep's jobs resume from
-    folders Hydra names only when each runs)."""
-    from .backbone import check_attn_implementation, check_family, check_fits
-
-    check_data_source(cfg.data.source)
-    check_attn_implementation(cfg.backbone)
-    check_fits(cfg)
-    check_family(cfg)
-    if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
-        check_draft_vocabulary(cfg)
-        check_precision_device(cfg.trainer)
-        if resume:
-            check_resume(cfg)
-
-
-def check_draft_vocabulary(cfg) -> None:
-    """Refuse a truncated vocabulary larger than the backbone's, from its config alone."""
-    from inference.backbone import text_config
-
-    from .backbone import backbone_config, draft_vocabulary
-
-    vocab = int(text_config(backbone_config(cfg.backbone)).vocab_size)
-    _, size = draft_vocabulary(cfg.heads, vocab)  # refuses heads.draft_vocab_size beyond it itself
-    if size is not None and size > vocab:
-        raise UserError(f"heads.truncated_vocab_size={size} exceeds the backbone vocabulary ({vocab}); use at most "
-                        f"{vocab} (or heads.projection=own for all of it)")
-
-
-def check_precision_device(trainer) -> None:
-    """fp16 trains only on a GPU (DeepSpeed's loss scaling); refused before anything loads."""
-    from .distributed import resolve_device
-
-    if enum_value(trainer.precision) == "fp16" and resolve_device(trainer.device).type != "cuda":
-        raise UserError("trainer.precision=fp16 needs a GPU; on CPU use fp32 (or bf16)")
-
-
-def check_resume(cfg) -> None:
-    """The checkpoint ``trainer.resume`` names (or ``auto`` finds) exists and was trained under this configuration
-    (``checkpoint.resume_point``): refused here, before the run's record is written over."""
-    from .checkpoint import resume_point
-
-    resume_point(cfg, derived_batch(cfg.trainer, launch_world_size()).global_batch_size)
 
 
 def create_output_dir(output_dir) -> None:
@@ -246,12 +244,14 @@ def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
     ``data.max_length`` from its config alone; one error line for a bad key, type, value or size.
     A single run's folder is then created; a sweep job (``sweep``) leaves that, and its resume check, to Hydra."""
     global _PRECHECKED
-    check_boolean_overrides(overrides)
     try:
         cfg = compose_recipe(recipe, overrides)
     except Exception as e:  # Hydra / OmegaConf composition errors
-        _fail(f"{config_error_line(e)} (list the keys: medusa-train {recipe} --cfg job)")
+        _fail(compose_error_line(recipe, overrides, e))
+    check_boolean_overrides(cfg, overrides)
     try:
+        from .preflight import preflight  # loads torch: not for --help
+
         validate(cfg)
         preflight(cfg, resume=not sweep)
     except UserError as e:
@@ -261,14 +261,11 @@ def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
         _PRECHECKED = True
 
 
-def check_boolean_overrides(overrides: list[str]) -> None:
+def check_boolean_overrides(cfg, overrides: list[str]) -> None:
     """A boolean key takes true/false (yes/no, on/off, 1/0) only: OmegaConf alone would read any integer
-    (``heads.scale_input=3``) as true."""
-    from omegaconf import OmegaConf
-
-    from .config import RecipeConfig
-
-    not_boolean = non_boolean_override(OmegaConf.structured(RecipeConfig), overrides)
+    (``heads.scale_input=3``) as true. Judged on the composed config ``cfg``, whose ``heads`` node is the
+    chosen family's schema (its own boolean keys included)."""
+    not_boolean = non_boolean_override(cfg, overrides)
     if not_boolean:
         arg, value = not_boolean
         _fail(f"{override_key(arg)} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
@@ -298,7 +295,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"unknown recipe {recipe!r}; available: {', '.join(available_recipes())}")
 
     overrides, flags = split_args(rest)
-    overrides = backbone_overrides(overrides)
+    try:
+        overrides = recipe_overrides(overrides)
+    except UserError as e:
+        _fail(str(e))
     names = {f.split("=", 1)[0] for f in flags}
     multirun = bool(names & {"-m", "--multirun"})
     if multirun and names & {"--cfg", "-c", "--info", "-i"}:
@@ -326,7 +326,7 @@ def compose_recipe(recipe: str, overrides: list[str] | None = None):
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=RECIPE_PACKAGE, version_base=None):
-        return compose(config_name=recipe, overrides=backbone_overrides(list(overrides or [])))
+        return compose(config_name=recipe, overrides=recipe_overrides(list(overrides or [])))
 
 
 if __name__ == "__main__":  # python -m medusa_train.cli / deepspeed --module medusa_train.cli

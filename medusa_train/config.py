@@ -3,6 +3,8 @@
 One dataclass per concern; every recipe composes onto ``RecipeConfig`` so an unknown key or
 a wrong type fails when Hydra composes the config, naming the key. Values that derive from
 others (world size, accumulation, global batch) are computed in ``derived_batch`` alone.
+The ``heads`` group is one schema per family (``families``: ``HeadsConfig`` and a family's own keys),
+each family checking its own keys (``TrainingFamily.validate``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,7 @@ from typing import List, Optional
 from inference.cli_support import enum_value
 from inference.errors import UserError
 
-
-class Projection(str, Enum):
-    own = "own"
-    shared = "shared"
-    truncated = "truncated"
+from .families import MAX_HEADS, HeadsConfig, check_family_keys, draft_depth, family_kinds, training_family
 
 
 class Precision(str, Enum):
@@ -75,47 +73,6 @@ class DataConfig:
     eval_conversations: int = 64  # held out (taken first from the stream) for per-head accuracy
     vocab_scan_conversations: int = 2000  # conversations scanned to pick the truncated vocabulary
     system_prompt: Optional[str] = None  # prepended when a conversation has none
-
-
-@dataclass
-class HeadsConfig:
-    # medusa: K residual MLPs on h_t (Medusa-1); hydra: + embeddings of the drafted tokens;
-    # mlp_speculator: vLLM's layout. Checked against inference.heads.KINDS (the one list of families).
-    kind: str = "medusa"
-    num_heads: int = 3
-    num_layers: int = 1
-    projection: Projection = Projection.truncated
-    truncated_vocab_size: int = 8192
-    loss_decay: float = 0.8  # lambda_k = loss_decay ** k (k = 1..K), as the Medusa paper suggests
-    loss_weights: Optional[List[float]] = None  # explicit lambda_1..lambda_K; overrides loss_decay
-    # mlp_speculator only (vLLM config keys): state width (0 = backbone width), one set of
-    # step weights after the first, RMS-normalise the backbone state first.
-    inner_dim: int = 0
-    tie_weights: bool = False
-    scale_input: bool = False
-    # Weight of a distillation term: CE against the backbone's own distribution of the token
-    # each head guesses (Hydra++'s teacher loss); 0 = labels only, 1 = teacher only.
-    teacher_weight: float = 0.0
-    # Training-time noise on the features the heads read (EAGLE's data noise, made scale-free): Gaussian
-    # with std = feature_noise x the RMS of each backbone layer's state at that position (eagle3: each of its
-    # three aux layers), on training batches only. A regulariser for drafters that overfit their data.
-    feature_noise: float = 0.0
-    # What head k at t learns to predict: "data" = the dataset token t+k+1 (the labels);
-    # "backbone" = the frozen backbone's greedy token there (argmax after the true prefix up to
-    # t+k), which is what greedy verification accepts (losses.backbone_labels).
-    targets: str = "data"
-    # eagle3 only (inference/heads/eagle3.py): the three backbone hidden_states ids the drafter reads
-    # (None = EAGLE-3's (2, N//2, N-3)), its draft vocabulary (None = truncated_vocab_size with
-    # projection=truncated, the whole vocabulary otherwise; the same token map as truncated heads) and
-    # the training-time-test depth, i.e. how many draft steps are unrolled (None = num_heads).
-    aux_layers: Optional[List[int]] = None
-    draft_vocab_size: Optional[int] = None
-    ttt_steps: Optional[int] = None
-    # Which positions train with heads.targets=backbone: "assistant" (the replies: what decoding drafts) or
-    # "all" (every position of a conversation, the user's turns too: the backbone's greedy token exists
-    # there as well, so the ~40% of a ShareGPT batch that only gave context also trains). Held-out accuracy
-    # stays on assistant positions either way. A feature cache must store the greedy ids everywhere for "all".
-    train_on: str = "assistant"
 
 
 TARGETS = ("data", "backbone")
@@ -236,10 +193,22 @@ class RecipeConfig:
 
 
 def register_configs() -> None:
+    """The recipe schema, and each family's ``heads`` schema as ``heads/<kind>_schema`` (what
+    ``recipes/heads/<kind>.yaml`` builds on); a family without a packaged yaml gets its schema as its
+    group option ``heads/<kind>`` itself, so a family registered at run time is selectable too."""
+    from importlib import resources
+
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     cs = ConfigStore.instance()
     cs.store(name="medusa_schema", node=RecipeConfig)
+    packaged = resources.files("recipes").joinpath("heads")
+    for kind in family_kinds():
+        node = OmegaConf.merge(OmegaConf.structured(training_family(kind).config), {"kind": kind})
+        cs.store(group="heads", name=f"{kind}_schema", node=node)
+        if not packaged.joinpath(f"{kind}.yaml").is_file():
+            cs.store(group="heads", name=kind, node=node)
 
 
 @dataclass
@@ -282,11 +251,11 @@ def loss_weights(heads: HeadsConfig) -> list[float]:
 
 
 def validate(cfg) -> None:
-    """Checks that need more than a type: ranges and combinations, naming the key."""
-    from inference.heads import KINDS
-
+    """Checks that need more than a type: ranges and combinations, naming the key; the heads family's
+    own keys by the family (``families``)."""
     t, h, d = cfg.trainer, cfg.heads, cfg.data
-    kind = str(h.kind)
+    fam = training_family(h.kind)  # an unknown kind: one line listing the kinds
+    check_family_keys(h)
     precision = enum_value(t.precision)
     checks = [
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
@@ -294,12 +263,8 @@ def validate(cfg) -> None:
         (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto|cpu|cuda, got {t.device!r}"),
         (h.num_heads >= 1, f"heads.num_heads must be >= 1, got {h.num_heads}"),
         (h.num_layers >= 0, f"heads.num_layers must be >= 0, got {h.num_layers}"),
-        (h.truncated_vocab_size >= 1 or not _uses_truncated_vocab(h),
+        (h.truncated_vocab_size >= 1 or "heads.truncated_vocab_size" not in fam.vocabulary_keys(h),
          f"heads.truncated_vocab_size must be >= 1, got {h.truncated_vocab_size}"),
-        (h.inner_dim >= 0, f"heads.inner_dim must be >= 0 (0 = backbone width), got {h.inner_dim}"),
-        (kind in KINDS, f"heads.kind must be one of {list(KINDS)}, got {kind!r}"),
-        (not h.tie_weights or (kind == "mlp_speculator" and h.num_heads >= 2),
-         "heads.tie_weights needs heads.kind=mlp_speculator and heads.num_heads >= 2"),
         (0.0 <= h.teacher_weight <= 1.0, f"heads.teacher_weight must be in [0, 1], got {h.teacher_weight}"),
         (0.0 <= h.feature_noise <= 1.0, f"heads.feature_noise must be in [0, 1], got {h.feature_noise}"),
         (h.train_on in TRAIN_ON, f"heads.train_on must be one of {', '.join(TRAIN_ON)}, got {h.train_on!r}"),
@@ -312,8 +277,6 @@ def validate(cfg) -> None:
          "the fp32 master weights that checkpoints save (stage 1 costs nothing on one device)"),
         (t.log_every >= 1, f"trainer.log_every must be >= 1, got {t.log_every}"),
         (t.eval_every >= 0 and t.save_every >= 0, "trainer.eval_every and trainer.save_every must be >= 0"),
-        (not (enum_value(h.projection) == "shared" and h.num_layers == 0 and kind == "medusa"),
-         "heads.projection=shared with heads.num_layers=0 leaves nothing to train; use num_layers >= 1"),
         (t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}"),
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
          f"backbone.dtype must be float32|bfloat16|float16|auto, got {cfg.backbone.dtype!r}"),
@@ -321,7 +284,7 @@ def validate(cfg) -> None:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
-    _validate_eagle3(cfg)
+    fam.validate(cfg)
     loss_weights(h)
     _validate_sizes(cfg)
     derived_batch(t, launch_world_size())
@@ -332,7 +295,6 @@ def validate(cfg) -> None:
     _validate_lora(cfg)
 
 
-MAX_HEADS = 64  # heads.num_heads (engines draft 1-10 tokens ahead; each head is a projection to the vocabulary)
 MAX_HEAD_LAYERS = 64  # heads.num_layers (Medusa uses 1)
 MAX_THREADS = 1024  # trainer.threads (OpenMP refuses far more with an ImportError)
 # backbone.random_init keys that are sizes or counts: positive integers, or transformers fails with a traceback.
@@ -343,14 +305,11 @@ RANDOM_INIT_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "n
 def _validate_sizes(cfg) -> None:
     """Counts and sizes with no meaning below (or far above) a bound, naming the key."""
     t, h, d = cfg.trainer, cfg.heads, cfg.data
-    kind = str(h.kind)
+    fam = training_family(h.kind)
     checks = [
-        (kind == "eagle3" or h.num_heads <= MAX_HEADS,  # eagle3: the TTT steps, bounded by _validate_eagle3
-         f"heads.num_heads must be in 1..{MAX_HEADS}, got {h.num_heads}"),
+        (fam.depth(h) <= MAX_HEADS,  # the heads trained (a family may bound its depth more tightly itself)
+         f"{fam.depth_key(h)} must be in 1..{MAX_HEADS}, got {fam.depth(h)}"),
         (h.num_layers <= MAX_HEAD_LAYERS, f"heads.num_layers must be in 0..{MAX_HEAD_LAYERS}, got {h.num_layers}"),
-        (kind == "mlp_speculator" or (h.inner_dim == 0 and not h.scale_input),
-         "heads.inner_dim and heads.scale_input are mlp_speculator settings; set heads.kind=mlp_speculator or "
-         "remove them"),
         (0 <= t.threads <= MAX_THREADS, f"trainer.threads must be in 0..{MAX_THREADS} (0 = torch's default), "
                                         f"got {t.threads}"),
         (t.grad_clip >= 0, f"trainer.grad_clip must be >= 0 (0 = no clipping), got {t.grad_clip}"),
@@ -378,11 +337,6 @@ def _validate_random_init(random_init) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"backbone.random_init.{key} must be a positive integer, got {value!r}")
-
-
-def _uses_truncated_vocab(h) -> bool:
-    """Whether ``heads.truncated_vocab_size`` sizes the heads (eagle3's ``draft_vocab_size`` wins over it)."""
-    return enum_value(h.projection) == "truncated" and not (str(h.kind) == "eagle3" and h.draft_vocab_size is not None)
 
 
 def launch_world_size() -> int:
@@ -459,51 +413,6 @@ def check_data_source(source: str) -> None:
             raise UserError(f"no .json/.jsonl/.parquet files in {path}")
     elif source.startswith((".", "/", "~")) or source.endswith(DATA_SUFFIXES):
         raise UserError(f"data file not found: {source}")
-
-
-def _validate_eagle3(cfg) -> None:
-    """The eagle3-only keys: refused for other kinds; ranges that need no backbone (the rest is
-    ``backbone.check_family``, from the backbone's config)."""
-    h = cfg.heads
-    eagle = str(h.kind) == "eagle3"
-    for key in ("aux_layers", "draft_vocab_size", "ttt_steps"):
-        if getattr(h, key) is not None and not eagle:
-            raise UserError(f"heads.{key} is an eagle3 setting; set heads.kind=eagle3 or remove it")
-    if not eagle:
-        return
-    depth_key = "heads.ttt_steps" if h.ttt_steps is not None else "heads.num_heads"
-    if not 1 <= draft_depth(h) <= MAX_TTT_STEPS:
-        # Training unrolls the drafter once per step and keeps every step's activations for backward:
-        # memory grows with the square of the steps (each attends to the chain before it).
-        raise UserError(f"{depth_key} must be in 1..{MAX_TTT_STEPS} for heads.kind=eagle3 (the training-time-test "
-                        f"steps unrolled per batch; SpecForge unrolls 7), got {draft_depth(h)}")
-    if h.draft_vocab_size is not None and h.draft_vocab_size < 1:
-        raise UserError(f"heads.draft_vocab_size must be >= 1, got {h.draft_vocab_size}")
-    if h.aux_layers is not None and len(h.aux_layers) != 3:
-        raise UserError(f"heads.aux_layers must name 3 backbone layers (vLLM and SGLang read three), "
-                        f"got {list(h.aux_layers)}")
-    if h.aux_layers is not None and len(set(h.aux_layers)) != len(h.aux_layers):
-        # vLLM and SGLang capture each listed layer once: fc would get 2H at serve time and fail.
-        raise UserError(f"heads.aux_layers names a layer more than once ({list(h.aux_layers)}): vLLM and SGLang "
-                        "capture each layer once, so name three distinct layers")
-    if enum_value(h.projection) == "shared":
-        raise UserError("heads.kind=eagle3 has its own lm_head: use heads.projection=own or truncated "
-                        "(or heads.draft_vocab_size)")
-    if h.num_layers != 1:
-        raise UserError(f"heads.kind=eagle3 has one decoder layer: heads.num_layers must be 1, got {h.num_layers}")
-    if cfg.lora.enabled:
-        raise UserError("heads.kind=eagle3 trains on the frozen backbone: set lora.enabled=false")
-
-
-MAX_TTT_STEPS = 32  # eagle3 draft steps unrolled in training (heads.ttt_steps); engines draft 3-8
-
-
-def draft_depth(h) -> int:
-    """How many tokens ahead the heads are trained to guess: ``num_heads``, or for eagle3 the
-    training-time-test steps (``ttt_steps``, default ``num_heads``). The spec's ``num_heads``."""
-    if str(h.kind) == "eagle3" and h.ttt_steps is not None:
-        return int(h.ttt_steps)
-    return int(h.num_heads)
 
 
 def _validate_lora(cfg) -> None:

@@ -319,10 +319,8 @@ def _raise_interrupt(signum, frame):
 
 def run(cfg) -> dict:
     """The distillation task; returns the manifest when this process finished the last shard."""
-    from .backbone import backbone_identity, load_backbone
     from .config import validate
     from .data.readers import ReadStats
-    from .distributed import resolve_device
 
     validate(cfg)
     t, g = cfg.trainer, cfg.distill
@@ -330,13 +328,7 @@ def run(cfg) -> dict:
     rank, world, local = _launcher_rank()
     identity = run_identity(cfg)
     claim_output(out, identity)  # refuse a foreign directory before loading anything
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    device = resolve_device(t.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", local)
-    backbone = load_backbone(cfg.backbone, device, seed=t.seed)
-    claim_output(out, identity, backbone_identity(backbone))
+    backbone, device = _load_backbone(cfg, out, identity, local)
     gen = pick_engine(cfg, out, backbone, device)
     main = rank == 0
 
@@ -399,6 +391,23 @@ def run(cfg) -> dict:
               f"{c['turns']} turns, {c['generated_tokens']} tokens ({c['tokens_per_s_per_process']} tok/s per process) "
               f"in {out / DATA_DIR}; train on it with data.source={out / DATA_DIR}", flush=True)
     return manifest or {}
+
+
+def _load_backbone(cfg, out: Path, identity: dict, local_rank: int):
+    """(backbone, device): the run's backbone on this process's device (its launcher's GPU), the output folder
+    claimed against its weights too (distilled data is only valid for the backbone that wrote it)."""
+    from .backbone import backbone_identity, load_backbone  # transformers: only once a distillation runs
+    from .distributed import resolve_device
+
+    t = cfg.trainer
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    device = resolve_device(t.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+    backbone = load_backbone(cfg.backbone, device, seed=t.seed)
+    claim_output(out, identity, backbone_identity(backbone))
+    return backbone, device
 
 
 def pick_engine(cfg, out: Path, backbone, device) -> Generator:

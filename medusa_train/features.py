@@ -23,7 +23,7 @@ What is cached: the first N micro-batches of the training stream exactly as the 
 trainer would see them on one process (same seed, shuffle, packing), N = min(one epoch,
 ``trainer.max_steps`` x accumulation x world size), each with ``input_ids``, ``labels``,
 ``doc_ids``, ``position_ids``, ``hidden`` and ``greedy`` (int32: the backbone's argmax where
-``heads.targets=backbone`` needs it, IGNORE elsewhere), both from ``backbone.FrozenFeatures``, the
+``heads.targets=backbone`` needs it, IGNORE elsewhere), both from ``backbone_inputs.FrozenFeatures``, the
 very code the online batch source runs (greedy ids come from the backbone-dtype hidden states, not
 the stored rounding), plus the held-out evaluation batches. Greedy ids are always stored, whatever
 ``heads.targets`` is, so one cache serves both settings (``heads.targets`` is not part of its
@@ -53,11 +53,11 @@ a crash mid-write never leaves a shard that looks complete (the error says how m
 kept; the same command continues). A cache built for another backbone (weights or
 architecture), other data settings, seed or micro-batch size is refused, naming what differs.
 
-Aux layers (eagle3): a drafter that reads three backbone layers needs them cached too. A cache records
-the layers it stores (``aux_layers`` in its manifest, chosen by the run that creates it) and keeps
-storing them in every shard it adds, so one cache built for an eagle3 run serves every family (the
-others read ``hidden`` only); a cache built without them is refused for eagle3 in one line rather
-than half-extended. They add 3 x hidden x bytes per position (shown in the disk estimate).
+Aux layers: heads whose family declares them as inputs (``inference.heads.inputs``; EAGLE-3 reads three
+backbone layers) need them cached too. A cache records the layers it stores (``aux_layers`` in its
+manifest, chosen by the run that creates it) and keeps storing them in every shard it adds, so one cache
+built for such a run serves every family (the others read ``hidden`` only); a cache built without them is
+refused for such heads in one line rather than half-extended. They add 3 x hidden x bytes per position (shown in the disk estimate).
 
 Greedy ids everywhere (``heads.train_on=all``): by default the backbone's lm_head runs only where a
 reply's label needs it; a train_on=all run that finds a cache with nothing stored yet (new, or a manifest
@@ -87,10 +87,12 @@ from inference.backbone import parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
 
-from .backbone import FrozenFeatures, backbone_identity
+from .backbone import backbone_identity
+from .backbone_inputs import FrozenFeatures
 from .data.readers import ReadStats
 from .data.stream import ConversationStream, StreamStats, first_epoch
 from .distributed import barrier
+from .families import backbone_layers
 from .manifest import claim, read_manifest, write_json_atomic
 
 FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy); 1 is refused
@@ -128,7 +130,7 @@ class FeatureCache:
     def __init__(self, root: Path):
         self.root = Path(root)
         self._open: tuple[Optional[str], object, set] = (None, None, set())
-        self.read_aux = False  # also hand out each batch's ``aux`` (an eagle3 drafter's run)
+        self.read_aux = False  # also hand out each batch's ``aux`` (heads that read aux layers)
 
     @property
     def manifest_path(self) -> Path:
@@ -163,9 +165,9 @@ class FeatureCache:
         stored = list(manifest.get("aux_layers") or [])
         if aux_layers and stored != list(aux_layers):
             manifest = self._decide(manifest, "aux_layers", list(aux_layers), (
-                f"features cache {root} stores aux layers {stored}, this eagle3 drafter reads {list(aux_layers)}; "
+                f"features cache {root} stores aux layers {stored}, these heads read {list(aux_layers)}; "
                 f"use another features.cache_dir (or heads.aux_layers={stored})" if stored else
-                f"features cache {root} was built without the aux layers an eagle3 drafter reads; use another "
+                f"features cache {root} was built without the aux layers these heads read; use another "
                 "features.cache_dir or delete it"))
         if greedy_everywhere and not manifest.get("greedy_everywhere"):
             manifest = self._decide(manifest, "greedy_everywhere", True, (
@@ -247,7 +249,7 @@ class CachePlan:
     needed: int  # micro-batches training will read (max_steps x accumulation x world size)
     shard_batches: int
     dtype: str  # on disk: bf16 | fp32
-    aux_layers: tuple = ()  # backbone layers an eagle3 drafter reads (stored besides ``hidden``)
+    aux_layers: tuple = ()  # backbone layers the heads' family reads besides the last (stored beside ``hidden``)
     greedy_everywhere: bool = False  # greedy ids at every position, not only the replies' (heads.train_on=all)
     rank: int = 0
     world_size: int = 1
@@ -324,29 +326,7 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
 
     if eval_missing and main:
         cache.write(cache.root / EVAL_FILE, [stored(e) for e in eval_set()], 0)
-    mine = [k for k in todo if k % world == rank]
-    bar = None
-    if mine and main and plan.progress_bar:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(counts[k] for k in mine), desc="features", unit="batch", dynamic_ncols=True)
-    if mine:
-        last = max(mine) * S + counts[max(mine)]
-        pending: list[dict] = []
-        for i, batch in enumerate(plan.epoch0(open_stream())):
-            if i >= last:
-                break
-            k = i // S
-            if k not in mine:
-                continue
-            pending.append(stored(batch))
-            if bar is not None:
-                bar.update(1)
-            if len(pending) == counts[k]:
-                cache.write(cache.shard_path(k), pending, k * S)
-                pending = []
-    if bar is not None:
-        bar.close()
+    _write_shards(cache, plan, open_stream, stored, [k for k in todo if k % world == rank], counts, S)
     barrier(world)
     # every rank checks (the cache_dir must be on a filesystem all processes see), so all stop together
     missing = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) != c]
@@ -363,6 +343,35 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
         write_json_atomic(cache.manifest_path, manifest)
     barrier(world)
     return cache.manifest()
+
+
+def _write_shards(cache: FeatureCache, plan: CachePlan, open_stream: Callable[[], ConversationStream],
+                  stored: Callable[[dict], dict], mine: list[int], counts: list[int], S: int) -> None:
+    """Write this process's shards ``mine`` (shard k holds batches k*S .. k*S + counts[k] - 1 of epoch 0):
+    one pass over the stream, each batch through the backbone once, each shard written whole."""
+    if not mine:
+        return
+    bar = None
+    if plan.is_main and plan.progress_bar:
+        from tqdm.auto import tqdm  # only for a build that shows progress
+
+        bar = tqdm(total=sum(counts[k] for k in mine), desc="features", unit="batch", dynamic_ncols=True)
+    last = max(mine) * S + counts[max(mine)]
+    pending: list[dict] = []
+    for i, batch in enumerate(plan.epoch0(open_stream())):
+        if i >= last:
+            break
+        k = i // S
+        if k not in mine:
+            continue
+        pending.append(stored(batch))
+        if bar is not None:
+            bar.update(1)
+        if len(pending) == counts[k]:
+            cache.write(cache.shard_path(k), pending, k * S)
+            pending = []
+    if bar is not None:
+        bar.close()
 
 
 # -- reading -------------------------------------------------------------------------------------------------
@@ -440,7 +449,7 @@ def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: i
 
 def run_build(cfg) -> dict:
     """``features.mode=build``: build (or complete) the cache and exit, without heads, optimizer or engine."""
-    from .backbone import family_fields, load_backbone
+    from .backbone import load_backbone
     from .config import derived_batch, validate
     from .data.stream import RankData
     from .distributed import start_process
@@ -455,7 +464,7 @@ def run_build(cfg) -> dict:
     data = RankData(cfg.data, backbone.tokenizer, cfg.trainer.seed, proc.rank, proc.world_size,
                     batch.micro_batch_size, pad_id)
     plan = cache_plan(cfg, batch.micro_batch_size, batch.grad_accum, pad_id, proc.rank, proc.world_size)
-    plan.aux_layers = tuple(family_fields(cfg.heads, backbone.model.config).get("aux_layers", ()))
+    plan.aux_layers = backbone_layers(cfg.heads, backbone.model.config)  # what the family declares it reads
     cache, manifest = open_cache(cfg, backbone, frozen, plan, data.eval_batches)
     if proc.is_main:
         print(f"[features] cache complete: {manifest['batches']} micro-batches in {cache.root}; train with "

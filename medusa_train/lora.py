@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from inference.backbone import decoder_body, lm_head_weight
 from inference.errors import UserError
+from inference.heads.registry import family, setting_names
 
 from .data.masks import attention_mask, block_causal_mask
 from .data.tokenize import IGNORE
@@ -288,9 +289,9 @@ def init_heads_from(heads, heads_dir: Optional[str], lm_head_weight=None, input_
 
     loaded = load_heads(heads_dir, lm_head_weight=lm_head_weight, input_embeddings=input_embeddings)
     keys = ("kind", "num_heads", "num_layers", "hidden_size", "vocab_size", "projection", "truncated_vocab_size",
-            "inner_dim", "tie_weights", "scale_input")
+            *setting_names(family(heads.spec.kind)))  # the shape, and the family's own settings
     a, b = loaded.spec.to_dict(), heads.spec.to_dict()
-    diff = [k for k in keys if a[k] != b[k]]
+    diff = [k for k in keys if a.get(k) != b.get(k)]
     if diff:
         raise UserError(f"lora.init_heads={heads_dir} holds heads that differ from this recipe's in "
                         + ", ".join(f"{k} ({a[k]} vs {b[k]})" for k in diff))

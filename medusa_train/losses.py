@@ -7,14 +7,15 @@ same packed conversation as position t.
 Heads are evaluated only at positions that have a target (gathered first), so the vocabulary
 projection — the dominant cost — is never spent on user turns or padding.
 
-Dependent heads (Hydra / MLP speculator) are also fed the true tokens t+1..t+k+1 of the
-sequence (teacher forcing, ``future_tokens``); their cheap recurrent part runs at every
-position, the projection still only where a target exists.
+What the heads are fed is what their family declares (``inference.heads.inputs.BackboneInputs``):
 
-EAGLE-3 drafters (``needs_aux_layers``) are unrolled instead (training-time test,
-``Eagle3Drafter.ttt_features``): step j at t is fed its own step j-1 state and the true token
-x_{t+1+j}, attends causally within the packed document, and is scored exactly as head j+1
-(target x_{t+j+2}); they read the backbone's aux layers (``aux``) and the positions.
+- the last hidden state only (Medusa): head k's features from h_t, at the rows with a target;
+- also the path tokens (Hydra / MLP speculator): the true tokens t+1..t+k+1 of the sequence (teacher
+  forcing, ``future_tokens``); their cheap recurrent part runs at every position, the projection
+  still only where a target exists;
+- aux layers and positions (EAGLE-3): the drafter is unrolled instead (training-time test,
+  ``ttt_features``): step j at t is fed its own step j-1 state and the true token x_{t+1+j}, attends
+  causally within the packed document, and is scored exactly as head j+1 (target x_{t+j+2}).
 
 Backbone targets (``heads.targets=backbone``): the labels are replaced by the backbone's own
 greedy tokens (``backbone_labels``) before anything here sees them, so every head family,
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from inference.heads.registry import family
 
 from .data.masks import block_causal_mask
 from .data.tokenize import IGNORE
@@ -194,25 +197,26 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
 
     For truncated heads, targets outside the head's vocabulary are excluded from the CE
     (they cannot be predicted) but counted as misses in the accuracy. ``input_ids`` is
-    needed by dependent heads; ``lm_head_weight`` by the teacher term; ``aux`` and ``position_ids``
-    by drafters that read several layers (eagle3); ``feature_noise`` perturbs what the heads read
-    while they train (module docstring).
+    needed by heads fed the path tokens; ``lm_head_weight`` by the teacher term; ``aux`` and ``position_ids``
+    by heads that read aux layers and positions (their family's declared inputs, module docstring);
+    ``feature_noise`` perturbs what the heads read while they train.
     """
     total = hidden.new_zeros(())
     noise = feature_noise if heads.training else 0.0  # held-out batches run in eval mode: clean
-    eagle = bool(getattr(heads, "needs_aux_layers", False))
-    head_in = hidden if eagle else add_feature_noise(hidden, noise)  # the teacher term keeps ``hidden``
-    dependent = bool(getattr(heads, "sequential", False))
-    if dependent and input_ids is None:
-        raise ValueError("dependent heads need the batch's input_ids")
-    if eagle:
-        if aux is None or position_ids is None:
-            raise ValueError("eagle3 drafters need the batch's aux features and position_ids")
+    inputs = family(heads.spec.kind).inputs
+    # Noise on what the heads read; the teacher term keeps the clean ``hidden``.
+    head_in = add_feature_noise(hidden, noise) if inputs.last_hidden else hidden
+    if inputs.path_tokens and input_ids is None:
+        raise ValueError(f"{heads.spec.kind} heads are fed the path tokens: they need the batch's input_ids")
+    feats = None  # per-head features at every position, for heads that are not fed h_t alone
+    if inputs.aux_layers:
+        if aux is None or (inputs.positions and position_ids is None):
+            raise ValueError(f"{heads.spec.kind} heads need the batch's aux features and position_ids")
         mask0 = block_causal_mask(doc_ids, aux.dtype)  # causal within a packed document (padding: itself)
         noisy = add_feature_noise(aux, noise, aux.shape[-1] // hidden.shape[-1])  # each aux layer its own scale
-        feats = heads.ttt_features(noisy, future_tokens(input_ids, len(weights)), position_ids.to(aux.device),
-                                   mask0, steps=len(weights))
-    elif dependent:
+        positions = position_ids.to(aux.device) if inputs.positions else None
+        feats = heads.ttt_features(noisy, future_tokens(input_ids, len(weights)), positions, mask0, steps=len(weights))
+    elif inputs.path_tokens:
         feats = heads.teacher_forced_features(head_in, future_tokens(input_ids, len(weights)))
     token_map = getattr(heads, "token_map", None)
     for k in range(len(weights)):
@@ -223,7 +227,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
         # gathering its weights, or the ranks deadlock.
         tgt = tgt[mask]
         local = inv_map[tgt] if inv_map is not None else tgt
-        f = feats[k][mask] if dependent else heads.head_hidden(head_in[mask], k)
+        f = feats[k][mask] if feats is not None else heads.head_hidden(head_in[mask], k)
         logits = heads.project(f, k).float()
         valid = local >= 0
         if bool(valid.any()):

@@ -3,8 +3,8 @@
 The trainer's loop (forward, backward, step, log, eval, checkpoint) is the same for every way of
 feeding the heads; what differs is where the micro-batches come from and how the loss is computed:
 
-- ``OnlineSource``: the frozen backbone runs on every micro-batch (``backbone.FrozenFeatures``), the
-  heads learn from its hidden states (Medusa-1, Hydra, MLP speculator; ``features.mode=off``).
+- ``OnlineSource``: the frozen backbone runs on every micro-batch (``backbone_inputs.FrozenFeatures``), the
+  heads learn from the tensors their family declares (``inference.heads.inputs``; ``features.mode=off``).
 - ``CachedSource``: the same hidden states (and greedy ids) read from the feature cache
   (``features.mode=train``, ``features.py``); the backbone never runs on a batch. With an fp32
   cache its losses equal the online source's bit for bit.
@@ -25,9 +25,12 @@ import torch
 from torch import nn
 
 from inference.backbone import lm_head_weight
+from inference.heads.inputs import BackboneInputs
+from inference.heads.registry import family
 
 from . import features
-from .backbone import FrozenFeatures, family_fields
+from .backbone_inputs import FrozenFeatures
+from .families import backbone_layers
 from .data.readers import ReadStats
 from .data.stream import RankData, StreamStats
 from .losses import HeadMetrics, backbone_labels, heads_loss
@@ -86,10 +89,12 @@ class _FrozenHeads:
         self.cfg, self.backbone, self.device = cfg, backbone, device
         self.backbone_targets = cfg.heads.targets == "backbone"  # losses.backbone_labels
         self.everywhere = cfg.heads.train_on == "all"  # greedy labels on the user's turns too
-        self.aux_layers: Optional[list[int]] = None  # the layers an eagle3 drafter reads (set by ``wrap``)
+        self.inputs = BackboneInputs()  # what the heads' family declares it trains on (set by ``wrap``)
+        self.aux_layers: Optional[list[int]] = None  # the layers besides the last it reads, if any
 
     def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
-        self.aux_layers = list(spec.aux_layers) if getattr(heads, "needs_aux_layers", False) else None
+        self.inputs = family(spec.kind).inputs
+        self.aux_layers = list(self.inputs.layers(spec.settings)) or None
         self.module = HeadsWithLoss(heads, weights, inv_map, self.cfg.heads.teacher_weight,
                                     lm_head_weight(self.backbone.model), self.cfg.heads.feature_noise)
         return self.module
@@ -101,7 +106,7 @@ class _FrozenHeads:
         return "frozen"
 
     def features(self, batch: dict) -> dict:
-        """``hidden``, ``greedy`` (with backbone targets) and ``aux`` (for an eagle3 drafter)."""
+        """``hidden``, ``greedy`` (with backbone targets) and ``aux`` (heads that read aux layers)."""
         raise NotImplementedError
 
     def loss(self, engine, batch: dict, step: int) -> torch.Tensor:
@@ -111,9 +116,12 @@ class _FrozenHeads:
         if self.backbone_targets:
             # Held-out batches (engine in eval mode) keep the replies' positions: the same measure whatever train_on.
             labels = backbone_labels(labels, doc, f["greedy"].to(dev), self.everywhere and self.module.training)
-        if self.aux_layers:
-            return engine(f["hidden"], labels, doc, ids, f["aux"], batch["position_ids"].to(dev))
-        return engine(f["hidden"], labels, doc, ids)
+        if not (self.inputs.aux_layers or self.inputs.positions):
+            return engine(f["hidden"], labels, doc, ids)
+        # What the family declares beyond the last hidden state and the tokens (positional: the engine's forward).
+        aux = f["aux"] if self.inputs.aux_layers else None
+        positions = batch["position_ids"].to(dev) if self.inputs.positions else None
+        return engine(f["hidden"], labels, doc, ids, aux, positions)
 
     def export_extra(self, engine) -> Optional[Callable]:
         return None
@@ -148,8 +156,7 @@ class CachedSource(_FrozenHeads):
 
     def __init__(self, cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):
         super().__init__(cfg, backbone, device)
-        aux = family_fields(cfg.heads, backbone.model.config).get("aux_layers", ())
-        plan = dataclasses.replace(plan, aux_layers=tuple(aux))
+        plan = dataclasses.replace(plan, aux_layers=backbone_layers(cfg.heads, backbone.model.config))
         self.compute_dtype, self.plan = compute_dtype, plan
         frozen = FrozenFeatures(backbone.model, cfg.data.packing, compute_dtype, device)  # building only
         self.cache, self.manifest = features.open_cache(cfg, backbone, frozen, plan, data.eval_batches)

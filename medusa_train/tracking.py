@@ -42,15 +42,15 @@ class Tracker:
         tmp.write_text("".join(l + "\n" for l in kept))
         os.replace(tmp, self.path)
 
-    def log(self, step: int, metrics: dict, kind: str = "train") -> None:
+    def log(self, step: int, metrics: dict, phase: str = "train") -> None:
         if not self.enabled:
             return
-        record = {"step": step, "kind": kind, "time": round(time.time(), 3), **metrics}
+        record = {"step": step, "kind": phase, "time": round(time.time(), 3), **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log({f"{kind}/{k}": v for k, v in metrics.items()}, step=step)
-        if self.bar is not None and kind == "train":
+            self.wandb.log({f"{phase}/{k}": v for k, v in metrics.items()}, step=step)
+        if self.bar is not None and phase == "train":
             self.bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
                                  tau=f"{metrics.get('sim_tau', 0):.2f}",
                                  tok_s=f"{metrics.get('tokens_per_s', 0):.0f}")

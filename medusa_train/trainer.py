@@ -10,7 +10,7 @@ Feature                                   config key
 backbone (embedded / HF id / path / tiny)  backbone.name_or_path, backbone.random_init, .dtype
 chat data streamed, assistant-only labels  data.source, data.max_length, data.shuffle_buffer
 packing (no padding) or length bucketing   data.packing
-K heads x L residual blocks, head family   heads.num_heads, heads.num_layers, heads.kind
+K heads x L residual blocks, head family   heads.num_heads, heads.num_layers, heads=<kind> (recipes/heads/)
 projection own / shared / truncated        heads.projection, heads.truncated_vocab_size
 loss weights lambda_k = decay^k            heads.loss_decay, heads.loss_weights
 AdamW, warmup + cosine                     optim.*
@@ -23,8 +23,8 @@ targets: dataset or backbone greedy tokens  heads.targets=data|backbone
 Medusa-2: LoRA backbone + heads (lora.py)  lora.enabled, lora.*
 
 The frozen backbone is outside the DeepSpeed engine: no gradients, no optimizer state, eval mode,
-run under ``torch.no_grad`` through its body only (``backbone.FrozenFeatures``: the heads need the
-final hidden state, not the backbone's 49k-vocabulary logits).
+run under ``torch.no_grad`` through its body only (``backbone_inputs.FrozenFeatures``: the heads need the
+hidden states their family declares, not the backbone's 49k-vocabulary logits).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from inference.heads.native import EXPORT_FILES, recover_dir, save_heads
 from inference.heads.registry import family, init_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from . import checkpoint, features
-from .backbone import draft_vocabulary, family_fields, load_backbone
-from .config import derived_batch, draft_depth, loss_weights, validate
+from .backbone import load_backbone
+from .config import derived_batch, loss_weights, validate
+from .families import draft_depth, draft_vocabulary, training_family
 from .data.stream import ConversationStream, RankData, token_frequencies
 from .deepspeed_config import check_consistent, deepspeed_config
 from .distributed import resolve_device, start_process
@@ -170,14 +171,12 @@ class MedusaTrainer:
         hf_cfg = model.config
         projection, vocab_n = draft_vocabulary(cfg.heads, hf_cfg.vocab_size)
         token_map = self._token_map(hf_cfg.vocab_size, vocab_n) if projection == "truncated" else None
-        eagle = family_fields(cfg.heads, hf_cfg)
         spec = HeadsSpec(
             num_heads=draft_depth(cfg.heads), num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
             vocab_size=hf_cfg.vocab_size, projection=projection,
             truncated_vocab_size=vocab_n if token_map is not None else None,
             base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
-            kind=cfg.heads.kind, inner_dim=cfg.heads.inner_dim or None,
-            tie_weights=cfg.heads.tie_weights, scale_input=cfg.heads.scale_input, **eagle)
+            kind=cfg.heads.kind, settings=training_family(cfg.heads.kind).spec_settings(cfg.heads, hf_cfg))
         heads = init_heads(spec, lm_head_weight(model).float(), model.get_input_embeddings().weight, token_map)
         return heads.to(self.device), spec
 
@@ -185,8 +184,8 @@ class MedusaTrainer:
         """Top-N assistant tokens of the training data (plus EOS), most frequent first."""
         d = self.cfg.data
         if n > vocab_size:
-            key = "draft_vocab_size" if self.cfg.heads.draft_vocab_size is not None else "truncated_vocab_size"
-            raise UserError(f"heads.{key}={n} exceeds the backbone vocabulary ({vocab_size})")
+            key = training_family(self.cfg.heads.kind).vocabulary_keys(self.cfg.heads)[0]
+            raise UserError(f"{key}={n} exceeds the backbone vocabulary ({vocab_size})")
         scan = ConversationStream(d, self.backbone.tokenizer, seed=self.cfg.trainer.seed)
         counts = token_frequencies(scan, vocab_size, d.vocab_scan_conversations)
         eos = self.backbone.tokenizer.eos_token_id
@@ -293,7 +292,7 @@ class MedusaTrainer:
         # the accuracies are against the training targets (dataset or backbone greedy tokens): say which
         summary = {"loss": sum(losses) / max(len(losses), 1), **metrics.summary(), "targets": self.cfg.heads.targets}
         if self.tracker:
-            self.tracker.log(self.step, summary, kind="eval")
+            self.tracker.log(self.step, summary, phase="eval")
         self.module.metrics = previous
         return summary
 

@@ -3,11 +3,11 @@
 #
 #   1. the gpu test tier (pytest -m gpu: tree verification vs sequential decoding in bf16/fp16,
 #      greedy identity in fp32, KV cache + compaction on CUDA, DeepSpeed heads steps: ZeRO 0 fp32, ZeRO 1 and 2 bf16);
-#   2. scripts/gpu_check.py on a SmolLM2-135M-shaped random Llama in bf16: verification step for
-#      1..64 tree nodes, plain loop vs transformers' generate, what tree=auto would choose, batched
+#   2. benchmarks/gpu_check.py on a SmolLM2-135M-shaped random Llama in bf16: verification step for
+#      1..64 tree nodes, plain loop vs transformers' generate, what choice=auto would choose, batched
 #      steps, an EAGLE-3 step of eagle3_smollm2's shape vs a plain step, the
 #      training step's tokens/s vs the backbone forward (real trainer, DeepSpeed ZeRO 1, bf16);
-#   3. summary.md (Markdown for BENCHMARKS.md's GPU column, with the three verdicts) and gpu_check.json.
+#   3. summary.md (Markdown for BENCHMARKS.md's GPU section, with the three verdicts) and gpu_check.json.
 #
 # First, here (a machine with pip and a registry), once:
 #     bash scripts/gpu_wheels.sh        # DeepSpeed, Hydra, datasets... into .whl/ (~6 MiB, git-ignored)
@@ -74,7 +74,7 @@ fi
 dry_arg=()
 [ "$dry" = 1 ] && dry_arg=(--dry-run)
 [ "$full" = 1 ] && dry_arg+=(--full-shape)
-timeout 300 "$PY" scripts/gpu_check.py --out "$out" "${dry_arg[@]}" "${xml_arg[@]}" 2>&1 | tee -a "$out/check.log"
+timeout 300 "$PY" -m benchmarks.gpu_check --out "$out" "${dry_arg[@]}" "${xml_arg[@]}" 2>&1 | tee -a "$out/check.log"
 rc=${PIPESTATUS[0]}
 [ -f "$out/summary.md" ] || { echo "gpu_check.sh: no summary written (rc $rc)" >&2; exit 1; }
 exit "$rc"

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from inference.heads.drafting import IndependentDrafting
 from inference.heads.medusa import MedusaHeads
 from inference.heads.spec import HeadsSpec
-from inference.runtime.model import MedusaModel, attach_heads
+from inference.loading import attach_heads
+from inference.runtime.model import MedusaModel
 
 
 @pytest.fixture(autouse=True, scope="module")

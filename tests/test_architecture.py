@@ -133,3 +133,16 @@ def test_the_heads_package_stays_at_the_bottom():
     bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("inference.heads")
                  for t in targets if not t.startswith(allowed))
     assert bad == []
+
+
+def test_shared_rooms_never_compare_a_family_kind():
+    """Guards against: generic code in the heads package, the formats or the trainer branching on a family by
+    name (``kind == "eagle3"``), so a new family needs edits there; they ask the registry and read what the
+    family declared (its settings, its inputs, its training record) instead."""
+    import re
+
+    pattern = re.compile(r'kind\)? *(==|!=) *"')
+    roots = [ROOT / "inference" / "heads", ROOT / "inference" / "formats", ROOT / "medusa_train"]
+    hits = [f"{p.relative_to(ROOT)}:{i}" for root in roots for p in sorted(root.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []

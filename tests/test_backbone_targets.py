@@ -17,7 +17,7 @@ from inference.errors import UserError
 from inference.methods import generate
 from inference.loading import load_medusa
 from inference.runtime.tree import MedusaTree
-from medusa_train import backbone as backbone_module
+from medusa_train import backbone_inputs
 from medusa_train import features
 from medusa_train import trainer as T
 from medusa_train.config import validate
@@ -102,7 +102,7 @@ def test_online_greedy_ids_are_the_full_backbone_argmax_and_reach_the_loss(compo
     greedy = trainer.source.frozen.greedy_ids(raw, labels, docs)
     assert torch.equal(greedy[need], expected[need])
     assert (greedy[~need] == I).all()
-    monkeypatch.setattr(backbone_module, "GREEDY_CHUNK", 7)  # many chunks, a ragged last one: the same ids
+    monkeypatch.setattr(backbone_inputs, "GREEDY_CHUNK", 7)  # many chunks, a ragged last one: the same ids
     assert torch.equal(trainer.source.frozen.greedy_ids(raw, labels, docs), greedy)
 
     seen = spy_labels(trainer)

@@ -84,7 +84,7 @@ BAD_INPUT = [
     (EVAL, [f"heads={HEADS}", "batch_size=[4,8]", "batch_rounds=0", "prompts={tmp}/prompts.jsonl"], 2,
      "batch_rounds must be an integer >= 1, got 0"),
     (EVAL, [f"heads={HEADS}", "batch_size=[4,8]", "batch_chains=short", "prompts={tmp}/prompts.jsonl"], 2,
-     "batch_chains must be one of auto, fixed, got 'short'"),
+     "batch_chains= is gone: give choice=auto (chain lengths sized per batch size) or choice=fixed"),
     (EVAL, [f"heads={HEADS}", "batch_size=2.5", "prompts={tmp}/prompts.jsonl"], 2,
      "batch_size must be an integer >= 1, got 2.5"),
     (EVAL, [f"heads={HEADS}", "batch_size=many", "prompts={tmp}/prompts.jsonl"], 2,

@@ -1,6 +1,6 @@
 """Chain lengths sized per batch size for the batched chain methods (draft model, prompt lookup).
 
-The sizing rule (``batch_sizing.choose_chain_schedule``): tau per length from one batch-1 calibration
+The sizing rule (``chain_choice.choose_chain_schedule``): tau per length from one batch-1 calibration
 run with the longest chain, step times of the method's own drafter at each batch size, the best
 expected tokens/s per batch size, or plain. The schedule then drives the batched drafters step by step
 (by active rows), and a row must stay token-identical to plain greedy however the length moves."""
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.evaluation import batch_sizing
+from inference.methods import chain_choice as batch_sizing
+from inference.runtime import sizing as runtime_sizing
 from inference.evaluation.batch_eval import evaluate_batched
 from inference.evaluation.prompts import Prompt
-from inference.evaluation.tree_choice import PLAIN
+from inference.runtime.race import PLAIN
 from inference.methods import generate, generate_batch
 from inference.runtime.speculation import SpeculationSchedule
 from inference.runtime.tree import chain_tree, resolve_tree
@@ -83,7 +84,7 @@ def test_the_rule_shortens_and_switches_off_as_the_batch_grows(m, prompts, metho
         step = {PLAIN: 0.01, **{n: 0.01 * (1 + slope[b] * (int(n[5:]) - 1)) for n in taus}}
         return step, {n: {"step_ms": s * 1e3} for n, s in step.items()}, {"rounds": 1}
 
-    monkeypatch.setattr(batch_sizing, "race", fake_race)
+    monkeypatch.setattr(runtime_sizing, "race", fake_race)
     from inference.methods.registry import make_options
 
     options = make_options(method, None, **METHODS[method])
@@ -163,8 +164,8 @@ def test_chain_schedule_bad_input(m):
     with pytest.raises(UserError, match="not a chain"):
         generate_batch(m, [[1, 2, 3]], "prompt_lookup", num_tokens=4,
                        schedule=SpeculationSchedule({1: resolve_tree([[0], [1]], 2)}))
-    with pytest.raises(UserError, match="batch_chains must be one of"):
-        evaluate_batched(m, [Prompt(id="a", turns=["x"])], methods=["prompt_lookup"], batch_sizes=[2], chains="both")
+    with pytest.raises(UserError, match="choice must be auto, fixed or a choice file"):
+        evaluate_batched(m, [Prompt(id="a", turns=["x"])], methods=["prompt_lookup"], batch_sizes=[2], choice="both")
 
 
 def test_sampled_plain_steps_of_the_draft_model(m, prompts):
@@ -181,18 +182,17 @@ def test_batched_eval_sizes_chain_methods_per_batch_size(m, prompts, monkeypatch
     """Guards against: medusa-eval with batch sizes running the chain methods at their set length
     everywhere when sizing is asked (auto), not holding calibration prompts out, not recording the
     schedule and its measurement per method, or decoding with another schedule than the one recorded;
-    and batch_chains=fixed still sizing."""
+    and choice=fixed still sizing."""
     calls = []
 
     def fake_sizing(mm, *, method, options, calibration, latency_prompts, batch_sizes, **kw):
         calls.append((method, len(calibration), len(latency_prompts), list(batch_sizes)))
         sched = SpeculationSchedule({1: chain_tree(3), 2: None})
-        return batch_sizing.BatchSizing(sched, {1: {"winner": "chain3"}, 2: {"winner": "plain"}}), {"most": 4}
+        return runtime_sizing.BatchSizing(sched, {1: {"winner": "chain3"}, 2: {"winner": "plain"}}), {"most": 4}
 
-    from inference.evaluation import batch_eval
     from inference.methods.registry import make_options
 
-    monkeypatch.setattr(batch_eval, "choose_chain_schedule", fake_sizing)
+    monkeypatch.setattr(batch_sizing, "choose_chain_schedule", fake_sizing)
     encode = type(m).encode_chat
     monkeypatch.setattr(type(m), "encode_chat", lambda self, text: [int(c) for c in text])
     try:
@@ -212,7 +212,7 @@ def test_batched_eval_sizes_chain_methods_per_batch_size(m, prompts, monkeypatch
             assert row["greedy_identical"] is True
         calls.clear()
         r = evaluate_batched(m, items, methods=["prompt_lookup"], batch_sizes=[2], max_new_tokens=8,
-                             calibration_prompts=2, progress=False, log=lambda s: None, chains="fixed")
+                             calibration_prompts=2, progress=False, log=lambda s: None, choice="fixed")
         assert not calls and r["batched"]["num_prompts"] == 8
         assert r["batched"]["speculation"]["prompt_lookup"]["chain"] == "fixed"
         assert r["batched"]["per_batch_size"]["2"]["speculation"]["prompt_lookup"] == "chain11"
@@ -266,7 +266,7 @@ def test_lookup_timing_noise_is_not_reported_as_a_loaded_machine():
     """Guards against: sizing prompt lookup telling the user the machine looks loaded because lookup
     steps vary (its proposals follow the text), while a real load, seen in plain decoding's own
     spread, must still be reported."""
-    from inference.evaluation.tree_choice import race
+    from inference.runtime.race import race
 
     def run(plain_spread: float, varying: bool) -> list[str]:
         calls = {PLAIN: 0, "chain3": 0}
@@ -290,7 +290,7 @@ def test_varying_candidates_are_costed_by_their_mean_step():
     """Guards against a method whose steps differ by themselves (a looked-up chain verified on one step
     in four, at 2x the cost) costed by its median step, a step without the chain: the race would count
     the chain's tokens and not its cost, and choose it where it is slower than plain decoding."""
-    from inference.evaluation.tree_choice import race
+    from inference.runtime.race import race
 
     def timer(name):
         return [0.01] * 4 if name == PLAIN else [0.01, 0.01, 0.01, 0.02]

@@ -345,7 +345,7 @@ def test_narrower_rows_pad_with_nodes_never_accepted(backbone, prompts, greedy, 
 def test_generate_batch_runs_eagle3_and_refuses_what_batch_one_refuses(models, backbone, prompts, greedy):
     """Guards against eagle3 missing from the batched methods, eagle_nodes=0 (or a schedule that is
     plain at every batch size) not being the plain loop, and batches accepting what batch 1 refuses
-    (eagle_tree=auto outside an evaluation; draft=sampled, Medusa heads, impossible schedules), each in
+    (the old eagle_tree option, now the choice key's; draft=sampled, Medusa heads, impossible schedules), each in
     one line."""
     m = models["random"]
     assert "eagle3" in batched_names()
@@ -356,7 +356,7 @@ def test_generate_batch_runs_eagle3_and_refuses_what_batch_one_refuses(models, b
     assert [r.tokens for r in out.rows] == [g[:6] for g in greedy[:3]] and set(out.speculation) == {1}
     medusa = wrap(backbone, random_heads(backbone, num_heads=2))
     for call, match in (
-            (lambda: generate_batch(m, prompts[:2], "eagle3", tree="auto"), "chosen by an evaluation"),
+            (lambda: generate_batch(m, prompts[:2], "eagle3", tree="auto"), "method eagle3 has no option 'tree'"),
             (lambda: generate_batch(m, prompts[:2], "eagle3", sampling=SamplingConfig(mode="sample", draft="sampled")),
              "draft=sampled"),
             (lambda: generate_batch(m, prompts[:2], "eagle3", topk=200), "eagle_topk must be an integer in 1..64"),
@@ -380,8 +380,10 @@ def test_the_rule_picks_a_setting_per_batch_size_and_falls_back_to_plain(models,
     kept where every node is a row of compute), expected tau not measured by decoding each setting,
     or no plain decoding where nothing pays. Step times are controlled: a setting of n nodes costs
     (1 + n x slope) plain steps, the slope growing with the batch."""
-    from inference.evaluation import batch_sizing
-    from inference.evaluation.tree_choice import PLAIN, measure_eagle3_tau
+    from inference.methods import eagle3_choice as batch_sizing
+    from inference.methods.eagle3_choice import measure_eagle3_tau
+    from inference.runtime import sizing as runtime_sizing
+    from inference.runtime.race import PLAIN
 
     slope = {1: 0.0, 8: 1.0}
 
@@ -390,7 +392,7 @@ def test_the_rule_picks_a_setting_per_batch_size_and_falls_back_to_plain(models,
         step = {PLAIN: 0.01, **{n: 0.01 * (1 + slope[b] * int(n.split("-")[0][1:])) for n in taus}}
         return step, {n: {"step_ms": s * 1e3} for n, s in step.items()}, {"rounds": 1}
 
-    monkeypatch.setattr(batch_sizing, "race", fake_race)
+    monkeypatch.setattr(runtime_sizing, "race", fake_race)
     m = models["scripted"]
     sizing, record = batch_sizing.choose_eagle3_schedule(m, prompts[:2], prompts[:3], [8, 1], grid=GRID,
                                                          calibration_tokens=12, log=lambda s: None)
@@ -405,7 +407,7 @@ def test_measured_eagle3_schedule_drives_the_batched_decoder(models, prompts, gr
     """Guards against: the real timer failing with eagle3 (a drafter whose cache must see every step,
     shared by the candidates, prefilled with the batch's features), or the decoder then not verifying
     with the winners by number of active rows; rows stay identical to greedy."""
-    from inference.evaluation import batch_sizing
+    from inference.methods import eagle3_choice as batch_sizing
 
     m = models["scripted"]
     sizing, _ = batch_sizing.choose_eagle3_schedule(m, prompts[:1], prompts[:3], [1, 4], grid=GRID,
@@ -420,12 +422,13 @@ def test_measured_eagle3_schedule_drives_the_batched_decoder(models, prompts, gr
 
 
 def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy, monkeypatch):
-    """Guards against: medusa-eval with batch sizes refusing or ignoring eagle_tree=auto (one setting
+    """Guards against: medusa-eval with batch sizes refusing or ignoring choice=auto (one setting
     everywhere), the calibration prompts not held out, or the sized schedule not being the one the
     batches decode with and the report records."""
     from inference.evaluation import batch_eval
-    from inference.evaluation.batch_sizing import BatchSizing
     from inference.evaluation.prompts import Prompt
+    from inference.methods import eagle3_choice
+    from inference.runtime.sizing import BatchSizing
 
     calls = []
 
@@ -435,13 +438,13 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
         sched = SpeculationSchedule({1: Eagle3Options(**SETTINGS["chain"]), 2: None})
         return BatchSizing(sched, {1: {"winner": "n3-d3-k1"}, 2: {"winner": "plain"}}), {"measured_tau": {}}
 
-    monkeypatch.setattr(batch_eval, "choose_eagle3_schedule", fake)
+    monkeypatch.setattr(eagle3_choice, "choose_eagle3_schedule", fake)
     m = models["scripted"]
     monkeypatch.setattr(type(m), "encode_chat", lambda self, text: prompts[int(text)])
     items = [Prompt(id=str(i), turns=[str(i)]) for i in range(5)]
     r = batch_eval.evaluate_batched(m, items, methods=["eagle3"], batch_sizes=[2], max_new_tokens=8,
                                     calibration_prompts=2, progress=False, log=lambda s: None,
-                                    options={"eagle3": Eagle3Options(tree="auto")})
+                                    options={"eagle3": Eagle3Options()}, choice="auto")
     b = r["batched"]
     assert calls == [(2, 3, [1, 2])]
     assert b["speculation"]["eagle3"]["schedule"] == {"1": "n3-d3-k1", "2": "plain"}
@@ -450,7 +453,7 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
     assert row["greedy_identical"] is True and row["tau"] > 1.0   # the last row alone drafts (batch 1)
     calls.clear()
     r = batch_eval.evaluate_batched(m, items, methods=["eagle3"], batch_sizes=[2], max_new_tokens=8,
-                                    progress=False, log=lambda s: None,
+                                    progress=False, log=lambda s: None, choice="fixed",
                                     options={"eagle3": Eagle3Options(**SETTINGS["chain"])})
     b = r["batched"]
     assert not calls and b["num_prompts"] == 5                    # fixed: nothing sized, nothing held out

@@ -131,7 +131,7 @@ def test_lookup_alone_plain_schedules_and_refusals(models, prompts):
                            schedule=SpeculationSchedule({1: None, 4: None}))
     assert set(plain.speculation) == {1} and all(set(r.accept_lengths) == {1} for r in plain.rows)
     for call, match in (
-            (lambda: generate_batch(m, batch[:2], "eagle3_lookup", tree="auto"), "chosen by an evaluation"),
+            (lambda: generate_batch(m, batch[:2], "eagle3_lookup", tree="auto"), "method eagle3_lookup has no option 'tree'"),
             (lambda: generate_batch(m, batch[:2], "eagle3_lookup",
                                     sampling=SamplingConfig(mode="sample", draft="sampled")), "draft=sampled"),
             (lambda: generate_batch(m, batch[:2], "eagle3_lookup", min_ngram=3, max_ngram=2), "exceeds")):
@@ -204,15 +204,16 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
                                                                                 tmp_path):
     """Guards against eagle3_lookup sized as eagle3 (tau measured without the branch, step times of
     eagle3's drafter, which never grafts), a schedule whose settings lose the lookup keys, and a
-    batched medusa-eval that refuses eagle_tree=auto for it or records another schedule than the
-    one its batches decode with."""
-    from inference.evaluation import batch_eval, batch_sizing
+    batched medusa-eval that refuses choice=auto for it or records another schedule than the
+    one its batches decode with, or a choice file that does not give that schedule back."""
+    from inference.evaluation import batch_eval
     from inference.evaluation.prompts import Prompt
-    from inference.evaluation.tree_choice import measure_eagle3_tau
+    from inference.methods import eagle3_choice as batch_sizing
+    from inference.methods.eagle3_choice import measure_eagle3_tau
     from inference.runtime.speculation import tree_label
 
     m = models["scripted"]
-    o = Eagle3LookupOptions(tree="auto", **LOOKUP)
+    o = Eagle3LookupOptions(**LOOKUP)
     grid = ((2, 2, 1), (4, 3, 2))
     calib = [REPEATING, prompts[1]]
     timing = dict(latency_steps=2, warmup=1, min_rounds=1, max_rounds=1, log=lambda s: None)
@@ -233,12 +234,13 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
     texts = [REPEATING] + [prompts[i] for i in range(4)]
     orig = type(m).encode_chat
     type(m).encode_chat = lambda self, text: texts[int(text)]
+    chosen, fixed_chosen = {}, {}
     try:
         r = batch_eval.evaluate_batched(m, items, methods=["eagle3_lookup"], batch_sizes=[2], max_new_tokens=8,
-                                        calibration_prompts=1, progress=False, log=lambda s: None,
-                                        options={"eagle3_lookup": Eagle3LookupOptions(tree="auto", **LOOKUP)})
+                                        calibration_prompts=1, progress=False, log=lambda s: None, choice="auto",
+                                        options={"eagle3_lookup": Eagle3LookupOptions(**LOOKUP)}, chosen=chosen)
         fixed = batch_eval.evaluate_batched(m, items, methods=["eagle3_lookup"], batch_sizes=[2], max_new_tokens=8,
-                                            progress=False, log=lambda s: None,
+                                            progress=False, log=lambda s: None, choice="fixed", chosen=fixed_chosen,
                                             options={"eagle3_lookup": Eagle3LookupOptions(nodes=0, **LOOKUP)})
     finally:
         type(m).encode_chat = orig
@@ -248,18 +250,18 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
     assert set(b["speculation"]["eagle3_lookup"]["calibration"]["measured_tau"]) == {
         "n1-d1-k1", "n2-d1-k2", "n4-d1-k4", "n2-d2-k1", "n3-d2-k2", "n4-d4-k1", "n4-d3-k2", "n8-d4-k4"}
     # what the evaluation chose, through its choice file, is the schedule medusa-generate decodes batches with
-    from types import SimpleNamespace
+    from inference.methods.choice_file import read_choice, write_choice
 
-    from inference.evaluation.eagle3_choice_file import eagle3_schedule, read_choice, write_choices
-
-    (path,) = write_choices(tmp_path, r).values()
-    choice = read_choice(str(path), m.heads.spec, ["eagle3", "eagle3_lookup"])
-    rebuilt = eagle3_schedule(choice.method, choice.schedule, SimpleNamespace())
-    assert rebuilt.to_dict() == b["speculation"]["eagle3_lookup"]["schedule"]
-    assert all(c is None or c.lookup == o.lookup for c in rebuilt.choices.values())
+    made = chosen["eagle3_lookup"]
+    path = write_choice(tmp_path, "eagle3_lookup", made, made.options)
+    assert path.name == "eagle3_lookup_choice.json"
+    saved = read_choice(str(path), m.heads.spec, ["eagle3", "eagle3_lookup"], lambda x: Eagle3LookupOptions(**LOOKUP))
+    assert saved.method == "eagle3_lookup"
+    assert saved.schedule.to_dict() == b["speculation"]["eagle3_lookup"]["schedule"]
+    assert all(c is None or c.lookup == o.lookup for c in saved.schedule.choices.values())
     f = fixed["batched"]
     assert f["speculation"]["eagle3_lookup"]["schedule"] == {"2": "prompt lookup t6-m1"}
-    assert write_choices(tmp_path / "fixed", fixed) == {}                                   # nothing was chosen
+    assert not fixed_chosen["eagle3_lookup"].measured                                      # nothing was chosen
     assert f["per_batch_size"]["2"]["per_method"]["eagle3_lookup"]["greedy_identical"] is True
 
 
@@ -267,19 +269,21 @@ def test_batch_sizing_costs_the_steps_that_graft(models, prompts, monkeypatch): 
     """Guards against eagle3_lookup's batched sizing costing each setting by its median step (a step
     with no looked-up chain, the costlier ones passed over), which eagle3, whose steps do not vary,
     keeps."""
-    from inference.evaluation import batch_sizing
+    from inference.methods import eagle3_choice as batch_sizing
+    from inference.runtime.sizing import BatchSizing
+    from inference.runtime.speculation import SpeculationSchedule
 
     seen = {}
 
     def fake_size(m, cands, drafter_for, latency_prompts, batch_sizes, *, what, varying=False, **kw):
         seen[what] = varying
-        return batch_sizing.BatchSizing(batch_sizing.SpeculationSchedule({}, {}, 0.05), {})
+        return BatchSizing(SpeculationSchedule({}, {}, 0.05), {})
 
     monkeypatch.setattr(batch_sizing, "size_speculation", fake_size)
     m = models["scripted"]
     kw = dict(grid=((2, 2, 1),), calibration_tokens=4)
     batch_sizing.choose_eagle3_schedule(m, [REPEATING], batch_of(prompts)[:2], [1], method="eagle3_lookup",
-                                        options=Eagle3LookupOptions(tree="auto", **LOOKUP), **kw)
+                                        options=Eagle3LookupOptions(**LOOKUP), **kw)
     batch_sizing.choose_eagle3_schedule(m, [REPEATING], batch_of(prompts)[:2], [1], **kw)
     assert seen == {"eagle3_lookup trees": True, "eagle3 trees": False}
 

@@ -157,7 +157,7 @@ def test_rounds_repeat_each_batch_without_mixing_rows(oracle):
 
 
 def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch):
-    """Guards against: tree=auto in a batched run not asking batch_sizing for a tree per batch size
+    """Guards against: choice=auto in a batched run not asking the Medusa tree shape for a tree per batch size
     (with the heads' measured per-rank accuracy, latency prompts from the evaluated prompts, every batch
     size), the calibration prompts not being held out, the chosen schedule not being the one decoded
     with (plain steps where it says none pays), or the sizing record missing from the report."""
@@ -170,20 +170,25 @@ def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch)
         def to_dict(self):
             return {"1": {"winner": "chain2"}, "4": {"winner": "plain"}}
 
-    def choose_schedule(m, per_rank, latency_prompts, batch_sizes, *, log=print, progress=False):
+    def choose_schedule(m, per_rank, latency_prompts, batch_sizes, *, drafter, log=print, progress=False):
         calls.update(per_rank=per_rank, latency=latency_prompts, sizes=list(batch_sizes))
         return Sizing(SpeculationSchedule({1: resolve_tree("chain2", 2), 4: None}))
 
-    monkeypatch.setattr(batch_eval, "choose_schedule", choose_schedule)
-    r = evaluate_batched(oracle, PROMPTS, methods=["medusa"], batch_sizes=[1, 4], tree="auto", max_new_tokens=NEW,
-                         calibration_prompts=1, calibration_tokens=6, progress=False, log=_quiet)
+    from inference.methods import medusa_choice
+
+    monkeypatch.setattr(medusa_choice, "choose_schedule", choose_schedule)
+    chosen = {}
+    r = evaluate_batched(oracle, PROMPTS, methods=["medusa"], batch_sizes=[1, 4], choice="auto", max_new_tokens=NEW,
+                         calibration_prompts=1, calibration_tokens=6, progress=False, log=_quiet, chosen=chosen)
     b = r["batched"]   # (batch 4 needs 4 prompts evaluated: a larger size than the prompts is refused)
     assert calls["sizes"] == [1, 4] and len(calls["latency"]) == 4 == b["num_prompts"]  # 1 of 5 held out
     assert len(calls["per_rank"]) == 2 and calls["per_rank"] == r["head_accuracy"]["per_rank"]
     assert b["speculation"]["medusa"] == {"tree": "auto", "schedule": {"1": "chain2", "4": "plain"},
-                                          "sizing": {"1": {"winner": "chain2"}, "4": {"winner": "plain"}},
-                                          "trees": {"choices": {"1": {"name": "chain2", "choices": [[0]]},
-                                                                "4": None}, "rates": {}, "switch_gain": 0.05}}
+                                          "sizing": {"1": {"winner": "chain2"}, "4": {"winner": "plain"}}}
+    # what the choice file stores: each batch size's tree as the method's own key (None: plain decoding)
+    assert chosen["medusa"].measured and chosen["medusa"].schedule.choices[4] is None
+    shape = medusa_choice.MedusaTreeShape(None)
+    assert shape.encode(chosen["medusa"].schedule.choices[1], None) == {"tree": {"name": "chain2", "choices": [[0]]}}
     one, four = b["per_batch_size"]["1"], b["per_batch_size"]["4"]
     assert one["speculation"] == {"medusa": "chain2"} and four["speculation"] == {"medusa": "plain"}
     assert one["per_method"]["medusa"]["nodes_per_step"] == 2.0 and one["per_method"]["medusa"]["tau"] > 1.0

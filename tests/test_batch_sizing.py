@@ -1,13 +1,15 @@
-"""Speculation sized per batch size (``evaluation.batch_sizing``): the rule, on controlled step times, and
-that its schedule is what the batched decoder then verifies with."""
+"""Speculation sized per batch size (``runtime.sizing``, for the Medusa tree shape ``methods.medusa_choice``): the
+rule, on controlled step times, and that its schedule is what the batched decoder then verifies with."""
 
 from __future__ import annotations
 
 import pytest
 
-from inference.evaluation import batch_sizing
-from inference.evaluation.tree_choice import PLAIN
 from inference.methods import generate_batch
+from inference.methods import medusa_choice as batch_sizing
+from inference.methods.medusa import HeadsDrafter
+from inference.runtime import sizing as runtime_sizing
+from inference.runtime.race import PLAIN
 
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401 (autouse fixture)
 
@@ -47,9 +49,9 @@ def test_the_rule_picks_per_batch_size_and_falls_back_to_plain(m, monkeypatch):
         step = {PLAIN: 0.01, **{n: 0.01 * (1 + slope[b] * (k - 1)) for n, k in nodes.items()}}
         return step, {n: {"step_ms": s * 1e3} for n, s in step.items()}, {"rounds": 1}
 
-    monkeypatch.setattr(batch_sizing, "race", fake_race)
-    monkeypatch.setattr(batch_sizing, "_BatchTimer", lambda *a, **k: None)
-    sizing = batch_sizing.choose_schedule(m, PER_RANK, [[1, 2, 3]], [16, 1], log=lambda s: None)
+    monkeypatch.setattr(runtime_sizing, "race", fake_race)
+    monkeypatch.setattr(runtime_sizing, "_BatchTimer", lambda *a, **k: None)
+    sizing = batch_sizing.choose_schedule(m, PER_RANK, [[1, 2, 3]], [16, 1], drafter=HeadsDrafter, log=lambda s: None)
     assert seen == [1, 16]
     sched = sizing.schedule
     best1 = max(batch_sizing.candidate_trees(PER_RANK, 3), key=lambda x: x[1])[0]
@@ -66,7 +68,7 @@ def test_measured_schedule_drives_the_batched_decoder(m):
     """Guards against: a schedule measured but not used (the decoder keeping one tree), or the real timer
     failing on a batch (prefill once, steps with each candidate): the measured winners must be what each
     step verified, by number of active rows."""
-    sizing = batch_sizing.choose_schedule(m, PER_RANK, [[5, 6, 7], [9, 1]], [1, 4], latency_steps=2, warmup=1,
+    sizing = batch_sizing.choose_schedule(m, PER_RANK, [[5, 6, 7], [9, 1]], [1, 4], drafter=HeadsDrafter, latency_steps=2, warmup=1,
                                           min_rounds=1, max_rounds=1, log=lambda s: None)
     sched = sizing.schedule
     assert set(sched.choices) == {1, 4}

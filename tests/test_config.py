@@ -62,9 +62,16 @@ def test_schema_rejects_unknown_keys_and_wrong_types(override, key):
 
 # -- validate ----------------------------------------------------------------------------------
 def _cfg(**sections):
+    """The schema's config with ``section__key=value`` set; ``heads__kind`` picks that family's heads schema (what
+    its config group composes), and a key the schema lacks is added anyway, for ``validate`` to judge."""
+    from medusa_train.families import training_family
+
     cfg = OmegaConf.structured(RecipeConfig)
+    kind = sections.get("heads__kind")
+    if kind is not None:
+        cfg.heads = OmegaConf.structured(training_family(kind).config(kind=kind))
     for dotted, value in sections.items():
-        OmegaConf.update(cfg, dotted.replace("__", "."), value)
+        OmegaConf.update(cfg, dotted.replace("__", "."), value, force_add=True)
     return cfg
 
 
@@ -150,20 +157,21 @@ def test_max_length_checked_against_positions_and_memory(monkeypatch):
     """Guards against: data.max_length beyond the backbone's max_position_embeddings (IndexError deep in the
     forward) or too large for memory (killed at 23 GB) being accepted; both come from the config alone."""
     import medusa_train.backbone as B
+    import medusa_train.preflight as P
 
     def no_weights(*a, **k):
         raise AssertionError("check_fits must not build the model")
 
     monkeypatch.setattr(B, "random_backbone", no_weights)
-    B.check_fits(compose_recipe("debug_tiny", ["trainer.device=cpu"]))  # the recipe fits
+    P.check_fits(compose_recipe("debug_tiny", ["trainer.device=cpu"]))  # the recipe fits
     with pytest.raises(UserError, match="exceeds the 512 positions"):
-        B.check_fits(compose_recipe("debug_tiny", ["data.max_length=513", "trainer.device=cpu"]))
-    monkeypatch.setattr(B, "available_memory", lambda device: (2**20, "RAM available"))
+        P.check_fits(compose_recipe("debug_tiny", ["data.max_length=513", "trainer.device=cpu"]))
+    monkeypatch.setattr(P, "available_memory", lambda device: (2**20, "RAM available"))
     with pytest.raises(UserError, match=r"data.max_length=256 x trainer.micro_batch_size=2 needs about .* only 0.0 GB of RAM available"):
-        B.check_fits(compose_recipe("debug_tiny", ["trainer.device=cpu"]))
+        P.check_fits(compose_recipe("debug_tiny", ["trainer.device=cpu"]))
     # the estimate: mask (B*T*T*(4+4)) + per-token layer tensors (B*T*(6H+3I)*4)
     cfg = B.random_config({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4})
-    assert B.micro_batch_bytes(cfg, 100, 2, 4) == 2 * (100 * (6 * 64 + 3 * 128) * 4 + 100 * 100 * 8)
+    assert P.micro_batch_bytes(cfg, 100, 2, 4) == 2 * (100 * (6 * 64 + 3 * 128) * 4 + 100 * 100 * 8)
 
 
 def test_bf16_with_zero1_is_accepted():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.methods import generate
-from inference.evaluation.tree_choice import measure_head_accuracy
+from inference.methods.medusa_choice import measure_head_accuracy
 from inference.errors import UserError
 from inference.heads.drafting import PathDrafting, draft_dependent
 from inference.heads.hydra import HydraHeads
@@ -18,7 +18,7 @@ from inference.heads.native import save_heads
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
 from inference.loading import load_heads, load_medusa
-from inference.runtime.model import attach_heads
+from inference.loading import attach_heads
 from inference.runtime.tree import MedusaTree
 from inference.runtime.verify import SamplingConfig
 
@@ -320,8 +320,8 @@ def test_recipes_for_dependent_heads_compose():
 
 
 def test_heads_kind_typo_is_refused_at_compose():
-    """Guards against a typo in heads.kind training the default family without a word (heads.kind is a
-    string checked against inference.heads.KINDS when the composed config is validated)."""
+    """Guards against a typo in heads.kind training the default family without a word (heads.kind chooses the
+    family's config group: an unknown one is refused while composing, naming the kinds)."""
     from medusa_train.cli import compose_recipe
     from medusa_train.config import validate
 

@@ -15,7 +15,7 @@ from inference.heads.native import save_heads
 from inference.loading import load_medusa
 from inference.methods import generate
 from inference.runtime.draft_weights import HalfLinear, half_draft_weights
-from inference.runtime.model import attach_heads
+from inference.loading import attach_heads
 
 from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401 (autouse fixture)
 from test_eagle3_decoding import PROMPTS, random_drafter

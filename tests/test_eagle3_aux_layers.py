@@ -112,11 +112,12 @@ def test_a_native_checkpoint_with_aux_ids_out_of_order_loads_in_the_engines_orde
 def test_training_reads_the_users_aux_layers_in_the_engines_order():
     """Guards against: heads.aux_layers=[5,2,4] trained in that order (a fresh fc learns its blocks in the
     order it is fed), which no engine serves; the resolved spec must name the layers as they are read."""
-    from medusa_train.backbone import family_fields
+    from medusa_train.families import backbone_layers, training_family
 
     cfg = tiny_llama(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS).config
-    fields = family_fields(SimpleNamespace(kind="eagle3", aux_layers=[5, 2, 4]), cfg)
-    assert fields["aux_layers"] == [2, 4, 5]
+    heads = SimpleNamespace(kind="eagle3", aux_layers=[5, 2, 4])
+    assert training_family("eagle3").spec_settings(heads, cfg).aux_layers == [2, 4, 5]
+    assert backbone_layers(heads, cfg) == (2, 4, 5)  # what the feature cache and the batch sources tap
 
 
 @pytest.mark.parametrize("engine, key, ids", [("sglang", "eagle_config", [4, 1, 3]),
@@ -163,14 +164,14 @@ def test_the_restated_engines_capture_each_layer_once_and_fail_on_a_repeated_id(
 def test_a_repeated_aux_layer_is_refused_in_one_line_wherever_ids_enter(backbone, tmp_path):
     """Guards against: heads.aux_layers=[3,3,5] (or a checkpoint naming a layer twice) trained, loaded,
     imported or exported, then failing at serve time with a shape error (fc gets 2H instead of 3H)."""
-    from medusa_train.backbone import family_fields
-    from medusa_train.config import _validate_eagle3
+    from medusa_train.families import training_family
 
+    eagle3 = training_family("eagle3")
     heads = SimpleNamespace(kind="eagle3", aux_layers=[3, 3, 5], draft_vocab_size=None, ttt_steps=None,
                             projection="own", num_layers=1, num_heads=3)
     errors = []
-    for refuse in (lambda: _validate_eagle3(SimpleNamespace(heads=heads, lora=SimpleNamespace(enabled=False))),
-                   lambda: family_fields(heads, backbone.config)):
+    for refuse in (lambda: eagle3.validate(SimpleNamespace(heads=heads, lora=SimpleNamespace(enabled=False))),
+                   lambda: eagle3.spec_settings(heads, backbone.config)):
         with pytest.raises(UserError) as e:
             refuse()
         errors.append(str(e.value))
@@ -215,9 +216,9 @@ def test_default_aux_layers_are_three_distinct_servable_ids(layers):
 def test_a_target_too_shallow_for_three_distinct_layers_is_refused_before_loading(layers):
     """Guards against: an eagle3 run on a target with fewer than 4 layers (three distinct ids in 1..N-1 do
     not exist) training a drafter with a repeated layer instead of saying which families fit it."""
-    from medusa_train.backbone import family_fields
+    from medusa_train.families import training_family
 
     cfg = tiny_llama(vocab=VOCAB, hidden=HIDDEN, layers=layers).config
     with pytest.raises(UserError) as e:
-        family_fields(SimpleNamespace(kind="eagle3", aux_layers=None), cfg)
+        training_family("eagle3").spec_settings(SimpleNamespace(kind="eagle3", aux_layers=None), cfg)
     assert f"this one has {layers} layer(s)" in str(e.value) and "heads.kind=hydra or medusa" in str(e.value)

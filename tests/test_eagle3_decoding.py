@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.evaluation import tree_choice as tc
+from inference.methods import eagle3_choice as tc
+from inference.runtime import race
 from inference.heads.eagle3 import DraftKV, Eagle3Drafter, default_aux_layers, draft_layer_config
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
 from inference.methods import check_methods, generate
 from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options
 from inference.methods.registry import options_from_keys
-from inference.runtime.model import attach_heads
+from inference.loading import attach_heads
 from inference.runtime.tree import MedusaTree, select_nodes, tree_buffers
 from inference.runtime.verify import SamplingConfig
 
@@ -132,7 +133,7 @@ def test_greedy_is_token_identical_to_plain_greedy(m, greedy, opts):
 def test_library_defaults_fit_the_drafter(backbone, m, greedy):
     """Guards against the Python API (generate / generate_batch / Eagle3Decoder without eagle_* options)
     drafting deeper than the drafter was trained to (the library's fixed n8-d4-k4 decoded the recipe's
-    one-step drafter at 0.99x the loop, BENCHMARKS.md) and against unset options reaching a decoder, its
+    one-step drafter at 0.99x the loop, benchmarks/history.md) and against unset options reaching a decoder, its
     costs or a report as None."""
     from inference.methods import generate_batch
     from inference.methods.eagle3 import eagle3_costs
@@ -335,9 +336,8 @@ def test_mistakes_are_one_line_refusals(m, backbone):
     with pytest.raises(UserError, match="needs EAGLE-3 heads"):
         check_methods(["eagle3"], medusa)
     for bad, match in ((dict(nodes=40, depth=2, topk=4), "more than depth 2 x top-4"),
-                       (dict(depth=0), "eagle_depth must be"), (dict(tree="maybe"), "eagle_tree must be"),
+                       (dict(depth=0), "eagle_depth must be"), (dict(tree="maybe"), "has no option 'tree'"),
                        (dict(topk=200), "eagle_topk must be an integer in 1..64"),
-                       (dict(tree="auto"), "chosen by an evaluation"),
                        (dict(min_prob=1.0), "eagle_min_prob must be a probability"),
                        (dict(min_prob=-0.1), "eagle_min_prob must be a probability"),
                        (dict(min_prob="high"), "eagle_min_prob must be a probability")):
@@ -352,16 +352,17 @@ def test_eval_keys_pick_eagle3_for_eagle3_heads(m, monkeypatch):
     faster eagle3_lookup, compare=true must pick eagle3, and methods=[medusa] must be refused before the
     backbone loads."""
     import inference.cli as cli
+    import inference.cli_checks as cli_checks
 
-    monkeypatch.setattr(cli, "heads_spec", lambda cfg: m.heads.spec)
+    monkeypatch.setattr(cli_checks, "heads_spec", lambda cfg, strict=False: m.heads.spec)   # eval_methods reads it
     assert cli.eval_methods(cli.EvalConfig(heads="h"))[0] == "eagle3_lookup"
     chosen = cli.eval_methods(cli.EvalConfig(heads="h", compare=True))
     assert "eagle3" in chosen and "medusa" not in chosen and "medusa_lookup" not in chosen
     with pytest.raises(UserError, match=r"use methods=\[eagle3\]"):
         cli.eval_methods(cli.EvalConfig(heads="h", methods=["medusa"]))
-    opts = options_from_keys("eagle3", cli.EvalConfig(eagle_nodes=5, eagle_depth=2, eagle_topk=3, eagle_tree="auto",
+    opts = options_from_keys("eagle3", cli.EvalConfig(eagle_nodes=5, eagle_depth=2, eagle_topk=3, choice="auto",
                                                       eagle_min_prob=0.2))
-    assert (opts.nodes, opts.depth, opts.topk, opts.tree, opts.min_prob) == (5, 2, 3, "auto", 0.2)
+    assert (opts.nodes, opts.depth, opts.topk, opts.min_prob) == (5, 2, 3, 0.2)
     with pytest.raises(UserError, match="eagle_min_prob must be a probability in"):
         options_from_keys("eagle3", cli.EvalConfig(eagle_min_prob=1.5))
 
@@ -373,9 +374,9 @@ def fake_clock(ms: dict):
 
 
 def test_auto_picks_plain_decoding_when_drafts_are_useless(backbone, greedy, monkeypatch):
-    """Guards against eagle_tree=auto making decoding slower: with drafts that are never right no
+    """Guards against choice=auto making EAGLE-3 decoding slower: with drafts that are never right no
     setting beats plain decoding, which it must then pick; its options must still decode."""
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     monkeypatch.setattr(tc, "eagle3_step_times", fake_clock({"plain": 100, "n2-d2-k1": 120, "n4-d3-k2": 150}))
     p = PROMPTS[0]
     sm = scripted(backbone, p + greedy[tuple(p)], lambda q: None)
@@ -396,7 +397,7 @@ def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
     """Guards against a grid shape's floor (its fourth element, eagle_min_prob) being lost on the way: in
     the calibration decodes (tau), in the race (names), in the chosen options or in the report, and
     against a floor shape being costed by its median step where its steps differ by themselves."""
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     monkeypatch.setattr(tc, "eagle3_step_times", fake_clock({"plain": 100, "n4-d1-k4": 130, "n4-d1-k4-p0.3": 110}))
     # The calibration decodes' own wall-clock steps set a varying setting's mean / median factor: fixed here,
     # or a loaded machine's noisy steps decide the race (110 x 1.2 > 130) instead of the fake clock.
@@ -421,7 +422,7 @@ def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
 
 
 def test_evaluate_records_the_eagle3_choice(monkeypatch, tmp_path):
-    """Guards against an eagle_tree=auto choice the report does not show (report.json's eagle3_tree,
+    """Guards against an EAGLE-3 choice=auto the report does not show (report.json's eagle3_tree,
     report.md's line) or an evaluation that then decodes differently from plain greedy."""
     from medusa_train.backbone import random_backbone
     from inference.evaluation.evaluate import evaluate
@@ -433,13 +434,13 @@ def test_evaluate_records_the_eagle3_choice(monkeypatch, tmp_path):
                           "max_position_embeddings": 512}, seed=0)
     em = random_drafter(bb.model.eval())
     em.tokenizer = bb.tokenizer
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     monkeypatch.setattr(tc, "eagle3_step_times", fake_clock({"plain": 100, **{tc.eagle3_name(s): 400
                                                                                for s in tc.EAGLE3_GRID}}))
     prompts = [Prompt(str(i), [f"question {i}?"]) for i in range(2)]
     report = evaluate(em, prompts, methods=["eagle3", "autoregressive"], max_new_tokens=6, calibration_prompts=1,
                       calibration_tokens=6, progress=False, log=lambda s: None,
-                      options={"eagle3": Eagle3Options(tree="auto")})
+                      options={"eagle3": Eagle3Options()}, choice="auto")
     assert report["eagle3_tree"]["name"] == "none (plain decoding)"
     assert len(report["eagle3_tree"]["candidates"]) == len(tc.EAGLE3_GRID)
     assert report["method_options"]["eagle3"]["eagle_nodes"] == 0

@@ -16,7 +16,8 @@ import torch
 
 import inference.methods.eagle3_lookup as hybrid
 from inference.errors import UserError
-from inference.evaluation import tree_choice as tc
+from inference.methods import eagle3_choice as tc
+from inference.runtime import race
 from inference.methods import check_methods, generate
 from inference.methods.eagle3_lookup import Eagle3LookupDecoder, Eagle3LookupOptions, eagle3_lookup_costs, graft
 from inference.methods.prompt_lookup import NGramIndex
@@ -189,7 +190,7 @@ def test_keys_costs_and_the_methods_for_eagle3_heads(m):
 
 
 def test_auto_races_the_hybrid_with_its_branch_and_the_report_shows_it(monkeypatch):
-    """Guards against eagle_tree=auto for eagle3_lookup being chosen on eagle3's decoding (without
+    """Guards against choice=auto for eagle3_lookup being chosen on eagle3's decoding (without
     the looked-up branch), or a choice the report does not show."""
     from medusa_train.backbone import random_backbone
     from inference.evaluation.evaluate import evaluate
@@ -209,12 +210,12 @@ def test_auto_races_the_hybrid_with_its_branch_and_the_report_shows_it(monkeypat
         seen.append((method, type(options).__name__))
         return clock(m, prompt_ids, shape, steps=steps, warmup=warmup)
 
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     monkeypatch.setattr(tc, "eagle3_step_times", timed)
     prompts = [Prompt(str(i), [f"question {i}? question {i}?"]) for i in range(2)]
     report = evaluate(em, prompts, methods=["eagle3_lookup", "autoregressive"], max_new_tokens=6,
                       calibration_prompts=1, calibration_tokens=6, progress=False, log=lambda s: None,
-                      options={"eagle3_lookup": Eagle3LookupOptions(tree="auto", num_tokens=3)})
+                      options={"eagle3_lookup": Eagle3LookupOptions(num_tokens=3)}, choice="auto")
     assert ("eagle3_lookup", "Eagle3LookupOptions") in seen and "eagle3_tree" not in report
     assert report["eagle3_lookup_tree"]["name"] == "none (plain decoding)"
     # plain decoding is nothing drafted and nothing looked up (eagle_nodes=0 alone is the lookup alone)
@@ -226,7 +227,7 @@ def test_auto_races_the_hybrid_with_its_branch_and_the_report_shows_it(monkeypat
 
 @pytest.mark.parametrize("grafts", [True, False])
 def test_auto_costs_the_steps_that_verify_a_looked_up_chain(monkeypatch, grafts):
-    """Guards against eagle_tree=auto for eagle3_lookup costing a tree by the race's median step, which
+    """Guards against choice=auto for eagle3_lookup costing a tree by the race's median step, which
     is a step without a looked-up chain: tau counts the chains' tokens, so a setting whose chain steps
     make it slower than plain decoding would be chosen. eagle3 (no branch) is costed by the median as before."""
     from types import SimpleNamespace
@@ -234,7 +235,7 @@ def test_auto_costs_the_steps_that_verify_a_looked_up_chain(monkeypatch, grafts)
     # calibration: 4 steps of 2 tokens (tau 2), one of them 2.7x the others (a step verifying a chain)
     calibration = SimpleNamespace(accept_lengths=[2, 2, 2, 2], steps=4, step_s=[0.015, 0.015, 0.015, 0.040])
     monkeypatch.setattr(tc, "generate", lambda *a, **k: calibration)
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     monkeypatch.setattr(tc, "eagle3_step_times",   # the race: plain 10 ms, the tree's median step 15 ms
                         lambda m, p, shape, **k: [0.010 if shape is None else 0.015] * 6)
     options = Eagle3LookupOptions(nodes=1, depth=1, topk=1, num_tokens=3) if grafts else None
@@ -323,7 +324,7 @@ def test_a_short_match_below_the_switch_keeps_the_drafted_tree(backbone, greedy,
 
 def test_the_drafter_alone_is_an_eagle3_step_and_neither_part_is_plain_decoding(m):
     """Guards against eagle_lookup_tokens=0 still grafting or costing a lookup, and against eagle3_lookup
-    with nothing drafted and nothing looked up decoding anything but plain decoding (an eagle_tree=auto
+    with nothing drafted and nothing looked up decoding anything but plain decoding (a choice=auto
     choice of plain decoding must decode plainly, not with the lookup alone)."""
     from inference.methods.autoregressive import AutoregressiveDecoder
     from inference.methods.eagle3 import Eagle3Decoder
@@ -344,18 +345,18 @@ def test_the_drafter_alone_is_an_eagle3_step_and_neither_part_is_plain_decoding(
 
 @pytest.mark.parametrize("winner", ["lookup-only", "n4-d1-k4-t0", "n4-d1-k4-s3", "n4-d1-k4"])
 def test_auto_races_the_lookup_alone_the_drafter_alone_and_switching(backbone, greedy, monkeypatch, winner):
-    """Guards against eagle_tree=auto for eagle3_lookup choosing among combined shapes only, so that on
+    """Guards against choice=auto for eagle3_lookup choosing among combined shapes only, so that on
     prompts where one part alone is faster (code: the lookup alone) the combination decodes below it:
     the lookup alone, the drafter alone and the switching shapes are raced too, whichever is fastest is
     chosen, and its options decode token-identically."""
     p = PROMPTS[0]
     sm = scripted(backbone, p + greedy[tuple(p)], lambda q: 0)
-    options = Eagle3LookupOptions(num_tokens=3, tree="auto")
+    options = Eagle3LookupOptions(num_tokens=3)
     names = {tc.eagle3_name(s) for s in ((4, 1, 4), *options.part_shapes())}
     assert {"lookup-only", "n2-d1-k2-t0", "n4-d1-k4-t0", "n8-d2-k4-t0", "n4-d1-k4-s3", "n4-d1-k4-s2"} <= names
     ms = {name: 400.0 for name in names}
     ms[winner] = 1.0
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     monkeypatch.setattr(tc, "eagle3_step_times", fake_clock({"plain": 100, **ms}))
     monkeypatch.setattr(tc, "mean_over_median", lambda times: 1.0)
     choice = tc.choose_eagle3(sm, [p], p, grid=[(4, 1, 4)], calibration_tokens=12, log=lambda s: None,

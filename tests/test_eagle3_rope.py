@@ -22,7 +22,7 @@ from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from inference.loading import load_heads
 from inference.methods import generate
-from inference.runtime.model import attach_heads
+from inference.loading import attach_heads
 from medusa_train import trainer as T
 from medusa_train.backbone import keep_random_backbone, random_backbone
 

@@ -40,21 +40,23 @@ def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["per_method"]["medusa"]["greedy_identical_fraction"] == 1.0  # lossless on the kept backbone
 
-    # batched: the tree per batch size saved (tree_schedule.json), and medusa-generate's batches decoded with it
+    # batched: the tree per batch size saved (medusa_choice.json), and medusa-generate's batches decoded with it
     proc = _run("medusa-eval", "heads=runs/debug_tiny/heads", "prompts=prompts.jsonl", "num_prompts=2",
                 "max_new_tokens=8", "kernels=stock", "progress_bar=false", "threads=1", "calibration_prompts=1",
                 "calibration_tokens=8", "batch_size=[1,2]", "out=runs/debug_tiny/eval_batched", cwd=tmp_path)
-    path = run / "eval_batched" / "tree_schedule.json"
-    saved = json.loads(path.read_text())["schedule"]
+    path = run / "eval_batched" / "medusa_choice.json"
+    saved = json.loads(path.read_text())
     sized = json.loads((run / "eval_batched" / "report.json").read_text())["batched"]["speculation"]["medusa"]
-    assert set(saved["choices"]) == {"1", "2"} and saved == sized["trees"]
-    assert f"batch_size=<B> tree={path.relative_to(tmp_path)}" in proc.stdout
-    proc = _run("medusa-generate", "heads=runs/debug_tiny/heads", f"tree={path.relative_to(tmp_path)}",
+    assert saved["method"] == "medusa" and set(saved["schedule"]["choices"]) == {"1", "2"}
+    assert {b: c["tree"]["name"] if c else "plain" for b, c in saved["schedule"]["choices"].items()} == sized["schedule"]
+    assert saved["base_model_fingerprint"] == spec["base_model_fingerprint"] and set(saved["static_shapes"]) == {"1", "2"}
+    assert f"batch_size=<B> choice={path.relative_to(tmp_path)}" in proc.stdout
+    proc = _run("medusa-generate", "heads=runs/debug_tiny/heads", f"choice={path.relative_to(tmp_path)}",
                 "prompts_file=prompts.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",
                 cwd=tmp_path)
     assert "batch of 2:" in proc.stderr and "batch of 1:" in proc.stderr
     _run("medusa-eval", "heads=runs/debug_tiny/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
-         "kernels=stock", "progress_bar=false", "threads=1", "batch_size=[1,2]", f"tree={path.relative_to(tmp_path)}",
+         "kernels=stock", "progress_bar=false", "threads=1", "batch_size=[1,2]", f"choice={path.relative_to(tmp_path)}",
          "out=runs/debug_tiny/eval_again", cwd=tmp_path)   # the same schedule measured again
     again = json.loads((run / "eval_again" / "report.json").read_text())["batched"]["speculation"]["medusa"]
     assert again["tree"] == "given" and again["schedule"] == sized["schedule"]
@@ -79,7 +81,7 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     """Guards against: an eagle3 drafter that trains but cannot be evaluated, exported or generated with from
     the CLI — eval picking the static-tree medusa method for it, an export the runtime cannot import back
     (the vLLM/SGLang directory must load as the same drafter), generate refusing its own heads, or an
-    eagle_tree=auto choice that medusa-generate cannot decode with (eagle3_tree.json)."""
+    choice=auto choice that medusa-generate cannot decode with (eagle3_lookup_choice.json)."""
     run = tmp_path / "runs" / "e3"
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in
                                                       ["Say hello.", "Count to three."]) + "\n")
@@ -90,7 +92,7 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     assert spec["kind"] == "eagle3" and spec["num_heads"] == 2
 
     _run("medusa-eval", "heads=runs/e3/heads", "methods=[eagle3]", "prompts=prompts.jsonl", "num_prompts=2",
-         "max_new_tokens=8", "kernels=stock", "progress_bar=false", "threads=1", "eagle_tree=fixed", "eagle_nodes=4",
+         "max_new_tokens=8", "kernels=stock", "progress_bar=false", "threads=1", "choice=fixed", "eagle_nodes=4",
          "eagle_depth=3",
          "eagle_topk=2", "eagle_min_prob=0.01",
          cwd=tmp_path)
@@ -98,34 +100,37 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     assert report["per_method"]["eagle3"]["greedy_identical_fraction"] == 1.0
     assert report["method_options"]["eagle3"]["eagle_min_prob"] == 0.01
     assert len(report["per_method"]["eagle3"]["n_alpha"]) == 3
-    assert not (run / "eval" / "eagle3_tree.json").exists()  # a fixed tree: nothing chosen, nothing to reuse
+    assert not list((run / "eval").glob("*_choice.json"))  # a fixed tree: nothing chosen, nothing to reuse
 
-    # the default method (eagle3_lookup) at eagle_tree=auto: its choice saved by the evaluation and decoded
+    # the default method (eagle3_lookup) at choice=auto: its choice saved by the evaluation and decoded
     # by medusa-generate as measured
     proc = _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=1", "max_new_tokens=8",
                 "kernels=stock", "progress_bar=false", "threads=1", "calibration_prompts=1", "calibration_tokens=8",
                 "out=runs/e3/eval_auto", cwd=tmp_path)
-    path = run / "eval_auto" / "eagle3_lookup_tree.json"
+    path = run / "eval_auto" / "eagle3_lookup_choice.json"
     choice = json.loads(path.read_text())
     chosen = json.loads((run / "eval_auto" / "report.json").read_text())["method_options"]["eagle3_lookup"]
-    assert choice["method"] == "eagle3_lookup" and choice["settings"]["eagle_nodes"] == chosen["eagle_nodes"]
-    assert choice["settings"]["eagle_lookup_tokens"] == chosen["eagle_lookup_tokens"]
+    at_one = choice["schedule"]["choices"]["1"] or {"eagle_nodes": 0, "eagle_lookup_tokens": 0}   # null: plain
+    assert choice["method"] == "eagle3_lookup" and at_one["eagle_nodes"] == chosen["eagle_nodes"]
+    assert at_one["eagle_lookup_tokens"] == chosen["eagle_lookup_tokens"]
     assert choice["base_model_fingerprint"] == spec["base_model_fingerprint"]
-    assert f"eagle_tree={path.relative_to(tmp_path)}" in proc.stdout   # the line that decodes with it
-    proc = _run("medusa-generate", "heads=runs/e3/heads", f"eagle_tree={path.relative_to(tmp_path)}",
+    assert f"choice={path.relative_to(tmp_path)}" in proc.stdout   # the line that decodes with it
+    proc = _run("medusa-generate", "heads=runs/e3/heads", f"choice={path.relative_to(tmp_path)}",
                 "prompt=Say hello.", "max_new_tokens=8", "kernels=stock", "threads=1", cwd=tmp_path)
     assert "tokens, tau" in proc.stderr
     # batched: the choice per batch size saved, and medusa-generate's batches decoded with that schedule
     proc = _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
                 "kernels=stock", "progress_bar=false", "threads=1", "calibration_prompts=1", "calibration_tokens=8",
                 "batch_size=[1,2]", "out=runs/e3/eval_batched", cwd=tmp_path)
-    path = run / "eval_batched" / "eagle3_lookup_tree.json"
+    path = run / "eval_batched" / "eagle3_lookup_choice.json"
     choice = json.loads(path.read_text())
     sized = json.loads((run / "eval_batched" / "report.json").read_text())["batched"]["speculation"]["eagle3_lookup"]
-    assert set(choice["schedule"]["choices"]) == {"1", "2"} and choice["schedule"] == sized["settings"]
-    assert f"batch_size=<B> eagle_tree={path.relative_to(tmp_path)}" in proc.stdout
+    assert set(choice["schedule"]["choices"]) == {"1", "2"}
+    assert {b: c is None for b, c in choice["schedule"]["choices"].items()} == \
+        {b: v == "plain" for b, v in sized["schedule"].items()}
+    assert f"batch_size=<B> choice={path.relative_to(tmp_path)}" in proc.stdout
     (tmp_path / "three.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ["Hi.", "Yes?", "No."]) + "\n")
-    proc = _run("medusa-generate", "heads=runs/e3/heads", f"eagle_tree={path.relative_to(tmp_path)}",
+    proc = _run("medusa-generate", "heads=runs/e3/heads", f"choice={path.relative_to(tmp_path)}",
                 "prompts_file=three.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",
                 cwd=tmp_path)
     assert [f"=== [{i}/3]" in proc.stdout for i in (1, 2, 3)] == [True] * 3

@@ -100,7 +100,7 @@ def test_end_to_end_evaluation_on_a_tiny_model(tiny_medusa, tmp_path):
     """Guards against: the interleaved evaluation losing greedy identity, omitting report keys the
     README promises, or failing to write its files; and tree=auto crashing on weak heads."""
     prompts = [Prompt(str(i), [f"question number {i}?", "and then?"]) for i in range(5)]
-    report = evaluate(tiny_medusa, prompts, tree="auto", max_new_tokens=12, calibration_prompts=2,
+    report = evaluate(tiny_medusa, prompts, choice="auto", max_new_tokens=12, calibration_prompts=2,
                       calibration_tokens=8, budgets=[1, 2, 4], turns="both", progress=False, log=lambda s: None)
     medusa = report["per_method"]["medusa"]
     for key in ("tau", "acceptance_rate", "tokens_per_s", "speedup_vs_autoregressive", "speedup_vs_hf_generate",

@@ -10,7 +10,7 @@ import torch
 
 from conftest import call_main, console_script
 from engine_specs import check_tensorrt_llm, check_tgi, check_vllm
-from inference.formats.cli import export_main
+from inference.export_cli import export_main
 from inference.heads.native import save_heads
 from runtime_support import one_thread, random_heads, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 

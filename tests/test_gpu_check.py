@@ -4,7 +4,7 @@ Guards against the one-command device check breaking while no GPU is around to r
 runs on the CPU and passes (a broken gpu test would otherwise first fail on scarce device time),
 every measurement section runs without error, also at the SmolLM2-135M shape the GPU run uses
 (vocabulary 49,152, draft vocabulary 8,192), and summary.md / gpu_check.json carry the three
-verdicts and the fields BENCHMARKS.md's GPU column takes."""
+verdicts and the fields BENCHMARKS.md's GPU section takes."""
 
 import json
 import subprocess
@@ -69,12 +69,12 @@ def test_gpu_check_dry_run_at_the_full_smollm2_shape(tmp_path):
 
 
 def test_profile_gpu_step_dry_run(tmp_path):
-    """Guards against the GPU step profiler (scripts/profile_gpu_step.py, what found the cuDNN planning cost)
+    """Guards against the GPU step profiler (``bench.py profile-gpu``, what found the cuDNN planning cost)
     breaking while no GPU is around: on CPU it times every step kind, records the attention calls' arguments
     and writes profile.json / profile.txt."""
     out = tmp_path / "profile"
-    proc = subprocess.run([sys.executable, "scripts/profile_gpu_step.py", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "profile-gpu", "--dry-run", "--out", str(out)],
+                          cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "profile.json").read_text())
     for k in ("plain_step", "verify_16", "batch1_step", "batch8_step"):

@@ -276,3 +276,50 @@ def test_failed_final_rename_keeps_previous_export(tmp_path, monkeypatch):
     monkeypatch.undo()
     for a, b in zip(_logits(old, x), _logits(load_heads(tmp_path / "heads"), x)):
         assert torch.equal(a, b)
+
+
+# config.json as format 1 has always written it: every built-in family's settings for every kind, in this order.
+FORMAT1_KEYS = ["num_heads", "num_layers", "hidden_size", "vocab_size", "projection", "truncated_vocab_size",
+                "base_model", "base_model_fingerprint", "kind", "inner_dim", "tie_weights", "scale_input",
+                "backbone_adapter", "aux_layers", "draft_layer", "format_version"]
+
+
+def _family_specs() -> dict:
+    from inference.heads.eagle3 import draft_layer_config
+
+    common = dict(num_layers=1, hidden_size=HIDDEN, vocab_size=VOCAB, projection="truncated", truncated_vocab_size=8)
+    return {
+        "medusa": HeadsSpec(num_heads=3, **common, backbone_adapter="adapter"),
+        "hydra": HeadsSpec(num_heads=3, kind="hydra", **common),
+        "mlp_speculator": HeadsSpec(num_heads=3, kind="mlp_speculator", inner_dim=32, tie_weights=True, **common),
+        "eagle3": HeadsSpec(num_heads=2, kind="eagle3", aux_layers=[1, 2, 3],
+                            draft_layer=draft_layer_config(_backbone_config(num_hidden_layers=6)), **common),
+    }
+
+
+def test_config_json_keeps_its_layout_for_every_family():
+    """Guards against: moving the family settings off HeadsSpec changing the bytes of config.json (a key dropped,
+    reordered or renamed), which readers, diffs and hashes of exports depend on; and the settings not coming
+    back from it as the family's own."""
+    specs = _family_specs()
+    for kind, spec in specs.items():
+        d = spec.to_dict()
+        assert list(d) == FORMAT1_KEYS, kind
+        assert HeadsSpec.from_dict(json.loads(json.dumps(d))) == spec, kind
+    medusa = specs["medusa"].to_dict()
+    assert {k: medusa[k] for k in FORMAT1_KEYS[9:15]} == {
+        "inner_dim": None, "tie_weights": False, "scale_input": False, "backbone_adapter": "adapter",
+        "aux_layers": None, "draft_layer": None}
+    mlp = specs["mlp_speculator"]
+    assert (mlp.settings.inner_dim, mlp.settings.tie_weights, mlp.to_dict()["aux_layers"]) == (32, True, None)
+    assert specs["eagle3"].to_dict()["aux_layers"] == [1, 2, 3] and specs["eagle3"].settings.aux_layers == [1, 2, 3]
+
+
+def test_a_setting_of_another_family_is_refused_in_one_line():
+    """Guards against: a config.json (or a spec built in Python) giving a family a setting it does not read
+    (an eagle3 key on medusa heads) loading silently as before, when every kind carried every field."""
+    for build in (lambda: HeadsSpec.from_dict({**_family_specs()["medusa"].to_dict(), "aux_layers": [1, 2, 3]}),
+                  lambda: HeadsSpec(num_heads=2, num_layers=1, hidden_size=HIDDEN, vocab_size=VOCAB, inner_dim=8)):
+        with pytest.raises(UserError) as e:
+            build()
+        assert "\n" not in str(e.value) and "unknown keys" in str(e.value) and "'medusa' has no settings" in str(e.value)

@@ -176,3 +176,7 @@ def test_kinds_are_importable_without_torch():
     paying for a torch import before anything heavy is needed."""
     code = "import sys; from inference.heads import KINDS; assert KINDS and 'torch' not in sys.modules, sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+    # nor the training config schema, which asks the families (their registries) for the kinds and their keys
+    code = ("import sys; from medusa_train.config import RecipeConfig; from medusa_train.families import family_kinds; "
+            "assert family_kinds() and 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -22,13 +22,13 @@ PROMPTS = "prompts={tmp}/prompts.jsonl"
 
 REFUSED = [
     # -- item 7: EAGLE-3 trees beyond any serious setting (10^5 drafter calls a step), before loading -------------
-    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_depth=100000", "eagle_nodes=8"],
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_depth=100000", "eagle_nodes=8"],
      "eagle_depth must be an integer in 1..32, got 100000"),
-    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_topk=100000", "eagle_nodes=8",
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_topk=100000", "eagle_nodes=8",
             "eagle_depth=3"], "eagle_topk must be an integer in 1..64, got 100000"),
-    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_nodes=100000", "eagle_depth=8",
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_nodes=100000", "eagle_depth=8",
             "eagle_topk=64"], "eagle_nodes must be an integer in 0..256, got 100000"),
-    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=fixed", "eagle_topk=60", "eagle_nodes=8",
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_topk=60", "eagle_nodes=8",
             "eagle_depth=2"], "eagle_topk=60 is more than the drafter's 50 outputs"),
     (GEN, [EAGLE, "prompt=hi", "eagle_depth=100000", "eagle_nodes=8"], "eagle_depth must be an integer in 1..32"),
     (GEN, [EAGLE, "prompt=hi", "eagle_topk=1000", "eagle_nodes=8", "eagle_depth=3"],
@@ -73,11 +73,11 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=hi", "apply_adapter=-1"], "apply_adapter must be true or false"),
     # -- review 2: refused only after loading (or never), a traceback or gigabytes allocated ----------------------
     (EVAL, [MEDUSA, PROMPTS, "out=/proc/medusa_no_such/eval"], "out=/proc/medusa_no_such/eval cannot be created"),
-    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "eagle_tree=fixed", "eagle_nodes=8", "eagle_depth=3",
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "choice=fixed", "eagle_nodes=8", "eagle_depth=3",
             "eagle_lookup_tokens=100000000"], "eagle_lookup_tokens must be an integer in 0..64, got 100000000"),
     (GEN, [EAGLE, "prompt=hi", "eagle_nodes=8", "eagle_depth=3", "eagle_lookup_tokens=100000000"],
      "eagle_lookup_tokens must be an integer in 0..64"),
-    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "eagle_tree=fixed", "eagle_nodes=8", "eagle_depth=3",
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "choice=fixed", "eagle_nodes=8", "eagle_depth=3",
             "eagle_lookup_max_ngram=1000"], "eagle_lookup_max_ngram must be an integer in 1..16"),
     (EVAL, ["methods=[prompt_lookup]", PROMPTS, "prompt_lookup_tokens=100000000"],
      "prompt lookup num_tokens must be an integer in 1..64, got 100000000"),
@@ -99,6 +99,17 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=hi", "tree=chain99999999"], "tree chain99999999 has more than 256 nodes"),
     (EVAL, [MEDUSA, PROMPTS, "tree=calibrated:100000"], "tree=calibrated:N needs N >= 2 nodes (root included), at most 256"),
     (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[100000000]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    # -- issue 44: one choice key, one choice file; the keys and files they replaced -----------------------------
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=auto"], "eagle_tree= is gone: give choice=auto"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_tree={tmp}/eagle3_tree.json"], "eagle_tree= is gone: give choice=auto"),
+    (EVAL, ["methods=[draft]", PROMPTS, "batch_size=[1,2]", "batch_chains=fixed"], "batch_chains= is gone: give choice="),
+    (EVAL, [MEDUSA, PROMPTS, "tree=auto"], "tree=auto is gone: give choice=auto"),
+    (GEN, [MEDUSA, "prompt=hi", "choice=auto"], "choice=auto is made by an evaluation"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/tree_schedule.json"], "format from before the one choice file"),
+    (GEN, [EAGLE, "prompt=hi", "choice={tmp}/eagle3_tree.json"], "format from before the one choice file"),
+    (EVAL, [EAGLE, PROMPTS, "choice={tmp}/eagle3_lookup_tree.json"], "format from before the one choice file"),
+    (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/tree_schedule.json"], "from before the one choice file"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/no_such_choice.json"], "no such file"),
 ]
 
 
@@ -125,6 +136,9 @@ def setup(tmp_path) -> Path:
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi.", "Yes?", "No.")))
     (tmp_path / "afile").write_text("not a folder\n")
     (tmp_path / "empty_tree.json").write_text("[]\n")
+    (tmp_path / "tree_schedule.json").write_text(json.dumps({"format": "medusa-train tree schedule", "version": 1}))
+    for name in ("eagle3_tree.json", "eagle3_lookup_tree.json"):
+        (tmp_path / name).write_text(json.dumps({"format": "medusa-train eagle3 tree choice", "method": "eagle3"}))
     from transformers import LlamaConfig   # a backbone's config alone (no weights): 64 positions, 2 layers
 
     LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -168,7 +182,7 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
     draft_k keys); max_new_tokens beyond the backbone's positions and draft=self:100 refused only after loading;
     tree=tree99999999 a MemoryError and tree9999 accepted; tree_budgets=[10^8] accepted."""
     from inference.cli import eval_main, generate_main
-    from inference.formats.cli import export_main
+    from inference.export_cli import export_main
 
     tmp = setup
     monkeypatch.chdir(tmp)
@@ -191,7 +205,7 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
 def test_boolean_keys_take_the_usual_words(word, value):
     """Guards against the strict boolean check refusing the words a user means as true/false."""
     from inference.cli_support import parse_overrides
-    from inference.formats.cli import ExportConfig
+    from inference.export_cli import ExportConfig
 
     cfg = parse_overrides("medusa-export", ExportConfig, [f"materialize={word}", "heads=h", "format=vllm", "out=o"])
     assert cfg.materialize is value
@@ -210,13 +224,14 @@ def test_an_auto_tree_is_named_by_the_nodes_it_has(monkeypatch):
     stops where no node is worth anything) gave it 4 nodes: a report names only what was measured."""
     import torch
 
-    import inference.evaluation.tree_choice as tc
-    from inference.evaluation.batch_sizing import candidate_trees
+    import inference.methods.medusa_choice as tc
+    from inference.methods.medusa_choice import candidate_trees
+    from inference.runtime import race
 
     per_rank = [[0.6, 0.2] + [0.0] * 8, [0.4, 0.1] + [0.0] * 8]   # 6 nodes with a value, whatever the budget
     hits = torch.tensor([[int(v * 1000) for v in row] for row in per_rank])
     monkeypatch.setattr(tc, "measure_head_accuracy", lambda m, prompts, **kw: tc.HeadAccuracy(hits, torch.tensor([1000] * 2)))
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.2, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.2, 2))
     monkeypatch.setattr(tc, "step_times", lambda m, ids, tree, *, steps=8, **kw: [0.1 if tree is None else 0.05] * steps)
     choice = tc.choose_tree(None, [[1, 2, 3]] * 2, [1, 2, 3], budgets=[3, 200], log=lambda line: None)
     assert {c["name"]: c["nodes"] for c in choice.candidates} == {"auto3": 4, "auto6": 7}

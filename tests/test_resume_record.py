@@ -58,3 +58,27 @@ def test_padding_fraction_continues_after_resume(compose_tiny, tmp_path, monkeyp
     assert len(set(reference)) > 1  # the fraction moves from step to step
     assert resumed == reference
     assert [r["loss"] for r in train_records(tmp_path / "b")] == [r["loss"] for r in train_records(tmp_path / "a")]
+
+
+# What every run recorded under ``heads`` before the heads keys were split by family: every family's keys, the
+# ones its own family does not read at their unset values.
+LEGACY_HEADS_KEYS = {"inner_dim": 0, "tie_weights": False, "scale_input": False, "aux_layers": None,
+                     "draft_vocab_size": None, "ttt_steps": None}
+
+
+@pytest.mark.parametrize("extra", [[], ["heads.kind=hydra"], EAGLE], ids=["medusa", "hydra", "eagle3"])
+def test_a_run_recorded_before_the_family_split_resumes(extra, compose_tiny, tmp_path, monkeypatch):
+    """Guards against: runs checkpointed before the heads config became one group per family (their record
+    holds every family's keys under heads) refused as "a different configuration" on resume, or their
+    automatic keys (eagle3's aux layers, TTT steps, draft vocabulary) compared as if spelled out."""
+    import json
+
+    out = tmp_path / "run"
+    interrupted_run(compose_tiny, out, monkeypatch, *extra)
+    path = checkpoint.find_resume(out, "auto")
+    state = checkpoint.read_state(path)
+    own = state["config"]["heads"]
+    state["config"]["heads"] = {**LEGACY_HEADS_KEYS, **own}  # the family's own keys keep their values
+    (path / checkpoint.STATE_FILE).write_text(json.dumps(state, indent=2))
+    assert T.run(compose_tiny(*RUN, *extra, out=out))["step"] == 4
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4]

@@ -5,7 +5,7 @@ import torch
 
 from inference.methods.medusa import TreeDecoder
 from inference.methods import generate, stream
-from inference.evaluation.tree_choice import calibrated_tree, measure_head_accuracy, measure_step_latency
+from inference.methods.medusa_choice import calibrated_tree, measure_head_accuracy, measure_step_latency
 from inference.errors import UserError
 from inference.runtime.tree import MedusaTree, default_tree
 from inference.runtime.verify import SamplingConfig

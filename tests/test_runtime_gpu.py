@@ -122,7 +122,7 @@ def test_cuda_kv_cache_compaction(case):
 
 def test_cuda_decoding_attention_runs_without_cudnn(monkeypatch):
     """Guards against the decoding loop (plain, tree and batched) reaching torch's cuDNN SDPA backend on CUDA:
-    it plans a graph per new key length, which made a batched step on an H200 3x slower (BENCHMARKS.md
+    it plans a graph per new key length, which made a batched step on an H200 3x slower (benchmarks/history.md
     "GPU check"). Every delegated attention call sees the flag off on CUDA; it is back on afterwards."""
     from inference.methods import generate_batch
     from inference.runtime import attention

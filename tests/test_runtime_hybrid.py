@@ -21,7 +21,8 @@ from inference.methods.registry import kv_bytes_per_token
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
 from inference.methods.medusa_lookup import HybridDecoder, MedusaLookupOptions, graft_tree, match_prefix
-from inference.runtime.model import MedusaModel, attach_heads
+from inference.loading import attach_heads
+from inference.runtime.model import MedusaModel
 from inference.methods.prompt_lookup import PromptLookupSettings
 from inference.runtime.tree import MedusaTree, default_tree
 from inference.runtime.verify import SamplingConfig, verify_sample

@@ -95,25 +95,29 @@ def test_ttt_unroll_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch)
     """Guards against: the memory estimate counting one frozen forward only, so an eagle3 drafter unrolled over
     many TTT steps (each step's activations and its growing attention mask kept for backward) passes the
     check and then grows until the kernel kills the run without a word."""
-    from medusa_train import backbone as B
-    from medusa_train.config import MAX_TTT_STEPS, validate
+    from medusa_train import preflight as P
+    from medusa_train.backbone import backbone_config
+    from medusa_train.config import validate
+    from medusa_train.families import training_family
+    from medusa_train.families.eagle3 import MAX_TTT_STEPS
 
-    monkeypatch.setattr(B, "available_memory", lambda device: (64 * 2**20, "RAM available"))
+    monkeypatch.setattr(P, "available_memory", lambda device: (64 * 2**20, "RAM available"))
     short = compose_tiny("heads.kind=eagle3", "heads.ttt_steps=1", "backbone.random_init.num_hidden_layers=8")
-    B.check_fits(short)  # one step fits in 64 MB
+    P.check_fits(short)  # one step fits in 64 MB
     deep = compose_tiny("heads.kind=eagle3", f"heads.ttt_steps={MAX_TTT_STEPS}",
                         "backbone.random_init.num_hidden_layers=8")
     validate(deep)
     with pytest.raises(UserError, match=rf"heads.ttt_steps={MAX_TTT_STEPS}.*or heads.ttt_steps"):
-        B.check_fits(deep)
-    hf_config = B.backbone_config(deep.backbone)
-    unroll = [B.ttt_unroll_bytes(cfg.heads, hf_config, 256, 2, 4) for cfg in (short, deep)]
+        P.check_fits(deep)
+    hf_config = backbone_config(deep.backbone)
+    unroll = [training_family("eagle3").unroll_bytes(cfg.heads, hf_config, 256, 2, 4) for cfg in (short, deep)]
     assert unroll[1] > 8 * unroll[0] > 0
 
 
 def test_ttt_steps_is_bounded(compose_tiny):
     """Guards against: heads.ttt_steps (or an eagle3 heads.num_heads standing in for it) of 100000 accepted."""
-    from medusa_train.config import MAX_TTT_STEPS, validate
+    from medusa_train.config import validate
+    from medusa_train.families.eagle3 import MAX_TTT_STEPS
 
     validate(compose_tiny("heads.kind=eagle3", f"heads.ttt_steps={MAX_TTT_STEPS}"))
     for args in (["heads.ttt_steps=100000"], ["heads.num_heads=100000"]):
@@ -126,7 +130,9 @@ LATE_OR_NEVER = [
     (["heads.num_heads=100000"], "heads.num_heads must be in 1..64"),
     (["heads.num_layers=1000000"], "heads.num_layers must be in 0..64"),
     (["heads.kind=hydra", "heads.num_heads=100000"], "heads.num_heads must be in 1..64"),
-    (["heads.inner_dim=100000000"], "heads.inner_dim and heads.scale_input are mlp_speculator settings"),
+    (["heads.inner_dim=100000000"], "heads.inner_dim is a mlp_speculator setting, not heads.kind=medusa's"),
+    (["heads.scale_input=true"], "heads.scale_input is a mlp_speculator setting, not heads.kind=medusa's"),
+    (["heads.kind=eagle3", "heads.inner_dim=64"], "heads.inner_dim is a mlp_speculator setting, not heads.kind=eagle3's"),
     (["heads.kind=mlp_speculator", "heads.inner_dim=100000000"], "lower heads.num_heads, heads.num_layers, heads.inner_dim"),
     (["trainer.threads=-1"], "trainer.threads must be in 0..1024"),
     (["trainer.threads=100000"], "trainer.threads must be in 0..1024"),
@@ -134,7 +140,7 @@ LATE_OR_NEVER = [
     (["backbone.random_init.num_hidden_layers=0"], "backbone.random_init.num_hidden_layers must be a positive integer"),
     (["data.max_conversations=0"], "data.max_conversations must be >= 1"),
     (["data.eval_conversations=-1"], "data.eval_conversations must be >= 1"),
-    (["heads.scale_input=3"], "heads.scale_input must be true or false"),
+    (["heads.kind=mlp_speculator", "heads.scale_input=3"], "heads.scale_input must be true or false"),
     (["data.packing=3"], "data.packing must be true or false"),
     (["backbone.attn_implementation=bogus"], "backbone.attn_implementation must be one of eager"),
     (["output_dir="], "output_dir is empty"),
@@ -197,7 +203,6 @@ CONFIG_REFUSED = [
     (["data.shuffle_buffer=-1"], "data.shuffle_buffer must be >= 0"),
     (["data.eval_conversations=0"], "data.eval_conversations must be >= 1"),
     (["data.vocab_scan_conversations=0"], "data.vocab_scan_conversations must be >= 1"),
-    (["heads.scale_input=true"], "heads.inner_dim and heads.scale_input are mlp_speculator settings"),
     (["backbone.random_init.num_attention_heads=-2"], "backbone.random_init.num_attention_heads"),
     (["heads.kind=mlp_speculator", "heads.num_layers=65"], "heads.num_layers must be in 0..64"),
 ]
@@ -230,8 +235,9 @@ def test_head_parameter_count_matches_the_trained_heads(kind, compose_tiny):
     asks each family for its module, built on the meta device from the spec the trainer writes)."""
     from inference.heads.registry import init_heads
     from inference.heads.spec import HeadsSpec
-    from medusa_train.backbone import draft_vocabulary, family_fields, head_parameter_count, random_config
-    from medusa_train.config import draft_depth
+    from medusa_train.backbone import random_config
+    from medusa_train.families import draft_depth, draft_vocabulary, training_family
+    from medusa_train.preflight import head_parameter_count
 
     extra = ["backbone.random_init.num_hidden_layers=8"] if kind == "eagle3" else ["heads.num_layers=2"]
     cfg = compose_tiny(f"heads.kind={kind}", *extra)
@@ -239,7 +245,7 @@ def test_head_parameter_count_matches_the_trained_heads(kind, compose_tiny):
     projection, n = draft_vocabulary(cfg.heads, hf.vocab_size)
     spec = HeadsSpec(num_heads=draft_depth(cfg.heads), num_layers=cfg.heads.num_layers, hidden_size=hf.hidden_size,
                      vocab_size=hf.vocab_size, projection=projection, truncated_vocab_size=n, kind=kind,
-                     **family_fields(cfg.heads, hf))
+                     settings=training_family(kind).spec_settings(cfg.heads, hf))
     matrix = torch.zeros(hf.vocab_size, hf.hidden_size)
     heads = init_heads(spec, matrix, matrix, torch.arange(n))
     assert head_parameter_count(cfg.heads, hf) == sum(p.numel() for p in heads.parameters()) > 0
@@ -249,11 +255,11 @@ def test_heads_state_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch
     """Guards against: check_fits counting the frozen forward and the backbone's weights only, so heads whose
     parameters (with gradients and two fp32 AdamW moments each) cannot fit passed the check and failed after
     the backbone loaded, with an allocation traceback."""
-    from medusa_train import backbone as B
+    from medusa_train import preflight as P
 
-    monkeypatch.setattr(B, "available_memory", lambda device: (256 * 2**20, "RAM available"))
-    B.check_fits(compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=64"))
+    monkeypatch.setattr(P, "available_memory", lambda device: (256 * 2**20, "RAM available"))
+    P.check_fits(compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=64"))
     big = compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=4096")  # ~4096^2 x 2 params x 16 B > 256 MB
     with pytest.raises(UserError, match=r"heads.kind=mlp_speculator .* parameters.*lower heads.num_heads, "
                                         r"heads.num_layers, heads.inner_dim or heads.truncated_vocab_size"):
-        B.check_fits(big)
+        P.check_fits(big)

@@ -242,9 +242,9 @@ def test_resume_after_kill_between_checkpoints(compose_tiny, tmp_path, monkeypat
     T.run(compose_tiny(*RESUME_OVERRIDES, out=tmp_path / "a"))
     original = T.Tracker.log
 
-    def log_then_die(self, step, metrics, kind="train"):
-        original(self, step, metrics, kind)
-        if step == 6 and kind == "train":
+    def log_then_die(self, step, metrics, phase="train"):
+        original(self, step, metrics, phase)
+        if step == 6 and phase == "train":
             raise RuntimeError("killed at step 6")
 
     monkeypatch.setattr(T.Tracker, "log", log_then_die)

@@ -1,4 +1,5 @@
-"""``tree=auto`` on a shared machine (inference/evaluation/tree_choice.py): the choice must come from
+"""``choice=auto`` for a Medusa tree on a shared machine (inference/methods/medusa_choice.py, timed by
+inference/runtime/race.py): the choice must come from
 repeated interleaved timing rounds, not from one noisy measurement; the spread lands in the report;
 a loaded machine is named; both measuring phases show progress. Timings are injected (the real ones
 cannot be trusted on a shared 2-core machine, which is the point)."""
@@ -10,7 +11,8 @@ import json
 import pytest
 import torch
 
-from inference.evaluation import tree_choice as tc
+from inference.methods import medusa_choice as tc
+from inference.runtime import race
 from inference.evaluation.evaluate import evaluate
 from inference.evaluation.prompts import Prompt
 from inference.evaluation.reports import markdown, write_report
@@ -53,7 +55,7 @@ class FakeClock:
 @pytest.fixture
 def inject(monkeypatch):
     monkeypatch.setattr(tc, "measure_head_accuracy", fake_accuracy)
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.2, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.2, 2))
 
     def install(clock: FakeClock) -> FakeClock:
         monkeypatch.setattr(tc, "step_times", clock)
@@ -155,13 +157,13 @@ def test_a_loaded_machine_is_named_in_one_line(inject, monkeypatch):
     """Guards against: a tree chosen on a visibly loaded machine (load average above the cores, or
     step times that vary a lot between rounds) without any warning."""
     inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}))
-    monkeypatch.setattr(tc, "machine_load", lambda: (5.0, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (5.0, 2))
     choice, lines = choose()
     warn = [l for l in lines if l.startswith("warning:")]
     assert len(warn) == 1 and "keep 5.0 of 2 cores busy" in warn[0] and "\n" not in warn[0]
     assert choice.to_dict()["timing"]["load_average"] == 5.0
 
-    monkeypatch.setattr(tc, "machine_load", lambda: (0.1, 2))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     slow_round = {("plain", n): 3 for n in (3, 4, 5)}         # every plain run of round 2 (3 per round)
     inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}, outliers=slow_round))
     choice, lines = choose()
@@ -186,7 +188,7 @@ def test_spread_lands_in_report_json_and_md(tiny_medusa, inject, tmp_path):
     rounds used."""
     inject(FakeClock({"plain": 100, "auto1": 150, "auto3": 100}, outliers={("auto3", 0): 30}))
     prompts = [Prompt(str(i), [f"question {i}?"]) for i in range(3)]
-    report = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], tree="auto", max_new_tokens=4,
+    report = evaluate(tiny_medusa, prompts, methods=["medusa", "autoregressive"], choice="auto", max_new_tokens=4,
                       calibration_prompts=1, budgets=[1, 3], progress=False, log=lambda s: None)
     write_report(tmp_path, report)
     tree = json.loads((tmp_path / "report.json").read_text())["tree"]
@@ -217,13 +219,13 @@ def test_both_measuring_phases_show_progress(tiny_medusa, monkeypatch, capsys):
 def test_auto_threads_leaves_busy_cores_alone(monkeypatch):
     """Guards against: decoding with one OpenMP thread per core while another process keeps those cores
     busy (two threads on two shared cores made tree timings 30x noisy), or with 0 threads."""
-    assert tc.auto_threads(load=0.1, cores=2, default=2) == 2  # idle machine: torch's default
-    assert tc.auto_threads(load=2.0, cores=2, default=2) == 1  # another 2-thread process: one thread
-    assert tc.auto_threads(load=1.1, cores=2, default=2) == 1
-    assert tc.auto_threads(load=9.0, cores=2, default=2) == 1
-    assert tc.auto_threads(load=1.0, cores=8, default=8) == 7
-    monkeypatch.setattr(tc, "machine_load", lambda: (None, 4))  # a platform without a load average
-    assert tc.auto_threads(default=4) == 4
+    assert race.auto_threads(load=0.1, cores=2, default=2) == 2  # idle machine: torch's default
+    assert race.auto_threads(load=2.0, cores=2, default=2) == 1  # another 2-thread process: one thread
+    assert race.auto_threads(load=1.1, cores=2, default=2) == 1
+    assert race.auto_threads(load=9.0, cores=2, default=2) == 1
+    assert race.auto_threads(load=1.0, cores=8, default=8) == 7
+    monkeypatch.setattr(race, "machine_load", lambda: (None, 4))  # a platform without a load average
+    assert race.auto_threads(default=4) == 4
 
 
 def test_machine_load_counts_runnable_tasks_now(monkeypatch, tmp_path):
@@ -231,14 +233,14 @@ def test_machine_load_counts_runnable_tasks_now(monkeypatch, tmp_path):
     for a minute after a training run ends on an idle machine (then medusa-eval would decode
     with one thread for nothing): the runnable count of /proc/loadavg, less the reader itself."""
     samples = iter(["2.00 1.50 1.00 1/300 999\n", "2.00 1.50 1.00 3/300 999\n", "2.00 1.50 1.00 1/300 999\n"])
-    real = tc.Path
+    real = race.Path
 
     class FakePath(type(real())):
         def read_text(self, *a, **k):
             return next(samples) if str(self) == "/proc/loadavg" else real(self).read_text(*a, **k)
 
-    monkeypatch.setattr(tc, "Path", FakePath)
-    load, cores = tc.machine_load(samples=3, interval_s=0)
+    monkeypatch.setattr(race, "Path", FakePath)
+    load, cores = race.machine_load(samples=3, interval_s=0)
     assert load == 0.0 and cores >= 1      # median of 0, 2, 0 other runnable tasks
 
 

@@ -1,1 +1,2 @@
-"""Measuring decoding methods: prompts, calibration, tree choice, interleaved timing, reports."""
+"""Measuring decoding methods: prompts, each method's speculation choice (``choosing``), interleaved timing,
+reports; generic over the registered methods, never naming one."""

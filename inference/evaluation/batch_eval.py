@@ -22,16 +22,11 @@ Per batch size (``report["batched"]["per_batch_size"][B]["per_method"][method]``
 ``speculation_stops_paying``: per method, the smallest B whose tokens/s is not above the plain batched
 loop's (null: it pays at every B measured).
 
-The methods taking a tree (Medusa) get one per batch size: ``tree=auto`` measures the heads on the
-calibration prompts (held out as ``evaluate`` holds them out) and lets
-``batch_sizing.choose_schedule`` pick the tree for each B (a ``SpeculationSchedule``, recorded with
-its sizing); ``calibrated:N`` grows one N-node tree, and a given tree is used at every B.
-The chain methods (draft model, prompt lookup) get a chain length per batch size with
-``chains="auto"`` (``batch_sizing.choose_chain_schedule``: up to their set draft_k /
-prompt_lookup_tokens, none where no length pays), or their set length at every B with ``"fixed"``.
-EAGLE-3 with ``eagle_tree=auto`` gets its (nodes, depth, top-k) per batch size the same way
-(``batch_sizing.choose_eagle3_schedule``), and ``eagle3_lookup`` too, each setting measured with its
-looked-up branch on; with ``fixed``, the set setting at every B.
+Each method with a speculation shape gets its choice per batch size (``choosing``, ``choice=auto``): a
+Medusa tree, an EAGLE-3 setting (with eagle3_lookup's looked-up branch on), a chain method's length (up to its
+set draft_k / prompt_lookup_tokens), each measured on the calibration prompts (held out as ``evaluate`` holds
+them out) and timed per batch size (``runtime.sizing``), or none where nothing pays; ``choice=fixed`` keeps the
+options as given at every B (``tree=calibrated:N`` grows one N-node tree).
 ``report["batched"]["speculation"][method]`` records each sized method's schedule and how it was
 measured; ``per_batch_size[B]["speculation"][method]`` the choice in force at B.
 """
@@ -39,28 +34,23 @@ measured; ``per_batch_size[B]["speculation"][method]`` the choice in force at B.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence
-
-import torch
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ..errors import UserError
 from ..methods import registry
 from ..methods.hf_generate import hf_generate_batch
 from ..runtime.batch_decode import BatchOutput, check_batch_size
-from ..runtime.speculation import SpeculationSchedule, tree_label
+from ..methods.shape import ChoiceContext
 from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
-from ..runtime.tree import chain_tree, resolve_tree
+from ..runtime.race import progress_bar
+from ..runtime.speculation import tree_label
 from ..runtime.verify import SamplingConfig
-from .evaluate import EAGLE3_TREE_METHODS, check_settings, machine
+from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
+from .evaluate import check_settings, machine
 from .prompts import Prompt, encode_checked, split_calibration
-from .batch_sizing import choose_chain_schedule, choose_eagle3_schedule, choose_schedule
-from .eagle3_choice_file import schedule_settings
-from .tree_schedule_file import schedule_trees
-from .tree_choice import calibrated_choice, choose_tree, measure_head_accuracy
 
 PLAIN, HF = "autoregressive", "hf_generate"
-CHAIN_SIZING = ("auto", "fixed")
 
 
 # -- what the command line gives ---------------------------------------------------------------
@@ -98,35 +88,6 @@ def check_sizes_measured(sizes: Sequence[int], evaluated: int) -> None:
         prompts = f"{evaluated} prompt{'s' if evaluated != 1 else ''}"
         raise UserError(f"batch_size {', '.join(map(str, over))} {'exceeds' if len(over) == 1 else 'exceed'} the "
                         f"{prompts} evaluated: give more prompts (num_prompts=, prompts=) or smaller batch sizes")
-
-
-# -- the tree per batch size ------------------------------------------------------------------
-def needs_calibration(tree) -> bool:
-    return tree == "auto" or calibrated_choice(tree) is not None
-
-
-def choose_speculation(m: MedusaModel, tree, sizes: Sequence[int], calib: list[list[int]], latency: list[list[int]],
-                       *, calibration_tokens: int, progress: bool, log: Callable[[str], None]):
-    """(the schedule, its report record, the heads' measured per-rank accuracy or None)."""
-    fixed = calibrated_choice(tree) if isinstance(tree, str) else None
-    if isinstance(tree, SpeculationSchedule) or not needs_calibration(tree):
-        schedule = tree if isinstance(tree, SpeculationSchedule) else \
-            SpeculationSchedule({b: resolve_tree(tree, m.num_heads) if tree is not None else None for b in sizes})
-        return schedule, {"tree": "given", "schedule": schedule.to_dict(), "sizing": None}, None
-    if fixed is not None:
-        choice = choose_tree(m, calib, calib[0], calibration_tokens=calibration_tokens, log=log, fixed_nodes=fixed,
-                             progress=progress)
-        schedule = SpeculationSchedule({b: choice.tree for b in sizes})
-        return schedule, {"tree": tree, "schedule": schedule.to_dict(), "sizing": None}, choice.accuracies
-    log(f"choosing the speculation per batch size: head accuracy on {len(calib)} calibration prompts, "
-        "batch step latency on this device")
-    per_rank = measure_head_accuracy(m, calib, max_new_tokens=calibration_tokens).per_rank.tolist()
-    # batch 1 is always sized too: the last rows of a batch decode alone once the others have finished
-    sizing = choose_schedule(m, per_rank, latency, sorted({1, *sizes}), log=log, progress=progress)
-    log("speculation per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
-    # the trees themselves, for medusa-generate tree=<out>/tree_schedule.json (tree_schedule_file)
-    return sizing.schedule, {"tree": "auto", "schedule": sizing.schedule.to_dict(), "sizing": sizing.to_dict(),
-                             "trees": schedule_trees(sizing.schedule)}, per_rank
 
 
 # -- the numbers ------------------------------------------------------------------------------
@@ -182,98 +143,14 @@ def run_method(m: MedusaModel, method: str, rows: list[list[int]], options, max_
                                    sampling=sampling, seed=seed)
 
 
-def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str], batch_sizes: Sequence[int],
-                     tree: Any = "auto", max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None,
-                     calibration_prompts: int = 8, calibration_tokens: int = 48, seed: int = 0,
-                     progress: bool = True, log: Callable[[str], None] = print, settings: Optional[dict] = None,
-                     options: Optional[Mapping[str, Any]] = None, rounds: int = 1, chains: str = "auto",
-                     calibration: Optional[list[Prompt]] = None) -> dict:
-    """Run ``methods`` (+ the plain batched loop, + HF's batched generate in greedy mode) on batches of
-    ``prompts`` at every batch size, interleaved; the report's ``batched`` section (module docstring).
-    ``calibration``: as ``evaluate``'s (None: the last ``calibration_prompts`` of ``prompts`` held out)."""
-    if chains not in CHAIN_SIZING:
-        raise UserError(f"batch_chains must be one of {', '.join(CHAIN_SIZING)}, got {chains!r}")
-    sampling = sampling or SamplingConfig()
-    greedy = sampling.is_greedy
-    check_settings(max_new_tokens=max_new_tokens, calibration_prompts=calibration_prompts,
-                   calibration_tokens=calibration_tokens)
-    sizes = parse_batch_sizes([batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes))
-    methods = registry.check_methods(list(methods), m)
-    measured = list(methods) + [b for b in (PLAIN, HF) if b not in methods and (b == PLAIN or greedy)]
-    refused = [x for x in measured if registry.get(x).greedy_only and not greedy]
-    if refused:
-        raise UserError(f"{refused[0]} is measured in greedy mode only")
-    opts = {x: registry.fitted_options(m, x, registry.make_options(x, (options or {}).get(x)))
-            for x in measured if x != HF}
-    check_batchable(methods, sizes)
-    for x, o in opts.items():
-        if registry.get(x).prepare is not None:   # loaded once for every batch (a draft model)
-            opts[x] = registry.get(x).prepare(m, o)
-    reported = {x: registry.options_report(o) for x, o in opts.items() if dataclasses.fields(o)}
-    tree_methods = [x for x in opts if registry.get(x).needs_tree]
-    chain_methods = [x for x in opts if registry.get(x).chain is not None and chains == "auto"
-                     and getattr(opts[x], "schedule", None) is None]
-    eagle_auto = [x for x in EAGLE3_TREE_METHODS if x in opts and opts[x].tree == "auto" and opts[x].schedule is None]
-    calib_src: list[Prompt] = []
-    if (tree_methods and not isinstance(tree, SpeculationSchedule) and needs_calibration(tree)) or chain_methods \
-            or eagle_auto:
-        calib_src, prompts = (list(calibration), list(prompts)) if calibration else \
-            split_calibration(list(prompts), calibration_prompts)
-    if not prompts:
-        raise UserError("no prompts to evaluate")
-    check_sizes_measured(sizes, len(prompts))
-    ids = encode_checked(m, prompts, max_new_tokens)   # every prompt fits before anything is decoded
-    calib = encode_checked(m, calib_src, calibration_tokens)
-    schedules: dict[str, SpeculationSchedule] = {}
-    speculation: dict[str, dict] = {}
-    per_rank = None
-    if tree_methods:
-        schedule, record, per_rank = choose_speculation(m, tree, sizes, calib, ids,
-                                                        calibration_tokens=calibration_tokens, progress=progress,
-                                                        log=log)
-        for x in tree_methods:
-            opts[x] = dataclasses.replace(opts[x], tree=schedule)
-            reported.setdefault(x, {})["tree"] = schedule.to_dict()
-            schedules[x], speculation[x] = schedule, record
-    sized = [(x, "chain", "chain length", "acceptance", choose_chain_schedule) for x in chain_methods] + \
-        [(x, "tree", "tree", "tau of each setting", choose_eagle3_schedule) for x in eagle_auto]
-    for x, what, noun, basis, choose in sized:   # eagle3_lookup sized with its looked-up branch on
-        log(f"choosing {x}'s {noun} per batch size: {basis} on {len(calib)} calibration prompts, "
-            "batch step latency on this device")
-        sizing, record = choose(m, method=x, options=opts[x], calibration=calib, latency_prompts=ids,
-                                batch_sizes=sorted({1, *sizes}), calibration_tokens=calibration_tokens, log=log,
-                                progress=progress)
-        opts[x] = dataclasses.replace(opts[x], schedule=sizing.schedule)
-        reported.setdefault(x, {})["schedule"] = sizing.schedule.to_dict()
-        schedules[x] = sizing.schedule
-        speculation[x] = {what: "auto", "schedule": sizing.schedule.to_dict(), "calibration": record,
-                          "sizing": sizing.to_dict()}
-        if x in eagle_auto:   # each batch size's keys, for medusa-generate eagle_tree=<file> (eagle3_choice_file)
-            speculation[x]["settings"] = schedule_settings(sizing.schedule)
-        log(f"{x} {what} per batch size: " + ", ".join(f"{b}: {t}" for b, t in sizing.schedule.to_dict().items()))
-    for x in opts:
-        if registry.get(x).chain is not None and x not in schedules:   # fixed: the set length at every B
-            given = getattr(opts[x], "schedule", None)
-            schedules[x] = given or SpeculationSchedule({b: chain_tree(registry.get(x).chain.most(opts[x]) + 1)
-                                                         for b in sizes})
-            speculation[x] = {"chain": "given" if given else "fixed", "schedule": schedules[x].to_dict(),
-                              "sizing": None}
-    for x in EAGLE3_TREE_METHODS:
-        if x in opts and x not in schedules:   # eagle_tree=fixed (or a given schedule)
-            o = opts[x]
-            schedules[x] = o.schedule or SpeculationSchedule({b: o.fixed_choice() for b in sizes})
-            speculation[x] = {"tree": "given" if o.schedule else "fixed", "schedule": schedules[x].to_dict(),
-                              "sizing": None}
-    reference = None
-    if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
-        reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]
-
+def run_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int], opts: Mapping[str, Any],
+                *, rounds: int, max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                progress: bool) -> dict[int, dict[str, list[BatchOutput]]]:
+    """batch size -> method -> its runs: every batch of ``ids`` decoded ``rounds`` times by every method, the
+    methods' order rotated from run to run (module docstring)."""
     runs = {b: {x: [] for x in measured} for b in sizes}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=rounds * sum(-(-len(ids) // b) for b in sizes), desc="batched eval", unit="batch")
+    bar = progress_bar(progress, rounds * sum(-(-len(ids) // b) for b in sizes), "batched eval", unit="batch",
+                       leave=True, dynamic_ncols=False)
     k = 0
     for b in sizes:
         for start in range(0, len(ids), b):
@@ -287,7 +164,12 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
                     bar.update(1)
     if bar is not None:
         bar.close()
+    return runs
 
+
+def batched_section(runs: dict, ids: list, measured: list[str], sizes: Sequence[int], schedules: dict,
+                    speculation: dict, reference: Optional[list], greedy: bool, rounds: int) -> dict:
+    """The report's ``batched`` section from the runs (module docstring)."""
     rates = {b: {x: rate(runs[b][x]) for x in measured} for b in sizes}
     per_size = {}
     for b in sizes:
@@ -299,17 +181,65 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
             entry["speculation"] = {x: tree_label(sched.choices[sched.bucket(b)]) for x, sched in schedules.items()}
         per_size[str(b)] = entry
     speculative = [x for x in measured if not registry.get(x).baseline]
-    batched: dict = {"batch_sizes": sizes, "num_prompts": len(ids), "methods": measured,
+    batched: dict = {"batch_sizes": list(sizes), "num_prompts": len(ids), "methods": measured,
                      "greedy_reference": "autoregressive generate, one prompt at a time" if greedy else None,
                      "speculation": speculation, "per_batch_size": per_size,
                      "speculation_stops_paying": {x: stops_paying(rates, x) for x in speculative}}
     if greedy:
         batched["greedy_identical"] = {x: all(per_size[str(b)]["per_method"][x]["greedy_identical"] for b in sizes)
                                        for x in measured}
-    report = {"settings": settings or {}, "machine": machine(), "num_samples": len(ids), "methods": measured,
-              "method_options": reported, "batched": batched,
-              "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock"}
-    if per_rank is not None:
-        report["head_accuracy"] = {"per_rank": per_rank, "topk": torch.tensor(per_rank).cumsum(1).tolist(),
-                                   "measured_on": f"{len(calib_src)} calibration prompts (backbone greedy tokens)"}
-    return report
+    return batched
+
+
+def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str], batch_sizes: Sequence[int],
+                     choice: Union[str, Mapping[str, str]] = "auto", max_new_tokens: int = 128,
+                     sampling: Optional[SamplingConfig] = None, calibration_prompts: int = 8,
+                     calibration_tokens: int = 48, seed: int = 0, progress: bool = True,
+                     log: Callable[[str], None] = print, settings: Optional[dict] = None,
+                     options: Optional[Mapping[str, Any]] = None, rounds: int = 1,
+                     calibration: Optional[list[Prompt]] = None, chosen: Optional[dict] = None, **fields) -> dict:
+    """Run ``methods`` (+ the plain batched loop, + HF's batched generate in greedy mode) on batches of
+    ``prompts`` at every batch size, interleaved; the report's ``batched`` section (module docstring).
+    ``choice``, ``fields``, ``chosen``: as ``evaluate``'s, each choice made per batch size; ``calibration``:
+    as ``evaluate``'s (None: the last ``calibration_prompts`` of ``prompts`` held out)."""
+    sampling = sampling or SamplingConfig()
+    greedy = sampling.is_greedy
+    check_settings(max_new_tokens=max_new_tokens, calibration_prompts=calibration_prompts,
+                   calibration_tokens=calibration_tokens)
+    sizes = parse_batch_sizes([batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes))
+    methods = registry.check_methods(list(methods), m)
+    measured = list(methods) + [b for b in (PLAIN, HF) if b not in methods and (b == PLAIN or greedy)]
+    refused = [x for x in measured if registry.get(x).greedy_only and not greedy]
+    if refused:
+        raise UserError(f"{refused[0]} is measured in greedy mode only")
+    opts = method_options(m, [x for x in measured if x != HF], options, fields)
+    modes = choice_modes(list(opts), choice, fields)
+    check_batchable(methods, sizes)
+    for x, o in opts.items():
+        if registry.get(x).prepare is not None:   # loaded once for every batch (a draft model)
+            opts[x] = registry.get(x).prepare(m, o)
+    calib_src: list[Prompt] = []
+    if calibrating(opts, modes, batched=True):
+        calib_src, prompts = (list(calibration), list(prompts)) if calibration else \
+            split_calibration(list(prompts), calibration_prompts)
+    if not prompts:
+        raise UserError("no prompts to evaluate")
+    check_sizes_measured(sizes, len(prompts))
+    ids = encode_checked(m, prompts, max_new_tokens)   # every prompt fits before anything is decoded
+    calib = encode_checked(m, calib_src, calibration_tokens)
+    ctx = ChoiceContext(m, calib, ids, calibration_tokens, log=log, progress=progress)
+    made = choose_all(ctx, opts, modes, sizes)
+    opts.update({x: c.options for x, c in made.items()})
+    if chosen is not None:
+        chosen.update(made)
+    reported = {x: registry.options_report(o) for x, o in opts.items() if dataclasses.fields(o)}
+    reference = None
+    if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
+        reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]
+    runs = run_batches(m, ids, measured, sizes, opts, rounds=rounds, max_new_tokens=max_new_tokens,
+                       sampling=sampling, seed=seed, progress=progress)
+    batched = batched_section(runs, ids, measured, sizes, {x: c.schedule for x, c in made.items()},
+                              {x: c.record for x, c in made.items()}, reference, greedy, rounds)
+    return {"settings": settings or {}, "machine": machine(), "num_samples": len(ids), "methods": measured,
+            "method_options": reported, "batched": batched,
+            "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock", **report_entries(made)}

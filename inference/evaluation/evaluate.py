@@ -19,12 +19,11 @@ One place defines the metrics (per method, in ``per_method``):
 
 The methods come from the registry (``inference.methods``); the baselines (autoregressive,
 hf_generate) run beside them. They run interleaved prompt by prompt (their order rotates), in
-one process, so the machine's background load hits them alike. The methods that take a tree
-(``Method.needs_tree``) share the one ``tree_choice`` picks (``tree=auto``); when no tree beats
-plain decoding, they run without one (medusa decodes plainly, medusa_lookup runs prompt lookup
-alone) and say so. Method eagle3 with ``eagle_tree=auto`` gets its (nodes, depth, topk) the same way
-(``tree_choice.choose_eagle3``, on the same calibration prompts), recorded as ``eagle3_tree``; method
-eagle3_lookup gets its own, raced with its looked-up branch, recorded as ``eagle3_lookup_tree``.
+one process, so the machine's background load hits them alike. Before they run, each method with a
+speculation shape gets its choice (``choosing``; ``choice=auto`` measures it on held-out calibration
+prompts and this machine): the methods decoding a Medusa tree share one tree (report.json's ``tree``,
+with the heads' measured ``head_accuracy``), EAGLE-3's methods each get their setting (``<method>_tree``);
+where nothing beats plain decoding, a method runs without speculation and says so.
 
 The trade-off matrix (``reports.write_compare``) adds what each method costs (``Method.costs``):
 extra parameters loaded (counted from the real modules, tensors shared with the backbone
@@ -38,22 +37,22 @@ import dataclasses
 import os
 import platform
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from ..errors import UserError
 from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel
-from ..runtime.tree import MAX_TREE_NODES, expected_tau, resolve_tree
+from ..runtime.race import progress_bar
+from ..runtime.tree import MAX_TREE_NODES
 from ..runtime.verify import SamplingConfig
 from ..methods import registry
+from ..methods.shape import DEFAULT_BUDGETS, ChoiceContext
+from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
 from .prompts import Prompt, encode_checked, split_calibration
-from .tree_choice import DEFAULT_BUDGETS, TreeChoice, calibrated_choice, choose_eagle3, choose_tree
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
-# methods whose eagle_tree=auto is chosen by ``choose_eagle3``, each on its own decoding
-EAGLE3_TREE_METHODS = ("eagle3", "eagle3_lookup")
 
 
 @dataclass
@@ -134,7 +133,7 @@ def _count(value, low: int = 1) -> bool:
 
 
 def check_settings(*, max_new_tokens: int, turns: str = "first", calibration_prompts: int = 8,
-                   calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS, tree: Any = None) -> None:
+                   calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS) -> None:
     """Refuse, in one line, evaluation settings that cannot be measured; from the settings alone, so
     medusa-eval calls it before the backbone loads. No calibration prompt, token or non-empty node budget
     would leave nothing timed, and a report saying "plain decoding is fastest" all the same."""
@@ -149,71 +148,17 @@ def check_settings(*, max_new_tokens: int, turns: str = "first", calibration_pro
     if not given or not all(_count(b) and b < MAX_TREE_NODES for b in given):
         raise UserError(f"tree_budgets must be a non-empty list of node counts >= 1 (root excluded), each at most "
                         f"{MAX_TREE_NODES - 1}, got {budgets!r}")
-    calibrated_choice(tree)   # tree=calibrated:N with a bad N
 
 
-def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = DEFAULT_METHODS, tree="auto",
-             max_new_tokens: int = 128, sampling: Optional[SamplingConfig] = None, turns: str = "first",
-             calibration_prompts: int = 8, calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS,
-             seed: int = 0, progress: bool = True, log: Callable[[str], None] = print,
-             settings: Optional[dict] = None, options: Optional[Mapping[str, Any]] = None,
-             calibration: Optional[list[Prompt]] = None) -> dict:
-    """Run ``methods`` interleaved on ``prompts`` and summarise them (module docstring).
-
-    ``options``: method name -> its options object (defaults for the others); the tree methods'
-    ``tree`` comes from ``tree`` (the choice). ``m.heads`` may be None when no method needs heads.
-    ``calibration``: the calibration prompts, all of ``prompts`` evaluated (``prompts.select_prompts``);
-    None: the last ``calibration_prompts`` held out (``split_calibration``)."""
-    sampling = sampling or SamplingConfig()
-    check_settings(max_new_tokens=max_new_tokens, turns=turns, calibration_prompts=calibration_prompts,
-                   calibration_tokens=calibration_tokens, budgets=budgets, tree=tree)
-    methods = registry.check_methods(methods, m)
-    specs = {meth: registry.get(meth) for meth in methods}
-    greedy_only = [meth for meth, spec in specs.items() if spec.greedy_only]
-    if greedy_only and not sampling.is_greedy:
-        raise UserError(f"{greedy_only[0]} is measured in greedy mode only")
-    opts = {meth: registry.fitted_options(m, meth, registry.make_options(meth, (options or {}).get(meth)))
-            for meth in methods}
-    calib: list[list[int]] = []
-    fixed = calibrated_choice(tree)
-    with_tree = any(spec.needs_tree for spec in specs.values())
-    eagle_auto = [meth for meth in EAGLE3_TREE_METHODS if meth in opts and opts[meth].tree == "auto"]
-    if ((tree == "auto" or fixed) and with_tree) or eagle_auto:
-        calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
-        calib = encode_checked(m, calib_src, calibration_tokens)
-    encode_checked(m, prompts, max_new_tokens)   # every first turn fits before anything is decoded
-    if (tree == "auto" or fixed) and with_tree:
-        log(f"choosing the tree: head accuracy on {len(calib)} calibration prompts, step latency on this device")
-        choice = choose_tree(m, calib, calib[0], budgets=budgets, calibration_tokens=calibration_tokens, log=log,
-                             fixed_nodes=fixed, progress=progress)
-    else:
-        t = resolve_tree(tree, m.num_heads) if with_tree else None
-        choice = TreeChoice(t, "given")
-    if with_tree:
-        log(f"tree: {choice.to_dict()['name']} ({choice.reason})")
-    for meth, spec in specs.items():
-        if spec.needs_tree:
-            opts[meth] = dataclasses.replace(opts[meth], tree=choice.tree)
-    eagle_choices = {}
-    for meth in eagle_auto:   # each raced with its own branches (eagle3_lookup's looked-up chain included)
-        log(f"choosing {meth}'s tree: tau on {len(calib)} calibration prompts, step latency on this device")
-        eagle_choices[meth] = choose_eagle3(m, calib, calib[0], calibration_tokens=calibration_tokens, log=log,
-                                            progress=progress, method=meth, options=opts[meth])
-        log(f"{meth} tree: {eagle_choices[meth].to_dict()['name']} ({eagle_choices[meth].reason})")
-        opts[meth] = dataclasses.replace(opts[meth], **eagle_choices[meth].options())
-    reported = {meth: registry.options_report(o) for meth, o in opts.items() if dataclasses.fields(o)}
-    for meth, spec in specs.items():
-        if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
-            opts[meth] = spec.prepare(m, opts[meth])
-
+def decode_interleaved(m: MedusaModel, prompts: list[Prompt], methods: Sequence[str], opts: Mapping[str, Any], *,
+                       max_new_tokens: int, sampling: SamplingConfig, turns: str, seed: int,
+                       progress: bool) -> list[Sample]:
+    """Every method on every prompt (and second turn with ``turns="both"``, continuing from the plain
+    answer), the methods' order rotated from prompt to prompt (module docstring)."""
     samples: list[Sample] = []
-    jobs = [(p, 0) for p in prompts]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(jobs) * (2 if turns == "both" else 1), desc="eval", unit="prompt")
-    for i, (p, _) in enumerate(jobs):
+    bar = progress_bar(progress, len(prompts) * (2 if turns == "both" else 1), "eval", unit="prompt", leave=True,
+                       dynamic_ncols=False)
+    for i, p in enumerate(prompts):
         history: list[dict] = []
         for turn, text in enumerate(p.turns[: 2 if turns == "both" else 1]):
             msgs = history + [{"role": "user", "content": text}]
@@ -233,23 +178,56 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
                 bar.update(1)
     if bar is not None:
         bar.close()
+    return samples
 
+
+def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = DEFAULT_METHODS,
+             choice: Union[str, Mapping[str, str]] = "auto", max_new_tokens: int = 128,
+             sampling: Optional[SamplingConfig] = None, turns: str = "first", calibration_prompts: int = 8,
+             calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS, seed: int = 0,
+             progress: bool = True, log: Callable[[str], None] = print, settings: Optional[dict] = None,
+             options: Optional[Mapping[str, Any]] = None, calibration: Optional[list[Prompt]] = None,
+             chosen: Optional[dict] = None, **fields) -> dict:
+    """Run ``methods`` interleaved on ``prompts`` and summarise them (module docstring).
+
+    ``options``: method name -> its options object (defaults for the others); ``fields``: option fields set on
+    every method that has them (``tree="chain3"``); ``choice``: ``auto`` / ``fixed`` (``choosing``), each
+    method's speculation shape choosing. ``m.heads`` may be None when no method needs heads.
+    ``calibration``: the calibration prompts, all of ``prompts`` evaluated (``prompts.select_prompts``);
+    None: the last ``calibration_prompts`` held out (``split_calibration``). ``chosen``: a dict that gets
+    each shaped method's ``Chosen`` (medusa-eval writes the choice files from it)."""
+    sampling = sampling or SamplingConfig()
+    check_settings(max_new_tokens=max_new_tokens, turns=turns, calibration_prompts=calibration_prompts,
+                   calibration_tokens=calibration_tokens, budgets=budgets)
+    methods = registry.check_methods(methods, m)
+    specs = {meth: registry.get(meth) for meth in methods}
+    greedy_only = [meth for meth, spec in specs.items() if spec.greedy_only]
+    if greedy_only and not sampling.is_greedy:
+        raise UserError(f"{greedy_only[0]} is measured in greedy mode only")
+    opts = method_options(m, methods, options, fields)
+    modes = choice_modes(methods, choice, fields)
+    calib: list[list[int]] = []
+    if calibrating(opts, modes, batched=False):
+        calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
+        calib = encode_checked(m, calib_src, calibration_tokens)
+    encode_checked(m, prompts, max_new_tokens)   # every first turn fits before anything is decoded
+    made = choose_all(ChoiceContext(m, calib, calib[:1], calibration_tokens, budgets, log, progress), opts, modes)
+    opts.update({meth: c.options for meth, c in made.items()})
+    if chosen is not None:
+        chosen.update(made)
+    reported = {meth: registry.options_report(o) for meth, o in opts.items() if dataclasses.fields(o)}
+    for meth, spec in specs.items():
+        if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
+            opts[meth] = spec.prepare(m, opts[meth])
+    samples = decode_interleaved(m, prompts, methods, opts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                 turns=turns, seed=seed, progress=progress)
     run_length = max((s.outputs[methods[0]].prompt_tokens for s in samples), default=0) + max_new_tokens
-    report = {"settings": settings or {}, "machine": machine(), "num_samples": len(samples),
-              "methods": list(methods), "tree": choice.to_dict(),
+    report = {"settings": settings or {}, "machine": machine(), "num_samples": len(samples), "methods": list(methods),
               **summarize(samples, methods, {meth: spec.proposed(opts[meth]) for meth, spec in specs.items()
                                              if spec.proposed is not None}, greedy=sampling.is_greedy),
               "method_options": reported, "run_length": run_length,
               "costs": {meth: dataclasses.asdict(spec.costs(m, opts[meth], run_length)) for meth, spec in specs.items()},
-              "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock"}
-    for meth, eagle_choice in eagle_choices.items():
-        report[f"{meth}_tree"] = eagle_choice.to_dict()
-    if choice.accuracies is not None:
-        cum = torch.tensor(choice.accuracies).cumsum(1)
-        report["head_accuracy"] = {"per_rank": choice.accuracies, "topk": cum.tolist(),
-                                   "measured_on": f"{len(calib)} calibration prompts (backbone greedy tokens)"}
-        if choice.tree is not None:
-            report["tree"]["expected_tau"] = round(expected_tau(choice.tree, choice.accuracies), 4)
+              "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock", **report_entries(made)}
     report["samples"] = [{"prompt_id": s.prompt_id, "turn": s.turn,
                           **{f"{k}_tokens": len(v.tokens) for k, v in s.outputs.items()},
                           **{f"{k}_tau": round(v.tau, 3) for k, v in s.outputs.items() if not specs[k].baseline}}

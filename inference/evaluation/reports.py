@@ -103,8 +103,8 @@ def markdown(r: dict) -> str:
                   + (f"; n-alpha: {row['n_alpha']}" if "n_alpha" in row else "")]
         if row.get("greedy_identical_fraction") is not None:  # greedy mode only
             lines.append(f"- output identical to plain greedy: {row['greedy_identical_fraction']}")
-    # medusa's, then eagle3's and eagle3_lookup's (eagle_tree=auto; there only when chosen)
-    for key, what in (("tree", "tree"), ("eagle3_tree", "eagle3 tree"), ("eagle3_lookup_tree", "eagle3_lookup tree")):
+    # the shared Medusa tree, then each method's own chosen tree setting (``<method>_tree``: there only when chosen)
+    for key, what in [("tree", "tree")] + [(k, k[:-len("_tree")] + " tree") for k in r if k.endswith("_tree")]:
         choice = r.get(key) or {}
         if choice.get("nodes") or (key != "tree" and choice):
             lines.append(f"- {what}: {choice['name']}" + (f" ({choice['nodes']} nodes)" if choice.get("nodes") else "")

@@ -85,15 +85,15 @@ LAYER_WEIGHTS = (
 @register_exporter("eagle3", "eagle3")
 def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     refuse_unless_kind(heads, "eagle3")
-    spec, layer = heads.spec, heads.spec.draft_layer
-    if 0 in spec.aux_layers:
+    spec, layer, read = heads.spec, heads.spec.settings.draft_layer, heads.spec.settings.aux_layers
+    if 0 in read:
         raise UserError(f"aux layer 0 (the embeddings) cannot be served: vLLM and SGLang capture hidden_states + "
-                        f"residual before each layer and residual is None before layer 0 (aux {spec.aux_layers})")
-    refuse_repeated_aux_layers(spec.aux_layers, "this drafter")
-    aux = sorted(spec.aux_layers)  # the engines capture ascending: fc's blocks follow (ascending_fc)
+                        f"residual before each layer and residual is None before layer 0 (aux {read})")
+    refuse_repeated_aux_layers(read, "this drafter")
+    aux = sorted(read)  # the engines capture ascending: fc's blocks follow (ascending_fc)
     state = heads.state_dict()
     tensors = {name: state[name].detach() for name in LAYER_WEIGHTS}
-    tensors["fc.weight"] = ascending_fc(tensors["fc.weight"], spec.aux_layers)
+    tensors["fc.weight"] = ascending_fc(tensors["fc.weight"], read)
     lm_head = state["lm_head.weight"].detach().cpu()
     if spec.projection == "truncated":
         # Sorted by target id, as SpecForge writes d2t (offsets >= 0); the rows move with their ids.

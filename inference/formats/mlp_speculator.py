@@ -54,7 +54,7 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
         if not name.startswith(("head.", "token_map")):
             tensors[name] = t.detach()
     notes = []
-    n_proj = 1 if spec.tie_weights else spec.num_heads
+    n_proj = 1 if spec.settings.tie_weights else spec.num_heads
     before = after = 0
     for k in range(n_proj):
         w, materialised = full_projection(heads, k, options)
@@ -65,7 +65,7 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
         tensors[f"head.{k}.weight"] = w
     if after:
         notes.append(materialise_note(heads, "vllm mlp_speculator", before, after))
-    inner = spec.inner_dim or spec.hidden_size
+    inner = spec.settings.inner_dim or spec.hidden_size
     config = {
         "architectures": ["MLPSpeculatorPreTrainedModel"],
         "model_type": MODEL_TYPE,
@@ -75,8 +75,8 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
         "n_predict": spec.num_heads,
         "top_k_tokens_per_head": [1] * spec.num_heads,
         "n_candidates": spec.num_heads,
-        "tie_weights": spec.tie_weights,
-        "scale_input": spec.scale_input,
+        "tie_weights": spec.settings.tie_weights,
+        "scale_input": spec.settings.scale_input,
         "base_model_name_or_path": options.base_model or spec.base_model,
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
     }

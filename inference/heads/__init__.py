@@ -6,11 +6,12 @@ trainer and every format can share one definition of what heads are.
 
 Rooms (one concept each):
   registry       one ``HeadFamily`` record per kind; ``family(kind)``, ``build_heads``, ``init_heads``
-  spec           ``HeadsSpec`` (config.json), ``backbone_fingerprint``, ``check_compatible``
+  spec           ``HeadsSpec`` (config.json: common fields + the family's ``settings``), ``check_compatible``
+  inputs         ``BackboneInputs``: what a family declares it trains on (the trainer reads it, never the kind)
   projection     ``ResBlock`` and ``ProjectedHeads``, what every family shares (projection modes)
   drafting       the drafting interface decoders call (``IndependentDrafting`` / ``PathDrafting``)
   dependent      the recurrent interface of heads fed the path they extend
-  medusa, hydra, mlp_speculator, eagle3   one family each: its module and its registration
+  medusa, hydra, mlp_speculator, eagle3   one family each: its module, settings, inputs and registration
   native         the native export directory (config.json + model.safetensors), atomic writes
 
 This ``__init__`` is kept free of torch: ``KINDS`` is read by the trainer's config validation

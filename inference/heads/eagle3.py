@@ -27,8 +27,10 @@ t attends to the same step-0 entries <= t and to its own chain's entries of step
 in decoding these are the committed prefix (true features) and the tree path it extends.
 
 ``HeadsSpec`` fields: ``num_heads`` = draft depths trained (TTT steps), ``num_layers`` = 1,
-``aux_layers`` (3 ids), ``draft_layer`` (the backbone's attention / MLP / RoPE sizes, so heads
-rebuild without the backbone), ``projection`` own or truncated (the draft vocabulary).
+``projection`` own or truncated (the draft vocabulary); the family's own settings (``Eagle3Settings``):
+``aux_layers`` (3 ids) and ``draft_layer`` (the backbone's attention / MLP / RoPE sizes, so heads
+rebuild without the backbone). It trains on the aux layers, the true next tokens and the positions
+(``BackboneInputs`` below), not on the last hidden state.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from ..attention_backends import decoding_sdpa
 from ..errors import IncompatibleHeadsError, UserError
 from .drafting import ContextDrafting
+from .inputs import BackboneInputs
 from .registry import HeadFamily, register_family
 from .rope import DraftRotary, rope_scaling_of
 from .spec import HeadsSpec
@@ -51,6 +54,16 @@ from .spec import HeadsSpec
 NUM_AUX = 3  # vLLM and SGLang build fc over exactly three target layers
 _LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                "rms_norm_eps", "rope_theta", "hidden_act", "max_position_embeddings", "target_layers")
+
+
+@dataclasses.dataclass
+class Eagle3Settings:
+    """An EAGLE-3 drafter's own settings (stored flat in config.json under these names)."""
+
+    aux_layers: Optional[list] = dataclasses.field(
+        default=None, metadata={"help": "the three backbone hidden_states ids the drafter reads (ascending)"})
+    draft_layer: Optional[dict] = dataclasses.field(
+        default=None, metadata={"help": "the decoder layer's sizes, copied from the target (draft_layer_config)"})
 
 
 MIN_TARGET_LAYERS = NUM_AUX + 1  # three distinct servable ids in 1..N-1 (id 0, the embeddings, cannot be tapped)
@@ -134,7 +147,8 @@ def draft_layer_config(backbone_config) -> dict:
 
 
 def _validate(spec: HeadsSpec) -> None:
-    layer = spec.draft_layer
+    own = spec.settings
+    layer = own.draft_layer
     if not isinstance(layer, dict) or any(k not in layer for k in _LAYER_KEYS):
         raise UserError(f"eagle3 heads need draft_layer with {', '.join(_LAYER_KEYS)}")
     if spec.num_layers != 1:
@@ -142,14 +156,14 @@ def _validate(spec: HeadsSpec) -> None:
     if spec.projection == "shared":
         raise UserError("eagle3 drafters have their own lm_head: use projection own or truncated")
     n = layer["target_layers"]
-    aux = spec.aux_layers
+    aux = own.aux_layers
     if aux is None or len(aux) != NUM_AUX:
         raise UserError(f"eagle3 heads need {NUM_AUX} aux layer ids (vLLM and SGLang read three), got {aux}")
     bad = [i for i in aux if not 0 <= int(i) < n]
     if bad:
         raise UserError(f"aux layer ids {bad} are out of range: the backbone has hidden states 0..{n - 1} "
                         f"({n} layers)")
-    spec.aux_layers = [int(i) for i in aux]
+    own.aux_layers = [int(i) for i in aux]
     if layer["num_attention_heads"] % layer["num_key_value_heads"]:
         raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
 
@@ -160,9 +174,10 @@ def _check_backbone(spec: HeadsSpec, backbone_config, where: str) -> None:
     n = getattr(backbone_config, "num_hidden_layers", None)
     if n is None:
         return
-    bad = [i for i in spec.aux_layers if not 0 <= i < n]
+    aux = spec.settings.aux_layers
+    bad = [i for i in aux if not 0 <= i < n]
     if bad:
-        raise IncompatibleHeadsError(f"{where} read aux layers {spec.aux_layers}, the backbone has hidden states "
+        raise IncompatibleHeadsError(f"{where} read aux layers {aux}, the backbone has hidden states "
                                      f"0..{n - 1} ({n} layers): they were trained for another target")
 
 
@@ -251,7 +266,7 @@ class DraftLayer(nn.Module):
 def draft_kv_bytes_per_slot(spec, dtype: torch.dtype) -> int:
     """Bytes one slot of the drafter's own KV cache takes (its one layer's keys and values); 0 for
     heads without a draft layer."""
-    layer = getattr(spec, "draft_layer", None) or {}
+    layer = getattr(spec.settings, "draft_layer", None) or {}
     return 2 * layer.get("num_key_value_heads", 0) * layer.get("head_dim", 0) * \
         torch.empty((), dtype=dtype).element_size()
 
@@ -288,12 +303,10 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
     """An EAGLE-3 drafter (module docstring). Drafting goes through ``methods/eagle3.py``
     (dynamic trees with this module's ``DraftKV``), training through ``ttt_features``."""
 
-    needs_aux_layers = True  # fed three backbone layers, not only the last hidden state
-
     def __init__(self, spec: HeadsSpec):
         super().__init__()
         self.spec = spec
-        h, layer = spec.hidden_size, spec.draft_layer
+        h, layer = spec.hidden_size, spec.settings.draft_layer
         self.layer_cfg = layer
         self.fc = nn.Linear(NUM_AUX * h, h, bias=False)
         self.midlayer = DraftLayer(h, layer)
@@ -342,21 +355,22 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
     def canonical_spec(spec: HeadsSpec, where: str) -> HeadsSpec:
         """``spec`` as it will run once loaded: aux ids ascending (``canonicalize`` permutes fc to match);
         one line for ids naming a layer twice, which no engine can serve."""
-        refuse_repeated_aux_layers(spec.aux_layers, where)
-        if spec.aux_layers == sorted(spec.aux_layers):
+        aux = spec.settings.aux_layers
+        refuse_repeated_aux_layers(aux, where)
+        if aux == sorted(aux):
             return spec
-        return dataclasses.replace(spec, aux_layers=sorted(spec.aux_layers))
+        return dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, aux_layers=sorted(aux)))
 
     def canonicalize(self, where: str) -> "Eagle3Drafter":
         """Loaded weights in the engines' order: a drafter trained with aux ids out of order (fc's column
         blocks in that order) gets fc permuted and its ids sorted, so it computes the same drafts with the
         layers captured the way vLLM and SGLang capture them (ascending); repeated ids are refused."""
-        aux = list(self.spec.aux_layers)
+        aux = list(self.spec.settings.aux_layers)
         refuse_repeated_aux_layers(aux, where)
         if aux != sorted(aux):
             with torch.no_grad():
                 self.fc.weight.copy_(ascending_fc(self.fc.weight, aux))
-            self.spec.aux_layers = sorted(aux)
+            self.spec.settings.aux_layers = sorted(aux)
         return self
 
     @property
@@ -464,9 +478,13 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
 
 
 def _describe(spec: HeadsSpec) -> str:
-    return (f"EAGLE-3 drafter: {spec.num_layers} decoder layer over hidden states {list(spec.aux_layers)}, "
+    return (f"EAGLE-3 drafter: {spec.num_layers} decoder layer over hidden states {list(spec.settings.aux_layers)}, "
             f"{spec.num_heads} training-time-test steps")
 
 
-register_family(HeadFamily("eagle3", Eagle3Drafter, ContextDrafting, fields=("aux_layers", "draft_layer"),
+# Trained on three backbone layers (not the last hidden state: the teacher term and greedy targets read
+# that), the true next tokens x_{t+1+j} and the positions (its own RoPE), within packed documents.
+INPUTS = BackboneInputs(last_hidden=False, aux_layers=True, path_tokens=True, positions=True)
+
+register_family(HeadFamily("eagle3", Eagle3Drafter, ContextDrafting, settings=Eagle3Settings, inputs=INPUTS,
                            validate=_validate, check_backbone=_check_backbone, describe=_describe))

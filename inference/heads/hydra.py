@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from .dependent import DependentHeads
 from .drafting import PathDrafting
+from .inputs import BackboneInputs
 from .projection import ResBlock
 from .registry import HeadFamily, register_family
 from .spec import HeadsSpec
@@ -83,4 +84,4 @@ class HydraHeads(DependentHeads):
 
 
 
-register_family(HeadFamily("hydra", HydraHeads, PathDrafting))
+register_family(HeadFamily("hydra", HydraHeads, PathDrafting, inputs=BackboneInputs(path_tokens=True)))

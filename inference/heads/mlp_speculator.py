@@ -10,12 +10,13 @@ proj.0, proj.1, ln.0, head.0). The head is a full-vocabulary ``head.{k}`` for vL
 (``projection=own``); ``truncated`` and ``shared`` are ours (cheaper on CPU) and cannot be
 exported to vLLM without materialising them.
 
-The family reads three ``HeadsSpec`` fields of its own (``inner_dim``, ``tie_weights``,
-``scale_input``), validated by ``validate`` below. Drafted level by level (``dependent``).
+The family's own settings (``spec.settings``, vLLM's config keys): ``MLPSpeculatorSettings`` below,
+validated by ``validate``. Drafted level by level (``dependent``); trained fed the true path tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -26,8 +27,21 @@ import torch.nn.functional as F
 from ..errors import UserError
 from .dependent import DependentHeads
 from .drafting import PathDrafting
+from .inputs import BackboneInputs
 from .registry import HeadFamily, register_family
 from .spec import HeadsSpec
+
+
+@dataclasses.dataclass
+class MLPSpeculatorSettings:
+    """vLLM's mlp_speculator config keys (stored flat in config.json under these names)."""
+
+    inner_dim: Optional[int] = dataclasses.field(
+        default=None, metadata={"help": "state width of every step (None = the backbone's hidden size)"})
+    tie_weights: bool = dataclasses.field(
+        default=False, metadata={"help": "one emb/ln/head and one proj after the first for every step >= 2"})
+    scale_input: bool = dataclasses.field(
+        default=False, metadata={"help": "RMS-normalise the backbone state first (vLLM's ln0)"})
 
 
 class RMSNormWithBias(nn.Module):
@@ -57,14 +71,15 @@ class MLPSpeculatorHeads(DependentHeads):
     def __init__(self, spec: HeadsSpec):
         super().__init__()
         h = spec.hidden_size
-        inner = spec.inner_dim or h
-        k_count, tied = spec.num_heads, spec.tie_weights
+        own = spec.settings
+        inner = own.inner_dim or h
+        k_count, tied = spec.num_heads, own.tie_weights
         n_unique = 1 if tied else k_count
         self.emb = nn.ModuleList(nn.Embedding(spec.vocab_size, inner) for _ in range(n_unique))
         self.proj = nn.ModuleList(nn.Linear(h if i == 0 else inner, inner, bias=False)
                                   for i in range(2 if tied else k_count))
         self.ln = nn.ModuleList(RMSNormWithBias(inner) for _ in range(n_unique))
-        self.ln0 = RMSNormWithBias(h, affine=False) if spec.scale_input else None
+        self.ln0 = RMSNormWithBias(h, affine=False) if own.scale_input else None
         self.state_weight = 0.5 ** (0.5 / k_count)
         self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (inner / 2))
         self._init_projection(spec, inner)
@@ -81,7 +96,7 @@ class MLPSpeculatorHeads(DependentHeads):
         training budget a warm start converges much faster)."""
         heads = cls(spec)
         heads._init_projection_from_lm_head(lm_head_weight, token_map)
-        inner = spec.inner_dim or spec.hidden_size
+        inner = spec.settings.inner_dim or spec.hidden_size
         with torch.no_grad():
             for emb in heads.emb:
                 if input_embeddings is not None and tuple(input_embeddings.shape) == tuple(emb.weight.shape):
@@ -116,9 +131,9 @@ class MLPSpeculatorHeads(DependentHeads):
 
 
 def validate(spec) -> None:
-    if spec.tie_weights and spec.num_heads < 2:
+    if spec.settings.tie_weights and spec.num_heads < 2:
         raise UserError("mlp_speculator tie_weights needs at least 2 heads")
 
 
-register_family(HeadFamily("mlp_speculator", MLPSpeculatorHeads, PathDrafting,
-                           fields=("inner_dim", "tie_weights", "scale_input"), validate=validate))
+register_family(HeadFamily("mlp_speculator", MLPSpeculatorHeads, PathDrafting, settings=MLPSpeculatorSettings,
+                           inputs=BackboneInputs(path_tokens=True), validate=validate))

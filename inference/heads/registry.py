@@ -1,8 +1,9 @@
 """The head-family registry: what the rest of the code asks instead of naming families.
 
 A ``HeadFamily`` record says everything generic code needs about one kind of heads: the module
-class that holds them, how fresh heads start from the backbone, which ``HeadsSpec`` fields only
-this family reads and how they are validated, and which drafting mixin it drafts trees with.
+class that holds them, how fresh heads start from the backbone, its own settings (a dataclass the
+spec holds as ``spec.settings``) and how they are validated, the backbone tensors it trains on
+(``inputs``), and which drafting mixin it drafts trees with.
 The spec, the native loader, the trainer and the formats go through ``family(kind)``, so a new
 family is one module that calls ``register_family`` (plus one line in ``FAMILY_MODULES`` for a
 built-in one) and touches nothing else.
@@ -19,6 +20,12 @@ from typing import Callable, Optional
 
 from ..errors import UserError
 from . import FAMILY_MODULES, KINDS
+from .inputs import BackboneInputs
+
+
+@dataclasses.dataclass
+class NoSettings:
+    """The settings of a family that has none beyond the spec's common fields (Medusa, Hydra)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +39,12 @@ class HeadFamily:
                see h_t only, ``PathDrafting`` for heads fed the path they extend).
     init:      ``(spec, lm_head_weight, input_embeddings, token_map) -> heads``: fresh heads started
                from the backbone; default ``module.from_backbone``.
-    fields:    the ``HeadsSpec`` fields only this family reads (stored flat in config.json).
-    validate:  ``(spec) -> None``, raising a one-line ``UserError`` for a bad value of those fields.
+    settings:  the dataclass of the family's own settings (``spec.settings``; stored flat in config.json
+               beside the common fields, so each field's name is a config.json key); every field has a
+               default and a ``help`` in its metadata.
+    inputs:    the backbone tensors its heads train on (``inputs.BackboneInputs``), what the trainer's
+               feature cache, batch sources and loss read instead of asking the kind.
+    validate:  ``(spec) -> None``, raising a one-line ``UserError`` for a bad value of its settings.
     check_backbone: ``(spec, backbone_config, where) -> None``, raising a one-line ``IncompatibleHeadsError``
                when heads of this family cannot run on that backbone for a reason the generic
                checks (hidden size, vocabulary, fingerprint) do not see; ``check_compatible`` calls it.
@@ -46,7 +57,8 @@ class HeadFamily:
     module: type
     drafting: type
     init: Optional[Callable] = None
-    fields: tuple[str, ...] = ()
+    settings: type = NoSettings
+    inputs: BackboneInputs = BackboneInputs()
     validate: Optional[Callable] = None
     check_backbone: Optional[Callable] = None
     describe: Optional[Callable] = None
@@ -68,8 +80,18 @@ def register_family(fam: HeadFamily) -> HeadFamily:
     """Make ``fam.kind`` buildable, loadable and draftable everywhere (replaces a previous record)."""
     if not issubclass(fam.module, fam.drafting):
         raise TypeError(f"{fam.module.__name__} must derive from its drafting mixin {fam.drafting.__name__}")
+    if not dataclasses.is_dataclass(fam.settings):
+        raise TypeError(f"heads family {fam.kind!r}: settings must be a dataclass, got {fam.settings!r}")
+    names = setting_names(fam)
+    if fam.inputs.aux_layers and "aux_layers" not in names:  # where BackboneInputs.layers reads the ids
+        raise TypeError(f"heads family {fam.kind!r} reads aux layers but its settings have no aux_layers field")
     _FAMILIES[fam.kind] = fam
     return fam
+
+
+def setting_names(fam: HeadFamily) -> tuple[str, ...]:
+    """The names of a family's own settings (its config.json keys beside the common ones)."""
+    return tuple(f.name for f in dataclasses.fields(fam.settings))
 
 
 def kinds() -> tuple[str, ...]:

@@ -110,41 +110,42 @@ def rope_scaling_of(cfg: dict, where: str) -> Optional[dict]:
     """The rope scaling the drafter computes for a config dict (None: plain RoPE); one line for a type or
     option it does not compute. Resolves transformers' defaults (omax = max_position_embeddings, YaRN's
     and longrope's factor = max_pos / omax) so the result needs nothing else."""
-    kind, rope = _rope_fields(cfg)
-    if kind not in ROPE_TYPES:
-        raise UserError(f"{where}: rope type {kind!r} is not supported (the EAGLE-3 drafter computes "
+    rope_type, rope = _rope_fields(cfg)
+    if rope_type not in ROPE_TYPES:
+        raise UserError(f"{where}: rope type {rope_type!r} is not supported (the EAGLE-3 drafter computes "
                         f"{', '.join(ROPE_TYPES)})")
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial is not None and float(partial) != 1.0:
         raise UserError(f"{where}: partial_rotary_factor {partial} is not supported: the drafter's Llama layer "
                         "rotates the whole head")
-    if kind == "default":
+    if rope_type == "default":
         return None
-    missing = [k for k in _REQUIRED[kind] if rope.get(k) is None]
+    missing = [k for k in _REQUIRED[rope_type] if rope.get(k) is None]
     if missing:
-        raise UserError(f"{where}: rope type {kind!r} needs {', '.join(_REQUIRED[kind])}; missing {', '.join(missing)}")
+        raise UserError(f"{where}: rope type {rope_type!r} needs {', '.join(_REQUIRED[rope_type])}; "
+                        f"missing {', '.join(missing)}")
     max_pos = int(cfg.get("max_position_embeddings") or 2048)  # LlamaConfig's default
     # transformers gives a top-level original_max_position_embeddings (Phi-3) precedence
     omax = int(cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_pos)
-    if kind in ("linear", "dynamic"):
-        return {"rope_type": kind, "factor": float(rope["factor"])}
-    if kind == "llama3":
+    if rope_type in ("linear", "dynamic"):
+        return {"rope_type": rope_type, "factor": float(rope["factor"])}
+    if rope_type == "llama3":
         return {"rope_type": "llama3", "factor": float(rope["factor"]),
                 "low_freq_factor": float(rope["low_freq_factor"]), "high_freq_factor": float(rope["high_freq_factor"]),
                 "original_max_position_embeddings": omax}
-    return (_yarn if kind == "yarn" else _longrope)(rope, omax, max_pos, where)
+    return (_yarn if rope_type == "yarn" else _longrope)(rope, omax, max_pos, where)
 
 
 def engine_rope_scaling(raw: dict, where: str) -> Optional[dict]:
     """``rope_scaling_of`` for an engine ``config.json`` being imported, refusing what the engines rotate
     otherwise than the drafter: dynamic (each fixes its own NTK base for every position; transformers and the
     drafter rescale only beyond max_position_embeddings) and a longrope with two factor lists."""
-    kind, rope = _rope_fields(raw)
-    if kind == "dynamic":
+    rope_type, rope = _rope_fields(raw)
+    if rope_type == "dynamic":
         raise UserError(f"{where}: rope type 'dynamic' is not supported on import: vLLM and SGLang each rotate "
                         "every position with their own fixed NTK base, the drafter (like transformers) only "
                         "rescales beyond max_position_embeddings")
-    if kind == "longrope" and rope.get("short_factor") != rope.get("long_factor"):
+    if rope_type == "longrope" and rope.get("short_factor") != rope.get("long_factor"):
         raise UserError(f"{where}: rope type 'longrope' with short_factor != long_factor is not supported on import: "
                         "vLLM uses the long factors at every position, SGLang switches per batch; the drafter "
                         "rotates with the long ones (its exports write short = long)")
@@ -199,17 +200,17 @@ def rope_frequencies(scaling: Optional[dict], theta: float, dim: int, max_pos: i
     """(inv_freq [dim/2] float32, cos/sin scale) for a call whose positions end at seq_len - 1 (None: a
     short call) — transformers' ``ROPE_INIT_FUNCTIONS`` plus ``dynamic_rope_update`` (longrope: always
     the long factors, module docstring)."""
-    kind = scaling["rope_type"] if scaling else "default"
-    if kind == "dynamic" and seq_len is not None and seq_len > max_pos:
+    rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type == "dynamic" and seq_len is not None and seq_len > max_pos:
         factor = scaling["factor"]
         theta = theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-    if kind in ("default", "dynamic"):
+    if rope_type in ("default", "dynamic"):
         return _plain(theta, dim), 1.0
-    if kind == "linear":
+    if rope_type == "linear":
         return _plain(theta, dim) / scaling["factor"], 1.0
-    if kind == "llama3":
+    if rope_type == "llama3":
         return _llama3(scaling, _plain(theta, dim)), 1.0
-    if kind == "yarn":
+    if rope_type == "yarn":
         f = scaling["factor"]
         return _yarn_frequencies(scaling, theta, dim), 1.0 if f <= 1 else 0.1 * math.log(f) + 1.0
     ext = torch.tensor(scaling["long_factor"], dtype=torch.float32)
@@ -225,13 +226,13 @@ class DraftRotary(nn.Module):
     def __init__(self, layer: dict, head_dim: int):
         super().__init__()
         self.scaling = layer.get("rope_scaling") or None
-        kind = self.scaling.get("rope_type") if self.scaling else "default"
-        if kind not in ROPE_TYPES:
-            raise UserError(f"eagle3 draft_layer: rope type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+        rope_type = self.scaling.get("rope_type") if self.scaling else "default"
+        if rope_type not in ROPE_TYPES:
+            raise UserError(f"eagle3 draft_layer: rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
         self.theta, self.head_dim = float(layer["rope_theta"]), head_dim
         self.max_pos = int(layer["max_position_embeddings"])
         # Only dynamic depends on the call's length: the others keep one inv_freq for every position.
-        self.length_dependent = kind == "dynamic"
+        self.length_dependent = rope_type == "dynamic"
         inv, self.scale = rope_frequencies(self.scaling, self.theta, head_dim, self.max_pos)
         self.register_buffer("inv_freq", inv, persistent=False)
 

@@ -1,10 +1,12 @@
 """``HeadsSpec``: everything needed to rebuild heads and to check they fit a backbone.
 
-It is what the native export's ``config.json`` holds (field for field, ``dataclasses.asdict``),
-and what every foreign importer produces, so its keys are part of the on-disk format: the
-mlp_speculator fields stay flat here (``inner_dim``, ``tie_weights``, ``scale_input``) for every
-kind, and existing exports must keep loading. Kind-specific checks are the family's own
-(``registry.HeadFamily.validate``); this module stays free of torch.
+It is what the native export's ``config.json`` holds and what every foreign importer produces, so
+its keys are part of the on-disk format. Common fields (sizes, projection, base model, ``kind``) live
+on the spec; what only one family reads lives in ``spec.settings``, an instance of that family's own
+dataclass (``registry.HeadFamily.settings``, chosen by ``kind``), validated by the family. On disk
+the settings stay flat beside the common fields (``to_dict`` / ``from_dict``), as they always were,
+so existing exports load unchanged and new ones are byte-identical; a key that is neither common nor
+the family's is refused in one line. This module stays free of torch.
 
 ``backbone_fingerprint`` / ``check_compatible`` refuse heads made for another backbone (hidden
 size, vocabulary, architecture fields) before any weight is attached.
@@ -15,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import IncompatibleHeadsError, UserError
-from .registry import family
+from .registry import HeadFamily, family, setting_names
 
 FORMAT_VERSION = 1
 PROJECTIONS = ("own", "shared", "truncated")
@@ -45,32 +47,64 @@ def backbone_fingerprint(config) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-@dataclasses.dataclass
+# Format 1's config.json layout, frozen: every export so far wrote these keys after ``kind`` for every
+# kind, in this order, the settings of families that do not read them at these unset values. Writing
+# the same keys keeps config.json byte-identical to what earlier versions wrote (and read), and reading
+# accepts them at these values in any family's config; a family's own settings overwrite its keys, and a
+# family added later writes its settings after them. The one place that knows this old layout.
+FORMAT1_LAYOUT = {"inner_dim": None, "tie_weights": False, "scale_input": False, "backbone_adapter": None,
+                  "aux_layers": None, "draft_layer": None}
+
+
+@dataclasses.dataclass(init=False)
 class HeadsSpec:
-    """Everything needed to rebuild heads and check they fit a backbone (config.json)."""
+    """Everything needed to rebuild heads and check they fit a backbone (config.json).
+
+    ``HeadsSpec(..., kind=k, settings=<k's settings>)``, or the family's settings as keywords (flat, as
+    config.json has them): ``HeadsSpec(..., kind="eagle3", aux_layers=[2, 4, 6], draft_layer={...})``.
+    A family's setting also reads (and writes) through the spec by its name, ``spec.aux_layers`` being
+    ``spec.settings.aux_layers``: the flat view config.json, the exporters and the command lines use.
+    """
 
     num_heads: int
     num_layers: int
     hidden_size: int
     vocab_size: int
-    projection: str = "own"
-    truncated_vocab_size: Optional[int] = None
-    base_model: str = ""
-    base_model_fingerprint: str = ""
-    kind: str = "medusa"
-    inner_dim: Optional[int] = None   # mlp_speculator: state width (None = hidden_size)
-    tie_weights: bool = False         # mlp_speculator: one emb/proj/ln/head for steps >= 2 (vLLM's tie_weights)
-    scale_input: bool = False         # mlp_speculator: RMS-normalise the backbone state first (vLLM's ln0)
-    backbone_adapter: Optional[str] = None  # Medusa-2: LoRA adapter dir (relative) the backbone needs
-    aux_layers: Optional[list] = None  # eagle3: the three backbone hidden_states ids the drafter reads
-    draft_layer: Optional[dict] = None  # eagle3: the decoder layer's sizes (eagle3.draft_layer_config)
-    format_version: int = FORMAT_VERSION
+    projection: str
+    truncated_vocab_size: Optional[int]
+    base_model: str
+    base_model_fingerprint: str
+    kind: str
+    # Common, not a family's: heads of any family trained with a LoRA backbone (Medusa-2) record the
+    # adapter folder (relative) the backbone needs.
+    backbone_adapter: Optional[str]
+    format_version: int
+    settings: Any  # the family's own settings (``family(kind).settings``)
 
-    def __post_init__(self):
-        fam = family(self.kind)  # an unknown kind: one line listing the kinds
-        undeclared = [f for f in fam.fields if f not in _FIELD_NAMES]
-        if undeclared:
-            raise TypeError(f"heads family {self.kind!r} reads fields HeadsSpec does not have: {undeclared}")
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, projection: str = "own",
+                 truncated_vocab_size: Optional[int] = None, base_model: str = "", base_model_fingerprint: str = "",
+                 kind: str = "medusa", backbone_adapter: Optional[str] = None, format_version: int = FORMAT_VERSION,
+                 settings: Any = None, **family_settings):
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.projection, self.truncated_vocab_size = projection, truncated_vocab_size
+        self.base_model, self.base_model_fingerprint, self.kind = base_model, base_model_fingerprint, kind
+        self.backbone_adapter, self.format_version = backbone_adapter, format_version
+        fam = family(kind)  # an unknown kind: one line listing the kinds
+        clash = sorted(_COMMON_NAMES.intersection(setting_names(fam)))
+        if clash:  # the flat view (and config.json) could not tell them apart
+            raise TypeError(f"heads family {kind!r}: settings {clash} are common HeadsSpec fields")
+        if settings is None:
+            settings = family_settings_of(fam, family_settings)
+        elif family_settings:
+            raise TypeError("give a family's settings as settings= or as keywords, not both")
+        elif not isinstance(settings, fam.settings):
+            raise TypeError(f"heads kind {kind!r} takes settings of type {fam.settings.__name__}, "
+                            f"got {type(settings).__name__}")
+        self.settings = settings
+        self._check(fam)
+
+    def _check(self, fam: HeadFamily) -> None:
         if fam.validate is not None:
             fam.validate(self)
         if self.projection not in PROJECTIONS:
@@ -84,22 +118,61 @@ class HeadsSpec:
         else:
             self.truncated_vocab_size = None
 
+    # The flat view of the family's settings (class docstring). Only reached for names the instance does
+    # not have; ``settings`` is read from __dict__ so a half-built instance (copy, pickle) cannot recurse.
+    def __getattr__(self, name: str):
+        settings = self.__dict__.get("settings")
+        if settings is not None and not name.startswith("_") and name in _names(settings):
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in _names(settings):
+            setattr(settings, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
     @property
     def output_size(self) -> int:
         return self.truncated_vocab_size if self.projection == "truncated" else self.vocab_size
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """config.json: the common fields with the family's settings flat beside them, in format 1's layout."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("backbone_adapter", "format_version", "settings")}  # ends with kind
+        own = dataclasses.asdict(self.settings)
+        unset = {**FORMAT1_LAYOUT, "backbone_adapter": self.backbone_adapter}
+        for key in FORMAT1_LAYOUT:
+            out[key] = own.pop(key) if key in own else unset[key]
+        return {**out, **own, "format_version": self.format_version}
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadsSpec":
-        unknown = sorted(set(d) - _FIELD_NAMES)
-        if unknown:
-            raise UserError(f"heads config has unknown keys {unknown}")
-        return cls(**d)
+        """The spec of a config.json dict: common keys, then the family's settings (``kind``'s); a key that is
+        neither is refused in one line (format 1's unset keys of other families pass, see FORMAT1_LAYOUT)."""
+        common = {k: v for k, v in d.items() if k in _COMMON_NAMES}
+        return cls(**common, **{k: v for k, v in d.items() if k not in _COMMON_NAMES})
 
 
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(HeadsSpec))
+_COMMON_NAMES = frozenset(f.name for f in dataclasses.fields(HeadsSpec)) - {"settings"}
+
+
+def _names(settings) -> frozenset:
+    return frozenset(f.name for f in dataclasses.fields(settings))
+
+
+def family_settings_of(fam: HeadFamily, flat: dict):
+    """``fam``'s settings from flat keys (config.json's, or keywords); a key the family does not have is
+    refused in one line naming its settings, unless it is a format-1 key at its unset value."""
+    own = setting_names(fam)
+    stray = sorted(k for k, v in flat.items()
+                   if k not in own and not (k in FORMAT1_LAYOUT and v == FORMAT1_LAYOUT[k]))
+    if stray:
+        theirs = f"reads {', '.join(own)}" if own else "has no settings"
+        raise UserError(f"heads config has unknown keys {stray} (heads kind {fam.kind!r} {theirs} besides the "
+                        "common keys)")
+    return fam.settings(**{k: flat[k] for k in own if k in flat})
 
 
 def check_compatible(spec: HeadsSpec, backbone_config, where: str = "heads") -> None:

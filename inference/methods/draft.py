@@ -50,7 +50,8 @@ from ..runtime.model import MedusaModel
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule, draft_tokens, fixed, tree_label
 from ..runtime.tree import MedusaTree, TreeBuffers, chain_tree
 from ..runtime.verify import SamplingConfig, target_probs, verify
-from .registry import ChainSizing, Costs, Method, extra_parameters, kv_bytes_per_token, option, register
+from .chain_choice import ChainShape
+from .registry import Costs, Method, extra_parameters, kv_bytes_per_token, option, register
 
 # -- shared plumbing ----------------------------------------------------------------------
 _CHAINS: dict[int, object] = {}
@@ -437,6 +438,6 @@ register(Method(
     decoder=lambda m, o, sampling, seed: DraftDecoder(m, load_draft(o.draft, m, o.trust_remote_code), o,
                                                       sampling, seed),
     batch_decoder=batch_draft_decoder,
-    chain=ChainSizing(most=lambda o: o.k, calibration=lambda o: dataclasses.replace(o, adaptive=False)),
+    shape=ChainShape("k", calibration=lambda o: dataclasses.replace(o, adaptive=False)),
     prepare=lambda m, o: dataclasses.replace(o, draft=load_draft(o.draft, m, o.trust_remote_code)),
     costs=draft_costs))

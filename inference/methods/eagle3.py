@@ -34,8 +34,8 @@ trees verified in one forward.
 
 Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
 0 = plain decoding), eagle_depth D, eagle_topk k, eagle_min_prob p (0: every one of the N);
-eagle_tree=auto lets an evaluation choose (N, D, k[, p]), or plain decoding when no setting beats it
-(``evaluation.tree_choice.choose_eagle3``).
+choice=auto lets an evaluation choose (N, D, k[, p]), or plain decoding when no setting beats it
+(the method's speculation shape, ``eagle3_choice.Eagle3Shape``).
 """
 
 from __future__ import annotations
@@ -55,15 +55,16 @@ from ..runtime.model import MedusaModel
 from ..runtime.tree import select_nodes, tree_buffers
 from ..runtime.verify import SamplingConfig, choose_token, verify
 from .autoregressive import AutoregressiveDecoder
+from .eagle3_choice import Eagle3Shape
 from .eagle3_batch import Eagle3BatchDrafter
 from .registry import Costs, Method, heads_costs, option, register
 
-TREE_SETTINGS = ("fixed", "auto")
 # The largest eagle_* settings taken: a step costs D-1 drafter calls over k^2 candidates, then one verification of
 # N + 1 rows, so eagle_depth=100000 is 10^5 calls a step. Far above any setting that pays: EAGLE-2's own default is
 # (59 nodes, depth 6, top-10), SGLang's speculative_num_steps / speculative_eagle_topk / speculative_num_draft_tokens
 # are served in the single digits / ~10 / <= 64, and this runtime's choices stop at (32, 6, 8) (EAGLE3_GRID).
 EAGLE_BOUNDS = {"nodes": (0, 256), "depth": (1, 32), "topk": (1, 64)}
+HEADS_KIND = "eagle3"   # the drafter family (heads registry kind) this method and eagle3_lookup decode with
 
 
 @dataclass
@@ -76,8 +77,6 @@ class Eagle3Options:
     topk: int = option(4, "eagle_topk", "k: children per expanded node, nodes expanded per depth; at most 64")
     min_prob: float = option(0.0, "eagle_min_prob", "p: of the N best drafted nodes, verify only those whose "
                              "draft probability (the product along their path) is at least p; 0: all N")
-    tree: str = option("fixed", "eagle_tree", "fixed: eagle_nodes/depth/topk | auto: an evaluation measures "
-                       "a few settings and picks one, or plain decoding")
     # batches only: a setting (or None: plain steps) per batch size, as a batched evaluation sizes it
     schedule: Any = option(None, None, "a SpeculationSchedule of eagle3 settings (batched decoding)")
     METHOD: ClassVar[str] = "eagle3"    # the method these options are for (its name in refusals)
@@ -92,8 +91,6 @@ class Eagle3Options:
         p = self.min_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise UserError(f"eagle_min_prob must be a probability in [0, 1) (0 verifies all eagle_nodes), got {p!r}")
-        if self.tree not in TREE_SETTINGS:
-            raise UserError(f"eagle_tree must be one of {', '.join(TREE_SETTINGS)}, got {self.tree!r}")
         if self.nodes is None or self.depth is None:
             return
         most = max_nodes(self.depth, self.topk)
@@ -138,23 +135,19 @@ class Eagle3Options:
         return Eagle3BatchDrafter(m, schedule)
 
     def check_model(self, m: MedusaModel) -> None:
-        """Refuse, in one line, decoding ``m`` with these options: no EAGLE-3 heads, a tree left
-        to an evaluation (eagle_tree=auto), more children than the drafter has outputs."""
+        """Refuse, in one line, decoding ``m`` with these options: no EAGLE-3 heads, more children than the
+        drafter has outputs."""
         if m.heads is None:
             raise UserError(f"method {self.METHOD} needs EAGLE-3 heads (heads=<export directory>)")
         reason = refuse_heads(m.heads.spec, self.METHOD)
         if reason:
             raise UserError(reason)
-        if self.tree == "auto":
-            raise UserError("eagle_tree=auto is chosen by an evaluation (medusa-eval), from calibration prompts; "
-                            "decode with its choice (medusa-generate eagle_tree=<eval dir>/eagle3_tree.json) "
-                            "or give eagle_nodes / eagle_depth / eagle_topk")
         self.check_spec(m.heads.spec)
 
     def check_spec(self, spec) -> None:
         """Refuse, in one line, what the drafter's config (``spec``) alone rules out: more children per node
         than it has outputs. Called before the backbone loads, and again by ``check_model``."""
-        outputs = getattr(spec, "output_size", None) if getattr(spec, "kind", None) == "eagle3" else None
+        outputs = getattr(spec, "output_size", None) if getattr(spec, "kind", None) == HEADS_KIND else None
         if outputs and self.topk > outputs:
             raise UserError(f"eagle_topk={self.topk} is more than the drafter's {outputs} outputs")
 
@@ -173,10 +166,10 @@ def fitted_tree(spec, nodes: Optional[int], depth: Optional[int], topk: Any) -> 
     and as many nodes as that depth and top-k hold (at most 8). A drafter trained one step deep has never
     continued from its own features, so its deeper drafts are guesses it never learned: on 2 CPU cores the
     recipe's one-step drafter decodes n8-d4-k4 no faster than plain decoding (0.99x) and n4-d1-k4 at 1.16-1.21x
-    (BENCHMARKS.md "Decoding defaults fitted to the drafter"). Given keys are kept as they are
+    (benchmarks/history.md "Decoding defaults fitted to the drafter"). Given keys are kept as they are
     (Eagle3Options checks them)."""
     if depth is None:
-        trained = getattr(spec, "num_heads", None) if getattr(spec, "kind", None) == "eagle3" else None
+        trained = getattr(spec, "num_heads", None) if getattr(spec, "kind", None) == HEADS_KIND else None
         depth = max(1, min(FITTED_MAX_DEPTH, int(trained or FITTED_MAX_DEPTH)))
     if nodes is None:
         def valid(v):  # a bad depth / top-k is refused by Eagle3Options, naming that key, not eagle_nodes
@@ -189,7 +182,7 @@ def fitted_tree(spec, nodes: Optional[int], depth: Optional[int], topk: Any) -> 
 def refuse_heads(spec, method: str = "eagle3") -> Optional[str]:
     """Why ``method`` (eagle3, or a method built on it) cannot decode with heads of ``spec`` (one line), or None."""
     kind = getattr(spec, "kind", "medusa")
-    if kind != "eagle3":
+    if kind != HEADS_KIND:
         return f"method {method} needs EAGLE-3 heads (kind eagle3), these are {kind} heads: use methods=[medusa]"
     return None
 
@@ -206,7 +199,7 @@ class Eagle3Decoder:
         self.cfg = sampling or SamplingConfig()
         self.drafter.check_sampling(self.cfg)
         self.gen = seeded_generator(m.device, seed)
-        self.tap = m.aux_tap(self.drafter.spec.aux_layers)
+        self.tap = m.aux_tap(self.drafter.spec.settings.aux_layers)
         self.cache = self.dkv = None
         self.past = 0
         self.root: Optional[int] = None
@@ -344,7 +337,7 @@ register(Method(
     decoder=lambda m, o, sampling, seed: (Eagle3Decoder(m, o, sampling, seed) if o.nodes
                                           else AutoregressiveDecoder(m, sampling, seed)),
     batch_decoder=eagle3_batch_decoder,
-    costs=eagle3_costs, needs_heads=True, refuses=refuse_heads, fit=fit_options,
+    costs=eagle3_costs, needs_heads=True, refuses=refuse_heads, fit=fit_options, shape=Eagle3Shape(),
     # n-alpha per depth 1..D (a kept tree may be shallower in a step; then its deeper depths count as
     # proposed and not accepted, so the rates are lower bounds)
     proposed=lambda o: o.depth if o.nodes else 0))

@@ -130,7 +130,7 @@ class Eagle3BatchDrafter:
             if not c.nodes:
                 raise UserError("eagle_nodes=0 is plain decoding: a schedule says so with None")
         self.m, self.d, self.schedule = m, m.heads, schedule
-        self.tap_layers = list(self.d.spec.aux_layers)
+        self.tap_layers = list(self.d.spec.settings.aux_layers)
         self.max_nodes = max(c.nodes for c in settings) + 1
         self.max_depth = max(c.depth for c in settings)
         self.max_entries = max((c.depth - 1) * c.topk for c in settings)   # one step's draft entries per row

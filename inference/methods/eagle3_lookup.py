@@ -27,7 +27,7 @@ eagle3 step. Greedy decoding is token-identical to plain greedy decoding; in sam
 eagle3's exact one for deterministic candidates (draft=topk; draft=sampled is refused, as by eagle3): the
 drafter's top-k and the looked-up tokens are all fixed before any target randomness. eagle_nodes=0 is
 prompt lookup alone, eagle_lookup_tokens=0 the drafter alone (eagle3), both 0 plain decoding: the parts
-``eagle_tree=auto`` races beside the combined shapes, so the choice is never below either part on the
+``choice=auto`` races beside the combined shapes, so the choice is never below either part on the
 calibration prompts (code prompts favour the lookup alone, chat prompts the combination).
 
 Switching per step (``eagle_lookup_switch``): where the lookup matched a suffix of at least that many
@@ -37,7 +37,7 @@ accepted tokens with their true features, so the next step drafts as usual.
 
 Why ``min_ngram`` matters here more than for prompt lookup alone: a one-token suffix almost always
 matches somewhere and its continuation is rarely right, and on a CPU every verified row costs (a
-5-row step ~1.2x a 1-row one with the prepacked kernels). BENCHMARKS.md "EAGLE-3 plus prompt lookup"
+5-row step ~1.2x a 1-row one with the prepacked kernels). benchmarks/history.md "EAGLE-3 plus prompt lookup"
 measures the settings. Proposed per step = the trie's depth (the most it could accept), as
 ``medusa_lookup`` counts.
 """
@@ -58,6 +58,7 @@ from .autoregressive import AutoregressiveDecoder
 from .draft import chain_sampling
 from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_batch_decoder, eagle3_costs, fit_options, refuse_heads
 from .eagle3_batch import Eagle3BatchDrafter
+from .eagle3_choice import Eagle3Shape
 from .prompt_lookup import (LookupDrafter, NGramIndex, PromptLookupDecoder, PromptLookupSettings,
                             check_lookup_settings, match_in_tree)
 from .registry import Method, option, register, slot_costs
@@ -104,7 +105,7 @@ class Eagle3LookupOptions(Eagle3Options):
         return self.num_tokens > 0
 
     def part_shapes(self) -> tuple:
-        """What ``eagle_tree=auto`` races besides the combined shapes (``tree_choice.eagle3_fields``'s
+        """What ``choice=auto`` races besides the combined shapes (``eagle3_choice.eagle3_fields``'s
         tuples: nodes, depth, topk, min_prob, num_tokens, switch; None keeps these options' value): the
         lookup alone, the drafter alone at the shallow shapes that pay on a one-step drafter, and the
         combination switching to the chain alone on a full-length or any suffix match. Which pays depends on
@@ -291,8 +292,8 @@ register(Method(
     decoder=eagle3_lookup_decoder,
     batch_decoder=eagle3_lookup_batch_decoder,
     costs=eagle3_lookup_costs, needs_heads=True, refuses=lambda spec: refuse_heads(spec, "eagle3_lookup"),
-    fit=fit_options,
+    fit=fit_options, shape=Eagle3Shape(),
     # EAGLE-3 heads' default: faster than eagle3 in every interleaved run on the recipe's drafter (1.09-1.21x
-    # over it; 1.48x vs 1.23x the loop, each at eagle_tree=auto) and lossless alike (BENCHMARKS.md "Decoding
+    # over it; 1.48x vs 1.23x the loop, each at choice=auto) and lossless alike (benchmarks/history.md "Decoding
     # defaults fitted to the drafter")
     default_priority=1))

@@ -14,7 +14,8 @@ Tokens per step (tau) = accepted nodes + 1. Proposed per step, for the acceptanc
 tree's depth (the most a step can accept), so a tree's rate compares with a chain's.
 
 ``tree``: a ``MedusaTree``, a default name (``tree.DEFAULT_TREE_NAMES``), a tree JSON path or a
-choices list; None decodes plainly (what ``tree=auto`` picks when no tree beats plain decoding).
+choices list; None decodes plainly (what ``choice=auto`` picks when no tree beats plain decoding). Its
+speculation shape (``medusa_choice.MedusaTreeShape``) chooses the tree on this machine.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ from ..runtime.speculation import ScheduleCursor, SpeculationSchedule, as_schedu
 from ..runtime.tree import MedusaTree, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .autoregressive import AutoregressiveDecoder
+from .medusa_choice import MedusaTreeShape
 from .registry import Method, heads_costs, option, register
 
 
 @dataclass
 class MedusaOptions:
-    tree: Any = option("tree8", help="a MedusaTree, a default name, a JSON path or choices; None: plain decoding")
+    tree: Any = option("tree8", "tree", "the Medusa tree: a default name (tree4, tree8, chain3, ...), a tree JSON path, "
+                       "calibrated:N (the best N-node tree for these heads, grown from their accuracy measured on the "
+                       "calibration prompts and kept whatever its speed: compare heads at one budget) or choices; "
+                       "given, choice=auto leaves it as named")
 
 
 class TreeDecoder:
@@ -130,6 +135,10 @@ class HeadsDrafter:
         pass
 
 
+# the tree every Medusa-tree method decodes with (medusa, medusa_lookup): one choice for all of them
+MEDUSA_TREE = MedusaTreeShape(HeadsDrafter)
+
+
 def tree_nodes(m: MedusaModel, tree) -> int:
     return resolve_tree(tree, m.num_heads).num_nodes if tree is not None else 0
 
@@ -145,4 +154,4 @@ register(Method(
     batch_decoder=lambda m, o, sampling, seed, ragged: BatchTreeDecoder(m, HeadsDrafter(m, o.tree), sampling, seed,
                                                                        ragged),
     costs=lambda m, o, run_length: heads_costs(m, tree_nodes(m, o.tree)),
-    proposed=lambda o: tree_depth(o.tree), needs_heads=True, needs_tree=True, refuses=static_tree_refusal))
+    proposed=lambda o: tree_depth(o.tree), needs_heads=True, shape=MEDUSA_TREE, refuses=static_tree_refusal))

@@ -48,7 +48,7 @@ from ..runtime.model import MedusaModel
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .draft import chain_sampling
-from .medusa import tree_nodes
+from .medusa import MEDUSA_TREE, tree_nodes
 from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, match_in_tree
 from .registry import Method, heads_costs, option, register
 
@@ -56,7 +56,7 @@ from .registry import Method, heads_costs, option, register
 class MedusaLookupOptions(PromptLookupSettings):
     """The prompt-lookup settings (same keys as method prompt_lookup) and the Medusa tree."""
 
-    tree: Any = option("tree8", help="as method medusa's; None: prompt lookup alone")
+    tree: Any = option("tree8", "tree", "as method medusa's; None: prompt lookup alone")
 
 
 # (tree paths, device) -> {(graft node, chain length): (trie buffers, token gather index)}.
@@ -185,4 +185,4 @@ register(Method(
     decoder=lambda m, o, sampling, seed: (HybridDecoder(m, o.tree, o, sampling, seed) if o.tree is not None
                                           else PromptLookupDecoder(m, o, sampling, seed)),
     costs=lambda m, o, run_length: heads_costs(m, (tree_nodes(m, o.tree) if o.tree is not None else 1) + o.num_tokens),
-    needs_heads=True, needs_tree=True, refuses=static_tree_refusal))
+    needs_heads=True, shape=MEDUSA_TREE, refuses=static_tree_refusal))

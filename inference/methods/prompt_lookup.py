@@ -32,7 +32,8 @@ from ..runtime.model import MedusaModel
 from ..runtime.speculation import draft_tokens
 from ..runtime.verify import SamplingConfig
 from .draft import chain_buffers, chain_cursor, chain_sampling, check_chain_schedule, verify_chain
-from .registry import ChainSizing, Method, option, register, slot_costs
+from .chain_choice import ChainShape
+from .registry import Method, option, register, slot_costs
 
 
 # The most tokens looked up a step and the longest suffix: a chain is verified in one forward pass (its rows
@@ -193,5 +194,5 @@ register(Method(
     PromptLookupSettings, decoder=lambda m, o, sampling, seed: PromptLookupDecoder(m, o, sampling, seed),
     batch_decoder=lambda m, o, sampling, seed, ragged: BatchTreeDecoder(
         m, LookupDrafter(m, o), chain_sampling(sampling or SamplingConfig()), seed, ragged),
-    chain=ChainSizing(most=lambda o: o.num_tokens, varying=True),
+    shape=ChainShape("num_tokens", varying=True),
     costs=lambda m, o, run_length: slot_costs(m, o.extra_kv_tokens)))

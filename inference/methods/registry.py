@@ -1,9 +1,10 @@
 """The one list of decoding methods, and ``generate`` / ``stream`` over any of them.
 
 Each method registers itself in its own file with a ``Method``: its name, a one-line summary
-(``medusa-eval --help``), its typed options dataclass (fields carry their ``medusa-eval`` key in
-``metadata["key"]``), how to build its ``Decoder`` (or, for a method that is not a Decoder, a
-``runner``), what it costs, and what it needs. ``evaluate``, ``check_methods``, the CLI and its
+(``medusa-eval --help``), its typed options dataclass (fields carry their command-line key, default and help
+in their metadata: ``option``; the command lines' keys are generated from them), how to build its ``Decoder``
+(or, for a method that is not a Decoder, a ``runner``), its speculation shape, what it costs, and what it
+needs. ``evaluate``, ``check_methods``, the CLI and its
 help read this registry; adding a method is its own file plus one ``register(Method(...))``.
 
     from inference.methods import generate
@@ -70,28 +71,14 @@ def heads_costs(m: MedusaModel, slots: int) -> Costs:
 
 
 @dataclass(frozen=True)
-class ChainSizing:
-    """How a batched chain method's length is sized per batch size (``evaluation.batch_sizing``):
-    ``most(options)`` is the most draft tokens its options allow per step (the longest candidate),
-    ``calibration(options)`` its options for the batch-1 run that measures how many tokens each step
-    would accept (every step proposing the most: no adaptive length); ``varying``: its proposals'
-    lengths follow the text (lookups), so its step times vary by themselves. The options have a
-    ``schedule`` field (a ``SpeculationSchedule`` of chains) that the sizing fills."""
-
-    most: Callable[[Any], int]
-    calibration: Callable[[Any], Any] = lambda options: options
-    varying: bool = False
-
-
-@dataclass(frozen=True)
 class Method:
     """One decoding method (see the module docstring).
 
     decoder(m, options, sampling, seed) -> Decoder; runner(m, prompt_ids, max_new_tokens,
     sampling, seed, options) -> GenerationOutput for a method that is not a Decoder;
     batch_decoder(m, options, sampling, seed, ragged) -> the method's ``BatchTreeDecoder`` (None: it
-    decodes one prompt at a time; ``generate_batch`` refuses it for batches); chain: how its chain
-    length is sized per batch size (``ChainSizing``; None: not a chain method).
+    decodes one prompt at a time; ``generate_batch`` refuses it for batches); shape: what it speculates with
+    and how that is chosen, applied, recorded and read (``shape.SpeculationShape``; None: nothing to choose).
     costs(m, options, run_length) -> Costs. prepare(m, options) -> options resolves what is
     loaded once per evaluation (a draft model). fit(m, options) -> options fills the settings left
     unset from the loaded model (EAGLE-3: a tree no deeper than the drafter was trained to draft);
@@ -105,13 +92,12 @@ class Method:
     decoder: Optional[Callable[..., Decoder]] = None
     runner: Optional[Callable[..., GenerationOutput]] = None
     batch_decoder: Optional[Callable[..., Any]] = None  # (m, options, sampling, seed, ragged) -> BatchTreeDecoder
-    chain: Optional[ChainSizing] = None
+    shape: Any = None   # a shape.SpeculationShape
     costs: Callable[..., Costs] = lambda m, options, run_length: Costs()
     prepare: Optional[Callable[[MedusaModel, Any], Any]] = None
     fit: Optional[Callable[[MedusaModel, Any], Any]] = None   # (m, options) -> options, unset ones set for m
     proposed: Optional[Callable[[Any], int]] = None
     needs_heads: bool = False
-    needs_tree: bool = False   # takes ``tree`` in its options: evaluate's tree choice fills it
     baseline: bool = False     # a speedup reference: always run, no acceptance rate
     greedy_only: bool = False
     refuses: Optional[Callable[[Any], Optional[str]]] = None
@@ -139,6 +125,7 @@ BUILTIN_MODULES = (
 )
 
 _METHODS: dict[str, Method] = {}
+PLAIN_METHOD = "autoregressive"   # plain decoding: what a choice of no speculation at all decodes with
 
 
 def _load_builtins() -> None:

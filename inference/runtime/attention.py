@@ -7,7 +7,7 @@ query heads before calling SDPA, because CUDA's fused kernels cannot combine a m
 attention; a one-row call without a mask (the plain loop) takes a path without the copy. On CPU that copy
 is the whole KV cache, per layer, per verification step: for SmolLM2 (3 key/value heads for 9 query heads)
 a 2-8-row verification forward is 2-3 ms (4-5%) cheaper without it at a 250-token context and 7-10 ms
-(9-15%) at 1,000 tokens (``scripts/bench_tree_attention.py``). torch's CPU kernel takes the mask and
+(9-15%) at 1,000 tokens (``python scripts/bench.py tree-attention``). torch's CPU kernel takes the mask and
 ``enable_gqa=True`` together and gives bit-identical outputs (it indexes the shared head instead of reading
 a copy), so on CPU this module calls it that way.
 

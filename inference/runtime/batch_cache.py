@@ -16,7 +16,7 @@ their real lengths differ. Two ways to keep them in one [B, H, capacity, D] buff
 placed by ``step_mask`` (the tree mask at each row's offset). Prompts are prefilled right-padded
 in compact mode (pads sit past the row's length and are overwritten) and left-padded in gaps
 mode (pads are never valid); position ids count real tokens only (``positions``) in both.
-Measured (BENCHMARKS.md "Batched decoding", SmolLM2-135M, 2 CPU cores, 96 new tokens): gaps / compact
+Measured (benchmarks/history.md "Batched decoding", SmolLM2-135M, 2 CPU cores, 96 new tokens): gaps / compact
 tokens/s 1.02x and 1.07x with a 2-node chain at B = 4 and 16 (a rejected chain leaves one gap slot),
 0.97x and 0.92x with a 4-node tree (gaps widen attention by 27-38% and keep growing with the
 generation). Compact is the default: never far behind, and bounded in time and memory.

@@ -6,7 +6,7 @@ sampling keeps the backbone's distribution whatever the drafts are. The heads ma
 compute approximately where the backbone may not. On CPU a drafting call of one or two rows is
 bound by reading weights: EAGLE-3's drafter for SmolLM2 is 39 MB of fp32 per call (its 8192-row
 lm_head alone 19 MB), read once per decoding step on the critical path (3.9-6.6 ms per step in fp32,
-``scripts/profile_eagle3_step.py``).
+``git show f1527f2:scripts/profile_eagle3_step.py``).
 
 ``half_draft_weights(heads, backbone)`` replaces each ``nn.Linear`` the heads own (not one they
 borrow from the backbone, such as a shared lm_head) and whose weight is float32 with a

@@ -4,7 +4,7 @@ Routing a model's linears (``linear_kernels.route_linear_kernels``) times every 
 weight shape and row count: ~12 s of a ~17 s ``medusa-generate`` launch for SmolLM2-135M on 2 CPU cores,
 paid again by every command. The choice depends on the machine, the torch build, the thread count and
 the shape, not on the weights' values, so it is stored here after it is measured and read back by the
-next launch with the same key (BENCHMARKS.md "Kernel choices kept between launches").
+next launch with the same key (benchmarks/history.md "Kernel choices kept between launches").
 
 One JSON file (``<cache>/kernel_plans.json``, the cache being ``$MEDUSA_TRAIN_CACHE`` or
 ``~/.cache/medusa-train``): per key, the kernel of every measured row count, the median timings it was

@@ -3,7 +3,7 @@
 A tree step multiplies every weight matrix by 2-16 rows (the tree nodes) where plain decoding
 multiplies it by one. On CPU the BLAS library picks its kernel from the operands' shapes and
 layouts, and for ``F.linear(x, W)`` (x @ W^T) with a handful of rows it often picks a poor one.
-Measured on cpu-2c (BENCHMARKS.md, "Skinny products"), SmolLM2's lm_head [49152 x 576]:
+Measured on cpu-2c (benchmarks/history.md, "Skinny products"), SmolLM2's lm_head [49152 x 576]:
 1 row 11 ms, 2 rows 26 ms, 3 rows 39 ms with ``F.linear``; the same products computed as
 ``(W @ x^T)^T`` take 5 / 8 ms for 2 / 3 rows. Over a whole forward that made a 2-node tree step
 cost 1.6x a 1-token step, enough to make every tree slower than plain decoding.
@@ -12,7 +12,7 @@ A third formulation reads a copy of the weight that oneDNN has reordered ("prepa
 own blocked layout, ``torch.ops.mkldnn._linear_pointwise``: its kernel streams the blocked
 weight once for any small row count, so 3-16 rows cost about what one or two cost (cpu-2c-b, the
 whole SmolLM2 verification forward, routed, fastest of 25-30 calls: 8 rows 47 ms with packed weights
-vs 76-78 ms without, 1-2 rows 31-38 ms either way; BENCHMARKS.md "Prepacked weights"). It costs memory: one packed copy of
+vs 76-78 ms without, 1-2 rows 31-38 ms either way; benchmarks/history.md "Prepacked weights"). It costs memory: one packed copy of
 every weight whose shape uses it for some row count (fp32 weights only; skipped when the copies
 would not fit in half the free memory, or where this torch build has no oneDNN).
 

@@ -22,7 +22,6 @@ from ..backbone import HiddenStateTap, eos_token_ids, scale_logits, text_config
 from .attention import NAME as DECODING_ATTENTION, use_decoding_attention
 from .cache import TreeKVCache
 from ..errors import UserError
-from ..heads.spec import check_compatible
 
 _MASKING_ATTENTION = ("sdpa", "eager", DECODING_ATTENTION)
 KERNEL_MODES = ("auto", "measure", "stock")
@@ -170,13 +169,3 @@ def apply_kernels(m: MedusaModel, kernels: str, plan_cache: Optional[Path] = Non
 def check_kernels(kernels: str) -> None:
     if kernels not in KERNEL_MODES:
         raise UserError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
-
-
-def attach_heads(model, heads, tokenizer=None) -> MedusaModel:
-    """Wrap in-memory heads (e.g. fresh ``MedusaHeads.from_lm_head``) without an export round trip."""
-    p = model.get_output_embeddings().weight
-    check_compatible(heads.spec, model.config)
-    heads = heads.to(device=p.device, dtype=p.dtype).eval()
-    emb = model.get_input_embeddings()
-    heads.attach_backbone(p, emb.weight if emb is not None else None)
-    return MedusaModel(model=model, tokenizer=tokenizer, heads=heads)

@@ -2,7 +2,7 @@
 
 At batch 1 a verification forward is bound by reading the weights, so extra draft nodes are almost
 free; at batch 32 every node is 32 more rows of compute. The schedule holds the speculation measured
-best at each batch size (``evaluation.batch_sizing`` measures it) and answers, every step, how much
+best at each batch size (``runtime.sizing`` measures it, for each method's ``methods.shape``) and answers, every step, how much
 to speculate for the rows still active. A choice is whatever its method drafts with: a Medusa tree,
 a chain (``chain_tree(k + 1)``: k draft tokens for the draft model or prompt lookup), EAGLE-3's
 (nodes, depth, top-k) options; None is plain decoding.

@@ -60,7 +60,7 @@ MC_SIM_7B_63 = (
 # Per-head top-1 / top-5 accuracy the Medusa paper (Cai et al. 2024) reports for Medusa-1 heads on
 # Vicuna-7B. The default trees are grown from these with ``grow_tree`` so that every size follows
 # one rule; a tree grown from *your* heads' measured accuracies
-# (``evaluation.tree_choice.measure_head_accuracy``) is better.
+# (``methods.medusa_choice.measure_head_accuracy``) is better.
 _REFERENCE_TOP1 = (0.56, 0.32, 0.20, 0.15, 0.12)
 _REFERENCE_TOP5 = (0.78, 0.56, 0.42, 0.34, 0.30)
 _PRIOR_RANKS = 10
@@ -237,9 +237,12 @@ class MedusaTree:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"tree file {p} is not valid JSON ({e})") from None
         if isinstance(raw, dict):
-            if raw.get("format") == "medusa-train tree schedule":   # evaluation/tree_schedule_file.py
-                raise UserError(f"tree file {p} holds a tree per batch size (a batched medusa-eval's): "
-                                "medusa-generate decodes with it; give one tree here (tree.json, a name or choices)")
+            if raw.get("format") == "medusa-train tree schedule":   # the per-batch-size file before methods/choice_file.py
+                raise UserError(f"tree file {p} is a batched evaluation's tree_schedule.json, a format from before the "
+                                "one choice file: rerun medusa-eval ... batch_size=[...] choice=auto and give its "
+                                "<method>_choice.json as choice=<file>")
+            if raw.get("format") == "medusa-train speculation choice":   # methods/choice_file.py
+                raise UserError(f"tree file {p} is a choice file written by medusa-eval: give it as choice={p}")
             if raw.get("format") != TREE_FORMAT or "choices" not in raw:
                 raise UserError(f"tree file {p} is not a {TREE_FORMAT} file (needs format and choices)")
             if raw.get("version", 0) > TREE_FORMAT_VERSION:

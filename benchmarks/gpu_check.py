@@ -1,0 +1,535 @@
+"""The GPU check's measurements (run by scripts/gpu_check.sh, which documents the device command).
+
+    python -m benchmarks.gpu_check --out DIR [--dry-run [--full-shape]] [--tier-xml DIR/gpu_tier.xml]
+
+On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no download), bf16:
+  1. one verification step (``MedusaModel.hidden`` + ``logits`` under a tree mask) for 1..64 nodes,
+     batch 1, trees grown from the head accuracies below, median of interleaved rounds;
+  2. the runtime's plain loop vs transformers' greedy ``generate``, interleaved, random-token
+     prompts, EOS disabled;
+  3. what ``choice=auto`` would choose for Medusa trees there: expected tau of the grown tree over the measured step
+     time, against plain decoding's rate;
+  3b. batched verification: the step time of the runtime's batched decoder (``BatchTreeDecoder``) for
+     1..16 nodes per row at batch 1..32, and the node count the per-batch rule would pick there
+     (expected tau from the accuracies below over the measured step, or plain decoding);
+  3c. EAGLE-3: a random drafter of ``eagle3_smollm2``'s shape (one decoder layer, draft vocabulary 8,192)
+     on that backbone, one decoding step for the (nodes, depth, top-k) settings whose tau the recipe's
+     drafter measured on MT-Bench on CPU (below), against plain decoding, interleaved rounds; what those
+     taus would buy over the measured steps (the CPU reaches 1.24x at n1-d1-k1, each verified row
+     costing ~7% of a step there);
+  4. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone:
+     training step tokens/s against the backbone's forward (``python scripts/bench.py train``'s interleaved loop).
+Then the verdicts against the targets, a Markdown summary (summary.md, also printed) and every
+figure as JSON (gpu_check.json). ``--dry-run``: CPU, a tiny Llama, 1-2 node counts, a few tokens:
+the same code paths in well under a minute; with ``--full-shape`` the SmolLM2-135M shape at those sizes.
+
+Each section is guarded: a failure is recorded in the JSON (``errors``) and the summary, and the
+sections after it still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root's packages
+from benchmarks.timing import median, plain_loop_vs_generate, sync, verification_step  # noqa: E402
+
+from inference.runtime.batch_decode import BatchTreeDecoder  # noqa: E402
+from inference.runtime.model import MedusaModel  # noqa: E402
+from inference.runtime.tree import chain_tree, expected_tau, grow_tree  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# SmolLM2-135M(-Instruct)'s config.json, as transformers' LlamaConfig takes it.
+SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu")
+TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=320, tie_word_embeddings=True, rope_theta=100000.0,
+            max_position_embeddings=512, rms_norm_eps=1e-5, hidden_act="silu")
+
+# Per-depth, per-rank probability that the head's rank-r guess is the backbone's greedy token: the
+# Hydra heads on greedy targets of benchmarks/history.md ("Hydra heads on greedy targets", hydra_smollm2_greedy,
+# SmolLM2-135M-Instruct). Rank 0 = top-1 on the 8 MT-Bench calibration prompts that tree=auto (now choice=auto) measured
+# (0.271 / 0.198 / 0.203); ranks 1-2 share that section's held-out top-3 minus top-1 (0.163 / 0.148 /
+# 0.138) in a 0.6 geometric decay, as inference.runtime.tree.reference_accuracies splits ranks.
+HEAD_ACCURACY = json.loads("""{
+  "source": "benchmarks/history.md, Hydra heads on greedy targets (hydra_smollm2_greedy): top-1 from tree=auto's MT-Bench \
+calibration, ranks 2-3 from held-out top-3",
+  "per_rank": [[0.271, 0.102, 0.061],
+               [0.198, 0.093, 0.055],
+               [0.203, 0.086, 0.052]]
+}""")
+
+# eagle3_smollm2's drafter (benchmarks/history.md "EAGLE-3 plus prompt lookup" / "eagle3_smollm2 retrained"): greedy tau on
+# MT-Bench first turns 1-20, 96 tokens, eagle3 without the lookup branch; deterministic, so the GPU times steps only.
+EAGLE3_TAU = {(1, 1, 1): 1.320, (4, 1, 4): 1.534}
+EAGLE3_DRAFT_VOCAB = 8192
+
+TARGET_TREE_STEP = 1.3    # a 16-node verification step costs < 1.3x a 1-token step (bf16)
+TARGET_PLAIN_LOOP = 0.90  # the runtime's plain loop within 10% of generate, or faster
+
+
+def backbone(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    cfg = LlamaConfig(**shape, initializer_range=0.02, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return model.to(device, dtype).eval()
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "host": platform.node(), "cores": os.cpu_count()}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_gb=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
+    return info
+
+
+# -- 1. verification step vs node count ---------------------------------------------------------------------
+def tree_steps(m: MedusaModel, nodes: list[int], rounds: int, per_round: int) -> dict:
+    """Median seconds of one verification step per node count (tree grown from HEAD_ACCURACY with n-1
+    nodes below the root, filled to exactly n where depth x ranks allow, else a chain)."""
+    acc = HEAD_ACCURACY["per_rank"]
+    trees = {}
+    for n in nodes:
+        t, _ = grow_tree(acc, n - 1, name=f"grown{n}", fill=True)
+        trees[n] = t if t.num_nodes == n else chain_tree(n)
+    step = verification_step(m, list(range(7, 7 + 64)), max_nodes=max(nodes))
+    for n in nodes:  # warm-up: kernels chosen, masks built
+        step(n, trees[n]), step(n, trees[n])
+    times: dict[int, list[float]] = {n: [] for n in nodes}
+    for _ in range(rounds):  # interleaved: every count sees the same machine state
+        for n in nodes:
+            for _ in range(per_round):
+                times[n].append(step(n, trees[n]))
+    base = median(times[nodes[0]])
+    out = {}
+    for n in nodes:
+        med = median(times[n])
+        out[n] = {"ms": round(med * 1e3, 3), "vs_1": round(med / base, 3), "depth": trees[n].max_depth,
+                  "tree": trees[n].choices, "samples": len(times[n]),
+                  "expected_tau": round(expected_tau(trees[n], acc), 4) if trees[n].max_depth <= len(acc) else None}
+    return out
+
+
+# -- 2b. greedy identity with generate on the same attention kernels -------------------------------------------
+def same_kernel_identity(m: MedusaModel, prompts: list, runtime_tokens: list, tokens: int) -> int:
+    """How many prompts' greedy outputs of the plain loop (``runtime_tokens``, from ``plain_loop_vs_generate``)
+    equal ``generate``'s when ``generate`` too runs without
+    cuDNN SDPA (as decoding does: inference/attention_backends.py). With stock backends the two run different
+    bf16 attention kernels, and a random-weight model's near-tied logits make rounding flip the argmax; this
+    count separates that from a real difference."""
+    from inference.attention_backends import decoding_sdpa
+    from inference.methods import generate
+
+    same = 0
+    for ids, ours in zip(prompts, runtime_tokens):
+        with decoding_sdpa(m.device):
+            theirs = generate(m, list(ids), "hf_generate", max_new_tokens=tokens).tokens
+        same += ours == theirs
+    return same
+
+
+# -- 3. what choice=auto would choose -----------------------------------------------------------------------------
+def auto_choice(steps: dict) -> dict:
+    """methods/medusa_choice.py's rule on the measured step times: the tree maximising expected tau / step time,
+    or none when no tree beats plain decoding (1 token per 1-node step)."""
+    plain = steps[min(steps)]["ms"]
+    rows = []
+    for n, s in sorted(steps.items()):
+        if n == 1 or s["expected_tau"] is None:
+            continue
+        rows.append({"nodes": n, "expected_tau": s["expected_tau"], "step_ms": s["ms"],
+                     "expected_tokens_per_s": round(1e3 * s["expected_tau"] / s["ms"], 2)})
+    plain_rate = round(1e3 / plain, 2)
+    best = max(rows, key=lambda r: r["expected_tokens_per_s"], default=None)
+    chosen = best if best and best["expected_tokens_per_s"] > plain_rate else None
+    return {"plain_tokens_per_s": plain_rate, "candidates": rows, "chosen": chosen,
+            "expected_speedup": round(chosen["expected_tokens_per_s"] / plain_rate, 3) if chosen else 1.0,
+            "accuracies": HEAD_ACCURACY}
+
+
+# -- 3b. batched verification -------------------------------------------------------------------------------------
+class _RandomDrafter:
+    """Proposes random tokens in a fixed tree: what a batched verification step costs, whatever the heads."""
+
+    def __init__(self, tree, vocab: int, device):
+        self.buf, self.vocab, self.device = tree.buffers(device), vocab, device
+        self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
+
+    def draft(self, dec):
+        cand = torch.randint(0, self.vocab, (dec.batch, self.buf.num_nodes - 1), device=self.device)
+        return self.buf, cand, None
+
+    def rows_kept(self, index):
+        pass
+
+
+def batch_steps(m: MedusaModel, batches: list[int], nodes: list[int], steps: int, prompt_len: int) -> dict:
+    """Median ms of one batched decoding step per (batch size, nodes per row), one prefill per pair, and
+    the per-batch rule's pick (expected tau / step time, plain decoding included)."""
+    acc = HEAD_ACCURACY["per_rank"]
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    for b in batches:
+        prompts = [torch.randint(0, m.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+        row = {}
+        for n in nodes:
+            t, _ = grow_tree(acc, n - 1, name=f"grown{n}", fill=True)
+            tree = t if t.num_nodes == n else chain_tree(n)
+            dec = BatchTreeDecoder(m, _RandomDrafter(tree, m.vocab_size, m.device))
+            with torch.inference_mode():
+                dec.prefill(prompts, (steps + 3) * (tree.max_depth + 1))
+                times = []
+                for i in range(steps + 2):
+                    t0 = time.perf_counter()
+                    dec.step()
+                    sync(m.device)
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+            tau = expected_tau(tree, acc) if tree.max_depth <= len(acc) else None
+            row[n] = {"ms": round(median(times) * 1e3, 3), "expected_tau": round(tau, 4) if tau else None}
+        base = row[nodes[0]]["ms"]
+        for n in nodes:
+            row[n]["vs_1"] = round(row[n]["ms"] / base, 3)
+        rates = {n: (r["expected_tau"] or 0) / r["ms"] for n, r in row.items() if n == 1 or r["expected_tau"]}
+        rates[1] = 1.0 / base
+        out[b] = {"steps": row, "pick": max(rates, key=rates.get)}
+    return out
+
+
+# -- 3c. EAGLE-3 ---------------------------------------------------------------------------------------------------
+def eagle3_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
+    """``m``'s backbone with a random EAGLE-3 drafter of the recipe's shape (draft vocabulary: the first
+    ``EAGLE3_DRAFT_VOCAB`` ids; random weights draft the same amount of work as trained ones)."""
+    from inference.heads.eagle3 import default_aux_layers, draft_layer_config
+    from inference.heads.registry import init_heads
+    from inference.heads.spec import HeadsSpec
+    from inference.loading import attach_heads
+
+    model, cfg = m.model, m.model.config
+    vocab = min(EAGLE3_DRAFT_VOCAB, cfg.vocab_size)
+    spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                     projection="truncated", truncated_vocab_size=vocab, kind="eagle3",
+                     aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_layer=draft_layer_config(cfg),
+                     base_model="random:llama")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = init_heads(spec, model.get_output_embeddings().weight.float().cpu(),
+                           model.get_input_embeddings().weight.float().cpu(), torch.arange(vocab))
+    return attach_heads(model, heads)
+
+
+def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int, per_round: int,
+                 prompt_len: int) -> dict:
+    """Median ms of one eagle3 decoding step per (nodes, depth, topk) and of a plain step, timed in
+    interleaved rounds on one random prompt; expected tokens/s from ``EAGLE3_TAU`` over those steps."""
+    from inference.methods.eagle3_choice import eagle3_name, eagle3_step_times
+
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, m.model.config.vocab_size, (prompt_len,), generator=g).tolist()
+    names = [None, *shapes]
+    times: dict = {s: [] for s in names}
+    for _ in range(rounds):
+        for s in names:
+            times[s] += eagle3_step_times(m, prompt, s, steps=per_round, warmup=2)
+    plain = median(times[None])
+    rows = []
+    for s in shapes:
+        med = median(times[s])
+        rows.append({"setting": eagle3_name(s), "ms": round(med * 1e3, 3), "vs_plain": round(med / plain, 3),
+                     "cpu_tau": EAGLE3_TAU[s], "expected_speedup": round(EAGLE3_TAU[s] * plain / med, 3),
+                     "samples": len(times[s])})
+    return {"plain_ms": round(plain * 1e3, 3), "settings": rows, "draft_vocab": m.heads.spec.truncated_vocab_size}
+
+
+# -- 4. training step vs backbone forward -----------------------------------------------------------------------
+def write_chats(path: Path, n: int, words: int, seed: int = 0) -> None:
+    """Synthetic chats (ASCII words) long enough to fill the packed rows: a JSONL the trainer reads."""
+    import random
+
+    rnd = random.Random(seed)
+    vocab = ["alpha", "beta", "gamma", "delta", "hash", "map", "tree", "node", "cache", "token", "step", "head"]
+    with open(path, "w") as f:
+        for _ in range(n):
+            text = lambda k: " ".join(rnd.choice(vocab) for _ in range(k))  # noqa: E731
+            f.write(json.dumps({"messages": [{"role": "user", "content": text(words // 4)},
+                                             {"role": "assistant", "content": text(words)}]}) + "\n")
+
+
+def train_throughput(shape: dict, device: str, precision: str, zero: int, micro: int, max_length: int,
+                     steps: int, work: Path) -> dict:
+    """The real trainer (debug_tiny recipe, backbone replaced by ``shape`` random weights, synthetic chats),
+    then ``bench.py train``'s loop: backbone forward vs one training micro-step on the same batch, alternating."""
+    from medusa_train.cli import compose_recipe
+    from medusa_train.trainer import MedusaTrainer
+
+    data = work / "chats.jsonl"
+    write_chats(data, n=max(16, 4 * micro * (steps + 2)), words=max_length // 2)
+    ri = [f"++backbone.random_init.{k}={v}" for k, v in shape.items()]
+    cfg = compose_recipe("debug_tiny", [
+        f"output_dir={work / 'run'}", f"data.source={data}", "logger.wandb=disabled", "logger.plot=false",
+        "trainer.progress_bar=false", "trainer.resume=never", f"trainer.device={device}",
+        f"trainer.precision={precision}", f"trainer.zero_stage={zero}", f"trainer.micro_batch_size={micro}",
+        f"trainer.global_batch_size={micro}", f"data.max_length={max_length}", "data.eval_conversations=2",
+        "data.max_conversations=null", "data.vocab_scan_conversations=8",
+        f"backbone.dtype={'bfloat16' if precision == 'bf16' else 'float32'}", *ri,
+        "heads.projection=truncated", f"heads.truncated_vocab_size={min(8192, shape['vocab_size'] // 2)}"])
+    tr = MedusaTrainer(cfg)
+    tr.setup()
+    model = tr.backbone.model
+    dev = tr.device
+    it = iter(tr.batches)
+    fwd, train, losses = [], [], []
+    tr.engine.train()
+    for i in range(steps + 1):  # the first round warms up and is dropped
+        batch = next(it)
+        tokens = int((batch["doc_ids"] > 0).sum())
+        ids, pos = batch["input_ids"].to(dev), batch["position_ids"].to(dev)
+        sync(dev)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+            sync(dev)
+            t1 = time.perf_counter()
+        hidden = tr.source.frozen.hidden_states(batch)
+        loss = tr.engine(hidden, batch["labels"].to(dev), batch["doc_ids"].to(dev))
+        tr.engine.backward(loss)
+        tr.engine.step()
+        sync(dev)
+        t2 = time.perf_counter()
+        losses.append(loss.detach().float().item())
+        if i:
+            fwd.append(tokens / (t1 - t0))
+            train.append(tokens / (t2 - t1))
+    trainable = sum(p.numel() for p in tr.module.parameters() if p.requires_grad)
+    out = {"zero_stage": zero, "precision": precision, "micro_batch": micro, "max_length": max_length,
+           "tokens_per_batch": tokens, "forward_tokens_per_s": round(median(fwd), 1),
+           "train_tokens_per_s": round(median(train), 1),
+           "ratio": round(median([t / f for t, f in zip(train, fwd)]), 3),
+           "trainable_params_m": round(trainable / 1e6, 2), "losses": [round(x, 4) for x in losses],
+           "finite": all(x == x and abs(x) < float("inf") for x in losses)}
+    if dev.type == "cuda":
+        out["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+    return out
+
+
+# -- the gpu tier (pytest's JUnit XML, written by gpu_check.sh) -----------------------------------------------
+def tier_result(xml: Path | None) -> dict:
+    if xml is None or not xml.is_file():
+        return {"ran": False}
+    root = ET.parse(xml).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {"ran": True, **n, "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": failed}
+
+
+def verdicts(result: dict) -> list[dict]:
+    out = []
+    tier = result.get("gpu_tier", {})
+    if not tier.get("ran"):
+        v = ("not run", "")
+    elif tier["failures"] or tier["errors"]:
+        v = ("FAIL", f"{tier['failures'] + tier['errors']} of {tier['tests']} failed: {', '.join(tier['failed'][:5])}")
+    elif tier["passed"] == 0:
+        v = ("skipped", f"all {tier['tests']} skipped (no CUDA)")
+    elif result.get("dry_run"):  # the tier ran on the CPU (GPU_TIER_DEVICE=cpu): its code works, the GPU is unproven
+        v = ("passed on CPU", f"{tier['passed']} passed, {tier['skipped']} skipped (dry run: GPU_TIER_DEVICE=cpu)")
+    else:
+        v = ("PASS", f"{tier['passed']} passed, {tier['skipped']} skipped")
+    out.append({"target": "gpu test tier passes", "verdict": v[0], "detail": v[1]})
+    steps = result.get("tree_steps")
+    if steps:
+        n = 16 if 16 in steps else max(steps)
+        r = steps[n]["vs_1"]
+        out.append({"target": f"16-node verification step < {TARGET_TREE_STEP}x a 1-token step (bf16)",
+                    "verdict": ("PASS" if r < TARGET_TREE_STEP else "FAIL") + ("" if n == 16 else f" ({n} nodes only)"),
+                    "detail": f"{n} nodes {steps[n]['ms']} ms vs 1 node {steps[min(steps)]['ms']} ms = {r:.2f}x"})
+    else:
+        out.append({"target": f"16-node verification step < {TARGET_TREE_STEP}x a 1-token step (bf16)",
+                    "verdict": "not run", "detail": ""})
+    pl = result.get("plain_loop_vs_generate")
+    target = "runtime plain loop within 10% of generate, or faster"
+    if pl:
+        out.append({"target": target, "verdict": "PASS" if pl["ratio"] >= TARGET_PLAIN_LOOP else "FAIL",
+                    "detail": f"{pl['ratio']:.2f}x ({pl['runtime_tokens_per_s']} vs {pl['hf_generate_tokens_per_s']} "
+                              f"tokens/s, {pl['identical']}/{pl['prompts']} identical)"})
+    else:
+        out.append({"target": target, "verdict": "not run", "detail": ""})
+    return out
+
+
+def summary(result: dict) -> str:
+    mc = result["machine"]
+    dev = mc.get("gpu", "CPU (dry run)" if result["dry_run"] else "CPU")
+    dry = f" (DRY RUN: {result['backbone']} on CPU at tiny sizes, numbers mean nothing)" if result["dry_run"] else ""
+    lines = [f"## GPU check: {dev}{dry}",
+             "", f"torch {mc['torch']} (CUDA {mc['cuda']}), transformers {mc['transformers']}, Python {mc['python']}; "
+             f"backbone {result['backbone']}, {result['dtype']}", "", "| target | verdict | detail |", "|---|---|---|"]
+    lines += [f"| {v['target']} | **{v['verdict']}** | {v['detail']} |" for v in result["verdicts"]]
+    steps = result.get("tree_steps")
+    if steps:
+        lines += ["", "Verification step (batch 1, `hidden` + `logits` under a tree mask, median):", "",
+                  "| nodes | " + " | ".join(str(n) for n in steps) + " |", "|---|" + "---|" * len(steps),
+                  "| step (ms) | " + " | ".join(f"{s['ms']:.2f}" for s in steps.values()) + " |",
+                  "| vs 1 node | " + " | ".join(f"{s['vs_1']:.2f}x" for s in steps.values()) + " |",
+                  "| expected tau | " + " | ".join(f"{s['expected_tau']:.3f}" if s["expected_tau"] else "-"
+                                                    for s in steps.values()) + " |"]
+    auto = result.get("tree_auto")
+    if auto:
+        c = auto["chosen"]
+        lines += ["", f"`choice=auto` with the quickstart-class heads' accuracies (head-1/2/3 top-1 "
+                      f"{' / '.join(str(r[0]) for r in HEAD_ACCURACY['per_rank'])}; {HEAD_ACCURACY['source']}): "
+                  + (f"**{c['nodes']} nodes**, expected tau {c['expected_tau']}, {c['expected_tokens_per_s']} vs "
+                     f"{auto['plain_tokens_per_s']} tokens/s plain = **{auto['expected_speedup']:.2f}x**" if c else
+                     f"**no tree** (none beats plain decoding at {auto['plain_tokens_per_s']} tokens/s)")]
+    bs = result.get("batch_steps")
+    if bs:
+        nodes = list(next(iter(bs.values()))["steps"])
+        lines += ["", "Batched decoding step (ms; x a 1-node step at that batch size; the per-batch rule's pick):", "",
+                  "| batch | " + " | ".join(f"{n} nodes" for n in nodes) + " | pick |",
+                  "|---|" + "---|" * (len(nodes) + 1)]
+        for b, r in bs.items():
+            lines.append(f"| {b} | " + " | ".join(f"{r['steps'][n]['ms']:.2f} ({r['steps'][n]['vs_1']:.2f}x)"
+                                                  for n in nodes) + f" | {r['pick']} |")
+    e3 = result.get("eagle3_steps")
+    if e3:
+        lines += ["", f"EAGLE-3 decoding step (random drafter of `eagle3_smollm2`'s shape, draft vocabulary "
+                      f"{e3['draft_vocab']}; plain step {e3['plain_ms']:.2f} ms; expected = the recipe drafter's "
+                      "MT-Bench tau measured on CPU over this step):", "",
+                  "| setting | step (ms) | vs plain step | tau (CPU, MT-Bench) | expected vs plain loop |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['setting']} | {r['ms']:.2f} | {r['vs_plain']:.2f}x | {r['cpu_tau']} | "
+                  f"{r['expected_speedup']:.2f}x |" for r in e3["settings"]]
+    pl = result.get("plain_loop_vs_generate")
+    if pl:
+        lines += ["", f"Plain loop vs `generate` ({pl['prompts']} random-token prompts x {result['new_tokens']} new "
+                      f"tokens, greedy, EOS disabled, interleaved): runtime {pl['runtime_tokens_per_s']} tokens/s, "
+                      f"`generate` {pl['hf_generate_tokens_per_s']} tokens/s = **{pl['ratio']:.2f}x**, "
+                      f"{pl['identical']}/{pl['prompts']} identical "
+                      f"({pl.get('identical_same_kernels', '-')}/{pl['prompts']} with `generate` on the same "
+                      "attention kernels)"]
+    tr = result.get("training")
+    if tr:
+        lines += ["", "| training (real trainer, DeepSpeed) | tokens/batch | backbone forward tok/s | train step tok/s "
+                      "| ratio | trainable | peak GPU memory |", "|---|---|---|---|---|---|---|",
+                  f"| ZeRO {tr['zero_stage']}, {tr['precision']}, micro {tr['micro_batch']} x {tr['max_length']} | "
+                  f"{tr['tokens_per_batch']} | {tr['forward_tokens_per_s']:.0f} | {tr['train_tokens_per_s']:.0f} | "
+                  f"{tr['ratio']:.2f} | {tr['trainable_params_m']}M | {tr.get('peak_gpu_memory_gb', '-')} GB |"]
+    if result["errors"]:
+        lines += ["", "Errors:"] + [f"- {k}: {v.splitlines()[-1] if v else ''}" for k, v in result["errors"].items()]
+    lines += ["", f"({result['seconds']:.0f} s; full figures in gpu_check.json)"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"))
+    ap.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1")
+    ap.add_argument("--tier-xml", default=None, help="pytest's JUnit XML of the gpu tier")
+    ap.add_argument("--full-shape", action="store_true",
+                    help="with --dry-run: the SmolLM2-135M shape (vocabulary 49,152, 30 layers) at the dry run's "
+                         "sizes, "
+                         "so shape-dependent paths run on CPU before a GPU is lent (~1-2 minutes)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "train"])
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device (use --dry-run to check the script on CPU)")
+    device = torch.device("cpu" if dry else "cuda")
+    dtype = torch.bfloat16
+    shape = TINY if dry and not args.full_shape else SMOLLM2_135M
+    if dry:
+        torch.set_num_threads(1)
+    sizes = dict(nodes=[1, 2] if dry else [1, 2, 4, 8, 16, 32, 64], rounds=2 if dry else 5, per_round=2 if dry else 10,
+                 prompts=2 if dry else 5, prompt_len=8 if dry else 64, new_tokens=6 if dry else 128,
+                 micro=2 if dry else 8, max_length=64 if dry else 1024, train_steps=2 if dry else 8,
+                 batches=[1, 2] if dry else [1, 2, 4, 8, 16, 32], batch_nodes=[1, 2] if dry else [1, 2, 4, 8, 16],
+                 batch_steps=2 if dry else 6)
+    name = "tiny Llama" if shape is TINY else "SmolLM2-135M-shaped Llama (random)"
+    result = {"dry_run": dry, "machine": machine(), "backbone": name,
+              "shape": shape, "dtype": str(dtype).replace("torch.", ""), "sizes": sizes,
+              "new_tokens": sizes["new_tokens"],
+              "gpu_tier": tier_result(Path(args.tier_xml) if args.tier_xml else None), "errors": {}}
+
+    def section(name, fn):
+        if name in args.skip:
+            return
+        print(f"[gpu_check] {name} ...", flush=True)
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception:  # recorded, the next section still runs
+            result["errors"][name] = traceback.format_exc()
+            print(result["errors"][name], file=sys.stderr, flush=True)
+        print(f"[gpu_check] {name} done in {time.perf_counter() - t:.1f} s", flush=True)
+
+    m = MedusaModel(model=backbone(shape, device, dtype), tokenizer=None, heads=None)
+
+    def steps():
+        result["tree_steps"] = tree_steps(m, sizes["nodes"], sizes["rounds"], sizes["per_round"])
+        result["tree_auto"] = auto_choice(result["tree_steps"])
+
+    def batch():
+        result["batch_steps"] = batch_steps(m, sizes["batches"], sizes["batch_nodes"], sizes["batch_steps"],
+                                            sizes["prompt_len"])
+
+    def plain():
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, shape["vocab_size"], (sizes["prompt_len"],), generator=g).tolist()
+                   for _ in range(sizes["prompts"])]
+        result["plain_loop_vs_generate"] = pl = plain_loop_vs_generate(m, prompts, sizes["new_tokens"],
+                                                                          with_tokens=True)
+        pl["identical_same_kernels"] = same_kernel_identity(m, prompts, pl.pop("runtime_tokens"), sizes["new_tokens"])
+
+    def eagle3():
+        result["eagle3_steps"] = eagle3_steps(eagle3_model(m), list(EAGLE3_TAU), sizes["rounds"], sizes["per_round"],
+                                              sizes["prompt_len"])
+
+    section("steps", steps)
+    section("batch", batch)
+    section("plain", plain)
+    section("eagle3", eagle3)
+    del m
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    def train():
+        with tempfile.TemporaryDirectory(prefix="gpu-check-train-") as work:
+            result["training"] = train_throughput(shape, device.type, "bf16", 1, sizes["micro"],
+                                                  sizes["max_length"], sizes["train_steps"], Path(work))
+
+    section("train", train)
+    result["verdicts"] = verdicts(result)
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    text = summary(result)
+    (out / "summary.md").write_text(text)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print("\n" + text)
+    print(f"wrote {out / 'summary.md'} and {out / 'gpu_check.json'}")
+
+
+if __name__ == "__main__":
+    main()

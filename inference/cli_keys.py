@@ -1,0 +1,153 @@
+"""The keys of ``medusa-eval`` and ``medusa-generate``: the commands' own keys, declared here once, and every
+registered decoding method's option keys, declared once in the method's options dataclass
+(``methods.registry.option``: key, default, help) and generated from there.
+
+A method key's schema default is unset (None): an unset key leaves the method's own default (and says that
+the key was not given, which a speculation shape reads: ``tree=tree8`` names Medusa's tree, so
+``choice=auto`` leaves it). Its type comes from the options field (OmegaConf checks it when the command line
+is read), its value checks from the options class (run before anything loads), its help from the field's
+metadata (``--help``). A key two methods share (``tree``) is one key. Replaced keys are refused with what
+to give instead (``replaced_key``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+# keys that are gone, and what replaced them (one line each, before anything loads)
+REPLACED = {
+    "eagle_tree": "eagle_tree= is gone: give choice=auto (measured on this machine), choice=fixed (the eagle_* keys "
+                  "as given) or choice=<eval dir>/<method>_choice.json (what medusa-eval chose)",
+    "batch_chains": "batch_chains= is gone: give choice=auto (chain lengths sized per batch size) or choice=fixed "
+                    "(the set draft_k / prompt_lookup_tokens at every batch size)",
+}
+TREE_AUTO = ("tree=auto is gone: give choice=auto (the tree measured on this machine); tree= names a fixed tree "
+             "(tree8, a tree file, calibrated:N)")
+
+
+@dataclass
+class CommandKeys:
+    """The keys both commands share (not a method's)."""
+
+    heads: str = "???"  # a heads export directory (required)
+    backbone: Optional[str] = None  # default: the base model recorded in the heads' config.json
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # what each method speculates with: auto (measured on the calibration prompts and this machine: Medusa's
+    # tree, EAGLE-3's setting, a chain's length per batch size) | fixed (the method keys as given) | a
+    # <method>_choice.json medusa-eval wrote (decode with its method and choice)
+    choice: str = "auto"
+    mode: str = "greedy"  # greedy (lossless) | typical (lossy) | sample (exact)
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    max_new_tokens: int = 128
+    seed: int = 0
+    threads: int = 0  # torch CPU threads (0 = auto: one per core not kept busy by other processes)
+    # auto: skinny CPU products take the faster formulation (linear_kernels), chosen by timing them once per
+    # machine (kept in ~/.cache/medusa-train/kernel_plans.json) | measure: time them afresh | stock: transformers'
+    kernels: str = "auto"
+    # float: heads as trained | float16: fp32 heads' own linears in float16 (runtime/draft_weights.py; drafting
+    # reads half the bytes; the backbone verifies, so greedy outputs and sampling's distribution are unchanged)
+    draft_weights: str = "float"
+    trust_remote_code: bool = False
+    # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
+    # backbone is the one the heads record (no backbone= given); set false for a merged model.
+    apply_adapter: Optional[bool] = None
+
+
+@dataclass
+class EvalKeys(CommandKeys):
+    heads: Optional[str] = None  # a heads export directory; needed only by the methods that use heads
+    prompts: str = "embedded:mtbench"  # embedded:mtbench | code | a JSONL of prompts
+    num_prompts: Optional[int] = None  # first N prompts (calibration prompts are taken after them)
+    turns: str = "first"  # first | both
+    method: Any = None  # removed: refused with a pointer to methods=
+    methods: Optional[List[str]] = None  # the methods to measure (default: medusa); the baselines are added
+    compare: bool = False  # run every available method, write compare.md + compare.png
+    calibration_prompts: int = 8
+    calibration_tokens: int = 48
+    tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    out: Optional[str] = None  # default: <heads>/../eval
+    progress_bar: bool = True
+    # 1: one prompt at a time (the evaluation above) | B | [1,2,4,...]: batched evaluation (batch_eval)
+    batch_size: Any = 1
+    batch_rounds: int = 1  # batched evaluation: each batch decoded this many times per method, interleaved
+
+
+@dataclass
+class GenerateKeys(CommandKeys):
+    choice: str = "fixed"   # fixed | a <method>_choice.json medusa-eval wrote (auto is an evaluation's to make)
+    prompt: Any = None  # a prompt, or a list of prompts decoded together: prompt=["...", "..."]
+    prompts_file: Optional[str] = None  # several prompts: a JSONL (forms as medusa-eval prompts=) | code
+    batch_size: Any = None  # several prompts: how many decode together (default: all of them)
+    system: Optional[str] = None
+
+
+# medusa-generate decodes one prompt at a time by default: a smaller tree than the library's (tree8) pays there
+GENERATE_DEFAULTS = {"tree": "tree4"}
+_PLAIN_TYPES = (bool, int, float, str)
+
+
+def method_keys() -> dict[str, tuple[Any, str, Any, list[str]]]:
+    """key -> (its options field's type, its help, its default, the methods taking it), over every registered
+    method (the first declaration of a shared key gives its type and default; a method that explains it
+    otherwise adds its own words to the help)."""
+    from .methods.registry import get, names   # the registry imports the runtime: only where keys are built
+
+    keys: dict[str, tuple[Any, str, Any, list[str]]] = {}
+    for name in names():
+        cls = get(name).options
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key, text = f.metadata.get("key"), f.metadata.get("help", "")
+            if not key:
+                continue
+            if key not in keys:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                keys[key] = (hints.get(f.name, Any), text, default, [])
+            elif text not in keys[key][1]:
+                kind, known, default, methods = keys[key]
+                keys[key] = (kind, f"{known}; {name}: {text}", default, methods)
+            keys[key][3].append(name)
+    return keys
+
+
+def _optional(kind) -> Any:
+    """The schema type of a method key: its field's plain type (Optional[int] -> int), or Any."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    base = args[0] if len(args) == 1 else kind
+    return Optional[base] if base in _PLAIN_TYPES else Any
+
+
+def schema(name: str, base: type, defaults: Optional[dict] = None) -> type:
+    """``base``'s keys plus every method key not among them (unset by default, or ``defaults[key]``)."""
+    own = {f.name for f in dataclasses.fields(base)}
+    extra = [(key, _optional(kind), field(default=(defaults or {}).get(key)))
+             for key, (kind, _, _, _) in method_keys().items() if key not in own]
+    return dataclasses.make_dataclass(name, extra, bases=(base,))
+
+
+def keys_help() -> str:
+    """``--help``'s list of method keys: each with its default, its help and the methods taking it."""
+    lines = []
+    for key, (_, text, default, methods) in sorted(method_keys().items()):
+        shown = "fitted" if default is None else default
+        lines.append(f"  {key} (default {shown}; {', '.join(methods)}): {text}")
+    return "\n".join(lines)
+
+
+def replaced_key(argv: list[str]) -> Optional[str]:
+    """The line refusing the first replaced key in ``argv`` (``REPLACED``, tree=auto), or None."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in REPLACED:
+            return REPLACED[key]
+        if key == "tree" and value == "auto":
+            return TREE_AUTO
+    return None

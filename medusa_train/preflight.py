@@ -1,0 +1,242 @@
+"""Before any weight or data loads: does the run fit the backbone and this machine, and can its heads
+family be built on that backbone? Each check reads the backbone's config alone and refuses in one line.
+
+``preflight`` runs them all (``medusa-train`` calls it once a configuration is accepted): a readable local
+data source, a known attention implementation, ``data.max_length`` within the backbone's positions and the
+run within this machine's memory (``check_fits``: the frozen forward, the weights, the heads' parameters with
+their gradients and optimizer state, and what the family's training adds, ``TrainingFamily.unroll_bytes``),
+the family's settings on this backbone (``check_family``), and for a training of heads the vocabulary, the
+device for the precision and a resumable checkpoint trained under this configuration.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from inference.backbone import parse_dtype, text_config
+from inference.cli_support import enum_value
+from inference.errors import UserError
+
+from .backbone import backbone_config
+from .checkpoint import resume_point
+from .config import check_data_source, derived_batch, launch_world_size
+from .distributed import resolve_device
+from .families import draft_depth, draft_vocabulary, training_family
+
+
+def parameter_count(hf_config, trust_remote_code: bool = False) -> int:
+    """Parameters of the model ``hf_config`` describes, counted on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def micro_batch_bytes(hf_config, length: int, batch: int, dtype_bytes: int) -> int:
+    """Peak memory of one frozen forward over a ``[batch, length]`` micro-batch (no gradients, one layer
+    live at a time): the additive block-causal mask with its boolean intermediates (``data.masks``:
+    [B, T, T] in the model dtype plus about four bytes per entry; SDPA does not materialise the scores)
+    and the per-token tensors of a layer (residual, norm, q/k/v, attention output, gate/up/act)."""
+    text = text_config(hf_config)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    inter = int(getattr(text, "intermediate_size", 0) or getattr(text, "n_inner", 0) or 4 * hidden)
+    per_token = (6 * hidden + 3 * inter) * dtype_bytes
+    mask = length * length * (dtype_bytes + 4)
+    return batch * (length * per_token + mask)
+
+
+def available_memory(device: torch.device) -> tuple[int, str] | None:
+    """(bytes free, what) on ``device``: GPU memory free, or RAM available (cgroup limit included)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device.index if device.index is not None else torch.cuda.current_device())
+        return free, f"GPU memory free on {device}"
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:  # a container's memory limit (cgroup v2)
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+            avail = min(avail, int(limit) - used) if avail is not None else int(limit) - used
+    except (OSError, ValueError):
+        pass
+    return (avail, "RAM available") if avail is not None else None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.1f} GB"
+
+
+def _backbone_dtype_bytes(backbone_cfg, hf_config) -> int:
+    """Bytes per backbone weight and activation: ``backbone.dtype`` (``auto``: the config's own dtype)."""
+    if backbone_cfg.dtype == "auto":
+        dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    else:
+        dtype = parse_dtype(backbone_cfg.dtype)
+    return torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+
+
+def head_parameter_count(heads_cfg, hf_config) -> int:
+    """Parameters of the heads ``heads.*`` describes on this backbone, asked of their family: the module
+    ``inference.heads.build_heads`` would build from the spec the trainer writes, built on the meta device."""
+    from inference.heads.registry import build_heads  # the family modules import torch's nn: not at --help
+    from inference.heads.spec import HeadsSpec
+
+    text = text_config(hf_config)
+    vocab = int(text.vocab_size)
+    projection, size = draft_vocabulary(heads_cfg, vocab)
+    spec = HeadsSpec(num_heads=draft_depth(heads_cfg), num_layers=int(heads_cfg.num_layers),
+                     hidden_size=int(text.hidden_size), vocab_size=vocab, projection=projection,
+                     truncated_vocab_size=min(size, vocab) if size else None, kind=str(heads_cfg.kind),
+                     settings=training_family(heads_cfg.kind).spec_settings(heads_cfg, hf_config))
+    with torch.device("meta"):
+        heads = build_heads(spec)
+    return sum(p.numel() for p in heads.parameters())
+
+
+# Per trained head parameter: the fp32 weight (or bf16 weight + fp32 master), its gradient and AdamW's two fp32
+# moments: 4 + 4 + 8 bytes either way.
+HEAD_STATE_BYTES = 16
+
+
+def head_state_advice(heads_cfg) -> str:
+    """Which keys size the heads' parameters (their family's ``size_keys``): what the line that refuses them
+    asks to lower."""
+    keys = training_family(heads_cfg.kind).size_keys(heads_cfg)
+    advice = f"lower {', '.join(keys[:-1])} or {keys[-1]}" if len(keys) > 1 else f"lower {keys[0]}"
+    return advice + (" (or use heads.projection=truncated)" if enum_value(heads_cfg.projection) == "own" else "")
+
+
+def check_fits(cfg) -> None:
+    """Refuse, before any weight or data loads, a ``data.max_length`` the backbone has no positions for
+    (its config's ``max_position_embeddings``) or a run this machine cannot hold: a micro-batch
+    (``trainer.micro_batch_size`` rows of that length through the frozen forward), the weights, and the heads'
+    own parameters with their gradients and optimizer state, and what the family's training keeps beyond them."""
+    if enum_value(cfg.task) != "train":
+        return
+    hf_config = backbone_config(cfg.backbone)
+    length, batch = int(cfg.data.max_length), int(cfg.trainer.micro_batch_size)
+    positions = getattr(text_config(hf_config), "max_position_embeddings", None)
+    if positions and length > int(positions):
+        raise UserError(f"data.max_length={length} exceeds the {int(positions)} positions of the backbone "
+                        f"(max_position_embeddings of its config); use data.max_length <= {int(positions)}")
+    dtype_bytes = _backbone_dtype_bytes(cfg.backbone, hf_config)
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    free = available_memory(device)
+    if free is None:
+        return
+    activations = micro_batch_bytes(hf_config, length, batch, dtype_bytes)
+    head_bytes = 4 if enum_value(cfg.trainer.precision) == "fp32" else 2  # what the heads compute in
+    unroll = training_family(cfg.heads.kind).unroll_bytes(cfg.heads, hf_config, length, batch, head_bytes)
+    try:
+        weights = parameter_count(hf_config, cfg.backbone.trust_remote_code) * dtype_bytes
+    except Exception:  # an architecture transformers cannot build here: the loader will say so
+        weights = 0
+    trained = enum_value(cfg.features.mode) != "build"  # a cache build trains no heads
+    heads = head_parameter_count(cfg.heads, hf_config) * HEAD_STATE_BYTES if trained else 0
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    need = (activations + unroll + weights + heads) * max(processes, 1)
+    if need > free[0]:
+        _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes)
+
+
+def _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes) -> None:
+    """The one line ``check_fits`` refuses with: what each part needs and which keys to lower."""
+    have, what = free
+    length, batch, depth = int(cfg.data.max_length), int(cfg.trainer.micro_batch_size), draft_depth(cfg.heads)
+    per_process = f", x{processes} processes" if processes > 1 else ""
+    parts = (f"{_gb(activations)} for one micro-batch through the frozen backbone"
+             + (f", {_gb(unroll)} for the {depth} draft steps its training unrolls" if unroll else "")
+             + f", {_gb(weights)} of weights, {_gb(heads)} for the heads' parameters, gradients and AdamW state"
+             + per_process)
+    if heads > activations + unroll + weights:  # the heads themselves are what does not fit
+        h = cfg.heads
+        raise UserError(f"heads.kind={h.kind} with heads.num_heads={h.num_heads}, heads.num_layers={h.num_layers} has "
+                        f"{heads // HEAD_STATE_BYTES:,} parameters: the run needs about {_gb(need)} ({parts}) but only "
+                        f"{_gb(have)} of {what}; {head_state_advice(h)}")
+    keys = ["data.max_length", "trainer.micro_batch_size"]
+    if unroll:  # a family that unrolls its draft steps in training (EAGLE-3's test): they are the third factor
+        keys.append(training_family(cfg.heads.kind).depth_key(cfg.heads))
+    sizes = " x ".join(f"{k}={v}" for k, v in zip(keys, (length, batch, depth)))
+    raise UserError(f"{sizes} needs about {_gb(need)} ({parts}) but only {_gb(have)} of {what}; "
+                    f"lower {', '.join(keys[:-1])} or {keys[-1]}")
+
+
+ATTENTION_DEFAULT = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+
+
+def check_attn_implementation(backbone_cfg) -> None:
+    """Refuse a ``backbone.attn_implementation`` transformers does not know (a random backbone would ignore
+    it silently, a pretrained one fail with a traceback): ``eager`` or a registered attention interface
+    (sdpa, flash_attention_2/3, flex_attention, ...), or a hub kernel (``org/repo``)."""
+    value = backbone_cfg.attn_implementation
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    except ImportError:  # an older transformers: its documented values
+        known = list(ATTENTION_DEFAULT)
+    if value is None or str(value) in known or "/" in str(value):
+        return
+    raise UserError(f"backbone.attn_implementation must be one of {', '.join(known)}, got {value!r}")
+
+
+
+
+def check_family(cfg) -> None:
+    """The heads family fits the backbone's config (e.g. an EAGLE-3 drafter: a Llama-style layer can be built,
+    its aux layer ids exist, its draft vocabulary is no larger than the vocabulary): the family's own
+    ``vocabulary`` and ``spec_settings`` refuse in one line."""
+    fam = training_family(cfg.heads.kind)
+    hf_config = text_config(backbone_config(cfg.backbone))
+    fam.vocabulary(cfg.heads, int(hf_config.vocab_size))
+    fam.spec_settings(cfg.heads, hf_config)
+
+
+def check_draft_vocabulary(cfg) -> None:
+    """Refuse a truncated vocabulary larger than the backbone's, from its config alone."""
+    vocab = int(text_config(backbone_config(cfg.backbone)).vocab_size)
+    _, size = draft_vocabulary(cfg.heads, vocab)  # a family's own vocabulary key refuses beyond it itself
+    if size is not None and size > vocab:
+        raise UserError(f"heads.truncated_vocab_size={size} exceeds the backbone vocabulary ({vocab}); use at most "
+                        f"{vocab} (or heads.projection=own for all of it)")
+
+
+def check_precision_device(trainer) -> None:
+    """fp16 trains only on a GPU (DeepSpeed's loss scaling); refused before anything loads."""
+    if enum_value(trainer.precision) == "fp16" and resolve_device(trainer.device).type != "cuda":
+        raise UserError("trainer.precision=fp16 needs a GPU; on CPU use fp32 (or bf16)")
+
+
+def check_resume(cfg) -> None:
+    """The checkpoint ``trainer.resume`` names (or ``auto`` finds) exists and was trained under this configuration
+    (``checkpoint.resume_point``): refused here, before the run's record is written over."""
+    resume_point(cfg, derived_batch(cfg.trainer, launch_world_size()).global_batch_size)
+
+
+def preflight(cfg, resume: bool = True) -> None:
+    """What a run needs from disk, checked before any weight or data loads: a readable local data source,
+    a ``data.max_length`` the backbone has positions (and this machine memory) for, the heads family on this
+    backbone, and for a training of heads: a truncated vocabulary the backbone has tokens for, a device for
+    the precision, and a checkpoint to resume that was trained under this configuration (not with
+    ``resume=False``: a sweep's jobs resume from folders Hydra names only when each runs)."""
+    check_data_source(cfg.data.source)
+    check_attn_implementation(cfg.backbone)
+    check_fits(cfg)
+    check_family(cfg)
+    if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
+        check_draft_vocabulary(cfg)
+        check_precision_device(cfg.trainer)
+        if resume:
+            check_resume(cfg)

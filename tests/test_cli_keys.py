@@ -1,0 +1,78 @@
+"""medusa-eval / medusa-generate keys generated from the methods' own option declarations (``inference/cli_keys.py``):
+every method option reachable, typed and documented from both command lines, declared once; replaced keys
+refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from conftest import clean_env
+
+import inference.cli as cli
+from inference.cli_keys import REPLACED, EvalKeys, GenerateKeys, method_keys
+from inference.methods.registry import get, names
+
+# options fields that are no command-line key: runtime objects a choice sets (choice=auto / choice=<file>)
+KEYLESS = {"schedule"}
+
+
+def test_every_method_option_is_a_documented_command_line_key():
+    """Guards against a method option the command line cannot set (no key in a schema) or that --help does not
+    explain: each keyed field of each registered method is a key of both commands, with its help and default in
+    medusa-eval --help; the only key-less fields are runtime objects a choice sets."""
+    eval_keys = {f.name for f in dataclasses.fields(cli.EvalConfig)}
+    generate_keys = {f.name for f in dataclasses.fields(cli.GenerateConfig)}
+    text = cli.eval_help()
+    for name in names():
+        for f in dataclasses.fields(get(name).options):
+            key = f.metadata.get("key")
+            if key is None:
+                assert f.name in KEYLESS, (name, f.name)
+                continue
+            assert key in eval_keys and key in generate_keys, (name, key)
+            assert f.metadata.get("help"), (name, key)
+            assert f"  {key} (default " in text and f.metadata["help"] in text, (name, key)
+
+
+def test_method_keys_are_declared_once():
+    """Guards against the commands re-declaring a method's keys and defaults (two places to change, drifting
+    apart): the commands' own keys and the methods' keys meet only where a command key is also read by a
+    method (trust_remote_code: the draft checkpoint's custom code), and an unset method key leaves the
+    method's own default."""
+    own = {f.name for f in dataclasses.fields(EvalKeys)} | {f.name for f in dataclasses.fields(GenerateKeys)}
+    assert set(method_keys()) & own == {"trust_remote_code"}
+    cfg = cli.EvalConfig()
+    assert all(getattr(cfg, key) is None for key in method_keys() if key not in own)
+    assert cli.GenerateConfig().tree == "tree4" and cli.GenerateConfig().choice == "fixed"
+    assert cli.EvalConfig().choice == "auto"
+
+
+@pytest.mark.parametrize("main, args, words", [
+    (cli.eval_main, ["eagle_tree=auto"], REPLACED["eagle_tree"]),
+    (cli.generate_main, ["heads=h", "prompt=hi", "eagle_tree=x.json"], REPLACED["eagle_tree"]),
+    (cli.eval_main, ["batch_size=[1,2]", "batch_chains=fixed"], REPLACED["batch_chains"]),
+    (cli.eval_main, ["tree=auto"], "tree=auto is gone: give choice=auto"),
+    (cli.generate_main, ["heads=h", "prompt=hi", "tree=auto"], "tree=auto is gone: give choice=auto"),
+])
+def test_replaced_keys_are_one_line_with_what_to_give(capsys, main, args, words):
+    """Guards against an old key (eagle_tree=, batch_chains=, tree=auto) failing as an unknown key or a
+    traceback instead of saying what replaced it, before anything loads."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_generate_help_loads_no_runtime():
+    """Guards against medusa-generate --help waiting for torch: the schemas built from the method registry
+    are built only when a command runs."""
+    code = ("import sys; from inference.cli import generate_main; generate_main(['--help']); "
+            "print('HEAVY', [m for m in ('torch', 'transformers') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout and "choice" in proc.stdout
