@@ -278,7 +278,7 @@ def train_throughput(shape: dict, device: str, precision: str, zero: int, micro:
                      steps: int, work: Path) -> dict:
     """The real trainer (debug_tiny recipe, backbone replaced by ``shape`` random weights, synthetic chats),
     then ``bench.py train``'s loop: backbone forward vs one training micro-step on the same batch, alternating."""
-    from medusa_train.cli import compose_recipe
+    from medusa_train.launch import compose_recipe
     from medusa_train.trainer import MedusaTrainer
 
     data = work / "chats.jsonl"

@@ -87,7 +87,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     target = _conversion_dir(gguf_path)
     if cached_conversion(gguf_path) is not None:
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer   # lazy: only to convert a GGUF (once)
 
     print(f"[medusa-train] converting {gguf_path.name} to safetensors once (cached in {target}) ...", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)

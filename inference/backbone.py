@@ -67,7 +67,7 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     """(model, tokenizer, name): a causal LM and its tokenizer from an ``embedded:`` name, a local
     folder or a hub id; ``name`` is what heads record as their base model. ``dtype="auto"`` keeps
     the checkpoint's own. Any failure to find or build it is one ``UserError`` line."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer   # lazy: 1.3 s; medusa-train's checks import this
 
     if name_or_path.startswith("random:"):
         raise UserError(f"backbone {name_or_path!r} is a random test model that cannot be rebuilt; "
@@ -87,7 +87,7 @@ def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, 
                          revision: Optional[str] = None):
     """The backbone's transformers config, without its weights (and without converting a GGUF: the
     conversion's config.json when one was made, else its metadata read in place), with ``load_backbone``'s errors."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig   # lazy: as load_backbone's
 
     gguf = assets.gguf_source(name_or_path, gguf_file)
     converted = assets.cached_conversion(gguf) if gguf is not None else None

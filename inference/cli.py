@@ -17,7 +17,7 @@
 
 Key=value overrides as in ``medusa-train`` (Hydra). The runtime library never imports Hydra; only these entry
 points do. User mistakes print one line and exit 2, before anything loads where the keys, the heads'
-config.json and the prompts decide (cli_checks.py). Boolean keys take true/false, yes/no, on/off, 1/0. Each
+config.json and the prompts decide (cli_checks.py; the commands themselves: cli_run.py). Boolean keys take true/false, yes/no, on/off, 1/0. Each
 method's keys, their defaults and help are its options' own (listed by medusa-eval --help; cli_keys.py).
 
 What a method speculates with is chosen by ``choice``: auto (medusa-eval's default: measured on held-out
@@ -45,16 +45,10 @@ together (batch_size=N: N at a time), with a batched evaluation's choice file sp
 """
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
-from .cli_checks import (check_decoding_keys, check_eval_keys, check_fixed_choices, check_options_fit, choice_modes,
-                         encode_prompts, eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec,
-                         method_options, read_choice_file)
 from .cli_keys import GENERATE_DEFAULTS, EvalKeys, GenerateKeys, keys_help, replaced_key, schema
 from .cli_support import run_cli
-from .errors import UserError
-
 
 _SCHEMAS: dict = {}
 
@@ -70,230 +64,27 @@ def __getattr__(name: str):
     return _SCHEMAS[name]
 
 
-def _device(cfg) -> str:
-    import torch   # the entry points import torch only once a command runs (instant --help)
-
-    from .runtime.race import auto_threads
-
-    torch.set_num_threads(cfg.threads or auto_threads())
-    return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _load(cfg):
-    from .loading import load_medusa   # loads transformers: only once a command runs
-
-    if cfg.heads in ("???", ""):
-        raise UserError("heads=<export directory> is required")
-    return load_medusa(cfg.heads, backbone=cfg.backbone, device=_device(cfg), dtype=cfg.dtype,
-                       trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter, kernels=cfg.kernels,
-                       draft_weights=cfg.draft_weights)
-
-
-def _load_eval(cfg):
-    """Backbone (+ heads when given) on the chosen device; without heads the backbone is ``backbone=``."""
-    from .backbone import load_backbone   # these load transformers: only once a command runs
-    from .loading import kernel_plans_path
-    from .runtime.draft_weights import check_draft_weights
-    from .runtime.model import MedusaModel, apply_kernels, check_kernels
-
-    check_kernels(cfg.kernels)
-    check_draft_weights(cfg.draft_weights)
-    if cfg.heads:  # the heads name their backbone; they are loaded (and checked) even if medusa does not run
-        return _load(cfg)
-    model, tok, _ = load_backbone(cfg.backbone or "embedded:smollm2", device=_device(cfg), dtype=cfg.dtype,
-                                  trust_remote_code=cfg.trust_remote_code)
-    return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels, kernel_plans_path())
-
-
-def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict]:
-    """(each method's options, each shaped method's choice mode), every key checked against the heads' config
-    before anything loads; ``choice=<file>``'s choice applied to its method (measured again, at fixed)."""
-    from .methods.registry import get
-
-    options = {x: method_options(cfg, x, spec) for x in methods}
-    check_options_fit(options, spec, cfg)   # the heads' config and the backbone's (not its weights)
-    modes = choice_modes(cfg, options)
-    saved = read_choice_file(cfg, spec, methods)
-    if saved is not None:
-        options[saved.method] = get(saved.method).shape.apply(options[saved.method], saved.schedule, sizes is not None)
-    check_fixed_choices(options, modes, spec)
-    return options, modes
-
-
-def run_eval(cfg) -> dict:
-    from omegaconf import OmegaConf   # the evaluation's modules load torch: only once the command runs
-
-    from .evaluation.batch_eval import check_batchable, evaluate_batched
-    from .evaluation.evaluate import evaluate
-
-    sampling, sizes = check_eval_keys(cfg)   # everything the config alone decides, before anything loads
-    methods = eval_methods(cfg)
-    options, modes = eval_choices(cfg, methods, heads_spec(cfg, strict=True), sizes)   # heads given: readable
-    if sizes is not None:  # before the backbone loads: methods that cannot decode batches
-        check_batchable(methods, sizes)
-    prompts, calibration = eval_prompts(cfg, options, modes, sizes)
-    out = eval_out_dir(cfg)
-    m = _load_eval(cfg)
-    settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
-    settings["backbone"] = settings.get("backbone") or ("embedded:smollm2" if not cfg.heads else None)
-    settings["methods"] = methods
-    chosen: dict = {}
-    common = dict(methods=methods, choice=modes, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                  calibration_prompts=cfg.calibration_prompts, calibration_tokens=cfg.calibration_tokens, seed=cfg.seed,
-                  progress=cfg.progress_bar, settings=settings, options=options, calibration=calibration, chosen=chosen)
-    if sizes is not None:
-        report = evaluate_batched(m, prompts, batch_sizes=sizes, rounds=cfg.batch_rounds, **common)
-    else:
-        report = evaluate(m, prompts, turns=cfg.turns, budgets=list(cfg.tree_budgets), **common)
-    backbone_drift(cfg, m, prompts, report)
-    write_eval(cfg, m, out, report, chosen, sizes is not None)
-    return report
-
-
-def backbone_drift(cfg, m, prompts, report: dict) -> None:
-    """Medusa-2 heads decode on the adapted backbone: say how far it is from the original (report.json)."""
-    spec = getattr(m.heads, "spec", None)
-    if not (getattr(spec, "backbone_adapter", None) and m.adapter_applied):
-        return
-    from .backbone import load_backbone   # loads transformers: only for adapted heads
-    from .evaluation.drift import greedy_drift
-    from .runtime.model import MedusaModel
-
-    original, _, _ = load_backbone(cfg.backbone or spec.base_model, device=m.device, dtype=cfg.dtype,
-                                   trust_remote_code=cfg.trust_remote_code)
-    ids = [m.encode_chat(p.turns[0]) for p in prompts[:8]]
-    report["backbone_drift"] = greedy_drift(m, MedusaModel(model=original, tokenizer=None, heads=None), ids,
-                                            cfg.max_new_tokens)
-    print(f"backbone drift vs the original ({len(ids)} prompts): greedy token agreement "
-          f"{report['backbone_drift']['greedy_token_agreement']:.1%}, identical answers "
-          f"{report['backbone_drift']['identical_answers']:.1%}")
-
-
-def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
-    """report.json / .md / plots, the trade-off matrix with compare=true, and a choice file per measured
-    choice (``methods.choice_file``); what was written and how to decode with each choice, printed."""
-    from .evaluation.batch_reports import print_batched   # matplotlib / torch: only once the command runs
-    from .evaluation.reports import print_per_method, write_compare, write_report
-    from .methods.choice_file import write_choice
-
-    paths = write_report(out, report)
-    if cfg.compare:
-        paths += write_compare(out, report)
-    fingerprint = getattr(getattr(m.heads, "spec", None), "base_model_fingerprint", "") or ""   # the loaded heads'
-    files = {x: write_choice(out, x, c, c.options, fingerprint) for x, c in chosen.items() if c.measured}
-    paths += list(files.values())
-    print()
-    if batched:
-        print_batched(report["batched"])
-    print_per_method(report)
-    print("report: " + ", ".join(str(p) for p in paths))
-    batches = " prompts_file=<prompts.jsonl> batch_size=<B>" if batched else ""
-    for method, path in files.items():
-        print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads}{batches} choice={path}")
-
-
-def generate_options(cfg, spec, several: bool, size: Optional[int]):
-    """(the method to decode with, its options, whether prompts decode in batches): the heads' default method
-    and the command line's keys, or a choice file's method and choice (per batch size when batched)."""
-    from .methods.registry import PLAIN_METHOD, batched_names, get, methods_for_heads
-
-    if cfg.choice == "auto":
-        raise UserError("choice=auto is made by an evaluation (medusa-eval heads=... choice=auto); decode with the "
-                        "file it writes: choice=<eval dir>/<method>_choice.json")
-    spec = spec if spec is not None else heads_spec(cfg, strict=True)   # unreadable heads: one line, before loading
-    usable = methods_for_heads(spec)
-    saved = read_choice_file(cfg, spec, usable)
-    method = saved.method if saved is not None else usable[0]
-    batching = get(method).batch_decoder is not None
-    if size is not None and size > 1 and not batching:
-        raise UserError(f"method {method} (these heads) decodes one prompt at a time: drop batch_size "
-                        f"(methods that decode batches: {', '.join(batched_names())})")
-    options = method_options(cfg, method, spec)   # bad keys: one line before the backbone loads
-    check_options_fit({method: options}, spec, cfg)
-    together = several and batching   # prompts decoded in batches: a batched evaluation's schedule applies
-    if saved is not None:
-        if saved.plain_alone and not together:   # the evaluation found plain decoding best at batch 1
-            return PLAIN_METHOD, None, together
-        return method, get(method).shape.apply(options, saved.schedule, together), together
-    shape = get(method).shape
-    if shape is not None:
-        check_fixed_choices({method: options}, {method: "fixed"}, spec)   # before the backbone loads
-    if together and shape is not None:
-        print(f"note: every batch speculates as one prompt would; on a CPU that stops paying from 2-4 rows "
-              f"(BENCHMARKS.md): medusa-eval heads={cfg.heads} batch_size=[1,2,4,...] measures it per batch size "
-              f"and writes the file to decode batches with (choice=<file>)", file=sys.stderr)
-    return method, options, together
-
-
-def run_generate(cfg) -> None:
-    from .methods import stream as decode_stream   # the runtime loads torch: only once the command runs
-    from .runtime.batch_decode import check_batch_size
-
-    texts, several = generate_prompts(cfg)
-    sampling = check_decoding_keys(cfg)   # before anything loads, as every check below
-    size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None
-    if cfg.heads in ("???", ""):
-        raise UserError("heads=<export directory> is required")
-    method, options, together = generate_options(cfg, heads_spec(cfg), several, size)
-    m = _load(cfg)
-    ids = encode_prompts(m, texts, cfg)   # every prompt fits the backbone's positions before any is decoded
-    if several:
-        generate_several(m, texts, ids, method, size or len(ids), together, options, sampling, cfg)
-        return
-    stream = decode_stream(m, ids[0], method, options=options, max_new_tokens=cfg.max_new_tokens,
-                           sampling=sampling, seed=cfg.seed)
-    shown, tokens = "", []
-    for chunk in stream:  # decode the whole answer each time: multi-byte characters span tokens
-        tokens += chunk
-        text = m.tokenizer.decode(tokens, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown):])
-        sys.stdout.flush()
-        shown = text
-    out = stream.result
-    print(f"\n\n[{len(out.tokens)} tokens, tau {out.tau:.2f}, {out.tokens_per_s:.1f} tokens/s, "
-          f"finish: {out.finish_reason}]", file=sys.stderr)
-
-
-def generate_several(m, texts: list[str], ids: list[list[int]], method: str, size: int, batching: bool, options,
-                     sampling, cfg) -> None:
-    """Decode several prompts, ``size`` at a time with ``generate_batch`` when the method batches (one at
-    a time otherwise); print each answer under its prompt's number, and each batch's numbers on stderr."""
-    from .methods import generate, generate_batch   # the runtime loads torch: only once the command runs
-
-    for start in range(0, len(ids), size if batching else 1):
-        rows = ids[start:start + (size if batching else 1)]
-        if batching:
-            out = generate_batch(m, rows, method, options=options, max_new_tokens=cfg.max_new_tokens,
-                                 sampling=sampling, seed=cfg.seed)
-            outs, secs, tau = out.rows, out.prefill_s + out.decode_s, out.tau
-        else:
-            g = generate(m, rows[0], method, options=options, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                         seed=cfg.seed)
-            outs, secs, tau = [g], g.prefill_s + g.decode_s, g.tau
-        for i, g in enumerate(outs, start=start + 1):
-            head = " ".join(texts[i - 1].split())
-            print(f"=== [{i}/{len(ids)}] {head[:70] + ('...' if len(head) > 70 else '')}")
-            print(m.tokenizer.decode(g.tokens, skip_special_tokens=True))
-            print(f"[{len(g.tokens)} tokens, tau {g.tau:.2f}, finish: {g.finish_reason}]\n", flush=True)
-        tokens = sum(len(g.tokens) for g in outs)
-        print(f"[{'batch of ' + str(len(outs)) if batching else 'prompt ' + str(start + 1)}: {tokens} tokens in "
-              f"{secs:.2f} s, {tokens / secs if secs > 0 else 0:.1f} tokens/s, tau {tau:.2f}]", file=sys.stderr,
-              flush=True)
-
-
 def eval_help() -> str:
     """``medusa-eval --help``: the module docstring, the registered methods and every method key (imports the
     runtime)."""
-    from .methods.registry import describe   # the registry imports the runtime: only for --help's method list
+    from .methods.registry import describe   # lazy: the registry imports the runtime, only for --help's method list
 
     return (__doc__.strip() + "\n\nmedusa-eval methods ([their keys]):\n" + describe()
             + "\n\nmethod keys (unset: the method's default):\n" + keys_help() + "\n")
 
 
+def _command(name: str):
+    """``cli_run``'s command ``name`` (``run_eval`` / ``run_generate``), to call once the keys are accepted."""
+    from . import cli_run   # lazy: the runtime, the evaluation and the loaders load only once a command runs
+
+    return getattr(cli_run, name)
+
+
 def eval_main(argv: Optional[list[str]] = None) -> None:
-    run_cli("medusa-eval", eval_help, lambda: __getattr__("EvalConfig"), run_eval, argv, refuse=replaced_key)
+    run_cli("medusa-eval", eval_help, lambda: __getattr__("EvalConfig"), lambda cfg: _command("run_eval")(cfg),
+            argv, refuse=replaced_key)
 
 
 def generate_main(argv: Optional[list[str]] = None) -> None:
-    run_cli("medusa-generate", __doc__, lambda: __getattr__("GenerateConfig"), run_generate, argv,
-            refuse=replaced_key)
+    run_cli("medusa-generate", __doc__, lambda: __getattr__("GenerateConfig"),
+            lambda cfg: _command("run_generate")(cfg), argv, refuse=replaced_key)

@@ -6,7 +6,8 @@ config.json or the prompts file already show is refused first, in one line. Each
 against the heads' config, ``check_spec``; a choice, its method's speculation shape (``methods.shape``) and
 the choice file's reader (``methods.choice_file``); evaluation settings: ``evaluation.evaluate.check_settings``;
 batch sizes: ``evaluation.batch_eval``; the report folder: ``evaluation.reports``); this module gathers what
-each command needs from its config. Its imports are made where they are used, so ``--help`` stays fast.
+each command needs from its config. It imports the runtime (a config alone, not a backbone): ``cli_run``
+imports it, and ``cli.py`` imports that only once a command runs, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -14,13 +15,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from . import loading   # loading.read_heads_spec_for looked up when called (tests replace it)
+from .backbone import load_backbone_config
+from .cli_support import enum_value
 from .errors import UserError
+from .evaluation.batch_eval import check_sizes_measured, parse_batch_sizes
+from .evaluation.choosing import calibrating
+from .evaluation.evaluate import check_settings
+from .evaluation.prompts import load_prompts, select_prompts
+from .evaluation.reports import check_report_dir
+from .methods import get, names
+from .methods.choice_file import is_choice_file, read_choice
+from .methods.registry import check_methods, methods_for_heads, options_from_keys
+from .methods.shape import keyed_fields, method_mode
+from .runtime.decode import check_budget, check_positions
+from .runtime.verify import SamplingConfig
 
 
 def sampling_config(cfg):
     """The decoding mode's settings (``SamplingConfig`` refuses a bad mode, temperature, top_p ...)."""
-    from .runtime.verify import SamplingConfig
-
     return SamplingConfig(mode=cfg.mode, temperature=cfg.temperature if cfg.mode != "greedy" else 1.0,
                           top_k=cfg.top_k, top_p=cfg.top_p, typical_epsilon=cfg.typical_epsilon,
                           typical_delta=cfg.typical_delta)
@@ -38,12 +51,10 @@ def check_decoding_keys(cfg):
 def heads_spec(cfg, strict: bool = False):
     """The spec of the heads in ``cfg.heads`` (config only), or None when there are none or (not ``strict``)
     it cannot be read here; ``strict``: an unreadable directory refused in one line."""
-    from .loading import read_heads_spec_for
-
     if not cfg.heads or cfg.heads == "???":
         return None
     try:
-        return read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
+        return loading.read_heads_spec_for(cfg.heads, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
     except UserError:
         if strict:
             raise
@@ -54,8 +65,6 @@ def check_options_fit(options: dict, spec, cfg) -> None:
     """What each method's options can tell from the heads' config alone (EAGLE-3: top-k within the drafter's
     outputs) and from the backbone's (``backbone_config``: a self:N draft within its layers), and
     max_new_tokens within its positions; ``check_model`` / the decoders say it again once loaded."""
-    from .runtime.decode import check_positions
-
     for opts in options.values():
         check = getattr(opts, "check_spec", None)
         if check is not None and spec is not None:
@@ -73,8 +82,6 @@ def check_options_fit(options: dict, spec, cfg) -> None:
 def backbone_config(cfg, spec):
     """The config (not the weights) of the backbone the command loads: ``backbone=``, else the one the heads
     record, else (no heads) embedded:smollm2; None when it cannot be read here (the load says why)."""
-    from .backbone import load_backbone_config
-
     name = cfg.backbone or getattr(spec, "base_model", None) or (None if cfg.heads else "embedded:smollm2")
     if not name or str(name).startswith("random:"):
         return None
@@ -87,8 +94,6 @@ def backbone_config(cfg, spec):
 def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
     """medusa-generate's prompts encoded, every one checked to fit the backbone's positions with max_new_tokens
     before any is decoded."""
-    from .runtime.decode import check_budget
-
     ids = [m.encode_chat(t, system=cfg.system) for t in texts]
     for i, row in enumerate(ids, start=1):
         check_budget(m, len(row), cfg.max_new_tokens, what=f"prompt {i} of {len(ids)}" if len(ids) > 1 else "prompt")
@@ -98,8 +103,6 @@ def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
 def method_options(cfg, method: str, spec):
     """``method``'s typed options from the command line's keys (bad K / W / N: one line), the settings left unset
     fitted to the heads of ``spec`` (``fitted``, where the options have it: EAGLE-3's tree)."""
-    from .methods.registry import options_from_keys
-
     options = options_from_keys(method, cfg)
     fitted = getattr(options, "fitted", None)
     return fitted(spec) if fitted is not None else options
@@ -108,9 +111,6 @@ def method_options(cfg, method: str, spec):
 def choice_modes(cfg, options: dict) -> dict:
     """method -> ``auto`` / ``fixed`` for the methods with a speculation shape: ``choice=``, or fixed where a key
     naming the shape itself was given (``tree=tree8``; ``shape.method_mode``)."""
-    from .methods.registry import get
-    from .methods.shape import keyed_fields, method_mode
-
     mode = cfg.choice if cfg.choice in ("auto", "fixed") else "fixed"   # a file: applied by the caller
     modes = {}
     for x, opts in options.items():
@@ -124,8 +124,6 @@ def choice_modes(cfg, options: dict) -> dict:
 def check_fixed_choices(options: dict, modes: dict, spec) -> None:
     """Refuse, from the heads' config alone, a fixed choice the heads cannot decode with (a tree deeper than the
     heads, more ranks than their outputs, an empty or old tree file); a choice still to measure always fits."""
-    from .methods.registry import get
-
     for x, mode in modes.items():
         shape = get(x).shape
         if spec is None or shape.calibrates(options[x], mode, False) or shape.calibrates(options[x], mode, True):
@@ -138,8 +136,6 @@ def check_fixed_choices(options: dict, modes: dict, spec) -> None:
 def read_choice_file(cfg, spec, usable: list[str]):
     """The ``SavedChoice`` of ``choice=<file>`` (None for auto / fixed), read against the heads of ``spec``
     with the command line's other keys (``choice_file.read_choice``)."""
-    from .methods.choice_file import is_choice_file, read_choice
-
     if not is_choice_file(cfg.choice):
         return None
     return read_choice(cfg.choice, spec, usable, lambda method: method_options(cfg, method, spec))
@@ -148,9 +144,6 @@ def read_choice_file(cfg, spec, usable: list[str]):
 def check_eval_keys(cfg):
     """(sampling settings, batch sizes or None: one prompt at a time) of an evaluation, every key the
     config alone decides checked: decoding, batching, calibration, tree budgets, turns."""
-    from .evaluation.batch_eval import parse_batch_sizes
-    from .evaluation.evaluate import check_settings
-
     sampling = check_decoding_keys(cfg)
     check_settings(max_new_tokens=cfg.max_new_tokens, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
                    calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets))
@@ -166,10 +159,6 @@ def check_eval_keys(cfg):
 
 def eval_methods(cfg) -> list[str]:
     """The methods an evaluation runs, from ``methods`` / ``compare``, the mode and whether heads exist."""
-    from .cli_support import enum_value
-    from .methods import get, names
-    from .methods.registry import check_methods, methods_for_heads
-
     if cfg.method is not None:
         raise UserError("method= is gone: give methods=[name, ...] (the baselines are added)")
     if cfg.methods is not None and cfg.compare:
@@ -202,10 +191,6 @@ def eval_methods(cfg) -> list[str]:
 def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]]):
     """(the prompts evaluated, the calibration prompts or None when no choice calibrates); batch sizes above
     the prompts evaluated refused (they would be reported as measured, but never were)."""
-    from .evaluation.batch_eval import check_sizes_measured
-    from .evaluation.choosing import calibrating
-    from .evaluation.prompts import load_prompts, select_prompts
-
     prompts = load_prompts(cfg.prompts)
     wanted = cfg.num_prompts
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1):
@@ -220,8 +205,6 @@ def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]]):
 
 def eval_out_dir(cfg) -> Path:
     """The folder an evaluation writes its report to (default: beside the heads), checked writable."""
-    from .evaluation.reports import check_report_dir
-
     name = "compare" if cfg.compare else "eval"
     out = Path(cfg.out) if cfg.out else Path(cfg.heads).resolve().parent / name if cfg.heads else Path("runs") / name
     check_report_dir(out)
@@ -234,8 +217,6 @@ def generate_prompts(cfg) -> tuple[list[str], bool]:
     if cfg.prompts_file is not None:
         if given is not None:
             raise UserError("give one of prompt= or prompts_file=")
-        from .evaluation.prompts import load_prompts
-
         return [p.turns[0] for p in load_prompts(cfg.prompts_file)], True
     if isinstance(given, (int, float)) and not isinstance(given, bool):
         given = str(given)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, NoReturn, Optional
 
+from .errors import UserError
+
 EXIT_USER_ERROR = 2
 # What a boolean key takes (any case). OmegaConf alone would also take any integer (materialize=3 -> true)
 # and words such as "Y"; a value outside these is more likely a slip than a yes.
@@ -38,7 +40,7 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     bad = [a for a in argv if "=" not in a or a.startswith("-")]
     if bad:
         fail(prog, f"arguments are key=value overrides, got {bad[0]!r} (see {prog} --help)")
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf   # lazy: --help and a word that is no key=value answer without OmegaConf
 
     structured = OmegaConf.structured(schema)
     not_boolean = non_boolean_override(structured, argv)
@@ -71,7 +73,7 @@ def non_boolean_override(structured, argv: list[str]) -> Optional[tuple[str, str
 def is_boolean_key(structured, key: str) -> bool:
     """Whether ``key`` (dotted) names a boolean field of the schema ``structured`` (False for a key inside
     an untyped dict, such as backbone.random_init.*: composing judges those)."""
-    from omegaconf import BooleanNode, DictConfig
+    from omegaconf import BooleanNode, DictConfig   # lazy: as parse_overrides (its callers have loaded it)
 
     node = structured
     try:
@@ -94,8 +96,6 @@ def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]], help_when_e
     """``--help`` (or no argument at all, with ``help_when_empty``) prints ``doc`` (a callable: its text, built
     only then); otherwise parse ``argv`` onto ``schema`` (a callable: built only then) and run ``task(cfg)``,
     turning a ``UserError`` into one line and exit 2. ``refuse(argv)``: a line refusing replaced keys, or None."""
-    from .errors import UserError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if (not argv and help_when_empty) or (argv and argv[0] in ("-h", "--help", "help")):
         print((doc() if callable(doc) else doc).strip())

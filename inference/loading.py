@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .assets import cache_dir
 from .backbone import load_backbone, load_backbone_config, parse_device, parse_dtype
 from .errors import NeedsBackboneConfig, UserError
 from .formats.export import FormatWarning
@@ -30,6 +31,8 @@ from .formats.importers import detect_layout, importer_for
 from .heads.native import check_config_object, load_native, place, read_native_spec
 from .heads.registry import family
 from .heads.spec import HeadsSpec, check_compatible
+from .runtime.adapter import merge_lora
+from .runtime.kernel_plan_cache import FILE_NAME
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 from .runtime.draft_weights import check_draft_weights, half_draft_weights
 
@@ -203,8 +206,6 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         tokenizer = tokenizer or tok
         apply = apply_adapter if apply_adapter is not None else backbone is None
         if spec.backbone_adapter and apply:  # Medusa-2 heads: decode on the backbone they were trained with
-            from .runtime.adapter import merge_lora
-
             merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
             adapter_applied = True
     else:
@@ -218,8 +219,6 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     lm_w = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else None
     emb = model.get_input_embeddings()
     if spec.backbone_adapter and apply_adapter and not adapter_applied:
-        from .runtime.adapter import merge_lora
-
         merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
         adapter_applied = True
     heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
@@ -246,9 +245,6 @@ def kernel_plans_path() -> Optional[Path]:
     """Where ``kernels=auto`` keeps the kernel choices measured on this machine (``runtime/kernel_plan_cache``):
     ``$MEDUSA_TRAIN_KERNEL_PLANS`` (a file; ``none``: keep none, measure at every launch), else
     ``kernel_plans.json`` in the cache (``$MEDUSA_TRAIN_CACHE``, default ``~/.cache/medusa-train``)."""
-    from .assets import cache_dir
-    from .runtime.kernel_plan_cache import FILE_NAME
-
     given = os.environ.get("MEDUSA_TRAIN_KERNEL_PLANS", "").strip()
     if given.lower() == "none":
         return None

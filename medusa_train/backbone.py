@@ -4,7 +4,9 @@ config without weights, and name it (``backbone_identity``).
 Pretrained backbones go through the runtime's own loader (``inference.backbone``), so what
 trains also decodes. The backbone never trains in Medusa-1: it is put in eval mode with ``requires_grad=False``
 on every parameter, and the trainer runs it under ``torch.no_grad`` (``backbone_inputs``). What the heads read
-from it per batch is ``backbone_inputs``; what is checked before it loads, ``preflight``.
+from it per batch is ``backbone_inputs``; what is checked before it loads, ``preflight``. transformers (0.8 s)
+is imported inside the functions that build a tokenizer, a config or a model: preflight imports this module,
+and its refusals that need none of them come first.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class Backbone:
 
 def byte_tokenizer():
     """A 259-token byte-level tokenizer with a ChatML template: no files, no network (tests)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers   # lazy: not for preflight's imports (docstring)
+    from transformers import PreTrainedTokenizerFast   # lazy: not for preflight's imports (docstring)
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -58,7 +60,7 @@ BYTE_TOKENIZER_SIZE = 259
 
 def random_config(config: dict):
     """The transformers config of a ``backbone.random_init`` dict (no weights)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig   # lazy: not for preflight's imports (docstring)
 
     cfg = dict(config)
     model_type = cfg.pop("model_type", "llama")
@@ -72,7 +74,7 @@ def random_config(config: dict):
 
 
 def random_backbone(config: dict, seed: int = 0) -> Backbone:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM   # lazy: not for preflight's imports (docstring)
 
     tokenizer = byte_tokenizer()
     assert len(tokenizer) == BYTE_TOKENIZER_SIZE
@@ -122,7 +124,7 @@ def keep_random_backbone(backbone: Backbone, folder: Path, write: bool = True) -
     the name heads record. A rerun (resume) rebuilds the same weights and rewrites the same files."""
     folder = folder.resolve()
     if write:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging   # lazy: not for preflight's imports (docstring)
 
         folder.mkdir(parents=True, exist_ok=True)
         bars = hf_logging.is_progress_bar_enabled()

@@ -66,8 +66,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Optional
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 from inference.errors import UserError
 from .backbone import backbone_config
@@ -263,8 +266,6 @@ def _short(v) -> str:
 
 
 def rng_state() -> dict[str, torch.Tensor]:
-    import numpy as np
-
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -277,8 +278,6 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    import numpy as np
-
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -299,6 +298,7 @@ def _base_optimizer(engine):
 
 def _full_tensor(param, opt, key=None):
     """Full fp32 parameter (key None) or optimizer moment, from any ZeRO stage; collective."""
+    # lazy: deepspeed takes 0.5 s to import, and preflight (its resume check) imports this module
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     full = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
@@ -337,8 +337,6 @@ def gather(engine) -> tuple[dict, dict, int]:
 
 def save(engine, output_dir: Path, step: int, trainer_state: dict, keep_last: int, rank: int) -> Path:
     """Write checkpoint ``step`` atomically; every rank calls this, rank 0 writes the shared files."""
-    from safetensors.torch import save_file
-
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     tag, tmp = step_tag(step), root / f".tmp-{step_tag(step)}"
@@ -384,9 +382,8 @@ def _by_write_order(root: Path) -> list[Path]:
 
 def load(engine, path: Path, rank: int) -> dict:
     """Restore heads, AdamW state, LR schedule and RNG from ``path``; returns the trainer state."""
+    # lazy: deepspeed takes 0.5 s to import, and preflight (its resume check) imports this module
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    from safetensors.torch import load_file
-
     path = Path(path)
     state = read_state(path)
     try:
@@ -451,7 +448,7 @@ def _materialize_optimizer_state(engine, opt, step_value: float) -> None:
 def _set_module_param(p, value) -> None:
     """Copy a full tensor into the module's (possibly ZeRO-3 partitioned) parameter."""
     if hasattr(p, "ds_id"):
-        import deepspeed
+        import deepspeed   # lazy: as in _full_tensor
 
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             if torch.distributed.get_rank() == 0:
@@ -461,7 +458,5 @@ def _set_module_param(p, value) -> None:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -12,8 +12,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import Enum
+from importlib import resources
+from pathlib import Path
 from typing import List, Optional
 
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from inference import assets
 from inference.cli_support import enum_value
 from inference.errors import UserError
 
@@ -196,11 +202,6 @@ def register_configs() -> None:
     """The recipe schema, and each family's ``heads`` schema as ``heads/<kind>_schema`` (what
     ``recipes/heads/<kind>.yaml`` builds on); a family without a packaged yaml gets its schema as its
     group option ``heads/<kind>`` itself, so a family registered at run time is selectable too."""
-    from importlib import resources
-
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
     cs = ConfigStore.instance()
     cs.store(name="medusa_schema", node=RecipeConfig)
     packaged = resources.files("recipes").joinpath("heads")
@@ -368,9 +369,6 @@ def _validate_backbone(b) -> None:
 
 def check_output_dir(output_dir) -> None:
     """Refuse an ``output_dir`` that is empty, a file or cannot be created, without creating anything."""
-    import os
-    from pathlib import Path
-
     if output_dir is None or not str(output_dir).strip():
         raise UserError("output_dir is empty: name the run's folder (output_dir=runs/<name>)")
     path = Path(os.path.expanduser(str(output_dir)))
@@ -394,11 +392,6 @@ def check_data_source(source: str) -> None:
     """Refuse a local data source that is missing or unreadable before the backbone loads (the same lines
     the reader would say later); hub dataset ids are left to the reader. Not part of ``validate``: a
     recipe may name data another recipe writes first (medusa1_smollm2_distilled)."""
-    import os
-    from pathlib import Path
-
-    from inference import assets
-
     source = str(source)
     if source.startswith("embedded:"):
         if source not in assets.EMBEDDED_DATA:

@@ -55,16 +55,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from inference.errors import UserError
 
+from . import backbone as frozen   # frozen.load_backbone looked up when called (tests replace it)
+from .config import validate
+from .data.readers import ReadStats, iter_conversations
 from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
+from .distributed import resolve_device
 from .manifest import claim, read_manifest, write_json_atomic
 
 FORMAT_VERSION = 1
@@ -76,8 +83,6 @@ PROGRESS_DIR = "progress"
 # -- identity of a run: what must match for a directory to be continued ----------------------------
 def run_identity(cfg) -> dict:
     """Settings that decide what the output holds; another value here means another dataset."""
-    from omegaconf import OmegaConf
-
     b, d, g = cfg.backbone, cfg.data, cfg.distill
     random_init = OmegaConf.to_container(b.random_init) if OmegaConf.is_config(b.random_init) else b.random_init
     return {
@@ -173,8 +178,6 @@ class Replay:
 
 def source_conversations(cfg, read_stats=None) -> Iterator[tuple[int, list[dict]]]:
     """(source index, messages) of the usable conversations, in source order, up to the limit."""
-    from .data.readers import ReadStats, iter_conversations
-
     d, limit = cfg.data, cfg.distill.max_conversations
     stats = read_stats if read_stats is not None else ReadStats()
     for i, messages in enumerate(iter_conversations(d.source, d.split, stats, d.system_prompt)):
@@ -319,9 +322,6 @@ def _raise_interrupt(signum, frame):
 
 def run(cfg) -> dict:
     """The distillation task; returns the manifest when this process finished the last shard."""
-    from .config import validate
-    from .data.readers import ReadStats
-
     validate(cfg)
     t, g = cfg.trainer, cfg.distill
     out = Path(cfg.output_dir)
@@ -334,8 +334,6 @@ def run(cfg) -> dict:
 
     bar = None
     if t.progress_bar and main:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=g.max_conversations, desc=f"distill (rank 0 of {world})", unit="conv", dynamic_ncols=True)
     rate = {"tokens": 0, "s": 0.0}
 
@@ -396,17 +394,14 @@ def run(cfg) -> dict:
 def _load_backbone(cfg, out: Path, identity: dict, local_rank: int):
     """(backbone, device): the run's backbone on this process's device (its launcher's GPU), the output folder
     claimed against its weights too (distilled data is only valid for the backbone that wrote it)."""
-    from .backbone import backbone_identity, load_backbone  # transformers: only once a distillation runs
-    from .distributed import resolve_device
-
     t = cfg.trainer
     if t.threads:
         torch.set_num_threads(t.threads)
     device = resolve_device(t.device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
-    backbone = load_backbone(cfg.backbone, device, seed=t.seed)
-    claim_output(out, identity, backbone_identity(backbone))
+    backbone = frozen.load_backbone(cfg.backbone, device, seed=t.seed)
+    claim_output(out, identity, frozen.backbone_identity(backbone))
     return backbone, device
 
 
@@ -451,6 +446,4 @@ def calibration_prompts(cfg, gen: Generator) -> list[list[int]]:
 
 
 def _main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()

@@ -24,9 +24,13 @@ import time
 from typing import Callable, Optional
 
 import torch
+from transformers import GenerationConfig
 
 from inference.backbone import eos_token_ids
 from inference.errors import UserError
+from inference.methods import generate_batch
+from inference.runtime.model import MedusaModel
+from inference.runtime.verify import SamplingConfig
 
 ENGINES = ("generate", "runtime", "lookup")
 CALIBRATION_TOKENS = 64   # new tokens per calibration prompt: enough steps for a stable rate
@@ -38,8 +42,6 @@ class Generator:
     name = "generate"
 
     def __init__(self, model, tokenizer, cfg, device):
-        from transformers import GenerationConfig
-
         self.model, self.tokenizer, self.device = model, tokenizer, device
         g = cfg.distill
         self.eos = eos_token_ids(model, tokenizer)
@@ -87,9 +89,6 @@ class RuntimeGenerator(Generator):
     """The runtime's batched decoding (``runtime``: the plain batched loop; ``lookup``: batched prompt lookup)."""
 
     def __init__(self, model, tokenizer, cfg, device, method: str = "autoregressive"):
-        from inference.runtime.model import MedusaModel
-        from inference.runtime.verify import SamplingConfig
-
         super().__init__(model, tokenizer, cfg, device)
         self.method = method
         self.name = "runtime" if method == "autoregressive" else "lookup"
@@ -103,8 +102,6 @@ class RuntimeGenerator(Generator):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: Optional[int] = None) -> list[tuple[list[int], bool]]:
-        from inference.methods import generate_batch
-
         seed = int(torch.randint(0, 2**62, (1,)).item())   # from the shard's seeded stream: resumable
         out = generate_batch(self.m, prompts, self.method, max_new_tokens=max_new_tokens or self.max_new_tokens,
                              sampling=self.sampling, seed=seed, eos_token_ids=self.eos)

@@ -7,11 +7,15 @@ those commands set up a process without importing the training loop.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from inference.errors import UserError
 
@@ -38,10 +42,7 @@ def init_distributed(device: torch.device):
     if "RANK" not in os.environ:
         added = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         os.environ.update(added)
-    import logging
-
-    import deepspeed
-    import torch.distributed as dist
+    import deepspeed   # lazy: it reads DS_ACCELERATOR (set above) when imported; 0.5 s, not for preflight
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines drown the progress bar
     if device.type == "cpu":
@@ -50,9 +51,6 @@ def init_distributed(device: torch.device):
         # and its bf16 kernels fault without AVX-512. gloo's allreduce is plenty for the heads.
         # (sys.modules: ``import deepspeed.comm.torch as m`` binds the real torch, which
         # deepspeed.comm re-exports under that name.)
-        import importlib
-        import sys
-
         importlib.import_module("deepspeed.comm.torch")
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     try:
@@ -93,6 +91,4 @@ def start_process(t) -> Process:
 
 def barrier(world_size: int) -> None:
     if world_size > 1:
-        import torch.distributed as dist
-
         dist.barrier()

@@ -82,16 +82,18 @@ from typing import Callable, Iterator, Optional
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from inference.backbone import parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
 
-from .backbone import backbone_identity
+from .backbone import backbone_identity, load_backbone
 from .backbone_inputs import FrozenFeatures
+from .config import derived_batch, validate
 from .data.readers import ReadStats
-from .data.stream import ConversationStream, StreamStats, first_epoch
-from .distributed import barrier
+from .data.stream import ConversationStream, RankData, StreamStats, first_epoch
+from .distributed import barrier, start_process
 from .families import backbone_layers
 from .manifest import claim, read_manifest, write_json_atomic
 
@@ -353,8 +355,6 @@ def _write_shards(cache: FeatureCache, plan: CachePlan, open_stream: Callable[[]
         return
     bar = None
     if plan.is_main and plan.progress_bar:
-        from tqdm.auto import tqdm  # only for a build that shows progress
-
         bar = tqdm(total=sum(counts[k] for k in mine), desc="features", unit="batch", dynamic_ncols=True)
     last = max(mine) * S + counts[max(mine)]
     pending: list[dict] = []
@@ -449,11 +449,6 @@ def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: i
 
 def run_build(cfg) -> dict:
     """``features.mode=build``: build (or complete) the cache and exit, without heads, optimizer or engine."""
-    from .backbone import load_backbone
-    from .config import derived_batch, validate
-    from .data.stream import RankData
-    from .distributed import start_process
-
     validate(cfg)
     proc = start_process(cfg.trainer)
     batch = derived_batch(cfg.trainer, proc.world_size)

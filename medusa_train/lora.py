@@ -24,6 +24,7 @@ adapter itself (``inference/adapter.py``, no peft needed) or loads the merged mo
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -32,11 +33,14 @@ from typing import Optional
 import torch
 from torch import nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from inference.backbone import decoder_body, lm_head_weight
 from inference.errors import UserError
 from inference.heads.registry import family, setting_names
+from inference.loading import load_heads
 
+from .checkpoint import full_fp32
 from .data.masks import attention_mask, block_causal_mask
 from .data.tokenize import IGNORE
 from .losses import heads_loss
@@ -48,7 +52,7 @@ def apply_lora(model, lcfg, device: torch.device):
     """Wrap ``model`` with a fresh LoRA adapter; base weights stay frozen. Returns the peft model."""
     if lcfg.load_in_bits:
         _check_quantization(lcfg.load_in_bits, device)
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model   # lazy: 3 s to import, for LoRA runs only
 
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     missing = [t for t in lcfg.target_modules if t not in names]
@@ -70,7 +74,7 @@ def _check_quantization(bits: int, device: torch.device) -> None:
     if device.type != "cuda":
         raise UserError(f"lora.load_in_bits={bits} needs a CUDA GPU (bitsandbytes kernels); on CPU use 0")
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes  # noqa: F401  # lazy: optional dependency, checked here
     except ImportError:
         raise UserError(f"lora.load_in_bits={bits} needs the bitsandbytes package: pip install bitsandbytes") from None
 
@@ -158,8 +162,6 @@ def adapter_state(peft_model, full_state: dict[str, torch.Tensor]) -> dict[str, 
 
 def save_adapter(peft_model, tensors: dict[str, torch.Tensor], out_dir: Path, base_model: str) -> Path:
     """peft-format adapter dir (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = peft_model.peft_config["default"].to_dict()
     cfg["base_model_name_or_path"] = base_model
@@ -173,8 +175,6 @@ def save_adapter(peft_model, tensors: dict[str, torch.Tensor], out_dir: Path, ba
 
 def save_merged(peft_model, tokenizer, out_dir: Path) -> Path:
     """The backbone with the adapter merged in, as a full transformers model directory."""
-    import copy
-
     merged = copy.deepcopy(peft_model).merge_and_unload()
     merged.save_pretrained(str(out_dir), safe_serialization=True)
     if tokenizer is not None:
@@ -255,8 +255,6 @@ class JointSource:
     def export_extra(self, engine):
         """Gather the adapter (collective: every rank calls this) and return the writer of
         ``heads/adapter/`` for ``save_heads`` (None off the main process)."""
-        from .checkpoint import full_fp32
-
         gathered = {name: full_fp32(p) for name, p in engine.module.named_parameters()
                     if p.requires_grad and name.startswith("peft_model.")}
         tensors = adapter_state(self.peft_model, gathered)
@@ -285,8 +283,6 @@ def init_heads_from(heads, heads_dir: Optional[str], lm_head_weight=None, input_
     (weights and, for truncated heads, its token map)."""
     if not heads_dir:
         return
-    from inference.loading import load_heads
-
     loaded = load_heads(heads_dir, lm_head_weight=lm_head_weight, input_embeddings=input_embeddings)
     keys = ("kind", "num_heads", "num_layers", "hidden_size", "vocab_size", "projection", "truncated_vocab_size",
             *setting_names(family(heads.spec.kind)))  # the shape, and the family's own settings

@@ -18,6 +18,8 @@ import torch
 from inference.backbone import parse_dtype, text_config
 from inference.cli_support import enum_value
 from inference.errors import UserError
+from inference.heads.registry import build_heads
+from inference.heads.spec import HeadsSpec
 
 from .backbone import backbone_config
 from .checkpoint import resume_point
@@ -28,7 +30,7 @@ from .families import draft_depth, draft_vocabulary, training_family
 
 def parameter_count(hf_config, trust_remote_code: bool = False) -> int:
     """Parameters of the model ``hf_config`` describes, counted on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM   # lazy: 0.8 s, not for the refusals before this check
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
@@ -88,9 +90,6 @@ def _backbone_dtype_bytes(backbone_cfg, hf_config) -> int:
 def head_parameter_count(heads_cfg, hf_config) -> int:
     """Parameters of the heads ``heads.*`` describes on this backbone, asked of their family: the module
     ``inference.heads.build_heads`` would build from the spec the trainer writes, built on the meta device."""
-    from inference.heads.registry import build_heads  # the family modules import torch's nn: not at --help
-    from inference.heads.spec import HeadsSpec
-
     text = text_config(hf_config)
     vocab = int(text.vocab_size)
     projection, size = draft_vocabulary(heads_cfg, vocab)
@@ -182,7 +181,7 @@ def check_attn_implementation(backbone_cfg) -> None:
     (sdpa, flash_attention_2/3, flex_attention, ...), or a hub kernel (``org/repo``)."""
     value = backbone_cfg.attn_implementation
     try:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # lazy: an older transformers lacks it
 
         known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     except ImportError:  # an older transformers: its documented values

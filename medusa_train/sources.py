@@ -33,6 +33,7 @@ from .backbone_inputs import FrozenFeatures
 from .families import backbone_layers
 from .data.readers import ReadStats
 from .data.stream import RankData, StreamStats
+from .lora import JointSource
 from .losses import HeadMetrics, backbone_labels, heads_loss
 
 
@@ -177,8 +178,6 @@ class CachedSource(_FrozenHeads):
 def make_source(cfg, backbone, device, data: RankData, compute_dtype: torch.dtype, plan: features.CachePlan):
     """The one batch source this recipe trains from (``lora.enabled`` / ``features.mode``)."""
     if cfg.lora.enabled:
-        from .lora import JointSource
-
         return JointSource(cfg, backbone, device, data)
     if features.enabled(cfg):
         return CachedSource(cfg, backbone, device, data, compute_dtype, plan)

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tqdm.auto import tqdm
+
 
 class Tracker:
     def __init__(self, output_dir: Path, logger_cfg, run_config: dict, total_steps: int, start_step: int,
@@ -29,8 +31,6 @@ class Tracker:
         if mode != "disabled":
             self.wandb = _start_wandb(mode, logger_cfg, run_config, output_dir)
         if progress:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr)
 
@@ -83,7 +83,7 @@ class Tracker:
 def _start_wandb(mode: str, logger_cfg, run_config: dict, output_dir: Path):
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
-        import wandb
+        import wandb   # lazy: only when wandb logging is on; a failing import must not stop training
 
         return wandb.init(project=logger_cfg.project, name=logger_cfg.run_name, mode=mode,
                           dir=str(output_dir), config=run_config, reinit="finish_previous")
@@ -106,10 +106,10 @@ def plot_curves(metrics_path: Path, out_path: Path) -> Optional[Path]:
     evals = [r for r in records if r["kind"] == "eval"]
     if not train:
         return None
-    import matplotlib
+    import matplotlib   # lazy: 0.7 s to import, for one PNG at the end of training
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # lazy: after the headless backend is chosen
 
     heads = sorted({int(k[4:].split("/")[0]) for k in train[-1] if k.startswith("head") and k.endswith("/loss")})
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from inference.backbone import lm_head_weight, parse_dtype
@@ -156,8 +157,6 @@ class MedusaTrainer:
             except OSError:
                 done = False
         if self.world_size > 1:
-            import torch.distributed as dist
-
             answer = [done]
             dist.broadcast_object_list(answer, src=0)
             done = bool(answer[0])
@@ -201,7 +200,7 @@ class MedusaTrainer:
         return token_map
 
     def _build_engine(self) -> None:
-        import deepspeed
+        import deepspeed   # lazy: after start_process set DS_ACCELERATOR, which deepspeed reads when imported
 
         t, o = self.cfg.trainer, self.cfg.optim
         ds_cfg = deepspeed_config(t, self.plan)
@@ -270,8 +269,6 @@ class MedusaTrainer:
     def _check_finite(self, loss: torch.Tensor) -> None:
         bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0])
         if self.world_size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(bad)  # every rank stops together, none is left waiting
         if bad.item() > 0:
             last = checkpoint.find_resume(self.output_dir, "auto")
@@ -303,8 +300,6 @@ class MedusaTrainer:
         mine = (self.data_state, self.batch_counts)
         per_rank = [mine]
         if self.world_size > 1:
-            import torch.distributed as dist
-
             per_rank = [None] * self.world_size
             dist.all_gather_object(per_rank, mine)
         data_per_rank = [data for data, _ in per_rank]
@@ -427,8 +422,6 @@ def _leave_process_group(world_size: int) -> None:
     exit 250) after a run that succeeded. Success path only: a rank that failed must not wait at
     a barrier its peers never reach."""
     if world_size > 1:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -17,7 +17,7 @@
 # gpu_tier.xml, gpu_tier.log and check.log (5 files, well under the 8-file limit).
 #
 # Here, on CPU, the same paths on a tiny model in seconds, the gpu tier included (on the CPU;
-# what tests/test_gpu_check.py runs):
+# what tests/house/test_gpu_check.py runs):
 #     bash scripts/gpu_check.sh --dry-run [--out DIR]      # or GPU_CHECK_DRY_RUN=1
 #
 # Options: --out DIR (default runs/gpu_check, or $OUT when set), --dry-run, --no-tier (skip pytest),
@@ -68,7 +68,7 @@ if [ "$tier" = 1 ]; then
   # (GPU_TIER_DEVICE=cpu, ~15 s) so that the tier's own code is known to work before a GPU is lent.
   [ "$dry" = 1 ] && export GPU_TIER_DEVICE=cpu
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/gpu_tier.xml" \
-    tests/test_runtime_gpu.py tests/test_train_gpu.py 2>&1 | tee "$out/gpu_tier.log" | tail -15
+    tests/runtime/test_runtime_gpu.py tests/training/test_train_gpu.py 2>&1 | tee "$out/gpu_tier.log" | tail -15
   xml_arg=(--tier-xml "$out/gpu_tier.xml")
 fi
 dry_arg=()

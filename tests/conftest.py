@@ -122,7 +122,7 @@ def compose_tiny(tiny_overrides):
     """
     import torch
 
-    from medusa_train.cli import compose_recipe
+    from medusa_train.launch import compose_recipe
 
     def _compose(*extra: str, out: Path | None = None):
         ov = list(tiny_overrides)
@@ -139,7 +139,7 @@ def compose_tiny(tiny_overrides):
 def tiny_backbone():
     """The ``debug_tiny`` random backbone (same seed as the trainer uses), eval mode, frozen."""
     from medusa_train.backbone import load_backbone
-    from medusa_train.cli import compose_recipe
+    from medusa_train.launch import compose_recipe
 
     cfg = compose_recipe(TINY_RECIPE, [])
     return load_backbone(cfg.backbone, "cpu", seed=cfg.trainer.seed)
@@ -226,11 +226,11 @@ class DecodeCalled(Exception):
 
 @pytest.fixture
 def generate_calls(monkeypatch):
-    """medusa-generate (``inference.cli.run_generate``) up to its decoding call, on heads that are never loaded:
+    """medusa-generate (``inference.cli_run.run_generate``) up to its decoding call, on heads that are never loaded:
     ``spec`` is what ``heads_spec`` returns (set ``calls["spec"]``), the model a stub, and the decoding call
     (``generate_several`` for several prompts, ``stream`` for one) records its arguments in ``calls`` and
     raises ``DecodeCalled``."""
-    import inference.cli as cli
+    import inference.cli_run as cli
     import inference.methods as methods
     from types import SimpleNamespace
 

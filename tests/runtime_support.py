@@ -1,4 +1,4 @@
-"""Tiny models and stub heads shared by the tree-decoding runtime tests (tests/test_runtime_*.py)."""
+"""Tiny models and stub heads shared by the decoding tests (tests/runtime/, tests/methods/ and the other rooms that decode)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import time
 def measure(mode: str, heads: int, steps: int, micro: int, max_length: int) -> dict:
     import torch
 
-    from medusa_train.cli import compose_recipe
+    from medusa_train.launch import compose_recipe
     from medusa_train.trainer import MedusaTrainer
 
     out = tempfile.mkdtemp(prefix="bench-")

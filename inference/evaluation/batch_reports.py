@@ -55,13 +55,19 @@ def batched_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_throughput(out_dir: Path, r: dict) -> Path:
-    """tokens/s against batch size: the plain batched loop, HF's batched generate, each method."""
-    import matplotlib
+def pyplot():
+    """matplotlib's pyplot on the headless Agg backend, for the reports' PNGs."""
+    import matplotlib   # lazy: 0.7 s to import, only once a report is plotted
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # lazy: after the headless backend is chosen
 
+    return plt
+
+
+def plot_throughput(out_dir: Path, r: dict) -> Path:
+    """tokens/s against batch size: the plain batched loop, HF's batched generate, each method."""
+    plt = pyplot()
     b = r["batched"]
     sizes = b["batch_sizes"]
     labels = {"autoregressive": "plain batched loop", "hf_generate": "HF batched generate"}

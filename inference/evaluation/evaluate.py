@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
+import transformers
 
 from ..errors import UserError
 from ..runtime.linear_kernels import routing_summary
@@ -116,12 +117,7 @@ def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[
 def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    info["transformers"] = transformers.__version__
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

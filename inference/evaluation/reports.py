@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError
-from .batch_reports import batched_markdown, plot_throughput
+from .batch_reports import batched_markdown, plot_throughput, pyplot
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -129,11 +129,7 @@ def markdown(r: dict) -> str:
 
 
 def plot_report(out_dir: Path, r: dict) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     name, row = headline(r)
     hist = row.get("accept_length_histogram")
@@ -214,11 +210,7 @@ def compare_markdown(r: dict) -> str:
 
 
 def plot_compare(path: Path, r: dict) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     methods = r["methods"]
     per = r["per_method"]
     panels = [("speedup vs autoregressive", [per[m].get("speedup_vs_autoregressive") or 0 for m in methods]),

@@ -30,6 +30,8 @@ The formats sit above ``inference.heads``: they import the head families, never 
 This ``__init__`` stays free of torch so that ``medusa-export --help`` is instant.
 """
 
+import importlib
+
 FORMATS = ("vllm", "tensorrt_llm", "tgi", "medusa_v1", "eagle3")
 
 # The built-in format modules, one line each: importing one registers its exporters and importers.
@@ -44,7 +46,5 @@ BUILTIN_MODULES = (
 
 def load_builtin_formats() -> None:
     """Register the built-in exporters and importers (each module once; cheap after the first call)."""
-    import importlib
-
     for module in BUILTIN_MODULES:
         importlib.import_module(module)

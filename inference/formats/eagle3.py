@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from ..errors import IncompatibleHeadsError, NeedsBackboneConfig, UserError
 from ..heads.eagle3 import (NUM_AUX, ascending_fc, engine_default_aux_layers, refuse_repeated_aux_layers,
@@ -312,8 +313,6 @@ def read_spec(d: Path, backbone_config=None) -> HeadsSpec:
 
 
 def _weights(d: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    from safetensors.torch import load_file
-
     if (d / WEIGHTS).is_file():
         try:
             tensors = load_file(str(d / WEIGHTS))

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
+import safetensors.torch   # safetensors.torch.save_file looked up when writing (tests make it fail)
 import torch
 
 from ..errors import UserError
@@ -190,12 +191,10 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
     A kill at any point leaves the previous ``out`` or the new one (possibly moved aside as
     ``.<out>.old-*`` between the swap's renames); the next write into ``out`` recovers and cleans
     up first (``heads.native.recover_dir``)."""
-    from safetensors.torch import save_file
-
     tmp = _writable_temp_dir(out)
     try:
         # metadata format=pt: transformers' and the engines' safetensors readers expect it.
-        save_file(plan.tensors, str(tmp / plan.weights_file), metadata={"format": "pt"})
+        safetensors.torch.save_file(plan.tensors, str(tmp / plan.weights_file), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         for name, text in plan.extra_files.items():  # inside the same swap: all files or none
             if "/" in name or name in ("config.json", plan.weights_file):

@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..heads.native import load_state_checked
@@ -112,8 +113,6 @@ def read_spec(d: Path) -> HeadsSpec:
 
 
 def load(d: Path, spec: HeadsSpec):
-    from safetensors.torch import load_file
-
     tensors = {k.removeprefix("speculator."): v for k, v in load_file(str(d / WEIGHTS)).items()}
     heads = build_heads(spec)
     expected = heads.state_dict()

@@ -72,7 +72,10 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
+from ..backbone import text_config
 from ..errors import UserError
 from ..heads.medusa import MedusaHeads
 from ..heads.native import load_state_checked
@@ -80,6 +83,7 @@ from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, full_projection, materialise_note,
                      megabytes, refuse_unless_kind, register_exporter)
 from .importers import register_importer
+from ..runtime.tree import grow_tree, reference_accuracies
 
 WEIGHTS_SAFETENSORS = "medusa_lm_head.safetensors"
 WEIGHTS_PICKLE = "medusa_lm_head.pt"
@@ -114,8 +118,6 @@ _TGI_MODEL_TYPE_ATTENTION = ("falcon", "deepseek_v2")
 
 def reference_tree(num_heads: int, max_depth: int):
     """The tree written beside reference-layout heads: depth <= min(num_heads, max_depth), ranks < 10."""
-    from ..runtime.tree import grow_tree, reference_accuracies
-
     depth = min(num_heads, max_depth)
     tree, _ = grow_tree(reference_accuracies(depth, _TREE_RANKS), _TREE_BUDGET, name=f"tree64-depth{depth}")
     return tree
@@ -127,8 +129,6 @@ def tgi_launcher_keys(backbone_config, spec: HeadsSpec) -> tuple[dict, str]:
            "set ATTENTION / PREFIX_CACHING as TGI picks them for the backbone")
     if backbone_config is None:
         return {}, f"note: the backbone's config could not be read (pass backbone=<model>): {how}"
-    from ..backbone import text_config
-
     top = backbone_config.to_dict() if hasattr(backbone_config, "to_dict") else dict(backbone_config)
     cfg = text_config(backbone_config)
     get = (lambda k: getattr(cfg, k, None)) if not isinstance(cfg, dict) else cfg.get
@@ -282,8 +282,6 @@ def _strip(name: str) -> str:
 
 def _shapes(d: Path) -> tuple[dict[str, tuple], dict[str, torch.Tensor] | None]:
     """Names -> shapes (and the tensors, when they had to be loaded to know them)."""
-    from safetensors import SafetensorError, safe_open
-
     f = d / WEIGHTS_SAFETENSORS
     if f.is_file():  # preferred over the pickle when both exist: nothing to unpickle
         try:
@@ -296,8 +294,6 @@ def _shapes(d: Path) -> tuple[dict[str, tuple], dict[str, torch.Tensor] | None]:
 
 
 def _load_tensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     f = d / WEIGHTS_SAFETENSORS
     if f.is_file():
         return {_strip(k): v for k, v in load_file(str(f)).items()}

@@ -29,6 +29,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..heads.medusa import MedusaHeads
@@ -130,8 +132,6 @@ def _counts(config: dict) -> tuple:
 
 
 def _shapes(d: Path) -> dict[str, tuple]:
-    from safetensors import SafetensorError, safe_open
-
     shapes = {}
     for f in _weight_files(d):
         try:
@@ -199,8 +199,6 @@ def read_spec(d: Path) -> HeadsSpec:
 
 def load(d: Path, spec: HeadsSpec) -> tuple[MedusaHeads, torch.Tensor | None]:
     """(heads, the dir's own shared lm_head or None), values exactly as vLLM would run them."""
-    from safetensors.torch import load_file
-
     tensors = {}
     for f in _weight_files(d):
         tensors.update({k.removeprefix("medusa_heads."): v for k, v in load_file(str(f)).items()})

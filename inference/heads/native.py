@@ -30,7 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import safetensors.torch   # safetensors.torch.save_file looked up when writing (tests make it fail)
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from ..errors import UserError
 from .projection import ProjectedHeads
@@ -55,14 +58,13 @@ def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
     ``state_dict`` lets a distributed trainer pass gathered weights; ``extra(tmp_dir)`` writes
     more files into the same atomic directory (Medusa-2's adapter).
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = state_dict if state_dict is not None else heads_state_dict(heads)
     tmp = make_temp_dir(out)
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "kind": heads.spec.kind})
+        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE),
+                                    metadata={"format": "pt", "kind": heads.spec.kind})
         (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
         if extra is not None:
             extra(tmp)
@@ -215,9 +217,6 @@ def load_native(heads_dir: str | os.PathLike, backbone_config=None,
                 device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
                 input_embeddings: Optional[torch.Tensor] = None) -> ProjectedHeads:
     """Load a native export strictly; with ``backbone_config``, refuse heads made for another model."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     d = Path(heads_dir)
     spec = read_native_spec(d)
     if backbone_config is not None:

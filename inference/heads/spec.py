@@ -62,8 +62,8 @@ class HeadsSpec:
 
     ``HeadsSpec(..., kind=k, settings=<k's settings>)``, or the family's settings as keywords (flat, as
     config.json has them): ``HeadsSpec(..., kind="eagle3", aux_layers=[2, 4, 6], draft_layer={...})``.
-    A family's setting also reads (and writes) through the spec by its name, ``spec.aux_layers`` being
-    ``spec.settings.aux_layers``: the flat view config.json, the exporters and the command lines use.
+    A family's setting is read where the family keeps it, ``spec.settings.aux_layers``; only config.json
+    (``to_dict`` / ``from_dict``) lays the settings flat beside the common fields.
     """
 
     num_heads: int
@@ -92,7 +92,7 @@ class HeadsSpec:
         self.backbone_adapter, self.format_version = backbone_adapter, format_version
         fam = family(kind)  # an unknown kind: one line listing the kinds
         clash = sorted(_COMMON_NAMES.intersection(setting_names(fam)))
-        if clash:  # the flat view (and config.json) could not tell them apart
+        if clash:  # config.json, where they lie flat beside the common fields, could not tell them apart
             raise TypeError(f"heads family {kind!r}: settings {clash} are common HeadsSpec fields")
         if settings is None:
             settings = family_settings_of(fam, family_settings)
@@ -118,21 +118,6 @@ class HeadsSpec:
         else:
             self.truncated_vocab_size = None
 
-    # The flat view of the family's settings (class docstring). Only reached for names the instance does
-    # not have; ``settings`` is read from __dict__ so a half-built instance (copy, pickle) cannot recurse.
-    def __getattr__(self, name: str):
-        settings = self.__dict__.get("settings")
-        if settings is not None and not name.startswith("_") and name in _names(settings):
-            return getattr(settings, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value) -> None:
-        settings = self.__dict__.get("settings")
-        if settings is not None and name in _names(settings):
-            setattr(settings, name, value)
-        else:
-            object.__setattr__(self, name, value)
-
     @property
     def output_size(self) -> int:
         return self.truncated_vocab_size if self.projection == "truncated" else self.vocab_size
@@ -156,10 +141,6 @@ class HeadsSpec:
 
 
 _COMMON_NAMES = frozenset(f.name for f in dataclasses.fields(HeadsSpec)) - {"settings"}
-
-
-def _names(settings) -> frozenset:
-    return frozenset(f.name for f in dataclasses.fields(settings))
 
 
 def family_settings_of(fam: HeadFamily, flat: dict):

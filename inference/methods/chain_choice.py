@@ -90,6 +90,7 @@ class ChainShape(SpeculationShape):
     ``SpeculationSchedule`` of chains) that the sizing fills."""
 
     noun = "chain length"
+    measured_on = "acceptance"
     record_key = "chain"
 
     def __init__(self, field: str, calibration: Callable[[Any], Any] = lambda options: options, varying: bool = False):
@@ -104,16 +105,10 @@ class ChainShape(SpeculationShape):
     def choose(self, ctx: ChoiceContext, method: str, options, mode: str) -> Chosen:
         return self.given(options)   # one prompt at a time: its set length (its decoders adapt by themselves)
 
-    def size(self, ctx: ChoiceContext, method: str, options, mode: str, sizes: Sequence[int]) -> Chosen:
-        if not self.calibrates(options, mode, True):
-            return self.given(options, sizes, "given" if options.schedule is not None else "fixed")
-        ctx.log(f"choosing {method}'s chain length per batch size: acceptance on {len(ctx.calibration)} calibration "
-                "prompts, batch step latency on this device")
-        sizing, record = choose_chain_schedule(ctx.m, method=method, options=options, calibration=ctx.calibration,
-                                               latency_prompts=ctx.latency, batch_sizes=sorted({1, *sizes}),
-                                               calibration_tokens=ctx.calibration_tokens, log=ctx.log,
-                                               progress=ctx.progress)
-        return self.sized(ctx, method, options, sizing, record)
+    def size_schedule(self, ctx: ChoiceContext, method: str, options, batch_sizes: Sequence[int]) -> tuple:
+        return choose_chain_schedule(ctx.m, method=method, options=options, calibration=ctx.calibration,
+                                     latency_prompts=ctx.latency, batch_sizes=batch_sizes,
+                                     calibration_tokens=ctx.calibration_tokens, log=ctx.log, progress=ctx.progress)
 
     def fixed_choice(self, options, heads=None):
         return chain_tree(self.most(options) + 1)

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import backbone as backbones   # backbones.load_backbone looked up when called (tests replace it)
 from ..errors import UserError
 from ..runtime.batch_cache import RaggedKVCache, pad_layout
 from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
@@ -227,9 +228,8 @@ def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> Me
     if isinstance(spec, MedusaModel):
         draft = spec
     elif isinstance(spec, str):
-        from ..backbone import load_backbone
-
-        model, tok, _ = load_backbone(spec, device=target.device, dtype=target.dtype, trust_remote_code=trust_remote_code)
+        model, tok, _ = backbones.load_backbone(spec, device=target.device, dtype=target.dtype,
+                                                trust_remote_code=trust_remote_code)
         draft = MedusaModel(model=model, tokenizer=tok, heads=None)
     elif hasattr(spec, "get_output_embeddings"):
         draft = MedusaModel(model=spec, tokenizer=None, heads=None)

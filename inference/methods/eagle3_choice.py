@@ -3,7 +3,8 @@ tree, chosen on this machine (``choice=auto``) by the rule Medusa's tree is (``m
 
 Its dynamic trees have no fixed node values to add up, so each candidate of a small grid gets its tau
 measured by greedy decoding of the calibration prompts (``measure_eagle3_tau``), its step time in
-``runtime.race``'s interleaved rounds against plain decoding; the best expected tokens/s wins, plain
+``runtime.race``'s interleaved rounds against plain decoding (a setting whose steps differ by themselves: its
+mean step over a whole calibration reply); the best expected tokens/s wins, plain
 decoding when nothing beats it by more than the timings' spread. ``eagle3_lookup`` races the same shapes
 with its looked-up branch on, and its parts (the lookup alone, the drafter alone, switching) beside them.
 
@@ -21,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 from ..errors import UserError
 from ..runtime.model import MedusaModel
-from ..runtime.race import PLAIN, clear_winner, mean_over_median, progress_bar, race
+from ..runtime.race import PLAIN, clear_winner, progress_bar, race
 from ..runtime.sizing import DEFAULT_BATCH_SIZES, BatchSizing, SharedSetting, size_speculation
 from ..runtime.speculation import SpeculationSchedule
 from . import registry
@@ -87,32 +88,32 @@ def eagle3_name(shape: tuple) -> str:
 
 
 def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional[tuple], *,
-                      steps: int = 8, warmup: int = 2, method: str = "eagle3", options=None) -> list[float]:
+                      steps: int = 8, warmup: int = 2, method: str = "eagle3", options=None,
+                      reply_tokens: Optional[int] = None) -> list[float]:
     """``step_times`` for ``method`` (eagle3, or eagle3_lookup with ``options``' lookup settings) with
-    (nodes, depth, topk[, min_prob]) = ``shape`` (None: plain decoding)."""
+    (nodes, depth, topk[, min_prob]) = ``shape`` (None: plain decoding). ``reply_tokens``: every step of a
+    whole reply that long instead of ``steps`` steps (a setting whose steps differ by themselves: its first
+    steps are not its mix)."""
     if shape is None:
         return plain_step_times(m, prompt_ids, steps=steps, warmup=warmup)
     extra = getattr(options, "num_tokens", 0)          # a looked-up chain deepens a step's tree
-    out = generate(m, list(prompt_ids), method, options=options, **eagle3_fields(shape),
-                   eos_token_ids=(), max_new_tokens=(warmup + steps + 1) * (shape[1] + extra + 1),
-                   max_steps=warmup + steps, seed=0)
+    whole = reply_tokens is not None
+    out = generate(m, list(prompt_ids), method, options=options, **eagle3_fields(shape), eos_token_ids=(),
+                   max_new_tokens=reply_tokens if whole else (warmup + steps + 1) * (shape[1] + extra + 1),
+                   max_steps=None if whole else warmup + steps, seed=0)
     times = list(out.step_s)
     return times[warmup:] if len(times) > warmup else times
 
 
 def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: tuple, *,
-                       max_new_tokens: int = 48, method: str = "eagle3", options=None,
-                       step_s: Optional[list[float]] = None) -> float:
+                       max_new_tokens: int = 48, method: str = "eagle3", options=None) -> float:
     """Tokens per step of greedy ``method`` decoding with ``shape`` over ``prompts``: a dynamic tree has
-    no fixed node values to add up, so its expected tau is measured by decoding. ``step_s``: a list that
-    gets every step's wall time (``mean_over_median``)."""
+    no fixed node values to add up, so its expected tau is measured by decoding."""
     tokens = steps = 0
     for p in prompts:
         out = generate(m, list(p), method, options=options, **eagle3_fields(shape),
                        max_new_tokens=max_new_tokens)
         tokens, steps = tokens + sum(out.accept_lengths), steps + out.steps
-        if step_s is not None:
-            step_s += out.step_s
     return tokens / steps if steps else 1.0
 
 
@@ -134,37 +135,38 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     grid = tuple(grid) + (tuple(parts()) if parts is not None else ())
     shapes = {eagle3_name(s): tuple(s) for s in dict.fromkeys(tuple(s) for s in grid)}
     bar = progress_bar(progress, len(shapes), f"calibrating {method}")
-    taus, mix = {}, {}
+    taus, varies = {}, set()
     try:
         for i, (name, shape) in enumerate(shapes.items()):
             if bar is not None:
                 bar.set_description_str(f"calibrating {method}: {name} ({i + 1}/{len(shapes)})")
-            calibration_steps: list[float] = []
             taus[name] = measure_eagle3_tau(m, calibration, shape, max_new_tokens=calibration_tokens,
-                                            method=method, options=options, step_s=calibration_steps)
+                                            method=method, options=options)
             # a looked-up branch or a probability floor: the setting's steps differ in the rows they verify
-            setting = registry.make_options(method, options, **eagle3_fields(shape))
-            mix[name] = mean_over_median(calibration_steps) if setting.steps_vary else 1.0
+            if registry.make_options(method, options, **eagle3_fields(shape)).steps_vary:
+                varies.add(name)
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
     prompt = list(latency_prompt)
-    step, spreads, timing = race(taus, lambda name: eagle3_step_times(m, prompt, shapes.get(name),
-                                                                      steps=latency_steps, method=method,
-                                                                      options=options),
-                                 latency_steps=latency_steps, min_rounds=min_rounds, max_rounds=max_rounds, log=log,
-                                 progress=progress, what=f"{method} trees")
+    # A setting whose steps differ (a branch grafted or a switch made where the text repeats itself) is
+    # timed over a whole calibration reply and costed by its mean step: its first few steps are not its
+    # mix (a switching setting copied the prompt's own code for its first steps and was costed 73 ms where
+    # its replies averaged 95, BENCHMARKS.md "EAGLE-3 with prompt lookup").
+    step, spreads, timing = race(
+        taus, lambda name: eagle3_step_times(m, prompt, shapes.get(name), steps=latency_steps, method=method,
+                                             options=options,
+                                             reply_tokens=calibration_tokens if name in varies else None),
+        latency_steps=latency_steps, min_rounds=min_rounds, max_rounds=max_rounds, log=log, progress=progress,
+        what=f"{method} trees", by_mean=varies)
     ar_step = step[PLAIN]
-    # the race times one prompt's steps; a branch's share of costlier steps comes from the calibration
-    # prompts, the same decodes that gave tau (their mean / median step, measured within each decode set)
-    step = {name: sec * mix.get(name, 1.0) for name, sec in step.items()}
     cands, rates = [], {}
     for name, shape in shapes.items():
         rates[name] = taus[name] / step[name]
         cands.append({"name": name, **eagle3_fields(shape), "measured_tau": round(taus[name], 4), **spreads[name],
-                      "mean_over_median_step": round(mix[name], 4),
+                      "timed_on": f"a {calibration_tokens}-token reply" if name in varies else f"{latency_steps} steps",
                       "expected_tokens_per_s": round(rates[name], 2)})
         log(f"  {method} {name:>11}: tau {taus[name]:.3f} (measured), step {step[name] * 1e3:.1f} ms -> "
             f"{rates[name]:.1f} tok/s expected")
@@ -229,16 +231,13 @@ class Eagle3Shape(SpeculationShape):
         return Chosen(chosen, SpeculationSchedule({1: chosen.fixed_choice()}), record, {f"{method}_tree": record},
                       record["name"], c.reason, measured=True)
 
-    def size(self, ctx: ChoiceContext, method: str, options, mode: str, sizes: Sequence[int]) -> Chosen:
-        if mode != "auto" or options.schedule is not None:   # fixed, or a schedule given (a choice file)
-            return self.given(options, sizes, "given" if options.schedule is not None else "fixed")
-        ctx.log(f"choosing {method}'s tree per batch size: tau of each setting on {len(ctx.calibration)} calibration "
-                "prompts, batch step latency on this device")
-        sizing, record = choose_eagle3_schedule(ctx.m, method=method, options=options, calibration=ctx.calibration,
-                                                latency_prompts=ctx.latency, batch_sizes=sorted({1, *sizes}),
-                                                calibration_tokens=ctx.calibration_tokens, log=ctx.log,
-                                                progress=ctx.progress)
-        return self.sized(ctx, method, options, sizing, record)
+    def calibrates(self, options, mode: str, batched: bool) -> bool:
+        return mode == "auto" and not (batched and options.schedule is not None)   # batched: a choice file's schedule
+
+    def size_schedule(self, ctx: ChoiceContext, method: str, options, batch_sizes: Sequence[int]) -> tuple:
+        return choose_eagle3_schedule(ctx.m, method=method, options=options, calibration=ctx.calibration,
+                                      latency_prompts=ctx.latency, batch_sizes=batch_sizes,
+                                      calibration_tokens=ctx.calibration_tokens, log=ctx.log, progress=ctx.progress)
 
     def fixed_choice(self, options, heads=None):
         return options.fixed_choice()

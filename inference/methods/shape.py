@@ -85,9 +85,22 @@ class SpeculationShape(ABC):
     def choose(self, ctx: ChoiceContext, method: str, options, mode: str) -> Chosen:
         """The choice for one prompt at a time (``mode``: auto measures, fixed takes the options as given)."""
 
-    @abstractmethod
+    measured_on = "tau"   # what a batched choice measures on the calibration prompts (its log line says)
+
     def size(self, ctx: ChoiceContext, method: str, options, mode: str, sizes: Sequence[int]) -> Chosen:
-        """The choice per batch size of ``sizes`` (batch 1 always measured too: a batch's last rows decode alone)."""
+        """The choice per batch size of ``sizes`` (batch 1 always measured too: a batch's last rows decode
+        alone): the options as given (``given``) unless it ``calibrates``, else ``size_schedule``'s sizing."""
+        if not self.calibrates(options, mode, True):
+            return self.given(options, sizes, "given" if getattr(options, "schedule", None) is not None else "fixed")
+        ctx.log(f"choosing {method}'s {self.noun} per batch size: {self.measured_on} on {len(ctx.calibration)} "
+                "calibration prompts, batch step latency on this device")
+        sizing, record = self.size_schedule(ctx, method, options, sorted({1, *sizes}))
+        return self.sized(ctx, method, options, sizing, record)
+
+    def size_schedule(self, ctx: ChoiceContext, method: str, options, batch_sizes: Sequence[int]) -> tuple:
+        """(``runtime.sizing.BatchSizing``, what its calibration measured) for ``batch_sizes``: a shape that
+        sizes per batch size through ``size`` says how."""
+        raise NotImplementedError(f"{type(self).__name__} does not size per batch size")
 
     @abstractmethod
     def fixed_choice(self, options, heads=None) -> Any:

@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from ..errors import UserError
 
@@ -24,9 +26,6 @@ WEIGHTS = "adapter_model.safetensors"
 
 
 def read_adapter(adapter_dir) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     d = Path(adapter_dir)
     if not (d / CONFIG).is_file() or not (d / WEIGHTS).is_file():
         raise UserError(f"{d} is not a LoRA adapter directory (needs {CONFIG} and {WEIGHTS})")

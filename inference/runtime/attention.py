@@ -56,6 +56,7 @@ def decoding_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def _register() -> None:
+    # lazy: 2.5 s to import (transformers.modeling_utils), here once a loaded model has brought them in
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 

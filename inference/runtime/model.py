@@ -21,6 +21,8 @@ import torch
 from ..backbone import HiddenStateTap, eos_token_ids, scale_logits, text_config
 from .attention import NAME as DECODING_ATTENTION, use_decoding_attention
 from .cache import TreeKVCache
+from .kernel_plan_cache import KernelPlanCache
+from .linear_kernels import route_linear_kernels
 from ..errors import UserError
 
 _MASKING_ATTENTION = ("sdpa", "eager", DECODING_ATTENTION)
@@ -119,9 +121,6 @@ class MedusaModel:
         earlier launch on this machine measured the same shapes (``kernel_plan_cache``; ``remeasure``:
         measure all the same); prepacked weight copies where they win, which take that memory again).
         No-op off CPU."""
-        from .kernel_plan_cache import KernelPlanCache
-        from .linear_kernels import route_linear_kernels
-
         cache = KernelPlanCache(plan_cache) if plan_cache is not None else None
         self.kernel_plans = route_linear_kernels(self.model, extra=[self.heads] if self.heads is not None else [],
                                                  cache=cache, remeasure=remeasure)

@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -169,7 +169,7 @@ def progress_bar(progress: bool, total: Optional[int], desc: str, **kw):
     (imported here: tqdm only loads when a bar is shown)."""
     if not progress:
         return None
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm   # lazy: tqdm loads only when a bar is shown
 
     return tqdm(**{"total": total, "desc": desc, "unit": "step" if total is None else "it", "dynamic_ncols": True,
                    "leave": False, **kw})
@@ -231,7 +231,8 @@ class _Rounds:
 
 def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, latency_steps: int, min_rounds: int,
          max_rounds: int, log: Callable[[str], None], progress: bool, what: str = "trees",
-         label: Callable[[str], str] = str, varying: bool = False) -> tuple[dict[str, float], dict[str, dict], dict]:
+         label: Callable[[str], str] = str, varying: bool = False,
+         by_mean: Collection[str] = ()) -> tuple[dict[str, float], dict[str, dict], dict]:
     """Time plain decoding (``PLAIN``, tau 1) and every candidate (name -> expected tau) in interleaved
     rounds until the choice (``clear_winner``: the best expected tokens/s that clears the timings' noise) is
     stable; ``timer(name)`` times one run of steps. Rounds continue, from ``min_rounds`` up to
@@ -249,7 +250,8 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
     warnings are also logged). ``varying``: the candidates' work changes from step to step by itself
     (prompt lookup's proposals follow the text), so only plain decoding's spread says whether the
     machine is loaded, and a candidate's run is costed by its mean step (stalls dropped), which counts
-    the costlier steps its median would pass over."""
+    the costlier steps its median would pass over. ``by_mean``: the candidates costed by their mean step
+    while the others keep their median (runs of a whole reply, whose step mix is the candidate's cost)."""
     if min_rounds < 1 or max_rounds < min_rounds:
         raise UserError(f"{what} timing needs 1 <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
     warnings = []
@@ -265,7 +267,7 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
     def timed(name: str, r: int) -> float:
         if bar is not None:
             bar.set_description_str(f"timing {what}: round {r + 1}, {PLAIN if name == PLAIN else label(name)}")
-        sec, n_dropped = robust_step(timer(name), mean=varying and name != PLAIN)
+        sec, n_dropped = robust_step(timer(name), mean=(varying or name in by_mean) and name != PLAIN)
         state.dropped[name] += n_dropped
         if bar is not None:
             bar.update(1)
@@ -297,15 +299,3 @@ def race(taus: dict[str, float], timer: Callable[[str], Sequence[float]], *, lat
               "load_average": None if load is None else round(load, 2), "cores": cores,
               "threads": torch.get_num_threads(), "warnings": warnings + late}
     return step, spreads, timing
-
-
-def mean_over_median(times: Sequence[float]) -> float:
-    """Mean step over median step of one decoding (stalls dropped as ``robust_step`` drops them): what a
-    method whose steps differ by themselves costs per step beyond its typical step. ``eagle3_lookup``
-    verifies its looked-up chain on some steps only (~15% on MT-Bench, each ~1.3x a step without it), so
-    the race's median step is a step without one, and tau / median would count the chains' tokens and
-    not their cost."""
-    mid = statistics.median(times) if times else 0.0
-    kept = [t for t in times if t <= OUTLIER_FACTOR * mid]
-    return statistics.mean(kept) / mid if kept and mid > 0 else 1.0
-

@@ -97,7 +97,7 @@ def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[dict]:
 
 
 def iter_parquet(path: Path, stats: ReadStats) -> Iterator[dict]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq   # lazy: parquet sources only
 
     for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
         yield from batch.to_pylist()
@@ -144,7 +144,7 @@ def iter_records(source: str, split: str, stats: ReadStats) -> Iterator[dict]:
 
 
 def _hub_records(name: str, split: str) -> Iterator[dict]:
-    import datasets
+    import datasets   # lazy: 1.1 s to import, hub datasets only
 
     try:
         ds = datasets.load_dataset(name, split=split, streaming=True)

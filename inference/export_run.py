@@ -1,0 +1,94 @@
+"""What ``medusa-export`` runs once its keys are accepted (``export_cli.check_keys``): the heads checked
+against their target, loaded, and written in the format's layout. Imports torch and the loaders at its top:
+``export_cli`` imports it only then, so ``--help`` and a mistyped key cost nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .assets import resolve_backbone_path
+from .backbone import load_backbone
+from .errors import UserError
+from .formats.export import ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for, megabytes
+from .heads.spec import check_compatible
+from .loading import export_target, load_heads
+
+
+def run_export(cfg) -> None:
+    """Export the heads of ``cfg`` (an ``export_cli.ExportConfig`` whose keys ``check_keys`` accepted)."""
+    dtype = None if cfg.dtype == "keep" else getattr(torch, cfg.dtype)
+    src, out = Path(cfg.heads), Path(cfg.out)
+    check_out_dir(out, cfg.overwrite, source=src)   # never the heads' own folder, one above or inside it
+
+    with warnings.catch_warnings(record=True) as caught:  # one line each, not Python's two-line warnings
+        warnings.simplefilter("always", FormatWarning)
+        # The native loader's errors for a dir that is no heads at all, then the registry's for a
+        # kind this format has no exporter for, before anything is loaded; the target's config (from
+        # backbone= or the heads' own base model) so heads made for another target are refused.
+        first, target = export_target(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
+        exporter_for(cfg.format, first.kind)
+        # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
+        # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
+        # Likewise an empty input-embedding table for drafters that borrow the backbone's (EAGLE-3):
+        # no format stores it, so an export never reads it.
+        heads = load_heads(src, backbone_config=target, lm_head_weight=torch.empty(0),
+                           input_embeddings=torch.empty(0))
+    for message in dict.fromkeys(str(w.message) for w in caught):  # spec + load both see the same dir
+        print(f"medusa-export: warning: {message}", file=sys.stderr)
+    spec = heads.spec
+
+    loaded = {} if target is None else {"config": target}
+
+    def backbone_lm_head():
+        if "w" not in loaded:
+            name = cfg.backbone or spec.base_model
+            if not name:
+                raise UserError(f"heads in {src} do not record their backbone; pass backbone=")
+            print(f"reading the lm_head of {name} ...", file=sys.stderr)
+            # dtype "auto": the checkpoint's own dtype (a 7B model in bf16 needs half the memory of
+            # fp32); the matrix is then cast to the heads' dtype, losslessly for bf16/fp16 -> fp32.
+            model, _, _ = load_backbone(name, dtype="auto", trust_remote_code=cfg.trust_remote_code)
+            if not spec.vocab_size:  # TGI-v2 dir without vocab_size: the backbone's vocabulary
+                spec.vocab_size = model.config.vocab_size
+            check_compatible(spec, model.config, where=f"heads in {src}")
+            loaded.setdefault("config", model.config)
+            heads_dtype = next((p.dtype for p in heads.parameters()), torch.float32)
+            loaded["w"] = model.get_output_embeddings().weight.detach().to(heads_dtype).clone()
+        return loaded["w"]
+
+    def backbone_config():
+        """The backbone's config without its weights (None when it cannot be read: a note says so)."""
+        if "config" not in loaded:
+            loaded["config"] = _read_backbone_config(cfg.backbone or spec.base_model, cfg.trust_remote_code)
+        return loaded["config"]
+
+    options = ExportOptions(materialize=cfg.materialize, lm_head=backbone_lm_head,
+                            base_model=cfg.base_model or "", dtype=dtype,
+                            backbone_config=backbone_config)
+    result = export_heads(heads, cfg.format, out, overwrite=cfg.overwrite, options=options)
+    for note in result.notes:
+        print(note)
+    base = cfg.base_model or spec.base_model
+    if not base or ":" in base.split("/")[0]:
+        print(f"note: the config records base model {base!r}, which engines cannot load: "
+              "pass base_model=<hub id or path>")
+    print(f"wrote {result.path} ({', '.join(result.files)}; weights {megabytes(result.weight_bytes)})")
+
+
+def _read_backbone_config(name: Optional[str], trust_remote_code: bool):
+    """A transformers config for ``name`` (local dir, hub id or ``embedded:``), or None."""
+    if not name or name.startswith("random:"):
+        return None
+    try:
+        from transformers import AutoConfig   # lazy: 0.4 s to import, not for the refusals before this read
+
+        path, _ = resolve_backbone_path(name)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, UserError):
+        return None

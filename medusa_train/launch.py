@@ -1,0 +1,168 @@
+"""``medusa-train``'s run once its words are read (``cli.py``): the recipe composed with Hydra and checked
+(``config.validate``, ``preflight``) in one line per mistake, the run's folder created, then Hydra runs the
+task the recipe names. Imports Hydra and the checks (torch) at its top: ``cli.py`` imports it only once the
+command line's words are accepted, so ``medusa-train --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_module
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
+
+from inference.cli_support import config_error_line, enum_value, non_boolean_override
+from inference.errors import UserError
+from .config import register_configs, validate
+from .families import stray_key_line
+from .overrides import RECIPE_PACKAGE, override_key, recipe_overrides, refuse
+from .preflight import preflight
+
+RECORD_DIR = ".hydra"
+_PRECHECKED = False
+
+
+def launch(recipe: str, overrides: list[str], flags: list[str], multirun: bool, prints: bool) -> None:
+    """Check every run first (each job of a sweep, before Hydra runs the first; nothing for flags that only
+    print, ``prints``), then hand the recipe to Hydra. ``overrides`` as ``overrides.recipe_overrides`` made them."""
+    if multirun and not prints:
+        # Every job of a sweep, before Hydra runs the first: one bad combination refuses the sweep, nothing written.
+        for job in sweep_jobs(overrides):
+            _precheck(recipe, job, sweep=True)
+    elif not prints:
+        _precheck(recipe, overrides)  # a single run: fail fast, in one line, before Hydra runs
+    register_configs()
+    # Flags first: Hydra's argparse takes no flag after its first override (output_dir=x -m a=1,2).
+    sys.argv = [f"medusa-train {recipe}", *flags, *overrides]
+    hydra.main(version_base=None, config_path=f"pkg://{RECIPE_PACKAGE}", config_name=recipe)(_task)()
+
+
+def compose_recipe(recipe: str, overrides: list[str] | None = None):
+    """The composed, type-checked config of a recipe, without running it (tests, tooling)."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module=RECIPE_PACKAGE, version_base=None):
+        return compose(config_name=recipe, overrides=recipe_overrides(list(overrides or [])))
+
+
+def compose_error_line(recipe: str, overrides: list[str], e: BaseException) -> str:
+    """A composition error as one line; a ``heads`` key that the chosen family's group does not have (another
+    family's setting, or a typo) names the family whose key it is."""
+    text = f"{e}\n{e.__cause__ or ''}"
+    stray = re.search(r"Key '(\w+)' not in '\w*HeadsConfig'", text)
+    if stray is None:
+        return f"{config_error_line(e)} (list the keys: medusa-train {recipe} --cfg job)"
+    chosen = [a.split("=", 1)[1] for a in recipe_overrides(overrides) if override_key(a) == "heads" and "=" in a]
+    try:
+        kind = chosen[-1] if chosen else compose_recipe(recipe, []).heads.kind
+        return stray_key_line(kind, stray.group(1))
+    except Exception:  # the family itself is unknown: Hydra's own line names the missing group option
+        return f"{config_error_line(e)} (list the keys: medusa-train {recipe} --cfg job)"
+
+
+def _task(cfg) -> None:
+    try:
+        run = task_runner(cfg)
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:  # each sweep job trains into its own folder
+            with open_dict(cfg):
+                cfg.output_dir = hc.runtime.output_dir
+        if not _PRECHECKED:  # runs with Hydra flags (sweeps) are checked here, per job
+            validate(cfg)
+            preflight(cfg)
+        write_run_record(cfg)
+        run(cfg)
+    except UserError as e:
+        refuse(str(e))
+
+
+def task_runner(cfg):
+    """What a recipe runs: ``task: distill`` -> distill.run; ``features.mode=build`` -> features.run_build;
+    otherwise the trainer (which reads the feature cache itself under ``features.mode=train``)."""
+    if enum_value(cfg.task) == "distill":
+        from .distill import run   # lazy: only the task the recipe runs is imported (its own dependencies)
+    elif enum_value(cfg.features.mode) == "build":
+        from .features import run_build as run   # lazy: as distill's
+    else:
+        from .trainer import run   # lazy: as distill's
+    return run
+
+
+def create_output_dir(output_dir) -> None:
+    """Create the accepted run's folder (what Hydra would do next), or say in one line why it cannot be
+    (``config.check_output_dir`` cannot tell from permissions alone: root may write /proc, the kernel refuses)."""
+    try:
+        Path(str(output_dir)).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        refuse(f"output_dir={output_dir} cannot be created: {e.strerror or e}")
+
+
+def write_run_record(cfg) -> None:
+    """Hydra's record of the run, ``<output_dir>/.hydra/{config,hydra,overrides}.yaml``, written here once the
+    configuration is accepted: the recipes set ``hydra.output_subdir: null`` because Hydra writes it before
+    the app runs, so a refused command left one behind, and a refused resume overwrote the run's own record
+    with the settings it refused. Each file is replaced atomically and only when its text changes: an idle
+    rerun touches nothing; an accepted resume records what it changed (safe keys only, e.g. trainer.max_steps)."""
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # one writer per run
+        return
+    hydra_cfg = HydraConfig.instance().cfg
+    record = {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
+              "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task)}
+    folder = Path(str(cfg.output_dir)) / RECORD_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in record.items():
+        path = folder / name
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            continue
+        tmp = folder / f".{name}.tmp-{os.getpid()}"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
+    """Compose and validate the config, and check that the backbone can take (and this machine hold)
+    ``data.max_length`` from its config alone; one error line for a bad key, type, value or size.
+    A single run's folder is then created; a sweep job (``sweep``) leaves that, and its resume check, to Hydra."""
+    global _PRECHECKED
+    try:
+        cfg = compose_recipe(recipe, overrides)
+    except Exception as e:  # Hydra / OmegaConf composition errors
+        refuse(compose_error_line(recipe, overrides, e))
+    check_boolean_overrides(cfg, overrides)
+    try:
+        validate(cfg)
+        preflight(cfg, resume=not sweep)
+    except UserError as e:
+        refuse(str(e))
+    if not sweep:
+        create_output_dir(cfg.output_dir)  # accepted: now the folder may be made (Hydra would, with a traceback)
+        _PRECHECKED = True
+
+
+def check_boolean_overrides(cfg, overrides: list[str]) -> None:
+    """A boolean key takes true/false (yes/no, on/off, 1/0) only: OmegaConf alone would read any integer
+    (``heads.scale_input=3``) as true. Judged on the composed config ``cfg``, whose ``heads`` node is the
+    chosen family's schema (its own boolean keys included)."""
+    not_boolean = non_boolean_override(cfg, overrides)
+    if not_boolean:
+        arg, value = not_boolean
+        refuse(f"{override_key(arg)} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The overrides of each job a Hydra sweep (``-m``) runs, crossed as Hydra's basic sweeper crosses them
+    (``a=1,2 b=x,y``: four jobs; ``range()`` and ``choice()`` too); one line for what it cannot parse."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        return [list(job) for job in BasicSweeper.split_arguments(parsed, None)[0]]
+    except Exception as e:  # an override Hydra's grammar refuses, or a sweep the basic sweeper cannot run
+        refuse(f"{config_error_line(e)} (a sweep is key=a,b,c, range(start,stop) or choice(a,b))")

@@ -1,0 +1,62 @@
+"""``medusa-train``'s overrides as Hydra composes them, shared by the command line (``cli.py``) and the launch
+(``launch.py``): the recipes' package, an override's key, a backbone or heads family named on the command line.
+Light (no Hydra, no torch): ``medusa-train --help`` and a refused word import it.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from inference.cli_support import fail
+from inference.errors import UserError
+from .families import family_kinds
+
+RECIPE_PACKAGE = "recipes"
+_OVERRIDE_PREFIXES = ("++", "+", "~")
+
+
+def refuse(message: str) -> NoReturn:
+    """``medusa-train: error: <message>`` on stderr, exit 2."""
+    fail("medusa-train", message)
+
+
+def override_key(arg: str) -> str:
+    """The dotted key of a Hydra override (``+a.b=1`` -> ``a.b``; ``~a.b`` -> ``a.b``)."""
+    for prefix in _OVERRIDE_PREFIXES:
+        if arg.startswith(prefix):
+            arg = arg[len(prefix):]
+            break
+    return arg.split("=", 1)[0].strip()
+
+
+def backbone_overrides(overrides: list[str]) -> list[str]:
+    """A backbone named on the command line wins over the recipe's random one: add
+    ``backbone.random_init=null`` when ``backbone.name_or_path`` is overridden and random_init is not."""
+    keys = [override_key(a) for a in overrides]
+    if "backbone.name_or_path" in keys and not any(k == "backbone.random_init" or
+                                                   k.startswith("backbone.random_init.") for k in keys):
+        return [*overrides, "backbone.random_init=null"]
+    return list(overrides)
+
+
+def heads_kind_overrides(overrides: list[str]) -> list[str]:
+    """``heads.kind=<kind>`` chooses the family's config group, ``heads=<kind>``: the family's keys come with
+    it (a value set on the recipe's group would keep the recipe family's keys). Both given and differing: one line."""
+    out, chosen = [], {}
+    for arg in overrides:
+        key = override_key(arg)
+        if key in ("heads", "heads.kind") and "=" in arg and not arg.startswith(("~", "+")):
+            chosen[key] = arg.split("=", 1)[1]
+            arg = f"heads={chosen[key]}"
+        out.append(arg)
+    if len(set(chosen.values())) > 1:
+        raise UserError(f"heads={chosen['heads']} and heads.kind={chosen['heads.kind']} name two families: give one")
+    unknown = [k for k in chosen.values() if "," not in k and k not in family_kinds()]  # (a sweep: per job)
+    if unknown:
+        raise UserError(f"heads.kind must be one of {list(family_kinds())}, got {unknown[0]!r}")
+    return out
+
+
+def recipe_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides as Hydra composes them (``backbone_overrides``, ``heads_kind_overrides``)."""
+    return heads_kind_overrides(backbone_overrides(overrides))

@@ -1,0 +1,270 @@
+"""medusa-eval / medusa-generate / medusa-export refuse what their keys alone decide before anything loads
+(issue 43, items 7, 9, 10 and 11).
+
+Each row runs a command in-process with the loaders replaced by a failure (``no_loading``): a refusal that
+only comes after the backbone loaded (behind its progress bars, minutes into a large model) fails the
+test with "the backbone was loaded". Every refusal must be one ``<prog>: error: ...`` line, exit 2, and
+leave the test's folder as it was. ``{tmp}`` in an argument is the test's folder (``setup``): a Medusa
+export and an EAGLE-3 export whose recorded backbone does not exist, three prompts, a plain file, a tree
+file holding ``[]`` and a heads dir whose config.json is a JSON list.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+EVAL, GEN, EXPORT = "medusa-eval", "medusa-generate", "medusa-export"
+MEDUSA, EAGLE = "heads={tmp}/heads3", "heads={tmp}/e3"
+PROMPTS = "prompts={tmp}/prompts.jsonl"
+
+REFUSED = [
+    # -- item 7: EAGLE-3 trees beyond any serious setting (10^5 drafter calls a step), before loading -------------
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_depth=100000", "eagle_nodes=8"],
+     "eagle_depth must be an integer in 1..32, got 100000"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_topk=100000", "eagle_nodes=8",
+            "eagle_depth=3"], "eagle_topk must be an integer in 1..64, got 100000"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_nodes=100000", "eagle_depth=8",
+            "eagle_topk=64"], "eagle_nodes must be an integer in 0..256, got 100000"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice=fixed", "eagle_topk=60", "eagle_nodes=8",
+            "eagle_depth=2"], "eagle_topk=60 is more than the drafter's 50 outputs"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_depth=100000", "eagle_nodes=8"], "eagle_depth must be an integer in 1..32"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_topk=1000", "eagle_nodes=8", "eagle_depth=3"],
+     "eagle_topk must be an integer in 1..64"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_topk=60", "eagle_nodes=8", "eagle_depth=2"],
+     "eagle_topk=60 is more than the drafter's 50 outputs"),
+    # -- item 9: refused only after the backbone loaded, after the evaluation, or with a traceback ----------------
+    (EVAL, [MEDUSA, PROMPTS, "out={tmp}/afile"], "out={tmp}/afile is a file, not a folder"),
+    (EVAL, [MEDUSA, PROMPTS, "out={tmp}/afile/eval"], "out={tmp}/afile/eval cannot be created"),
+    (EVAL, ["heads={tmp}/listcfg", PROMPTS], "config.json is not a JSON object"),
+    (GEN, ["heads={tmp}/listcfg", "prompt=hi"], "config.json is not a JSON object"),
+    (EXPORT, ["heads={tmp}/listcfg", "format=vllm", "out={tmp}/o"], "config.json is not a JSON object"),
+    (EVAL, [MEDUSA, PROMPTS, "threads=-1"], "threads must be an integer >= 0 (0: one per idle core), got -1"),
+    (GEN, [MEDUSA, "prompt=hi", "threads=-1"], "threads must be an integer >= 0"),
+    (EVAL, [MEDUSA, PROMPTS, "max_new_tokens=0"], "max_new_tokens must be an integer >= 1, got 0"),
+    (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=0"], "max_new_tokens must be an integer >= 1, got 0"),
+    (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=-3"], "max_new_tokens must be an integer >= 1, got -3"),
+    (EVAL, [MEDUSA, PROMPTS, "calibration_tokens=0"], "calibration_tokens must be an integer >= 1, got 0"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[4,-2]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=calibrated:1"], "tree=calibrated:N needs N >= 2 nodes"),
+    (EVAL, [MEDUSA, PROMPTS, "turns=bogus"], "turns must be first|both, got 'bogus'"),
+    (EVAL, ["methods=[draft]", PROMPTS, "draft=self:0"], "a self-draft takes N >= 1 layers of the backbone, got 'self:0'"),
+    (GEN, [MEDUSA, "prompt=hi", "mode=sample", "temperature=0"], "sample mode needs temperature > 0"),
+    (GEN, [MEDUSA, "prompt=hi", "mode=sample", "top_p=0"], "top_p must be in (0, 1], got 0.0"),
+    (GEN, [MEDUSA, "prompt=hi", "mode=bogus"], "decoding mode must be one of"),
+    # -- item 10: reports of what was not measured ----------------------------------------------------------------
+    (EVAL, [MEDUSA, PROMPTS, "tree=chain2", "batch_size=100000000"],
+     "batch_size 100000000 exceeds the 3 prompts evaluated"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=chain2", "batch_size=[1,2,4,8]"], "batch_size 4, 8 exceed the 3 prompts evaluated"),
+    (EVAL, [MEDUSA, PROMPTS, "num_prompts=1", "calibration_prompts=2", "batch_size=[1,2]"],   # 2 held out
+     "batch_size 2 exceeds the 1 prompt evaluated"),
+    (EVAL, [MEDUSA, PROMPTS, "calibration_prompts=0"], "calibration_prompts must be an integer >= 1, got 0"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[0]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    # -- item 11: an empty tree file; booleans that are not true/false -------------------------------------------
+    (EVAL, [MEDUSA, PROMPTS, "tree={tmp}/empty_tree.json"], "holds no tree paths"),
+    (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/empty_tree.json"], "holds no tree paths"),
+    (EXPORT, [MEDUSA, "format=vllm", "out={tmp}/o", "materialize=3"],
+     "materialize must be true or false (or yes/no, on/off, 1/0), got '3'"),
+    (EVAL, [MEDUSA, PROMPTS, "compare=2"], "compare must be true or false"),
+    (GEN, [MEDUSA, "prompt=hi", "trust_remote_code=maybe"], "trust_remote_code must be true or false"),
+    (GEN, [MEDUSA, "prompt=hi", "apply_adapter=-1"], "apply_adapter must be true or false"),
+    # -- review 2: refused only after loading (or never), a traceback or gigabytes allocated ----------------------
+    (EVAL, [MEDUSA, PROMPTS, "out=/proc/medusa_no_such/eval"], "out=/proc/medusa_no_such/eval cannot be created"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "choice=fixed", "eagle_nodes=8", "eagle_depth=3",
+            "eagle_lookup_tokens=100000000"], "eagle_lookup_tokens must be an integer in 0..64, got 100000000"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_nodes=8", "eagle_depth=3", "eagle_lookup_tokens=100000000"],
+     "eagle_lookup_tokens must be an integer in 0..64"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "choice=fixed", "eagle_nodes=8", "eagle_depth=3",
+            "eagle_lookup_max_ngram=1000"], "eagle_lookup_max_ngram must be an integer in 1..16"),
+    (EVAL, ["methods=[prompt_lookup]", PROMPTS, "prompt_lookup_tokens=100000000"],
+     "prompt lookup num_tokens must be an integer in 1..64, got 100000000"),
+    (EVAL, ["methods=[lookahead]", PROMPTS, "lookahead_window=100000"], "lookahead window must be an integer in 2..64"),
+    (EVAL, ["methods=[lookahead]", PROMPTS, "lookahead_ngram=100000"], "lookahead ngram must be an integer in 2..16"),
+    (EVAL, ["methods=[lookahead]", PROMPTS, "lookahead_guesses=100000"], "lookahead guesses must be an integer in 1..64"),
+    (EVAL, ["methods=[draft]", PROMPTS, "draft_k=100000"], "draft_k (draft tokens per step) must be an integer in 1..64"),
+    (EVAL, [MEDUSA, PROMPTS, "backbone={tmp}/bb", "max_new_tokens=1000000000"],
+     "max_new_tokens=1000000000 does not fit the backbone's 64 positions with a prompt: at most 63"),
+    (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bb", "max_new_tokens=64"],
+     "max_new_tokens=64 does not fit the backbone's 64 positions"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bb", "max_new_tokens=1000000000"],
+     "max_new_tokens=1000000000 does not fit the backbone's 64 positions"),
+    (EVAL, ["methods=[draft]", PROMPTS, "backbone={tmp}/bb", "draft=self:100", "max_new_tokens=8"],
+     "a self-draft takes 1..2 of the backbone's layers, got 'self:100'"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=tree99999999"], "tree tree99999999 has more than 256 nodes"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=tree9999"], "tree tree9999 has more than 256 nodes"),
+    (GEN, [MEDUSA, "prompt=hi", "tree=tree99999999"], "tree tree99999999 has more than 256 nodes"),
+    (GEN, [MEDUSA, "prompt=hi", "tree=chain99999999"], "tree chain99999999 has more than 256 nodes"),
+    (EVAL, [MEDUSA, PROMPTS, "tree=calibrated:100000"], "tree=calibrated:N needs N >= 2 nodes (root included), at most 256"),
+    (EVAL, [MEDUSA, PROMPTS, "tree_budgets=[100000000]"], "tree_budgets must be a non-empty list of node counts >= 1"),
+    # -- issue 44: one choice key, one choice file; the keys and files they replaced -----------------------------
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "eagle_tree=auto"], "eagle_tree= is gone: give choice=auto"),
+    (GEN, [EAGLE, "prompt=hi", "eagle_tree={tmp}/eagle3_tree.json"], "eagle_tree= is gone: give choice=auto"),
+    (EVAL, ["methods=[draft]", PROMPTS, "batch_size=[1,2]", "batch_chains=fixed"], "batch_chains= is gone: give choice="),
+    (EVAL, [MEDUSA, PROMPTS, "tree=auto"], "tree=auto is gone: give choice=auto"),
+    (GEN, [MEDUSA, "prompt=hi", "choice=auto"], "choice=auto is made by an evaluation"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/tree_schedule.json"], "format from before the one choice file"),
+    (GEN, [EAGLE, "prompt=hi", "choice={tmp}/eagle3_tree.json"], "format from before the one choice file"),
+    (EVAL, [EAGLE, PROMPTS, "choice={tmp}/eagle3_lookup_tree.json"], "format from before the one choice file"),
+    (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/tree_schedule.json"], "from before the one choice file"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/no_such_choice.json"], "no such file"),
+]
+
+
+@pytest.fixture
+def setup(tmp_path) -> Path:
+    from inference.heads.eagle3 import draft_layer_config
+    from inference.heads.spec import HeadsSpec
+
+    missing = str(tmp_path / "no_such_backbone")   # a check made after loading would fail with "not found"
+    specs = {"heads3": HeadsSpec(num_heads=3, num_layers=1, hidden_size=64, vocab_size=320, base_model=missing),
+             "e3": HeadsSpec(num_heads=2, num_layers=1, hidden_size=64, vocab_size=320, kind="eagle3",
+                             projection="truncated", truncated_vocab_size=50, aux_layers=[1, 2, 3],
+                             draft_layer=draft_layer_config({"hidden_size": 64, "num_attention_heads": 4,
+                                                             "intermediate_size": 128, "num_hidden_layers": 4,
+                                                             "model_type": "llama"}),
+                             base_model=missing)}
+    for name, spec in specs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(spec.to_dict()))
+        (tmp_path / name / "model.safetensors").write_bytes(b"")   # never read: every row fails before
+    (tmp_path / "listcfg").mkdir()
+    (tmp_path / "listcfg" / "config.json").write_text("[1, 2]")
+    (tmp_path / "listcfg" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi.", "Yes?", "No.")))
+    (tmp_path / "afile").write_text("not a folder\n")
+    (tmp_path / "empty_tree.json").write_text("[]\n")
+    (tmp_path / "tree_schedule.json").write_text(json.dumps({"format": "medusa-train tree schedule", "version": 1}))
+    for name in ("eagle3_tree.json", "eagle3_lookup_tree.json"):
+        (tmp_path / name).write_text(json.dumps({"format": "medusa-train eagle3 tree choice", "method": "eagle3"}))
+    from transformers import LlamaConfig   # a backbone's config alone (no weights): 64 positions, 2 layers
+
+    LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=64).save_pretrained(tmp_path / "bb")
+    return tmp_path
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every way the commands load a backbone (or heads' weights) fails the test. The command modules are
+    imported here first: one imported for the first time under the patches would keep them for good."""
+    import inference.backbone
+    import inference.cli_run
+    import inference.export_run
+    import inference.loading
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the backbone was loaded before the refusal")
+
+    for module, name in ((inference.cli_run, "_load"), (inference.cli_run, "_load_eval"),
+                         (inference.loading, "load_backbone"), (inference.backbone, "load_backbone"),
+                         (inference.loading, "load_heads"), (inference.export_run, "load_heads"),
+                         (inference.export_run, "load_backbone")):
+        monkeypatch.setattr(module, name, loaded)
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size if p.is_file() else -1) for p in root.rglob("*")}
+
+
+def _row_id(row):
+    prog, argv, _ = row
+    return f"{prog.split('-')[1]}:{' '.join(a.replace('{tmp}/', '') for a in argv)}"[:70]
+
+
+@pytest.mark.parametrize("prog, argv, phrase", REFUSED, ids=[_row_id(r) for r in REFUSED])
+def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loading, capsys, monkeypatch):
+    """Guards against (issue 43): eagle_depth / eagle_topk / eagle_nodes of 10^5 accepted (10^5 drafter calls
+    a step); max_new_tokens=0, temperature, calibration, tree budget and turns refusals that came only after the
+    backbone loaded; medusa-eval out=<a file> refused only after evaluating everything; a config.json list ->
+    AttributeError; threads=-1 -> RuntimeError; batch_size beyond the prompts, calibration_prompts=0 and
+    tree_budgets=[0] reported as measured; a tree file holding [] decoded as plain decoding; materialize=3 and
+    other non-boolean words taken as true. Review 2: out=/proc/... evaluated in full, then a FileNotFoundError;
+    eagle_lookup_tokens=10^8 allocating 12.8 GB after loading (and the other unbounded lookup / lookahead /
+    draft_k keys); max_new_tokens beyond the backbone's positions and draft=self:100 refused only after loading;
+    tree=tree99999999 a MemoryError and tree9999 accepted; tree_budgets=[10^8] accepted."""
+    from inference.cli import eval_main, generate_main
+    from inference.export_cli import export_main
+
+    tmp = setup
+    monkeypatch.chdir(tmp)
+    args = [a.replace("{tmp}", str(tmp)) for a in argv]
+    before = _snapshot(tmp)
+    main = {EVAL: eval_main, GEN: generate_main, EXPORT: export_main}[prog]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[transformers]")]
+    assert exit_.value.code == 2, err[-3000:]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    assert phrase.replace("{tmp}", str(tmp)) in lines[0], (phrase, lines[0])
+    assert _snapshot(tmp) == before, "a refused command wrote files"
+
+
+@pytest.mark.parametrize("word, value", [("true", True), ("False", False), ("yes", True), ("off", False),
+                                         ("1", True), ("0", False)])
+def test_boolean_keys_take_the_usual_words(word, value):
+    """Guards against the strict boolean check refusing the words a user means as true/false."""
+    from inference.cli_support import parse_overrides
+    from inference.export_cli import ExportConfig
+
+    cfg = parse_overrides("medusa-export", ExportConfig, [f"materialize={word}", "heads=h", "format=vllm", "out=o"])
+    assert cfg.materialize is value
+
+
+def test_eagle_bounds_are_in_the_help():
+    """Guards against bounds a user meets only as a refusal: medusa-eval --help states them."""
+    from inference.cli import eval_help
+
+    text = eval_help()
+    assert "at most 32" in text and "at most 64" in text and "at most 256" in text
+
+
+def test_an_auto_tree_is_named_by_the_nodes_it_has(monkeypatch):
+    """Guards against tree_budgets=[100000000] reported as the chosen tree "auto100000000" while growth (which
+    stops where no node is worth anything) gave it 4 nodes: a report names only what was measured."""
+    import torch
+
+    import inference.methods.medusa_choice as tc
+    from inference.methods.medusa_choice import candidate_trees
+    from inference.runtime import race
+
+    per_rank = [[0.6, 0.2] + [0.0] * 8, [0.4, 0.1] + [0.0] * 8]   # 6 nodes with a value, whatever the budget
+    hits = torch.tensor([[int(v * 1000) for v in row] for row in per_rank])
+    monkeypatch.setattr(tc, "measure_head_accuracy", lambda m, prompts, **kw: tc.HeadAccuracy(hits, torch.tensor([1000] * 2)))
+    monkeypatch.setattr(race, "machine_load", lambda: (0.2, 2))
+    monkeypatch.setattr(tc, "step_times", lambda m, ids, tree, *, steps=8, **kw: [0.1 if tree is None else 0.05] * steps)
+    choice = tc.choose_tree(None, [[1, 2, 3]] * 2, [1, 2, 3], budgets=[3, 200], log=lambda line: None)
+    assert {c["name"]: c["nodes"] for c in choice.candidates} == {"auto3": 4, "auto6": 7}
+    assert choice.tree is not None and choice.tree.name == f"auto{len(choice.tree.paths)}"
+    assert [t.name for t, _ in candidate_trees(per_rank, 2, budgets=[3, 200], chains=())] == ["auto3", "auto6"]
+
+
+def test_every_prompt_is_checked_against_the_positions_before_any_is_decoded(monkeypatch):
+    """Guards against an evaluation (one prompt at a time or batched) refusing a prompt longer than the
+    backbone's positions only when its turn came, mid-run, after decoding the prompts before it."""
+    from medusa_train.backbone import byte_tokenizer
+
+    from inference.errors import UserError
+    from inference.evaluation import batch_eval, evaluate as evaluate_module
+    from inference.evaluation.prompts import Prompt
+    from inference.methods import registry
+    from inference.runtime.model import MedusaModel
+    from runtime_support import tiny_llama
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("a prompt was decoded before the refusal")
+
+    monkeypatch.setattr(registry, "generate", decoded)
+    monkeypatch.setattr(batch_eval, "hf_generate_batch", decoded)
+    m = MedusaModel(model=tiny_llama(vocab=259, max_positions=64), tokenizer=byte_tokenizer(), heads=None)
+    prompts = [Prompt("short", ["Hi."]), Prompt("long", ["x" * 200])]
+    with pytest.raises(UserError, match=r"prompt 'long' \(\d+ tokens\) \+ max_new_tokens \(4\) exceeds the backbone's 64"):
+        evaluate_module.evaluate(m, prompts, methods=["autoregressive"], max_new_tokens=4, progress=False,
+                                 log=lambda line: None)
+    with pytest.raises(UserError, match="prompt 'long'"):
+        batch_eval.evaluate_batched(m, prompts, methods=["autoregressive"], batch_sizes=[1], max_new_tokens=4,
+                                    progress=False, log=lambda line: None)

@@ -1,0 +1,252 @@
+"""Self-distillation (``task: distill``) on the tiny random backbone: the replies are the backbone's own,
+multi-turn replay, resume after a kill, refusal of a foreign output directory, and that the trainer's
+readers take the output as it is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.methods import generate
+from inference.errors import UserError
+from medusa_train import distill
+from inference.backbone import eos_token_ids
+from medusa_train.backbone import load_backbone
+from medusa_train.data.readers import ReadStats, iter_conversations
+
+# A larger init scale than debug_tiny's: the default random backbone repeats one token forever,
+# which would make "the reply is the backbone's greedy output" true of almost any code.
+VARIED = "+backbone.random_init.initializer_range=0.5"
+DISTILL = ["task=distill", "distill.max_new_tokens=8", "distill.shard_size=4", "distill.batch_size=3",
+           "distill.max_conversations=16", VARIED, "distill.engine=generate"]
+
+
+def records(out: Path) -> list[dict]:
+    rows = []
+    for shard in sorted((out / distill.DATA_DIR).glob("shard-*.jsonl")):
+        rows += [json.loads(line) for line in shard.read_text().splitlines()]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def varied_backbone():
+    from medusa_train.launch import compose_recipe
+
+    cfg = compose_recipe("debug_tiny", [VARIED])
+    return load_backbone(cfg.backbone, "cpu", seed=cfg.trainer.seed)
+
+
+def test_greedy_replies_are_the_backbones_own_output_turn_by_turn(compose_tiny, out_dir, tiny_data, varied_backbone):
+    """Guards against: replies that are not what the backbone itself generates at temperature 0 (batching,
+    left padding or KV cache changing the tokens, a prompt rendered differently from training), later turns
+    prompted with the dataset's original replies instead of the regenerated ones, user turns altered, and
+    conversations lost or duplicated."""
+    manifest = distill.run(compose_tiny(*DISTILL, "distill.temperature=0"))
+    assert manifest["complete"] and manifest["counts"]["source_conversations"] == 16
+    rows = records(out_dir)
+    assert [r["source_index"] for r in rows] == list(range(16))
+    source = [m for _, m in zip(range(16), iter_conversations(str(tiny_data)))]
+
+    model, tok = varied_backbone.model, varied_backbone.tokenizer
+    eos = eos_token_ids(model, tok)
+    multi_turn = 0
+    for row in rows:
+        msgs = row["messages"]
+        src = source[row["source_index"]]
+        assert [m for m in msgs if m["role"] != "assistant"] == [m for m in src if m["role"] != "assistant"]
+        assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        multi_turn += len(assistant_at) > 1
+        for i in assistant_at:
+            # the prompt holds the regenerated earlier replies, rendered and tokenised as training does
+            text = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+            prompt = tok(text, add_special_tokens=False)["input_ids"]
+            out = generate(model, prompt, "autoregressive", max_new_tokens=8, eos_token_ids=eos)
+            tokens = [t for t in out.tokens if t not in eos]
+            assert msgs[i]["content"] == tok.decode(tokens, skip_special_tokens=True), (row["source_index"], i)
+            assert msgs[i]["content"] != src[i]["content"]
+    assert multi_turn >= 2  # the tiny chats have multi-turn conversations: they were replayed
+    assert manifest["counts"]["turns"] == sum(len([m for m in r["messages"] if m["role"] == "assistant"])
+                                              for r in rows)
+    assert manifest["counts"]["tokens_per_s_per_process"] > 0 and manifest["last_run"]["tokens_per_s"] > 0
+
+
+def test_output_is_read_by_the_trainers_readers(compose_tiny, out_dir):
+    """Guards against: output the trainer cannot read as it is (wrong form, dropped records), or the manifest
+    and progress files being picked up as conversations by the folder reader."""
+    distill.run(compose_tiny(*DISTILL, "distill.max_conversations=6", "distill.max_turns=1"))
+    stats = ReadStats()
+    convs = list(iter_conversations(str(out_dir / distill.DATA_DIR), stats=stats))
+    assert len(convs) == 6 and stats.dropped_total == 0
+    assert all(sum(m["role"] == "assistant" for m in c) == 1 for c in convs)  # max_turns=1
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("how", ["crash", "ctrl-c"])
+def test_resume_after_a_kill_loses_and_duplicates_nothing(how, compose_tiny, tmp_path, monkeypatch):
+    """Guards against: a run killed mid-shard (crash or Ctrl-C/SIGTERM) leaving a half-written shard that
+    looks complete, and a rerun that skips, repeats or re-samples conversations: with sampling on
+    (temperature 0.7) the resumed output must equal an uninterrupted run's, record for record."""
+    sampled = [*DISTILL, "distill.temperature=0.7"]
+    distill.run(compose_tiny(*sampled, out=tmp_path / "whole"))
+
+    real = distill.Generator.generate
+    calls = {"n": 0}
+
+    def dying(self, prompts):
+        calls["n"] += 1
+        if calls["n"] == 5:  # in the middle of the second shard (3 batches per shard here)
+            raise KeyboardInterrupt if how == "ctrl-c" else Boom("injected")
+        return real(self, prompts)
+
+    monkeypatch.setattr(distill.Generator, "generate", dying)
+    cut = tmp_path / "cut"
+    with pytest.raises(UserError if how == "ctrl-c" else Boom) as err:
+        distill.run(compose_tiny(*sampled, out=cut))
+    if how == "ctrl-c":
+        assert "run the same command again" in str(err.value)
+    assert [p.name for p in (cut / distill.DATA_DIR).iterdir()] == ["shard-000000.jsonl"]  # nothing half-written
+    assert not json.loads((cut / distill.MANIFEST).read_text())["complete"]
+
+    monkeypatch.setattr(distill.Generator, "generate", real)
+    manifest = distill.run(compose_tiny(*sampled, out=cut))
+    assert manifest["last_run"]["shards_found_done"] == 1 and manifest["last_run"]["shards_written"] == 3
+    assert records(cut) == records(tmp_path / "whole")
+    assert [r["source_index"] for r in records(cut)] == list(range(16))
+    assert not [p for p in (cut / distill.DATA_DIR).iterdir() if ".tmp" in p.name]
+
+
+def test_processes_split_the_shards_and_together_cover_every_conversation(compose_tiny, out_dir, monkeypatch):
+    """Guards against: launcher ranks generating the same conversations twice (or none), and the manifest
+    being finalised before every rank's shards exist."""
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert distill.run(cfg) == {}  # rank 1 first: shards 1 and 3; shards 0 and 2 are still missing
+    assert sorted(p.name for p in (out_dir / distill.DATA_DIR).iterdir()) == ["shard-000001.jsonl",
+                                                                                "shard-000003.jsonl"]
+    monkeypatch.setenv("RANK", "0")
+    manifest = distill.run(cfg)
+    assert manifest["complete"] and manifest["last_run"]["shards_written"] == 2
+    assert [r["source_index"] for r in records(out_dir)] == list(range(16))
+
+
+@pytest.mark.parametrize("change, words", [
+    (["distill.temperature=0.9"], ["another run", "distill.temperature"]),
+    (["++backbone.random_init.initializer_range=0.2"], ["another run", "random_init"]),
+    (["data.source=tests/assets/other.jsonl"], ["another run", "data.source"]),
+], ids=["settings", "backbone", "source"])
+def test_output_dir_of_another_run_is_refused(change, words, compose_tiny, out_dir):
+    """Guards against: appending to (or silently mixing with) a directory generated with other settings, by
+    another backbone or from another source, which would leave a dataset no manifest describes."""
+    distill.run(compose_tiny(*DISTILL, "distill.max_conversations=4"))
+    before = sorted(p.name for p in (out_dir / distill.DATA_DIR).iterdir())
+    with pytest.raises(UserError) as err:
+        distill.run(compose_tiny(*DISTILL, "distill.max_conversations=4", *change))
+    assert all(w in str(err.value) for w in words) and "\n" not in str(err.value)
+    assert sorted(p.name for p in (out_dir / distill.DATA_DIR).iterdir()) == before
+
+
+def test_same_config_other_weights_are_refused(compose_tiny, out_dir, monkeypatch):
+    """Guards against: continuing a run with a backbone whose config matches but whose weights differ
+    (a fine-tune saved under the same name), detected by the weight fingerprint."""
+    import medusa_train.backbone as backbone_module
+
+    distill.run(compose_tiny(*DISTILL, "distill.max_conversations=4"))
+
+    original = backbone_module.load_backbone
+
+    def perturbed(*a, **k):
+        bb = original(*a, **k)
+        with torch.no_grad():
+            next(bb.model.parameters()).add_(1.0)
+        return bb
+
+    monkeypatch.setattr(backbone_module, "load_backbone", perturbed)
+    with pytest.raises(UserError, match="other weights"):
+        distill.run(compose_tiny(*DISTILL, "distill.max_conversations=4"))
+
+
+def test_a_folder_of_other_files_is_refused(compose_tiny, out_dir):
+    """Guards against: writing distillation shards into a folder that already holds unrelated data."""
+    (out_dir / distill.DATA_DIR).mkdir(parents=True)
+    (out_dir / distill.DATA_DIR / "mine.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="no distill.json"):
+        distill.run(compose_tiny(*DISTILL))
+
+
+def test_recipe_dispatch():
+    """Guards against: ``medusa-train distill_smollm2`` training heads instead of distilling (the task key
+    ignored), or ``features.mode=build`` training."""
+    from medusa_train import features, trainer
+    from medusa_train.launch import compose_recipe, task_runner
+
+    assert task_runner(compose_recipe("distill_smollm2")) is distill.run
+    assert task_runner(compose_recipe("debug_tiny")) is trainer.run
+    assert task_runner(compose_recipe("debug_tiny", ["features.mode=build"])) is features.run_build
+    assert task_runner(compose_recipe("debug_tiny", ["features.mode=train"])) is trainer.run
+    follow = compose_recipe("medusa1_smollm2_distilled")
+    assert follow.data.source.rstrip("/").endswith(str(Path(compose_recipe("distill_smollm2").output_dir) / "data"))
+
+
+def test_cli_distills_then_refuses_other_settings_in_one_line(subprocess_env, tmp_path):
+    """Guards against: ``task=distill`` not reaching distill.run from the command line, and a refused output
+    directory surfacing as a traceback instead of one line saying why."""
+    from conftest import base_overrides
+    from test_cli import assert_one_line_error, run_cli
+
+    args = ["debug_tiny", *base_overrides(tmp_path / "d"), "task=distill", "distill.max_conversations=4",
+            "distill.max_new_tokens=4", "distill.engine=generate"]
+    proc = run_cli(args, subprocess_env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "complete: 4 of 4 conversations" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "d" / distill.DATA_DIR).iterdir()) == ["shard-000000.jsonl"]
+    proc = run_cli([*args, "distill.temperature=0"], subprocess_env, tmp_path)
+    assert_one_line_error(proc, "already holds distillation data of another run", "distill.temperature")
+
+
+@pytest.mark.parametrize("engine", ["runtime", "lookup"])
+def test_runtime_engines_write_the_same_greedy_data_as_generate(engine, compose_tiny, tmp_path):
+    """Guards against: the runtime's batched decoding (plain loop or prompt lookup) giving other greedy
+    replies than transformers' ``generate`` (padding, EOS cut, finished rows or the end-of-turn token
+    handled differently), which would make the dataset depend on which engine was measured faster."""
+    ref = compose_tiny(*DISTILL, "distill.temperature=0", "distill.max_conversations=8", out=tmp_path / "hf")
+    distill.run(ref)
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0", "distill.max_conversations=8", f"distill.engine={engine}",
+                       out=tmp_path / engine)
+    manifest = distill.run(cfg)
+    assert manifest["engine"]["chosen"] == engine and manifest["last_run"]["engine"] == engine
+    assert records(tmp_path / engine) == records(tmp_path / "hf")
+
+
+def test_auto_engine_is_measured_recorded_and_kept_on_resume(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: an engine picked without measuring (no rates recorded), and a resumed run measuring
+    again and switching engines half-way, which would mix two engines' samples in one dataset."""
+    cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=8",
+                       out=tmp_path / "auto")
+    manifest = distill.run(cfg)
+    record = manifest["engine"]
+    assert record["chosen"] in ("generate", "runtime", "lookup")
+    rates = {n: r["tokens_per_s"] for n, r in record["calibration"].items()}
+    assert set(rates) == {"generate", "runtime", "lookup"} and all(v > 0 for v in rates.values())
+    assert rates[record["chosen"]] == max(rates.values())
+    (tmp_path / "auto" / distill.DATA_DIR / "shard-000001.jsonl").unlink()   # as if killed before shard 1
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a resumed run measured the engines again")
+
+    monkeypatch.setattr(distill, "choose_engine", no_measuring)
+    again = distill.run(cfg)
+    assert again["last_run"]["engine"] == record["chosen"] and again["last_run"]["shards_written"] == 1
+
+
+def test_unknown_engine_is_refused_in_one_line(compose_tiny):
+    """Guards against: a misspelt distill.engine falling back silently to some engine."""
+    with pytest.raises(UserError) as err:
+        distill.run(compose_tiny(*DISTILL, "distill.engine=vllm"))
+    assert "distill.engine" in str(err.value) and "\n" not in str(err.value)

@@ -1,0 +1,265 @@
+"""medusa-train refusals that must come before anything is written (issue 43, items 6, 8, 9): one
+``medusa-train: error: ...`` line, exit 2, and no ``<output_dir>/.hydra`` record, backbone or folder left
+behind; and a TTT unroll the memory estimate counts and the configuration bounds."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_DATA, clean_env, console_script
+from inference.errors import UserError
+
+REFUSED = [
+    (["heads.truncated_vocab_size=0"], "heads.truncated_vocab_size must be >= 1"),
+    (["heads.truncated_vocab_size=100000"], "heads.truncated_vocab_size=100000 exceeds the backbone vocabulary (320)"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size must be >= 1"),
+    (["trainer.global_batch_size=3"], "trainer.global_batch_size=3 is not a multiple"),
+    (["trainer.resume={tmp}/missing"], "is not a checkpoint directory"),
+    (["heads.kind=eagle3", "backbone.random_init.num_hidden_layers=8", "heads.ttt_steps=100000"],
+     "heads.ttt_steps must be in 1..32"),
+    (["heads.kind=eagle3", "backbone.random_init.num_hidden_layers=8", "heads.num_heads=100000"], "heads.num_heads"),
+]
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under ``root`` with its bytes (folders as None): to prove a refusal wrote nothing."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def medusa_train(tmp: Path, *args: str, out: Path | None = None) -> subprocess.CompletedProcess:
+    argv = ["debug_tiny", f"output_dir={out or tmp / 'out'}", f"data.source={TINY_DATA}", "logger.wandb=disabled",
+            "trainer.progress_bar=false", "trainer.threads=1", *args]
+    return subprocess.run([console_script("medusa-train"), *argv], capture_output=True, text=True, cwd=tmp,
+                          env=clean_env(), timeout=240)
+
+
+def assert_one_line_refusal(proc: subprocess.CompletedProcess, phrase: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[transformers]")]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("medusa-train: error: "), proc.stderr[-3000:]
+    assert phrase in lines[0], (phrase, lines[0])
+
+
+@pytest.mark.parametrize("args, phrase", REFUSED, ids=[a[-1] for a, _ in REFUSED])
+def test_refused_configuration_writes_nothing(args, phrase, tmp_path):
+    """Guards against: a configuration refused only once Hydra ran (or after the backbone loaded) leaving
+    ``<output_dir>/.hydra/{config,hydra,overrides}.yaml`` (and a saved random backbone) behind, and an
+    eagle3 TTT unroll of 100,000 steps running until the kernel kills it (exit -9, no message)."""
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert_one_line_refusal(proc, phrase)
+    assert snapshot(tmp_path) == before, "a refused command wrote files"
+
+
+def test_output_dir_that_cannot_be_created_is_one_line(tmp_path):
+    """Guards against: ``output_dir=/proc/x`` (a folder the kernel will not let anyone create) ending in
+    Hydra's FileNotFoundError traceback instead of one line."""
+    proc = medusa_train(tmp_path, out=Path("/proc/medusa-train-x/run"))
+    assert_one_line_refusal(proc, "output_dir=/proc/medusa-train-x/run cannot be created")
+    assert not Path("/proc/medusa-train-x").exists()
+
+
+def test_refused_resume_keeps_the_runs_record(tmp_path):
+    """Guards against: a resume refused for changed keys overwriting the run's own ``.hydra/config.yaml`` and
+    ``overrides.yaml`` with the refused settings (the record then no longer says how the run was trained);
+    and an idle rerun of a finished run rewriting it. An accepted resume updates the record."""
+    out = tmp_path / "out"
+    run = ["trainer.max_steps=2", "trainer.save_every=1", "logger.plot=false"]
+    proc = medusa_train(tmp_path, *run, "heads.num_heads=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = out / ".hydra"
+    assert "heads.num_heads=2" in (record / "overrides.yaml").read_text()
+    assert "num_heads: 2" in (record / "config.yaml").read_text() and (record / "hydra.yaml").is_file()
+    before = snapshot(out)
+
+    assert_one_line_refusal(medusa_train(tmp_path, *run, "heads.num_heads=3"), "heads.num_heads (2 -> 3)")
+    assert snapshot(out) == before, "a refused resume changed the run's files"
+    assert medusa_train(tmp_path, *run, "heads.num_heads=2").returncode == 0  # already trained: nothing to do
+    assert snapshot(out) == before, "an idle rerun changed the run's files"
+
+    proc = medusa_train(tmp_path, "trainer.max_steps=3", "trainer.save_every=1", "logger.plot=false",
+                        "heads.num_heads=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer.max_steps=3" in (record / "overrides.yaml").read_text()
+    assert "max_steps: 3" in (record / "config.yaml").read_text()
+
+
+# -- item 6: the TTT unroll in the memory estimate, bounded ------------------------------------------------
+def test_ttt_unroll_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch):
+    """Guards against: the memory estimate counting one frozen forward only, so an eagle3 drafter unrolled over
+    many TTT steps (each step's activations and its growing attention mask kept for backward) passes the
+    check and then grows until the kernel kills the run without a word."""
+    from medusa_train import preflight as P
+    from medusa_train.backbone import backbone_config
+    from medusa_train.config import validate
+    from medusa_train.families import training_family
+    from medusa_train.families.eagle3 import MAX_TTT_STEPS
+
+    monkeypatch.setattr(P, "available_memory", lambda device: (64 * 2**20, "RAM available"))
+    short = compose_tiny("heads.kind=eagle3", "heads.ttt_steps=1", "backbone.random_init.num_hidden_layers=8")
+    P.check_fits(short)  # one step fits in 64 MB
+    deep = compose_tiny("heads.kind=eagle3", f"heads.ttt_steps={MAX_TTT_STEPS}",
+                        "backbone.random_init.num_hidden_layers=8")
+    validate(deep)
+    with pytest.raises(UserError, match=rf"heads.ttt_steps={MAX_TTT_STEPS}.*or heads.ttt_steps"):
+        P.check_fits(deep)
+    hf_config = backbone_config(deep.backbone)
+    unroll = [training_family("eagle3").unroll_bytes(cfg.heads, hf_config, 256, 2, 4) for cfg in (short, deep)]
+    assert unroll[1] > 8 * unroll[0] > 0
+
+
+def test_ttt_steps_is_bounded(compose_tiny):
+    """Guards against: heads.ttt_steps (or an eagle3 heads.num_heads standing in for it) of 100000 accepted."""
+    from medusa_train.config import validate
+    from medusa_train.families.eagle3 import MAX_TTT_STEPS
+
+    validate(compose_tiny("heads.kind=eagle3", f"heads.ttt_steps={MAX_TTT_STEPS}"))
+    for args in (["heads.ttt_steps=100000"], ["heads.num_heads=100000"]):
+        with pytest.raises(UserError, match=rf"heads.{args[0][6:].split('=')[0]}.*1..{MAX_TTT_STEPS}"):
+            validate(compose_tiny("heads.kind=eagle3", *args))
+
+
+# -- issue: values that trained silently, ended in a traceback or wrote files before being refused -------------
+LATE_OR_NEVER = [
+    (["heads.num_heads=100000"], "heads.num_heads must be in 1..64"),
+    (["heads.num_layers=1000000"], "heads.num_layers must be in 0..64"),
+    (["heads.kind=hydra", "heads.num_heads=100000"], "heads.num_heads must be in 1..64"),
+    (["heads.inner_dim=100000000"], "heads.inner_dim is a mlp_speculator setting, not heads.kind=medusa's"),
+    (["heads.scale_input=true"], "heads.scale_input is a mlp_speculator setting, not heads.kind=medusa's"),
+    (["heads.kind=eagle3", "heads.inner_dim=64"], "heads.inner_dim is a mlp_speculator setting, not heads.kind=eagle3's"),
+    (["heads.kind=mlp_speculator", "heads.inner_dim=100000000"], "lower heads.num_heads, heads.num_layers, heads.inner_dim"),
+    (["trainer.threads=-1"], "trainer.threads must be in 0..1024"),
+    (["trainer.threads=100000"], "trainer.threads must be in 0..1024"),
+    (["backbone.random_init.hidden_size=-64"], "backbone.random_init.hidden_size must be a positive integer"),
+    (["backbone.random_init.num_hidden_layers=0"], "backbone.random_init.num_hidden_layers must be a positive integer"),
+    (["data.max_conversations=0"], "data.max_conversations must be >= 1"),
+    (["data.eval_conversations=-1"], "data.eval_conversations must be >= 1"),
+    (["heads.kind=mlp_speculator", "heads.scale_input=3"], "heads.scale_input must be true or false"),
+    (["data.packing=3"], "data.packing must be true or false"),
+    (["backbone.attn_implementation=bogus"], "backbone.attn_implementation must be one of eager"),
+    (["output_dir="], "output_dir is empty"),
+    (["-m", "heads.num_heads=2,0"], "heads.num_heads must be >= 1, got 0"),
+    (["-m", "heads.num_heads=2", "data.packing=true,3"], "data.packing must be true or false"),
+]
+
+
+@pytest.mark.parametrize("args, phrase", LATE_OR_NEVER, ids=[" ".join(a) for a, _ in LATE_OR_NEVER])
+def test_bad_value_is_refused_before_anything_is_written(args, phrase, tmp_path):
+    """Guards against: heads.num_heads=100000 / num_layers=1000000 / an mlp_speculator inner_dim=1e8 passing the
+    memory estimate (which did not count the heads' parameters, gradients and AdamW state) and failing after a
+    minute with an allocation traceback, with .hydra/ and backbone/ written; trainer.threads=-1 or 100000 and a
+    negative or zero backbone.random_init size ending in tracebacks; data.max_conversations=0 refused only after
+    the backbone was saved; heads.scale_input=3 or data.packing=3 read as true; an unknown
+    backbone.attn_implementation silently ignored; output_dir= (empty) training into the current folder; a
+    sweep (-m) running its good jobs (and writing multirun/) before refusing a bad one."""
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, *args)
+    assert_one_line_refusal(proc, phrase)
+    assert snapshot(tmp_path) == before, "a refused command wrote files"
+
+
+def test_sweep_flag_after_an_override_is_refused_in_one_line(tmp_path):
+    """Guards against: ``output_dir=DIR -m heads.num_heads=2,0`` (an override before -m) printing Hydra's
+    argparse usage block instead of one line: -m is taken anywhere among the arguments."""
+    out = tmp_path / "out"
+    proc = subprocess.run([console_script("medusa-train"), "debug_tiny", f"output_dir={out}", "-m",
+                           "heads.num_heads=2,0"], capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
+                          timeout=240)
+    assert_one_line_refusal(proc, "heads.num_heads must be >= 1, got 0")
+    assert not out.exists()
+
+
+def test_sweep_flag_after_an_override_runs_the_sweep(tmp_path):
+    """Guards against: an override before -m sending the whole command to Hydra's argparse (usage block,
+    exit 2) instead of running the sweep."""
+    proc = medusa_train(tmp_path, "trainer.max_steps=1", "logger.plot=false", "-m", "heads.num_heads=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "multirun" / "0" / "heads").is_dir()
+
+
+def test_sweep_jobs_cross_the_values_as_hydra_does():
+    """Guards against: a sweep's combinations prechecked other than as Hydra runs them (a bad job slipping by)."""
+    from medusa_train.launch import sweep_jobs
+
+    jobs = sweep_jobs(["heads.num_heads=1,2", "trainer.max_steps=range(1,3)", "output_dir=x"])
+    assert len(jobs) == 4 and ["heads.num_heads=2", "trainer.max_steps=2", "output_dir=x"] in jobs
+
+
+CONFIG_REFUSED = [
+    (["heads.loss_decay=-1"], "heads.loss_decay must be > 0"),
+    (["heads.loss_decay=0"], "heads.loss_decay must be > 0"),
+    (["heads.loss_weights=[1,-1,1]"], "heads.loss_weights must be >= 0"),
+    (["heads.loss_weights=[0,0,0]"], "heads.loss_weights must be >= 0 with at least one > 0"),
+    (["trainer.global_batch_size=0"], "trainer.global_batch_size must be >= 1 (or null"),
+    (["trainer.global_batch_size=-4"], "trainer.global_batch_size must be >= 1"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
+    (["data.bucket_buffer=-1"], "data.bucket_buffer must be >= 0"),
+    (["data.shuffle_buffer=-1"], "data.shuffle_buffer must be >= 0"),
+    (["data.eval_conversations=0"], "data.eval_conversations must be >= 1"),
+    (["data.vocab_scan_conversations=0"], "data.vocab_scan_conversations must be >= 1"),
+    (["backbone.random_init.num_attention_heads=-2"], "backbone.random_init.num_attention_heads"),
+    (["heads.kind=mlp_speculator", "heads.num_layers=65"], "heads.num_layers must be in 0..64"),
+]
+
+
+@pytest.mark.parametrize("args, phrase", CONFIG_REFUSED, ids=[" ".join(a) for a, _ in CONFIG_REFUSED])
+def test_meaningless_value_is_refused_by_validation(args, phrase, compose_tiny):
+    """Guards against: a negative loss decay or loss weight (training heads away from their targets), a
+    global batch of 0 silently read as the default, a negative grad_clip or buffer, and data.eval_conversations=0
+    (which failed only after the backbone loaded: no held-out conversations) training silently or late."""
+    from medusa_train.config import validate
+
+    with pytest.raises(UserError, match=re.escape(phrase)):
+        validate(compose_tiny(*args))
+
+
+def test_accepted_edges_still_validate(compose_tiny):
+    """Guards against: the new bounds refusing documented values (0 = off / default)."""
+    from medusa_train.config import validate
+
+    validate(compose_tiny("trainer.threads=0", "trainer.grad_clip=0", "data.shuffle_buffer=0", "data.bucket_buffer=0",
+                          "trainer.global_batch_size=null", "heads.loss_weights=[1,0,0]"))
+    validate(compose_tiny("heads.num_heads=64", "heads.num_layers=64"))
+    validate(compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=32", "heads.scale_input=true"))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator", "eagle3"])
+def test_head_parameter_count_matches_the_trained_heads(kind, compose_tiny):
+    """Guards against: the memory estimate counting heads other than those the trainer builds (the estimate
+    asks each family for its module, built on the meta device from the spec the trainer writes)."""
+    from inference.heads.registry import init_heads
+    from inference.heads.spec import HeadsSpec
+    from medusa_train.backbone import random_config
+    from medusa_train.families import draft_depth, draft_vocabulary, training_family
+    from medusa_train.preflight import head_parameter_count
+
+    extra = ["backbone.random_init.num_hidden_layers=8"] if kind == "eagle3" else ["heads.num_layers=2"]
+    cfg = compose_tiny(f"heads.kind={kind}", *extra)
+    hf = random_config(dict(cfg.backbone.random_init))
+    projection, n = draft_vocabulary(cfg.heads, hf.vocab_size)
+    spec = HeadsSpec(num_heads=draft_depth(cfg.heads), num_layers=cfg.heads.num_layers, hidden_size=hf.hidden_size,
+                     vocab_size=hf.vocab_size, projection=projection, truncated_vocab_size=n, kind=kind,
+                     settings=training_family(kind).spec_settings(cfg.heads, hf))
+    matrix = torch.zeros(hf.vocab_size, hf.hidden_size)
+    heads = init_heads(spec, matrix, matrix, torch.arange(n))
+    assert head_parameter_count(cfg.heads, hf) == sum(p.numel() for p in heads.parameters()) > 0
+
+
+def test_heads_state_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch):
+    """Guards against: check_fits counting the frozen forward and the backbone's weights only, so heads whose
+    parameters (with gradients and two fp32 AdamW moments each) cannot fit passed the check and failed after
+    the backbone loaded, with an allocation traceback."""
+    from medusa_train import preflight as P
+
+    monkeypatch.setattr(P, "available_memory", lambda device: (256 * 2**20, "RAM available"))
+    P.check_fits(compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=64"))
+    big = compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=4096")  # ~4096^2 x 2 params x 16 B > 256 MB
+    with pytest.raises(UserError, match=r"heads.kind=mlp_speculator .* parameters.*lower heads.num_heads, "
+                                        r"heads.num_layers, heads.inner_dim or heads.truncated_vocab_size"):
+        P.check_fits(big)
