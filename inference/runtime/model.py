@@ -21,6 +21,7 @@ import torch
 from ..backbone import HiddenStateTap, eos_token_ids, scale_logits, text_config
 from .attention import NAME as DECODING_ATTENTION, use_decoding_attention
 from .cache import TreeKVCache
+from .static_steps import StaticKV, StaticSteps
 from .kernel_plan_cache import KernelPlanCache
 from .linear_kernels import route_linear_kernels
 from ..errors import UserError
@@ -43,6 +44,7 @@ class MedusaModel:
     eos_token_ids: list[int] = field(default_factory=list)
     adapter_applied: bool = False  # a Medusa-2 LoRA adapter was merged into ``model`` at load time
     kernel_plans: list = field(default_factory=list)  # linear_kernels routing (CPU), empty = stock kernels
+    static: Optional[StaticSteps] = None  # static-shape steps (graphs=): runtime.static_steps.apply_graphs
 
     def __post_init__(self):
         self.model.eval()
@@ -90,13 +92,23 @@ class MedusaModel:
     def max_positions(self) -> Optional[int]:
         return getattr(self.config, "max_position_embeddings", None)
 
-    def new_cache(self, capacity: int) -> TreeKVCache:
-        return TreeKVCache(self.config.num_hidden_layers, capacity)
+    def new_cache(self, capacity: int) -> TreeKVCache | StaticKV:
+        """A KV cache of ``capacity`` entries: a view of the static buffer with graphs (``static``), unless
+        a fixed static capacity is too small (that request then decodes on the dynamic cache)."""
+        view = self.static.cache(capacity) if self.static is not None else None
+        return view if view is not None else TreeKVCache(self.config.num_hidden_layers, capacity)
 
     # -- compute -----------------------------------------------------------------------
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Last hidden states (after the final norm) [1, n, H]; appends n entries to ``cache``."""
+        if isinstance(cache, StaticKV):
+            return self.static.forward(cache, input_ids, position_ids, attention_mask)[0]
+        return self.body_hidden(input_ids, position_ids, cache, attention_mask)
+
+    def body_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
+                    attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The decoder body's forward as transformers runs it (``hidden`` without static steps)."""
         out = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                         use_cache=True, **{self._cache_kw: cache})
         return out.last_hidden_state
@@ -108,6 +120,8 @@ class MedusaModel:
     def hidden_aux(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, tap: HiddenStateTap,
                    attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` plus the tap's layers from the same forward: ([1, n, H], [1, n, len(ids) * H])."""
+        if isinstance(cache, StaticKV):
+            return self.static.forward(cache, input_ids, position_ids, attention_mask, tap)
         with tap:
             h = self.hidden(input_ids, position_ids, cache, attention_mask)
         return h, tap.features()

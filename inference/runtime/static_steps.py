@@ -1,0 +1,301 @@
+"""Static-shape backbone steps, captured as CUDA graphs on a GPU (``graphs=``).
+
+On a GPU a decoding step of a small or mid-size backbone is bound by the host: transformers' forward
+launches ~1,200-1,500 kernels one by one from Python, each step 9-14x its own kernel time (measured on an
+H200: 31 ms wall for 2.3 ms of kernels at SmolLM2's shape). Serving engines replay a step captured once as
+a CUDA graph, which needs every tensor a step reads or writes at a fixed address and shape. This module
+gives the backbone forward that form, under the same ``MedusaModel.hidden`` contract every decoding method
+already uses, so every single-sequence method (plain, Medusa trees, EAGLE-3's verification, draft models,
+lookahead, prompt lookup) steps through it unchanged:
+
+- one KV buffer [layers, 2, 1, kv_heads, capacity, head_dim] per model, zero-filled (attention reads all
+  of it: an uninitialised NaN would poison every row through the additive mask), the last slot reserved
+  as the write target of padding rows;
+- a step of n rows runs in the smallest bucket >= n (``DEFAULT_BUCKETS``): input ids, positions, the
+  [1, 1, bucket, capacity] additive mask and the cache write index are device tensors of that bucket's
+  shape, filled in place before the step; padding rows write to the reserved slot, see only position 0
+  (a finite softmax) and are cut off before anything downstream reads the output, so they can never be
+  accepted; a generation's first forward (its prompt: once per request, and prompts of every length would
+  capture every bucket) and steps larger than every bucket run uncaptured on the same buffers;
+- attention always spans the whole capacity, masked: that is what makes the shape static;
+- acceptance and compaction stay the method's (``keep``: one gather over every layer at once).
+
+``graphs``: ``auto`` (captured on CUDA, off elsewhere), ``on`` (captured; CUDA only), ``off`` (the
+dynamic-shape ``TreeKVCache`` path: on CPU the full-capacity attention costs more than the launches it
+saves), ``uncaptured`` (these static shapes without capture, on any device: what ``on`` computes, for
+checking and for the CPU tests). A bucket is captured at its first step and never again while the KV
+capacity stands (``captures`` counts); a request longer than the capacity grows it (powers of two; the
+graphs are dropped and recaptured, said in one line) unless the capacity was fixed, in which case that
+request decodes on the dynamic path with a one-line warning. A capture that fails leaves its bucket
+uncaptured (one line), never a wrong token.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..errors import UserError
+
+GRAPH_MODES = ("auto", "on", "off", "uncaptured")
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_CAPACITY = 256
+
+
+def check_graphs(mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, device: Optional[str] = None) -> None:
+    """Refuse, in one line and before any model loads, a graphs mode or bucket list that cannot run."""
+    if mode not in GRAPH_MODES:
+        raise UserError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+    if (not isinstance(buckets, (list, tuple)) or not buckets
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+            or any(a >= b for a, b in zip(buckets, buckets[1:]))):
+        raise UserError(f"graph_buckets must be a strictly increasing list of row counts >= 1, got {buckets!r}")
+    if mode == "on" and device is not None and not str(device).startswith("cuda"):
+        raise UserError(f"graphs=on captures CUDA graphs: it needs device=cuda (this run decodes on {device}); "
+                        "give graphs=uncaptured for the same static-shape steps without capture")
+    if mode == "on" and not torch.cuda.is_available():
+        raise UserError("graphs=on captures CUDA graphs, but no CUDA device is available: give graphs=off or "
+                        "graphs=uncaptured")
+
+
+def captures_on(mode: str, device: torch.device) -> Optional[bool]:
+    """None: dynamic-shape steps (off); False: static shapes uncaptured; True: captured."""
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    return mode != "uncaptured"
+
+
+def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tuple]:
+    """Capture ``fn`` (which reads and writes only fixed tensors) as a CUDA graph: (replay, its outputs).
+    One eager run first on a side stream (lazy initialisations and the allocator's first blocks must not
+    happen inside the capture); it writes the same cache entries the step itself writes."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outs = fn()
+    return graph.replay, outs
+
+
+class _StaticLayer(DynamicLayer):
+    """One layer's keys/values: the owner's full-capacity buffers, written at the owner's write index."""
+
+    def __init__(self, owner: "StaticSteps", index: int):
+        super().__init__()
+        self.owner = owner
+        self.keys, self.values = owner.kv[index, 0], owner.kv[index, 1]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.owner.write_index, key_states)
+        self.values.index_copy_(2, self.owner.write_index, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.owner.kv.shape[4]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.kv.shape[4], 0
+
+
+class StaticKV:
+    """One generation's view of its model's static KV buffer: the ``TreeKVCache`` interface decoders use
+    (``length``, ``keep``, ``truncate``). A newer generation on the same model takes the buffer over; a
+    step through an older view is refused (it would read another sequence's entries)."""
+
+    def __init__(self, steps: "StaticSteps", capacity: int, generation: int):
+        self.steps, self.capacity, self.generation = steps, capacity, generation
+        self.length = 0
+
+    def check_current(self) -> None:
+        if self.generation != self.steps.generation:
+            raise RuntimeError("two generations are decoding on one model's static KV cache at once; "
+                               "finish one before starting another (or decode with graphs=off)")
+
+    def keep(self, start: int, nodes: Sequence[int]) -> None:
+        """Keep the first ``start`` entries plus tree nodes ``nodes`` (offsets from ``start``, increasing)."""
+        self.check_current()
+        count = len(nodes)
+        if list(nodes) != list(range(count)):   # else already in place
+            src = torch.as_tensor([start + i for i in nodes], dtype=torch.long, device=self.steps.kv.device)
+            kv = self.steps.kv
+            kv[:, :, :, :, start:start + count] = kv.index_select(4, src)   # every layer at once
+        self.length = start + count
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+@dataclass
+class _Bucket:
+    """A bucket's fixed input tensors, and its captured step per tap (None key: no aux features)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor
+    index: torch.Tensor
+    replays: dict = field(default_factory=dict)   # tap key -> (replay, outputs) or None (capture failed)
+
+
+class StaticSteps:
+    """A model's static KV buffer and its bucketed steps (module docstring). ``capture``: a function
+    (fn, pool) -> (replay, outputs) or None (uncaptured); ``capacity``: fixed KV slots, else grown."""
+
+    def __init__(self, m, buckets: Sequence[int] = DEFAULT_BUCKETS, capture: Optional[Callable] = None,
+                 capacity: Optional[int] = None, log: Callable[[str], None] = print):
+        check_graphs("auto", list(buckets))
+        self.m, self.buckets, self.capture, self.log = m, tuple(buckets), capture, log
+        self.fixed_capacity = capacity
+        self.kv: Optional[torch.Tensor] = None
+        self.write_index: Optional[torch.Tensor] = None
+        self.generation = 0
+        self.captures: dict[str, int] = {}        # step ("rows", "rows+aux[ids]") -> captures while the capacity stands
+        self.capture_s = 0.0
+        self.graph_bytes = 0
+        self.regrown = self.fallbacks = self.failed = 0
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None
+
+    # -- the buffer ----------------------------------------------------------------------------------
+    def cache(self, need: int) -> Optional[StaticKV]:
+        """A view for a generation of at most ``need`` entries, or None where a fixed capacity is too small."""
+        slots = need + 1                                   # + the padding rows' slot
+        if self.kv is None or slots > self.kv.shape[4]:
+            if self.fixed_capacity is not None and slots > self.fixed_capacity:
+                self.fallbacks += 1
+                warnings.warn(f"graphs: this request needs {slots} KV slots, beyond the fixed capacity "
+                              f"{self.fixed_capacity}: it decodes uncaptured on the dynamic cache", stacklevel=3)
+                return None
+            self._allocate(self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length()))
+        self.generation += 1
+        return StaticKV(self, self.kv.shape[4] - 1, self.generation)
+
+    def _allocate(self, capacity: int) -> None:
+        if self.kv is not None:
+            self.regrown += 1
+            self.log(f"graphs: KV capacity {self.kv.shape[4]} -> {capacity}; steps are captured again")
+        cfg, m = self.m.config, self.m
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv = self._buckets = None      # the old buffer and its graphs go before the new one is made
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, 1, kv_heads, capacity, head_dim, dtype=m.dtype,
+                              device=m.device)
+        self.body_cache = Cache(layers=[_StaticLayer(self, i) for i in range(cfg.num_hidden_layers)])
+        self._buckets, self.captures = {}, {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture is cuda_capture else None
+
+    # -- a step ----------------------------------------------------------------------------------------
+    def forward(self, view: StaticKV, ids: torch.Tensor, pos: torch.Tensor, mask: Optional[torch.Tensor],
+                tap=None) -> tuple[torch.Tensor, ...]:
+        """``MedusaModel.hidden`` (tap: ``hidden_aux``) on the static buffer: (hidden [1, n, H], features)."""
+        view.check_current()
+        n, past = ids.shape[1], view.length
+        if past + n > view.capacity:
+            raise RuntimeError(f"KV cache overflow: {past + n} > capacity {view.capacity}")
+        rows = next((b for b in self.buckets if b >= n), None)
+        b = self._bucket(rows) if rows is not None else self._inputs(n)
+        self._fill(b, ids, pos, mask, past, n)
+        key = None if tap is None else tuple(tap.ids)
+        step = self._step_fn(b, tap)
+        if rows is not None and self.capture is not None and past > 0:   # prompts: see the module docstring
+            outs = self._replayed(rows, b, key, step)
+        else:
+            outs = step()
+        view.length = past + n
+        return tuple(o[:, :n].clone() for o in outs)   # a later replay overwrites the fixed outputs
+
+    def _step_fn(self, b: _Bucket, tap) -> Callable[[], tuple]:
+        def step():
+            self.write_index = b.index
+            if tap is None:
+                return (self.m.body_hidden(b.ids, b.pos, self.body_cache, b.mask),)
+            with tap:
+                h = self.m.body_hidden(b.ids, b.pos, self.body_cache, b.mask)
+            return h, tap.features()
+        return step
+
+    def _replayed(self, rows: int, b: _Bucket, key, step) -> tuple:
+        if key not in b.replays:
+            b.replays[key] = self._capture(f"{rows}" if key is None else f"{rows}+aux{list(key)}", step)
+        captured = b.replays[key]
+        if captured is None:
+            return step()
+        replay, outs = captured
+        self.write_index = b.index
+        replay()
+        return outs
+
+    def _capture(self, label: str, step) -> Optional[tuple]:
+        if label in self.captures:   # a captured step is replayed, never silently captured again
+            raise RuntimeError(f"graphs: the {label}-row step would be captured a second time")
+        before = torch.cuda.memory_reserved() if self.capture is cuda_capture else 0
+        t0 = time.perf_counter()
+        try:
+            captured = self.capture(step, self._pool)
+        except Exception as exc:   # any capture failure: this bucket runs uncaptured, correct but slower
+            self.failed += 1
+            self.log(f"graphs: capturing the {label}-row step failed ({type(exc).__name__}: {exc}); it runs uncaptured")
+            return None
+        if self.capture is cuda_capture:
+            torch.cuda.synchronize()
+            self.graph_bytes += torch.cuda.memory_reserved() - before
+        self.capture_s += time.perf_counter() - t0
+        self.captures[label] = 1
+        return captured
+
+    def _bucket(self, rows: int) -> _Bucket:
+        if rows not in self._buckets:
+            self._buckets[rows] = self._inputs(rows)
+        return self._buckets[rows]
+
+    def _inputs(self, rows: int) -> _Bucket:
+        dev, cap = self.kv.device, self.kv.shape[4]
+        return _Bucket(torch.zeros(1, rows, dtype=torch.long, device=dev),
+                       torch.zeros(1, rows, dtype=torch.long, device=dev),
+                       torch.zeros(1, 1, rows, cap, dtype=self.m.dtype, device=dev),
+                       torch.full((rows,), cap - 1, dtype=torch.long, device=dev))
+
+    def _fill(self, b: _Bucket, ids, pos, mask, past: int, n: int) -> None:
+        """The step's ids, positions, write index and mask into the bucket's tensors; padding rows write to
+        the last slot and see position 0 only."""
+        low = torch.finfo(b.mask.dtype).min
+        b.ids[:, :n].copy_(ids)
+        b.pos[:, :n].copy_(pos)
+        b.index[:n].copy_(torch.arange(past, past + n, device=b.index.device))
+        b.mask.fill_(low)
+        if mask is not None:
+            b.mask[:, :, :n, :past + n].copy_(mask)
+        else:   # causal: the prefix and the earlier new rows
+            b.mask[:, :, :n, :past] = 0
+            b.mask[0, 0, :n, past:past + n].masked_fill_(
+                torch.ones(n, n, dtype=torch.bool, device=b.mask.device).tril(), 0)
+        if b.ids.shape[1] > n:
+            b.ids[:, n:] = 0
+            b.pos[:, n:] = 0
+            b.index[n:] = b.mask.shape[-1] - 1
+            b.mask[:, :, n:, 0] = 0
+
+    def summary(self) -> dict:
+        """What report.json records of the static steps."""
+        return {"captured": self.capture is not None, "buckets": list(self.buckets),
+                "kv_capacity": None if self.kv is None else self.kv.shape[4],
+                "captures": dict(self.captures),
+                "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
+                "capacity_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed}
+
+
+def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,
+                 log: Callable[[str], None] = print):
+    """Give ``m`` static-shape steps per ``mode`` (module docstring), or take them away (off); returns ``m``."""
+    check_graphs(mode, list(buckets), None if mode != "on" else str(m.device))
+    on = captures_on(mode, m.device)
+    m.static = None if on is None else StaticSteps(m, buckets, cuda_capture if on else None, capacity, log)
+    return m

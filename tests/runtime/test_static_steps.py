@@ -1,0 +1,222 @@
+"""Static-shape steps (``runtime.static_steps``, ``graphs=``) on CPU: what a captured GPU step computes.
+
+``graphs=uncaptured`` runs the exact arithmetic ``graphs=on`` captures (full-capacity buffer, bucketed rows,
+padding rows, the write index); ``replaying`` below stands in for CUDA's capture on CPU: it runs the step
+once at capture and re-runs it into the same output tensors at every replay, so the fixed-tensor plumbing
+(inputs filled in place, outputs read back from the captured tensors, one capture per bucket) is exercised
+without a GPU. The CUDA capture itself is in the gpu tier (tests/runtime/test_static_steps_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.errors import UserError
+from inference.heads.registry import init_heads
+from inference.heads.spec import HeadsSpec
+from inference.loading import attach_heads
+from inference.methods import generate
+from inference.methods.prompt_lookup import PromptLookupSettings
+from inference.runtime.cache import TreeKVCache
+from inference.runtime.static_steps import StaticKV, StaticSteps, apply_graphs, check_graphs
+from inference.runtime.verify import SamplingConfig
+from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401 (autouse fixture)
+from test_eagle3_decoding import random_drafter
+
+REPEATING = [5, 17, 3, 88, 41, 9, 5, 17, 3, 88, 41, 9, 5, 17]
+DISTINCT = [7, 1, 60, 33, 2]
+
+
+def replaying(fn, pool):
+    """A CPU stand-in for ``cuda_capture``: the outputs stay the same tensors, each replay refills them."""
+    outs = fn()
+
+    def replay():
+        for o, new in zip(outs, fn()):
+            o.copy_(new)
+    return replay, outs
+
+
+def with_steps(m, how: str, **kw):
+    """``m`` with graphs off, static uncaptured, or static with the replaying stand-in for capture."""
+    if how == "replayed":
+        m.static = StaticSteps(m, capture=replaying, log=lambda line: None, **kw)
+    else:
+        apply_graphs(m, how, **kw)
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=96, seed=0)
+
+
+@pytest.fixture(scope="module")
+def medusa(model):
+    return wrap(model, random_heads(model, num_heads=3, seed=1))
+
+
+def dependent(model, kind):
+    spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=64, vocab_size=96, kind=kind, base_model="random:llama")
+    heads = init_heads(spec, model.lm_head.weight, model.get_input_embeddings().weight)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return attach_heads(model, heads)
+
+
+CASES = [
+    ("medusa", "autoregressive", {}),
+    ("medusa", "medusa", {"tree": "tree8"}),
+    ("medusa", "medusa", {"tree": "tree64"}),                 # the largest default bucket, exactly
+    ("medusa", "medusa_lookup", {"tree": "tree8", "options": PromptLookupSettings(num_tokens=5)}),
+    ("medusa", "prompt_lookup", {}),
+    ("medusa", "lookahead", {}),
+    ("medusa", "draft", {"draft": "self:1"}),
+    ("hydra", "medusa", {"tree": "tree8"}),
+    ("mlp_speculator", "medusa", {"tree": "tree4"}),
+    ("eagle3", "eagle3", {}),
+    ("eagle3", "eagle3_lookup", {}),
+]
+
+
+def backbone_for(kind, model, medusa_m):
+    if kind == "medusa":
+        return medusa_m
+    if kind == "eagle3":
+        return random_drafter(tiny_llama(vocab=96, hidden=64, layers=4, seed=0))
+    return dependent(model, kind)
+
+
+@pytest.mark.parametrize("how", ["uncaptured", "replayed"])
+@pytest.mark.parametrize("kind, method, kw", CASES, ids=[f"{k}-{m}-{i}" for i, (k, m, _) in enumerate(CASES)])
+def test_static_steps_are_token_identical_for_every_method(model, medusa, how, kind, method, kw):
+    """Guards against the static-shape step changing a single token (padding rows accepted or attended, the
+    write index or the full-capacity mask off by one, compaction of the shared buffer, the aux-feature tap
+    under a captured step) for any family or method that verifies drafts: fp32, greedy, against graphs=off."""
+    m = backbone_for(kind, model, medusa)
+    for prompt in (REPEATING, DISTINCT):
+        with_steps(m, "off")
+        ref = generate(m, prompt, method, max_new_tokens=40, eos_token_ids=(), **kw)
+        with_steps(m, how)
+        out = generate(m, prompt, method, max_new_tokens=40, eos_token_ids=(), **kw)
+        assert out.tokens == ref.tokens
+        if method != "lookahead":   # its Jacobi guesses are argmaxes of unverified rows: near-ties of this
+            assert out.accept_lengths == ref.accept_lengths   # random model may round apart (tokens may not)
+    m.static = None
+
+
+def test_a_bucket_is_captured_once_and_replayed(medusa):
+    """Guards against silent recapture: after many steps of a tree and a plain loop, each bucket the steps
+    used was captured exactly once, and capturing an already-captured step again raises."""
+    m = with_steps(medusa, "replayed")
+    for _ in range(3):
+        generate(m, REPEATING, "medusa", tree="tree8", max_new_tokens=30, eos_token_ids=())
+        generate(m, DISTINCT, "autoregressive", max_new_tokens=30, eos_token_ids=())
+    assert m.static.captures == {"8": 1, "1": 1}          # tree8: 8 nodes; plain: 1 row; prompts run uncaptured
+    assert m.static.summary()["captures"] == {"8": 1, "1": 1}
+    step = m.static._step_fn(m.static._bucket(8), None)
+    with pytest.raises(RuntimeError, match="captured a second time"):
+        m.static._capture("8", step)
+    m.static = None
+
+
+def test_prompt_longer_than_every_bucket_runs_uncaptured_on_the_same_buffer(medusa):
+    """Guards against prompts of ~1k tokens (beyond the largest bucket) failing or being captured: they prefill
+    uncaptured on the static buffer, the capacity grows to hold them, and decoding stays token-identical."""
+    prompt = [(7 * i + 3) % 96 for i in range(400)]
+    with_steps(medusa, "off")
+    ref = generate(medusa, prompt, "medusa", tree="tree8", max_new_tokens=24, eos_token_ids=()).tokens
+    m = with_steps(medusa, "replayed")
+    assert generate(m, prompt, "medusa", tree="tree8", max_new_tokens=24, eos_token_ids=()).tokens == ref
+    assert "400" not in m.static.captures and m.static.summary()["kv_capacity"] == 512
+    m.static = None
+
+
+def test_capacity_growth_recaptures_and_says_so(medusa):
+    """Guards against graphs kept over a reallocated buffer (they would read freed memory): a longer request
+    grows the capacity, drops the captured steps, captures again and logs one line."""
+    lines = []
+    m = medusa
+    m.static = StaticSteps(m, capture=replaying, log=lines.append)
+    generate(m, DISTINCT, "autoregressive", max_new_tokens=8, eos_token_ids=())
+    assert m.static.captures == {"1": 1} and m.static.kv.shape[4] == 256
+    generate(m, [3] * 300, "autoregressive", max_new_tokens=8, eos_token_ids=())
+    assert m.static.kv.shape[4] == 512 and m.static.regrown == 1 and m.static.captures == {"1": 1}
+    assert len(lines) == 1 and "256 -> 512" in lines[0]
+    m.static = None
+
+
+def test_request_beyond_a_fixed_capacity_decodes_uncaptured_with_a_warning(medusa):
+    """Guards against a request longer than a fixed static capacity overflowing the buffer or decoding wrong:
+    it falls back to the dynamic cache with one warning and the same tokens."""
+    with_steps(medusa, "off")
+    ref = generate(medusa, REPEATING * 10, "medusa", tree="tree4", max_new_tokens=20, eos_token_ids=()).tokens
+    m = with_steps(medusa, "replayed", capacity=64)
+    with pytest.warns(UserWarning, match="beyond the fixed capacity 64"):
+        out = generate(m, REPEATING * 10, "medusa", tree="tree4", max_new_tokens=20, eos_token_ids=())
+    assert out.tokens == ref and m.static.fallbacks == 1
+    assert isinstance(m.new_cache(10), StaticKV)
+    with pytest.warns(UserWarning):
+        assert isinstance(m.new_cache(100), TreeKVCache)
+    m.static = None
+
+
+def test_padding_rows_never_reach_the_output(medusa):
+    """Guards against padded nodes being visible: a 3-row step in the 4-row bucket returns 3 rows equal to the
+    dynamic path's, and the padding rows wrote only to the reserved last slot."""
+    m = with_steps(medusa, "uncaptured")
+    view = m.new_cache(32)
+    ids, pos = torch.tensor([[5, 17, 3]]), torch.arange(3)[None]
+    with torch.inference_mode():
+        h = m.hidden(ids, pos, view)
+        ref = m.body_hidden(ids, pos, TreeKVCache(m.config.num_hidden_layers, 8))
+    assert h.shape == (1, 3, 64)
+    torch.testing.assert_close(h, ref, atol=1e-5, rtol=0)
+    assert view.length == 3 and m.static.kv[:, :, :, :, 3:-1].abs().sum() == 0   # slot 3.. untouched but the last
+    m.static = None
+
+
+def test_a_stale_generation_is_refused(medusa):
+    """Guards against two generations sharing one model's static buffer (each would read the other's entries):
+    a step through the older view raises instead of decoding wrong."""
+    m = with_steps(medusa, "uncaptured")
+    old = m.new_cache(16)
+    m.new_cache(16)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="two generations"):
+        m.hidden(torch.tensor([[1]]), torch.tensor([[0]]), old)
+    m.static = None
+
+
+def test_exact_sampling_is_unchanged_by_static_steps(medusa):
+    """Guards against the static step changing what sampling sees: same seed, same tokens as graphs=off (the
+    logits agree to fp32 rounding, far below what would move a sampled token here)."""
+    cfg = SamplingConfig(mode="sample", temperature=0.8)
+    with_steps(medusa, "off")
+    ref = generate(medusa, DISTINCT, "medusa", tree="tree8", max_new_tokens=30, sampling=cfg, seed=5).tokens
+    m = with_steps(medusa, "replayed")
+    assert generate(m, DISTINCT, "medusa", tree="tree8", max_new_tokens=30, sampling=cfg, seed=5).tokens == ref
+    m.static = None
+
+
+@pytest.mark.parametrize("mode, buckets, device, match", [
+    ("sometimes", [1, 2], None, "graphs must be one of"),
+    ("auto", [1, 4, 2], None, "strictly increasing"),
+    ("auto", [], None, "strictly increasing"),
+    ("auto", [0, 1], None, "strictly increasing"),
+    ("on", [1, 2], "cpu", "needs device=cuda"),
+])
+def test_bad_graph_settings_are_refused_in_one_line(mode, buckets, device, match):
+    """Guards against a mistyped mode, a bucket list that is not increasing, or graphs=on on a CPU run
+    reaching the model load (or a crash later)."""
+    with pytest.raises(UserError, match=match) as err:
+        check_graphs(mode, buckets, device)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_graphs_on_without_cuda_is_refused():
+    """Guards against graphs=on silently running uncaptured (or crashing in capture) on a machine without CUDA."""
+    with pytest.raises(UserError, match="no CUDA device"):
+        check_graphs("on", [1, 2])
