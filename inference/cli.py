@@ -32,7 +32,8 @@ medusa-eval picks its methods with ``methods=[...]`` (default: the first method 
 heads: medusa, or eagle3_lookup for EAGLE-3 heads); ``compare=true`` is short for every available method
 (those needing heads only with heads=, and only those that decode with them) and also writes the
 trade-off matrix; medusa-generate decodes with that same default method (tree=tree4 for Medusa heads). The
-baselines are always added: autoregressive, and hf_generate in greedy mode. Without heads= the backbone is
+baselines are always added: autoregressive, and hf_generate in greedy mode (and on CUDA hf_generate_static,
+transformers' generate with its static, compiled cache). Without heads= the backbone is
 ``backbone=`` (default embedded:smollm2). Prompt sets: embedded:mtbench (default), code (bundled code /
 structured-output prompts) or a JSONL file.
 

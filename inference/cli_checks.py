@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from . import loading   # loading.read_heads_spec_for looked up when called (tests replace it)
-from .backbone import load_backbone_config
+from .backbone import load_backbone_config, parse_device
 from .cli_support import enum_value
 from .errors import UserError
-from .evaluation.batch_eval import check_sizes_measured, parse_batch_sizes
+from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
 from .evaluation.choosing import calibrating
 from .evaluation.evaluate import check_settings
 from .evaluation.prompts import load_prompts, select_prompts
@@ -29,6 +29,7 @@ from .methods.choice_file import is_choice_file, read_choice
 from .methods.registry import check_methods, methods_for_heads, options_from_keys
 from .methods.shape import keyed_fields, method_mode
 from .runtime.decode import check_budget, check_positions
+from .runtime.static_steps import check_graphs
 from .runtime.verify import SamplingConfig
 
 
@@ -45,6 +46,9 @@ def check_decoding_keys(cfg):
         value = getattr(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"{key} must be an integer >= {low}{what}, got {value!r}")
+    buckets = cfg.graph_buckets
+    check_graphs(cfg.graphs, list(buckets) if not isinstance(buckets, (str, int)) else buckets,
+                 parse_device(cfg.device).type if cfg.graphs == "on" else None)
     return sampling_config(cfg)
 
 
@@ -157,14 +161,21 @@ def check_eval_keys(cfg):
     return sampling, sizes
 
 
+def added_baselines(greedy: bool, device: str, batched: bool) -> list[str]:
+    """The baselines an evaluation adds on ``device`` (a ``torch.device`` type): the greedy-only ones in greedy mode
+    only, each on its ``Method.devices`` only, and a batched evaluation only those it decodes in batches."""
+    return [x for x in names() if get(x).baseline and (greedy or not get(x).greedy_only)
+            and (not get(x).devices or device in get(x).devices) and (not batched or x in BATCH_BASELINES)]
+
+
 def eval_methods(cfg) -> list[str]:
     """The methods an evaluation runs, from ``methods`` / ``compare``, the mode and whether heads exist."""
     if cfg.method is not None:
         raise UserError("method= is gone: give methods=[name, ...] (the baselines are added)")
     if cfg.methods is not None and cfg.compare:
         raise UserError("give one of methods= or compare=true")
-    greedy = enum_value(cfg.mode) == "greedy"
-    baselines = [x for x in names() if get(x).baseline and (greedy or not get(x).greedy_only)]
+    baselines = added_baselines(enum_value(cfg.mode) == "greedy", parse_device(cfg.device).type,
+                                parse_batch_sizes(cfg.batch_size) is not None)
     spec = heads_spec(cfg)  # unreadable: every heads method, medusa by default (loading says what is wrong)
     usable = [] if not cfg.heads else methods_for_heads(spec) if spec is not None else \
         [x for x in names() if get(x).needs_heads]

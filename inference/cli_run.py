@@ -30,6 +30,7 @@ from .runtime.batch_decode import check_batch_size
 from .runtime.draft_weights import check_draft_weights
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 from .runtime.race import auto_threads
+from .runtime.static_steps import apply_graphs
 
 __all__ = ["eval_choices", "eval_methods", "generate_options", "run_eval", "run_generate"]
 
@@ -44,7 +45,7 @@ def _load(cfg):
         raise UserError("heads=<export directory> is required")
     return load_medusa(cfg.heads, backbone=cfg.backbone, device=_device(cfg), dtype=cfg.dtype,
                        trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter, kernels=cfg.kernels,
-                       draft_weights=cfg.draft_weights)
+                       draft_weights=cfg.draft_weights, graphs=cfg.graphs, graph_buckets=list(cfg.graph_buckets))
 
 
 def _load_eval(cfg):
@@ -55,7 +56,8 @@ def _load_eval(cfg):
         return _load(cfg)
     model, tok, _ = load_backbone(cfg.backbone or "embedded:smollm2", device=_device(cfg), dtype=cfg.dtype,
                                   trust_remote_code=cfg.trust_remote_code)
-    return apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels, kernel_plans_path())
+    m = apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels, kernel_plans_path())
+    return apply_graphs(m, cfg.graphs, list(cfg.graph_buckets))
 
 
 def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,6 +35,7 @@ from .runtime.adapter import merge_lora
 from .runtime.kernel_plan_cache import FILE_NAME
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 from .runtime.draft_weights import check_draft_weights, half_draft_weights
+from .runtime.static_steps import DEFAULT_BUCKETS, apply_graphs, check_graphs
 
 
 def read_heads_spec(heads_dir: str | os.PathLike, backbone_config=None) -> HeadsSpec:
@@ -168,7 +169,8 @@ def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch
 
 def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
                 tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None,
-                draft_weights: str = "float") -> MedusaModel:
+                draft_weights: str = "float", graphs: str = "auto",
+                graph_buckets: Sequence[int] = DEFAULT_BUCKETS) -> MedusaModel:
     """Backbone + tokenizer + heads, checked to belong together.
 
     backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
@@ -183,12 +185,15 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     measures them afresh, ``stock`` leaves transformers' as they are; default ``auto`` for a backbone
     loaded here, ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own linears in
     float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
-    outputs and sampling's distribution do not), ``float`` keeps them as trained.
+    outputs and sampling's distribution do not), ``float`` keeps them as trained. graphs: ``auto`` steps
+    the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``: ``on``, ``off``,
+    ``uncaptured``), padded up to ``graph_buckets`` rows.
     """
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
     check_kernels(kernels)  # before any loading
     check_draft_weights(draft_weights)
+    check_graphs(graphs, list(graph_buckets), None if graphs != "on" or device is None else str(parse_device(device)))
     # missing / unreadable export -> UserError before any model load
     if backbone is None or isinstance(backbone, (str, Path)):
         spec = read_heads_spec_for(heads_dir, backbone, trust_remote_code=trust_remote_code)
@@ -225,8 +230,9 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
                        input_embeddings=emb.weight if emb is not None else None)
     if draft_weights == "float16":  # before routing: the half linears are not routed
         half_draft_weights(heads, model)
-    return apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
-                         kernels, kernel_plans_path())
+    m = apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
+                      kernels, kernel_plans_path())
+    return apply_graphs(m, graphs, graph_buckets)
 
 
 def _refuse_another_target(heads_dir, spec: HeadsSpec, name: str, trust_remote_code: bool) -> None:

@@ -51,6 +51,9 @@ from .evaluate import check_settings, machine
 from .prompts import Prompt, encode_checked, split_calibration
 
 PLAIN, HF = "autoregressive", "hf_generate"
+# the baselines a batched evaluation measures; hf_generate_static is not among them: it decodes one prompt per
+# generate call, so beside batches it would time something else than a batched baseline
+BATCH_BASELINES = (PLAIN, HF)
 
 
 # -- what the command line gives ---------------------------------------------------------------

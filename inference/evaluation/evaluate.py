@@ -12,18 +12,20 @@ One place defines the metrics (per method, in ``per_method``):
                      method with a fixed proposal depth (Medusa's tree).
   head accuracy      per head, top-1..top-5 against the backbone's own greedy tokens.
   tokens_per_s       new tokens / wall time including prefill, per method, summed over prompts.
-  speedup_vs_*       tokens/s over the runtime's own autoregressive loop (same cache, same token
-                     choice) and over transformers' ``generate`` (greedy).
+  speedup_vs_<baseline>  tokens/s over each baseline run beside it (``Method.baseline``): the runtime's own
+                     autoregressive loop (same cache, same token choice), transformers' ``generate``
+                     (greedy) and, on CUDA, its static-cache form (``hf_generate_static``).
   greedy_identical_fraction  prompts whose output equals the autoregressive baseline's; greedy mode
                      only (in sample / typical mode outputs differ by design: the key is omitted).
 
 The methods come from the registry (``inference.methods``); the baselines (autoregressive,
-hf_generate) run beside them. They run interleaved prompt by prompt (their order rotates), in
-one process, so the machine's background load hits them alike. Before they run, each method with a
-speculation shape gets its choice (``choosing``; ``choice=auto`` measures it on held-out calibration
-prompts and this machine): the methods decoding a Medusa tree share one tree (report.json's ``tree``,
-with the heads' measured ``head_accuracy``), EAGLE-3's methods each get their setting (``<method>_tree``);
-where nothing beats plain decoding, a method runs without speculation and says so.
+hf_generate, on CUDA hf_generate_static) run beside them. They run interleaved prompt by prompt (their
+order rotates), in one process, so the machine's background load hits them alike. Before they run,
+each method with a speculation shape gets its choice (``choosing``; ``choice=auto`` measures it on
+held-out calibration prompts and this machine): the methods decoding a Medusa tree share one tree
+(report.json's ``tree``, with the heads' measured ``head_accuracy``), EAGLE-3's methods each get their
+setting (``<method>_tree``); where nothing beats plain decoding, a method runs without speculation and
+says so.
 
 The trade-off matrix (``reports.write_compare``) adds what each method costs (``Method.costs``):
 extra parameters loaded (counted from the real modules, tensors shared with the backbone
@@ -84,9 +86,9 @@ def method_summary(samples: list[Sample], method: str, methods: Sequence[str], r
             out["n_alpha"] = [round(sum(a >= n for a in accepted) / max(sum(a >= n - 1 for a in accepted), 1), 4)
                               for n in range(1, proposed + 1)]
         out["accept_length_histogram"] = {str(k): lengths.count(k) for k in sorted(set(lengths))}
-    for base, key in (("autoregressive", "speedup_vs_autoregressive"), ("hf_generate", "speedup_vs_hf_generate")):
-        if base in methods and rates[base] > 0:
-            out[key] = round(rates[method] / rates[base], 4)
+    for base in methods:
+        if registry.get(base).baseline and rates[base] > 0:
+            out[f"speedup_vs_{base}"] = round(rates[method] / rates[base], 4)
     if greedy and "autoregressive" in methods and samples:
         same = [s.tokens[method] == s.tokens["autoregressive"] for s in samples]
         out["greedy_identical_fraction"] = round(sum(same) / len(same), 4)
@@ -108,9 +110,10 @@ def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[
     out: dict = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()},
                  "per_method": {meth: method_summary(samples, meth, methods, rates, proposed.get(meth), greedy)
                                 for meth in methods}}
-    if greedy and "hf_generate" in methods and "autoregressive" in methods and samples:
-        same = [s.tokens["hf_generate"] == s.tokens["autoregressive"] for s in samples]
-        out["hf_generate_identical_fraction"] = round(sum(same) / len(same), 4)
+    if greedy and "autoregressive" in methods and samples:   # each transformers baseline against the runtime's loop
+        for base in (x for x in methods if x != "autoregressive" and registry.get(x).baseline):
+            same = [s.tokens[base] == s.tokens["autoregressive"] for s in samples]
+            out[f"{base}_identical_fraction"] = round(sum(same) / len(same), 4)
     return out
 
 
@@ -177,6 +180,18 @@ def decode_interleaved(m: MedusaModel, prompts: list[Prompt], methods: Sequence[
     return samples
 
 
+def warm_captured_steps(m: MedusaModel, prompts: list[Prompt], methods: Sequence[str], opts: Mapping[str, Any],
+                        max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
+    """With captured steps (``graphs``), one untimed generation per method on the longest first turn, so
+    that the captures (and the KV buffer's growth to the longest prompt) happen here, not in timed runs."""
+    if m.static is None or m.static.capture is None or not prompts:
+        return
+    ids = max((m.encode_chat(p.turns[0]) for p in prompts), key=len)
+    for meth in methods:
+        registry.generate(m, ids, meth, options=opts[meth], max_new_tokens=max_new_tokens, sampling=sampling,
+                          seed=seed)
+
+
 def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = DEFAULT_METHODS,
              choice: Union[str, Mapping[str, str]] = "auto", max_new_tokens: int = 128,
              sampling: Optional[SamplingConfig] = None, turns: str = "first", calibration_prompts: int = 8,
@@ -215,6 +230,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     for meth, spec in specs.items():
         if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
             opts[meth] = spec.prepare(m, opts[meth])
+    warm_captured_steps(m, prompts, methods, opts, max_new_tokens, sampling, seed)
     samples = decode_interleaved(m, prompts, methods, opts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  turns=turns, seed=seed, progress=progress)
     run_length = max((s.outputs[methods[0]].prompt_tokens for s in samples), default=0) + max_new_tokens
@@ -223,7 +239,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
                                              if spec.proposed is not None}, greedy=sampling.is_greedy),
               "method_options": reported, "run_length": run_length,
               "costs": {meth: dataclasses.asdict(spec.costs(m, opts[meth], run_length)) for meth, spec in specs.items()},
-              "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock", **report_entries(made)}
+              "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock",
+              "graphs": m.static.summary() if m.static is not None else "off", **report_entries(made)}
     report["samples"] = [{"prompt_id": s.prompt_id, "turn": s.turn,
                           **{f"{k}_tokens": len(v.tokens) for k, v in s.outputs.items()},
                           **{f"{k}_tau": round(v.tau, 3) for k, v in s.outputs.items() if not specs[k].baseline}}

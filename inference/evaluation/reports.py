@@ -58,13 +58,27 @@ def print_per_method(report: dict) -> None:
     """One line per method of a one-prompt-at-a-time evaluation: tokens/s, tau, speedups, greedy identity."""
     for meth, row in report.get("per_method", {}).items():
         parts = [f"{meth:>14}: {row['tokens_per_s']:8.2f} tok/s", f"tau {row['tau']:.3f}"]
-        if "speedup_vs_autoregressive" in row:
-            parts.append(f"{row['speedup_vs_autoregressive']:.2f}x vs autoregressive")
-        if "speedup_vs_hf_generate" in row:
-            parts.append(f"{row['speedup_vs_hf_generate']:.2f}x vs HF generate")
+        parts += [f"{row[key]:.2f}x vs {label}" for key, label in speedup_columns([row]) if key in row]
         if "greedy_identical_fraction" in row and meth != "autoregressive":
             parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
         print(" | ".join(parts))
+
+
+SPEEDUP_LABELS = {"hf_generate": "HF generate", "hf_generate_static": "HF generate (static cache)"}
+
+
+def speedup_columns(rows) -> list[tuple[str, str]]:
+    """(report key, label) of the speedup columns of these per-method rows: over autoregressive and HF generate
+    always (reports stay comparable), then every other ``speedup_vs_<baseline>`` a row has (hf_generate_static:
+    CUDA runs), labelled by ``SPEEDUP_LABELS`` or the baseline's name."""
+    keys = ["speedup_vs_autoregressive", "speedup_vs_hf_generate"]
+    for row in rows:
+        keys += [k for k in row if k.startswith("speedup_vs_") and k not in keys]
+    return [(k, SPEEDUP_LABELS.get(k[len("speedup_vs_"):], k[len("speedup_vs_"):])) for k in keys]
+
+
+def _speedup_header(cols) -> str:
+    return "".join(f" speedup vs {label} |" for _, label in cols)
 
 
 def _fmt(v, spec=".3f", default="-") -> str:
@@ -84,18 +98,18 @@ def headline(r: dict) -> tuple[str, dict]:
 
 def markdown(r: dict) -> str:
     s = r.get("settings") or {}
+    per = r.get("per_method") or {}
+    cols = speedup_columns(per.values())
     title = f"Medusa evaluation: {s['heads']}" if s.get("heads") else f"Decoding evaluation: {s.get('backbone', '')}"
     lines = [f"# {title}", "",
              f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
              f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
              f"({r['machine']['threads']} threads), {s.get('dtype', '')}.", "",
-             "| method | tau | acceptance rate | tokens/s | speedup vs autoregressive | speedup vs HF generate |",
-             "|---|---|---|---|---|---|"]
-    per = r.get("per_method") or {}
+             "| method | tau | acceptance rate | tokens/s |" + _speedup_header(cols), "|---" * (4 + len(cols)) + "|"]
     for meth, v in r["tokens_per_s"].items():
         row = per.get(meth, {})
-        a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
-        lines.append(f"| {meth} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | {v:.2f} | {a} | {h} |")
+        lines.append(f"| {meth} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | {v:.2f} |"
+                     + "".join(f" {_times(row.get(k))} |" for k, _ in cols))
     name, row = headline(r)
     if name is not None:
         lines += ["", f"- {name} tau (tokens per verification step): **{row.get('tau', 1.0):.3f}**",
@@ -174,17 +188,18 @@ def compare_markdown(r: dict) -> str:
     """The trade-off matrix: one row per method (definitions: module docstring)."""
     s = r.get("settings") or {}
     per, costs, opts = r["per_method"], r.get("costs", {}), r.get("method_options", {})
+    cols = speedup_columns(per.values())
     greedy = s.get("mode", "greedy") == "greedy"
     lines = [f"# Decoding methods compared: {s.get('backbone') or s.get('heads') or ''}", "",
              f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
              f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
              f"({r['machine']['threads']} threads), {s.get('dtype', '')}; methods interleaved per prompt.", "",
-             "| method | tau | acceptance rate | tokens/s | speedup vs autoregressive | speedup vs HF generate "
-             "| extra parameters | extra KV cache | training needed | output = plain greedy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | tau | acceptance rate | tokens/s |" + _speedup_header(cols)
+             + " extra parameters | extra KV cache | training needed | output = plain greedy |",
+             "|---" * (8 + len(cols)) + "|"]
     for meth in r["methods"]:
         row, cost = per[meth], costs.get(meth, {})
-        a, h = _times(row.get("speedup_vs_autoregressive")), _times(row.get("speedup_vs_hf_generate"))
+        speedups = "".join(f" {_times(row.get(k))} |" for k, _ in cols)
         ident = row.get("greedy_identical_fraction")
         if not greedy:
             same = "n/a (sampling)"
@@ -196,7 +211,7 @@ def compare_markdown(r: dict) -> str:
         p_txt = "0" if not params else f"{_size(params, '')} ({_size(cost.get('extra_parameter_bytes', 0), 'B')})"
         kv = cost.get("extra_kv_cache_bytes", 0)
         lines.append(f"| {meth} | {_fmt(row.get('tau'), '.2f')} | {_fmt(row.get('acceptance_rate'), '.3f')} | "
-                     f"{row['tokens_per_s']:.2f} | {a} | {h} | {p_txt} | {_size(kv, 'B') if kv else '0'} | "
+                     f"{row['tokens_per_s']:.2f} |{speedups} {p_txt} | {_size(kv, 'B') if kv else '0'} | "
                      f"{cost.get('training', 'none')} | {same} |")
     notes = [f"{meth}: " + ", ".join(f"{k} = {v}" for k, v in opts[meth].items())
              for meth in r["methods"] if opts.get(meth)]

@@ -7,11 +7,25 @@ output is cut after the first EOS, as the runtime cuts. Greedy mode only.
 ``hf_generate_batch`` is its batched form (the batched evaluation's second baseline): one
 ``generate`` call over left-padded prompts with an attention mask, each row cut after its first
 EOS, returned as a ``BatchOutput`` like ``generate_batch``'s.
+
+``hf_generate_static`` (method ``hf_generate_static``) is the same call with
+``cache_implementation="static"``: what a user who follows transformers' advice for GPU decoding gets.
+What transformers 5.25 does with it (``generation/utils.py``): ``_valid_auto_compile_criteria`` (l. 2438)
+compiles the model's forward on its own when the cache is compileable (a ``StaticCache``) and the device is
+cuda / xpu / mps / tpu / neuron (on the CPU only if ``compile_config._compile_all_devices`` is set), unless
+``disable_compile``; ``get_compiled_call`` (``modeling_utils.py`` l. 4888) wraps ``__call__`` in
+``torch.compile`` with ``CompileConfig``'s defaults (inductor, ``mode="reduce-overhead"``: CUDA graphs). Only
+the one-token decode steps run compiled; the prefill runs eager (``_prefill``, l. 4346, without
+``prefill_chunk_size``). So on CUDA the first call per cache length compiles (untimed here: a warm-up), on
+the CPU nothing compiles and this is the eager static-cache loop. The cache length is kept per model
+(``_cache_length``), so prompts of other lengths reuse the compiled graph. Not batched: the batched
+evaluation keeps ``hf_generate_batch`` as its only transformers baseline.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -20,7 +34,7 @@ from ..runtime.batch_decode import BatchOutput
 from ..runtime.decode import GenerationOutput
 from ..runtime.linear_kernels import stock_kernels
 from ..runtime.model import MedusaModel
-from .registry import Method, register
+from .registry import Costs, Method, register, slot_costs
 
 
 def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int, sampling=None, seed=None,
@@ -41,13 +55,15 @@ def pad_id(m: MedusaModel) -> int:
     return eos[0] if eos else 0  # no EOS at all (a random backbone, EOS disabled): any id pads nothing
 
 
-def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> tuple[list, float]:
-    """Greedy ``generate`` of [B, L] ids -> (each row's new tokens cut after its first EOS, wall seconds)."""
+def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+              **extra) -> tuple[list, float]:
+    """Greedy ``generate`` of [B, L] ids (``extra``: more ``generate`` keys) -> (each row's new tokens cut after its
+    first EOS, wall seconds)."""
     eos = list(m.eos_token_ids)
     t0 = time.perf_counter()
     with torch.inference_mode(), stock_kernels(), transformers_attention(m.model):
         out = m.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                               do_sample=False, eos_token_id=eos or None, pad_token_id=pad_id(m))
+                               do_sample=False, eos_token_id=eos or None, pad_token_id=pad_id(m), **extra)
     if m.device.type == "cuda":
         torch.cuda.synchronize(m.device)
     dt = time.perf_counter() - t0
@@ -81,5 +97,60 @@ def hf_generate_batch(m: MedusaModel, prompts: list[list[int]], max_new_tokens: 
     return BatchOutput(outs, decode_s=dt)
 
 
+# -- the static-cache baseline ------------------------------------------------------------------
+CACHE_ROUNDING = 256   # cache lengths are multiples of this: a few distinct lengths (compiles) per model
+WARMUP_TOKENS = 16     # the untimed warm-up's length: the prefill plus enough compiled decode steps
+_static: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # backbone -> {"length": int, "warm": set}
+
+
+def _cache_length(m: MedusaModel, needed: int) -> int:
+    """The static cache length for a call needing ``needed`` slots: the model's longest so far, grown (rounded up
+    to ``CACHE_ROUNDING``) when this call needs more. transformers sizes a static cache to ``max_length - 1``
+    unless ``max_cache_len`` is given (``_prepare_cache_for_generation``, generation/utils.py l. 2294-2305)
+    and itself keeps the longest length it used on the model (``_prepare_static_cache``, l. 2182-2213: a new
+    ``StaticCache`` per call of ``max(asked, _previous_max_cache_length)``); a new length is a new shape for
+    the compiled forward, so a recompile. Its remembered length is folded in so the length recorded is the one
+    transformers allocates."""
+    state = _static.setdefault(m.model, {"length": 0, "warm": set()})
+    rounded = -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING
+    state["length"] = max(rounded, state["length"], getattr(m.model, "_previous_max_cache_length", 0))
+    return state["length"]
+
+
+def _compiles(m: MedusaModel) -> bool:
+    """Whether transformers compiles a static-cache ``generate`` of ``m``: off the CPU (module docstring)."""
+    return m.device.type != "cpu"
+
+
+def hf_generate_static(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int, sampling=None, seed=None,
+                       options=None) -> GenerationOutput:
+    """``hf_generate`` with transformers' static cache (module docstring): timed at steady state, the compile a
+    new cache length causes on a GPU done by an untimed warm-up call first."""
+    ids = torch.tensor([prompt_ids], device=m.device)
+    length = _cache_length(m, len(prompt_ids) + max_new_tokens)
+    static = dict(cache_implementation="static", max_cache_len=length)
+    warm = _static[m.model]["warm"]
+    if _compiles(m) and length not in warm:
+        # min_new_tokens holds EOS back (a logits processor, outside the compiled forward), so the warm-up
+        # reaches the compiled decode steps; no more than the timed call's tokens, so the cache length is its
+        n = min(WARMUP_TOKENS, max_new_tokens)
+        _generate(m, ids, torch.ones_like(ids), n, min_new_tokens=n, **static)
+        warm.add(length)
+    new, dt = _generate(m, ids, torch.ones_like(ids), max_new_tokens, **static)
+    g = _output(new[0], len(prompt_ids))
+    g.decode_s = dt
+    return g
+
+
+def _static_costs(m: MedusaModel, options, run_length: int) -> Costs:
+    """The static cache's slots beyond prompt + max_new_tokens (its length rounded up, or a longer earlier one)."""
+    state = _static.get(m.model)
+    length = state["length"] if state else -(-run_length // CACHE_ROUNDING) * CACHE_ROUNDING
+    return slot_costs(m, max(length - run_length, 0))
+
+
 register(Method("hf_generate", "transformers' greedy generate (baseline, greedy mode only)", runner=hf_generate,
                 baseline=True, greedy_only=True))
+register(Method("hf_generate_static", "transformers' greedy generate with its static cache, compiled by transformers "
+                "on a GPU (baseline on CUDA, greedy mode only)", runner=hf_generate_static, baseline=True,
+                greedy_only=True, costs=_static_costs, devices=("cuda",)))

@@ -98,7 +98,10 @@ class Method:
     fit: Optional[Callable[[MedusaModel, Any], Any]] = None   # (m, options) -> options, unset ones set for m
     proposed: Optional[Callable[[Any], int]] = None
     needs_heads: bool = False
-    baseline: bool = False     # a speedup reference: always run, no acceptance rate
+    baseline: bool = False     # a speedup reference: added to every evaluation (see devices), no acceptance rate
+    # the device types (torch.device.type) on which evaluations add this baseline; empty: every device. Named in
+    # methods= it runs on any device (a GPU-only reference would only slow every CPU run)
+    devices: tuple[str, ...] = ()
     greedy_only: bool = False
     refuses: Optional[Callable[[Any], Optional[str]]] = None
     # among the methods that decode the same heads, the higher one is the default (medusa-eval without

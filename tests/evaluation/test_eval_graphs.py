@@ -1,0 +1,59 @@
+"""``graphs=`` through the evaluation and the command lines: captures made in an untimed warm-up, recorded in
+report.json, and bad settings refused before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.cli import EvalConfig
+from inference.cli_checks import check_decoding_keys
+from inference.errors import UserError
+from inference.evaluation import evaluate as ev
+from inference.evaluation.prompts import Prompt
+from inference.runtime.model import MedusaModel
+from inference.runtime.static_steps import StaticSteps
+from runtime_support import one_thread  # noqa: F401 (autouse fixture)
+from test_static_steps import replaying
+
+
+@pytest.fixture(scope="module")
+def m():
+    from medusa_train.backbone import random_backbone
+
+    bb = random_backbone({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+                          "max_position_embeddings": 512}, seed=0)
+    return MedusaModel(model=bb.model.eval(), tokenizer=bb.tokenizer, heads=None)
+
+
+def test_captures_happen_before_the_timed_runs_and_are_reported(m, monkeypatch):
+    """Guards against capture time landing inside the first timed prompt (a captured method would look slower
+    than it is) and against report.json not saying whether and what was captured."""
+    m.static = StaticSteps(m, capture=replaying, log=lambda line: None)
+    seen = {}
+    timed = ev.decode_interleaved
+
+    def record(*args, **kw):
+        seen.update(m.static.captures)
+        return timed(*args, **kw)
+
+    monkeypatch.setattr(ev, "decode_interleaved", record)
+    prompts = [Prompt(str(i), [f"count {i} " * (1 + 4 * i)]) for i in range(3)]
+    report = ev.evaluate(m, prompts, methods=["prompt_lookup", "autoregressive"], max_new_tokens=12, progress=False,
+                         log=lambda s: None, settings={})
+    assert seen.get("1") == 1                                 # the plain step captured in the warm-up
+    assert report["graphs"]["captured"] and report["graphs"]["captures"] == m.static.captures
+    assert report["per_method"]["prompt_lookup"]["greedy_identical_fraction"] == 1.0
+    m.static = None
+    monkeypatch.undo()
+    assert ev.evaluate(m, prompts[:1], methods=["autoregressive"], max_new_tokens=4, progress=False,
+                       log=lambda s: None, settings={})["graphs"] == "off"
+
+
+@pytest.mark.parametrize("keys, match", [(dict(graphs="yes"), "graphs must be one of"),
+                                         (dict(graph_buckets=[4, 2]), "strictly increasing"),
+                                         (dict(graphs="on", device="cpu"), "needs device=cuda")])
+def test_command_lines_refuse_bad_graph_keys_before_loading(keys, match):
+    """Guards against graphs= / graph_buckets= mistakes reaching the backbone load (one line, exit 2)."""
+    with pytest.raises(UserError, match=match):
+        check_decoding_keys(EvalConfig(**keys))

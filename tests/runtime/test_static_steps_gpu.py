@@ -1,0 +1,83 @@
+"""Static-shape steps captured as CUDA graphs (``graphs=on``) on the GPU tier's device (skipped without CUDA; the
+GPU check's CPU dry run runs it with GPU_TIER_DEVICE=cpu, where the CPU stand-in for capture replaces CUDA's)."""
+
+import pytest
+import torch
+
+from conftest import GPU_TIER_DEVICE as DEV
+from inference.methods import generate
+from inference.runtime.cache import TreeKVCache
+from inference.runtime.static_steps import StaticSteps, apply_graphs
+from inference.runtime.tree import default_tree
+from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401 (autouse fixture)
+from test_eagle3_decoding import random_drafter
+from test_static_steps import replaying
+
+pytestmark = pytest.mark.gpu
+PROMPT = [5, 17, 3, 88, 41, 9, 5, 17, 3, 88]
+
+
+def captured(m):
+    """``m`` with graphs on (CUDA), or with the CPU stand-in for capture (the dry run)."""
+    if torch.device(DEV).type == "cuda":
+        return apply_graphs(m, "on", log=lambda line: None)
+    m.static = StaticSteps(m, capture=replaying, log=lambda line: None)
+    return m
+
+
+@pytest.mark.parametrize("method, kw", [("autoregressive", {}), ("medusa", {"tree": "tree8"}),
+                                        ("medusa", {"tree": "tree64"}), ("prompt_lookup", {}),
+                                        ("medusa_lookup", {"tree": "tree4"})])
+def test_captured_steps_are_token_identical_in_fp32(method, kw):
+    """Guards against a captured graph replaying stale inputs (positions, mask, write index filled outside the
+    captured tensors), reading a reallocated buffer, or padding rows leaking into the output, on CUDA."""
+    model = tiny_llama(vocab=96, seed=0).to(DEV)
+    m = wrap(model, random_heads(model, num_heads=3))
+    ref = generate(m, PROMPT, method, max_new_tokens=40, eos_token_ids=(), **kw).tokens
+    captured(m)
+    for _ in range(2):     # the second generation replays what the first captured
+        assert generate(m, PROMPT, method, max_new_tokens=40, eos_token_ids=(), **kw).tokens == ref
+    assert m.static.failed == 0 and all(v == 1 for v in m.static.captures.values())
+    assert m.static.summary()["capture_s"] >= 0
+
+
+def test_captured_eagle3_verification_with_aux_features():
+    """Guards against EAGLE-3's aux-layer tap (forward hooks) returning stale features under a replayed graph:
+    the drafter would then draft from the previous step's features."""
+    m = random_drafter(tiny_llama(vocab=96, hidden=64, layers=4, seed=0).to(DEV))
+    opts = dict(nodes=8, depth=3, topk=2)
+    ref = generate(m, PROMPT, "eagle3", max_new_tokens=40, eos_token_ids=(), **opts).tokens
+    captured(m)
+    for _ in range(2):
+        out = generate(m, PROMPT, "eagle3", max_new_tokens=40, eos_token_ids=(), **opts)
+        assert out.tokens == ref
+    assert any("+aux" in k for k in m.static.captures) and m.static.failed == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_captured_tree_step_within_the_dtypes_rounding(dtype):
+    """Guards against the full-capacity masked attention (or the padding rows) moving half-precision hidden
+    states beyond rounding: a 16-node tree step, captured vs the dynamic cache, after the same prefix."""
+    model = tiny_llama(vocab=96, seed=0).to(DEV, dtype)
+    m = wrap(model, random_heads(model, num_heads=3).to(DEV, dtype))
+    buf = default_tree("tree16", 3).buffers(torch.device(DEV))
+    prefix = torch.tensor([PROMPT], device=DEV)
+    ids = torch.randint(0, 96, (1, buf.num_nodes), generator=torch.Generator().manual_seed(0)).to(DEV)
+    past = prefix.shape[1]
+    pos = (buf.position_offsets + past)[None]
+    outs = []
+    for static in (False, True):
+        m.static = None
+        if static:
+            captured(m)
+        with torch.inference_mode():
+            cache = m.new_cache(64)
+            m.hidden(prefix, torch.arange(past, device=DEV)[None], cache)
+            for _ in range(2):       # captured at the first, replayed at the second
+                h = m.hidden(ids, pos, cache, buf.additive_mask(past, dtype))
+                cache.truncate(past)
+        outs.append(h.float())
+        assert isinstance(cache, TreeKVCache) != static
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    m.static = None
