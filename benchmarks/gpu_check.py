@@ -17,7 +17,11 @@ On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no d
      drafter measured on MT-Bench on CPU (below), against plain decoding, interleaved rounds; what those
      taus would buy over the measured steps (the CPU reaches 1.24x at n1-d1-k1, each verified row
      costing ~7% of a step there);
-  4. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone:
+  4. CUDA graphs (``graphs=``, benchmarks/gpu_graphs.py): at SmolLM2-135M's and Llama-3.1-8B's shapes, the
+     1-token step's wall vs kernel time, the plain loop graphs off / on vs ``generate`` eager and
+     ``hf_generate_static``, 1 / 16 / 64-row verification, the weight-read floor, Medusa and EAGLE-3 steps, a stub
+     drafter of set acceptance end to end; ``--budget-s``: its parts that could not end in time are skipped;
+  5. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone:
      training step tokens/s against the backbone's forward (``python scripts/bench.py train``'s interleaved loop).
 Then the verdicts against the targets, a Markdown summary (summary.md, also printed) and every
 figure as JSON (gpu_check.json). ``--dry-run``: CPU, a tiny Llama, 1-2 node counts, a few tokens:
@@ -41,9 +45,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root's packages
+from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, backbone, eagle3_model  # noqa: E402
 from benchmarks.timing import median, plain_loop_vs_generate, sync, verification_step  # noqa: E402
 
 from inference.runtime.batch_decode import BatchTreeDecoder  # noqa: E402
@@ -51,14 +55,6 @@ from inference.runtime.model import MedusaModel  # noqa: E402
 from inference.runtime.tree import chain_tree, expected_tau, grow_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# SmolLM2-135M(-Instruct)'s config.json, as transformers' LlamaConfig takes it.
-SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu")
-TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=320, tie_word_embeddings=True, rope_theta=100000.0,
-            max_position_embeddings=512, rms_norm_eps=1e-5, hidden_act="silu")
 
 # Per-depth, per-rank probability that the head's rank-r guess is the backbone's greedy token: the
 # Hydra heads on greedy targets of benchmarks/history.md ("Hydra heads on greedy targets", hydra_smollm2_greedy,
@@ -73,21 +69,8 @@ calibration, ranks 2-3 from held-out top-3",
                [0.203, 0.086, 0.052]]
 }""")
 
-# eagle3_smollm2's drafter (benchmarks/history.md "EAGLE-3 plus prompt lookup" / "eagle3_smollm2 retrained"): greedy tau on
-# MT-Bench first turns 1-20, 96 tokens, eagle3 without the lookup branch; deterministic, so the GPU times steps only.
-EAGLE3_TAU = {(1, 1, 1): 1.320, (4, 1, 4): 1.534}
-EAGLE3_DRAFT_VOCAB = 8192
-
 TARGET_TREE_STEP = 1.3    # a 16-node verification step costs < 1.3x a 1-token step (bf16)
 TARGET_PLAIN_LOOP = 0.90  # the runtime's plain loop within 10% of generate, or faster
-
-
-def backbone(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    cfg = LlamaConfig(**shape, initializer_range=0.02, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    return model.to(device, dtype).eval()
 
 
 def machine() -> dict:
@@ -216,27 +199,6 @@ def batch_steps(m: MedusaModel, batches: list[int], nodes: list[int], steps: int
 
 
 # -- 3c. EAGLE-3 ---------------------------------------------------------------------------------------------------
-def eagle3_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
-    """``m``'s backbone with a random EAGLE-3 drafter of the recipe's shape (draft vocabulary: the first
-    ``EAGLE3_DRAFT_VOCAB`` ids; random weights draft the same amount of work as trained ones)."""
-    from inference.heads.eagle3 import default_aux_layers, draft_layer_config
-    from inference.heads.registry import init_heads
-    from inference.heads.spec import HeadsSpec
-    from inference.loading import attach_heads
-
-    model, cfg = m.model, m.model.config
-    vocab = min(EAGLE3_DRAFT_VOCAB, cfg.vocab_size)
-    spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                     projection="truncated", truncated_vocab_size=vocab, kind="eagle3",
-                     aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_layer=draft_layer_config(cfg),
-                     base_model="random:llama")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        heads = init_heads(spec, model.get_output_embeddings().weight.float().cpu(),
-                           model.get_input_embeddings().weight.float().cpu(), torch.arange(vocab))
-    return attach_heads(model, heads)
-
-
 def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int, per_round: int,
                  prompt_len: int) -> dict:
     """Median ms of one eagle3 decoding step per (nodes, depth, topk) and of a plain step, timed in
@@ -435,6 +397,9 @@ def summary(result: dict) -> str:
                   f"| ZeRO {tr['zero_stage']}, {tr['precision']}, micro {tr['micro_batch']} x {tr['max_length']} | "
                   f"{tr['tokens_per_batch']} | {tr['forward_tokens_per_s']:.0f} | {tr['train_tokens_per_s']:.0f} | "
                   f"{tr['ratio']:.2f} | {tr['trainable_params_m']}M | {tr.get('peak_gpu_memory_gb', '-')} GB |"]
+    from benchmarks.gpu_graphs import summary_lines
+
+    lines += summary_lines(result.get("graphs"))
     if result["errors"]:
         lines += ["", "Errors:"] + [f"- {k}: {v.splitlines()[-1] if v else ''}" for k, v in result["errors"].items()]
     lines += ["", f"({result['seconds']:.0f} s; full figures in gpu_check.json)"]
@@ -450,7 +415,10 @@ def main() -> None:
                     help="with --dry-run: the SmolLM2-135M shape (vocabulary 49,152, 30 layers) at the dry run's "
                          "sizes, "
                          "so shape-dependent paths run on CPU before a GPU is lent (~1-2 minutes)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "train"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train"])
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds this run may take (gpu_check.sh's timeout): CUDA-graph parts that could not end within "
+                         "it, less the training's share, are skipped, so the summary is always written")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -515,6 +483,11 @@ def main() -> None:
     del m
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if "graphs" not in args.skip:
+        from benchmarks import gpu_graphs
+
+        deadline = t_start + args.budget_s - (0 if dry else 45) if args.budget_s else float("inf")  # 45 s: train
+        gpu_graphs.run(result, section, device, dry, args.full_shape, deadline)
 
     def train():
         with tempfile.TemporaryDirectory(prefix="gpu-check-train-") as work:
@@ -522,7 +495,9 @@ def main() -> None:
                                                   sizes["max_length"], sizes["train_steps"], Path(work))
 
     section("train", train)
-    result["verdicts"] = verdicts(result)
+    from benchmarks.gpu_graphs import verdicts as graph_verdicts
+
+    result["verdicts"] = verdicts(result) + graph_verdicts(result.get("graphs"), dry)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     text = summary(result)
     (out / "summary.md").write_text(text)

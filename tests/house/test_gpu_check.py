@@ -3,8 +3,50 @@
 Guards against the one-command device check breaking while no GPU is around to run it: the gpu tier
 runs on the CPU and passes (a broken gpu test would otherwise first fail on scarce device time),
 every measurement section runs without error, also at the SmolLM2-135M shape the GPU run uses
-(vocabulary 49,152, draft vocabulary 8,192), and summary.md / gpu_check.json carry the three
-verdicts and the fields BENCHMARKS.md's GPU section takes."""
+(vocabulary 49,152, draft vocabulary 8,192), and summary.md / gpu_check.json carry the
+verdicts and the fields BENCHMARKS.md's GPU section takes, the CUDA-graph part's (benchmarks/gpu_graphs.py)
+included: on the CPU it runs graphs=uncaptured where the GPU runs graphs=on, and says so in the JSON."""
+
+GRAPH_TARGETS = [
+    "graphs=on: 1-token step wall <= 1.3x its kernel time (SmolLM2-135M shape)",
+    "graphs=on: 1-token step wall <= 1.3x its kernel time (Llama-3.1-8B shape)",
+    "graphs=on: plain loop >= 2.0x hf_generate_static (SmolLM2-135M shape)",
+    "graphs=on: plain loop >= 1.3x hf_generate_static (Llama-3.1-8B shape)",
+    "graphs=on: 8B plain loop >= 60% of the weight-read floor",
+    "graphs=on: 16-row verification <= 1.25x a 1-token step (8B)",
+    "graphs=on: Medusa drafting + verification <= 1.3x a plain step (SmolLM2-135M shape)",
+    "graphs=on: Medusa drafting + verification <= 1.3x a plain step (Llama-3.1-8B shape)",
+    "graphs=on: EAGLE-3 drafting + verification <= 1.3x a plain step (SmolLM2-135M shape)",
+    "graphs=on: EAGLE-3 drafting + verification <= 1.3x a plain step (Llama-3.1-8B shape)",
+    "graphs=on: stub drafter at tau 2.0 >= 1.6x the captured plain loop (8B)"]
+
+
+def check_graphs_part(result: dict, summary: str) -> None:
+    """The CUDA-graph part ran every piece on the CPU: graphs off and "on" (uncaptured there, recorded), the
+    plain loop beside both transformers baselines, drafting steps, the stub drafter at each tau."""
+    g = result["graphs"]
+    assert g["graphs_on_mode"] == "uncaptured" and "refused off CUDA" in g["graphs_on_note"]
+    assert g["skipped"] == [] and set(g["shapes"]) == {"smollm2_135m", "llama31_8b"}
+    for key, s in g["shapes"].items():
+        for mode in ("off", "on"):
+            assert s["step"][mode]["wall_ms"] > 0 and s["step"][mode]["kernel_ms"] > 0, (key, mode)
+            assert s["step"][mode]["clock"] == "cpu"   # the dry run's profiler records CPU op time
+        assert set(s["step"]["verify"]) == {"1", "16", "64"} and s["step"]["verify"]["1"]["vs_1"] == 1.0
+        tps = s["loop"]["tokens_per_s"]
+        assert set(tps) == {"plain_off", "plain_on", "hf_generate", "hf_generate_static"}
+        assert all(v["median"] > 0 and v["n"] == result["graphs"]["sizes"]["rounds"] for v in tps.values())
+        assert s["loop"]["plain_on_vs"]["hf_generate_static"] > 0 and s["floor"]["plain_on_fraction"] > 0
+        assert set(s["drafting"]["kinds"]) == {"medusa tree16", "eagle3 n1-d1-k1", "eagle3 n4-d1-k4"}
+        assert all(v["vs_plain_captured"]["on"] > 0 for v in s["drafting"]["kinds"].values())
+        runs = s["stub"]["runs"]
+        assert [(r["target_tau"], r["graphs"]) for r in runs] == [(1.5, "on"), (2.0, "on"), (3.0, "on"), (2.0, "off")]
+        assert all(r["measured_tau"] >= 1 and r["vs_plain_on"] > 0 for r in runs)
+        # static steps verify k + 1 rows in one fixed bucket: the stub's p = 1 pass is the path every run follows
+        assert all(r["off_truth"] == 0 for r in runs if r["graphs"] == "on")
+        assert s["static"]["captured"] is False and s["static"]["kv_capacity"] >= 256
+    for text in ("CUDA graphs: graphs 'on' = graphs=uncaptured", "1-token step wall / kernel ms, graphs on",
+                 "Stub drafter of set acceptance", "hf_generate_static"):
+        assert text in summary, text
 
 import json
 import subprocess
@@ -41,7 +83,10 @@ def test_gpu_check_dry_run_writes_summary_and_json(tmp_path):
     assert tr["finite"] and tr["train_tokens_per_s"] > 0 and tr["forward_tokens_per_s"] > 0
     assert [v["target"] for v in result["verdicts"]] == [
         "gpu test tier passes", "16-node verification step < 1.3x a 1-token step (bf16)",
-        "runtime plain loop within 10% of generate, or faster"]
+        "runtime plain loop within 10% of generate, or faster", *GRAPH_TARGETS]
+    assert all(v["verdict"] == "dry run" for v in result["verdicts"][3:]), result["verdicts"][3:]
+    assert all(s["tiny_stand_in"] for s in result["graphs"]["shapes"].values())
+    check_graphs_part(result, summary)
     # the gpu tier ran on the CPU (GPU_TIER_DEVICE=cpu) and passed: its own code works before a GPU is lent
     assert result["gpu_tier"]["passed"] == result["gpu_tier"]["tests"] >= 17
     assert result["verdicts"][0]["verdict"] == "passed on CPU"
@@ -66,6 +111,10 @@ def test_gpu_check_dry_run_at_the_full_smollm2_shape(tmp_path):
     assert result["eagle3_steps"]["draft_vocab"] == 8192
     assert result["training"]["finite"] and result["training"]["trainable_params_m"] > 10
     assert "SmolLM2-135M-shaped" in (out / "summary.md").read_text()
+    shapes = result["graphs"]["shapes"]   # the graph part's SmolLM2 entry at its own shape, the 8B one tiny
+    assert shapes["smollm2_135m"]["shape"]["vocab_size"] == 49152 and not shapes["smollm2_135m"]["tiny_stand_in"]
+    assert shapes["llama31_8b"]["tiny_stand_in"]
+    assert all(r["measured_tau"] >= 1 for r in shapes["smollm2_135m"]["stub"]["runs"])
 
 
 def test_profile_gpu_step_dry_run(tmp_path):

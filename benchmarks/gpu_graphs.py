@@ -1,0 +1,497 @@
+"""The GPU check's CUDA-graph part (``graphs=``, inference/runtime/static_steps.py), run by benchmarks/gpu_check.py.
+
+At SmolLM2-135M's shape (``gpu_models.SMOLLM2_135M``) and Llama-3.1-8B's (``LLAMA31_8B``, ~16 GB, made on the
+device: ``random_llama``), random bf16 weights, batch 1, each part a guarded section (``run_shape``):
+  steps:    the 1-token step (``hidden`` + ``logits``, benchmarks/timing.py): wall vs device time (torch.profiler,
+            ``device_time``), graphs off and on; 1 / 16 / 64-row verification graphs on, over the 1-row step;
+  loop:     tokens/s of the plain loop graphs off / on beside ``generate`` eager and ``hf_generate_static``: an
+            untimed warm-up call each (captures, transformers' compile), interleaved rounds, medians + min / max;
+            the weight-read floor (parameter bytes / 4.2e12 B/s) and the loop's fraction of it;
+  drafting: Medusa (3 random heads, tree16) and EAGLE-3 (gpu_check's random drafter) steps, graphs on and off,
+            over a plain captured step;
+  stub:     ``StubChain``, a drafter of set acceptance, end to end against the captured plain loop;
+then ``m.static.summary()`` (captures, capture time, graph memory), the verdicts and a summary.md section.
+Dry run (CPU): both shapes are ``gpu_models.TINY`` (``--full-shape``: SmolLM2 keeps its own), sizes shrink,
+and "graphs on" is ``graphs=uncaptured`` (``on`` is refused off CUDA; ``graphs_on_mode`` in the JSON says
+which), the profiler records CPU op time (``clock: cpu``), and every verdict reads "dry run".
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+import traceback
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, eagle3_model
+from benchmarks.timing import median, verification_step
+from inference.heads.medusa import MedusaHeads
+from inference.heads.spec import HeadsSpec
+from inference.loading import attach_heads
+from inference.methods import generate
+from inference.methods.eagle3_choice import eagle3_name, eagle3_step_times
+from inference.methods.medusa_choice import step_times
+from inference.runtime.decode import TokenStream, prefill_token, run_decoder
+from inference.runtime.model import MedusaModel
+from inference.runtime.static_steps import apply_graphs
+from inference.runtime.tree import resolve_tree
+from inference.runtime.verify import SamplingConfig
+
+try:  # transformers' own weight init is skipped (every weight is drawn in random_llama anyway)
+    from transformers.initialization import no_init_weights
+except ImportError:  # pragma: no cover - another layout: transformers then initialises on the device first
+    no_init_weights = nullcontext
+
+# Llama-3.1-8B's config.json as LlamaConfig takes it (its llama3 rope scaling left out: same cost per step).
+LLAMA31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                  max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu")
+SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-3.1-8B", LLAMA31_8B)}
+READ_BYTES_PER_S = 4.2e12          # H200 HBM3e, the weight-read floor's bandwidth
+STUB_TAUS = ((1.5, 1), (2.0, 3), (3.0, 7))   # (target tau, chain length k): k + 1 rows fill a bucket exactly
+STUB_OFF_TAU = 2.0                  # the one tau also decoded with graphs off
+# Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
+# a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
+PART_S = {"build": 25, "steps": 15, "loop": 110, "drafting": 40, "stub": 30}
+TARGETS = dict(wall_vs_kernel=1.3, vs_hf_static={"smollm2_135m": 2.0, "llama31_8b": 1.3}, floor=0.60,
+               verify16=1.25, draft_step=1.3, stub=(2.0, 1.6))
+
+
+def sizes(dry: bool) -> dict:
+    if dry:
+        return dict(dry=True, prompt_len=8, new_tokens=6, rounds=2, profile_steps=2, step_rounds=1, per_round=1,
+                    verify_rows=[1, 16, 64], draft_rounds=1, draft_steps=2, warmup=1, stub_tokens=10, stub_rounds=1)
+    return dict(dry=False, prompt_len=64, new_tokens=64, rounds=3, profile_steps=10, step_rounds=3, per_round=5,
+                verify_rows=[1, 16, 64], draft_rounds=2, draft_steps=6, warmup=2, stub_tokens=128, stub_rounds=2)
+
+
+def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> MedusaModel:
+    """A random Llama of ``shape`` made on ``device`` in ``dtype`` directly: under ``torch.device`` every weight
+    is allocated there (8B never exists on the host: 16 GB bf16, not 32 GB fp32), transformers' per-module init
+    is skipped (``no_init_weights``), then every matrix is drawn N(0, 0.02) and every norm set to 1 on the device
+    (what transformers' init gives a Llama with initializer_range 0.02), one pass over the weights."""
+    cfg = LlamaConfig(**shape, initializer_range=0.02, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    if cfg.tie_word_embeddings:  # no_init_weights also skips the tying init_weights does
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
+    return MedusaModel(model=model.eval(), tokenizer=None, heads=None)
+
+
+@contextmanager
+def off_if(m: MedusaModel, mode: str):
+    """Graphs off for ``m`` inside the block when ``mode`` is "off" (dynamic cache); its static steps after."""
+    saved = m.static
+    m.static = None if mode == "off" else saved
+    try:
+        yield m
+    finally:
+        m.static = saved
+
+
+def spread(xs, nd: int = 2) -> dict:
+    return {"median": round(median(xs), nd), "min": round(min(xs), nd), "max": round(max(xs), nd), "n": len(xs)}
+
+
+def rate(out) -> float:
+    return len(out.tokens) / (out.prefill_s + out.decode_s)
+
+
+# -- steps: wall vs device time, verification rows ------------------------------------------------------------
+def device_time(fn, device: torch.device, steps: int) -> dict:
+    """Device ms per call of ``fn`` over ``steps`` calls under torch.profiler: each CUDA event (kernel, copy,
+    memset, also when replayed from a graph) counted once by its own duration (summing key_averages' self
+    device times counts a kernel twice: on its op and on itself). On CPU: torch ops' self CPU time instead."""
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            fn()
+    events = prof.events()
+    if cuda:
+        dev = [e for e in events if e.device_type == DeviceType.CUDA]
+        return {"kernel_ms": round(sum(e.time_range.elapsed_us() for e in dev) / 1e3 / steps, 3),
+                "device_ops": round(len(dev) / steps, 1), "clock": "cuda"}
+    cpu_us = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU)
+    return {"kernel_ms": round(cpu_us / 1e3 / steps, 3), "device_ops": None, "clock": "cpu"}
+
+
+def step_costs(m: MedusaModel, prompt: list[int], sz: dict) -> dict:
+    """The 1-token step graphs off / on (wall, device time, their ratio), then 1 / 16 / 64-row verification steps
+    graphs on as ratios to the 1-row step; medians of interleaved rounds."""
+    rows = sz["verify_rows"]
+    fns = {}
+    for mode in ("off", "on"):   # each closure keeps its own cache: dynamic (off) or a static view (on)
+        with off_if(m, mode):
+            fns[mode] = verification_step(m, prompt, max_nodes=max(rows))
+    for fn in fns.values():
+        fn(1), fn(1)   # warm-up: kernels chosen, the 1-row bucket captured
+    walls: dict = {mode: [] for mode in fns}
+    for _ in range(sz["step_rounds"]):
+        for mode, fn in fns.items():
+            walls[mode] += [fn(1) for _ in range(sz["per_round"])]
+    out: dict = {}
+    for mode, fn in fns.items():
+        wall = median(walls[mode]) * 1e3
+        prof = device_time(lambda: fn(1), m.device, sz["profile_steps"])
+        out[mode] = {"wall_ms": round(wall, 3), **prof, "samples": len(walls[mode]),
+                     "wall_vs_kernel": round(wall / prof["kernel_ms"], 3) if prof["kernel_ms"] else None}
+    on = fns["on"]
+    for n in rows:
+        on(n), on(n)   # each bucket captured before it is timed
+    times: dict = {n: [] for n in rows}
+    for _ in range(sz["step_rounds"]):
+        for n in rows:
+            times[n] += [on(n) for _ in range(sz["per_round"])]
+    base = median(times[rows[0]])
+    out["verify"] = {n: {"ms": round(median(t) * 1e3, 3), "vs_1": round(median(t) / base, 3), "samples": len(t)}
+                     for n, t in times.items()}
+    return out
+
+
+# -- loop: plain off / on vs transformers ---------------------------------------------------------------------
+LOOP = ("plain_off", "plain_on", "hf_generate", "hf_generate_static")
+
+
+def loop_call(m: MedusaModel, name: str, ids: list[int], n: int):
+    if name.startswith("plain"):
+        with off_if(m, name[6:]):
+            return generate(m, ids, "autoregressive", max_new_tokens=n, eos_token_ids=())
+    return generate(m, ids, name, max_new_tokens=n)   # runners: transformers' own cache, m.static unused
+
+
+def plain_loop(m: MedusaModel, prompts: list, sz: dict, errors: dict, where: str) -> dict:
+    """Tokens/s (prefill included) of ``LOOP``'s four, steady state; a method that fails its warm-up is left out
+    (its traceback in ``errors``) and the others still run."""
+    n, names, warm = sz["new_tokens"], list(LOOP), {}
+    for name in LOOP:   # untimed: captures, kernel choices, transformers' compile for hf_generate_static on CUDA
+        t = time.perf_counter()
+        try:
+            loop_call(m, name, prompts[0], n)
+            warm[name] = round(time.perf_counter() - t, 2)
+        except Exception:
+            errors[f"{where}.{name}"] = traceback.format_exc()
+            names.remove(name)
+    rates: dict = {k: [] for k in names}
+    tokens: dict = {k: [] for k in names}
+    for r in range(sz["rounds"]):
+        ids = prompts[r % len(prompts)]
+        for name in names[r % len(names):] + names[:r % len(names)]:   # rotating order: no method always first
+            out = loop_call(m, name, ids, n)
+            rates[name].append(rate(out))
+            tokens[name].append(out.tokens)
+    tps = {k: spread(v) for k, v in rates.items()}
+    on = tps.get("plain_on", {}).get("median")
+    return {"new_tokens": n, "prompt_len": len(prompts[0]), "rounds": sz["rounds"], "warmup_s": warm,
+            "tokens_per_s": tps,
+            "plain_on_vs": {k: round(on / v["median"], 3) for k, v in tps.items() if on and k != "plain_on"},
+            "identical_to_plain_on": {k: sum(a == b for a, b in zip(tokens["plain_on"], v))
+                                      for k, v in tokens.items() if on and k != "plain_on"}}
+
+
+def weight_floor(m: MedusaModel, loop: dict) -> dict:
+    """Tokens/s if a step cost only reading every parameter once at ``READ_BYTES_PER_S``; the loop's fraction."""
+    size = sum(p.numel() * p.element_size() for p in m.model.parameters())
+    floor = READ_BYTES_PER_S / size
+    tps = loop.get("tokens_per_s", {})
+    return {"param_bytes": size, "ms_per_token": round(1e3 / floor, 4), "tokens_per_s": round(floor, 1),
+            **{f"{k}_fraction": round(tps[k]["median"] / floor, 6) for k in ("plain_off", "plain_on") if k in tps}}
+
+
+# -- drafting: Medusa and EAGLE-3 steps vs a plain captured step ---------------------------------------------
+def medusa_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
+    """``m``'s backbone with 3 random Medusa heads (one residual block each) sharing its lm_head, on the device."""
+    with torch.device(m.device):
+        heads = MedusaHeads(HeadsSpec(num_heads=3, num_layers=1, hidden_size=m.config.hidden_size,
+                                      vocab_size=m.vocab_size, projection="shared", base_model="random:llama"))
+    g = torch.Generator(device=m.device).manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+    return attach_heads(m.model, heads)
+
+
+def drafting_steps(m: MedusaModel, prompt: list[int], sz: dict, mode_on: str) -> dict:
+    """Median ms of a plain, a Medusa tree16 and EAGLE-3 decoding step (drafting + verification + acceptance,
+    ``run_decoder``'s step time), graphs on and off, interleaved rounds; each over the plain captured step."""
+    med, eag = medusa_model(m), eagle3_model(m)
+    apply_graphs(med, mode_on), apply_graphs(eag, mode_on)
+    tree, w, k = resolve_tree("tree16", 3), sz["warmup"], sz["draft_steps"]
+    kinds = {"plain": (m, lambda x: step_times(x, prompt, None, steps=k, warmup=w)),
+             "medusa tree16": (med, lambda x: step_times(x, prompt, tree, steps=k, warmup=w))}
+    for s in EAGLE3_TAU:
+        kinds[f"eagle3 {eagle3_name(s)}"] = (eag, lambda x, s=s: eagle3_step_times(x, prompt, s, steps=k, warmup=w))
+    times: dict = {(kind, mode): [] for kind in kinds for mode in ("on", "off")}
+    for _ in range(sz["draft_rounds"]):
+        for mode in ("on", "off"):
+            for kind, (x, fn) in kinds.items():
+                with off_if(x, mode):
+                    times[kind, mode] += fn(x)
+    ms = {key: median(t) * 1e3 for key, t in times.items()}
+    on = ms["plain", "on"]
+    out = {"tree": tree.choices, "plain_ms": {mode: round(ms["plain", mode], 3) for mode in ("on", "off")},
+           "kinds": {}, "static": {"medusa": med.static.summary(), "eagle3": eag.static.summary()}}
+    for kind in list(kinds)[1:]:
+        out["kinds"][kind] = {"ms": {mode: round(ms[kind, mode], 3) for mode in ("on", "off")},
+                              "vs_plain_captured": {mode: round(ms[kind, mode] / on, 3) for mode in ("on", "off")},
+                              "off_vs_plain_off": round(ms[kind, "off"] / ms["plain", "off"], 3),
+                              "samples": len(times[kind, "on"])}
+    return out
+
+
+# -- stub: a drafter of set acceptance, end to end ------------------------------------------------------------
+def chain_p(tau: float, k: int) -> float:
+    """The per-token acceptance p with sum_{i=0..k} p^i = tau (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(k + 1)) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+class StubChain:
+    """A benchmark-only ``Decoder``: each step proposes k tokens, position i the token ``truth`` holds there with
+    probability p (seeded), else another one; the backbone verifies root + chain in one forward (positions
+    past.., ``attention_mask=None``: causal over the new rows), greedy acceptance against its argmax, the cache
+    truncated to the accepted prefix (a chain's accepted rows already sit in place), as draft.py verifies."""
+
+    def __init__(self, m: MedusaModel, truth: list[int], k: int, p: float, seed: int):
+        self.m, self.truth, self.k, self.p = m, truth, k, p
+        self.rng = random.Random(seed)
+        self.cache, self.past, self.seq = None, 0, []
+
+    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        self.past = prompt.shape[1]
+        self.cache = self.m.new_cache(self.past + max_new_tokens + self.k + 1)
+        _, root = prefill_token(self.m, prompt, self.cache, SamplingConfig(), None)
+        self.seq, self.offsets = [root], torch.arange(self.k + 1, device=self.m.device)
+        return root
+
+    def guess(self, i: int) -> int:
+        true = self.truth[i] if i < len(self.truth) else 0
+        return true if self.rng.random() < self.p else (true + 1 + self.rng.randrange(self.m.vocab_size - 1)) % \
+            self.m.vocab_size
+
+    def step(self) -> tuple[list[int], int]:
+        m, k, done = self.m, self.k, len(self.seq)
+        drafts = [self.guess(done + i) for i in range(k)]
+        ids = torch.tensor([[self.seq[-1], *drafts]], device=m.device)
+        pred = m.logits(m.hidden(ids, (self.offsets + self.past)[None], self.cache)[0]).argmax(-1).tolist()
+        n = 0
+        while n < k and drafts[n] == pred[n]:
+            n += 1
+        self.cache.truncate(self.past + 1 + n)
+        self.past += 1 + n
+        new = drafts[:n] + [pred[n]]
+        self.seq += new
+        return new, k
+
+
+def stub_decode(m: MedusaModel, prompt: list[int], truth: list[int], k: int, p: float, seed: int, n: int):
+    s = TokenStream(run_decoder(StubChain(m, truth, k, p, seed), m, prompt, n, (), None))
+    for _ in s:
+        pass
+    return s.result
+
+
+def stub_speed(m: MedusaModel, prompt: list[int], sz: dict) -> dict:
+    """Each (tau, k) of ``STUB_TAUS`` graphs on, ``STUB_OFF_TAU`` also off, vs the captured plain loop, rounds
+    interleaved. The truth per (k, graphs) is the stub's own greedy path (one pass at p = 1): bf16 rows verified
+    k + 1 at a time can round to another argmax than the plain loop's one row (``truth_first_change``)."""
+    n, kmax = sz["stub_tokens"], max(k for _, k in STUB_TAUS)
+    greedy = generate(m, prompt, "autoregressive", max_new_tokens=n + kmax + 1, eos_token_ids=()).tokens
+    cases = [(tau, k, "on") for tau, k in STUB_TAUS] + [(tau, k, "off") for tau, k in STUB_TAUS if tau == STUB_OFF_TAU]
+    truths, changed = {}, {}
+    for _, k, mode in cases:
+        if (k, mode) not in truths:
+            with off_if(m, mode):
+                truths[k, mode] = stub_decode(m, prompt, greedy, k, 1.0, 0, n + kmax + 1).tokens
+            changed[f"k{k}_{mode}"] = next((i for i, (a, b) in enumerate(zip(greedy, truths[k, mode])) if a != b), None)
+    plain, outs = [], {c: [] for c in cases}
+    for r in range(sz["stub_rounds"]):
+        plain.append(rate(generate(m, prompt, "autoregressive", max_new_tokens=n, eos_token_ids=())))
+        for i, (tau, k, mode) in enumerate(cases):
+            with off_if(m, mode):
+                outs[tau, k, mode].append(stub_decode(m, prompt, truths[k, mode], k, chain_p(tau, k), 1000 * r + i, n))
+    base = median(plain)
+    runs = []
+    for (tau, k, mode), os_ in outs.items():
+        tps = spread([rate(o) for o in os_])
+        runs.append({"target_tau": tau, "k": k, "p": round(chain_p(tau, k), 4), "graphs": mode,
+                     "measured_tau": round(sum(sum(o.accept_lengths) for o in os_) / sum(o.steps for o in os_), 3),
+                     "tokens_per_s": tps, "vs_plain_on": round(tps["median"] / base, 3),
+                     "off_truth": sum(o.tokens != truths[k, mode][:len(o.tokens)] for o in os_)})
+    return {"new_tokens": n, "plain_on_tokens_per_s": spread(plain), "runs": runs, "truth_first_change": changed}
+
+
+# -- the per-shape driver -------------------------------------------------------------------------------------
+def run(result: dict, section, device: torch.device, dry: bool, full_shape: bool = False,
+        deadline: float = float("inf")) -> None:
+    """Both shapes into ``result["graphs"]``, each part through gpu_check's ``section`` (a failure lands in
+    ``result["errors"]``, the next part runs); a part that could not end before ``deadline`` is skipped (listed)."""
+    t0, sz = time.perf_counter(), sizes(dry)
+    cuda = device.type == "cuda"
+    g = result["graphs"] = {"graphs_on_mode": "on" if cuda else "uncaptured", "sizes": sz, "skipped": [],
+                            "read_bytes_per_s": READ_BYTES_PER_S, "shapes": dict.fromkeys(SHAPES),
+                            "graphs_on_note": "graphs 'on' = " + ("captured CUDA graphs" if cuda else
+                                              "graphs=uncaptured (dry run: graphs=on is refused off CUDA)")}
+    for key, (label, shape) in reversed(SHAPES.items()):   # 8B first: most targets are its, if time runs short
+        used = shape if not dry or (full_shape and key == "smollm2_135m") else TINY
+        run_shape(g, result["errors"], key, label, used, section, device, sz, deadline)
+    g["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section, device: torch.device, sz: dict,
+              deadline: float) -> None:
+    s = g["shapes"][key] = {"label": label, "shape": shape, "tiny_stand_in": shape is TINY}
+    state: dict = {}
+    cuda = device.type == "cuda"
+
+    def fits(part: str) -> bool:   # whether it can end before the deadline (PART_S; nothing on the dry run)
+        if time.perf_counter() + (0 if sz["dry"] else PART_S[part]) <= deadline:
+            return True
+        g["skipped"].append(f"{key}.{part}")
+        return False
+
+    def build():
+        t = time.perf_counter()
+        state["m"] = m = random_llama(shape, device, torch.bfloat16)
+        apply_graphs(m, g["graphs_on_mode"])
+        s["build_s"] = round(time.perf_counter() - t, 2)
+        s["param_bytes"] = sum(p.numel() * p.element_size() for p in m.model.parameters())
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    if fits("build"):
+        section(f"graphs.{key}.build", build)
+    if "m" not in state:
+        return
+    m = state.pop("m")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, shape["vocab_size"], (sz["prompt_len"],), generator=gen).tolist() for _ in range(3)]
+
+    def loop():
+        s["loop"] = plain_loop(m, prompts, sz, errors, f"graphs.{key}.loop")
+        s["floor"] = weight_floor(m, s["loop"])
+
+    parts = {"steps": lambda: s.update(step=step_costs(m, prompts[0], sz)), "loop": loop,
+             "drafting": lambda: s.update(drafting=drafting_steps(m, prompts[1], sz, g["graphs_on_mode"])),
+             "stub": lambda: s.update(stub=stub_speed(m, prompts[2], sz))}
+    for part, fn in parts.items():
+        if fits(part):
+            section(f"graphs.{key}.{part}", fn)
+    s["static"] = m.static.summary()
+    if cuda:
+        s["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    del m, parts
+    gc.collect()
+    if cuda:
+        torch._dynamo.reset()   # drops hf_generate_static's compiled forward (and its graphs) with the model
+        torch.cuda.empty_cache()
+
+
+# -- verdicts and summary -------------------------------------------------------------------------------------
+def verdicts(g: dict | None, dry: bool) -> list[dict]:
+    """The graph targets (``TARGETS``), in order; "not run" where a figure is missing, "dry run" on the CPU."""
+    shapes, t, out = (g or {}).get("shapes", {}), TARGETS, []
+
+    def add(target: str, key: str, fig):   # fig(a shape's figures) -> (passed, detail)
+        try:
+            ok, detail = fig(shapes[key])
+            out.append({"target": target, "verdict": "dry run" if dry else "PASS" if ok else "FAIL", "detail": detail})
+        except (KeyError, TypeError, ZeroDivisionError, StopIteration, ValueError):
+            out.append({"target": target, "verdict": "not run", "detail": ""})
+
+    def step(s):
+        on = s["step"]["on"]
+        return on["wall_vs_kernel"] <= t["wall_vs_kernel"], (f"{on['wall_ms']} ms wall / {on['kernel_ms']} ms "
+                f"{on['clock']} = {on['wall_vs_kernel']}x (graphs off: {s['step']['off']['wall_vs_kernel']}x)")
+
+    def static(s, x):
+        r, tps = s["loop"]["plain_on_vs"]["hf_generate_static"], s["loop"]["tokens_per_s"]
+        return r >= x, f"{r}x ({tps['plain_on']['median']} vs {tps['hf_generate_static']['median']} tokens/s)"
+
+    def drafting(s, fam):
+        rows = {k: v["vs_plain_captured"]["on"] for k, v in s["drafting"]["kinds"].items() if k.startswith(fam)}
+        worst = max(rows, key=rows.get)
+        return rows[worst] <= t["draft_step"], f"{worst}: {rows[worst]}x a plain captured step"
+
+    def stub(s):
+        r = next(r for r in s["stub"]["runs"] if r["target_tau"] == t["stub"][0] and r["graphs"] == "on")
+        return r["vs_plain_on"] >= t["stub"][1], f"{r['vs_plain_on']}x at measured tau {r['measured_tau']} " \
+                                                 f"(k {r['k']}, p {r['p']})"
+
+    labels = {key: label for key, (label, _) in SHAPES.items()}
+    for key, label in labels.items():
+        add(f"graphs=on: 1-token step wall <= {t['wall_vs_kernel']}x its kernel time ({label} shape)", key, step)
+    for key, label in labels.items():
+        x = t["vs_hf_static"][key]
+        add(f"graphs=on: plain loop >= {x}x hf_generate_static ({label} shape)", key, lambda s, x=x: static(s, x))
+    add(f"graphs=on: 8B plain loop >= {t['floor']:.0%} of the weight-read floor", "llama31_8b",
+        lambda s: (s["floor"]["plain_on_fraction"] >= t["floor"],
+                   f"{s['floor']['plain_on_fraction']:.1%} of {s['floor']['tokens_per_s']} tokens/s"))
+    add(f"graphs=on: 16-row verification <= {t['verify16']}x a 1-token step (8B)", "llama31_8b",
+        lambda s: (s["step"]["verify"][16]["vs_1"] <= t["verify16"], f"{s['step']['verify'][16]['ms']} vs "
+                   f"{s['step']['verify'][1]['ms']} ms = {s['step']['verify'][16]['vs_1']}x"))
+    for fam, name in (("medusa", "Medusa"), ("eagle3", "EAGLE-3")):
+        for key, label in labels.items():
+            add(f"graphs=on: {name} drafting + verification <= {t['draft_step']}x a plain step ({label} shape)", key,
+                lambda s, fam=fam: drafting(s, fam))
+    add(f"graphs=on: stub drafter at tau {t['stub'][0]} >= {t['stub'][1]}x the captured plain loop (8B)",
+        "llama31_8b", stub)
+    return out
+
+
+def summary_lines(g: dict | None) -> list[str]:
+    """summary.md's CUDA-graph section: a figure per row, a shape per column; then the stub runs."""
+    if not g or not g.get("shapes"):
+        return []
+    shapes = g["shapes"].values()
+    lines = ["", f"CUDA graphs: {g['graphs_on_note']}; bf16 random weights, batch 1, medians ({g.get('seconds')} s):",
+             "", "| figure | " + " | ".join(s["label"] + " (tiny stand-in)" * s["tiny_stand_in"] for s in shapes)
+             + " |", "|---|" + "---|" * len(shapes)]
+
+    def row(name, fig):
+        cells = []
+        for s in shapes:
+            try:
+                cells.append(fig(s))
+            except (KeyError, TypeError, ValueError):
+                cells.append("-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    for mode in ("off", "on"):
+        row(f"1-token step wall / kernel ms, graphs {mode}", lambda s, mode=mode: "{wall_ms} / {kernel_ms} "
+            "({wall_vs_kernel}x, {clock})".format(**s["step"][mode]))
+    row("verification 16 / 64 rows vs 1 row (graphs on)",
+        lambda s: f"{s['step']['verify'][16]['vs_1']}x / {s['step']['verify'][64]['vs_1']}x")
+    tps = lambda s, ks: " / ".join("{median} [{min}-{max}]".format(**s["loop"]["tokens_per_s"][k]) for k in ks)  # noqa
+    row("tokens/s plain off / on [min-max]", lambda s: tps(s, ("plain_off", "plain_on")))
+    row("tokens/s generate eager / hf_generate_static", lambda s: tps(s, ("hf_generate", "hf_generate_static")))
+    row("plain on vs off / eager / static", lambda s: " / ".join(
+        f"{s['loop']['plain_on_vs'].get(k, '-')}x" for k in ("plain_off", "hf_generate", "hf_generate_static")))
+    row("weight-read floor tokens/s; plain on's fraction",
+        lambda s: f"{s['floor']['tokens_per_s']}; {s['floor']['plain_on_fraction']:.1%}")
+    for kind in next((list(s["drafting"]["kinds"]) for s in shapes if "drafting" in s), []):
+        row(f"{kind} step vs plain captured, on / off", lambda s, kind=kind: "{on}x / {off}x".format(
+            **s["drafting"]["kinds"][kind]["vs_plain_captured"]))
+    row("captures; capture s; graph memory MiB", lambda s: f"{len(s['static']['captures'])}; "
+        f"{s['static']['capture_s']}; {s['static']['graph_memory_bytes'] / 2**20:.1f}")
+    row("build s; peak GPU GB", lambda s: f"{s['build_s']}; {s.get('peak_gpu_memory_gb', '-')}")
+    runs = [(s["label"], r) for s in shapes for r in s.get("stub", {}).get("runs", [])]
+    if runs:
+        lines += ["", "Stub drafter of set acceptance (a chain of k, each token right with probability p) vs the "
+                  "captured plain loop:", "", "| shape | target tau | k | p | graphs | measured tau | tokens/s | vs "
+                  "plain on |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {lab} | {r['target_tau']} | {r['k']} | {r['p']} | {r['graphs']} | {r['measured_tau']} | "
+                  f"{r['tokens_per_s']['median']} | {r['vs_plain_on']}x |" for lab, r in runs]
+    return lines + (["", f"Skipped (time budget): {', '.join(g['skipped'])}"] if g.get("skipped") else [])
