@@ -230,7 +230,7 @@ class BatchTreeDecoder:
         lens = [len(p) for p in prompts]
         self.prompt_lengths, self.max_new_tokens = lens, max_new_tokens   # what a drafter sizes its own cache by
         capacity = batch_capacity(lens, max_new_tokens, self.drafter.max_nodes, self.ragged, self.drafter.max_depth)
-        self.cache = RaggedKVCache(m.config.num_hidden_layers, len(prompts), capacity, m.device, self.ragged)
+        self.cache = m.new_batch_cache(len(prompts), capacity, self.ragged)
         mask, pos = self.cache.prefill_mask(lens, m.dtype)
         ids = torch.tensor(pad_layout(prompts, self.ragged), dtype=torch.long, device=m.device)
         h, aux = self._forward(ids, pos, mask)

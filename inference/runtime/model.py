@@ -20,7 +20,9 @@ import torch
 
 from ..backbone import HiddenStateTap, eos_token_ids, scale_logits, text_config
 from .attention import NAME as DECODING_ATTENTION, use_decoding_attention
+from .batch_cache import RaggedKVCache
 from .cache import TreeKVCache
+from .static_batch import StaticRaggedKV
 from .static_steps import StaticKV, StaticSteps
 from .kernel_plan_cache import KernelPlanCache
 from .linear_kernels import route_linear_kernels
@@ -98,11 +100,17 @@ class MedusaModel:
         view = self.static.cache(capacity) if self.static is not None else None
         return view if view is not None else TreeKVCache(self.config.num_hidden_layers, capacity)
 
+    def new_batch_cache(self, batch: int, capacity: int, ragged: str = "compact") -> RaggedKVCache:
+        """A batch's KV cache: compact rows on the static buffer with graphs (``static``), else its own."""
+        view = self.static.batch_cache(batch, capacity) if self.static is not None and ragged == "compact" else None
+        return view if view is not None else RaggedKVCache(self.config.num_hidden_layers, batch, capacity,
+                                                           self.device, ragged)
+
     # -- compute -----------------------------------------------------------------------
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Last hidden states (after the final norm) [1, n, H]; appends n entries to ``cache``."""
-        if isinstance(cache, StaticKV):
+        if isinstance(cache, (StaticKV, StaticRaggedKV)):
             return self.static.forward(cache, input_ids, position_ids, attention_mask)[0]
         return self.body_hidden(input_ids, position_ids, cache, attention_mask)
 
@@ -120,7 +128,7 @@ class MedusaModel:
     def hidden_aux(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, tap: HiddenStateTap,
                    attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` plus the tap's layers from the same forward: ([1, n, H], [1, n, len(ids) * H])."""
-        if isinstance(cache, StaticKV):
+        if isinstance(cache, (StaticKV, StaticRaggedKV)):
             return self.static.forward(cache, input_ids, position_ids, attention_mask, tap)
         with tap:
             h = self.hidden(input_ids, position_ids, cache, attention_mask)

@@ -41,6 +41,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import UserError
+from .static_batch import StaticRaggedKV
 
 GRAPH_MODES = ("auto", "on", "off", "uncaptured")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -86,18 +87,26 @@ def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tup
 
 
 class _StaticLayer(DynamicLayer):
-    """One layer's keys/values: the owner's full-capacity buffers, written at the owner's write index."""
+    """One layer's keys/values: the owner's full-capacity [batch, kv_heads, capacity, head_dim] buffers, written
+    at the owner's write slots (rows [Bb, 1], slots [Bb, n]); attention sees the step's Bb rows whole."""
 
     def __init__(self, owner: "StaticSteps", index: int):
         super().__init__()
         self.owner = owner
         self.keys, self.values = owner.kv[index, 0], owner.kv[index, 1]
+        self._k, self._v = self.keys, self.values          # RaggedKVCache's names (row_entries, move)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.owner.write_index, key_states)
-        self.values.index_copy_(2, self.owner.write_index, value_states)
-        return self.keys, self.values
+        rows, slots = self.owner.write_rows, self.owner.write_slots
+        self.keys[rows, :, slots] = key_states.transpose(1, 2)
+        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        b = rows.shape[0]
+        return self.keys[:b], self.values[:b]
+
+    def move(self, rows: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.keys[rows, :, dst] = self.keys[rows, :, src]
+        self.values[rows, :, dst] = self.values[rows, :, src]
 
     def get_seq_length(self) -> int:
         return self.owner.kv.shape[4]
@@ -107,8 +116,8 @@ class _StaticLayer(DynamicLayer):
 
 
 class StaticKV:
-    """One generation's view of its model's static KV buffer: the ``TreeKVCache`` interface decoders use
-    (``length``, ``keep``, ``truncate``). A newer generation on the same model takes the buffer over; a
+    """One generation's view of its model's static KV buffer (row 0): the ``TreeKVCache`` interface decoders
+    use (``length``, ``keep``, ``truncate``). A newer generation on the same model takes the buffer over; a
     step through an older view is refused (it would read another sequence's entries)."""
 
     def __init__(self, steps: "StaticSteps", capacity: int, generation: int):
@@ -120,14 +129,30 @@ class StaticKV:
             raise RuntimeError("two generations are decoding on one model's static KV cache at once; "
                                "finish one before starting another (or decode with graphs=off)")
 
+    def write_slots(self, n: int) -> tuple[torch.Tensor, bool]:
+        """([1, n] slots the next n rows write to, whether it is the generation's first forward)."""
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {self.length + n} > capacity {self.capacity}")
+        return torch.arange(self.length, self.length + n, device=self.steps.kv.device)[None], self.length == 0
+
+    def causal(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask a forward without one means: the prefix and the earlier new rows."""
+        mask = torch.zeros(1, 1, n, self.length + n, dtype=dtype, device=self.steps.kv.device)
+        mask[0, 0, :, self.length:].masked_fill_(
+            torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1), torch.finfo(dtype).min)
+        return mask
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
     def keep(self, start: int, nodes: Sequence[int]) -> None:
         """Keep the first ``start`` entries plus tree nodes ``nodes`` (offsets from ``start``, increasing)."""
         self.check_current()
         count = len(nodes)
         if list(nodes) != list(range(count)):   # else already in place
             src = torch.as_tensor([start + i for i in nodes], dtype=torch.long, device=self.steps.kv.device)
-            kv = self.steps.kv
-            kv[:, :, :, :, start:start + count] = kv.index_select(4, src)   # every layer at once
+            row = self.steps.kv[:, :, :1]
+            row[:, :, :, :, start:start + count] = row.index_select(4, src)   # every layer at once
         self.length = start + count
 
     def truncate(self, length: int) -> None:
@@ -136,85 +161,110 @@ class StaticKV:
 
 @dataclass
 class _Bucket:
-    """A bucket's fixed input tensors, and its captured step per tap (None key: no aux features)."""
+    """A (batch, rows) bucket's fixed input tensors, and its captured step per tap (None: no aux features)."""
 
-    ids: torch.Tensor
-    pos: torch.Tensor
-    mask: torch.Tensor
-    index: torch.Tensor
+    ids: torch.Tensor      # [Bb, n]
+    pos: torch.Tensor      # [Bb, n]
+    mask: torch.Tensor     # [Bb, 1, n, capacity]
+    rows: torch.Tensor     # [Bb, 1]: 0..Bb-1
+    slots: torch.Tensor    # [Bb, n]: where each row's entries are written
     replays: dict = field(default_factory=dict)   # tap key -> (replay, outputs) or None (capture failed)
 
 
 class StaticSteps:
     """A model's static KV buffer and its bucketed steps (module docstring). ``capture``: a function
-    (fn, pool) -> (replay, outputs) or None (uncaptured); ``capacity``: fixed KV slots, else grown."""
+    (fn, pool) -> (replay, outputs) or None (uncaptured); ``capacity``: fixed KV slots, else grown. Batch
+    sizes are bucketed like rows (``buckets``); a batch above the largest decodes on the dynamic cache."""
 
     def __init__(self, m, buckets: Sequence[int] = DEFAULT_BUCKETS, capture: Optional[Callable] = None,
                  capacity: Optional[int] = None, log: Callable[[str], None] = print):
         check_graphs("auto", list(buckets))
         self.m, self.buckets, self.capture, self.log = m, tuple(buckets), capture, log
         self.fixed_capacity = capacity
-        self.kv: Optional[torch.Tensor] = None
-        self.write_index: Optional[torch.Tensor] = None
+        self.kv: Optional[torch.Tensor] = None       # [layers, 2, batch, kv_heads, capacity, head_dim]
+        self.write_rows = self.write_slots = None
         self.generation = 0
-        self.captures: dict[str, int] = {}        # step ("rows", "rows+aux[ids]") -> captures while the capacity stands
+        self.captures: dict[str, int] = {}        # step ("rows", "BxN", "+aux") -> captures while the buffer stands
         self.capture_s = 0.0
         self.graph_bytes = 0
         self.regrown = self.fallbacks = self.failed = 0
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
 
     # -- the buffer ----------------------------------------------------------------------------------
     def cache(self, need: int) -> Optional[StaticKV]:
         """A view for a generation of at most ``need`` entries, or None where a fixed capacity is too small."""
-        slots = need + 1                                   # + the padding rows' slot
-        if self.kv is None or slots > self.kv.shape[4]:
-            if self.fixed_capacity is not None and slots > self.fixed_capacity:
-                self.fallbacks += 1
-                warnings.warn(f"graphs: this request needs {slots} KV slots, beyond the fixed capacity "
-                              f"{self.fixed_capacity}: it decodes uncaptured on the dynamic cache", stacklevel=3)
-                return None
-            self._allocate(self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length()))
-        self.generation += 1
-        return StaticKV(self, self.kv.shape[4] - 1, self.generation)
+        if not self._reserve(need + 1, 1):
+            return None
+        return StaticKV(self, self.kv.shape[4] - 1, self._next())
 
-    def _allocate(self, capacity: int) -> None:
+    def batch_cache(self, batch: int, need: int):
+        """A ``RaggedKVCache`` (compact) over the buffer's first ``batch`` rows, or None beyond its limits."""
+        if not self._reserve(need + 1, batch):
+            return None
+        return StaticRaggedKV(self, batch, self.kv.shape[4] - 1, self._next())
+
+    def _next(self) -> int:
+        self.generation += 1
+        return self.generation
+
+    def _reserve(self, slots: int, batch: int) -> bool:
+        """A buffer of at least ``slots`` entries (+ the padding slot) for ``batch`` rows, grown if need be."""
+        rows = next((b for b in self.buckets if b >= batch), None)
+        too_long = self.fixed_capacity is not None and slots > self.fixed_capacity
+        if rows is None or too_long:
+            self.fallbacks += 1
+            what = f"{slots} KV slots, beyond the fixed capacity {self.fixed_capacity}" if too_long else \
+                f"a batch of {batch}, beyond the largest graph bucket {self.buckets[-1]}"
+            warnings.warn(f"graphs: this request needs {what}: it decodes uncaptured on the dynamic cache",
+                          stacklevel=4)
+            return False
+        if self.kv is None or slots > self.kv.shape[4] or rows > self.kv.shape[2]:
+            have = (0, 0) if self.kv is None else (self.kv.shape[4], self.kv.shape[2])
+            self._allocate(self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length(), have[0]),
+                           max(rows, have[1]))
+        return True
+
+    def _allocate(self, capacity: int, batch: int) -> None:
         if self.kv is not None:
             self.regrown += 1
-            self.log(f"graphs: KV capacity {self.kv.shape[4]} -> {capacity}; steps are captured again")
+            self.log(f"graphs: KV buffer {self.kv.shape[2]} x {self.kv.shape[4]} -> {batch} x {capacity}; "
+                     "steps are captured again")
         cfg, m = self.m.config, self.m
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv = self._buckets = None      # the old buffer and its graphs go before the new one is made
-        self.kv = torch.zeros(cfg.num_hidden_layers, 2, 1, kv_heads, capacity, head_dim, dtype=m.dtype,
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, batch, kv_heads, capacity, head_dim, dtype=m.dtype,
                               device=m.device)
         self.body_cache = Cache(layers=[_StaticLayer(self, i) for i in range(cfg.num_hidden_layers)])
         self._buckets, self.captures = {}, {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture is cuda_capture else None
 
     # -- a step ----------------------------------------------------------------------------------------
-    def forward(self, view: StaticKV, ids: torch.Tensor, pos: torch.Tensor, mask: Optional[torch.Tensor],
+    def forward(self, view, ids: torch.Tensor, pos: torch.Tensor, mask: Optional[torch.Tensor],
                 tap=None) -> tuple[torch.Tensor, ...]:
-        """``MedusaModel.hidden`` (tap: ``hidden_aux``) on the static buffer: (hidden [1, n, H], features)."""
+        """``MedusaModel.hidden`` (tap: ``hidden_aux``) on the static buffer: (hidden [B, n, H], features)."""
         view.check_current()
-        n, past = ids.shape[1], view.length
-        if past + n > view.capacity:
-            raise RuntimeError(f"KV cache overflow: {past + n} > capacity {view.capacity}")
+        batch, n = ids.shape
+        slots, first = view.write_slots(n)
+        if mask is None:
+            mask = view.causal(n, self.kv.dtype)
+        size = next(b for b in self.buckets if b >= batch)     # the buffer was reserved for this batch
         rows = next((b for b in self.buckets if b >= n), None)
-        b = self._bucket(rows) if rows is not None else self._inputs(n)
-        self._fill(b, ids, pos, mask, past, n)
+        b = self._bucket(size, rows) if rows is not None else self._inputs(size, n)
+        self._fill(b, ids, pos, mask, slots)
         key = None if tap is None else tuple(tap.ids)
         step = self._step_fn(b, tap)
-        if rows is not None and self.capture is not None and past > 0:   # prompts: see the module docstring
-            outs = self._replayed(rows, b, key, step)
+        if rows is not None and self.capture is not None and not first:   # prompts: see the module docstring
+            outs = self._replayed(b, key, step)
         else:
             outs = step()
-        view.length = past + n
-        return tuple(o[:, :n].clone() for o in outs)   # a later replay overwrites the fixed outputs
+        view.advance(n)
+        return tuple(o[:batch, :n].clone() for o in outs)   # a later replay overwrites the fixed outputs
 
     def _step_fn(self, b: _Bucket, tap) -> Callable[[], tuple]:
         def step():
-            self.write_index = b.index
+            self.write_rows, self.write_slots = b.rows, b.slots
             if tap is None:
                 return (self.m.body_hidden(b.ids, b.pos, self.body_cache, b.mask),)
             with tap:
@@ -222,14 +272,16 @@ class StaticSteps:
             return h, tap.features()
         return step
 
-    def _replayed(self, rows: int, b: _Bucket, key, step) -> tuple:
+    def _replayed(self, b: _Bucket, key, step) -> tuple:
         if key not in b.replays:
-            b.replays[key] = self._capture(f"{rows}" if key is None else f"{rows}+aux{list(key)}", step)
+            size, rows = b.ids.shape
+            label = (f"{rows}" if size == 1 else f"{size}x{rows}") + ("" if key is None else f"+aux{list(key)}")
+            b.replays[key] = self._capture(label, step)
         captured = b.replays[key]
         if captured is None:
             return step()
         replay, outs = captured
-        self.write_index = b.index
+        self.write_rows, self.write_slots = b.rows, b.slots
         replay()
         return outs
 
@@ -251,45 +303,41 @@ class StaticSteps:
         self.captures[label] = 1
         return captured
 
-    def _bucket(self, rows: int) -> _Bucket:
-        if rows not in self._buckets:
-            self._buckets[rows] = self._inputs(rows)
-        return self._buckets[rows]
+    def _bucket(self, size: int, rows: int) -> _Bucket:
+        if (size, rows) not in self._buckets:
+            self._buckets[size, rows] = self._inputs(size, rows)
+        return self._buckets[size, rows]
 
-    def _inputs(self, rows: int) -> _Bucket:
+    def _inputs(self, size: int, rows: int) -> _Bucket:
         dev, cap = self.kv.device, self.kv.shape[4]
-        return _Bucket(torch.zeros(1, rows, dtype=torch.long, device=dev),
-                       torch.zeros(1, rows, dtype=torch.long, device=dev),
-                       torch.zeros(1, 1, rows, cap, dtype=self.m.dtype, device=dev),
-                       torch.full((rows,), cap - 1, dtype=torch.long, device=dev))
+        return _Bucket(torch.zeros(size, rows, dtype=torch.long, device=dev),
+                       torch.zeros(size, rows, dtype=torch.long, device=dev),
+                       torch.zeros(size, 1, rows, cap, dtype=self.m.dtype, device=dev),
+                       torch.arange(size, device=dev)[:, None],
+                       torch.full((size, rows), cap - 1, dtype=torch.long, device=dev))
 
-    def _fill(self, b: _Bucket, ids, pos, mask, past: int, n: int) -> None:
-        """The step's ids, positions, write index and mask into the bucket's tensors; padding rows write to
-        the last slot and see position 0 only."""
-        low = torch.finfo(b.mask.dtype).min
-        b.ids[:, :n].copy_(ids)
-        b.pos[:, :n].copy_(pos)
-        b.index[:n].copy_(torch.arange(past, past + n, device=b.index.device))
-        b.mask.fill_(low)
-        if mask is not None:
-            b.mask[:, :, :n, :past + n].copy_(mask)
-        else:   # causal: the prefix and the earlier new rows
-            b.mask[:, :, :n, :past] = 0
-            b.mask[0, 0, :n, past:past + n].masked_fill_(
-                torch.ones(n, n, dtype=torch.bool, device=b.mask.device).tril(), 0)
-        if b.ids.shape[1] > n:
-            b.ids[:, n:] = 0
-            b.pos[:, n:] = 0
-            b.index[n:] = b.mask.shape[-1] - 1
-            b.mask[:, :, n:, 0] = 0
+    def _fill(self, b: _Bucket, ids, pos, mask, slots) -> None:
+        """The step's ids, positions, write slots and mask into the bucket's tensors; padding (rows of the
+        batch bucket, nodes of the row bucket) writes to the last slot and sees slot 0 only."""
+        batch, n = ids.shape
+        b.ids.zero_()
+        b.ids[:batch, :n].copy_(ids)
+        b.pos.zero_()
+        b.pos[:batch, :n].copy_(pos.expand(batch, n))
+        b.slots.fill_(b.mask.shape[-1] - 1)
+        b.slots[:batch, :n].copy_(slots.expand(batch, n))
+        b.mask.fill_(torch.finfo(b.mask.dtype).min)
+        b.mask[:batch, :, :n, :mask.shape[-1]].copy_(mask.expand(batch, 1, n, mask.shape[-1]))
+        b.mask[batch:, :, :, 0] = 0
+        b.mask[:, :, n:, 0] = 0
 
     def summary(self) -> dict:
         """What report.json records of the static steps."""
         return {"captured": self.capture is not None, "buckets": list(self.buckets),
                 "kv_capacity": None if self.kv is None else self.kv.shape[4],
-                "captures": dict(self.captures),
+                "kv_batch": None if self.kv is None else self.kv.shape[2], "captures": dict(self.captures),
                 "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
-                "capacity_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed}
+                "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed}
 
 
 def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,

@@ -116,7 +116,7 @@ def test_a_bucket_is_captured_once_and_replayed(medusa):
         generate(m, DISTINCT, "autoregressive", max_new_tokens=30, eos_token_ids=())
     assert m.static.captures == {"8": 1, "1": 1}          # tree8: 8 nodes; plain: 1 row; prompts run uncaptured
     assert m.static.summary()["captures"] == {"8": 1, "1": 1}
-    step = m.static._step_fn(m.static._bucket(8), None)
+    step = m.static._step_fn(m.static._bucket(1, 8), None)
     with pytest.raises(RuntimeError, match="captured a second time"):
         m.static._capture("8", step)
     m.static = None
@@ -144,7 +144,7 @@ def test_capacity_growth_recaptures_and_says_so(medusa):
     assert m.static.captures == {"1": 1} and m.static.kv.shape[4] == 256
     generate(m, [3] * 300, "autoregressive", max_new_tokens=8, eos_token_ids=())
     assert m.static.kv.shape[4] == 512 and m.static.regrown == 1 and m.static.captures == {"1": 1}
-    assert len(lines) == 1 and "256 -> 512" in lines[0]
+    assert len(lines) == 1 and "1 x 256 -> 1 x 512" in lines[0]
     m.static = None
 
 
