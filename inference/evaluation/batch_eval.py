@@ -146,6 +146,16 @@ def run_method(m: MedusaModel, method: str, rows: list[list[int]], options, max_
                                    sampling=sampling, seed=seed)
 
 
+def warm_captured_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int],
+                          opts: Mapping[str, Any], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
+    """With captured steps, one untimed batch per method at every graph bucket up to each batch size and at the
+    last batch's size, so the captures (rows leave, the batch shrinks to smaller buckets) happen here."""
+    widths = {w for b in sizes for w in (*[x for x in m.static.buckets if x < b], b, len(ids) % b or b)}
+    for w in sorted(widths, reverse=True):   # the widest first: the buffer grows (dropping captures) only there
+        for x in measured:
+            run_method(m, x, ids[:w], opts.get(x), max_new_tokens, sampling, seed)
+
+
 def run_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int], opts: Mapping[str, Any],
                 *, rounds: int, max_new_tokens: int, sampling: SamplingConfig, seed: int,
                 progress: bool) -> dict[int, dict[str, list[BatchOutput]]]:
@@ -239,10 +249,13 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     reference = None
     if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
         reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]
+    if m.static is not None and m.static.capture is not None:
+        warm_captured_batches(m, ids, measured, sizes, opts, max_new_tokens, sampling, seed)
     runs = run_batches(m, ids, measured, sizes, opts, rounds=rounds, max_new_tokens=max_new_tokens,
                        sampling=sampling, seed=seed, progress=progress)
     batched = batched_section(runs, ids, measured, sizes, {x: c.schedule for x, c in made.items()},
                               {x: c.record for x, c in made.items()}, reference, greedy, rounds)
     return {"settings": settings or {}, "machine": machine(), "num_samples": len(ids), "methods": measured,
             "method_options": reported, "batched": batched,
-            "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock", **report_entries(made)}
+            "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock",
+            "graphs": m.static.summary() if m.static is not None else "off", **report_entries(made)}

@@ -297,3 +297,24 @@ def test_cli_generate_several_prompts_in_batches(heads_dir, tmp_path, capsys):
     assert out2 == out and err.count("[batch of 2:") == 1 and err.count("[batch of 1:") == 1
     code, _, err = call_main(generate_main, common + ["prompt=[hi, '  ']"], capsys)
     assert code == 2 and err.strip() == "medusa-generate: error: prompt 2 of 2 is empty"
+
+
+def test_captured_batches_are_warmed_untimed_and_reported(oracle, monkeypatch):
+    """Guards against the batched evaluation timing its first batches with their captures inside them (the
+    method would look slower than it is), and against report.json not saying what was captured."""
+    from inference.evaluation import batch_eval as be
+    from inference.runtime.static_steps import StaticSteps
+    from test_static_steps import replaying
+
+    oracle.static = StaticSteps(oracle, capture=replaying, log=_quiet)
+    seen = {}
+    timed = be.run_batches
+    monkeypatch.setattr(be, "run_batches", lambda *a, **kw: (seen.update(oracle.static.captures), timed(*a, **kw))[1])
+    try:
+        r = evaluate_batched(oracle, PROMPTS, methods=["medusa"], batch_sizes=[2], tree="chain3", max_new_tokens=NEW,
+                             progress=False, log=_quiet)
+    finally:
+        captures, oracle.static = dict(oracle.static.captures), None
+    assert {"2x4", "2x1", "4", "1"} <= set(seen)            # chain3 and plain steps, for batches of 2 and of 1
+    assert r["graphs"]["captures"] == captures == seen      # nothing captured inside the timed batches
+    assert all(row["greedy_identical"] for row in r["batched"]["per_batch_size"]["2"]["per_method"].values())

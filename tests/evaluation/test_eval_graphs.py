@@ -57,3 +57,4 @@ def test_command_lines_refuse_bad_graph_keys_before_loading(keys, match):
     """Guards against graphs= / graph_buckets= mistakes reaching the backbone load (one line, exit 2)."""
     with pytest.raises(UserError, match=match):
         check_decoding_keys(EvalConfig(**keys))
+

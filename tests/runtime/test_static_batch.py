@@ -74,3 +74,20 @@ def test_gaps_mode_and_oversized_batches_keep_the_dynamic_cache(medusa):
     with pytest.warns(UserWarning, match="beyond the largest graph bucket 4"):
         assert type(m.new_batch_cache(5, 64, "compact")) is RaggedKVCache
     m.static = None
+
+
+def test_batched_exact_sampling_is_unchanged_by_static_steps(medusa, prompts):
+    """Guards against static batched steps changing what exact sampling draws from: with the same seed every row
+    samples the same tokens as on the dynamic cache (so the per-row chi-square tests of the dynamic path,
+    tests/methods/test_batch_methods.py, hold for these steps too)."""
+    from inference.runtime.verify import SamplingConfig
+
+    cfg = SamplingConfig(mode="sample", temperature=0.8, top_p=0.9)
+    with_steps(medusa, "off")
+    ref = generate_batch(medusa, prompts, "medusa", tree="tree8", max_new_tokens=20, sampling=cfg, seed=4,
+                         eos_token_ids=())
+    with_steps(medusa, "replayed")
+    out = generate_batch(medusa, prompts, "medusa", tree="tree8", max_new_tokens=20, sampling=cfg, seed=4,
+                         eos_token_ids=())
+    assert [r.tokens for r in out.rows] == [r.tokens for r in ref.rows]
+    medusa.static = None
