@@ -29,7 +29,7 @@ from .methods.choice_file import is_choice_file, read_choice
 from .methods.registry import check_methods, methods_for_heads, options_from_keys
 from .methods.shape import keyed_fields, method_mode
 from .runtime.decode import check_budget, check_positions
-from .runtime.static_steps import check_graphs
+from .runtime.static_steps import check_graphs, graphs_mode
 from .runtime.verify import SamplingConfig
 
 
@@ -48,7 +48,7 @@ def check_decoding_keys(cfg):
             raise UserError(f"{key} must be an integer >= {low}{what}, got {value!r}")
     buckets = cfg.graph_buckets
     check_graphs(cfg.graphs, list(buckets) if not isinstance(buckets, (str, int)) else buckets,
-                 parse_device(cfg.device).type if cfg.graphs == "on" else None)
+                 parse_device(cfg.device).type if graphs_mode(cfg.graphs) == "on" else None)
     return sampling_config(cfg)
 
 

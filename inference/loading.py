@@ -35,7 +35,7 @@ from .runtime.adapter import merge_lora
 from .runtime.kernel_plan_cache import FILE_NAME
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 from .runtime.draft_weights import check_draft_weights, half_draft_weights
-from .runtime.static_steps import DEFAULT_BUCKETS, apply_graphs, check_graphs
+from .runtime.static_steps import DEFAULT_BUCKETS, apply_graphs, check_graphs, graphs_mode
 
 
 def read_heads_spec(heads_dir: str | os.PathLike, backbone_config=None) -> HeadsSpec:
@@ -193,7 +193,8 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
     check_kernels(kernels)  # before any loading
     check_draft_weights(draft_weights)
-    check_graphs(graphs, list(graph_buckets), None if graphs != "on" or device is None else str(parse_device(device)))
+    on = graphs_mode(graphs) == "on"
+    check_graphs(graphs, list(graph_buckets), str(parse_device(device)) if on and device is not None else None)
     # missing / unreadable export -> UserError before any model load
     if backbone is None or isinstance(backbone, (str, Path)):
         spec = read_heads_spec_for(heads_dir, backbone, trust_remote_code=trust_remote_code)

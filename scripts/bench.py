@@ -9,6 +9,7 @@ and a few micro-benchmarks. Every figure is a latency: run it alone on the machi
     python scripts/bench.py tree-attention --rounds 60        # sdpa vs the decoding attention
     python scripts/bench.py train --steps 4                   # training step vs backbone forward tokens/s
     python scripts/bench.py profile-gpu --out DIR [--dry-run] # where a GPU step's time goes
+    python scripts/bench.py static-steps --prompts 6          # static-shape steps vs dynamic ones, uncaptured
 
 Studies are data (benchmarks/studies/<name>.yaml; format in benchmarks/study.py); the chronological record
 is benchmarks/history.md, the current results BENCHMARKS.md. ``<command> --help`` gives each one's options.
@@ -30,6 +31,7 @@ MICRO = {  # subcommand -> (module, help); imported only when run, so --help sta
     "tree-attention": ("benchmarks.micro.tree_attention", "transformers' sdpa vs the decoding attention"),
     "train": ("benchmarks.micro.train", "training step tokens/s against the backbone's forward, per projection"),
     "profile-gpu": ("benchmarks.micro.gpu_profile", "a GPU step's kernel time against its wall time (or --dry-run)"),
+    "static-steps": ("benchmarks.micro.static_steps", "graphs=uncaptured vs off (and off vs off) on this machine"),
 }
 
 

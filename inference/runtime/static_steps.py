@@ -5,29 +5,29 @@ launches ~1,200-1,500 kernels one by one from Python, each step 9-14x its own ke
 H200: 31 ms wall for 2.3 ms of kernels at SmolLM2's shape). Serving engines replay a step captured once as
 a CUDA graph, which needs every tensor a step reads or writes at a fixed address and shape. This module
 gives the backbone forward that form, under the same ``MedusaModel.hidden`` contract every decoding method
-already uses, so every single-sequence method (plain, Medusa trees, EAGLE-3's verification, draft models,
-lookahead, prompt lookup) steps through it unchanged:
+already uses, so every method steps through it unchanged, one prompt at a time (plain, Medusa trees,
+EAGLE-3's verification, draft models, lookahead, prompt lookup) or batched (``static_batch``):
 
-- one KV buffer [layers, 2, 1, kv_heads, capacity, head_dim] per model, zero-filled (attention reads all
+- one KV buffer [layers, 2, batch, kv_heads, capacity, head_dim] per model, zero-filled (attention reads all
   of it: an uninitialised NaN would poison every row through the additive mask), the last slot reserved
-  as the write target of padding rows;
-- a step of n rows runs in the smallest bucket >= n (``DEFAULT_BUCKETS``): input ids, positions, the
-  [1, 1, bucket, capacity] additive mask and the cache write index are device tensors of that bucket's
-  shape, filled in place before the step; padding rows write to the reserved slot, see only position 0
-  (a finite softmax) and are cut off before anything downstream reads the output, so they can never be
-  accepted; a generation's first forward (its prompt: once per request, and prompts of every length would
-  capture every bucket) and steps larger than every bucket run uncaptured on the same buffers;
+  as the write target of padding;
+- a step of B sequences x n rows runs in the smallest (batch, rows) bucket holding it (``DEFAULT_BUCKETS``
+  for both): input ids, positions, the [Bb, 1, nb, capacity] additive mask and the write slots are device
+  tensors of that bucket's shape, filled in place before the step; padding writes to the reserved slot, sees
+  only slot 0 (a finite softmax) and is cut off before anything downstream reads the output, so it can never
+  be accepted; a generation's first forward (its prompts: once per request, and prompts of every length
+  would capture every bucket) and steps larger than every bucket run uncaptured on the same buffer;
 - attention always spans the whole capacity, masked: that is what makes the shape static;
 - acceptance and compaction stay the method's (``keep``: one gather over every layer at once).
 
 ``graphs``: ``auto`` (captured on CUDA, off elsewhere), ``on`` (captured; CUDA only), ``off`` (the
-dynamic-shape ``TreeKVCache`` path: on CPU the full-capacity attention costs more than the launches it
-saves), ``uncaptured`` (these static shapes without capture, on any device: what ``on`` computes, for
-checking and for the CPU tests). A bucket is captured at its first step and never again while the KV
-capacity stands (``captures`` counts); a request longer than the capacity grows it (powers of two; the
-graphs are dropped and recaptured, said in one line) unless the capacity was fixed, in which case that
-request decodes on the dynamic path with a one-line warning. A capture that fails leaves its bucket
-uncaptured (one line), never a wrong token.
+dynamic-shape ``TreeKVCache`` / ``RaggedKVCache`` path), ``uncaptured`` (these static shapes without capture, on
+any device: what ``on`` computes, for checking and for the CPU tests; on 2 CPU cores it costs 2-5% of a step,
+within the noise: BENCHMARKS.md). A bucket is captured at its first step and never again while the buffer
+stands (``captures`` counts); a longer request or a larger batch grows it (capacity in powers of two; the
+graphs are dropped and recaptured, said in one line) unless the capacity was fixed or the batch is above the
+largest bucket, in which case that request decodes on the dynamic path with a one-line warning. A capture that
+fails leaves its bucket uncaptured (one line), never a wrong token.
 """
 
 from __future__ import annotations
@@ -48,8 +48,15 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CAPACITY = 256
 
 
+def graphs_mode(mode) -> str:
+    """``mode`` as one of ``GRAPH_MODES``: a command line's ``graphs=on`` / ``off`` reach the config as YAML's
+    booleans (True / False, or their words once the key's type made them strings)."""
+    return {True: "on", False: "off", "True": "on", "False": "off"}.get(mode, mode)
+
+
 def check_graphs(mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, device: Optional[str] = None) -> None:
     """Refuse, in one line and before any model loads, a graphs mode or bucket list that cannot run."""
+    mode = graphs_mode(mode)
     if mode not in GRAPH_MODES:
         raise UserError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
     if (not isinstance(buckets, (list, tuple)) or not buckets
@@ -343,6 +350,7 @@ class StaticSteps:
 def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,
                  log: Callable[[str], None] = print):
     """Give ``m`` static-shape steps per ``mode`` (module docstring), or take them away (off); returns ``m``."""
+    mode = graphs_mode(mode)
     check_graphs(mode, list(buckets), None if mode != "on" else str(m.device))
     on = captures_on(mode, m.device)
     m.static = None if on is None else StaticSteps(m, buckets, cuda_capture if on else None, capacity, log)

@@ -55,6 +55,11 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=hi", "mode=sample", "temperature=0"], "sample mode needs temperature > 0"),
     (GEN, [MEDUSA, "prompt=hi", "mode=sample", "top_p=0"], "top_p must be in (0, 1], got 0.0"),
     (GEN, [MEDUSA, "prompt=hi", "mode=bogus"], "decoding mode must be one of"),
+    # -- issue 45: graphs= and graph_buckets= ------------------------------------------------------------------------
+    (EVAL, [MEDUSA, PROMPTS, "graphs=maybe"], "graphs must be one of auto, on, off, uncaptured, got 'maybe'"),
+    (GEN, [MEDUSA, "prompt=hi", "graph_buckets=[1,8,4]"], "graph_buckets must be a strictly increasing list"),
+    (EVAL, [MEDUSA, PROMPTS, "graph_buckets=[0,4]"], "graph_buckets must be a strictly increasing list"),
+    (GEN, [MEDUSA, "prompt=hi", "graphs=on", "device=cpu"], "graphs=on captures CUDA graphs: it needs device=cuda"),
     # -- item 10: reports of what was not measured ----------------------------------------------------------------
     (EVAL, [MEDUSA, PROMPTS, "tree=chain2", "batch_size=100000000"],
      "batch_size 100000000 exceeds the 3 prompts evaluated"),

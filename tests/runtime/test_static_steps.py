@@ -220,3 +220,13 @@ def test_graphs_on_without_cuda_is_refused():
     """Guards against graphs=on silently running uncaptured (or crashing in capture) on a machine without CUDA."""
     with pytest.raises(UserError, match="no CUDA device"):
         check_graphs("on", [1, 2])
+
+
+@pytest.mark.parametrize("word, mode", [(True, "on"), ("True", "on"), (False, "off"), ("False", "off"),
+                                        ("uncaptured", "uncaptured")])
+def test_yaml_booleans_read_as_graph_modes(word, mode):
+    """Guards against ``graphs=on`` on a command line being refused: OmegaConf reads on/off as booleans, which
+    reach a string key as 'True' / 'False'."""
+    from inference.runtime.static_steps import graphs_mode
+
+    assert graphs_mode(word) == mode
