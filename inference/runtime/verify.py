@@ -186,11 +186,18 @@ def _best_path(buf: TreeBuffers, match: torch.Tensor, score: Optional[torch.Tens
 
 
 def verify_greedy(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor) -> Verdict:
-    """tokens [N], logits [N, V] (backbone next-token logits at every node)."""
+    """tokens [N], logits [N, V] (backbone next-token logits at every node). ``_best_path``'s rule (the first
+    longest leaf path) computed on the device, read back once: on a GPU each read waits for the device."""
     target = logits.argmax(-1)
     match = tokens == target[buf.parents.clamp(min=0)]   # the root's own entry is ignored
-    path = _best_path(buf, match)
-    return Verdict(path, int(target[path[-1]]))
+    ri = buf.retrieve_indices
+    ok = match[ri.clamp(min=0)] & (ri >= 0)
+    ok[:, 0] = True
+    lengths = ok.int().cumprod(1).sum(1)
+    best = lengths.argmax()                                # the first of the longest
+    row, n = ri[best], lengths[best]
+    packed = torch.cat([n.view(1), target[row[n - 1]].view(1), row]).tolist()   # (n, bonus, leaf path)
+    return Verdict(packed[2:2 + packed[0]], packed[1])
 
 
 def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
