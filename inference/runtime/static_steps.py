@@ -27,7 +27,8 @@ within the noise: BENCHMARKS.md). A bucket is captured at its first step and nev
 stands (``captures`` counts); a longer request or a larger batch grows it (capacity in powers of two; the
 graphs are dropped and recaptured, said in one line) unless the capacity was fixed or the batch is above the
 largest bucket, in which case that request decodes on the dynamic path with a one-line warning. A capture that
-fails leaves its bucket uncaptured (one line), never a wrong token.
+fails leaves its bucket uncaptured (one line), never a wrong token; so does a captured step whose first replay
+on new inputs disagrees with the same step run eagerly (each captured step is checked so, once).
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class _Bucket:
     rows: torch.Tensor     # [Bb, 1]: 0..Bb-1
     slots: torch.Tensor    # [Bb, n]: where each row's entries are written
     replays: dict = field(default_factory=dict)   # tap key -> (replay, outputs) or None (capture failed)
+    uses: dict = field(default_factory=dict)      # tap key -> replays so far (the second one is checked)
 
 
 class StaticSteps:
@@ -194,7 +196,7 @@ class StaticSteps:
         self.captures: dict[str, int] = {}        # step ("rows", "BxN", "+aux") -> captures while the buffer stands
         self.capture_s = 0.0
         self.graph_bytes = 0
-        self.regrown = self.fallbacks = self.failed = 0
+        self.regrown = self.fallbacks = self.failed = self.checked = self.disagreed = 0
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
 
@@ -290,7 +292,25 @@ class StaticSteps:
         replay, outs = captured
         self.write_rows, self.write_slots = b.rows, b.slots
         replay()
+        b.uses[key] = b.uses.get(key, 0) + 1
+        if b.uses[key] == 2:     # the first replay on other inputs than the capture's: checked once
+            return self._checked(b, key, outs, step)
         return outs
+
+    def _checked(self, b: _Bucket, key, outs: tuple, step) -> tuple:
+        """The replayed outputs against the same step run eagerly (it rewrites the same cache entries): a value
+        the capture froze (a host number turned into a constant) shows here, and the bucket then runs
+        uncaptured (one line) instead of decoding wrong tokens."""
+        eager = step()
+        tol = 1e-4 if eager[0].dtype == torch.float32 else 3e-2
+        same = all(torch.allclose(o.float(), e.float(), rtol=tol, atol=tol) for o, e in zip(outs, eager))
+        self.checked += 1
+        if not same:
+            self.disagreed += 1
+            b.replays[key] = None
+            self.log(f"graphs: a captured {b.ids.shape[0]}x{b.ids.shape[1]} step disagreed with the same step "
+                     "uncaptured; that step runs uncaptured")
+        return eager
 
     def _capture(self, label: str, step) -> Optional[tuple]:
         if label in self.captures:   # a captured step is replayed, never silently captured again
@@ -344,7 +364,8 @@ class StaticSteps:
                 "kv_capacity": None if self.kv is None else self.kv.shape[4],
                 "kv_batch": None if self.kv is None else self.kv.shape[2], "captures": dict(self.captures),
                 "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
-                "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed}
+                "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed,
+                "checked_replays": self.checked, "disagreeing_replays": self.disagreed}
 
 
 def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,

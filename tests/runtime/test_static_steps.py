@@ -230,3 +230,34 @@ def test_yaml_booleans_read_as_graph_modes(word, mode):
     from inference.runtime.static_steps import graphs_mode
 
     assert graphs_mode(word) == mode
+
+
+def frozen(fn, pool):
+    """A capture that froze its inputs (what a host value baked into a CUDA graph does): replays keep the
+    capture's outputs whatever the step's inputs are now."""
+    outs = fn()
+    return (lambda: None), outs
+
+
+def test_a_replay_that_disagrees_with_the_eager_step_is_dropped(medusa):
+    """Guards against a captured step that replays stale values (a host number frozen at capture) decoding wrong
+    tokens: its first replay on new inputs is checked against the same step run eagerly; the disagreeing step
+    then runs uncaptured, the tokens stay plain greedy's and the report counts it."""
+    with_steps(medusa, "off")
+    ref = generate(medusa, REPEATING, "medusa", tree="tree8", max_new_tokens=30, eos_token_ids=()).tokens
+    lines = []
+    medusa.static = StaticSteps(medusa, capture=frozen, log=lines.append)
+    assert generate(medusa, REPEATING, "medusa", tree="tree8", max_new_tokens=30, eos_token_ids=()).tokens == ref
+    summary = medusa.static.summary()
+    assert summary["disagreeing_replays"] >= 1 and summary["checked_replays"] >= 1
+    assert any("disagreed" in line for line in lines)
+    medusa.static = None
+
+
+def test_faithful_replays_pass_their_check(medusa):
+    """Guards against the check itself dropping good captures (every step would then run uncaptured)."""
+    m = with_steps(medusa, "replayed")
+    generate(m, REPEATING, "medusa", tree="tree8", max_new_tokens=30, eos_token_ids=())
+    generate(m, REPEATING, "autoregressive", max_new_tokens=30, eos_token_ids=())
+    assert m.static.checked == 2 and m.static.disagreed == 0     # the tree step's bucket and the plain one's
+    m.static = None

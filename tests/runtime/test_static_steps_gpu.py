@@ -37,7 +37,7 @@ def test_captured_steps_are_token_identical_in_fp32(method, kw):
     captured(m)
     for _ in range(2):     # the second generation replays what the first captured
         assert generate(m, PROMPT, method, max_new_tokens=40, eos_token_ids=(), **kw).tokens == ref
-    assert m.static.failed == 0 and all(v == 1 for v in m.static.captures.values())
+    assert m.static.failed == 0 and m.static.disagreed == 0 and all(v == 1 for v in m.static.captures.values())
     assert m.static.summary()["capture_s"] >= 0
 
 
@@ -51,7 +51,7 @@ def test_captured_eagle3_verification_with_aux_features():
     for _ in range(2):
         out = generate(m, PROMPT, "eagle3", max_new_tokens=40, eos_token_ids=(), **opts)
         assert out.tokens == ref
-    assert any("+aux" in k for k in m.static.captures) and m.static.failed == 0
+    assert any("+aux" in k for k in m.static.captures) and m.static.failed == 0 and m.static.disagreed == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -98,4 +98,4 @@ def test_captured_batched_steps_are_token_identical_in_fp32(method, kw):
     for _ in range(2):
         out = generate_batch(m, prompts, method, max_new_tokens=24, eos_token_ids=(), **kw)
         assert [r.tokens for r in out.rows] == [r.tokens for r in ref.rows]
-    assert m.static.failed == 0 and any("x" in k for k in m.static.captures)
+    assert m.static.failed == 0 and m.static.disagreed == 0 and any("x" in k for k in m.static.captures)
