@@ -224,7 +224,8 @@ def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> Me
     name/path of a checkpoint with the target's tokenizer (loaded on the target's device/dtype)."""
     layers = parse_self_draft(spec)
     if layers is not None:
-        return self_draft(target, max(1, target.config.num_hidden_layers // 4) if spec == "self" else layers)
+        return _static_like(target, self_draft(target, max(1, target.config.num_hidden_layers // 4)
+                                               if spec == "self" else layers))
     if isinstance(spec, MedusaModel):
         draft = spec
     elif isinstance(spec, str):
@@ -238,6 +239,14 @@ def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> Me
     check_draft_compatible(target, draft)
     if draft.device != target.device:
         raise UserError(f"the draft model is on {draft.device}, the target on {target.device}")
+    return _static_like(target, draft)
+
+
+def _static_like(target: MedusaModel, draft: MedusaModel) -> MedusaModel:
+    """``draft`` with static steps of its own where the target has them (``graphs=``): its k forwards a step
+    are what launches the most kernels from the host in draft decoding."""
+    if target.static is not None and draft.static is None:
+        draft.static = target.static.sibling(draft)
     return draft
 
 def accept_drafts(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
@@ -350,7 +359,7 @@ class BatchDraftDrafter:
     def _start(self, dec: BatchTreeDecoder) -> None:
         d = self.dm
         prompts = [h[:-1] for h in dec.history]
-        self.dcache = RaggedKVCache(d.config.num_hidden_layers, len(prompts), dec.cache.capacity + 2, d.device)
+        self.dcache = d.new_batch_cache(len(prompts), dec.cache.capacity + 2)
         mask, pos = self.dcache.prefill_mask([len(p) for p in prompts], d.dtype)
         d.hidden(torch.tensor(pad_layout(prompts, "compact"), device=d.device), pos, self.dcache, mask)
 

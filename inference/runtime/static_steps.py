@@ -200,6 +200,11 @@ class StaticSteps:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
 
+    def sibling(self, other) -> "StaticSteps":
+        """Static steps for another model decoding beside this one (a draft model): the same buckets and
+        capture, its own buffer."""
+        return StaticSteps(other, self.buckets, self.capture, self.fixed_capacity, self.log)
+
     # -- the buffer ----------------------------------------------------------------------------------
     def cache(self, need: int) -> Optional[StaticKV]:
         """A view for a generation of at most ``need`` entries, or None where a fixed capacity is too small."""

@@ -261,3 +261,19 @@ def test_faithful_replays_pass_their_check(medusa):
     generate(m, REPEATING, "autoregressive", max_new_tokens=30, eos_token_ids=())
     assert m.static.checked == 2 and m.static.disagreed == 0     # the tree step's bucket and the plain one's
     m.static = None
+
+
+def test_a_draft_model_steps_on_its_own_static_buffer(medusa):
+    """Guards against a draft model's k forwards a step staying eager (on a GPU they launch the most kernels of
+    draft decoding) or sharing the target's buffer (each would overwrite the other's entries): the draft gets its
+    own static steps, captured, and the tokens stay the target's greedy ones."""
+    from inference.methods.draft import load_draft
+
+    with_steps(medusa, "off")
+    ref = generate(medusa, REPEATING, "draft", draft="self:1", k=3, max_new_tokens=30, eos_token_ids=()).tokens
+    m = with_steps(medusa, "replayed")
+    draft = load_draft("self:1", m)
+    assert draft.static is not None and draft.static is not m.static
+    assert generate(m, REPEATING, "draft", draft=draft, k=3, max_new_tokens=30, eos_token_ids=()).tokens == ref
+    assert draft.static.captures.get("1") == 1 and draft.static.disagreed == 0
+    m.static = None
