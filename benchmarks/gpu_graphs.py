@@ -10,10 +10,14 @@ device: ``random_llama``), random bf16 weights, batch 1, each part a guarded sec
   drafting: Medusa (3 random heads, tree16) and EAGLE-3 (gpu_check's random drafter) steps, graphs on and off,
             over a plain captured step;
   stub:     ``StubChain``, a drafter of set acceptance, end to end against the captured plain loop;
+  capture_ways: the 1-token static step uncaptured, captured with torch.cuda.CUDAGraph directly (what graphs=on
+            does) and compiled with torch.compile(mode="reduce-overhead") (inductor + CUDA-graph trees): its
+            compile / warm-up seconds, graph breaks, whether it equals the uncaptured step, which is faster and why;
 then ``m.static.summary()`` (captures, capture time, graph memory), the verdicts and a summary.md section.
 Dry run (CPU): both shapes are ``gpu_models.TINY`` (``--full-shape``: SmolLM2 keeps its own), sizes shrink,
 and "graphs on" is ``graphs=uncaptured`` (``on`` is refused off CUDA; ``graphs_on_mode`` in the JSON says
-which), the profiler records CPU op time (``clock: cpu``), and every verdict reads "dry run".
+which), the profiler records CPU op time (``clock: cpu``), reduce-overhead is skipped (its reason recorded),
+and every verdict reads "dry run".
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, eagle3_model
-from benchmarks.timing import median, verification_step
+from benchmarks.timing import median, sync, verification_step
 from inference.heads.medusa import MedusaHeads
 from inference.heads.spec import HeadsSpec
 from inference.loading import attach_heads
@@ -39,7 +43,7 @@ from inference.methods.eagle3_choice import eagle3_name, eagle3_step_times
 from inference.methods.medusa_choice import step_times
 from inference.runtime.decode import TokenStream, prefill_token, run_decoder
 from inference.runtime.model import MedusaModel
-from inference.runtime.static_steps import apply_graphs
+from inference.runtime.static_steps import StaticSteps, apply_graphs, cuda_capture
 from inference.runtime.tree import resolve_tree
 from inference.runtime.verify import SamplingConfig
 
@@ -58,7 +62,7 @@ STUB_TAUS = ((1.5, 1), (2.0, 3), (3.0, 7))   # (target tau, chain length k): k +
 STUB_OFF_TAU = 2.0                  # the one tau also decoded with graphs off
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
 # a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
-PART_S = {"build": 25, "steps": 15, "loop": 110, "drafting": 40, "stub": 30}
+PART_S = {"build": 25, "steps": 15, "loop": 110, "drafting": 40, "stub": 30, "capture_ways": 75}
 TARGETS = dict(wall_vs_kernel=1.3, vs_hf_static={"smollm2_135m": 2.0, "llama31_8b": 1.3}, floor=0.60,
                verify16=1.25, draft_step=1.3, stub=(2.0, 1.6))
 
@@ -66,9 +70,11 @@ TARGETS = dict(wall_vs_kernel=1.3, vs_hf_static={"smollm2_135m": 2.0, "llama31_8
 def sizes(dry: bool) -> dict:
     if dry:
         return dict(dry=True, prompt_len=8, new_tokens=6, rounds=2, profile_steps=2, step_rounds=1, per_round=1,
-                    verify_rows=[1, 16, 64], draft_rounds=1, draft_steps=2, warmup=1, stub_tokens=10, stub_rounds=1)
+                    verify_rows=[1, 16, 64], draft_rounds=1, draft_steps=2, warmup=1, stub_tokens=10, stub_rounds=1,
+                    ways_rounds=2, ways_per_round=2, compile_warmup=0)
     return dict(dry=False, prompt_len=64, new_tokens=64, rounds=3, profile_steps=10, step_rounds=3, per_round=5,
-                verify_rows=[1, 16, 64], draft_rounds=2, draft_steps=6, warmup=2, stub_tokens=128, stub_rounds=2)
+                verify_rows=[1, 16, 64], draft_rounds=2, draft_steps=6, warmup=2, stub_tokens=128, stub_rounds=2,
+                ways_rounds=5, ways_per_round=10, compile_warmup=4)
 
 
 def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> MedusaModel:
@@ -333,6 +339,141 @@ def stub_speed(m: MedusaModel, prompt: list[int], sz: dict) -> dict:
     return {"new_tokens": n, "plain_on_tokens_per_s": spread(plain), "runs": runs, "truth_first_change": changed}
 
 
+# -- capture ways: torch.cuda.CUDAGraph directly vs torch.compile(mode="reduce-overhead") -------------------------
+# reduce-overhead replays through inductor's CUDA-graph trees, whose per-call host work has regressed lately:
+# https://github.com/pytorch/pytorch/issues/174575 (2.10 vs 2.9 on an H100: 7x slower cudaGraphLaunch and new
+# Python overhead in cudagraph_trees.py, 40-55% less decode throughput; open); on small graphs dynamo's guard
+# lookup + the trees' checks cost ~300 us a call: https://github.com/pytorch/pytorch/issues/150488.
+WAYS = ("uncaptured", "cuda_graph", "reduce_overhead")
+REDUCE_OVERHEAD_ISSUES = ("https://github.com/pytorch/pytorch/issues/174575",
+                          "https://github.com/pytorch/pytorch/issues/150488")
+
+
+def static_step(m: MedusaModel, prompt: list[int], capture):
+    """A fresh ``StaticSteps`` of ``m`` (its own buffer; ``capture`` as its constructor takes it), ``prompt``
+    prefilled through it (uncaptured: a generation's first forward), and its (1, 1) bucket's zero-argument
+    1-token step, inputs filled once as ``StaticSteps.forward`` fills them: (steps, bucket, step)."""
+    st = StaticSteps(m, capture=capture, log=print)
+    view, dev, n = st.cache(len(prompt) + 2), m.device, len(prompt)
+    st.forward(view, torch.tensor([prompt], device=dev), torch.arange(n, device=dev)[None], None)
+    slots, _ = view.write_slots(1)          # the next slot; the token's position is the same number
+    b = st._bucket(1, 1)
+    st._fill(b, torch.tensor([[prompt[-1]]], device=dev), slots, view.causal(1, st.kv.dtype), slots)
+    return st, b, st._step_fn(b, None)
+
+
+def reduce_overhead(st: StaticSteps, b, step, warmup: int):
+    """``step`` compiled with torch.compile(mode="reduce-overhead"), warmed up (inductor compiles at the first
+    call, the CUDA-graph trees record after their warm-up runs): (a call returning its outputs, its figures).
+    The buffer and the bucket's inputs are marked static (as transformers' StaticCache marks its KV): the trees
+    then neither copy them into their own inputs each call nor skip graphs for the KV writes (mutated inputs)."""
+    from torch._dynamo.utils import counters
+    layers = [t for layer in st.body_cache.layers for t in (layer.keys, layer.values)]
+    for t in (st.kv, b.ids, b.pos, b.mask, b.rows, b.slots, *layers):
+        torch._dynamo.mark_static_address(t)
+
+    def snap():
+        return (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                counters["inductor"]["cudagraph_skips"])
+
+    before, fn = snap(), torch.compile(step, mode="reduce-overhead", fullgraph=False)
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()   # each call a new step: the last one's outputs may go
+        return fn()
+
+    secs = []
+    for _ in range(warmup):
+        t = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        secs.append(time.perf_counter() - t)
+    breaks, graphs, skips = (after - was for after, was in zip(snap(), before))
+    return call, {"compile_s": round(secs[0], 2), "warmup_s": round(sum(secs), 2), "warmup_calls": warmup,
+                  "warmup_ms": [round(x * 1e3, 2) for x in secs[1:]], "graph_breaks": breaks, "graphs": graphs,
+                  "cudagraph_skips": skips}
+
+
+def capture_ways(m: MedusaModel, prompt: list[int], sz: dict, errors: dict, where: str) -> dict:
+    """The 1-token static step (backbone ``hidden``, no logits) three ways, each on its own static buffer with
+    the same prompt: ``uncaptured`` (capture=None), ``cuda_graph`` (capture=cuda_capture: graphs=on) and
+    ``reduce_overhead`` (the uncaptured step through torch.compile); interleaved rotating rounds, median ms +
+    min / max, each output against the uncaptured one (bf16 tolerance). Dry run (CPU): no capture, so
+    ``cuda_graph`` is the uncaptured step again and reduce-overhead is skipped (``skipped`` says why); a
+    reduce-overhead failure is recorded in ``errors`` and the other two are still timed."""
+    cuda = m.device.type == "cuda"
+    out = {"cuda_graph_captured": cuda, "ms": dict.fromkeys(WAYS), "matches_uncaptured": dict.fromkeys(WAYS[1:]),
+           "max_abs_diff": dict.fromkeys(WAYS[1:]), "capture_s": None, "graph_memory_bytes": None,
+           "reduce_overhead": None, "skipped": None, "torch": torch.__version__, "issues": list(REDUCE_OVERHEAD_ISSUES)}
+    fns = {}
+    with torch.no_grad():
+        _, _, step = static_step(m, prompt, None)
+        fns["uncaptured"] = step
+        stb, _, step = static_step(m, prompt, cuda_capture if cuda else None)
+        fns["cuda_graph"] = step   # the dry run's stand-in; captured on CUDA
+        if not cuda:
+            out["skipped"] = "torch.compile reduce-overhead needs CUDA graphs: GPU only"
+        else:
+            replay, outs = stb._capture("1", step) or (None, None)   # None on failure (its line logged)
+            if replay is None:
+                raise RuntimeError("capturing the 1-token static step failed")
+            fns["cuda_graph"] = lambda: (replay(), outs)[1]
+            out["capture_s"], out["graph_memory_bytes"] = round(stb.capture_s, 4), stb.graph_bytes
+            try:   # a failure here leaves the other two timed
+                stc, bc, step = static_step(m, prompt, None)
+                fns["reduce_overhead"], out["reduce_overhead"] = reduce_overhead(stc, bc, step, sz["compile_warmup"])
+            except Exception:
+                errors[f"{where}.reduce_overhead"] = traceback.format_exc()
+                out["skipped"] = "failed: " + traceback.format_exc(limit=0).strip().splitlines()[-1][:300]
+        out.update(ways_times(fns, m.device, sz))
+    out["which"] = which_way(out)
+    return out
+
+
+def ways_times(fns: dict, device: torch.device, sz: dict) -> dict:
+    """Each step's output against the uncaptured one's, then interleaved rotating rounds of synchronized calls."""
+    ref = fns["uncaptured"]()[0].float().clone()
+    same, diff = {}, {}
+    for way in list(fns)[1:]:
+        got = fns[way]()[0].float().clone()
+        diff[way] = round((got - ref).abs().max().item(), 5)
+        same[way] = bool(torch.allclose(got, ref, rtol=3e-2, atol=3e-2))
+    times: dict = {way: [] for way in fns}
+    names = list(fns)
+    for r in range(sz["ways_rounds"]):
+        for way in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(sz["ways_per_round"]):
+                sync(device)
+                t = time.perf_counter()
+                fns[way]()
+                sync(device)
+                times[way].append((time.perf_counter() - t) * 1e3)
+    return {"ms": {way: spread(times[way], 3) if way in times else None for way in WAYS},
+            "matches_uncaptured": {way: same.get(way) for way in WAYS[1:]},
+            "max_abs_diff": {way: diff.get(way) for way in WAYS[1:]}}
+
+
+def which_way(w: dict) -> str:
+    """One line: which way of capturing the runtime uses, and why (the figures behind it)."""
+    ms = w["ms"]
+    if not w["cuda_graph_captured"]:
+        return "dry run (CPU): nothing captured; the GPU run compares CUDAGraph with reduce-overhead"
+    g, u = ms["cuda_graph"]["median"], ms["uncaptured"]["median"]
+    ro = w["reduce_overhead"]
+    if ms["reduce_overhead"] is None or ro is None:
+        return f"CUDAGraph directly ({g} ms a step vs {u} uncaptured): reduce-overhead did not run ({w['skipped']})"
+    c = ms["reduce_overhead"]["median"]
+    cost = (f"reduce-overhead costs {ro['compile_s']} s of compile ({ro['warmup_s']} s warm-up in all), "
+            f"{ro['graph_breaks']} graph breaks, {ro['cudagraph_skips']} cudagraph skips"
+            + ("" if w["matches_uncaptured"]["reduce_overhead"] else
+               ", and its output differs from the uncaptured step"))
+    if g <= c * 1.03:
+        return (f"CUDAGraph directly: {g} ms a step vs reduce-overhead's {c} (uncaptured {u}): the same replay "
+                f"without compile time, dynamo's guards or the CUDA-graph trees' per-call work; {cost}")
+    return (f"reduce-overhead is {g / c:.2f}x faster a step ({c} vs {g} ms, uncaptured {u}): inductor's fused "
+            f"kernels; {cost}, per shape and per bucket")
+
+
 # -- the per-shape driver -------------------------------------------------------------------------------------
 def run(result: dict, section, device: torch.device, dry: bool, full_shape: bool = False,
         deadline: float = float("inf")) -> None:
@@ -385,7 +526,9 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
 
     parts = {"steps": lambda: s.update(step=step_costs(m, prompts[0], sz)), "loop": loop,
              "drafting": lambda: s.update(drafting=drafting_steps(m, prompts[1], sz, g["graphs_on_mode"])),
-             "stub": lambda: s.update(stub=stub_speed(m, prompts[2], sz))}
+             "stub": lambda: s.update(stub=stub_speed(m, prompts[2], sz)),
+             "capture_ways": lambda: s.update(capture_ways=capture_ways(m, prompts[0], sz, errors,
+                                                                        f"graphs.{key}.capture_ways"))}
     for part, fn in parts.items():
         if fits(part):
             section(f"graphs.{key}.{part}", fn)
@@ -487,6 +630,17 @@ def summary_lines(g: dict | None) -> list[str]:
     row("captures; capture s; graph memory MiB", lambda s: f"{len(s['static']['captures'])}; "
         f"{s['static']['capture_s']}; {s['static']['graph_memory_bytes'] / 2**20:.1f}")
     row("build s; peak GPU GB", lambda s: f"{s['build_s']}; {s.get('peak_gpu_memory_gb', '-')}")
+    row("static 1-token step ms: uncaptured / CUDAGraph / reduce-overhead", lambda s: " / ".join(
+        "-" if v is None else "{median} [{min}-{max}]".format(**v) for v in s["capture_ways"]["ms"].values()))
+    row("reduce-overhead compile s; graph breaks; equal to uncaptured",
+        lambda s: "{compile_s}; {graph_breaks}; ".format(**s["capture_ways"]["reduce_overhead"])
+        + str(s["capture_ways"]["matches_uncaptured"]["reduce_overhead"]))
+    ways = [(s["label"], s["capture_ways"]) for s in shapes if "capture_ways" in s]
+    if ways:
+        lines += ["", "Capturing: torch.cuda.CUDAGraph directly or torch.compile(mode=\"reduce-overhead\") "
+                  f"(torch {ways[0][1]['torch']}; reduce-overhead regressions: {ways[0][1]['issues'][0]}):", ""]
+        lines += [f"- {lab}: {w['which']}" + (f" [reduce-overhead skipped: {w['skipped']}]" if w["skipped"] else "")
+                  for lab, w in ways]
     runs = [(s["label"], r) for s in shapes for r in s.get("stub", {}).get("runs", [])]
     if runs:
         lines += ["", "Stub drafter of set acceptance (a chain of k, each token right with probability p) vs the "

@@ -23,7 +23,8 @@ GRAPH_TARGETS = [
 
 def check_graphs_part(result: dict, summary: str) -> None:
     """The CUDA-graph part ran every piece on the CPU: graphs off and "on" (uncaptured there, recorded), the
-    plain loop beside both transformers baselines, drafting steps, the stub drafter at each tau."""
+    plain loop beside both transformers baselines, drafting steps, the stub drafter at each tau, and the capture
+    comparison (CUDAGraph vs torch.compile reduce-overhead) with its GPU-only third way skipped for a reason."""
     g = result["graphs"]
     assert g["graphs_on_mode"] == "uncaptured" and "refused off CUDA" in g["graphs_on_note"]
     assert g["skipped"] == [] and set(g["shapes"]) == {"smollm2_135m", "llama31_8b"}
@@ -44,8 +45,23 @@ def check_graphs_part(result: dict, summary: str) -> None:
         # static steps verify k + 1 rows in one fixed bucket: the stub's p = 1 pass is the path every run follows
         assert all(r["off_truth"] == 0 for r in runs if r["graphs"] == "on")
         assert s["static"]["captured"] is False and s["static"]["kv_capacity"] >= 256
+        w, sz = s["capture_ways"], g["sizes"]
+        assert set(w["ms"]) == {"uncaptured", "cuda_graph", "reduce_overhead"} and w["ms"]["reduce_overhead"] is None
+        assert all(w["ms"][k]["median"] > 0 and w["ms"][k]["n"] == sz["ways_rounds"] * sz["ways_per_round"]
+                   for k in ("uncaptured", "cuda_graph"))
+        # nothing is captured on the CPU: the "cuda_graph" stand-in is the same uncaptured step, equal to it
+        assert w["cuda_graph_captured"] is False and w["capture_s"] is None and "graph_memory_bytes" in w
+        assert w["matches_uncaptured"] == {"cuda_graph": True, "reduce_overhead": None}
+        assert w["max_abs_diff"] == {"cuda_graph": 0.0, "reduce_overhead": None}
+        assert w["reduce_overhead"] is None
+        assert w["skipped"] == "torch.compile reduce-overhead needs CUDA graphs: GPU only"
+        assert w["which"].startswith("dry run") and w["torch"]
+        assert w["issues"] and all(u.startswith("https://github.com/pytorch/pytorch/issues/") for u in w["issues"])
     for text in ("CUDA graphs: graphs 'on' = graphs=uncaptured", "1-token step wall / kernel ms, graphs on",
-                 "Stub drafter of set acceptance", "hf_generate_static"):
+                 "Stub drafter of set acceptance", "hf_generate_static",
+                 "static 1-token step ms: uncaptured / CUDAGraph / reduce-overhead",
+                 'Capturing: torch.cuda.CUDAGraph directly or torch.compile(mode="reduce-overhead")',
+                 "reduce-overhead skipped: torch.compile reduce-overhead needs CUDA graphs: GPU only"):
         assert text in summary, text
 
 import json
@@ -115,6 +131,7 @@ def test_gpu_check_dry_run_at_the_full_smollm2_shape(tmp_path):
     assert shapes["smollm2_135m"]["shape"]["vocab_size"] == 49152 and not shapes["smollm2_135m"]["tiny_stand_in"]
     assert shapes["llama31_8b"]["tiny_stand_in"]
     assert all(r["measured_tau"] >= 1 for r in shapes["smollm2_135m"]["stub"]["runs"])
+    assert shapes["smollm2_135m"]["capture_ways"]["matches_uncaptured"]["cuda_graph"] is True
 
 
 def test_profile_gpu_step_dry_run(tmp_path):
