@@ -9,7 +9,7 @@ device: ``random_llama``), random bf16 weights, batch 1, each part a guarded sec
             the weight-read floor (parameter bytes / 4.2e12 B/s) and the loop's fraction of it;
   drafting: Medusa (3 random heads, tree16) and EAGLE-3 (gpu_check's random drafter) steps, graphs on and off,
             over a plain captured step;
-  stub:     ``StubChain``, a drafter of set acceptance, end to end against the captured plain loop;
+  stub:     ``gpu_stub.StubChain``, a drafter of set acceptance, end to end against the captured plain loop;
   capture_ways: the 1-token static step uncaptured, captured with torch.cuda.CUDAGraph directly (what graphs=on
             does) and compiled with torch.compile(mode="reduce-overhead") (inductor + CUDA-graph trees): its
             compile / warm-up seconds, graph breaks, whether it equals the uncaptured step, which is faster and why;
@@ -23,10 +23,9 @@ and every verdict reads "dry run".
 from __future__ import annotations
 
 import gc
-import random
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch.autograd import DeviceType
@@ -34,18 +33,18 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, eagle3_model
-from benchmarks.timing import median, sync, verification_step
+from benchmarks.gpu_capture_ways import capture_ways
+from benchmarks.gpu_stub import stub_speed
+from benchmarks.timing import median, off_if, rate, spread, verification_step
 from inference.heads.medusa import MedusaHeads
 from inference.heads.spec import HeadsSpec
 from inference.loading import attach_heads
 from inference.methods import generate
 from inference.methods.eagle3_choice import eagle3_name, eagle3_step_times
 from inference.methods.medusa_choice import step_times
-from inference.runtime.decode import TokenStream, prefill_token, run_decoder
 from inference.runtime.model import MedusaModel
-from inference.runtime.static_steps import StaticSteps, apply_graphs, cuda_capture
+from inference.runtime.static_steps import apply_graphs
 from inference.runtime.tree import resolve_tree
-from inference.runtime.verify import SamplingConfig
 
 try:  # transformers' own weight init is skipped (every weight is drawn in random_llama anyway)
     from transformers.initialization import no_init_weights
@@ -58,8 +57,6 @@ LLAMA31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32
                   max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu")
 SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-3.1-8B", LLAMA31_8B)}
 READ_BYTES_PER_S = 4.2e12          # H200 HBM3e, the weight-read floor's bandwidth
-STUB_TAUS = ((1.5, 1), (2.0, 3), (3.0, 7))   # (target tau, chain length k): k + 1 rows fill a bucket exactly
-STUB_OFF_TAU = 2.0                  # the one tau also decoded with graphs off
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
 # a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
 PART_S = {"build": 25, "steps": 15, "loop": 110, "drafting": 40, "stub": 30, "capture_ways": 75}
@@ -92,25 +89,6 @@ def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
     return MedusaModel(model=model.eval(), tokenizer=None, heads=None)
-
-
-@contextmanager
-def off_if(m: MedusaModel, mode: str):
-    """Graphs off for ``m`` inside the block when ``mode`` is "off" (dynamic cache); its static steps after."""
-    saved = m.static
-    m.static = None if mode == "off" else saved
-    try:
-        yield m
-    finally:
-        m.static = saved
-
-
-def spread(xs, nd: int = 2) -> dict:
-    return {"median": round(median(xs), nd), "min": round(min(xs), nd), "max": round(max(xs), nd), "n": len(xs)}
-
-
-def rate(out) -> float:
-    return len(out.tokens) / (out.prefill_s + out.decode_s)
 
 
 # -- steps: wall vs device time, verification rows ------------------------------------------------------------
@@ -252,226 +230,6 @@ def drafting_steps(m: MedusaModel, prompt: list[int], sz: dict, mode_on: str) ->
                               "off_vs_plain_off": round(ms[kind, "off"] / ms["plain", "off"], 3),
                               "samples": len(times[kind, "on"])}
     return out
-
-
-# -- stub: a drafter of set acceptance, end to end ------------------------------------------------------------
-def chain_p(tau: float, k: int) -> float:
-    """The per-token acceptance p with sum_{i=0..k} p^i = tau (bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid ** i for i in range(k + 1)) < tau else (lo, mid)
-    return (lo + hi) / 2
-
-
-class StubChain:
-    """A benchmark-only ``Decoder``: each step proposes k tokens, position i the token ``truth`` holds there with
-    probability p (seeded), else another one; the backbone verifies root + chain in one forward (positions
-    past.., ``attention_mask=None``: causal over the new rows), greedy acceptance against its argmax, the cache
-    truncated to the accepted prefix (a chain's accepted rows already sit in place), as draft.py verifies."""
-
-    def __init__(self, m: MedusaModel, truth: list[int], k: int, p: float, seed: int):
-        self.m, self.truth, self.k, self.p = m, truth, k, p
-        self.rng = random.Random(seed)
-        self.cache, self.past, self.seq = None, 0, []
-
-    def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
-        self.past = prompt.shape[1]
-        self.cache = self.m.new_cache(self.past + max_new_tokens + self.k + 1)
-        _, root = prefill_token(self.m, prompt, self.cache, SamplingConfig(), None)
-        self.seq, self.offsets = [root], torch.arange(self.k + 1, device=self.m.device)
-        return root
-
-    def guess(self, i: int) -> int:
-        true = self.truth[i] if i < len(self.truth) else 0
-        return true if self.rng.random() < self.p else (true + 1 + self.rng.randrange(self.m.vocab_size - 1)) % \
-            self.m.vocab_size
-
-    def step(self) -> tuple[list[int], int]:
-        m, k, done = self.m, self.k, len(self.seq)
-        drafts = [self.guess(done + i) for i in range(k)]
-        ids = torch.tensor([[self.seq[-1], *drafts]], device=m.device)
-        pred = m.logits(m.hidden(ids, (self.offsets + self.past)[None], self.cache)[0]).argmax(-1).tolist()
-        n = 0
-        while n < k and drafts[n] == pred[n]:
-            n += 1
-        self.cache.truncate(self.past + 1 + n)
-        self.past += 1 + n
-        new = drafts[:n] + [pred[n]]
-        self.seq += new
-        return new, k
-
-
-def stub_decode(m: MedusaModel, prompt: list[int], truth: list[int], k: int, p: float, seed: int, n: int):
-    s = TokenStream(run_decoder(StubChain(m, truth, k, p, seed), m, prompt, n, (), None))
-    for _ in s:
-        pass
-    return s.result
-
-
-def stub_speed(m: MedusaModel, prompt: list[int], sz: dict) -> dict:
-    """Each (tau, k) of ``STUB_TAUS`` graphs on, ``STUB_OFF_TAU`` also off, vs the captured plain loop, rounds
-    interleaved. The truth per (k, graphs) is the stub's own greedy path (one pass at p = 1): bf16 rows verified
-    k + 1 at a time can round to another argmax than the plain loop's one row (``truth_first_change``)."""
-    n, kmax = sz["stub_tokens"], max(k for _, k in STUB_TAUS)
-    greedy = generate(m, prompt, "autoregressive", max_new_tokens=n + kmax + 1, eos_token_ids=()).tokens
-    cases = [(tau, k, "on") for tau, k in STUB_TAUS] + [(tau, k, "off") for tau, k in STUB_TAUS if tau == STUB_OFF_TAU]
-    truths, changed = {}, {}
-    for _, k, mode in cases:
-        if (k, mode) not in truths:
-            with off_if(m, mode):
-                truths[k, mode] = stub_decode(m, prompt, greedy, k, 1.0, 0, n + kmax + 1).tokens
-            changed[f"k{k}_{mode}"] = next((i for i, (a, b) in enumerate(zip(greedy, truths[k, mode])) if a != b), None)
-    plain, outs = [], {c: [] for c in cases}
-    for r in range(sz["stub_rounds"]):
-        plain.append(rate(generate(m, prompt, "autoregressive", max_new_tokens=n, eos_token_ids=())))
-        for i, (tau, k, mode) in enumerate(cases):
-            with off_if(m, mode):
-                outs[tau, k, mode].append(stub_decode(m, prompt, truths[k, mode], k, chain_p(tau, k), 1000 * r + i, n))
-    base = median(plain)
-    runs = []
-    for (tau, k, mode), os_ in outs.items():
-        tps = spread([rate(o) for o in os_])
-        runs.append({"target_tau": tau, "k": k, "p": round(chain_p(tau, k), 4), "graphs": mode,
-                     "measured_tau": round(sum(sum(o.accept_lengths) for o in os_) / sum(o.steps for o in os_), 3),
-                     "tokens_per_s": tps, "vs_plain_on": round(tps["median"] / base, 3),
-                     "off_truth": sum(o.tokens != truths[k, mode][:len(o.tokens)] for o in os_)})
-    return {"new_tokens": n, "plain_on_tokens_per_s": spread(plain), "runs": runs, "truth_first_change": changed}
-
-
-# -- capture ways: torch.cuda.CUDAGraph directly vs torch.compile(mode="reduce-overhead") -------------------------
-# reduce-overhead replays through inductor's CUDA-graph trees, whose per-call host work has regressed lately:
-# https://github.com/pytorch/pytorch/issues/174575 (2.10 vs 2.9 on an H100: 7x slower cudaGraphLaunch and new
-# Python overhead in cudagraph_trees.py, 40-55% less decode throughput; open); on small graphs dynamo's guard
-# lookup + the trees' checks cost ~300 us a call: https://github.com/pytorch/pytorch/issues/150488.
-WAYS = ("uncaptured", "cuda_graph", "reduce_overhead")
-REDUCE_OVERHEAD_ISSUES = ("https://github.com/pytorch/pytorch/issues/174575",
-                          "https://github.com/pytorch/pytorch/issues/150488")
-
-
-def static_step(m: MedusaModel, prompt: list[int], capture):
-    """A fresh ``StaticSteps`` of ``m`` (its own buffer; ``capture`` as its constructor takes it), ``prompt``
-    prefilled through it (uncaptured: a generation's first forward), and its (1, 1) bucket's zero-argument
-    1-token step, inputs filled once as ``StaticSteps.forward`` fills them: (steps, bucket, step)."""
-    st = StaticSteps(m, capture=capture, log=print)
-    view, dev, n = st.cache(len(prompt) + 2), m.device, len(prompt)
-    st.forward(view, torch.tensor([prompt], device=dev), torch.arange(n, device=dev)[None], None)
-    slots, _ = view.write_slots(1)          # the next slot; the token's position is the same number
-    b = st._bucket(1, 1)
-    st._fill(b, torch.tensor([[prompt[-1]]], device=dev), slots, view.causal(1, st.kv.dtype), slots)
-    return st, b, st._step_fn(b, None)
-
-
-def reduce_overhead(st: StaticSteps, b, step, warmup: int):
-    """``step`` compiled with torch.compile(mode="reduce-overhead"), warmed up (inductor compiles at the first
-    call, the CUDA-graph trees record after their warm-up runs): (a call returning its outputs, its figures).
-    The buffer and the bucket's inputs are marked static (as transformers' StaticCache marks its KV): the trees
-    then neither copy them into their own inputs each call nor skip graphs for the KV writes (mutated inputs)."""
-    from torch._dynamo.utils import counters
-    layers = [t for layer in st.body_cache.layers for t in (layer.keys, layer.values)]
-    for t in (st.kv, b.ids, b.pos, b.mask, b.rows, b.slots, *layers):
-        torch._dynamo.mark_static_address(t)
-
-    def snap():
-        return (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
-                counters["inductor"]["cudagraph_skips"])
-
-    before, fn = snap(), torch.compile(step, mode="reduce-overhead", fullgraph=False)
-
-    def call():
-        torch.compiler.cudagraph_mark_step_begin()   # each call a new step: the last one's outputs may go
-        return fn()
-
-    secs = []
-    for _ in range(warmup):
-        t = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        secs.append(time.perf_counter() - t)
-    breaks, graphs, skips = (after - was for after, was in zip(snap(), before))
-    return call, {"compile_s": round(secs[0], 2), "warmup_s": round(sum(secs), 2), "warmup_calls": warmup,
-                  "warmup_ms": [round(x * 1e3, 2) for x in secs[1:]], "graph_breaks": breaks, "graphs": graphs,
-                  "cudagraph_skips": skips}
-
-
-def capture_ways(m: MedusaModel, prompt: list[int], sz: dict, errors: dict, where: str) -> dict:
-    """The 1-token static step (backbone ``hidden``, no logits) three ways, each on its own static buffer with
-    the same prompt: ``uncaptured`` (capture=None), ``cuda_graph`` (capture=cuda_capture: graphs=on) and
-    ``reduce_overhead`` (the uncaptured step through torch.compile); interleaved rotating rounds, median ms +
-    min / max, each output against the uncaptured one (bf16 tolerance). Dry run (CPU): no capture, so
-    ``cuda_graph`` is the uncaptured step again and reduce-overhead is skipped (``skipped`` says why); a
-    reduce-overhead failure is recorded in ``errors`` and the other two are still timed."""
-    cuda = m.device.type == "cuda"
-    out = {"cuda_graph_captured": cuda, "ms": dict.fromkeys(WAYS), "matches_uncaptured": dict.fromkeys(WAYS[1:]),
-           "max_abs_diff": dict.fromkeys(WAYS[1:]), "capture_s": None, "graph_memory_bytes": None,
-           "reduce_overhead": None, "skipped": None, "torch": torch.__version__, "issues": list(REDUCE_OVERHEAD_ISSUES)}
-    fns = {}
-    with torch.no_grad():
-        _, _, step = static_step(m, prompt, None)
-        fns["uncaptured"] = step
-        stb, _, step = static_step(m, prompt, cuda_capture if cuda else None)
-        fns["cuda_graph"] = step   # the dry run's stand-in; captured on CUDA
-        if not cuda:
-            out["skipped"] = "torch.compile reduce-overhead needs CUDA graphs: GPU only"
-        else:
-            replay, outs = stb._capture("1", step) or (None, None)   # None on failure (its line logged)
-            if replay is None:
-                raise RuntimeError("capturing the 1-token static step failed")
-            fns["cuda_graph"] = lambda: (replay(), outs)[1]
-            out["capture_s"], out["graph_memory_bytes"] = round(stb.capture_s, 4), stb.graph_bytes
-            try:   # a failure here leaves the other two timed
-                stc, bc, step = static_step(m, prompt, None)
-                fns["reduce_overhead"], out["reduce_overhead"] = reduce_overhead(stc, bc, step, sz["compile_warmup"])
-            except Exception:
-                errors[f"{where}.reduce_overhead"] = traceback.format_exc()
-                out["skipped"] = "failed: " + traceback.format_exc(limit=0).strip().splitlines()[-1][:300]
-        out.update(ways_times(fns, m.device, sz))
-    out["which"] = which_way(out)
-    return out
-
-
-def ways_times(fns: dict, device: torch.device, sz: dict) -> dict:
-    """Each step's output against the uncaptured one's, then interleaved rotating rounds of synchronized calls."""
-    ref = fns["uncaptured"]()[0].float().clone()
-    same, diff = {}, {}
-    for way in list(fns)[1:]:
-        got = fns[way]()[0].float().clone()
-        diff[way] = round((got - ref).abs().max().item(), 5)
-        same[way] = bool(torch.allclose(got, ref, rtol=3e-2, atol=3e-2))
-    times: dict = {way: [] for way in fns}
-    names = list(fns)
-    for r in range(sz["ways_rounds"]):
-        for way in names[r % len(names):] + names[:r % len(names)]:
-            for _ in range(sz["ways_per_round"]):
-                sync(device)
-                t = time.perf_counter()
-                fns[way]()
-                sync(device)
-                times[way].append((time.perf_counter() - t) * 1e3)
-    return {"ms": {way: spread(times[way], 3) if way in times else None for way in WAYS},
-            "matches_uncaptured": {way: same.get(way) for way in WAYS[1:]},
-            "max_abs_diff": {way: diff.get(way) for way in WAYS[1:]}}
-
-
-def which_way(w: dict) -> str:
-    """One line: which way of capturing the runtime uses, and why (the figures behind it)."""
-    ms = w["ms"]
-    if not w["cuda_graph_captured"]:
-        return "dry run (CPU): nothing captured; the GPU run compares CUDAGraph with reduce-overhead"
-    g, u = ms["cuda_graph"]["median"], ms["uncaptured"]["median"]
-    ro = w["reduce_overhead"]
-    if ms["reduce_overhead"] is None or ro is None:
-        return f"CUDAGraph directly ({g} ms a step vs {u} uncaptured): reduce-overhead did not run ({w['skipped']})"
-    c = ms["reduce_overhead"]["median"]
-    cost = (f"reduce-overhead costs {ro['compile_s']} s of compile ({ro['warmup_s']} s warm-up in all), "
-            f"{ro['graph_breaks']} graph breaks, {ro['cudagraph_skips']} cudagraph skips"
-            + ("" if w["matches_uncaptured"]["reduce_overhead"] else
-               ", and its output differs from the uncaptured step"))
-    if g <= c * 1.03:
-        return (f"CUDAGraph directly: {g} ms a step vs reduce-overhead's {c} (uncaptured {u}): the same replay "
-                f"without compile time, dynamo's guards or the CUDA-graph trees' per-call work; {cost}")
-    return (f"reduce-overhead is {g / c:.2f}x faster a step ({c} vs {g} ms, uncaptured {u}): inductor's fused "
-            f"kernels; {cost}, per shape and per bucket")
 
 
 # -- the per-shape driver -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ prompt by prompt. On CUDA the device is synchronized before a host clock is read
 from __future__ import annotations
 
 import statistics
+from contextlib import contextmanager
 import time
 from typing import Callable, Optional, Sequence
 
@@ -92,3 +93,22 @@ def plain_loop_vs_generate(m: MedusaModel, prompts: Sequence[Sequence[int]], tok
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
+
+
+@contextmanager
+def off_if(m: MedusaModel, mode: str):
+    """Graphs off for ``m`` inside the block when ``mode`` is "off" (dynamic cache); its static steps after."""
+    saved = m.static
+    m.static = None if mode == "off" else saved
+    try:
+        yield m
+    finally:
+        m.static = saved
+
+
+def spread(xs, nd: int = 2) -> dict:
+    return {"median": round(median(xs), nd), "min": round(min(xs), nd), "max": round(max(xs), nd), "n": len(xs)}
+
+
+def rate(out) -> float:
+    return len(out.tokens) / (out.prefill_s + out.decode_s)
