@@ -115,7 +115,9 @@ def batch_cache_bytes(m: MedusaModel, prompt_lengths: Sequence[int], max_new_tok
     prefill = b * width * (cfg.hidden_size * 4 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 2) * item
     prefill += b * width * width * item                          # the 4D prefill mask
     logits = b * max(1, extra_slots) * m.vocab_size * 4
-    return b * capacity * kv_bytes_per_token(m) + prefill + logits
+    static = m.static.bytes_needed(b, capacity) if m.static is not None and mode == "compact" else -1
+    kv = static if static >= 0 else b * capacity * kv_bytes_per_token(m)   # the static buffer's rounding, or its own
+    return kv + prefill + logits
 
 
 def batch_capacity(prompt_lengths: Sequence[int], max_new_tokens: int, extra_slots: int, mode: str,

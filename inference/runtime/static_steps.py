@@ -218,6 +218,21 @@ class StaticSteps:
             return None
         return StaticRaggedKV(self, batch, self.kv.shape[4] - 1, self._next())
 
+    def bytes_needed(self, batch: int, need: int) -> int:
+        """Bytes a batch of ``batch`` rows of ``need`` entries would allocate here: 0 where the buffer already
+        holds it (or it decodes on the dynamic cache, counted by the caller), else the grown buffer's size."""
+        rows = next((b for b in self.buckets if b >= batch), None)
+        slots = need + 1
+        if rows is None or (self.fixed_capacity is not None and slots > self.fixed_capacity):
+            return -1
+        if self.kv is not None and slots <= self.kv.shape[4] and rows <= self.kv.shape[2]:
+            return 0
+        have = (0, 0) if self.kv is None else (self.kv.shape[4], self.kv.shape[2])
+        capacity = self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length(), have[0])
+        layers, kv_heads, head_dim = self._layout()
+        item = torch.empty((), dtype=self.m.dtype).element_size()
+        return max(rows, have[1]) * capacity * layers * 2 * kv_heads * head_dim * item
+
     def _next(self) -> int:
         self.generation += 1
         return self.generation
@@ -244,15 +259,19 @@ class StaticSteps:
             self.regrown += 1
             self.log(f"graphs: KV buffer {self.kv.shape[2]} x {self.kv.shape[4]} -> {batch} x {capacity}; "
                      "steps are captured again")
-        cfg, m = self.m.config, self.m
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers, kv_heads, head_dim = self._layout()
         self.kv = self._buckets = None      # the old buffer and its graphs go before the new one is made
-        self.kv = torch.zeros(cfg.num_hidden_layers, 2, batch, kv_heads, capacity, head_dim, dtype=m.dtype,
-                              device=m.device)
-        self.body_cache = Cache(layers=[_StaticLayer(self, i) for i in range(cfg.num_hidden_layers)])
+        self.kv = torch.zeros(layers, 2, batch, kv_heads, capacity, head_dim, dtype=self.m.dtype,
+                              device=self.m.device)
+        self.body_cache = Cache(layers=[_StaticLayer(self, i) for i in range(layers)])
         self._buckets, self.captures = {}, {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture is cuda_capture else None
+
+    def _layout(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of the model's KV cache."""
+        cfg = self.m.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return cfg.num_hidden_layers, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     # -- a step ----------------------------------------------------------------------------------------
     def forward(self, view, ids: torch.Tensor, pos: torch.Tensor, mask: Optional[torch.Tensor],

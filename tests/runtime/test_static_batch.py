@@ -91,3 +91,19 @@ def test_batched_exact_sampling_is_unchanged_by_static_steps(medusa, prompts):
                          eos_token_ids=())
     assert [r.tokens for r in out.rows] == [r.tokens for r in ref.rows]
     medusa.static = None
+
+
+def test_the_memory_check_counts_the_static_buffer(medusa):
+    """Guards against the batch memory check (refusing a batch over free memory before allocating) counting the
+    dynamic cache's bytes while the static buffer rounds the batch and the capacity up (up to 2x each)."""
+    from inference.runtime.batch_decode import batch_cache_bytes
+    from inference.runtime.model import kv_bytes_per_token
+
+    lens, new = [10, 20, 30, 5, 7], 40
+    dynamic = batch_cache_bytes(medusa, lens, new, 8)
+    m = with_steps(medusa, "replayed")
+    static = batch_cache_bytes(m, lens, new, 8)
+    assert static - dynamic == (8 * 256 - 5 * (30 + 40 + 8)) * kv_bytes_per_token(m)   # 8 rows x 256 slots
+    m.new_batch_cache(5, 30 + 40 + 8)
+    assert batch_cache_bytes(m, lens, new, 8) == static - 8 * 256 * kv_bytes_per_token(m)   # already allocated
+    m.static = None
