@@ -224,8 +224,8 @@ def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> Me
     name/path of a checkpoint with the target's tokenizer (loaded on the target's device/dtype)."""
     layers = parse_self_draft(spec)
     if layers is not None:
-        return _static_like(target, self_draft(target, max(1, target.config.num_hidden_layers // 4)
-                                               if spec == "self" else layers))
+        n = max(1, target.config.num_hidden_layers // 4) if spec == "self" else layers
+        return _static_like(target, self_draft(target, n), ("self", n))
     if isinstance(spec, MedusaModel):
         draft = spec
     elif isinstance(spec, str):
@@ -242,11 +242,13 @@ def load_draft(spec, target: MedusaModel, trust_remote_code: bool = False) -> Me
     return _static_like(target, draft)
 
 
-def _static_like(target: MedusaModel, draft: MedusaModel) -> MedusaModel:
+def _static_like(target: MedusaModel, draft: MedusaModel, key=None) -> MedusaModel:
     """``draft`` with static steps of its own where the target has them (``graphs=``): its k forwards a step
-    are what launches the most kernels from the host in draft decoding."""
+    are what launches the most kernels from the host in draft decoding. A self-draft (``key``), rebuilt at every
+    ``generate``, keeps the same steps (buffer and captures) across calls: the same layers compute the same."""
     if target.static is not None and draft.static is None:
-        draft.static = target.static.sibling(draft)
+        siblings = target.static.siblings
+        draft.static = siblings.setdefault(key, target.static.sibling(draft)) if key else target.static.sibling(draft)
     return draft
 
 def accept_drafts(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,

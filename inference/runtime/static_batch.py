@@ -54,7 +54,13 @@ class StaticRaggedKV(RaggedKVCache):
     def select_rows(self, index: Sequence[int]) -> None:
         """Keep only rows ``index`` (in that order), moved to the front of the buffer."""
         self.check_current()
-        idx = torch.as_tensor(list(index), dtype=torch.long, device=self.device)
+        index = list(index)
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
         kv = self.steps.kv
-        kv[:, :, :len(idx)] = kv.index_select(2, idx)
+        if index == sorted(index):   # rows move only towards the front: one row at a time, no copy of the buffer
+            for i, j in enumerate(index):
+                if i != j:
+                    kv[:, :, i].copy_(kv[:, :, j])
+        else:
+            kv[:, :, :len(idx)] = kv.index_select(2, idx)
         self.lengths, self.positions, self.valid = self.lengths[idx], self.positions[idx], self.valid[idx]

@@ -24,17 +24,20 @@ EAGLE-3's verification, draft models, lookahead, prompt lookup) or batched (``st
 dynamic-shape ``TreeKVCache`` / ``RaggedKVCache`` path), ``uncaptured`` (these static shapes without capture, on
 any device: what ``on`` computes, for checking and for the CPU tests; on 2 CPU cores it costs 2-5% of a step,
 within the noise: BENCHMARKS.md). A bucket is captured at its first step and never again while the buffer
-stands (``captures`` counts); a longer request or a larger batch grows it (capacity in powers of two; the
-graphs are dropped and recaptured, said in one line) unless the capacity was fixed or the batch is above the
-largest bucket, in which case that request decodes on the dynamic path with a one-line warning. A capture that
-fails leaves its bucket uncaptured (one line), never a wrong token; so does a captured step whose first replay
-on new inputs disagrees with the same step run eagerly (each captured step is checked so, once).
+stands (``captures`` counts); a request the buffer cannot hold gets a new one (capacity in powers of two, sized
+to the request, the old dimensions kept only where that costs at most twice as much; the graphs are dropped and
+recaptured, said in one line) unless the capacity was fixed, the batch is above the largest bucket or the memory
+is not there, in which case that request decodes on the dynamic path with a one-line warning. A capture that
+fails (a host read inside the step, refused by sync debugging before the capture opens) turns capture off for
+the model (one line; the static steps go on uncaptured), never a wrong token; a captured step whose first
+replay on new inputs disagrees with the same step run eagerly runs uncaptured (each is checked so, once).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -82,15 +85,33 @@ def captures_on(mode: str, device: torch.device) -> Optional[bool]:
 def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tuple]:
     """Capture ``fn`` (which reads and writes only fixed tensors) as a CUDA graph: (replay, its outputs).
     One eager run first on a side stream (lazy initialisations and the allocator's first blocks must not
-    happen inside the capture); it writes the same cache entries the step itself writes."""
+    happen inside the capture; it writes the same cache entries the step itself writes), with torch's sync
+    debugging set to raise: a step that reads a device value on the host (``.item()``, a data-dependent
+    branch) cannot be captured, and is refused here, before a capture it would leave half-open. A capture that
+    fails all the same restores the stream and ends the pool's allocation before raising."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
+    debug = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(debug)
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outs = fn()
+    graph, before = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outs = fn()
+    except Exception:
+        torch.cuda.set_stream(before)      # graph.__exit__ raising leaves the capture stream current
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(torch.cuda.current_device(), pool)
+            except Exception:
+                pass
+        raise
     return graph.replay, outs
 
 
@@ -199,6 +220,7 @@ class StaticSteps:
         self.regrown = self.fallbacks = self.failed = self.checked = self.disagreed = 0
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
+        self.siblings: dict = {}   # key -> the static steps of a model decoding beside this one (a self-draft)
 
     def sibling(self, other) -> "StaticSteps":
         """Static steps for another model decoding beside this one (a draft model): the same buckets and
@@ -210,28 +232,35 @@ class StaticSteps:
         """A view for a generation of at most ``need`` entries, or None where a fixed capacity is too small."""
         if not self._reserve(need + 1, 1):
             return None
-        return StaticKV(self, self.kv.shape[4] - 1, self._next())
+        return StaticKV(self, need, self._next())
 
     def batch_cache(self, batch: int, need: int):
         """A ``RaggedKVCache`` (compact) over the buffer's first ``batch`` rows, or None beyond its limits."""
         if not self._reserve(need + 1, batch):
             return None
-        return StaticRaggedKV(self, batch, self.kv.shape[4] - 1, self._next())
+        return StaticRaggedKV(self, batch, need, self._next())
 
     def bytes_needed(self, batch: int, need: int) -> int:
         """Bytes a batch of ``batch`` rows of ``need`` entries would allocate here: 0 where the buffer already
-        holds it (or it decodes on the dynamic cache, counted by the caller), else the grown buffer's size."""
+        holds it, -1 where it would decode on the dynamic cache (the caller counts that), else the new buffer's."""
         rows = next((b for b in self.buckets if b >= batch), None)
         slots = need + 1
         if rows is None or (self.fixed_capacity is not None and slots > self.fixed_capacity):
             return -1
         if self.kv is not None and slots <= self.kv.shape[4] and rows <= self.kv.shape[2]:
             return 0
-        have = (0, 0) if self.kv is None else (self.kv.shape[4], self.kv.shape[2])
-        capacity = self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length(), have[0])
+        capacity, size = self._dims(slots, rows)
         layers, kv_heads, head_dim = self._layout()
-        item = torch.empty((), dtype=self.m.dtype).element_size()
-        return max(rows, have[1]) * capacity * layers * 2 * kv_heads * head_dim * item
+        return size * capacity * layers * 2 * kv_heads * head_dim * torch.empty((), dtype=self._dtype()).element_size()
+
+    def _dims(self, slots: int, rows: int) -> tuple[int, int]:
+        """(capacity, batch rows) of a new buffer for ``slots`` x ``rows``: the request's own size (capacity in
+        powers of two), or the old buffer's larger dimensions kept where that costs at most twice as much."""
+        capacity = self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length())
+        if self.kv is None:
+            return capacity, rows
+        kept = max(capacity, self.kv.shape[4]), max(rows, self.kv.shape[2])
+        return kept if kept[0] * kept[1] <= 2 * capacity * rows else (capacity, rows)
 
     def _next(self) -> int:
         self.generation += 1
@@ -249,9 +278,13 @@ class StaticSteps:
                           stacklevel=4)
             return False
         if self.kv is None or slots > self.kv.shape[4] or rows > self.kv.shape[2]:
-            have = (0, 0) if self.kv is None else (self.kv.shape[4], self.kv.shape[2])
-            self._allocate(self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length(), have[0]),
-                           max(rows, have[1]))
+            try:
+                self._allocate(*self._dims(slots, rows))
+            except torch.OutOfMemoryError:
+                self.kv, self.fallbacks = None, self.fallbacks + 1
+                warnings.warn(f"graphs: no memory for a static KV buffer of {rows} x {slots} slots: this request "
+                              "decodes uncaptured on the dynamic cache", stacklevel=4)
+                return False
         return True
 
     def _allocate(self, capacity: int, batch: int) -> None:
@@ -260,12 +293,16 @@ class StaticSteps:
             self.log(f"graphs: KV buffer {self.kv.shape[2]} x {self.kv.shape[4]} -> {batch} x {capacity}; "
                      "steps are captured again")
         layers, kv_heads, head_dim = self._layout()
-        self.kv = self._buckets = None      # the old buffer and its graphs go before the new one is made
-        self.kv = torch.zeros(layers, 2, batch, kv_heads, capacity, head_dim, dtype=self.m.dtype,
+        self.kv = self._buckets = self.body_cache = None   # the old buffer, its views and graphs go first
+        self.kv = torch.zeros(layers, 2, batch, kv_heads, capacity, head_dim, dtype=self._dtype(),
                               device=self.m.device)
         self.body_cache = Cache(layers=[_StaticLayer(self, i) for i in range(layers)])
         self._buckets, self.captures = {}, {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture is cuda_capture else None
+
+    def _dtype(self) -> torch.dtype:
+        """The backbone body's dtype (its keys and values), which the lm_head's need not be."""
+        return next((p.dtype for p in self.m.body.parameters() if p.is_floating_point()), self.m.dtype)
 
     def _layout(self) -> tuple[int, int, int]:
         """(layers, kv_heads, head_dim) of the model's KV cache."""
@@ -289,7 +326,8 @@ class StaticSteps:
         key = None if tap is None else tuple(tap.ids)
         step = self._step_fn(b, tap)
         if rows is not None and self.capture is not None and not first:   # prompts: see the module docstring
-            outs = self._replayed(b, key, step)
+            with self._on_device():
+                outs = self._replayed(b, key, step, batch, n)
         else:
             outs = step()
         view.advance(n)
@@ -305,7 +343,11 @@ class StaticSteps:
             return h, tap.features()
         return step
 
-    def _replayed(self, b: _Bucket, key, step) -> tuple:
+    def _on_device(self):
+        """Capture and replay with the buffer's device current (streams and graphs are per device)."""
+        return torch.cuda.device(self.kv.device) if self.kv.device.type == "cuda" else nullcontext()
+
+    def _replayed(self, b: _Bucket, key, step, batch: int, n: int) -> tuple:
         if key not in b.replays:
             size, rows = b.ids.shape
             label = (f"{rows}" if size == 1 else f"{size}x{rows}") + ("" if key is None else f"+aux{list(key)}")
@@ -318,16 +360,17 @@ class StaticSteps:
         replay()
         b.uses[key] = b.uses.get(key, 0) + 1
         if b.uses[key] == 2:     # the first replay on other inputs than the capture's: checked once
-            return self._checked(b, key, outs, step)
+            return self._checked(b, key, outs, step, batch, n)
         return outs
 
-    def _checked(self, b: _Bucket, key, outs: tuple, step) -> tuple:
+    def _checked(self, b: _Bucket, key, outs: tuple, step, batch: int, n: int) -> tuple:
         """The replayed outputs against the same step run eagerly (it rewrites the same cache entries): a value
         the capture froze (a host number turned into a constant) shows here, and the bucket then runs
         uncaptured (one line) instead of decoding wrong tokens."""
         eager = step()
         tol = 1e-4 if eager[0].dtype == torch.float32 else 3e-2
-        same = all(torch.allclose(o.float(), e.float(), rtol=tol, atol=tol) for o, e in zip(outs, eager))
+        same = all(torch.allclose(o[:batch, :n].float(), e[:batch, :n].float(), rtol=tol, atol=tol)
+                   for o, e in zip(outs, eager))                          # the real rows: padding is never read
         self.checked += 1
         if not same:
             self.disagreed += 1
@@ -339,15 +382,21 @@ class StaticSteps:
     def _capture(self, label: str, step) -> Optional[tuple]:
         if label in self.captures:   # a captured step is replayed, never silently captured again
             raise RuntimeError(f"graphs: the {label}-row step would be captured a second time")
-        before = torch.cuda.memory_reserved() if self.capture is cuda_capture else 0
+        on_cuda = self.capture is cuda_capture
+        if on_cuda:   # torch.cuda.graph empties the cache on entry: measure from there
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved() if on_cuda else 0
         t0 = time.perf_counter()
         try:
             captured = self.capture(step, self._pool)
-        except Exception as exc:   # any capture failure: this bucket runs uncaptured, correct but slower
+        except Exception as exc:   # a step that cannot be captured here: static steps go on uncaptured, correct
             self.failed += 1
-            self.log(f"graphs: capturing the {label}-row step failed ({type(exc).__name__}: {exc}); it runs uncaptured")
+            self.capture = None    # every other bucket would fail the same way, each after a costly attempt
+            self.log(f"graphs: capturing the {label}-row step failed ({type(exc).__name__}: {exc}); "
+                     "every step runs uncaptured")
             return None
-        if self.capture is cuda_capture:
+        if on_cuda:
             torch.cuda.synchronize()
             self.graph_bytes += torch.cuda.memory_reserved() - before
         self.capture_s += time.perf_counter() - t0
@@ -363,7 +412,7 @@ class StaticSteps:
         dev, cap = self.kv.device, self.kv.shape[4]
         return _Bucket(torch.zeros(size, rows, dtype=torch.long, device=dev),
                        torch.zeros(size, rows, dtype=torch.long, device=dev),
-                       torch.zeros(size, 1, rows, cap, dtype=self.m.dtype, device=dev),
+                       torch.zeros(size, 1, rows, cap, dtype=self.kv.dtype, device=dev),
                        torch.arange(size, device=dev)[:, None],
                        torch.full((size, rows), cap - 1, dtype=torch.long, device=dev))
 

@@ -278,3 +278,47 @@ def test_a_draft_model_steps_on_its_own_static_buffer(medusa):
     assert generate(m, REPEATING, "draft", draft=draft, k=3, max_new_tokens=30, eos_token_ids=()).tokens == ref
     assert draft.static.captures.get("1") == 1 and draft.static.disagreed == 0
     m.static = None
+
+
+def test_a_failed_capture_turns_capture_off_and_decodes_right(medusa):
+    """Guards against a step that cannot be captured (a host read inside it) failing the generation, or being
+    attempted again at every bucket: the first failure is logged and counted, every step then runs uncaptured
+    on the static buffer, and the tokens stay plain greedy's."""
+    def failing(fn, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with_steps(medusa, "off")
+    ref = generate(medusa, REPEATING, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()).tokens
+    lines = []
+    medusa.static = StaticSteps(medusa, capture=failing, log=lines.append)
+    assert generate(medusa, REPEATING, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()).tokens == ref
+    assert medusa.static.failed == 1 and medusa.static.capture is None and not medusa.static.summary()["captured"]
+    assert len(lines) == 1 and "every step runs uncaptured" in lines[0]
+    medusa.static = None
+
+
+def test_a_new_buffer_is_sized_to_the_request_not_every_past_one(medusa):
+    """Guards against a buffer that only grows in both dimensions (a wide batch, then one long prompt, would
+    allocate wide x long): a new buffer keeps the old larger dimensions only where that costs at most twice the
+    request's own size."""
+    m = with_steps(medusa, "replayed", buckets=[1, 2, 4, 8])
+    m.new_batch_cache(8, 100)
+    assert tuple(m.static.kv.shape[i] for i in (2, 4)) == (8, 256)
+    m.new_cache(1000)
+    assert tuple(m.static.kv.shape[i] for i in (2, 4)) == (1, 1024)    # not 8 x 1024
+    m.new_batch_cache(2, 100)
+    assert tuple(m.static.kv.shape[i] for i in (2, 4)) == (2, 256)     # keeping 1024 would cost 4x the request
+    m.new_cache(300)
+    assert tuple(m.static.kv.shape[i] for i in (2, 4)) == (2, 512)     # keeping 2 rows costs 2x: kept
+    m.static = None
+
+
+def test_a_self_draft_keeps_its_static_steps_across_generations(medusa):
+    """Guards against a self-draft, rebuilt at every generate call, getting a new buffer and new captures each
+    time (a capture, a check and a warm-up per call on a GPU)."""
+    m = with_steps(medusa, "replayed")
+    for _ in range(3):
+        generate(m, REPEATING, "draft", draft="self:1", k=3, max_new_tokens=20, eos_token_ids=())
+    (steps,) = m.static.siblings.values()
+    assert steps.captures.get("1") == 1 and steps.regrown == 0
+    m.static = None
