@@ -282,6 +282,7 @@ class StaticSteps:
                 self._allocate(*self._dims(slots, rows))
             except torch.OutOfMemoryError:
                 self.kv, self.fallbacks = None, self.fallbacks + 1
+                self.generation += 1      # a view of the freed buffer is refused, not read
                 warnings.warn(f"graphs: no memory for a static KV buffer of {rows} x {slots} slots: this request "
                               "decodes uncaptured on the dynamic cache", stacklevel=4)
                 return False
