@@ -33,9 +33,7 @@ class StaticRaggedKV(RaggedKVCache):
         self._first = True
 
     def check_current(self) -> None:
-        if self.generation != self.steps.generation:
-            raise RuntimeError("two generations are decoding on one model's static KV cache at once; "
-                               "finish one before starting another (or decode with graphs=off)")
+        self.steps.check_current(self.generation)
 
     def write_slots(self, n: int) -> tuple[torch.Tensor, bool]:
         """([B, n] slots the pending forward writes to, whether it is the prompts' forward)."""

@@ -154,9 +154,7 @@ class StaticKV:
         self.length = 0
 
     def check_current(self) -> None:
-        if self.generation != self.steps.generation:
-            raise RuntimeError("two generations are decoding on one model's static KV cache at once; "
-                               "finish one before starting another (or decode with graphs=off)")
+        self.steps.check_current(self.generation)
 
     def write_slots(self, n: int) -> tuple[torch.Tensor, bool]:
         """([1, n] slots the next n rows write to, whether it is the generation's first forward)."""
@@ -222,6 +220,12 @@ class StaticSteps:
         self._pool = None
         self.siblings: dict = {}   # key -> the static steps of a model decoding beside this one (a self-draft)
 
+    def check_current(self, generation: int) -> None:
+        """Refuse a step through a view of an older generation (a newer one took the buffer over)."""
+        if generation != self.generation:
+            raise RuntimeError("two generations are decoding on one model's static KV cache at once; "
+                               "finish one before starting another (or decode with graphs=off)")
+
     def sibling(self, other) -> "StaticSteps":
         """Static steps for another model decoding beside this one (a draft model): the same buckets and
         capture, its own buffer."""
@@ -243,15 +247,22 @@ class StaticSteps:
     def bytes_needed(self, batch: int, need: int) -> int:
         """Bytes a batch of ``batch`` rows of ``need`` entries would allocate here: 0 where the buffer already
         holds it, -1 where it would decode on the dynamic cache (the caller counts that), else the new buffer's."""
-        rows = next((b for b in self.buckets if b >= batch), None)
         slots = need + 1
-        if rows is None or (self.fixed_capacity is not None and slots > self.fixed_capacity):
+        rows, _ = self._limit(slots, batch)
+        if rows is None:
             return -1
         if self.kv is not None and slots <= self.kv.shape[4] and rows <= self.kv.shape[2]:
             return 0
         capacity, size = self._dims(slots, rows)
         layers, kv_heads, head_dim = self._layout()
         return size * capacity * layers * 2 * kv_heads * head_dim * torch.empty((), dtype=self._dtype()).element_size()
+
+    def _limit(self, slots: int, batch: int) -> tuple[Optional[int], str]:
+        """(the batch bucket of ``batch`` rows of ``slots`` entries, "") or (None, what goes beyond the limits)."""
+        if self.fixed_capacity is not None and slots > self.fixed_capacity:
+            return None, f"{slots} KV slots, beyond the fixed capacity {self.fixed_capacity}"
+        rows = next((b for b in self.buckets if b >= batch), None)
+        return rows, "" if rows is not None else f"a batch of {batch}, beyond the largest graph bucket {self.buckets[-1]}"
 
     def _dims(self, slots: int, rows: int) -> tuple[int, int]:
         """(capacity, batch rows) of a new buffer for ``slots`` x ``rows``: the request's own size (capacity in
@@ -268,13 +279,10 @@ class StaticSteps:
 
     def _reserve(self, slots: int, batch: int) -> bool:
         """A buffer of at least ``slots`` entries (+ the padding slot) for ``batch`` rows, grown if need be."""
-        rows = next((b for b in self.buckets if b >= batch), None)
-        too_long = self.fixed_capacity is not None and slots > self.fixed_capacity
-        if rows is None or too_long:
+        rows, beyond = self._limit(slots, batch)
+        if rows is None:
             self.fallbacks += 1
-            what = f"{slots} KV slots, beyond the fixed capacity {self.fixed_capacity}" if too_long else \
-                f"a batch of {batch}, beyond the largest graph bucket {self.buckets[-1]}"
-            warnings.warn(f"graphs: this request needs {what}: it decodes uncaptured on the dynamic cache",
+            warnings.warn(f"graphs: this request needs {beyond}: it decodes uncaptured on the dynamic cache",
                           stacklevel=4)
             return False
         if self.kv is None or slots > self.kv.shape[4] or rows > self.kv.shape[2]:

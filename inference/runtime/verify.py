@@ -167,35 +167,33 @@ def propose(buf: TreeBuffers, head_logits: list[torch.Tensor], to_vocab, cfg: Sa
 
 
 # -- verification -------------------------------------------------------------------------
-def _best_path(buf: TreeBuffers, match: torch.Tensor, score: Optional[torch.Tensor] = None):
-    """Longest all-accepted prefix over the leaf paths; ``match[N]`` says node i is acceptable
-    given its parent. Ties go to the higher ``score`` (summed over the path), else the first."""
+def _accepted_lengths(buf: TreeBuffers, match: torch.Tensor) -> torch.Tensor:
+    """Nodes accepted along each leaf path (root included): its all-accepted prefix; ``match[N]`` says node i
+    is acceptable given its parent."""
     ri = buf.retrieve_indices
     ok = match[ri.clamp(min=0)] & (ri >= 0)
     ok[:, 0] = True                                        # the root is always accepted
-    lengths = ok.int().cumprod(1).sum(1)                    # nodes accepted per row (incl. root)
-    if score is not None:
-        keep = torch.arange(ri.shape[1], device=ri.device) < lengths[:, None]
-        total = torch.where(keep, score[ri.clamp(min=0)], torch.zeros_like(score[:1])).sum(1)
-        total = total.masked_fill(lengths < lengths.max(), -math.inf)   # longest first, then score
-        best = int(torch.argmax(total))
-    else:
-        best = int(torch.argmax(lengths))
-    n = int(lengths[best])
-    return ri[best, :n].tolist()
+    return ok.int().cumprod(1).sum(1)
+
+
+def _best_scored_path(buf: TreeBuffers, match: torch.Tensor, score: torch.Tensor) -> list[int]:
+    """The longest accepted prefix over the leaf paths, ties to the higher ``score`` (summed over the path)."""
+    ri = buf.retrieve_indices
+    lengths = _accepted_lengths(buf, match)
+    keep = torch.arange(ri.shape[1], device=ri.device) < lengths[:, None]
+    total = torch.where(keep, score[ri.clamp(min=0)], torch.zeros_like(score[:1])).sum(1)
+    total = total.masked_fill(lengths < lengths.max(), -math.inf)   # longest first, then score
+    best = int(torch.argmax(total))
+    return ri[best, :int(lengths[best])].tolist()
 
 
 def verify_greedy(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor) -> Verdict:
-    """tokens [N], logits [N, V] (backbone next-token logits at every node). ``_best_path``'s rule (the first
-    longest leaf path) computed on the device, read back once: on a GPU each read waits for the device."""
+    """tokens [N], logits [N, V] (backbone next-token logits at every node). The first longest accepted leaf
+    path, found on the device and read back once: on a GPU each read waits for the device."""
     target = logits.argmax(-1)
-    match = tokens == target[buf.parents.clamp(min=0)]   # the root's own entry is ignored
-    ri = buf.retrieve_indices
-    ok = match[ri.clamp(min=0)] & (ri >= 0)
-    ok[:, 0] = True
-    lengths = ok.int().cumprod(1).sum(1)
+    lengths = _accepted_lengths(buf, tokens == target[buf.parents.clamp(min=0)])   # the root's own entry ignored
     best = lengths.argmax()                                # the first of the longest
-    row, n = ri[best], lengths[best]
+    row, n = buf.retrieve_indices[best], lengths[best]
     packed = torch.cat([n.view(1), target[row[n - 1]].view(1), row]).tolist()   # (n, bonus, leaf path)
     return Verdict(packed[2:2 + packed[0]], packed[1])
 
@@ -211,7 +209,7 @@ def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor,
     par = buf.parents.clamp(min=0)
     cand_logp = logp[par, tokens.clamp(min=0)].masked_fill(tokens < 0, -math.inf)   # -1: no draft here
     match = cand_logp.exp() > threshold[par]
-    path = _best_path(buf, match, score=cand_logp)
+    path = _best_scored_path(buf, match, cand_logp)
     bonus = choose_token(logits[path[-1]], cfg, generator)
     return Verdict(path, int(bonus))
 
