@@ -85,7 +85,7 @@ class TreeDecoder:
     def step(self) -> tuple[list[int], int]:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, nodes proposed)."""
         m, buf, past = self.m, self.buf, self.past
-        cand, draft_q = m.heads.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen, m.vocab_size)
+        cand, draft_q = m.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen)
         tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
         positions = (buf.position_offsets + past)[None]
         h_tree = m.hidden(tokens[None], positions, self.cache, buf.additive_mask(past, m.dtype))[0]
@@ -128,7 +128,7 @@ class HeadsDrafter:
         if tree is None:
             return root_only(self.m.device), torch.empty(dec.batch, 0, dtype=torch.long, device=self.m.device), None
         buf = self._buffers[id(tree)]
-        cand, draft_q = self.m.heads.draft_tree(buf, dec.h_last, dec.root, dec.cfg, dec.gen, self.m.vocab_size)
+        cand, draft_q = self.m.draft_tree(buf, dec.h_last, dec.root, dec.cfg, dec.gen)
         return buf, cand, draft_q
 
     def rows_kept(self, index: list[int]) -> None:

@@ -145,8 +145,7 @@ class HybridDecoder:
     def trie_tokens(self) -> tuple[TreeBuffers, torch.Tensor]:
         """This step's trie and its tokens [T] (node 0 = the root): heads' tree + lookup branch."""
         m, buf = self.m, self.buf
-        cand, _ = m.heads.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen,
-                                     m.vocab_size)     # draft_q is None: cfg.draft is "topk"
+        cand, _ = m.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen)   # draft_q None: draft=topk
         tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
         proposal = self.index.propose(self.s.num_tokens)
         if not proposal:

@@ -153,6 +153,23 @@ class MedusaModel:
         n = self.num_heads if count is None else min(count, self.num_heads)
         return [self.heads.head_logits(hidden, k) for k in range(n)]
 
+    def draft_tree(self, buf, h_last: torch.Tensor, root, cfg, gen) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The heads' draft of tree ``buf`` (``heads.draft_tree``: tokens of nodes 1..N-1, draft
+        distributions or None) from ``h_last`` [H] or a batch's [B, H] and the root token(s). With static
+        steps, a deterministic draft (every one but draft=sampled's) is a captured call per tree
+        (``captured_calls``): the root goes in as a tensor, a host number would be frozen into the graph."""
+        if self.static is None or (cfg.mode == "sample" and cfg.draft == "sampled"):
+            return self.heads.draft_tree(buf, h_last, root, cfg, gen, self.vocab_size)
+        root = torch.as_tensor(root, dtype=torch.long, device=h_last.device)
+
+        def draft(h, r):
+            return self.heads.draft_tree(buf, h, r, cfg, None, self.vocab_size)[:1]
+
+        rows = h_last.shape[0] if h_last.dim() > 1 else None
+        name = f"draft{buf.shape_key}:{id(self.heads):x}"    # heads swapped on the model: another graph
+        (cand,) = self.static.calls.run(name, draft, (h_last, root), rows, keep=(buf, self.heads))
+        return cand, None
+
     def encode_chat(self, prompt: str | list[dict], system: Optional[str] = None) -> list[int]:
         """Token ids of a user prompt (or a message list) with the chat template applied."""
         if self.tokenizer is None:

@@ -35,7 +35,6 @@ replay on new inputs disagrees with the same step run eagerly runs uncaptured (e
 
 from __future__ import annotations
 
-import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -45,6 +44,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import UserError
+from .captured_calls import CapturedCalls
+from .graph_capture import cuda_capture, measured_capture, outputs_agree
 from .static_batch import StaticRaggedKV
 
 GRAPH_MODES = ("auto", "on", "off", "uncaptured")
@@ -80,39 +81,6 @@ def captures_on(mode: str, device: torch.device) -> Optional[bool]:
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return None
     return mode != "uncaptured"
-
-
-def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tuple]:
-    """Capture ``fn`` (which reads and writes only fixed tensors) as a CUDA graph: (replay, its outputs).
-    One eager run first on a side stream (lazy initialisations and the allocator's first blocks must not
-    happen inside the capture; it writes the same cache entries the step itself writes), with torch's sync
-    debugging set to raise: a step that reads a device value on the host (``.item()``, a data-dependent
-    branch) cannot be captured, and is refused here, before a capture it would leave half-open. A capture that
-    fails all the same restores the stream and ends the pool's allocation before raising."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    debug = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.stream(stream):
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(debug)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph, before = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            outs = fn()
-    except Exception:
-        torch.cuda.set_stream(before)      # graph.__exit__ raising leaves the capture stream current
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is not None:
-            try:
-                end(torch.cuda.current_device(), pool)
-            except Exception:
-                pass
-        raise
-    return graph.replay, outs
 
 
 class _StaticLayer(DynamicLayer):
@@ -218,6 +186,7 @@ class StaticSteps:
         self.regrown = self.fallbacks = self.failed = self.checked = self.disagreed = 0
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
+        self.calls = CapturedCalls(self)   # the drafter's own forwards, captured beside the steps
         self.siblings: dict = {}   # key -> the static steps of a model decoding beside this one (a self-draft)
 
     def check_current(self, generation: int) -> None:
@@ -377,9 +346,7 @@ class StaticSteps:
         the capture froze (a host number turned into a constant) shows here, and the bucket then runs
         uncaptured (one line) instead of decoding wrong tokens."""
         eager = step()
-        tol = 1e-4 if eager[0].dtype == torch.float32 else 3e-2
-        same = all(torch.allclose(o[:batch, :n].float(), e[:batch, :n].float(), rtol=tol, atol=tol)
-                   for o, e in zip(outs, eager))                          # the real rows: padding is never read
+        same = outputs_agree([o[:batch, :n] for o in outs], [e[:batch, :n] for e in eager])   # padding is never read
         self.checked += 1
         if not same:
             self.disagreed += 1
@@ -391,24 +358,16 @@ class StaticSteps:
     def _capture(self, label: str, step) -> Optional[tuple]:
         if label in self.captures:   # a captured step is replayed, never silently captured again
             raise RuntimeError(f"graphs: the {label}-row step would be captured a second time")
-        on_cuda = self.capture is cuda_capture
-        if on_cuda:   # torch.cuda.graph empties the cache on entry: measure from there
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved() if on_cuda else 0
-        t0 = time.perf_counter()
         try:
-            captured = self.capture(step, self._pool)
+            captured, seconds, grown = measured_capture(self.capture, step, self._pool)
         except Exception as exc:   # a step that cannot be captured here: static steps go on uncaptured, correct
             self.failed += 1
             self.capture = None    # every other bucket would fail the same way, each after a costly attempt
             self.log(f"graphs: capturing the {label}-row step failed ({type(exc).__name__}: {exc}); "
                      "every step runs uncaptured")
             return None
-        if on_cuda:
-            torch.cuda.synchronize()
-            self.graph_bytes += torch.cuda.memory_reserved() - before
-        self.capture_s += time.perf_counter() - t0
+        self.capture_s += seconds
+        self.graph_bytes += grown
         self.captures[label] = 1
         return captured
 
@@ -447,7 +406,8 @@ class StaticSteps:
                 "kv_batch": None if self.kv is None else self.kv.shape[2], "captures": dict(self.captures),
                 "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
                 "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed,
-                "checked_replays": self.checked, "disagreeing_replays": self.disagreed}
+                "checked_replays": self.checked, "disagreeing_replays": self.disagreed,
+                "drafter_calls": self.calls.summary()}
 
 
 def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,

@@ -28,6 +28,8 @@ best frontier node B times is optimal for that objective, not only a heuristic.
 
 from __future__ import annotations
 
+import hashlib
+
 import heapq
 import json
 import os
@@ -114,6 +116,16 @@ class TreeBuffers:
         mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=self.tree_mask.device)
         mask[0, 0, :, past:].masked_fill_(~self.tree_mask, torch.finfo(dtype).min)
         return mask
+
+    @property
+    def shape_key(self) -> str:
+        """A short name of this tree's structure (its parents and ranks): buffers built apart for one tree share
+        it, so a draft captured for the tree is recorded once, not once per decoder."""
+        key = self.__dict__.get("_shape_key")
+        if key is None:
+            structure = repr((self.parents.tolist(), self.node_rank.tolist())).encode()
+            key = self.__dict__["_shape_key"] = f"{self.num_nodes}n-{hashlib.sha1(structure).hexdigest()[:10]}"
+        return key
 
 
 class MedusaTree:

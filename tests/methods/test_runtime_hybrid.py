@@ -100,6 +100,9 @@ class ScriptedWithHeads(ScriptedLM):
     def head_logits(self, hidden, count=None):
         return [self.heads.head_logits(hidden, k) for k in range(count or self.num_heads)]
 
+    def draft_tree(self, buf, h_last, root, cfg, gen):
+        return self.heads.draft_tree(buf, h_last, root, cfg, gen, self.vocab_size)
+
 
 T = list(range(10, 30))
 WRONG = ([30, 31], [30, 31], [30])

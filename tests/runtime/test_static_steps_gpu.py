@@ -39,6 +39,30 @@ def test_captured_steps_are_token_identical_in_fp32(method, kw):
         assert generate(m, PROMPT, method, max_new_tokens=40, eos_token_ids=(), **kw).tokens == ref
     assert m.static.failed == 0 and m.static.disagreed == 0 and all(v == 1 for v in m.static.captures.values())
     assert m.static.summary()["capture_s"] >= 0
+    calls_were_captured(m, drafts=method.startswith("medusa"))
+
+
+def calls_were_captured(m, drafts: bool):
+    """The drafter calls (``captured_calls``) captured without a failure (a host read inside) or a stale replay."""
+    calls = m.static.calls
+    assert calls.failed == 0 and calls.disagreed == 0
+    assert any(k.startswith("draft") for k in calls.captures) == drafts
+
+
+@pytest.mark.parametrize("kind", ["hydra", "mlp_speculator"])
+def test_captured_path_drafting_is_token_identical_in_fp32(kind):
+    """Guards against level-by-level drafting (a Hydra / MLP-speculator head per depth, fed its parent's token)
+    failing capture on CUDA (a host read) or replaying a previous step's parent tokens."""
+    from inference.loading import attach_heads
+    from test_static_steps import dependent
+
+    model = tiny_llama(vocab=96, seed=0)
+    m = attach_heads(model.to(DEV), dependent(model, kind).heads)    # heads made on CPU, moved with the model
+    ref = generate(m, PROMPT, "medusa", tree="tree8", max_new_tokens=40, eos_token_ids=()).tokens
+    captured(m)
+    for _ in range(2):
+        assert generate(m, PROMPT, "medusa", tree="tree8", max_new_tokens=40, eos_token_ids=()).tokens == ref
+    calls_were_captured(m, drafts=True)
 
 
 def test_captured_eagle3_verification_with_aux_features():
@@ -99,3 +123,4 @@ def test_captured_batched_steps_are_token_identical_in_fp32(method, kw):
         out = generate_batch(m, prompts, method, max_new_tokens=24, eos_token_ids=(), **kw)
         assert [r.tokens for r in out.rows] == [r.tokens for r in ref.rows]
     assert m.static.failed == 0 and m.static.disagreed == 0 and any("x" in k for k in m.static.captures)
+    calls_were_captured(m, drafts=method == "medusa")

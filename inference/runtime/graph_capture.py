@@ -1,0 +1,80 @@
+"""Capturing a step as a CUDA graph, and checking a replay: what the backbone's static steps
+(``static_steps``) and the drafters' captured calls (``captured_calls``) share.
+
+A captured graph replays the kernels it recorded on the tensors it recorded: every input must be a fixed
+tensor filled in place, every output is read back from the same tensors (and copied before another graph of
+the same pool replays: the pool lends one graph's freed blocks to the next capture), and a value the step
+read on the host is frozen into the graph. ``cuda_capture`` refuses the host reads it can see (sync debugging);
+``outputs_agree`` is the check run on a graph's first replay on new inputs, for the ones it cannot.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+
+def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tuple]:
+    """Capture ``fn`` (which reads and writes only fixed tensors) as a CUDA graph: (replay, its outputs).
+    One eager run first on a side stream (lazy initialisations and the allocator's first blocks must not
+    happen inside the capture; it writes the same cache entries the step itself writes), with torch's sync
+    debugging set to raise: a step that reads a device value on the host (``.item()``, a data-dependent
+    branch) cannot be captured, and is refused here, before a capture it would leave half-open. A capture that
+    fails all the same restores the stream and ends the pool's allocation before raising."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    debug = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(debug)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph, before = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outs = fn()
+    except Exception:
+        torch.cuda.set_stream(before)      # graph.__exit__ raising leaves the capture stream current
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(torch.cuda.current_device(), pool)
+            except Exception:
+                pass
+        raise
+    return graph.replay, outs
+
+
+def measured_capture(capture: Callable, fn: Callable[[], tuple], pool) -> tuple[tuple, float, int]:
+    """``capture(fn, pool)`` -> ((replay, outputs), seconds, graph memory in bytes); raises what it raises.
+    torch.cuda.graph empties the allocator's cache on entry: the memory is measured from there."""
+    on_cuda = capture is cuda_capture
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved() if on_cuda else 0
+    t0 = time.perf_counter()
+    captured = capture(fn, pool)
+    grown = 0
+    if on_cuda:
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_reserved() - before
+    return captured, time.perf_counter() - t0, grown
+
+
+def outputs_agree(replayed: Sequence[torch.Tensor], eager: Sequence[torch.Tensor]) -> bool:
+    """Whether a replay's outputs equal the same step run eagerly, within the dtype's rounding (fp32: 1e-4;
+    half precision: 3e-2). Integer outputs (drafted token ids) must be equal."""
+    for r, e in zip(replayed, eager):
+        if not r.is_floating_point():
+            if not torch.equal(r, e):
+                return False
+            continue
+        tol = 1e-4 if e.dtype == torch.float32 else 3e-2
+        if not torch.allclose(r.float(), e.float(), rtol=tol, atol=tol):
+            return False
+    return True
