@@ -13,6 +13,8 @@ device: ``random_llama``), random bf16 weights, batch 1, each part a guarded sec
   capture_ways: the 1-token static step uncaptured, captured with torch.cuda.CUDAGraph directly (what graphs=on
             does) and compiled with torch.compile(mode="reduce-overhead") (inductor + CUDA-graph trees): its
             compile / warm-up seconds, graph breaks, whether it equals the uncaptured step, which is faster and why;
+  batches:  the plain batched loop at batch 1 / 4 / 16 / 32, graphs off and on (``gpu_batches``), last: it
+            gives way first when time runs short;
 then ``m.static.summary()`` (captures, capture time, graph memory), the verdicts and a summary.md section.
 Dry run (CPU): both shapes are ``gpu_models.TINY`` (``--full-shape``: SmolLM2 keeps its own), sizes shrink,
 and "graphs on" is ``graphs=uncaptured`` (``on`` is refused off CUDA; ``graphs_on_mode`` in the JSON says
@@ -33,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, eagle3_model
+from benchmarks.gpu_batches import batch_loop, summary_rows as batch_rows
 from benchmarks.gpu_capture_ways import capture_ways
 from benchmarks.gpu_stub import stub_speed
 from benchmarks.timing import median, off_if, rate, spread, verification_step
@@ -59,7 +62,7 @@ SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-
 READ_BYTES_PER_S = 4.2e12          # H200 HBM3e, the weight-read floor's bandwidth
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
 # a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
-PART_S = {"build": 25, "steps": 15, "loop": 110, "drafting": 40, "stub": 30, "capture_ways": 75}
+PART_S = {"build": 25, "steps": 15, "loop": 110, "drafting": 40, "stub": 30, "capture_ways": 75, "batches": 30}
 TARGETS = dict(wall_vs_kernel=1.3, vs_hf_static={"smollm2_135m": 2.0, "llama31_8b": 1.3}, floor=0.60,
                verify16=1.25, draft_step=1.3, stub=(2.0, 1.6))
 
@@ -286,7 +289,8 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
              "drafting": lambda: s.update(drafting=drafting_steps(m, prompts[1], sz, g["graphs_on_mode"])),
              "stub": lambda: s.update(stub=stub_speed(m, prompts[2], sz)),
              "capture_ways": lambda: s.update(capture_ways=capture_ways(m, prompts[0], sz, errors,
-                                                                        f"graphs.{key}.capture_ways"))}
+                                                                        f"graphs.{key}.capture_ways")),
+             "batches": lambda: s.update(batches=batch_loop(m, prompts, sz))}
     for part, fn in parts.items():
         if fits(part):
             section(f"graphs.{key}.{part}", fn)
@@ -357,7 +361,7 @@ def summary_lines(g: dict | None) -> list[str]:
     if not g or not g.get("shapes"):
         return []
     shapes = g["shapes"].values()
-    lines = ["", f"CUDA graphs: {g['graphs_on_note']}; bf16 random weights, batch 1, medians ({g.get('seconds')} s):",
+    lines = ["", f"CUDA graphs: {g['graphs_on_note']}; bf16 random weights, batch 1 unless a row names one, medians ({g.get('seconds')} s):",
              "", "| figure | " + " | ".join(s["label"] + " (tiny stand-in)" * s["tiny_stand_in"] for s in shapes)
              + " |", "|---|" + "---|" * len(shapes)]
 
@@ -385,8 +389,12 @@ def summary_lines(g: dict | None) -> list[str]:
     for kind in next((list(s["drafting"]["kinds"]) for s in shapes if "drafting" in s), []):
         row(f"{kind} step vs plain captured, on / off", lambda s, kind=kind: "{on}x / {off}x".format(
             **s["drafting"]["kinds"][kind]["vs_plain_captured"]))
+    batch_rows(row)
     row("captures; capture s; graph memory MiB", lambda s: f"{len(s['static']['captures'])}; "
         f"{s['static']['capture_s']}; {s['static']['graph_memory_bytes'] / 2**20:.1f}")
+    row("drafter calls captured; capture s; graph memory MiB", lambda s: "; ".join(
+        f"{fam} {len(d['drafter_calls']['captures'])}, {d['drafter_calls']['capture_s']}, "
+        f"{d['drafter_calls']['graph_memory_bytes'] / 2**20:.1f}" for fam, d in s["drafting"]["static"].items()))
     row("build s; peak GPU GB", lambda s: f"{s['build_s']}; {s.get('peak_gpu_memory_gb', '-')}")
     row("static 1-token step ms: uncaptured / CUDAGraph / reduce-overhead", lambda s: " / ".join(
         "-" if v is None else "{median} [{min}-{max}]".format(**v) for v in s["capture_ways"]["ms"].values()))
