@@ -361,7 +361,8 @@ def summary_lines(g: dict | None) -> list[str]:
     if not g or not g.get("shapes"):
         return []
     shapes = g["shapes"].values()
-    lines = ["", f"CUDA graphs: {g['graphs_on_note']}; bf16 random weights, batch 1 unless a row names one, medians ({g.get('seconds')} s):",
+    lines = ["", f"CUDA graphs: {g['graphs_on_note']}; bf16 random weights, batch 1 unless a row names one, "
+             f"medians ({g.get('seconds')} s):",
              "", "| figure | " + " | ".join(s["label"] + " (tiny stand-in)" * s["tiny_stand_in"] for s in shapes)
              + " |", "|---|" + "---|" * len(shapes)]
 
