@@ -21,8 +21,10 @@ On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no d
      1-token step's wall vs kernel time, the plain loop graphs off / on vs ``generate`` eager and
      ``hf_generate_static``, 1 / 16 / 64-row verification, the weight-read floor, Medusa and EAGLE-3 steps, a stub
      drafter of set acceptance end to end; ``--budget-s``: its parts that could not end in time are skipped;
-  5. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone:
-     training step tokens/s against the backbone's forward (``python scripts/bench.py train``'s interleaved loop).
+  5. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone, Medusa
+     heads and then an EAGLE-3 drafter: training step tokens/s against the backbone's forward (``python
+     scripts/bench.py train``'s interleaved loop). The 8B shape is not trained here: its random init and DeepSpeed
+     setup alone would take the rest of the check's 8 minutes.
 Then the verdicts against the targets, a Markdown summary (summary.md, also printed) and every
 figure as JSON (gpu_check.json). ``--dry-run``: CPU, a tiny Llama, 1-2 node counts, a few tokens:
 the same code paths in well under a minute; with ``--full-shape`` the SmolLM2-135M shape at those sizes.
@@ -237,9 +239,11 @@ def write_chats(path: Path, n: int, words: int, seed: int = 0) -> None:
 
 
 def train_throughput(shape: dict, device: str, precision: str, zero: int, micro: int, max_length: int,
-                     steps: int, work: Path) -> dict:
-    """The real trainer (debug_tiny recipe, backbone replaced by ``shape`` random weights, synthetic chats),
-    then ``bench.py train``'s loop: backbone forward vs one training micro-step on the same batch, alternating."""
+                     steps: int, work: Path, heads: str = "medusa") -> dict:
+    """The real trainer (debug_tiny recipe, backbone replaced by ``shape`` random weights, synthetic chats, the
+    ``heads`` family: medusa or eagle3, 3 heads / draft steps), then ``bench.py train``'s loop: backbone forward
+    vs one training micro-step (the trainer's own loss: features, then the family's loss) on the same batch,
+    alternating."""
     from medusa_train.launch import compose_recipe
     from medusa_train.trainer import MedusaTrainer
 
@@ -252,7 +256,7 @@ def train_throughput(shape: dict, device: str, precision: str, zero: int, micro:
         f"trainer.precision={precision}", f"trainer.zero_stage={zero}", f"trainer.micro_batch_size={micro}",
         f"trainer.global_batch_size={micro}", f"data.max_length={max_length}", "data.eval_conversations=2",
         "data.max_conversations=null", "data.vocab_scan_conversations=8",
-        f"backbone.dtype={'bfloat16' if precision == 'bf16' else 'float32'}", *ri,
+        f"backbone.dtype={'bfloat16' if precision == 'bf16' else 'float32'}", *ri, f"heads={heads}",
         "heads.projection=truncated", f"heads.truncated_vocab_size={min(8192, shape['vocab_size'] // 2)}"])
     tr = MedusaTrainer(cfg)
     tr.setup()
@@ -271,8 +275,7 @@ def train_throughput(shape: dict, device: str, precision: str, zero: int, micro:
             model(input_ids=ids, position_ids=pos, use_cache=False)
             sync(dev)
             t1 = time.perf_counter()
-        hidden = tr.source.frozen.hidden_states(batch)
-        loss = tr.engine(hidden, batch["labels"].to(dev), batch["doc_ids"].to(dev))
+        loss = tr.loss(batch)
         tr.engine.backward(loss)
         tr.engine.step()
         sync(dev)
@@ -282,7 +285,7 @@ def train_throughput(shape: dict, device: str, precision: str, zero: int, micro:
             fwd.append(tokens / (t1 - t0))
             train.append(tokens / (t2 - t1))
     trainable = sum(p.numel() for p in tr.module.parameters() if p.requires_grad)
-    out = {"zero_stage": zero, "precision": precision, "micro_batch": micro, "max_length": max_length,
+    out = {"heads": heads, "zero_stage": zero, "precision": precision, "micro_batch": micro, "max_length": max_length,
            "tokens_per_batch": tokens, "forward_tokens_per_s": round(median(fwd), 1),
            "train_tokens_per_s": round(median(train), 1),
            "ratio": round(median([t / f for t, f in zip(train, fwd)]), 3),
@@ -390,13 +393,14 @@ def summary(result: dict) -> str:
                       f"{pl['identical']}/{pl['prompts']} identical "
                       f"({pl.get('identical_same_kernels', '-')}/{pl['prompts']} with `generate` on the same "
                       "attention kernels)"]
-    tr = result.get("training")
-    if tr:
+    runs = [result[k] for k in ("training", "training_eagle3") if result.get(k)]
+    if runs:
         lines += ["", "| training (real trainer, DeepSpeed) | tokens/batch | backbone forward tok/s | train step tok/s "
-                      "| ratio | trainable | peak GPU memory |", "|---|---|---|---|---|---|---|",
-                  f"| ZeRO {tr['zero_stage']}, {tr['precision']}, micro {tr['micro_batch']} x {tr['max_length']} | "
-                  f"{tr['tokens_per_batch']} | {tr['forward_tokens_per_s']:.0f} | {tr['train_tokens_per_s']:.0f} | "
-                  f"{tr['ratio']:.2f} | {tr['trainable_params_m']}M | {tr.get('peak_gpu_memory_gb', '-')} GB |"]
+                      "| ratio | trainable | peak GPU memory |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {tr.get('heads', 'medusa')}, ZeRO {tr['zero_stage']}, {tr['precision']}, micro {tr['micro_batch']} "
+                  f"x {tr['max_length']} | {tr['tokens_per_batch']} | {tr['forward_tokens_per_s']:.0f} | "
+                  f"{tr['train_tokens_per_s']:.0f} | {tr['ratio']:.2f} | {tr['trainable_params_m']}M | "
+                  f"{tr.get('peak_gpu_memory_gb', '-')} GB |" for tr in runs]
     from benchmarks.gpu_graphs import summary_lines
 
     lines += summary_lines(result.get("graphs"))
@@ -415,7 +419,7 @@ def main() -> None:
                     help="with --dry-run: the SmolLM2-135M shape (vocabulary 49,152, 30 layers) at the dry run's "
                          "sizes, "
                          "so shape-dependent paths run on CPU before a GPU is lent (~1-2 minutes)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train", "train_eagle3"])
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds this run may take (gpu_check.sh's timeout): CUDA-graph parts that could not end within "
                          "it, less the training's share, are skipped, so the summary is always written")
@@ -486,15 +490,16 @@ def main() -> None:
     if "graphs" not in args.skip:
         from benchmarks import gpu_graphs
 
-        deadline = t_start + args.budget_s - (0 if dry else 45) if args.budget_s else float("inf")  # 45 s: train
+        deadline = t_start + args.budget_s - (0 if dry else 75) if args.budget_s else float("inf")  # 75 s: train x 2
         gpu_graphs.run(result, section, device, dry, args.full_shape, deadline)
 
-    def train():
+    def train(heads: str, key: str):
         with tempfile.TemporaryDirectory(prefix="gpu-check-train-") as work:
-            result["training"] = train_throughput(shape, device.type, "bf16", 1, sizes["micro"],
-                                                  sizes["max_length"], sizes["train_steps"], Path(work))
+            result[key] = train_throughput(shape, device.type, "bf16", 1, sizes["micro"], sizes["max_length"],
+                                           sizes["train_steps"], Path(work), heads)
 
-    section("train", train)
+    section("train", lambda: train("medusa", "training"))
+    section("train_eagle3", lambda: train("eagle3", "training_eagle3"))
     from benchmarks.gpu_graphs import verdicts as graph_verdicts
 
     result["verdicts"] = verdicts(result) + graph_verdicts(result.get("graphs"), dry)

@@ -185,9 +185,10 @@ def run_generate(cfg) -> None:
         sys.stdout.flush()
         shown = text
     out = stream.result
-    captured = m.static.captures if m.static is not None else {}
-    graphs = f", {len(captured)} steps captured as CUDA graphs in {m.static.capture_s:.2f} s (in that time)" \
-        if captured else ""
+    graphs = ""
+    if m.static is not None and (m.static.captures or m.static.calls.captures):
+        graphs = (f", {len(m.static.captures)} steps + {len(m.static.calls.captures)} drafter calls captured as "
+                  f"CUDA graphs in {m.static.capture_s + m.static.calls.capture_s:.2f} s (in that time)")
     print(f"\n\n[{len(out.tokens)} tokens, tau {out.tau:.2f}, {out.tokens_per_s:.1f} tokens/s{graphs}, "
           f"finish: {out.finish_reason}]", file=sys.stderr)
 

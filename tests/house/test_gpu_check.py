@@ -95,8 +95,9 @@ def test_gpu_check_dry_run_writes_summary_and_json(tmp_path):
     e3 = result["eagle3_steps"]
     assert e3["plain_ms"] > 0 and [r["setting"] for r in e3["settings"]] == ["n1-d1-k1", "n4-d1-k4"]
     assert all(r["ms"] > 0 and r["expected_speedup"] > 0 for r in e3["settings"])
-    tr = result["training"]
-    assert tr["finite"] and tr["train_tokens_per_s"] > 0 and tr["forward_tokens_per_s"] > 0
+    for key, heads in (("training", "medusa"), ("training_eagle3", "eagle3")):   # both families train
+        tr = result[key]
+        assert tr["heads"] == heads and tr["finite"] and tr["train_tokens_per_s"] > 0 and tr["forward_tokens_per_s"] > 0
     assert [v["target"] for v in result["verdicts"]] == [
         "gpu test tier passes", "16-node verification step < 1.3x a 1-token step (bf16)",
         "runtime plain loop within 10% of generate, or faster", *GRAPH_TARGETS]
@@ -126,6 +127,7 @@ def test_gpu_check_dry_run_at_the_full_smollm2_shape(tmp_path):
     assert result["shape"]["vocab_size"] == 49152 and result["shape"]["num_hidden_layers"] == 30
     assert result["eagle3_steps"]["draft_vocab"] == 8192
     assert result["training"]["finite"] and result["training"]["trainable_params_m"] > 10
+    assert result["training_eagle3"]["finite"] and result["training_eagle3"]["heads"] == "eagle3"
     assert "SmolLM2-135M-shaped" in (out / "summary.md").read_text()
     shapes = result["graphs"]["shapes"]   # the graph part's SmolLM2 entry at its own shape, the 8B one tiny
     assert shapes["smollm2_135m"]["shape"]["vocab_size"] == 49152 and not shapes["smollm2_135m"]["tiny_stand_in"]
