@@ -299,6 +299,46 @@ class DraftKV:
         self.length = min(self.length, length)
 
 
+class StaticDraftKV:
+    """The drafter's KV cache at a fixed shape, for its forwards captured as graphs (``forward_static``):
+    keys / values [batch, kv_heads, capacity, D] that never move, written at slots given as device tensors and
+    attended over whole, masked. Zero-filled: uninitialised memory can hold NaN, and NaN times a zero softmax
+    weight is NaN in every row. ``length``: batch 1's committed entries (host side, outside the calls);
+    ``claim`` / ``check`` refuse two generations interleaving on one buffer, as the backbone's static cache does."""
+
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device):
+        self.capacity, self.length, self.generation = capacity, 0, 0
+        with torch.inference_mode(False):   # it outlives the generation that made it: written in and out of it
+            self.k = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
+
+    def claim(self) -> int:
+        self.generation += 1
+        self.length = 0
+        return self.generation
+
+    def check(self, generation: int) -> None:
+        if generation != self.generation:
+            raise RuntimeError("two generations are drafting on one static EAGLE-3 draft cache at once; finish "
+                               "one before starting another (or decode with graphs=off)")
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: Optional[torch.Tensor] = None):
+        """k, v [B, kv_heads, n, D] at ``slots`` [n] (batch 1), or row ``rows[b]``'s ``slots[b]`` ([B, 1],
+        [B, n]): device indices, so a captured call writes wherever its inputs say."""
+        if rows is None:
+            self.k.index_copy_(2, slots, k)
+            self.v.index_copy_(2, slots, v)
+        else:
+            self.k[rows, :, slots] = k.transpose(1, 2)
+            self.v[rows, :, slots] = v.transpose(1, 2)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
 class Eagle3Drafter(ContextDrafting, nn.Module):
     """An EAGLE-3 drafter (module docstring). Drafting goes through ``methods/eagle3.py``
     (dynamic trees with this module's ``DraftKV``), training through ``ttt_features``."""
@@ -427,13 +467,29 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
             mask[:, s - t:] = torch.triu(torch.full((t, t), torch.finfo(q.dtype).min, dtype=q.dtype,
                                                     device=q.device), 1)
             mask = mask[None, None]
+        normed, pre = self._attend(q, keys, values, mask, hidden)
+        return normed, pre, (k, v)
+
+    def forward_static(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                       cache: StaticDraftKV, slots: torch.Tensor, mask: torch.Tensor,
+                       rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_step`` at a fixed shape: the new rows' keys / values go into ``cache`` at ``slots``
+        (``StaticDraftKV.write``), then attention spans the cache's whole capacity (its first B rows) under
+        ``mask`` [B|1, 1, T, capacity] (additive), which must show each row its own entry. No host read: the
+        drafter's calls are captured as graphs with it. Returns (normed, pre-norm state)."""
+        q, k, v = self.midlayer.self_attn.qkv(self._inputs(tokens, hidden), positions)
+        cache.write(k, v, slots, rows)
+        b = q.shape[0]
+        return self._attend(q, cache.k[:b], cache.v[:b], mask, hidden)
+
+    def _attend(self, q, keys, values, mask, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.midlayer.self_attn
         # GQA inside the kernel: repeating the whole cache's keys and values per query head copied
         # (heads / kv_heads) x the cache on every call, twice the attention's own cost at 300 entries.
         with decoding_sdpa(q.device):  # the drafter's cache grows every call: no cuDNN plan per length
             ctx = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask.to(q.dtype),
                                                  enable_gqa=attn.heads != attn.kv_heads)
-        normed, pre = self._finish(hidden, attn.out(ctx))
-        return normed, pre, (k, v)
+        return self._finish(hidden, attn.out(ctx))
 
     def ttt_features(self, aux: torch.Tensor, future: torch.Tensor, positions: torch.Tensor,
                      mask0: torch.Tensor, steps: Optional[int] = None) -> list[torch.Tensor]:

@@ -32,6 +32,10 @@ accepted + 1; proposed per step = the kept tree's depth (the most it could accep
 Batches (``generate_batch``): ``eagle3_batch``, every row its own tree grown as here, all rows'
 trees verified in one forward.
 
+With static steps (``graphs=``, ``MedusaModel.static``) the drafter's cache is a fixed-shape one and steps 1-2
+(one call per setting) and 5 (one per accepted length) are captured calls (``eagle3_static``): the same
+drafts, without their few dozen kernel launches from Python a step on a GPU. graphs=off keeps ``DraftKV``.
+
 Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
 0 = plain decoding), eagle_depth D, eagle_topk k, eagle_min_prob p (0: every one of the N);
 choice=auto lets an evaluation choose (N, D, k[, p]), or plain decoding when no setting beats it
@@ -48,7 +52,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from ..errors import UserError
-from ..heads.eagle3 import DraftKV, draft_kv_bytes_per_slot
+from ..heads.eagle3 import DraftKV, StaticDraftKV, draft_kv_bytes_per_slot
 from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import seeded_generator
 from ..runtime.model import MedusaModel
@@ -57,6 +61,7 @@ from ..runtime.verify import SamplingConfig, choose_token, verify
 from .autoregressive import AutoregressiveDecoder
 from .eagle3_choice import Eagle3Shape
 from .eagle3_batch import Eagle3BatchDrafter
+from .eagle3_static import catch_up_call, draft_cache, draft_call, tag
 from .registry import Costs, Method, heads_costs, option, register
 
 # The largest eagle_* settings taken: a step costs D-1 drafter calls over k^2 candidates, then one verification of
@@ -206,6 +211,7 @@ class Eagle3Decoder:
         self.root_logits = self.root_state = None
         self.last_path: list[int] = []
         self.extra_nodes = 0        # tree nodes a step may add beyond the drafted ones (eagle3_lookup's graft)
+        self.claimed = 0            # with static steps: this generation's claim on the shared drafter cache
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
@@ -215,7 +221,12 @@ class Eagle3Decoder:
         self.past = n
         self.cache = m.new_cache(n + max_new_tokens + o.nodes + 1 + self.extra_nodes)
         # committed entries (<= n + max_new_tokens + the deepest tree) plus one step's draft entries
-        self.dkv = DraftKV(n + max_new_tokens + o.depth + 1 + self.extra_nodes + (o.depth - 1) * o.topk)
+        need = n + max_new_tokens + o.depth + 1 + self.extra_nodes + (o.depth - 1) * o.topk
+        if m.static is not None:     # the drafter's calls go through captured calls (eagle3_static)
+            self.dkv = draft_cache(m, 1, need)
+            self.claimed = self.dkv.claim()
+        else:
+            self.dkv = DraftKV(need)
         h, aux = m.hidden_aux(prompt, torch.arange(n, device=m.device)[None], self.cache, self.tap)
         self.root = int(choose_token(m.logits(h[0, -1]), self.cfg, self.gen))
         self._catch_up(aux[0], torch.cat([prompt[0, 1:], prompt.new_tensor([self.root])]), 0)
@@ -224,6 +235,8 @@ class Eagle3Decoder:
     def _catch_up(self, aux: torch.Tensor, nxt: torch.Tensor, start: int) -> None:
         """Commit the drafter entries of backbone positions start..start+n-1: true features aux
         [n, 3H], each fed the token after it nxt [n]; the last row drafts the next root's children."""
+        if isinstance(self.dkv, StaticDraftKV):
+            return self._catch_up_static(aux, nxt, start)
         d = self.drafter
         pos = torch.arange(start, start + nxt.numel(), device=nxt.device)[None]
         past = self.dkv.view() if self.dkv.length else None
@@ -231,9 +244,34 @@ class Eagle3Decoder:
         self.dkv.append(k, v)
         self.root_logits, self.root_state = d.project(normed[0, -1]), pre[0, -1]
 
+    def _catch_up_static(self, aux: torch.Tensor, nxt: torch.Tensor, start: int) -> None:
+        """``_catch_up`` on the static cache: a captured call per row count, ``start`` a device input. The
+        prompt's (start 0: once per generation, of any length) runs the same function eagerly."""
+        n, kv = nxt.numel(), self.dkv
+        kv.check(self.claimed)
+        if start + n > kv.capacity:
+            raise RuntimeError(f"draft KV cache full ({kv.capacity} slots)")
+        fn = catch_up_call(self.drafter, kv, n)
+        inputs = (aux, nxt, torch.full((), start, dtype=torch.long, device=nxt.device))
+        if start == 0:
+            out = fn(*inputs)
+        else:
+            out = self.m.static.calls.run(f"eagle3.catchup{n}:{tag(kv)}", fn, inputs, keep=kv)
+        self.root_logits, self.root_state = out
+        kv.length = start + n
+
     def _draft(self):
         """Grow the dynamic tree (steps 1-2): token, score, parent (-1: the root) and depth of every
         drafted node, in drafting order. Draft entries are appended after the committed ones."""
+        if isinstance(self.dkv, StaticDraftKV):    # one captured call per setting (eagle3_static.draft_call)
+            o, kv = self.o, self.dkv
+            kv.check(self.claimed)
+            if kv.length + (o.depth - 1) * o.topk > kv.capacity:
+                raise RuntimeError(f"draft KV cache full ({kv.capacity} slots)")
+            committed = torch.full((), kv.length, dtype=torch.long, device=self.m.device)
+            return self.m.static.calls.run(f"eagle3.draft-d{o.depth}k{o.topk}:{tag(kv)}",
+                                           draft_call(self.drafter, kv, o.depth, o.topk),
+                                           (self.root_logits, self.root_state, committed), keep=kv)
         d, o, dev = self.drafter, self.o, self.m.device
         k, committed = o.topk, self.dkv.length
         score, local = torch.log_softmax(self.root_logits.float(), -1).topk(k)

@@ -20,6 +20,9 @@ the next drafting step commits them all in one call, so a stretch of plain steps
 call, and later steps still draft from a complete cache. Per step: D-1 expansion calls, one verification forward, one
 catch-up call, for the whole batch.
 
+With static steps (``graphs=``) the cache is ``eagle3_static.StaticRowDraftKV`` and the expansion and a
+step's catch-up are captured calls, the batch padded to its bucket (``eagle3_static``).
+
 Speculation per batch size: fixed ``Eagle3Options``, or a ``SpeculationSchedule`` whose choices are
 ``Eagle3Options`` or None, consulted every step with the number of active rows (as
 ``medusa.HeadsDrafter``); caches are sized for its largest setting.
@@ -38,6 +41,7 @@ from ..runtime.model import MedusaModel
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule
 from ..runtime.tree import RowTrees, select_nodes, tree_buffers
 from ..runtime.verify import SamplingConfig
+from .eagle3_static import StaticRowDraftKV, batch_catch_up_call, batch_draft_call, cache_slots, static_rows, tag
 
 
 def _additive(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,7 +150,11 @@ class Eagle3BatchDrafter:
 
     # -- the cache: prompt, then every step's accepted positions ------------------------------------
     def prefilled(self, dec: BatchTreeDecoder, paths: list[list[int]], aux: torch.Tensor) -> None:
-        self.dkv = RowDraftKV(dec.batch, self._capacity(dec.prompt_lengths, dec.max_new_tokens), self.m.device)
+        need = self._capacity(dec.prompt_lengths, dec.max_new_tokens)
+        if self.m.static is not None:     # the drafter's calls go through captured calls (eagle3_static)
+            self.dkv = StaticRowDraftKV(self.m, dec.batch, need)
+        else:
+            self.dkv = RowDraftKV(dec.batch, need, self.m.device)
         self.cursor = ScheduleCursor(self.schedule)
         self.pending = [[] for _ in paths]
         self.accepted(dec, paths, aux)
@@ -168,7 +176,7 @@ class Eagle3BatchDrafter:
         index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=dev)
         feats = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
         nxt = torch.tensor([h[-len(p):] + [0] * (width - len(p)) for h, p in zip(dec.history, paths)], device=dev)
-        self._catch_up(feats, nxt, torch.tensor([len(p) for p in paths], device=dev))
+        self._catch_up(feats, nxt, [len(p) for p in paths], captured=True)
 
     def catch_up_pending(self) -> None:
         """Commit what plain steps left pending (``accepted``): the cache then covers every row's
@@ -183,13 +191,25 @@ class Eagle3BatchDrafter:
         width = max(len(n) for _, n in per_row)
         feats = torch.stack([torch.cat([f, f[-1:].expand(width - len(n), -1)]) for f, n in per_row])
         nxt = torch.tensor([n + [0] * (width - len(n)) for _, n in per_row], device=dev)
-        self._catch_up(feats, nxt, torch.tensor([len(n) for _, n in per_row], device=dev))
+        self._catch_up(feats, nxt, [len(n) for _, n in per_row])
 
-    def _catch_up(self, aux: torch.Tensor, nxt: torch.Tensor, counts: torch.Tensor) -> None:
+    def _catch_up(self, aux: torch.Tensor, nxt: torch.Tensor, host_counts: list, captured: bool = False) -> None:
         """One drafter call over aux [B, T, 3H] / nxt [B, T], row b's first counts[b] real; each row's
-        last real output drafts its next root's children."""
+        last real output drafts its next root's children. ``captured``: a step's catch-up, a captured call
+        with static steps (the prompts' and what plain steps left pending run it eagerly: lengths of every
+        size, once in a while)."""
         d, kv, dev = self.d, self.dkv, self.m.device
+        counts = torch.tensor(host_counts, device=dev)
         b, t = nxt.shape
+        if isinstance(kv, StaticRowDraftKV):
+            kv.reserve(t)
+            fn = batch_catch_up_call(d, kv.cache, t)
+            inputs = (aux, nxt, kv.committed, counts)
+            out = self.m.static.calls.run(f"eagle3.catchup{t}:{tag(kv.cache)}", fn, inputs, rows=b, keep=kv.cache) \
+                if captured else fn(*inputs)
+            self.root_logits, self.root_state = out
+            kv.committed_more(counts, host_counts)
+            return
         start = kv.committed
         width = int(start.max())
         see = torch.zeros(b, t, width + t, dtype=torch.bool, device=dev)
@@ -234,6 +254,11 @@ class Eagle3BatchDrafter:
         d, kv, dev = self.d, self.dkv, self.m.device
         k, committed = o.topk, kv.committed
         b = committed.shape[0]
+        if isinstance(kv, StaticRowDraftKV):    # one captured call per setting (eagle3_static.batch_draft_call)
+            kv.reserve((o.depth - 1) * k)
+            return self.m.static.calls.run(f"eagle3.draft-d{o.depth}k{k}:{tag(kv.cache)}",
+                                           batch_draft_call(d, kv.cache, o.depth, k),
+                                           (self.root_logits, self.root_state, committed), rows=b, keep=kv.cache)
         base = int(committed.max())             # where the draft entries start, in every row
         lanes = torch.arange(b, device=dev)[:, None]
         neg = torch.finfo(self.m.dtype).min
@@ -276,9 +301,12 @@ class Eagle3BatchDrafter:
         return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1)
 
     def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
-        """The drafter's own cache for this batch (one layer: keys and values per slot), for the memory check."""
-        return len(prompt_lengths) * self._capacity(prompt_lengths, max_new_tokens) * \
-            draft_kv_bytes_per_slot(self.d.spec, self.m.dtype)
+        """The drafter's own cache for this batch (one layer: keys and values per slot), for the memory check; with
+        static steps, as ``StaticRowDraftKV`` allocates it (rows up to the batch bucket, capacity rounded up)."""
+        rows, slots = len(prompt_lengths), self._capacity(prompt_lengths, max_new_tokens)
+        if self.m.static is not None:
+            rows, slots = static_rows(self.m, rows), cache_slots(slots + 1)
+        return rows * slots * draft_kv_bytes_per_slot(self.d.spec, self.m.dtype)
 
     def _capacity(self, prompt_lengths, max_new_tokens: int) -> int:
         # Committed entries are real tokens only (never the gaps a ``ragged=gaps`` backbone cache keeps), so
@@ -288,7 +316,10 @@ class Eagle3BatchDrafter:
     def rows_kept(self, index: list[int]) -> None:
         if self.dkv is not None:
             sel = torch.tensor(index, dtype=torch.long, device=self.m.device)
-            self.dkv.select(sel)
+            if isinstance(self.dkv, StaticRowDraftKV):
+                self.dkv.select(sel, index)
+            else:
+                self.dkv.select(sel)
             self.pending = [self.pending[i] for i in index]
             if self.root_logits is not None:   # None until the first commit (all pending so far)
                 self.root_logits, self.root_state = self.root_logits[sel], self.root_state[sel]

@@ -187,6 +187,7 @@ class StaticSteps:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
         self.calls = CapturedCalls(self)   # the drafter's own forwards, captured beside the steps
+        self.kept: dict = {}   # buffers a method's captured calls read (a drafter's cache): as long-lived as the calls
         self.siblings: dict = {}   # key -> the static steps of a model decoding beside this one (a self-draft)
 
     def check_current(self, generation: int) -> None:

@@ -76,6 +76,26 @@ def test_captured_eagle3_verification_with_aux_features():
         out = generate(m, PROMPT, "eagle3", max_new_tokens=40, eos_token_ids=(), **opts)
         assert out.tokens == ref
     assert any("+aux" in k for k in m.static.captures) and m.static.failed == 0 and m.static.disagreed == 0
+    calls_were_captured(m, drafts=False)
+    assert any(k.startswith("eagle3.draft") for k in m.static.calls.captures)     # its expansion: one call
+    assert any(k.startswith("eagle3.catchup") for k in m.static.calls.captures)
+
+
+def test_captured_batched_eagle3_drafting_is_token_identical_in_fp32():
+    """Guards against the batched EAGLE-3 drafter's captured calls (a batch padded to its bucket, per-row draft
+    slots, lanes moved as rows leave) mixing rows or failing capture on CUDA (a host read inside)."""
+    from inference.methods import generate_batch
+
+    m = random_drafter(tiny_llama(vocab=96, hidden=64, layers=4, seed=0).to(DEV))
+    prompts = [PROMPT[:n] for n in (1, 4, 10)]
+    opts = dict(nodes=8, depth=3, topk=2)
+    ref = generate_batch(m, prompts, "eagle3", max_new_tokens=24, eos_token_ids=(), **opts)
+    captured(m)
+    for _ in range(2):
+        out = generate_batch(m, prompts, "eagle3", max_new_tokens=24, eos_token_ids=(), **opts)
+        assert [r.tokens for r in out.rows] == [r.tokens for r in ref.rows]
+    calls_were_captured(m, drafts=False)
+    assert any(k.startswith("eagle3.draft") and k.endswith("@4") for k in m.static.calls.captures)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

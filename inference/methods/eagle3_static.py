@@ -1,0 +1,237 @@
+"""EAGLE-3's drafter forwards at fixed shapes, as captured calls (``graphs=``: ``runtime.captured_calls``).
+
+With static steps the backbone's forward replays as a graph, and what is left on the host each step is the
+drafter: its depth-1 top-k, D-1 expansion forwards and the catch-up, a few dozen kernels each launched from
+Python. Here each is one function of tensor inputs over a fixed-shape cache (``heads.eagle3.StaticDraftKV``),
+so ``MedusaModel.static.calls`` captures it once per key and replays it after that:
+
+- the draft (``draft_call``): one call per (depth, top-k), inputs the root's draft distribution and state and
+  the committed count; the same arithmetic as ``Eagle3Decoder._draft`` (``Eagle3BatchDrafter._grow``), its
+  entries written after the committed ones at slots computed on the device;
+- the catch-up (``catch_up_call``): one call per row count n, inputs the accepted path's features, the tokens
+  fed after them and its start; the prompt's runs once, eagerly, through the same function;
+- attention spans the cache's whole capacity under an additive mask built on the device from those inputs
+  (committed entries, the ancestors' and the node's own draft entries): every shape is fixed for the key.
+
+Nothing inside reads the host (``.item()``, a branch on a tensor, a data-dependent shape): a CUDA capture
+refuses that, or freezes it. Every Python number the functions close over is fixed for their name. Tensors
+they read besides their inputs are the drafter's weights and the cache, which lives as long as the model's
+static steps (``draft_cache``: one per batch size, grown in powers of two, kept with the calls captured over
+it), so a generation does not capture anew.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..heads.eagle3 import StaticDraftKV
+
+MIN_SLOTS = 256
+KEPT = "eagle3 draft caches"   # under the static steps' ``kept``: {batch: (drafter, cache)}, outliving a generation
+
+
+def draft_cache(m, batch: int, need: int) -> StaticDraftKV:
+    """The static steps' drafter cache of ``batch`` rows holding at least ``need`` slots: the one already there,
+    or a new one (capacity a power of two, at least ``MIN_SLOTS``: a longer request regrows it rarely, and the
+    calls named after the old one are never replayed again; ``keep`` holds it while they exist)."""
+    store = m.static.kept.setdefault(KEPT, {})
+    d = m.heads
+    held = store.get(batch)
+    if held is not None and held[0] is d and held[1].capacity >= need:
+        return held[1]
+    attn = d.midlayer.self_attn
+    capacity = cache_slots(need)
+    cache = StaticDraftKV(batch, attn.kv_heads, capacity, attn.head_dim, d.fc.weight.dtype, m.device)
+    store[batch] = (d, cache)
+    return cache
+
+
+def cache_slots(need: int) -> int:
+    """The capacity of a drafter cache made for ``need`` slots (a power of two, at least ``MIN_SLOTS``)."""
+    return max(MIN_SLOTS, 1 << (need - 1).bit_length())
+
+
+def static_rows(m, batch: int) -> int:
+    """Rows of the drafter cache a batch of ``batch`` decodes on: its batch bucket (the captured calls pad to it)."""
+    return next((b for b in m.static.buckets if b >= batch), batch)
+
+
+def tag(cache: StaticDraftKV) -> str:
+    """What names a call captured over ``cache`` (a regrown cache's calls are new ones)."""
+    return f"{id(cache):x}"
+
+
+def _neg(cache: StaticDraftKV) -> float:
+    return torch.finfo(cache.k.dtype).min
+
+
+def catch_up_call(d, cache: StaticDraftKV, n: int):
+    """fn(aux [n, 3H], nxt [n] long, start [] long) -> (root_logits [V'], root_state [H]): commits the entries of
+    positions start..start+n-1 (``Eagle3Decoder._catch_up``), each row seeing the committed entries and the
+    earlier new rows; the last row's outputs draft the next root's children."""
+    neg = _neg(cache)
+
+    def fn(aux, nxt, start):
+        dev = nxt.device
+        slots = start + torch.arange(n, device=dev)                                   # = the positions
+        hidden = torch.arange(cache.capacity, device=dev)[None] > slots[:, None]      # [n, capacity]
+        mask = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=dev).masked_fill_(hidden, neg)
+        normed, pre = d.forward_static(nxt[None], d.combine(aux)[None], slots[None], cache, slots, mask[None, None])
+        return d.project(normed[0, -1]), pre[0, -1]
+    return fn
+
+
+def draft_call(d, cache: StaticDraftKV, depth: int, k: int):
+    """fn(root_logits [V'], root_state [H], committed [] long) -> (tokens, scores, parents, depths): the
+    dynamic tree of ``Eagle3Decoder._draft`` (same nodes, same scores, same order), its draft entries at
+    slots committed.. of ``cache``."""
+    neg, width = _neg(cache), (depth - 1) * k      # draft entries a step writes
+
+    def fn(root_logits, root_state, committed):
+        dev = root_logits.device
+        score, local = torch.log_softmax(root_logits.float(), -1).topk(k)
+        tok = d.to_vocab_ids(local)
+        parent = torch.full((k,), -1, dtype=torch.long, device=dev)
+        state = root_state.expand(k, -1)
+        vis = torch.zeros(k, width, dtype=torch.bool, device=dev)       # each node's ancestors' entries
+        toks, scores, parents, depths = [tok], [score], [parent], [torch.ones(k, dtype=torch.long, device=dev)]
+        seen = torch.zeros(cache.capacity, dtype=cache.k.dtype, device=dev).masked_fill_(
+            torch.arange(cache.capacity, device=dev) >= committed, neg)    # the committed entries alone
+        slots = committed + torch.arange(width, device=dev)
+        first = entries = 0
+        for level in range(1, depth):
+            rows = min(k, score.numel())
+            pick = score.topk(rows).indices
+            own = vis[pick]
+            # each node's own entry; a device tensor, not ``= True`` (a host scalar copied in at every replay)
+            own[:, entries:entries + rows] |= torch.eye(rows, dtype=torch.bool, device=dev)
+            drafted = torch.zeros(own.shape, dtype=seen.dtype, device=dev).masked_fill_(~own, neg)
+            mask = seen[None].repeat(rows, 1).index_copy_(1, slots, drafted)    # + ancestors and itself
+            positions = (committed - 1 + level).expand(1, rows)
+            normed, pre = d.forward_static(tok[pick][None], state[pick][None], positions, cache,
+                                           slots[entries:entries + rows], mask[None, None])
+            logq = torch.log_softmax(d.project(normed[0]).float(), -1).clamp(max=0)
+            child_score, child_local = logq.topk(k, dim=-1)                                  # [rows, k]
+            score = (score[pick][:, None] + child_score).reshape(-1)
+            tok = d.to_vocab_ids(child_local).reshape(-1)
+            # expand + reshape, not repeat_interleave: the same values, and no host read of a repeat count
+            parent = (first + pick)[:, None].expand(rows, k).reshape(-1)
+            state = pre[0][:, None].expand(rows, k, -1).reshape(rows * k, -1)
+            vis = own[:, None].expand(rows, k, width).reshape(rows * k, width)
+            first += toks[-1].numel()
+            entries += rows
+            toks.append(tok)
+            scores.append(score)
+            parents.append(parent)
+            depths.append(torch.full((score.numel(),), level + 1, dtype=torch.long, device=dev))
+        return torch.cat(toks), torch.cat(scores), torch.cat(parents), torch.cat(depths)
+    return fn
+
+
+# -- batches (``eagle3_batch.Eagle3BatchDrafter``) ------------------------------------------------------------
+class StaticRowDraftKV:
+    """``eagle3_batch.RowDraftKV`` on a static cache: row b's committed entries at slots 0..committed[b]-1, its
+    draft entries right after them (not at a shared offset: that offset is a maximum over the rows, a host read).
+    The cache has a row per lane of the batch's bucket (the captured calls pad the batch to it, and a padded
+    lane writes its own row, never a real one) and one slot more than the batch needs: the last, where a
+    catch-up's padding steps write. ``lengths``: ``committed`` on the host, to refuse an overflow without a
+    device read."""
+
+    def __init__(self, m, batch: int, need: int):
+        lanes = static_rows(m, batch)
+        self.cache = draft_cache(m, lanes, need + 1)
+        self.claimed = self.cache.claim()
+        self.capacity = self.cache.capacity
+        self.committed = torch.zeros(batch, dtype=torch.long, device=m.device)
+        self.lengths = [0] * batch
+
+    def reserve(self, slots: int) -> None:
+        """Refuse (as ``RowDraftKV`` does) a call writing beyond the cache: ``slots`` past the longest row."""
+        self.cache.check(self.claimed)
+        if max(self.lengths) + slots > self.capacity - 1:
+            raise RuntimeError(f"draft KV cache full ({self.capacity - 1} slots)")
+
+    def committed_more(self, counts: torch.Tensor, host: list) -> None:
+        self.committed = self.committed + counts
+        self.lengths = [n + c for n, c in zip(self.lengths, host)]
+
+    def row_entries(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's committed keys and values [kv_heads, committed[b], D]."""
+        n = self.lengths[b]
+        return self.cache.k[b, :, :n], self.cache.v[b, :, :n]
+
+    def select(self, index: torch.Tensor, rows: list) -> None:
+        """Rows ``index`` go on, moved to lanes 0..len-1 of the same cache (the captured calls read it there)."""
+        n = len(rows)
+        self.cache.k[:n] = self.cache.k[index]
+        self.cache.v[:n] = self.cache.v[index]
+        self.committed = self.committed[index]
+        self.lengths = [self.lengths[i] for i in rows]
+
+
+def batch_catch_up_call(d, cache: StaticDraftKV, t: int):
+    """fn(aux [B, t, 3H], nxt [B, t], start [B], counts [B]) -> (root_logits [B, V'], root_state [B, H]):
+    ``Eagle3BatchDrafter._catch_up``: row b commits positions start[b]..start[b]+counts[b]-1, each step seeing
+    its row's committed entries and its earlier steps; a padding step (beyond counts[b]) writes to the reserved
+    last slot, where no real row looks."""
+    neg = _neg(cache)
+
+    def fn(aux, nxt, start, counts):
+        b, dev = nxt.shape[0], nxt.device
+        lanes = torch.arange(b, device=dev)[:, None]
+        step = torch.arange(t, device=dev)[None]
+        pos = start[:, None] + step                                                   # [B, t]
+        slots = torch.where(step < counts[:, None], pos, cache.capacity - 1)
+        hidden = torch.arange(cache.capacity, device=dev)[None, None] > pos[..., None]  # [B, t, capacity]
+        mask = torch.zeros(hidden.shape, dtype=cache.k.dtype, device=dev).masked_fill_(hidden, neg)
+        normed, pre = d.forward_static(nxt, d.combine(aux), pos, cache, slots, mask[:, None], rows=lanes)
+        last = counts - 1
+        return d.project(normed[lanes[:, 0], last]), pre[lanes[:, 0], last]
+    return fn
+
+
+def batch_draft_call(d, cache: StaticDraftKV, depth: int, k: int):
+    """fn(root_logits [B, V'], root_state [B, H], committed [B]) -> (tokens, scores, parents, depths) [B, nodes]:
+    ``Eagle3BatchDrafter._grow`` (``draft_call`` with a leading row axis), row b's draft entries at slots
+    committed[b]..."""
+    neg, width = _neg(cache), (depth - 1) * k
+
+    def fn(root_logits, root_state, committed):
+        b, dev = root_logits.shape[0], root_logits.device
+        lanes = torch.arange(b, device=dev)[:, None]
+        score, local = torch.log_softmax(root_logits.float(), -1).topk(k)                 # [B, k]
+        tok = d.to_vocab_ids(local)
+        parent = torch.full((b, k), -1, dtype=torch.long, device=dev)
+        state = root_state[:, None].expand(b, k, -1)
+        vis = torch.zeros(b, k, width, dtype=torch.bool, device=dev)
+        toks, scores, parents = [tok], [score], [parent]
+        depths = [torch.ones(b, k, dtype=torch.long, device=dev)]
+        seen = torch.zeros(b, cache.capacity, dtype=cache.k.dtype, device=dev).masked_fill_(
+            torch.arange(cache.capacity, device=dev)[None] >= committed[:, None], neg)   # [B, capacity]
+        slots = committed[:, None] + torch.arange(width, device=dev)[None]              # [B, width]
+        first = entries = 0
+        for level in range(1, depth):
+            rows = min(k, score.shape[1])
+            pick = score.topk(rows, dim=-1).indices                                      # [B, rows]
+            own = vis[lanes, pick]                                                       # [B, rows, width]
+            own[:, :, entries:entries + rows] |= torch.eye(rows, dtype=torch.bool, device=dev)
+            drafted = torch.zeros(own.shape, dtype=seen.dtype, device=dev).masked_fill_(~own, neg)
+            mask = seen[:, None].repeat(1, rows, 1).scatter_(2, slots[:, None].expand(b, rows, width), drafted)
+            positions = (committed - 1 + level)[:, None].expand(b, rows)
+            normed, pre = d.forward_static(tok[lanes, pick], state[lanes, pick], positions, cache,
+                                           slots[:, entries:entries + rows], mask[:, None], rows=lanes)
+            logq = torch.log_softmax(d.project(normed).float(), -1).clamp(max=0)
+            child_score, child_local = logq.topk(k, dim=-1)                              # [B, rows, k]
+            score = (score[lanes, pick][..., None] + child_score).reshape(b, -1)
+            tok = d.to_vocab_ids(child_local).reshape(b, -1)
+            parent = (first + pick)[..., None].expand(b, rows, k).reshape(b, -1)
+            state = pre[:, :, None].expand(b, rows, k, -1).reshape(b, rows * k, -1)
+            vis = own[:, :, None].expand(b, rows, k, width).reshape(b, rows * k, width)
+            first += toks[-1].shape[1]
+            entries += rows
+            toks.append(tok)
+            scores.append(score)
+            parents.append(parent)
+            depths.append(torch.full((b, score.shape[1]), level + 1, dtype=torch.long, device=dev))
+        return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1)
+    return fn

@@ -1,0 +1,342 @@
+"""EAGLE-3's drafter forwards as captured calls (``methods/eagle3_static.py``), on CPU.
+
+With static steps (graphs=) the drafter drafts and catches up through ``MedusaModel.static.calls`` over a
+fixed-shape cache. ``replaying`` (tests/runtime/test_static_steps.py) stands in for CUDA's capture, and
+``host_read_refused`` (tests/runtime/test_captured_calls.py) for the sync debugging that makes a CUDA capture
+fail on a host read; the CUDA capture itself is checked on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.heads.eagle3 import Eagle3Drafter, StaticDraftKV
+from inference.methods import generate, generate_batch
+from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options
+from inference.runtime.static_steps import StaticSteps
+from inference.runtime.verify import SamplingConfig
+from runtime_support import one_thread, tiny_llama  # noqa: F401 (autouse fixture)
+from test_captured_calls import host_read_refused
+from test_eagle3_decoding import random_drafter
+from test_static_steps import REPEATING, with_steps
+
+LONG = [(7 * i + 3) % 96 for i in range(300)]
+PROMPTS = ([5], REPEATING, LONG)
+SETTINGS = {"n4-d1-k4": dict(nodes=4, depth=1, topk=4), "n8-d3-k2": dict(nodes=8, depth=3, topk=2)}
+METHODS = ("eagle3", "eagle3_lookup")
+
+
+class RightDrafter(Eagle3Drafter):
+    """A drafter whose first choice is always the backbone's greedy token (``seq``), decoys after it, computed
+    without a host read (so it can be captured): steps accept deep paths, every catch-up length and depth runs."""
+
+    seq: torch.Tensor = torch.zeros(1, dtype=torch.long)
+
+    def _scripted(self, normed, tokens, positions):
+        n = len(self.seq)
+        on = (tokens == self.seq[(positions + 1).clamp(max=n - 1)]) & (positions + 2 < n)
+        code = normed.clone()
+        code[..., 0] = torch.where(on, self.seq[(positions + 2).clamp(max=n - 1)], -1).float()
+        return code
+
+    def forward_step(self, tokens, hidden, positions, past=None, mask=None):
+        normed, pre, kv = super().forward_step(tokens, hidden, positions, past, mask)
+        return self._scripted(normed, tokens, positions), pre, kv
+
+    def forward_static(self, tokens, hidden, positions, cache, slots, mask, rows=None):
+        normed, pre = super().forward_static(tokens, hidden, positions, cache, slots, mask, rows)
+        return self._scripted(normed, tokens, positions), pre
+
+    def project(self, x, k=0):
+        v = self.spec.vocab_size
+        t = x[..., 0].round().long()
+        base = t.clamp(min=0)
+        logits = torch.zeros(*x.shape[:-1], v)
+        for j in range(4):                                   # decoys at 8, 7, 6, 5
+            logits.scatter_(-1, ((base + 1 + j) % v)[..., None], 8.0 - j)
+        right = torch.where(t >= 0, 10.0, logits.gather(-1, base[..., None])[..., 0])
+        return logits.scatter_(-1, base[..., None], right[..., None])
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    return tiny_llama(vocab=96, hidden=64, layers=4, seed=0, max_positions=1024)
+
+
+@pytest.fixture(scope="module")
+def m(backbone):
+    return random_drafter(backbone)
+
+
+def drafter_calls(m) -> dict:
+    return {k: v for k, v in m.static.calls.captures.items() if k.startswith("eagle3.")}
+
+
+def assert_clean(m) -> None:
+    calls = m.static.calls
+    assert calls.failed == 0 and calls.disagreed == 0 and calls.checked >= 1
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_is_token_identical_off_uncaptured_and_replayed(m, method, setting):
+    """Guards against the static drafter cache or its captured calls changing a token or an acceptance (a
+    draft entry at the wrong slot, a mask that shows a stale or another node's entry, a catch-up at the wrong
+    start, NaN from an uninitialised slot, a replay reading the capture's inputs): fp32 greedy, graphs=off vs
+    uncaptured vs replayed, eagle3 and eagle3_lookup (its grafted nodes), prompts of 1, 14 and 300 tokens."""
+    opts = SETTINGS[setting]
+    for prompt in PROMPTS:
+        with_steps(m, "off")
+        ref = generate(m, prompt, method, max_new_tokens=40, eos_token_ids=(), **opts)
+        for how in ("uncaptured", "replayed"):
+            with_steps(m, how)
+            out = generate(m, prompt, method, max_new_tokens=40, eos_token_ids=(), **opts)
+            assert out.tokens == ref.tokens and out.accept_lengths == ref.accept_lengths, (prompt[:3], how)
+        assert any(f"draft-d{opts['depth']}k{opts['topk']}:" in k for k in drafter_calls(m))
+        assert_clean(m)
+    m.static = None
+
+
+def recording(dec, log: list):
+    """``dec`` with every ``_draft`` result appended to ``log``."""
+    draft = dec._draft
+    dec._draft = lambda: (lambda out: log.append(out) or out)(draft())
+    return dec
+
+
+@pytest.mark.parametrize("how", ["uncaptured", "replayed"])
+@pytest.mark.parametrize("method", METHODS)
+def test_drafter_state_equals_the_dynamic_drafters_step_by_step(backbone, method, how):
+    """Guards against a drafter bug that greedy tokens cannot show (drafts only change acceptance): a stale or
+    missing entry in the static cache's mask, a catch-up at the wrong start or positions, a draft entry at the
+    wrong slot. Decoding in lockstep with graphs=off, every step's drafted tokens, parents and depths are equal,
+    their scores and the next root's draft distribution and state agree to fp32 rounding."""
+    from inference.methods.eagle3_lookup import Eagle3LookupDecoder, Eagle3LookupOptions
+
+    cls, opts = ((Eagle3Decoder, Eagle3Options) if method == "eagle3"
+                 else (Eagle3LookupDecoder, Eagle3LookupOptions))
+    off, static = random_drafter(backbone), with_steps(random_drafter(backbone), how)   # the same weights
+    for prompt in ([5], REPEATING):
+        logs = ([], [])
+        decs = [recording(cls(mm, opts(**SETTINGS["n8-d3-k2"])), log) for mm, log in zip((off, static), logs)]
+        for dec in decs:
+            dec.prefill(torch.tensor([prompt]), 40)
+        lengths = []
+        for _ in range(12):
+            for a, b in (decs[0].root_logits, decs[1].root_logits), (decs[0].root_state, decs[1].root_state):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            steps = [dec.step() for dec in decs]
+            assert steps[0] == steps[1]
+            lengths.append(len(steps[0][0]))
+            (ta, sa, pa, da), (tb, sb, pb, db) = logs[0][-1], logs[1][-1]
+            assert torch.equal(ta, tb) and torch.equal(pa, pb) and torch.equal(da, db)
+            torch.testing.assert_close(sa, sb, atol=1e-5, rtol=1e-5)
+        if method == "eagle3_lookup" and prompt == REPEATING:
+            assert max(lengths) > 2          # grafted paths accepted: catch-ups of several rows ran
+    if how == "replayed":
+        assert_clean(static)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_deep_accepted_paths_stay_greedy_and_capture_each_catch_up_once(backbone, method):
+    """Guards against the captured catch-up of a long accepted path (rows 2..D+1, start a device input) or a
+    deep tree's expansion calls diverging from the eager drafter, and against recapturing them per step or
+    per generation: with drafts that are always right every catch-up length runs, each captured once
+    (``catchup{n}``), the draft once per setting, replays checked, tokens plain greedy's."""
+    sm = random_drafter(backbone, RightDrafter)
+    plain = generate(sm, REPEATING, "autoregressive", max_new_tokens=40, eos_token_ids=()).tokens
+    sm.heads.seq = torch.tensor(REPEATING + plain)
+    with_steps(sm, "replayed")
+    outs = [generate(sm, REPEATING, method, max_new_tokens=40, eos_token_ids=(), nodes=8, depth=4, topk=2)
+            for _ in range(3)]
+    assert all(o.tokens == plain for o in outs) and max(outs[0].accept_lengths) >= 5
+    names = drafter_calls(sm)
+    assert all(v == 1 for v in names.values())
+    assert sum("draft-d4k2:" in k for k in names) == 1           # one cache for the three generations
+    assert "catchup5" in {k.split(":")[0].split(".")[1] for k in names}
+    assert_clean(sm)
+    sm.static = None
+
+
+def test_calls_are_captured_once_per_key_across_generations(m):
+    """Guards against the drafter cache (and so every call captured over it) being made anew per generation
+    (a capture and a graph's memory per request on a GPU) or a call captured twice: many generations of two
+    settings add no capture after the first round; a longer request regrows the cache once, said by a new name."""
+    with_steps(m, "replayed")
+    for opts in SETTINGS.values():
+        generate(m, REPEATING, "eagle3", max_new_tokens=30, eos_token_ids=(), **opts)
+    first = dict(drafter_calls(m))
+    for _ in range(2):
+        for opts in SETTINGS.values():
+            generate(m, REPEATING, "eagle3", max_new_tokens=30, eos_token_ids=(), **opts)
+            generate(m, [5], "eagle3_lookup", max_new_tokens=30, eos_token_ids=(), **opts)
+    grown = set(drafter_calls(m)) - set(first)
+    assert all("catchup" in k for k in grown)      # only lookup's longer accepted paths, never a recapture
+    assert {k.split(":")[0] for k in first} >= {"eagle3.draft-d1k4", "eagle3.draft-d3k2", "eagle3.catchup1"}
+    tags = {k.split(":")[1] for k in drafter_calls(m)}
+    assert len(tags) == 1
+    generate(m, LONG + LONG, "eagle3", max_new_tokens=10, eos_token_ids=(), **SETTINGS["n4-d1-k4"])
+    assert len({k.split(":")[1] for k in drafter_calls(m)}) == 2
+    assert_clean(m)
+    m.static = None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_host_read_inside_the_captured_calls(m, method):
+    """Guards against a host read (``.item()``, ``.tolist()``, ``int()`` / ``bool()`` of a tensor, a branch on
+    a tensor) inside the drafter's captured functions, which fails a CUDA capture (the call then runs eagerly,
+    slow) or freezes a value into the graph: every run of a captured function refuses them here, and no
+    capture fails."""
+    with_steps(m, "off")
+    refs = [generate(m, p, method, max_new_tokens=30, eos_token_ids=(), **SETTINGS["n8-d3-k2"]).tokens
+            for p in PROMPTS[:2]]
+    m.static = StaticSteps(m, capture=host_read_refused, log=lambda line: None)
+    outs = [generate(m, p, method, max_new_tokens=30, eos_token_ids=(), **SETTINGS["n8-d3-k2"]).tokens
+            for p in PROMPTS[:2]]
+    assert outs == refs and drafter_calls(m)
+    assert_clean(m)
+    m.static = None
+
+
+def test_the_host_read_stand_in_does_refuse_a_host_read(m):
+    """Guards against the no-host-read check above passing vacuously: a call that reads a tensor on the host
+    fails its capture under the same stand-in (and stays eager, right)."""
+    m.static = StaticSteps(m, capture=host_read_refused, log=lambda line: None)
+    x = torch.arange(4.0)
+    for _ in range(3):
+        (y,) = m.static.calls.run("probe", lambda t: (t * int(t.sum()),), (x,))
+    assert torch.equal(y, x * 6) and m.static.calls.failed == 1
+    m.static = None
+
+
+def test_exact_sampling_is_unchanged_by_captured_drafting(m):
+    """Guards against the captured draft changing what sampling sees (the draft is deterministic; verify
+    samples outside the calls): the same seed gives the same tokens off, uncaptured and replayed."""
+    cfg = SamplingConfig(mode="sample", temperature=0.8)
+    tokens = {}
+    for how in ("off", "uncaptured", "replayed"):
+        with_steps(m, how)
+        tokens[how] = [generate(m, REPEATING, method, max_new_tokens=30, sampling=cfg, seed=7,
+                                **SETTINGS["n8-d3-k2"]).tokens for method in METHODS]
+    assert tokens["uncaptured"] == tokens["replayed"] == tokens["off"]
+    assert_clean(m)
+    m.static = None
+
+
+def test_two_interleaved_generations_are_refused(m):
+    """Guards against two decoders drafting on the one static drafter cache at once (each would read the
+    other's entries): the older one's next step raises instead of decoding wrong."""
+    with_steps(m, "uncaptured")
+    a = Eagle3Decoder(m, Eagle3Options(**SETTINGS["n4-d1-k4"]))
+    b = Eagle3Decoder(m, Eagle3Options(**SETTINGS["n4-d1-k4"]))
+    a.prefill(torch.tensor([REPEATING]), 8)
+    b.prefill(torch.tensor([REPEATING]), 8)
+    assert isinstance(a.dkv, StaticDraftKV) and a.dkv is b.dkv
+    with pytest.raises(RuntimeError, match="two generations"):
+        a.step()
+    m.static = None
+
+
+# -- batches (``Eagle3BatchDrafter``) -----------------------------------------------------------------------
+BATCH = [[5], REPEATING, [60, 61, 7, 7, 7, 30, 12, 95, 44], LONG[:150]]
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_drafting_is_token_identical_and_captured_per_bucket(m, method, setting):
+    """Guards against a batch's captured draft or catch-up mixing rows (a padded lane writing a real row's
+    cache, per-row draft slots or masks off by one, rows leaving the batch moving the wrong cache lanes) or
+    reading the host: 3 rows (padded to the 4-row bucket), then fewer as rows stop at an EOS, every row's
+    tokens and acceptances equal graphs=off's; each call captured once per bucket, no failure, no disagreement."""
+    opts = SETTINGS[setting]
+    prompts = BATCH[:3] + BATCH[3:] * (method == "eagle3")     # 4 rows for eagle3, 3 (padded) for lookup
+    with_steps(m, "off")
+    free = generate_batch(m, prompts, method, max_new_tokens=24, eos_token_ids=(), **opts)
+    starts = {t for r in free.rows for t in r.tokens[:2]}
+    eos = (next(t for r in free.rows for t in r.tokens[4:12] if t not in starts),)
+    ref = generate_batch(m, prompts, method, max_new_tokens=24, eos_token_ids=eos, **opts)
+    m.static = StaticSteps(m, capture=host_read_refused, log=lambda line: None)
+    out = generate_batch(m, prompts, method, max_new_tokens=24, eos_token_ids=eos, **opts)
+    for a, b in zip(out.rows, ref.rows):
+        assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+    names = drafter_calls(m)
+    sizes = {int(k.rsplit("@", 1)[1]) for k in names if "draft-" in k}
+    assert 4 in sizes and all(v == 1 for v in names.values())
+    assert m.static.calls.failed == 0 and m.static.calls.disagreed == 0
+    m.static = None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_drafter_state_equals_the_dynamic_drafters_step_by_step(backbone, method):
+    """Guards against the batch's static drafter holding what tokens cannot show: a row's committed entries at
+    the wrong lane or slots (a padded lane writing a real row, per-row starts off by one, lanes not compacted
+    when rows leave), a draft mask hiding a node's own or its ancestors' entries, a wrong next-root state. In
+    lockstep with graphs=off, every captured step drafts the same nodes (scores to fp32 rounding), and after the
+    prefill and every step each row's entries and state equal a fresh catch-up over its accepted tokens, also
+    after rows leave in another order (3 rows in the 4-lane bucket, then 2)."""
+    from inference.methods.eagle3_lookup import Eagle3LookupOptions
+    from inference.runtime.batch_decode import BatchTreeDecoder
+    from test_batch_eagle3 import check_drafter_cache
+
+    off, sm = random_drafter(backbone), with_steps(random_drafter(backbone), "replayed")    # the same weights
+    opts = (Eagle3Options if method == "eagle3" else Eagle3LookupOptions)(**SETTINGS["n8-d3-k2"])
+    decs, logs = [], ([], [])
+    for mm, log in zip((off, sm), logs):
+        drafter = opts.batch_drafter(mm, opts)
+        grow = drafter._grow
+        drafter._grow = lambda o, grow=grow, log=log: (lambda out: log.append(out) or out)(grow(o))
+        decs.append(BatchTreeDecoder(mm, drafter))
+        decs[-1].prefill(BATCH[1:], 30)
+    dec = decs[1]
+    check_drafter_cache(off, dec, dec.drafter)
+    lengths = []
+    for step in range(8):
+        news = [d.step() for d in decs]
+        assert news[0] == news[1]
+        lengths += [len(new) for new, _ in news[1]]
+        (ta, sa, pa, da), (tb, sb, pb, db) = logs[0][-1], logs[1][-1]
+        assert torch.equal(ta, tb) and torch.equal(pa, pb) and torch.equal(da, db)
+        torch.testing.assert_close(sa, sb, atol=1e-5, rtol=1e-5)
+        check_drafter_cache(off, dec, dec.drafter)
+        if step == 2:
+            with torch.inference_mode():     # as run_batch calls it (the backbone's static rows move in it)
+                for d in decs:
+                    d.keep_rows([2, 0])
+            check_drafter_cache(off, dec, dec.drafter)
+    assert max(lengths) > 2 or method == "eagle3"      # lookup's grafted paths: multi-row catch-ups
+    assert {int(k.rsplit("@", 1)[1]) for k in drafter_calls(sm)} >= {2, 4}
+    assert_clean(sm)
+
+
+def test_batched_sampling_is_unchanged_by_captured_drafting(m):
+    """Guards against the batch's captured draft changing what its rows sample: same seed, same tokens
+    uncaptured and replayed (and as graphs=off)."""
+    cfg = SamplingConfig(mode="sample", temperature=0.8)
+    rows = {}
+    for how in ("off", "uncaptured", "replayed"):
+        with_steps(m, how)
+        out = generate_batch(m, BATCH[:3], "eagle3", max_new_tokens=20, sampling=cfg, seed=3, **SETTINGS["n8-d3-k2"])
+        rows[how] = [r.tokens for r in out.rows]
+    assert rows["uncaptured"] == rows["replayed"] == rows["off"]
+    m.static = None
+
+
+def test_static_cache_is_zero_filled():
+    """Guards against an uninitialised drafter cache: a NaN in a masked slot still poisons attention (NaN x 0)."""
+    kv = StaticDraftKV(2, 2, 16, 4, torch.float32, "cpu")
+    assert kv.k.abs().sum() == 0 and kv.v.abs().sum() == 0 and not kv.k.isnan().any()
+
+
+def test_the_memory_check_counts_the_static_drafter_cache_as_allocated(m):
+    """Guards against the batch memory check undercounting the drafter's cache under graphs (it has a row per
+    lane of the batch bucket and a capacity rounded up to a power of two): the estimate equals what is allocated."""
+    from inference.methods.eagle3_batch import Eagle3BatchDrafter
+
+    m.static = StaticSteps(m, capture=None, log=lambda line: None)
+    prompts = BATCH[:3]
+    drafter = Eagle3BatchDrafter(m, Eagle3Options(nodes=8, depth=3, topk=2).fitted(m.heads.spec))
+    estimate = drafter.cache_bytes([len(p) for p in prompts], 24)
+    generate_batch(m, prompts, "eagle3", max_new_tokens=24, eos_token_ids=(), nodes=8, depth=3, topk=2)
+    (cache,) = [c for _, c in m.static.kept["eagle3 draft caches"].values()]
+    assert cache.k.shape[0] == 4 and estimate == 2 * cache.k.numel() * cache.k.element_size()
+    m.static = None
