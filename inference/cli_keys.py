@@ -55,9 +55,10 @@ class CommandKeys:
     # float: heads as trained | float16: fp32 heads' own linears in float16 (runtime/draft_weights.py; drafting
     # reads half the bytes; the backbone verifies, so greedy outputs and sampling's distribution are unchanged)
     draft_weights: str = "float"
-    # auto: every single-prompt step of the backbone as a CUDA graph over static shapes on CUDA (off elsewhere) |
-    # on (CUDA only) | off (dynamic shapes, no capture) | uncaptured (the static-shape steps without capture, any
-    # device: what "on" computes). runtime/static_steps.py; report.json's "graphs" records the captures
+    # auto: the backbone's steps (one prompt or a batch) and the drafters' forwards as CUDA graphs over static
+    # shapes on CUDA (off elsewhere) | on (CUDA only) | off (dynamic shapes, no capture) | uncaptured (the
+    # static-shape steps without capture, any device: what "on" computes). runtime/static_steps.py,
+    # captured_calls.py; report.json's "graphs" records the captures
     graphs: str = "auto"
     # the row counts a captured step is padded up to (strictly increasing); larger steps run uncaptured
     graph_buckets: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
