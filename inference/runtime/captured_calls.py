@@ -8,8 +8,8 @@ inputs; the call is captured once per (name, input shapes) and replayed after th
 
 - its first run is eager: lazy caches (a tree's level tables) and the host reads they need happen there, not
   in a capture, and a call made once per generation (a prompt's) is never captured;
-- its second run captures it (inputs copied into fixed tensors first), its third replay on new inputs is
-  checked against the same call run eagerly (``graph_capture.outputs_agree``): a host value the capture
+- its second run captures it (inputs copied into fixed tensors first) and replays it; its third, the first
+  replay on other inputs than the capture's, is checked against the same call run eagerly (``graph_capture.outputs_agree``): a host value the capture
   froze makes the call run eagerly from then on, said in one line, never a wrong token;
 - ``rows``: the inputs' leading dimension is a batch; it is padded up to the static steps' batch bucket (with
   copies of the last real row, a valid input whatever the call computes) and the outputs cut back, so a batch
@@ -71,14 +71,17 @@ class CapturedCalls:
                 return tuple(fn(*inputs))
         key = (name, size, tuple((tuple(x.shape[1:] if rows is not None else x.shape), x.dtype, x.device)
                                  for x in inputs))
-        call = self._calls.setdefault(key, _Call(keep=keep))
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = _Call(keep=keep)
         call.runs += 1
         if call.eager or call.runs == 1:
             return tuple(fn(*inputs))
         if call.captured is None:
             call.inputs = [x.new_empty((size, *x.shape[1:]) if rows is not None else x.shape) for x in inputs]
             self._fill(call, inputs, rows)
-            call.captured = self._capture(self._label(name, size), lambda: tuple(fn(*call.inputs)), inputs[0].device)
+            call.captured = self._capture(self._label(name, size, key), lambda: tuple(fn(*call.inputs)),
+                                          inputs[0].device)
             if call.captured is None:
                 call.eager = True
                 return tuple(fn(*inputs))
@@ -92,8 +95,13 @@ class CapturedCalls:
             real = self._checked(call, name, real, fn, rows)
         return tuple(o.clone() for o in real)
 
-    def _label(self, name: str, size: Optional[int]) -> str:
-        return name if size is None else f"{name}@{size}"
+    def _label(self, name: str, size: Optional[int], key: tuple) -> str:
+        """The report's name of a call: ``name``, ``@`` its batch bucket, and its input shapes where another call
+        of that name already has the short one (a recapture of one key raises; two keys are two calls)."""
+        label = name if size is None else f"{name}@{size}"
+        if label in self.captures:
+            label += "[" + ",".join("x".join(map(str, shape)) for shape, _, _ in key[2]) + "]"
+        return label
 
     def _fill(self, call: _Call, inputs: Sequence[torch.Tensor], rows: Optional[int]) -> None:
         for fixed, x in zip(call.inputs, inputs):

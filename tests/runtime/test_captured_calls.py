@@ -187,3 +187,15 @@ def test_rows_beyond_the_largest_bucket_run_eagerly(medusa):
         assert torch.equal(y, x[:rows] * 2)
     assert medusa.static.calls.captures == {"double@2": 1, "double@1": 1}
     medusa.static = None
+
+
+def test_two_calls_of_one_name_with_other_shapes_are_two_captures(medusa):
+    """Guards against a call name reused with other input shapes being taken for a recapture (and raising mid-
+    generation): each shape is its own captured call, reported under its own label."""
+    medusa.static = StaticSteps(medusa, capture=replaying, log=lambda line: None)
+    for shape in ((2, 3), (4,), (2, 3), (4,), (2, 3), (4,)):
+        x = torch.randn(*shape)
+        (y,) = medusa.static.calls.run("double", lambda t: (t * 2,), (x,))
+        assert torch.equal(y, x * 2)
+    assert medusa.static.calls.captures == {"double": 1, "double[4]": 1} and medusa.static.calls.checked == 2
+    medusa.static = None
