@@ -336,7 +336,7 @@ class Eagle3Decoder:
         self.last_path = verdict.path
         self.past = past + len(verdict.path)
         self.root = verdict.bonus
-        return accepted.tolist() + [verdict.bonus], max_depth
+        return verdict.accepted_tokens(tokens) + [verdict.bonus], max_depth
 
 
 def fit_options(m: MedusaModel, o: Eagle3Options) -> Eagle3Options:

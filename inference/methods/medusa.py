@@ -95,7 +95,7 @@ class TreeDecoder:
         self.h_last = h_tree[verdict.path[-1]]
         self.past = past + len(verdict.path)
         self.root = verdict.bonus
-        return tokens[verdict.path[1:]].tolist() + [verdict.bonus], buf.num_nodes - 1
+        return verdict.accepted_tokens(tokens) + [verdict.bonus], buf.num_nodes - 1
 
 
 class HeadsDrafter:

@@ -169,7 +169,7 @@ class HybridDecoder:
         h = m.hidden(tokens[None], positions, self.cache, trie.additive_mask(past, m.dtype))[0]
         verdict = verify(trie, tokens, m.logits(h), self.cfg, None, self.gen)
         self.cache.keep(past, verdict.path)
-        new = tokens[verdict.path[1:]].tolist() + [verdict.bonus]
+        new = verdict.accepted_tokens(tokens) + [verdict.bonus]
         self.index.extend(new)
         self.last_path, self.last_trie = verdict.path, trie
         self.h_last = h[verdict.path[-1]]

@@ -100,6 +100,12 @@ class Verdict:
 
     path: list[int]
     bonus: int
+    tokens: Optional[list[int]] = None   # the path's tokens, where verification read them with the path
+
+    def accepted_tokens(self, tokens: torch.Tensor) -> list[int]:
+        """The accepted drafted tokens (root excluded) of ``tokens`` [N]: from verification's own host read where
+        it packed them (greedy), else read now (on a GPU each read waits for the device)."""
+        return self.tokens[1:] if self.tokens is not None else tokens[self.path[1:]].tolist()
 
 
 # -- distributions ------------------------------------------------------------------------
@@ -194,8 +200,9 @@ def verify_greedy(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor) 
     lengths = _accepted_lengths(buf, tokens == target[buf.parents.clamp(min=0)])   # the root's own entry ignored
     best = lengths.argmax()                                # the first of the longest
     row, n = buf.retrieve_indices[best], lengths[best]
-    packed = torch.cat([n.view(1), target[row[n - 1]].view(1), row]).tolist()   # (n, bonus, leaf path)
-    return Verdict(packed[2:2 + packed[0]], packed[1])
+    packed = torch.cat([n.view(1), target[row[n - 1]].view(1), row, tokens[row.clamp(min=0)]]).tolist()
+    n, width = packed[0], row.numel()                           # (n, bonus, leaf path, its tokens)
+    return Verdict(packed[2:2 + n], packed[1], packed[2 + width:2 + width + n])
 
 
 def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,

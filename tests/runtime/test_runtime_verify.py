@@ -33,6 +33,8 @@ def test_greedy_accepts_the_longest_matching_path(targets, path, bonus):
     """Guards against accepting a child whose parent was rejected, or the wrong bonus token."""
     v = verify_greedy(TREE.buffers(), TOKENS, peaked(targets))
     assert v.path == path and v.bonus == bonus
+    # the path's tokens come with the path in the one host read (no second read of the accepted tokens)
+    assert v.tokens == TOKENS[path].tolist() and v.accepted_tokens(None) == TOKENS[path[1:]].tolist()
 
 
 def _dist(pairs: dict[int, float]) -> torch.Tensor:
