@@ -6,11 +6,12 @@ EAGLE-3 drafter's expansion over its own KV cache; a few dozen kernels launched 
 more in Python than on the device. A method hands such a call to ``CapturedCalls.run`` with its tensor
 inputs; the call is captured once per (name, input shapes) and replayed after that:
 
-- its first run is eager: lazy caches (a tree's level tables) and the host reads they need happen there, not
-  in a capture, and a call made once per generation (a prompt's) is never captured;
-- its second run captures it (inputs copied into fixed tensors first) and replays it; its third, the first
-  replay on other inputs than the capture's, is checked against the same call run eagerly (``graph_capture.outputs_agree``): a host value the capture
-  froze makes the call run eagerly from then on, said in one line, never a wrong token;
+- its first run is eager (lazy caches such as a tree's level tables, and the host reads they need, happen
+  there, not in a capture), then it is captured on a fixed copy of those inputs; its second run, the first
+  replay on other inputs, is checked against the same call run eagerly (``graph_capture.outputs_agree``): a
+  host value the capture froze makes the call run eagerly from then on, said in one line, never a wrong token.
+  Capture and check so fall in a generation's first two steps, as the backbone's do: the two warm-up steps
+  the choices (``choice=auto``, per-batch sizing) drop absorb both;
 - ``rows``: the inputs' leading dimension is a batch; it is padded up to the static steps' batch bucket (with
   copies of the last real row, a valid input whatever the call computes) and the outputs cut back, so a batch
   that shrinks replays a smaller captured call instead of capturing one per batch size;
@@ -75,23 +76,22 @@ class CapturedCalls:
         if call is None:
             call = self._calls[key] = _Call(keep=keep)
         call.runs += 1
-        if call.eager or call.runs == 1:
+        if call.eager:
             return tuple(fn(*inputs))
-        if call.captured is None:
+        if call.captured is None:   # the first run: eager, then captured on its inputs (their side effects again)
+            out = tuple(fn(*inputs))
             call.inputs = [x.new_empty((size, *x.shape[1:]) if rows is not None else x.shape) for x in inputs]
             self._fill(call, inputs, rows)
             call.captured = self._capture(self._label(name, size, key), lambda: tuple(fn(*call.inputs)),
                                           inputs[0].device)
-            if call.captured is None:
-                call.eager = True
-                return tuple(fn(*inputs))
-        else:
-            self._fill(call, inputs, rows)
+            call.eager = call.captured is None
+            return out
+        self._fill(call, inputs, rows)
         replay, outs = call.captured
         with _on(inputs[0].device):
             replay()
         real = [o[:rows] if rows is not None else o for o in outs]
-        if call.runs == 3:     # the first replay on other inputs than the capture's (run 2's): checked once
+        if call.runs == 2:     # the first replay on other inputs than the capture's: checked once
             real = self._checked(call, name, real, fn, rows)
         return tuple(o.clone() for o in real)
 

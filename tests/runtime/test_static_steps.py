@@ -293,7 +293,7 @@ def test_a_failed_capture_turns_capture_off_and_decodes_right(medusa):
     medusa.static = StaticSteps(medusa, capture=failing, log=lines.append)
     assert generate(medusa, REPEATING, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()).tokens == ref
     assert medusa.static.failed == 1 and medusa.static.capture is None and not medusa.static.summary()["captured"]
-    assert len(lines) == 1 and "every step runs uncaptured" in lines[0]
+    assert len([line for line in lines if "every step runs uncaptured" in line]) == 1   # (the draft call's own line)
     medusa.static = None
 
 
