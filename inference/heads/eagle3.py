@@ -332,9 +332,6 @@ class StaticDraftKV:
             self.k[rows, :, slots] = k.transpose(1, 2)
             self.v[rows, :, slots] = v.transpose(1, 2)
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
-
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 

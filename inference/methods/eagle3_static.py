@@ -156,7 +156,7 @@ class StaticRowDraftKV:
         self.lengths = [n + c for n, c in zip(self.lengths, host)]
 
     def row_entries(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row b's committed keys and values [kv_heads, committed[b], D]."""
+        """Row b's committed keys and values [kv_heads, committed[b], D] (``RowDraftKV``'s, for a row's check)."""
         n = self.lengths[b]
         return self.cache.k[b, :, :n], self.cache.v[b, :, :n]
 

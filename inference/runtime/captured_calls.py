@@ -25,13 +25,12 @@ returned: the next replay overwrites them.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from .graph_capture import cuda_capture, measured_capture, outputs_agree
+from .graph_capture import cuda_capture, measured_capture, on_device, outputs_agree
 
 
 @dataclass
@@ -88,7 +87,7 @@ class CapturedCalls:
             return out
         self._fill(call, inputs, rows)
         replay, outs = call.captured
-        with _on(inputs[0].device):
+        with on_device(inputs[0].device):
             replay()
         real = [o[:rows] if rows is not None else o for o in outs]
         if call.runs == 2:     # the first replay on other inputs than the capture's: checked once
@@ -130,7 +129,7 @@ class CapturedCalls:
         if self._pool is None and capture is cuda_capture:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            with _on(step_device):
+            with on_device(step_device):
                 captured, seconds, grown = measured_capture(capture, step, self._pool)
         except Exception as exc:    # this call stays eager; the backbone's steps keep their graphs
             self.failed += 1
@@ -148,7 +147,3 @@ class CapturedCalls:
                 "graph_memory_bytes": self.graph_bytes, "failed_captures": self.failed,
                 "checked_replays": self.checked, "disagreeing_replays": self.disagreed}
 
-
-def _on(device: torch.device):
-    """Capture and replay with the inputs' device current (streams and graphs are per device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

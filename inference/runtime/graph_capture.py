@@ -11,6 +11,7 @@ read on the host is frozen into the graph. ``cuda_capture`` refuses the host rea
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -78,3 +79,8 @@ def outputs_agree(replayed: Sequence[torch.Tensor], eager: Sequence[torch.Tensor
         if not torch.allclose(r.float(), e.float(), rtol=tol, atol=tol):
             return False
     return True
+
+
+def on_device(device: torch.device):
+    """Capture and replay with ``device`` current (streams and graphs are per device); nothing off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

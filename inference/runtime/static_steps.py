@@ -36,7 +36,6 @@ replay on new inputs disagrees with the same step run eagerly runs uncaptured (e
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -45,7 +44,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import UserError
 from .captured_calls import CapturedCalls
-from .graph_capture import cuda_capture, measured_capture, outputs_agree
+from .graph_capture import cuda_capture, measured_capture, on_device, outputs_agree
 from .static_batch import StaticRaggedKV
 
 GRAPH_MODES = ("auto", "on", "off", "uncaptured")
@@ -305,7 +304,7 @@ class StaticSteps:
         key = None if tap is None else tuple(tap.ids)
         step = self._step_fn(b, tap)
         if rows is not None and self.capture is not None and not first:   # prompts: see the module docstring
-            with self._on_device():
+            with on_device(self.kv.device):
                 outs = self._replayed(b, key, step, batch, n)
         else:
             outs = step()
@@ -321,10 +320,6 @@ class StaticSteps:
                 h = self.m.body_hidden(b.ids, b.pos, self.body_cache, b.mask)
             return h, tap.features()
         return step
-
-    def _on_device(self):
-        """Capture and replay with the buffer's device current (streams and graphs are per device)."""
-        return torch.cuda.device(self.kv.device) if self.kv.device.type == "cuda" else nullcontext()
 
     def _replayed(self, b: _Bucket, key, step, batch: int, n: int) -> tuple:
         if key not in b.replays:

@@ -15,8 +15,9 @@ import torch
 from inference.methods import generate, generate_batch
 from inference.runtime.static_steps import StaticSteps
 from inference.runtime.verify import SamplingConfig
-from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401 (autouse fixture)
-from test_static_steps import DISTINCT, REPEATING, dependent, frozen, replaying, with_steps
+from runtime_support import one_thread  # noqa: F401 (autouse fixture)
+from test_static_steps import (DISTINCT, REPEATING, dependent, frozen, medusa, model,  # noqa: F401 (fixtures)
+                               replaying, with_steps)
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
@@ -48,16 +49,6 @@ def host_read_refused(fn, pool):
         for o, n in zip(outs, new):
             o.copy_(n)
     return replay, outs
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(vocab=96, seed=0)
-
-
-@pytest.fixture(scope="module")
-def medusa(model):
-    return wrap(model, random_heads(model, num_heads=3, seed=1))
 
 
 def static(m, capture=replaying, lines=None):
