@@ -57,11 +57,12 @@ from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.tree import select_nodes, tree_buffers
-from ..runtime.verify import SamplingConfig, choose_token, verify
+from ..runtime.static_tree import StaticTree
+from ..runtime.verify import SamplingConfig, choose_token, verify, verify_greedy
 from .autoregressive import AutoregressiveDecoder
 from .eagle3_choice import Eagle3Shape
 from .eagle3_batch import Eagle3BatchDrafter
-from .eagle3_static import catch_up_call, draft_cache, draft_call, tag
+from .eagle3_static import catch_up_call, draft_cache, draft_call, tag, tree_call
 from .registry import Costs, Method, heads_costs, option, register
 
 # The largest eagle_* settings taken: a step costs D-1 drafter calls over k^2 candidates, then one verification of
@@ -196,6 +197,8 @@ class Eagle3Decoder:
     """EAGLE-3 decoding state for one sequence: ``prefill`` once, then ``step`` repeatedly
     (module docstring). After each step ``cache`` and ``dkv`` hold ``past`` entries."""
 
+    grafts = False   # whether ``tree`` grafts nodes on the host (eagle3_lookup): then no tree built on the device
+
     def __init__(self, m: MedusaModel, options: Eagle3Options, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
         options.check_model(m)
@@ -265,13 +268,8 @@ class Eagle3Decoder:
         drafted node, in drafting order. Draft entries are appended after the committed ones."""
         if isinstance(self.dkv, StaticDraftKV):    # one captured call per setting (eagle3_static.draft_call)
             o, kv = self.o, self.dkv
-            kv.check(self.claimed)
-            if kv.length + (o.depth - 1) * o.topk > kv.capacity:
-                raise RuntimeError(f"draft KV cache full ({kv.capacity} slots)")
-            committed = torch.full((), kv.length, dtype=torch.long, device=self.m.device)
             return self.m.static.calls.run(f"eagle3.draft-d{o.depth}k{o.topk}:{tag(kv)}",
-                                           draft_call(self.drafter, kv, o.depth, o.topk),
-                                           (self.root_logits, self.root_state, committed), keep=kv)
+                                           draft_call(self.drafter, kv, o.depth, o.topk), self._draft_inputs(), keep=kv)
         d, o, dev = self.drafter, self.o, self.m.device
         k, committed = o.topk, self.dkv.length
         score, local = torch.log_softmax(self.root_logits.float(), -1).topk(k)
@@ -309,6 +307,25 @@ class Eagle3Decoder:
             depths.append(torch.full((score.numel(),), depth + 1, dtype=torch.long, device=dev))
         return torch.cat(toks), torch.cat(scores), torch.cat(parents), torch.cat(depths)
 
+    def _draft_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The static draft's inputs (root distribution, root state, committed count), once the cache is checked to
+        be this generation's and to hold a step's draft entries."""
+        o, kv = self.o, self.dkv
+        kv.check(self.claimed)
+        if kv.length + (o.depth - 1) * o.topk > kv.capacity:
+            raise RuntimeError(f"draft KV cache full ({kv.capacity} slots)")
+        return self.root_logits, self.root_state, torch.full((), kv.length, dtype=torch.long, device=self.m.device)
+
+    def _static_tree(self) -> StaticTree:
+        """Steps 1-3 as one captured call (``eagle3_static.tree_call``): this step's tree at the setting's fixed size,
+        built on the device, so a greedy step reads the host once (its verdict)."""
+        o, kv = self.o, self.dkv
+        root = torch.full((), self.root, dtype=torch.long, device=self.m.device)
+        fields = self.m.static.calls.run(f"eagle3.tree-{o.label}:{tag(kv)}",
+                                         tree_call(self.drafter, kv, o.depth, o.topk, o.nodes, o.min_score),
+                                         (*self._draft_inputs(), root), keep=kv)
+        return StaticTree(*fields)
+
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This step's tree (steps 1-3): tokens, parents (-1: the root) and depths [T] of the root and
         the N best-scored drafted nodes (those below eagle_min_prob dropped), parents before children.
@@ -322,21 +339,29 @@ class Eagle3Decoder:
     def step(self) -> tuple[list[int], int]:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, the tree's depth)."""
         m, past, dev = self.m, self.past, self.m.device
-        tokens, parents, depths = self.tree()
-        max_depth = int(depths.max())
-        buf = tree_buffers(parents, depths, max_depth)
-        h, aux = m.hidden_aux(tokens[None], (depths + past)[None], self.cache, self.tap,
-                              buf.additive_mask(past, m.dtype))
-        verdict = verify(buf, tokens, m.logits(h[0]), self.cfg, None, self.gen)
+        one_read = isinstance(self.dkv, StaticDraftKV) and self.cfg.is_greedy and not self.grafts
+        if one_read:                                 # the tree built on the device: the verdict is the one host read
+            buf = self._static_tree()
+            tokens, depths = buf.tokens, buf.position_offsets
+            ids = tokens.clamp(min=0)                # a masked node's -1 is for verification, not the embedding
+        else:
+            tokens, parents, depths = self.tree()
+            buf, ids = tree_buffers(parents, depths, int(depths.max())), tokens
+        h, aux = m.hidden_aux(ids[None], (depths + past)[None], self.cache, self.tap, buf.additive_mask(past, m.dtype))
+        logits = m.logits(h[0])
+        if one_read:
+            verdict = verify_greedy(buf, tokens, logits, also=[depths.max()])
+            max_depth = verdict.also[0]
+        else:
+            verdict, max_depth = verify(buf, tokens, logits, self.cfg, None, self.gen), buf.max_depth
         self.cache.keep(past, verdict.path)
         self.dkv.truncate(past)                      # drop the draft entries
-        path = torch.tensor(verdict.path, device=dev)
-        accepted = tokens[path[1:]]
-        self._catch_up(aux[0, path], torch.cat([accepted, accepted.new_tensor([verdict.bonus])]), past)
+        new = verdict.accepted_tokens(tokens) + [verdict.bonus]
+        self._catch_up(aux[0, torch.tensor(verdict.path, device=dev)], torch.tensor(new, device=dev), past)
         self.last_path = verdict.path
         self.past = past + len(verdict.path)
         self.root = verdict.bonus
-        return verdict.accepted_tokens(tokens) + [verdict.bonus], max_depth
+        return new, max_depth
 
 
 def fit_options(m: MedusaModel, o: Eagle3Options) -> Eagle3Options:

@@ -181,6 +181,8 @@ def graft_branch(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
 class Eagle3LookupDecoder(Eagle3Decoder):
     """``Eagle3Decoder`` whose tree gets the looked-up continuation grafted on; see the module docstring."""
 
+    grafts = True   # its tree gets a looked-up chain on the host: verified through ``tree_buffers``
+
     def __init__(self, m: MedusaModel, options: Eagle3LookupOptions, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
         super().__init__(m, options, sampling, seed)    # refuses draft=sampled, as eagle3 does

@@ -8,6 +8,8 @@ so ``MedusaModel.static.calls`` captures it once per key and replays it after th
 - the draft (``draft_call``): one call per (depth, top-k), inputs the root's draft distribution and state and
   the committed count; the same arithmetic as ``Eagle3Decoder._draft`` (``Eagle3BatchDrafter._grow``), its
   entries written after the committed ones at slots computed on the device;
+- greedy decoding calls the draft with the rerank after it (``tree_call``): the step's tree comes out at its
+  setting's fixed size, built on the device (``runtime.static_tree``), and the step's one host read is its verdict;
 - the catch-up (``catch_up_call``): one call per row count n, inputs the accepted path's features, the tokens
   fed after them and its start; the prompt's runs once, eagerly, through the same function;
 - attention spans the cache's whole capacity under an additive mask built on the device from those inputs
@@ -22,9 +24,12 @@ it), so a generation does not capture anew.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..heads.eagle3 import StaticDraftKV
+from ..runtime.static_tree import static_tree
 
 MIN_SLOTS = 256
 KEPT = "eagle3 draft caches"   # under the static steps' ``kept``: {batch: (drafter, cache)}, outliving a generation
@@ -125,6 +130,18 @@ def draft_call(d, cache: StaticDraftKV, depth: int, k: int):
             parents.append(parent)
             depths.append(torch.full((score.numel(),), level + 1, dtype=torch.long, device=dev))
         return torch.cat(toks), torch.cat(scores), torch.cat(parents), torch.cat(depths)
+    return fn
+
+
+def tree_call(d, cache: StaticDraftKV, depth: int, k: int, nodes: int, min_score: Optional[float]):
+    """fn(root_logits, root_state, committed, root [] long) -> ``StaticTree``'s fields: ``draft_call``'s drafting,
+    then the rerank of ``Eagle3Decoder.tree`` (the ``nodes`` best, those below ``min_score`` masked) at the fixed
+    size nodes + 1 (``runtime.static_tree``), so greedy decoding reads the host once a step (its verdict)."""
+    draft = draft_call(d, cache, depth, k)
+
+    def fn(root_logits, root_state, committed, root):
+        tok, score, parent, level = draft(root_logits, root_state, committed)
+        return static_tree(root, tok, score, parent, level, nodes, depth, min_score)
     return fn
 
 

@@ -93,6 +93,15 @@ DEFAULT_TREE_NAMES = ("chain2", "chain3", "chain4", "tree1", "tree4", "tree8", "
                       "tree64", "mc_sim_7b_63")
 
 
+def tree_additive_mask(tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, N, past+N] float mask of a tree's [N, N] ``tree_mask`` after ``past`` prefix entries: 0 where
+    visible, dtype-min elsewhere (the prefix all visible)."""
+    n = tree_mask.shape[0]
+    mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=tree_mask.device)
+    mask[0, 0, :, past:].masked_fill_(~tree_mask, torch.finfo(dtype).min)
+    return mask
+
+
 @dataclass(frozen=True)
 class TreeBuffers:
     """Device tensors of one tree (see module docstring). N = number of nodes incl. root."""
@@ -112,10 +121,7 @@ class TreeBuffers:
 
     def additive_mask(self, past: int, dtype: torch.dtype) -> torch.Tensor:
         """[1, 1, N, past+N] float mask: 0 where visible, dtype-min elsewhere (prefix all visible)."""
-        n = self.num_nodes
-        mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=self.tree_mask.device)
-        mask[0, 0, :, past:].masked_fill_(~self.tree_mask, torch.finfo(dtype).min)
-        return mask
+        return tree_additive_mask(self.tree_mask, past, dtype)
 
     @property
     def shape_key(self) -> str:
@@ -123,9 +129,13 @@ class TreeBuffers:
         it, so a draft captured for the tree is recorded once, not once per decoder."""
         key = self.__dict__.get("_shape_key")
         if key is None:
-            structure = repr((self.parents.tolist(), self.node_rank.tolist())).encode()
-            key = self.__dict__["_shape_key"] = f"{self.num_nodes}n-{hashlib.sha1(structure).hexdigest()[:10]}"
+            key = self.__dict__["_shape_key"] = structure_key(self.parents.tolist(), self.node_rank.tolist())
         return key
+
+
+def structure_key(parents: list[int], ranks: list[int]) -> str:
+    """``TreeBuffers.shape_key`` of a tree with these parents [N] and ranks [N-1] (host lists)."""
+    return f"{len(parents)}n-{hashlib.sha1(repr((parents, ranks)).encode()).hexdigest()[:10]}"
 
 
 class MedusaTree:
@@ -213,7 +223,7 @@ class MedusaTree:
         for i in range(1, n):
             slots[self.depth[i] - 1] = max(slots[self.depth[i] - 1], self.slot[i] + 1)
         long = dict(dtype=torch.long, device=device)
-        return TreeBuffers(
+        buf = TreeBuffers(
             num_nodes=n, max_depth=d, tree_mask=mask.to(device),
             position_offsets=torch.tensor(self.depth, **long),
             parents=torch.tensor(self.parent, **long),
@@ -225,6 +235,8 @@ class MedusaTree:
             topk_per_depth=tuple(self.topk_per_depth()),
             slots_per_depth=tuple(slots),
         )
+        buf.__dict__["_shape_key"] = structure_key(self.parent, self.rank[1:])   # known here: no device read later
+        return buf
 
     # -- files -------------------------------------------------------------------------
     def to_dict(self, **extra) -> dict:

@@ -49,12 +49,13 @@ run 10^5 samples; decoding calls it with B = 1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
 from ..errors import UserError
+from .static_tree import StaticTree
 from .tree import RowTrees, TreeBuffers
 
 MODES = ("greedy", "typical", "sample")
@@ -101,6 +102,7 @@ class Verdict:
     path: list[int]
     bonus: int
     tokens: Optional[list[int]] = None   # the path's tokens, where verification read them with the path
+    also: list[int] = field(default_factory=list)   # what the caller asked to read with them (``verify_greedy``)
 
     def accepted_tokens(self, tokens: torch.Tensor) -> list[int]:
         """The accepted drafted tokens (root excluded) of ``tokens`` [N]: from verification's own host read where
@@ -193,16 +195,19 @@ def _best_scored_path(buf: TreeBuffers, match: torch.Tensor, score: torch.Tensor
     return ri[best, :int(lengths[best])].tolist()
 
 
-def verify_greedy(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor) -> Verdict:
+def verify_greedy(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Tensor,
+                  also: Sequence[torch.Tensor] = ()) -> Verdict:
     """tokens [N], logits [N, V] (backbone next-token logits at every node). The first longest accepted leaf
-    path, found on the device and read back once: on a GPU each read waits for the device."""
+    path, found on the device and read back once: on a GPU each read waits for the device. ``also``: long
+    scalars the caller needs on the host this step, read in that same read (``Verdict.also``)."""
     target = logits.argmax(-1)
     lengths = _accepted_lengths(buf, tokens == target[buf.parents.clamp(min=0)])   # the root's own entry ignored
     best = lengths.argmax()                                # the first of the longest
     row, n = buf.retrieve_indices[best], lengths[best]
-    packed = torch.cat([n.view(1), target[row[n - 1]].view(1), row, tokens[row.clamp(min=0)]]).tolist()
-    n, width = packed[0], row.numel()                           # (n, bonus, leaf path, its tokens)
-    return Verdict(packed[2:2 + n], packed[1], packed[2 + width:2 + width + n])
+    extra = [x.reshape(1).long() for x in also]
+    packed = torch.cat([n.view(1), target[row[n - 1]].view(1), *extra, row, tokens[row.clamp(min=0)]]).tolist()
+    n, width, at = packed[0], row.numel(), 2 + len(extra)      # (n, bonus, also, leaf path, its tokens)
+    return Verdict(packed[at:at + n], packed[1], packed[at + width:at + width + n], packed[2:at])
 
 
 def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,

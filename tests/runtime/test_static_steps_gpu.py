@@ -77,7 +77,7 @@ def test_captured_eagle3_verification_with_aux_features():
         assert out.tokens == ref
     assert any("+aux" in k for k in m.static.captures) and m.static.failed == 0 and m.static.disagreed == 0
     calls_were_captured(m, drafts=False)
-    assert any(k.startswith("eagle3.draft") for k in m.static.calls.captures)     # its expansion: one call
+    assert any(k.startswith("eagle3.tree") for k in m.static.calls.captures)      # its draft and rerank: one call
     assert any(k.startswith("eagle3.catchup") for k in m.static.calls.captures)
 
 

@@ -1,0 +1,58 @@
+"""One host read a greedy step on static steps (``graphs=``): the step's verdict, nothing else.
+
+On a GPU every read of a device value into Python waits for all the kernels queued before it, and while the
+host then decides what to do nothing is queued: a step that reads the host four times idles the device four
+times. ``HostReads`` (tests/host_reads.py) counts those reads (and the ops whose output shape depends on the
+values, which wait the same way) on CPU, with the replaying stand-in for capture."""
+
+from __future__ import annotations
+
+import pytest
+
+from host_reads import HostReads
+from inference.methods import generate, stream
+from runtime_support import one_thread  # noqa: F401 (autouse fixture)
+from test_static_steps import REPEATING, backbone_for, medusa, model, with_steps  # noqa: F401 (fixtures)
+
+CASES = [
+    ("medusa", "autoregressive", {}),
+    ("medusa", "medusa", {"tree": "tree8"}),
+    ("hydra", "medusa", {"tree": "tree8"}),
+    ("mlp_speculator", "medusa", {"tree": "tree4"}),
+    ("medusa", "prompt_lookup", {}),
+    ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}),
+    ("eagle3", "eagle3", {"nodes": 4, "depth": 1, "topk": 4}),
+    ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}),   # nodes below the floor masked
+]
+
+
+def reads_per_step(m, method: str, kw: dict) -> list[int]:
+    """Host reads of each step of a generation, after two identical ones: every call it makes is captured and
+    its replay checked by then (a check reads the host, once per call)."""
+    for _ in range(2):
+        generate(m, REPEATING, method, max_new_tokens=40, eos_token_ids=(), **kw)
+    steps = iter(stream(m, REPEATING, method, max_new_tokens=40, eos_token_ids=(), **kw))
+    next(steps)       # the prompt's forward
+    with HostReads() as reads:
+        return [reads.take() for _ in steps]
+
+
+@pytest.mark.parametrize("kind, method, kw", CASES, ids=[f"{k}-{m}-{i}" for i, (k, m, _) in enumerate(CASES)])
+def test_a_greedy_step_reads_the_host_once(model, medusa, kind, method, kw):
+    """Guards against a greedy step on static steps reading the host more than once (its verdict: the accepted
+    path and tokens, read together): a tree sized on the host (how many nodes passed EAGLE's floor, how deep
+    the kept tree is, which nodes are leaves), a second read for the tokens, a key hashed from device values;
+    each idles the GPU between captured graphs. EAGLE-3's tree is built on the device for this."""
+    m = with_steps(backbone_for(kind, model, medusa), "replayed")
+    counts = reads_per_step(m, method, kw)
+    assert len(counts) > 10 and counts == [1] * len(counts), counts
+    m.static = None
+
+
+def test_the_count_sees_a_host_built_tree(model, medusa):
+    """Guards against a read counter that cannot fail: eagle3_lookup grafts its looked-up chain on the host,
+    so its tree is built there and its steps read several times."""
+    m = with_steps(backbone_for("eagle3", model, medusa), "replayed")
+    counts = reads_per_step(m, "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2})
+    assert max(counts) > 1
+    m.static = None
