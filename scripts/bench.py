@@ -10,6 +10,7 @@ and a few micro-benchmarks. Every figure is a latency: run it alone on the machi
     python scripts/bench.py train --steps 4                   # training step vs backbone forward tokens/s
     python scripts/bench.py profile-gpu --out DIR [--dry-run] # where a GPU step's time goes
     python scripts/bench.py static-steps --prompts 6          # static-shape steps vs dynamic ones, uncaptured
+    python scripts/bench.py host-work --rounds 5              # what a step leaves on the host beside its graphs
 
 Studies are data (benchmarks/studies/<name>.yaml; format in benchmarks/study.py); the chronological record
 is benchmarks/history.md, the current results BENCHMARKS.md. ``<command> --help`` gives each one's options.
@@ -32,6 +33,7 @@ MICRO = {  # subcommand -> (module, help); imported only when run, so --help sta
     "train": ("benchmarks.micro.train", "training step tokens/s against the backbone's forward, per projection"),
     "profile-gpu": ("benchmarks.micro.gpu_profile", "a GPU step's kernel time against its wall time (or --dry-run)"),
     "static-steps": ("benchmarks.micro.static_steps", "graphs=uncaptured vs off (and off vs off) on this machine"),
+    "host-work": ("benchmarks.micro.host_work", "a step's host reads, ops and time outside its captured graphs"),
 }
 
 

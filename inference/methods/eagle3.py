@@ -322,7 +322,8 @@ class Eagle3Decoder:
         o, kv = self.o, self.dkv
         root = torch.full((), self.root, dtype=torch.long, device=self.m.device)
         fields = self.m.static.calls.run(f"eagle3.tree-{o.label}:{tag(kv)}",
-                                         tree_call(self.drafter, kv, o.depth, o.topk, o.nodes, o.min_score),
+                                         tree_call(draft_call(self.drafter, kv, o.depth, o.topk), o.nodes, o.depth,
+                                                   o.min_score),
                                          (*self._draft_inputs(), root), keep=kv)
         return StaticTree(*fields)
 

@@ -39,9 +39,11 @@ from ..heads.eagle3 import draft_kv_bytes_per_slot
 from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
 from ..runtime.model import MedusaModel
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule
+from ..runtime.static_tree import StaticTree
 from ..runtime.tree import RowTrees, select_nodes, tree_buffers
 from ..runtime.verify import SamplingConfig
-from .eagle3_static import StaticRowDraftKV, batch_catch_up_call, batch_draft_call, cache_slots, static_rows, tag
+from .eagle3_static import (StaticRowDraftKV, batch_catch_up_call, batch_draft_call, cache_slots, static_rows, tag,
+                            tree_call)
 
 
 def _additive(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -114,6 +116,8 @@ class Eagle3BatchDrafter:
     """``BatchTreeDecoder``'s drafter for EAGLE-3 heads (module docstring): one dynamic tree per row.
     ``options``: ``Eagle3Options`` (one setting at every batch size) or a ``SpeculationSchedule`` of
     them and None (plain steps)."""
+
+    grafts = False   # whether ``amend`` grafts nodes on the host (eagle3_lookup): then no trees built on the device
 
     def __init__(self, m: MedusaModel, options):
         schedule = options if isinstance(options, SpeculationSchedule) else SpeculationSchedule({1: options})
@@ -229,6 +233,9 @@ class Eagle3BatchDrafter:
             self.row_proposed = [0] * dec.batch
             return root_only(dev), torch.empty(dec.batch, 0, dtype=torch.long, device=dev), None
         self.catch_up_pending()
+        if isinstance(self.dkv, StaticRowDraftKV) and dec.cfg.is_greedy and not self.grafts:
+            trees = self._static_trees(o, dec.root)     # built on the device: the step's one host read is its verdict
+            return trees, trees.tokens[:, 1:], None
         tok, score, parent, depth = self._grow(o)
         rows = []
         for i in range(tok.shape[0]):       # batch 1's rerank, row by row
@@ -242,6 +249,17 @@ class Eagle3BatchDrafter:
         cand = torch.stack([torch.cat([t[1:], t.new_full((width - t.numel(),), -1)]) for t, _, _ in rows])
         self.row_proposed = [t.max_depth for t in trees.rows]
         return trees, cand, None
+
+    def _static_trees(self, o, root: torch.Tensor) -> StaticTree:
+        """Steps 1-3 for every row as one captured call (``eagle3_static.tree_call`` over ``batch_draft_call``):
+        each row's tree at the setting's fixed size, built on the device (``runtime.static_tree``)."""
+        kv = self.dkv
+        kv.reserve((o.depth - 1) * o.topk)
+        fn = tree_call(batch_draft_call(self.d, kv.cache, o.depth, o.topk), o.nodes, o.depth, o.min_score)
+        fields = self.m.static.calls.run(f"eagle3.tree-{o.label}:{tag(kv.cache)}", fn,
+                                         (self.root_logits, self.root_state, kv.committed, root), rows=root.shape[0],
+                                         keep=kv.cache)
+        return StaticTree(*fields)
 
     def amend(self, dec: BatchTreeDecoder, rows: list) -> list:
         """Each row's tree (tokens with the root first, parents (-1: the root), depths) as drafted; a

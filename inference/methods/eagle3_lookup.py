@@ -224,6 +224,8 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
     computed and never accepted (``RowTrees``). A plain step of the schedule (None) drafts and looks
     up nothing. Proposed per row and step = its tree's depth, as at batch 1."""
 
+    grafts = True   # each row's tree gets its looked-up chain on the host: verified through ``RowTrees``
+
     def __init__(self, m: MedusaModel, options, lookup: PromptLookupSettings, switch: int = 0):
         super().__init__(m, options)
         self.s, self.switch = lookup, switch

@@ -133,12 +133,11 @@ def draft_call(d, cache: StaticDraftKV, depth: int, k: int):
     return fn
 
 
-def tree_call(d, cache: StaticDraftKV, depth: int, k: int, nodes: int, min_score: Optional[float]):
-    """fn(root_logits, root_state, committed, root [] long) -> ``StaticTree``'s fields: ``draft_call``'s drafting,
-    then the rerank of ``Eagle3Decoder.tree`` (the ``nodes`` best, those below ``min_score`` masked) at the fixed
-    size nodes + 1 (``runtime.static_tree``), so greedy decoding reads the host once a step (its verdict)."""
-    draft = draft_call(d, cache, depth, k)
-
+def tree_call(draft, nodes: int, depth: int, min_score: Optional[float]):
+    """fn(root_logits, root_state, committed, root) -> ``StaticTree``'s fields: ``draft`` (``draft_call`` or
+    ``batch_draft_call``: its inputs are the first three), then the rerank of ``Eagle3Decoder.tree`` (the ``nodes``
+    best, those below ``min_score`` masked) at the fixed size nodes + 1 (``runtime.static_tree``), so a greedy
+    step reads the host once (its verdict)."""
     def fn(root_logits, root_state, committed, root):
         tok, score, parent, level = draft(root_logits, root_state, committed)
         return static_tree(root, tok, score, parent, level, nodes, depth, min_score)

@@ -66,7 +66,7 @@ class _RowLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.owner._pending.width if self.owner._pending is not None else int(self.owner.lengths.max())
+        return self.owner._pending.width if self.owner._pending is not None else max(self.owner.host_lengths)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner._pending.width, 0
@@ -105,6 +105,7 @@ class RaggedKVCache(Cache):
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)    # slots in use per row
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # real tokens per row
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
+        self.host_lengths = [0] * batch   # ``lengths`` on the host: a step is laid out without reading the device
         self._pending: Optional[_Pending] = None
 
     @property
@@ -117,19 +118,19 @@ class RaggedKVCache(Cache):
         from slot 0. Returns (the [B, 1, L, L] additive mask, the [B, L] position ids); the padded
         token ids must follow ``pad_layout``."""
         lens = torch.as_tensor(list(lengths), dtype=torch.long, device=self.device)
-        width = int(lens.max())
+        width = max(lengths)
         if width > self.capacity:
             raise RuntimeError(f"KV cache overflow: {width} > capacity {self.capacity}")
         s = torch.arange(width, device=self.device)
         if self.mode == "compact":
             real = s[None] < lens[:, None]                       # [B, L]
             pos = s[None].expand(len(lens), width)
-            self.lengths = lens.clone()
+            self.lengths, self.host_lengths = lens.clone(), list(lengths)
         else:
             pad = width - lens
             real = s[None] >= pad[:, None]
             pos = (s[None] - pad[:, None]).clamp(min=0)
-            self.lengths = torch.full_like(lens, width)
+            self.lengths, self.host_lengths = torch.full_like(lens, width), [width] * len(lengths)
         self.positions = lens.clone()
         self.valid.zero_()
         self.valid[:, :width] = real
@@ -145,13 +146,13 @@ class RaggedKVCache(Cache):
         b = self.batch
         n = tree_mask.shape[-1]
         offsets = self.lengths[:, None] + torch.arange(n, device=self.device)     # [B, n]
-        width = int(self.lengths.max()) + n
+        width = max(self.host_lengths) + n
         if width > self.capacity:
             raise RuntimeError(f"KV cache overflow: {width} > capacity {self.capacity}")
         see = self.valid[:, None, :width].expand(b, n, width).clone()
         see.scatter_(2, offsets[:, None, :].expand(b, n, n), tree_mask.expand(b, n, n))
-        if bool((self.lengths == self.lengths[0]).all()):
-            self._pending = _Pending(width, start=int(self.lengths[0]))
+        if len(set(self.host_lengths)) == 1:
+            self._pending = _Pending(width, start=self.host_lengths[0])
         else:
             self._pending = _Pending(width, rows=torch.arange(b, device=self.device), slots=offsets)
         return _additive(see, dtype), self.positions[:, None] + depth
@@ -174,14 +175,16 @@ class RaggedKVCache(Cache):
             dst = torch.arange(most, device=self.device)[None] * (src != base) + base
             for layer in self.layers:
                 layer.move(rows[:, None], dst, src)
-        n = self._pending.width - int(self.lengths.max())
+        n = self._pending.width - max(self.host_lengths)
         s = torch.arange(n, device=self.device)[None]
         slots = self.lengths[:, None] + s
         self.valid.scatter_(1, slots, s < counts[:, None])
         self.lengths = self.lengths + counts
         self.positions = self.positions + counts
+        self.host_lengths = [a + len(p) for a, p in zip(self.host_lengths, paths)]
         if self.mode == "gaps":   # every row continues at the longest row's end; the rest are gaps
-            self.lengths = torch.full_like(self.lengths, int(self.lengths.max()))
+            longest = max(self.host_lengths)
+            self.lengths, self.host_lengths = torch.full_like(self.lengths, longest), [longest] * self.batch
         self._pending = None
 
     def truncate_rows(self, lengths: torch.Tensor) -> None:
@@ -190,7 +193,7 @@ class RaggedKVCache(Cache):
             raise ValueError("truncate_rows needs a compact cache")
         new = torch.minimum(self.lengths, lengths.to(self.lengths))
         self.valid &= torch.arange(self.capacity, device=self.device)[None] < new[:, None]
-        self.lengths, self.positions = new, new.clone()
+        self.lengths, self.positions, self.host_lengths = new, new.clone(), new.tolist()
 
     def select_rows(self, index: Sequence[int]) -> None:
         """Keep only rows ``index`` (in that order): finished rows leave the batch."""
@@ -198,6 +201,7 @@ class RaggedKVCache(Cache):
         for layer in self.layers:
             layer.select(idx)
         self.lengths, self.positions, self.valid = self.lengths[idx], self.positions[idx], self.valid[idx]
+        self.host_lengths = [self.host_lengths[i] for i in index]
 
     def row_entries(self, b: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Row b's attended keys and values of ``layer`` ([H, T, D] each, T = its real tokens), in order."""

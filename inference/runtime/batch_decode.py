@@ -35,6 +35,7 @@ from .batch_cache import RaggedKVCache, pad_layout
 from .decode import GenerationOutput, _Emitter, _sync, check_budget, eos_set, seeded_generator
 from .memory import free_memory_bytes
 from .model import MedusaModel, kv_bytes_per_token
+from .static_tree import StaticTree
 from .tree import MedusaTree, TreeBuffers
 from .verify import SamplingConfig, choose_token, verify_rows
 
@@ -262,17 +263,26 @@ class BatchTreeDecoder:
         tokens = torch.cat([self.root[:, None], cand], dim=1)                  # [B, n]; -1: no draft
         mask, pos = self.cache.step_mask(buf.tree_mask, buf.position_offsets, m.dtype)
         h, aux = self._forward(tokens.clamp(min=0), pos, mask)                  # [B, n, H]
-        paths, bonus = verify_rows(buf, tokens, m.logits(h), self.cfg, draft_q, self.gen)
+        # a tree built on the device: how deep each row's is (what it proposed) comes with the verdicts
+        deepest = (buf.position_offsets.max(-1).values,) if isinstance(buf, StaticTree) else ()
+        v = verify_rows(buf, tokens, m.logits(h), self.cfg, draft_q, self.gen, deepest)
+        paths, bonus = v.paths, v.bonus
         self.cache.keep(paths)
         rows = torch.arange(len(paths), device=m.device)
         self.h_last = h[rows, torch.tensor([p[-1] for p in paths], device=m.device)]
         self.root = torch.tensor(bonus, dtype=torch.long, device=m.device)
         self.last_nodes = buf.num_nodes
-        tok = tokens.tolist()
-        proposed = getattr(self.drafter, "row_proposed", None) or [buf.max_depth] * len(paths)
+        path_tokens = v.tokens
+        if None in path_tokens:                      # not read with the paths: read them now
+            tok = tokens.tolist()
+            path_tokens = [[tok[b][i] for i in path] for b, path in enumerate(paths)]
+        if deepest:
+            proposed = [a[0] for a in v.also]
+        else:
+            proposed = getattr(self.drafter, "row_proposed", None) or [buf.max_depth] * len(paths)
         out = []
         for b, (path, bon) in enumerate(zip(paths, bonus)):
-            new = [tok[b][i] for i in path[1:]] + [bon]
+            new = path_tokens[b][1:] + [bon]
             self.history[b].extend(new)
             out.append((new, proposed[b]))
         if hasattr(self.drafter, "accepted"):

@@ -29,6 +29,7 @@ class StaticRaggedKV(RaggedKVCache):
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
+        self.host_lengths = [0] * batch
         self._pending = None
         self._first = True
 
@@ -62,3 +63,4 @@ class StaticRaggedKV(RaggedKVCache):
         else:
             kv[:, :, :len(idx)] = kv.index_select(2, idx)
         self.lengths, self.positions, self.valid = self.lengths[idx], self.positions[idx], self.valid[idx]
+        self.host_lengths = [self.host_lengths[i] for i in index]

@@ -175,19 +175,18 @@ def propose(buf: TreeBuffers, head_logits: list[torch.Tensor], to_vocab, cfg: Sa
 
 
 # -- verification -------------------------------------------------------------------------
-def _accepted_lengths(buf: TreeBuffers, match: torch.Tensor) -> torch.Tensor:
-    """Nodes accepted along each leaf path (root included): its all-accepted prefix; ``match[N]`` says node i
-    is acceptable given its parent."""
-    ri = buf.retrieve_indices
-    ok = match[ri.clamp(min=0)] & (ri >= 0)
-    ok[:, 0] = True                                        # the root is always accepted
-    return ok.int().cumprod(1).sum(1)
+def _accepted_lengths(ri: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+    """Nodes accepted along each leaf path (root included): its all-accepted prefix. ``ri`` [B, L, D+1] the rows'
+    leaf paths, ``match`` [B, N]: node i is acceptable given its parent. Returns [B, L]."""
+    ok = match.gather(1, ri.clamp(min=0).flatten(1)).view(ri.shape) & (ri >= 0)
+    ok[:, :, 0] = True                                     # the root is always accepted
+    return ok.int().cumprod(2).sum(2)
 
 
 def _best_scored_path(buf: TreeBuffers, match: torch.Tensor, score: torch.Tensor) -> list[int]:
     """The longest accepted prefix over the leaf paths, ties to the higher ``score`` (summed over the path)."""
     ri = buf.retrieve_indices
-    lengths = _accepted_lengths(buf, match)
+    lengths = _accepted_lengths(ri[None], match[None])[0]
     keep = torch.arange(ri.shape[1], device=ri.device) < lengths[:, None]
     total = torch.where(keep, score[ri.clamp(min=0)], torch.zeros_like(score[:1])).sum(1)
     total = total.masked_fill(lengths < lengths.max(), -math.inf)   # longest first, then score
@@ -200,14 +199,42 @@ def verify_greedy(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: t
     """tokens [N], logits [N, V] (backbone next-token logits at every node). The first longest accepted leaf
     path, found on the device and read back once: on a GPU each read waits for the device. ``also``: long
     scalars the caller needs on the host this step, read in that same read (``Verdict.also``)."""
-    target = logits.argmax(-1)
-    lengths = _accepted_lengths(buf, tokens == target[buf.parents.clamp(min=0)])   # the root's own entry ignored
-    best = lengths.argmax()                                # the first of the longest
-    row, n = buf.retrieve_indices[best], lengths[best]
-    extra = [x.reshape(1).long() for x in also]
-    packed = torch.cat([n.view(1), target[row[n - 1]].view(1), *extra, row, tokens[row.clamp(min=0)]]).tolist()
-    n, width, at = packed[0], row.numel(), 2 + len(extra)      # (n, bonus, also, leaf path, its tokens)
-    return Verdict(packed[at:at + n], packed[1], packed[at + width:at + width + n], packed[2:at])
+    v = greedy_rows(buf.parents, buf.retrieve_indices, tokens[None], logits[None], [x.reshape(1) for x in also])
+    return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
+
+
+@dataclass
+class RowVerdicts:
+    """Every row's verdict of a batched verification: accepted node paths (root first), bonus tokens, the paths'
+    tokens (root first; None where verification did not read them) and what the caller asked to read with them."""
+
+    paths: list[list[int]]
+    bonus: list[int]
+    tokens: list[Optional[list[int]]]
+    also: list[list[int]]
+
+
+def greedy_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor,
+                also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
+    """Greedy verification of B rows at once, in one host read: tokens [B, N], logits [B, N, V]; the tree's
+    parents [N] and leaf paths ``retrieve`` [L, D+1] shared by the rows, or each row's own ([B, N], [B, L, D+1]).
+    A node is accepted when its token is the backbone's choice at its parent and its parent is accepted; each
+    row keeps its first longest accepted path (-1 tokens are never accepted). ``also``: [B] long tensors read
+    in the same read (``RowVerdicts.also``)."""
+    b, n = tokens.shape
+    target = logits.argmax(-1)                                                # [B, N]
+    ri = retrieve.expand(b, *retrieve.shape[-2:])                             # [B, L, D+1]
+    match = tokens == target.gather(1, parents.expand(b, n).clamp(min=0))     # the root's own entry ignored
+    lengths = _accepted_lengths(ri, match)                                    # [B, L]
+    best = lengths.argmax(1)                                                  # the first of the longest
+    count = lengths.gather(1, best[:, None])                                  # [B, 1]
+    leaves = ri.gather(1, best[:, None, None].expand(b, 1, ri.shape[2]))[:, 0]   # [B, D+1]
+    bonus = target.gather(1, leaves.gather(1, count - 1))
+    extra = [x.reshape(b, 1).long() for x in also]
+    packed = torch.cat([count, bonus, *extra, leaves, tokens.gather(1, leaves.clamp(min=0))], 1).tolist()
+    at, width = 2 + len(extra), leaves.shape[1]                               # (n, bonus, also, leaf path, its tokens)
+    return RowVerdicts([r[at:at + r[0]] for r in packed], [r[1] for r in packed],
+                       [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
 
 
 def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
@@ -306,14 +333,16 @@ def verify(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: Sa
     return Verdict(paths[0, :k + 1].tolist(), int(bonus[0]))
 
 
-def verify_rows(buf: TreeBuffers | RowTrees, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
-                draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[list[list[int]], list[int]]:
+def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, logits: torch.Tensor,
+                cfg: SamplingConfig, draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator],
+                also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
     """``verify`` for every row of a batch, each row its own tree instance: tokens [B, N], logits
-    [B, N, V], draft_probs [B, D, V] or None. Returns (accepted node paths, bonus tokens) per row.
-    A token -1 marks a node that carries no draft in its row (a shorter proposal): never accepted.
+    [B, N, V], draft_probs [B, D, V] or None. A token -1 marks a node that carries no draft in its row (a
+    shorter proposal): never accepted. ``also`` ([B] long tensors, greedy only) is read with the verdicts.
 
-    Greedy is vectorised with ``verify_greedy``'s tie rule (the first longest leaf path), so a
-    row's verdict equals its batch-1 verdict on the same logits; exact sampling runs
+    Greedy is vectorised (``greedy_rows``, ``verify_greedy``'s tie rule: the first longest leaf path), one host
+    read for the whole batch, so a row's verdict equals its batch-1 verdict on the same logits; a batch of trees
+    built on the device (``StaticTree`` with a row axis) is verified so too. Exact sampling runs
     ``verify_sample`` over the rows as independent trials; typical acceptance goes row by row.
     Per-row trees (``RowTrees``) go row by row through ``verify`` on each row's own nodes, so
     every verdict is its batch-1 verdict in every mode."""
@@ -321,25 +350,16 @@ def verify_rows(buf: TreeBuffers | RowTrees, tokens: torch.Tensor, logits: torch
         verdicts = [verify(t, tokens[b, :t.num_nodes], logits[b, :t.num_nodes], cfg,
                            None if draft_probs is None else draft_probs[b], generator)
                     for b, t in enumerate(buf.rows)]
-        return [v.path for v in verdicts], [v.bonus for v in verdicts]
+        return RowVerdicts([v.path for v in verdicts], [v.bonus for v in verdicts], [v.tokens for v in verdicts],
+                           [[] for _ in verdicts])
     if cfg.mode == "greedy" or cfg.is_greedy:
-        target = logits.argmax(-1)                                            # [B, N]
-        match = tokens == target[:, buf.parents.clamp(min=0)]
-        ri = buf.retrieve_indices
-        ok = match[:, ri.clamp(min=0)] & (ri >= 0)                            # [B, L, D+1]
-        ok[:, :, 0] = True
-        lengths = ok.int().cumprod(2).sum(2)                                  # [B, L]
-        best = lengths.argmax(1)
-        n = lengths.gather(1, best[:, None])[:, 0].tolist()
-        leaves = ri[best].tolist()
-        paths = [leaf[:k] for leaf, k in zip(leaves, n)]
-        last = torch.tensor([p[-1] for p in paths], device=tokens.device)
-        bonus = target.gather(1, last[:, None])[:, 0].tolist()
-        return paths, bonus
+        return greedy_rows(buf.parents, buf.retrieve_indices, tokens, logits, also)
     if cfg.mode == "typical":
         verdicts = [verify_typical(buf, tokens[b], logits[b], cfg, generator) for b in range(tokens.shape[0])]
-        return [v.path for v in verdicts], [v.bonus for v in verdicts]
+        return RowVerdicts([v.path for v in verdicts], [v.bonus for v in verdicts], [v.tokens for v in verdicts],
+                           [[] for _ in verdicts])
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     paths, n, bonus = verify_sample(buf, tokens, lambda nodes: target_probs(logits[rows, nodes], cfg),
                                     draft_probs, cfg.draft, generator)
-    return [paths[b, :k + 1].tolist() for b, k in enumerate(n.tolist())], bonus.tolist()
+    return RowVerdicts([paths[b, :k + 1].tolist() for b, k in enumerate(n.tolist())], bonus.tolist(),
+                       [None] * tokens.shape[0], [[] for _ in range(tokens.shape[0])])

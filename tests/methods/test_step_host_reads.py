@@ -2,15 +2,15 @@
 
 On a GPU every read of a device value into Python waits for all the kernels queued before it, and while the
 host then decides what to do nothing is queued: a step that reads the host four times idles the device four
-times. ``HostReads`` (tests/host_reads.py) counts those reads (and the ops whose output shape depends on the
+times. ``HostReads`` (benchmarks/host_reads.py) counts those reads (and the ops whose output shape depends on the
 values, which wait the same way) on CPU, with the replaying stand-in for capture."""
 
 from __future__ import annotations
 
 import pytest
 
-from host_reads import HostReads
-from inference.methods import generate, stream
+from benchmarks.host_reads import HostReads
+from inference.methods import generate, generate_batch, stream
 from runtime_support import one_thread  # noqa: F401 (autouse fixture)
 from test_static_steps import REPEATING, backbone_for, medusa, model, with_steps  # noqa: F401 (fixtures)
 
@@ -46,6 +46,31 @@ def test_a_greedy_step_reads_the_host_once(model, medusa, kind, method, kw):
     m = with_steps(backbone_for(kind, model, medusa), "replayed")
     counts = reads_per_step(m, method, kw)
     assert len(counts) > 10 and counts == [1] * len(counts), counts
+    m.static = None
+
+
+BATCH_CASES = [c for c in CASES if c[1] != "prompt_lookup"]   # prompt_lookup's batches look up per row on the host
+
+
+def batch_reads(m, method: str, kw: dict, tokens: int) -> tuple[int, int]:
+    """(host reads, steps) of a batched generation of three prompts of different lengths."""
+    prompts = [REPEATING, REPEATING[:5], [7]]
+    with HostReads() as reads:
+        out = generate_batch(m, prompts, method, max_new_tokens=tokens, eos_token_ids=(), **kw)
+    return reads.count, len(out.step_s)
+
+
+@pytest.mark.parametrize("kind, method, kw", BATCH_CASES, ids=[f"{k}-{m}-{i}" for i, (k, m, _) in enumerate(BATCH_CASES)])
+def test_a_greedy_batch_step_reads_the_host_once(model, medusa, kind, method, kw):
+    """Guards against a batched greedy step reading the host once per row or per question (the longest row's
+    length, whether all rows are equally long, each row's verdict, its tokens, its tree's size): on a GPU each
+    read idles the device between captured graphs, and the batch's graphs are what make large batches pay.
+    The reads of a generation of 30 tokens less those of one of 15 (the prompts' cancel) are one per step."""
+    m = with_steps(backbone_for(kind, model, medusa), "replayed")
+    for _ in range(2):
+        batch_reads(m, method, kw, 30)
+    (long, steps_long), (short, steps_short) = batch_reads(m, method, kw, 30), batch_reads(m, method, kw, 15)
+    assert steps_long - steps_short > 5 and long - short == steps_long - steps_short, (long, short, steps_long, steps_short)
     m.static = None
 
 

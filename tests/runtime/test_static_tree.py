@@ -9,7 +9,7 @@ import torch
 from inference.runtime.static_tree import StaticTree, static_tree
 from inference.runtime.tree import select_nodes, tree_buffers
 from inference.runtime.verify import verify_greedy
-from host_reads import HostReads
+from benchmarks.host_reads import HostReads
 from runtime_support import one_thread  # noqa: F401 (autouse fixture)
 
 VOCAB = 50
