@@ -129,13 +129,6 @@ class StaticKV:
             raise RuntimeError(f"KV cache overflow: {self.length + n} > capacity {self.capacity}")
         return torch.arange(self.length, self.length + n, device=self.steps.kv.device)[None], self.length == 0
 
-    def causal(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """The mask a forward without one means: the prefix and the earlier new rows."""
-        mask = torch.zeros(1, 1, n, self.length + n, dtype=dtype, device=self.steps.kv.device)
-        mask[0, 0, :, self.length:].masked_fill_(
-            torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1), torch.finfo(dtype).min)
-        return mask
-
     def advance(self, n: int) -> None:
         self.length += n
 
@@ -184,6 +177,7 @@ class StaticSteps:
         self.graph_bytes = 0
         self.regrown = self.fallbacks = self.failed = self.checked = self.disagreed = 0
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._blocks: dict = {}       # small constant masks, made once
         self._pool = None
         self.calls = CapturedCalls(self)   # the drafter's own forwards, captured beside the steps
         self.kept: dict = {}   # buffers a method's captured calls read (a drafter's cache): as long-lived as the calls
@@ -295,12 +289,10 @@ class StaticSteps:
         view.check_current()
         batch, n = ids.shape
         slots, first = view.write_slots(n)
-        if mask is None:
-            mask = view.causal(n, self.kv.dtype)
         size = next(b for b in self.buckets if b >= batch)     # the buffer was reserved for this batch
         rows = next((b for b in self.buckets if b >= n), None)
         b = self._bucket(size, rows) if rows is not None else self._inputs(size, n)
-        self._fill(b, ids, pos, mask, slots)
+        self._fill(b, ids, pos, mask, slots, view.length if mask is None else None)
         key = None if tap is None else tuple(tap.ids)
         step = self._step_fn(b, tap)
         if rows is not None and self.capture is not None and not first:   # prompts: see the module docstring
@@ -309,7 +301,9 @@ class StaticSteps:
         else:
             outs = step()
         view.advance(n)
-        return tuple(o[:batch, :n].clone() for o in outs)   # a later replay overwrites the fixed outputs
+        if b.ids.shape == (batch, n):
+            return tuple(o.clone() for o in outs)            # a later replay overwrites the fixed outputs
+        return tuple(o[:batch, :n].clone() for o in outs)
 
     def _step_fn(self, b: _Bucket, tap) -> Callable[[], tuple]:
         def step():
@@ -380,20 +374,45 @@ class StaticSteps:
                        torch.arange(size, device=dev)[:, None],
                        torch.full((size, rows), cap - 1, dtype=torch.long, device=dev))
 
-    def _fill(self, b: _Bucket, ids, pos, mask, slots) -> None:
+    def _fill(self, b: _Bucket, ids, pos, mask, slots, causal_after: Optional[int] = None) -> None:
         """The step's ids, positions, write slots and mask into the bucket's tensors; padding (rows of the
-        batch bucket, nodes of the row bucket) writes to the last slot and sees slot 0 only."""
+        batch bucket, nodes of the row bucket) writes to the last slot and sees slot 0 only. ``mask`` None: each
+        row sees the first ``causal_after`` entries, the earlier rows and itself. A step that fills its bucket
+        exactly (the plain loop's, a tree of a bucket's size) skips the padding: on a GPU each of these small
+        ops is a launch between two replays."""
         batch, n = ids.shape
-        b.ids.zero_()
-        b.ids[:batch, :n].copy_(ids)
-        b.pos.zero_()
-        b.pos[:batch, :n].copy_(pos.expand(batch, n))
-        b.slots.fill_(b.mask.shape[-1] - 1)
-        b.slots[:batch, :n].copy_(slots.expand(batch, n))
+        exact = b.ids.shape == (batch, n)
+        if exact:
+            b.ids.copy_(ids)
+            b.pos.copy_(pos.expand(batch, n))
+            b.slots.copy_(slots.expand(batch, n))
+        else:
+            b.ids.zero_()
+            b.ids[:batch, :n].copy_(ids)
+            b.pos.zero_()
+            b.pos[:batch, :n].copy_(pos.expand(batch, n))
+            b.slots.fill_(b.mask.shape[-1] - 1)
+            b.slots[:batch, :n].copy_(slots.expand(batch, n))
         b.mask.fill_(torch.finfo(b.mask.dtype).min)
-        b.mask[:batch, :, :n, :mask.shape[-1]].copy_(mask.expand(batch, 1, n, mask.shape[-1]))
-        b.mask[batch:, :, :, 0] = 0
-        b.mask[:, :, n:, 0] = 0
+        rows = b.mask if exact else b.mask[:batch, :, :n]
+        if mask is None:
+            rows[..., :causal_after + 1].zero_()          # the prefix and the first new row itself
+            if n > 1:
+                rows[..., causal_after:causal_after + n].copy_(self._causal_block(n))
+        else:
+            rows[..., :mask.shape[-1]].copy_(mask.expand(batch, 1, n, mask.shape[-1]))
+        if not exact:
+            b.mask[batch:, :, :, 0] = 0
+            b.mask[:, :, n:, 0] = 0
+
+    def _causal_block(self, n: int) -> torch.Tensor:
+        """[n, n] additive mask of n new rows among themselves (each sees the earlier ones and itself), kept."""
+        key = ("causal", n, self.kv.dtype, self.kv.device)
+        if key not in self._blocks:
+            see = torch.ones(n, n, dtype=torch.bool, device=self.kv.device).tril()
+            self._blocks[key] = torch.zeros(n, n, dtype=self.kv.dtype, device=self.kv.device).masked_fill_(
+                ~see, torch.finfo(self.kv.dtype).min)
+        return self._blocks[key]
 
     def summary(self) -> dict:
         """What report.json records of the static steps."""
