@@ -34,7 +34,10 @@ trees verified in one forward.
 
 With static steps (``graphs=``, ``MedusaModel.static``) the drafter's cache is a fixed-shape one and steps 1-2
 (one call per setting) and 5 (one per accepted length) are captured calls (``eagle3_static``): the same
-drafts, without their few dozen kernel launches from Python a step on a GPU. graphs=off keeps ``DraftKV``.
+drafts, without their few dozen kernel launches from Python a step on a GPU. A greedy step also reranks in that
+call: its tree comes out at the setting's fixed size N + 1, built on the device (``runtime.static_tree``: the nodes
+below eagle_min_prob kept as masked nodes, never accepted), so the step's one host read is its verdict, where
+``select_nodes`` / ``tree_buffers`` read three or more times. graphs=off keeps ``DraftKV`` and the host-built tree.
 
 Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
 0 = plain decoding), eagle_depth D, eagle_topk k, eagle_min_prob p (0: every one of the N);

@@ -21,7 +21,9 @@ call, and later steps still draft from a complete cache. Per step: D-1 expansion
 catch-up call, for the whole batch.
 
 With static steps (``graphs=``) the cache is ``eagle3_static.StaticRowDraftKV`` and the expansion and a
-step's catch-up are captured calls, the batch padded to its bucket (``eagle3_static``).
+step's catch-up are captured calls, the batch padded to its bucket (``eagle3_static``). A greedy step's rerank
+runs in the expansion's call too: every row's tree at the setting's fixed size, built on the device
+(``runtime.static_tree``, a ``StaticTree`` with a row axis), verified with the other rows in one host read.
 
 Speculation per batch size: fixed ``Eagle3Options``, or a ``SpeculationSchedule`` whose choices are
 ``Eagle3Options`` or None, consulted every step with the number of active rows (as

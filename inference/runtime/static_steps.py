@@ -18,7 +18,9 @@ EAGLE-3's verification, draft models, lookahead, prompt lookup) or batched (``st
   be accepted; a generation's first forward (its prompts: once per request, and prompts of every length
   would capture every bucket) and steps larger than every bucket run uncaptured on the same buffer;
 - attention always spans the whole capacity, masked: that is what makes the shape static;
-- acceptance and compaction stay the method's (``keep``: one gather over every layer at once).
+- acceptance and compaction stay the method's (``keep``: one gather over every layer at once); a greedy step's
+  one host read is its verdict, and a step that fills its bucket exactly (the plain loop's) skips the padding's
+  fills: on a GPU what runs on the host between two replays is what the device waits for.
 
 ``graphs``: ``auto`` (captured on CUDA, off elsewhere), ``on`` (captured; CUDA only), ``off`` (the
 dynamic-shape ``TreeKVCache`` / ``RaggedKVCache`` path), ``uncaptured`` (these static shapes without capture, on
