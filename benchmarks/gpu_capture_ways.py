@@ -28,7 +28,7 @@ def static_step(m: MedusaModel, prompt: list[int], capture):
     st.forward(view, torch.tensor([prompt], device=dev), torch.arange(n, device=dev)[None], None)
     slots, _ = view.write_slots(1)          # the next slot; the token's position is the same number
     b = st._bucket(1, 1)
-    st._fill(b, torch.tensor([[prompt[-1]]], device=dev), slots, view.causal(1, st.kv.dtype), slots)
+    st._fill(b, torch.tensor([[prompt[-1]]], device=dev), slots, None, slots, view.length)   # causal after the prompt
     return st, b, st._step_fn(b, None)
 
 

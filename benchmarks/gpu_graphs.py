@@ -4,6 +4,7 @@ At SmolLM2-135M's shape (``gpu_models.SMOLLM2_135M``) and Llama-3.1-8B's (``LLAM
 device: ``random_llama``), random bf16 weights, batch 1, each part a guarded section (``run_shape``):
   steps:    the 1-token step (``hidden`` + ``logits``, benchmarks/timing.py): wall vs device time (torch.profiler,
             ``device_time``), graphs off and on; 1 / 16 / 64-row verification graphs on, over the 1-row step;
+  gqa:      the captured 1 / 16-row steps over 2,048 slots, grouped-query attention folded vs repeated (``gpu_gqa``);
   loop:     tokens/s of the plain loop graphs off / on beside ``generate`` eager and ``hf_generate_static``: an
             untimed warm-up call each (captures, transformers' compile), interleaved rounds, medians + min / max;
             the weight-read floor (parameter bytes / 4.2e12 B/s) and the loop's fraction of it;
@@ -37,6 +38,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, eagle3_model
 from benchmarks.gpu_batches import batch_loop, summary_rows as batch_rows
 from benchmarks.gpu_capture_ways import capture_ways
+from benchmarks.gpu_gqa import gqa_fold, summary_rows as gqa_rows
 from benchmarks.gpu_stub import stub_speed
 from benchmarks.timing import median, off_if, rate, spread, verification_step
 from inference.heads.medusa import MedusaHeads
@@ -62,7 +64,8 @@ SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-
 READ_BYTES_PER_S = 4.2e12          # H200 HBM3e, the weight-read floor's bandwidth
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
 # a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
-PART_S = {"build": 25, "steps": 15, "loop": 110, "drafting": 40, "stub": 30, "capture_ways": 75, "batches": 30}
+PART_S = {"build": 25, "steps": 15, "gqa": 10, "loop": 110, "drafting": 40, "stub": 30, "capture_ways": 75,
+          "batches": 30}
 TARGETS = dict(wall_vs_kernel=1.3, vs_hf_static={"smollm2_135m": 2.0, "llama31_8b": 1.3}, floor=0.60,
                verify16=1.25, draft_step=1.3, stub=(2.0, 1.6))
 
@@ -285,7 +288,8 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
         s["loop"] = plain_loop(m, prompts, sz, errors, f"graphs.{key}.loop")
         s["floor"] = weight_floor(m, s["loop"])
 
-    parts = {"steps": lambda: s.update(step=step_costs(m, prompts[0], sz)), "loop": loop,
+    parts = {"steps": lambda: s.update(step=step_costs(m, prompts[0], sz)),
+             "gqa": lambda: s.update(gqa=gqa_fold(m, prompts[0], sz, g["graphs_on_mode"])), "loop": loop,
              "drafting": lambda: s.update(drafting=drafting_steps(m, prompts[1], sz, g["graphs_on_mode"])),
              "stub": lambda: s.update(stub=stub_speed(m, prompts[2], sz)),
              "capture_ways": lambda: s.update(capture_ways=capture_ways(m, prompts[0], sz, errors,
@@ -380,6 +384,7 @@ def summary_lines(g: dict | None) -> list[str]:
             "({wall_vs_kernel}x, {clock})".format(**s["step"][mode]))
     row("verification 16 / 64 rows vs 1 row (graphs on)",
         lambda s: f"{s['step']['verify'][16]['vs_1']}x / {s['step']['verify'][64]['vs_1']}x")
+    gqa_rows(row)
     tps = lambda s, ks: " / ".join("{median} [{min}-{max}]".format(**s["loop"]["tokens_per_s"][k]) for k in ks)  # noqa
     row("tokens/s plain off / on [min-max]", lambda s: tps(s, ("plain_off", "plain_on")))
     row("tokens/s generate eager / hf_generate_static", lambda s: tps(s, ("hf_generate", "hf_generate_static")))

@@ -157,7 +157,8 @@ def run(tokens: int, rounds: int) -> dict:
         steps = long[3] - short[3]
         us = []
         for _ in range(rounds):
-            (a, sa), (b, sb) = timed(m, stand, method, kw, batch, tokens), timed(m, stand, method, kw, batch, tokens // 2)
+            a, sa = timed(m, stand, method, kw, batch, tokens)
+            b, sb = timed(m, stand, method, kw, batch, tokens // 2)
             us.append((a - b) / max(1, sa - sb) * 1e6)
         result["cases"][name] = {
             "steps": steps, "reads_per_step": round((long[0] - short[0]) / max(1, steps), 2),

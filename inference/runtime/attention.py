@@ -1,5 +1,5 @@
-"""The backbone's attention during decoding: transformers' SDPA, with grouped-query attention in the kernel
-for masked multi-row calls on CPU.
+"""The backbone's attention during decoding: transformers' SDPA, with masked grouped-query attention in the
+kernel on CPU and folded into query rows on CUDA (no repeated keys and values either way).
 
 Tree verification (and batched decoding) calls attention with an explicit mask and several query rows.
 transformers' ``sdpa_attention_forward`` then repeats every key/value head (``repeat_kv``) to the number of
@@ -11,8 +11,15 @@ a 2-8-row verification forward is 2-3 ms (4-5%) cheaper without it at a 250-toke
 ``enable_gqa=True`` together and gives bit-identical outputs (it indexes the shared head instead of reading
 a copy), so on CPU this module calls it that way.
 
-On CUDA every call runs without torch's cuDNN SDPA backend (``inference.attention_backends``: it plans
-a graph per new key length, 1.4 ms of host time per call in a decoding loop).
+On CUDA the groups are folded instead (``FOLD_GROUPS``): a masked call with grouped-query attention runs as
+one SDPA call over the key/value heads, each carrying the query rows of its G query heads ([B, Hkv, G*n, D]
+queries, the mask repeated G times over the rows: a few KB), so no key/value is copied (transformers >= 5.25
+packs one-row calls so; multi-row ones it copies). With static steps (``graphs=``)
+every step is masked over the whole capacity, the plain loop's too: at Llama-3.1-8B's shape (8 key/value heads
+for 32 query heads) transformers' copy writes 4x the KV cache and attention reads it back, per layer per step
+(~2 GB a step at 2,048 slots, by arithmetic). The GPU check times both ways (``benchmarks/gpu_graphs.py``).
+Every CUDA call runs without torch's cuDNN SDPA backend (``inference.attention_backends``: it plans a graph
+per new key length, 1.4 ms of host time per call in a decoding loop).
 
 Everything else (other devices, one row, no mask, soft-capping, position biases, attention sinks) goes to
 transformers' own function unchanged. ``use_decoding_attention`` installs it on a model loaded with
@@ -30,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..attention_backends import decoding_sdpa
 
 NAME = "medusa_sdpa"
+FOLD_GROUPS = True   # on CUDA, masked grouped-query calls fold the groups into query rows (module docstring)
 
 # Keyword arguments that change the attention's math beyond (mask, scale, dropout): delegate when present.
 _DELEGATE_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "head_mask")
@@ -45,14 +53,33 @@ def decoding_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
     """transformers' attention-function signature: ``query`` [B, Hq, n, D], ``key``/``value`` [B, Hkv, S, D];
     returns ([B, n, Hq, D], None) like ``sdpa_attention_forward``."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if (groups > 1 and attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
-            and key.shape[-1] == value.shape[-1] and not any(kwargs.get(k) is not None for k in _DELEGATE_KWARGS)):
+    grouped = (groups > 1 and attention_mask is not None and key.shape[-1] == value.shape[-1]
+               and not any(kwargs.get(k) is not None for k in _DELEGATE_KWARGS))
+    if grouped and query.shape[2] > 1 and query.device.type == "cpu":
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                              scale=scaling, is_causal=False, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
+    if grouped and FOLD_GROUPS and query.device.type == "cuda" and attention_mask.shape[1] == 1:
+        with decoding_sdpa(query.device):
+            return folded_attention(query, key, value, attention_mask, dropout, scaling), None
     with decoding_sdpa(query.device):
         return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                is_causal=is_causal, **kwargs)
+
+
+def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     dropout: float = 0.0, scaling=None) -> torch.Tensor:
+    """Masked grouped-query attention without repeating keys and values: query [B, Hq, n, D] (query head h reads
+    key/value head h // G, as transformers' ``repeat_kv`` lays them out), key / value [B, Hkv, S, D], mask
+    [B or 1, 1, n, S]; the G query heads of a key/value head become G*n rows of one head. Returns [B, n, Hq, D]."""
+    b, hq, n, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    rows = query.reshape(b, hkv, g * n, d)                     # row j*n + i: query head k*g + j, position i
+    if n > 1:                                                  # one row: the mask broadcasts over the G rows
+        mask = mask.expand(b, 1, n, mask.shape[-1]).repeat(1, 1, g, 1)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(b, hq, n, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 def _register() -> None:

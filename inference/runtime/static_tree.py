@@ -49,7 +49,8 @@ class StaticTree:
 
 
 def static_tree(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor,
-                depth: torch.Tensor, nodes: int, max_depth: int, min_score: Optional[float]) -> tuple[torch.Tensor, ...]:
+                depth: torch.Tensor, nodes: int, max_depth: int,
+                min_score: Optional[float]) -> tuple[torch.Tensor, ...]:
     """The fields of ``StaticTree`` (in its order) for drafted nodes tok, score, parent (-1: the root; parents
     drafted first), depth [M] and the root's token ``root`` [] long: the ``nodes`` best, at most ``max_depth``
     deep. Every input may carry a leading batch axis ([B, M], root [B]): each row its own tree, the fields

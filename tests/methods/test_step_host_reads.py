@@ -60,7 +60,8 @@ def batch_reads(m, method: str, kw: dict, tokens: int) -> tuple[int, int]:
     return reads.count, len(out.step_s)
 
 
-@pytest.mark.parametrize("kind, method, kw", BATCH_CASES, ids=[f"{k}-{m}-{i}" for i, (k, m, _) in enumerate(BATCH_CASES)])
+@pytest.mark.parametrize("kind, method, kw", BATCH_CASES,
+                         ids=[f"{k}-{m}-{i}" for i, (k, m, _) in enumerate(BATCH_CASES)])
 def test_a_greedy_batch_step_reads_the_host_once(model, medusa, kind, method, kw):
     """Guards against a batched greedy step reading the host once per row or per question (the longest row's
     length, whether all rows are equally long, each row's verdict, its tokens, its tree's size): on a GPU each
@@ -70,7 +71,8 @@ def test_a_greedy_batch_step_reads_the_host_once(model, medusa, kind, method, kw
     for _ in range(2):
         batch_reads(m, method, kw, 30)
     (long, steps_long), (short, steps_short) = batch_reads(m, method, kw, 30), batch_reads(m, method, kw, 15)
-    assert steps_long - steps_short > 5 and long - short == steps_long - steps_short, (long, short, steps_long, steps_short)
+    assert steps_long - steps_short > 5
+    assert long - short == steps_long - steps_short, (long, short, steps_long, steps_short)
     m.static = None
 
 

@@ -1,5 +1,5 @@
 """The decoding attention (inference/runtime/attention.py): transformers' SDPA with grouped-query attention
-in the kernel for masked multi-row calls on CPU, installed by MedusaModel."""
+in the kernel for masked multi-row calls on CPU and folded into query rows on CUDA, installed by MedusaModel."""
 
 from __future__ import annotations
 
@@ -54,6 +54,25 @@ def test_masked_rows_equal_transformers_sdpa(bool_mask):
     ours, _ = attention.decoding_attention_forward(module, q, k, v, mask, scaling=0.25)
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert ours.shape == ref.shape == (2, 5, 6, 16)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bool_mask", [False, True])
+@pytest.mark.parametrize("rows, batch", [(1, 2), (5, 2), (5, 1), (16, 1)])
+def test_folded_groups_equal_repeated_keys_and_values(rows, batch, bool_mask):
+    """Guards against the CUDA path's folding (G query heads as G*n rows of their key/value head) pairing a query
+    head with another head's keys, or a row with another row's mask (the row order inside a fold, a one-row
+    mask broadcast): it equals attention over repeated keys and values (``repeat_kv``) for one and many rows,
+    one and two sequences, float and boolean masks. The function is device-agnostic; CUDA picks it."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    q, k, v = _qkv(batch=batch, q_heads=8, kv_heads=2, rows=rows, context=48)
+    mask = _tree_mask(2, rows, 48, bool_mask)[:batch]
+    mask[:, :, 0, 5] = False if bool_mask else torch.finfo(torch.float32).min    # the first row's prefix differs
+    ours = attention.folded_attention(q, k, v, mask, scaling=0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask,
+                                                           scale=0.25).transpose(1, 2)
+    assert ours.shape == (batch, rows, 8, 16)
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
 
 

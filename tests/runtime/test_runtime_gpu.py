@@ -143,3 +143,28 @@ def test_cuda_decoding_attention_runs_without_cudnn(monkeypatch):
     generate_batch(m, [PROMPT, PROMPT[:3]], tree="tree8", max_new_tokens=4)
     assert seen and set(seen) == {DEV != "cuda"}
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cuda_folded_grouped_query_attention_equals_repeated(monkeypatch, dtype, tol):
+    """Guards against the CUDA path that folds grouped-query heads into query rows (no repeat_kv copy) picking
+    another kernel's wrong layout or a mask broadcast CUDA's kernels treat otherwise: a tree verification forward
+    and greedy tree decoding with folding on equal them with it off (transformers' repeat), within the dtype."""
+    from inference.runtime import attention
+
+    model = tiny_llama(vocab=96, seed=0).to(DEV, dtype)
+    m = wrap(model, random_heads(model, num_heads=3).to(DEV, dtype))
+    outs, tokens = [], []
+    for fold in (True, False):
+        monkeypatch.setattr(attention, "FOLD_GROUPS", fold)
+        buf = default_tree("tree16", 3).buffers(torch.device(DEV))
+        cache = m.new_cache(len(PROMPT) + buf.num_nodes)
+        with torch.inference_mode():
+            m.hidden(torch.tensor([PROMPT], device=DEV), torch.arange(len(PROMPT), device=DEV)[None], cache)
+            ids = torch.arange(buf.num_nodes, device=DEV)[None] % 96
+            outs.append(m.hidden(ids, (buf.position_offsets + len(PROMPT))[None], cache,
+                                 buf.additive_mask(len(PROMPT), m.dtype)).float())
+        if dtype == torch.float32:
+            tokens.append(generate(m, PROMPT, tree="tree16", max_new_tokens=24, eos_token_ids=()).tokens)
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+    assert tokens[:1] == tokens[1:]
