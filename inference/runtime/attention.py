@@ -13,15 +13,15 @@ a copy), so on CPU this module calls it that way.
 
 On CUDA the groups are folded instead (``FOLD_GROUPS``): a masked call with grouped-query attention runs as
 one SDPA call over the key/value heads, each carrying the query rows of its G query heads ([B, Hkv, G*n, D]
-queries, the mask repeated G times over the rows: a few KB), so no key/value is copied (transformers >= 5.25
-packs one-row calls so; multi-row ones it copies). With static steps (``graphs=``)
-every step is masked over the whole capacity, the plain loop's too: at Llama-3.1-8B's shape (8 key/value heads
-for 32 query heads) transformers' copy writes 4x the KV cache and attention reads it back, per layer per step
-(~2 GB a step at 2,048 slots, by arithmetic). The GPU check times both ways (``benchmarks/gpu_graphs.py``).
+queries, the mask repeated G times over the rows: a few KB), so no key/value is copied (transformers 5.25 packs
+one-row calls so itself; multi-row calls it copies). With static steps (``graphs=``) every step is masked over
+the whole capacity, the plain loop's too: at Llama-3.1-8B's shape (8 key/value heads for 32 query heads)
+transformers' copy writes 4x the KV cache and attention reads it back, per layer per step (~2 GB a step at 2,048
+slots, by arithmetic). The GPU check times both ways (``benchmarks/gpu_gqa.py``).
 Every CUDA call runs without torch's cuDNN SDPA backend (``inference.attention_backends``: it plans a graph
 per new key length, 1.4 ms of host time per call in a decoding loop).
 
-Everything else (other devices, one row, no mask, soft-capping, position biases, attention sinks) goes to
+Everything else (other devices, one row on CPU, no mask, soft-capping, position biases, attention sinks) goes to
 transformers' own function unchanged. ``use_decoding_attention`` installs it on a model loaded with
 ``attn_implementation="sdpa"`` under its own registered name (masks are built exactly as for ``sdpa``).
 """
