@@ -114,18 +114,21 @@ def with_drafter(net, kind):
     return attach_heads(net, heads)
 
 
+def decode(m, method: str, kw: dict, batch: int, tokens: int) -> int:
+    """One generation of ``tokens`` tokens at ``batch`` (prompts of different lengths); its steps."""
+    with torch.inference_mode():
+        if batch == 1:
+            return generate(m, PROMPT, method, max_new_tokens=tokens, eos_token_ids=(), **kw).steps
+        prompts = [PROMPT[:n] for n in (14, 9, 5, 12)[:batch]]
+        return len(generate_batch(m, prompts, method, max_new_tokens=tokens, eos_token_ids=(), **kw).step_s)
+
+
 def one(m, stand: Stand, method: str, kw: dict, batch: int, tokens: int) -> tuple[int, int, float, int]:
     """(host reads, ops outside the replays, host seconds outside them, steps) of one generation."""
-    prompts = [PROMPT[:n] for n in (14, 9, 5, 12)[:batch]]
     stand.spent = 0.0
     with HostReads() as reads, _Outside(stand.inside) as outside:
         t = time.perf_counter()
-        if batch == 1:
-            out = generate(m, PROMPT, method, max_new_tokens=tokens, eos_token_ids=(), **kw)
-            steps = out.steps
-        else:
-            out = generate_batch(m, prompts, method, max_new_tokens=tokens, eos_token_ids=(), **kw)
-            steps = len(out.step_s)
+        steps = decode(m, method, kw, batch, tokens)
         wall = time.perf_counter() - t
     return reads.count, outside.ops, wall - stand.spent, steps
 
@@ -134,12 +137,7 @@ def timed(m, stand: Stand, method: str, kw: dict, batch: int, tokens: int) -> tu
     """(host seconds outside the replays, steps) of one generation, nothing counting."""
     stand.spent = 0.0
     t = time.perf_counter()
-    with torch.inference_mode():
-        if batch == 1:
-            steps = generate(m, PROMPT, method, max_new_tokens=tokens, eos_token_ids=(), **kw).steps
-        else:
-            prompts = [PROMPT[:n] for n in (14, 9, 5, 12)[:batch]]
-            steps = len(generate_batch(m, prompts, method, max_new_tokens=tokens, eos_token_ids=(), **kw).step_s)
+    steps = decode(m, method, kw, batch, tokens)
     return time.perf_counter() - t - stand.spent, steps
 
 
