@@ -45,6 +45,7 @@ CASES = {   # name -> (drafter kind, method, options, batch)
     "plain loop, batch 4": (None, "autoregressive", {}, 4),
     "medusa tree8, batch 4": ("medusa", "medusa", {"tree": "tree8"}, 4),
     "eagle3 n8-d3-k2, batch 4": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}, 4),
+    "eagle3_lookup n8-d3-k2, batch 4": ("eagle3", "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2}, 4),
 }
 
 
@@ -149,8 +150,9 @@ def run(tokens: int, rounds: int) -> dict:
         m = with_drafter(net, kind) if kind else MedusaModel(model=net, tokenizer=None, heads=None)
         stand = Stand()
         m.static = StaticSteps(m, capture=stand, log=lambda line: None)
-        for _ in range(2):
+        for _ in range(2):      # every call of both lengths captured and checked (a batch shrinks at other steps)
             timed(m, stand, method, kw, batch, tokens)
+            timed(m, stand, method, kw, batch, tokens // 2)
         long, short = one(m, stand, method, kw, batch, tokens), one(m, stand, method, kw, batch, tokens // 2)
         steps = long[3] - short[3]
         us = []

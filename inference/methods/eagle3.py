@@ -200,8 +200,6 @@ class Eagle3Decoder:
     """EAGLE-3 decoding state for one sequence: ``prefill`` once, then ``step`` repeatedly
     (module docstring). After each step ``cache`` and ``dkv`` hold ``past`` entries."""
 
-    grafts = False   # whether ``tree`` grafts nodes on the host (eagle3_lookup): then no tree built on the device
-
     def __init__(self, m: MedusaModel, options: Eagle3Options, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
         options.check_model(m)
@@ -218,6 +216,7 @@ class Eagle3Decoder:
         self.last_path: list[int] = []
         self.extra_nodes = 0        # tree nodes a step may add beyond the drafted ones (eagle3_lookup's graft)
         self.claimed = 0            # with static steps: this generation's claim on the shared drafter cache
+        self.also_read: list[int] = []   # what ``_static_tree`` asked the last step's verdict read to bring besides
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
@@ -319,16 +318,17 @@ class Eagle3Decoder:
             raise RuntimeError(f"draft KV cache full ({kv.capacity} slots)")
         return self.root_logits, self.root_state, torch.full((), kv.length, dtype=torch.long, device=self.m.device)
 
-    def _static_tree(self) -> StaticTree:
+    def _static_tree(self) -> tuple[StaticTree, tuple]:
         """Steps 1-3 as one captured call (``eagle3_static.tree_call``): this step's tree at the setting's fixed size,
-        built on the device, so a greedy step reads the host once (its verdict)."""
+        built on the device, so a greedy step reads the host once (its verdict); and device scalars for that read to
+        bring besides (none here; ``eagle3_lookup``'s nodes grafted), left in ``also_read``."""
         o, kv = self.o, self.dkv
         root = torch.full((), self.root, dtype=torch.long, device=self.m.device)
         fields = self.m.static.calls.run(f"eagle3.tree-{o.label}:{tag(kv)}",
                                          tree_call(draft_call(self.drafter, kv, o.depth, o.topk), o.nodes, o.depth,
                                                    o.min_score),
                                          (*self._draft_inputs(), root), keep=kv)
-        return StaticTree(*fields)
+        return StaticTree(*fields), ()
 
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This step's tree (steps 1-3): tokens, parents (-1: the root) and depths [T] of the root and
@@ -343,9 +343,10 @@ class Eagle3Decoder:
     def step(self) -> tuple[list[int], int]:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, the tree's depth)."""
         m, past, dev = self.m, self.past, self.m.device
-        one_read = isinstance(self.dkv, StaticDraftKV) and self.cfg.is_greedy and not self.grafts
+        one_read = isinstance(self.dkv, StaticDraftKV) and self.cfg.is_greedy
+        self.also_read = []
         if one_read:                                 # the tree built on the device: the verdict is the one host read
-            buf = self._static_tree()
+            buf, extra = self._static_tree()
             tokens, depths = buf.tokens, buf.position_offsets
             ids = tokens.clamp(min=0)                # a masked node's -1 is for verification, not the embedding
         else:
@@ -354,8 +355,8 @@ class Eagle3Decoder:
         h, aux = m.hidden_aux(ids[None], (depths + past)[None], self.cache, self.tap, buf.additive_mask(past, m.dtype))
         logits = m.logits(h[0])
         if one_read:
-            verdict = verify_greedy(buf, tokens, logits, also=[depths.max()])
-            max_depth = verdict.also[0]
+            verdict = verify_greedy(buf, tokens, logits, also=[depths.max(), *extra])
+            max_depth, self.also_read = verdict.also[0], verdict.also[1:]
         else:
             verdict, max_depth = verify(buf, tokens, logits, self.cfg, None, self.gen), buf.max_depth
         self.cache.keep(past, verdict.path)

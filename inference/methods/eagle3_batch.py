@@ -119,8 +119,6 @@ class Eagle3BatchDrafter:
     ``options``: ``Eagle3Options`` (one setting at every batch size) or a ``SpeculationSchedule`` of
     them and None (plain steps)."""
 
-    grafts = False   # whether ``amend`` grafts nodes on the host (eagle3_lookup): then no trees built on the device
-
     def __init__(self, m: MedusaModel, options):
         schedule = options if isinstance(options, SpeculationSchedule) else SpeculationSchedule({1: options})
         settings = [c for c in schedule.choices.values() if c is not None]
@@ -235,8 +233,8 @@ class Eagle3BatchDrafter:
             self.row_proposed = [0] * dec.batch
             return root_only(dev), torch.empty(dec.batch, 0, dtype=torch.long, device=dev), None
         self.catch_up_pending()
-        if isinstance(self.dkv, StaticRowDraftKV) and dec.cfg.is_greedy and not self.grafts:
-            trees = self._static_trees(o, dec.root)     # built on the device: the step's one host read is its verdict
+        if isinstance(self.dkv, StaticRowDraftKV) and dec.cfg.is_greedy:
+            trees = self._static_trees(o, dec)     # built on the device: the step's one host read is its verdict
             return trees, trees.tokens[:, 1:], None
         tok, score, parent, depth = self._grow(o)
         rows = []
@@ -252,10 +250,11 @@ class Eagle3BatchDrafter:
         self.row_proposed = [t.max_depth for t in trees.rows]
         return trees, cand, None
 
-    def _static_trees(self, o, root: torch.Tensor) -> StaticTree:
+    def _static_trees(self, o, dec: BatchTreeDecoder) -> StaticTree:
         """Steps 1-3 for every row as one captured call (``eagle3_static.tree_call`` over ``batch_draft_call``):
-        each row's tree at the setting's fixed size, built on the device (``runtime.static_tree``)."""
-        kv = self.dkv
+        each row's tree at the setting's fixed size, built on the device (``runtime.static_tree``). A subclass may
+        add nodes per row there (``eagle3_lookup`` grafts its looked-up branch)."""
+        kv, root = self.dkv, dec.root
         kv.reserve((o.depth - 1) * o.topk)
         fn = tree_call(batch_draft_call(self.d, kv.cache, o.depth, o.topk), o.nodes, o.depth, o.min_score)
         fields = self.m.static.calls.run(f"eagle3.tree-{o.label}:{tag(kv.cache)}", fn,

@@ -22,6 +22,11 @@ Batches (``generate_batch``, ``Eagle3LookupBatchDrafter``): every row grows its 
 does and grafts its own looked-up branch as here; the rows' tries, of different sizes, are verified
 in one forward (narrower ones padded with nodes that are never accepted).
 
+With static steps (``graphs=``) greedy decoding grafts on the device instead, inside eagle3's captured tree call
+(``runtime.static_tree.static_graft``): the proposal (the host knows it: the index holds the emitted tokens) goes in
+as a fixed-length input, the chain sits at fixed slots after the tree, and the step reads the host once (its
+verdict, which brings the nodes grafted too), batch 1 and batches alike; a step that looks up nothing is eagle3's.
+
 When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly an
 eagle3 step. Greedy decoding is token-identical to plain greedy decoding; in sample mode the rule is
 eagle3's exact one for deterministic candidates (draft=topk; draft=sampled is refused, as by eagle3): the
@@ -53,12 +58,14 @@ import torch
 from ..errors import UserError
 from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.model import MedusaModel
+from ..runtime.static_tree import StaticTree
 from ..runtime.verify import SamplingConfig
 from .autoregressive import AutoregressiveDecoder
 from .draft import chain_sampling
 from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_batch_decoder, eagle3_costs, fit_options, refuse_heads
 from .eagle3_batch import Eagle3BatchDrafter
 from .eagle3_choice import Eagle3Shape
+from .eagle3_static import batch_draft_call, chain_call, draft_call, tag, tree_call
 from .prompt_lookup import (LookupDrafter, NGramIndex, PromptLookupDecoder, PromptLookupSettings,
                             check_lookup_settings, match_in_tree)
 from .registry import Method, option, register, slot_costs
@@ -181,8 +188,6 @@ def graft_branch(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
 class Eagle3LookupDecoder(Eagle3Decoder):
     """``Eagle3Decoder`` whose tree gets the looked-up continuation grafted on; see the module docstring."""
 
-    grafts = True   # its tree gets a looked-up chain on the host: verified through ``tree_buffers``
-
     def __init__(self, m: MedusaModel, options: Eagle3LookupOptions, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
         super().__init__(m, options, sampling, seed)    # refuses draft=sampled, as eagle3 does
@@ -210,9 +215,32 @@ class Eagle3LookupDecoder(Eagle3Decoder):
         self.grafted_nodes += rest
         return tokens, parents, depths
 
+    def _static_tree(self) -> tuple[StaticTree, tuple]:
+        """``tree`` on the device (static steps, greedy): eagle3's captured tree call with the looked-up chain grafted
+        on in it (``static_graft``) at the fixed size nodes + 1 + eagle_lookup_tokens; a step that switches verifies
+        the root and the chain alone without drafting (``chain_call``), one that looks up nothing is eagle3's. The
+        nodes grafted come back with the step's one host read (``also_read``)."""
+        proposal = self.index.propose(self.o.num_tokens) if self.o.looks_up else []
+        if not proposal:
+            return super()._static_tree()
+        o, kv, dev = self.o, self.dkv, self.m.device
+        padded = torch.tensor(proposal + [-1] * (o.num_tokens - len(proposal)), device=dev)
+        root = torch.full((), self.root, dtype=torch.long, device=dev)
+        if switches(o.switch, proposal, self.index.last_match):
+            self.switched += 1
+            fields = self.m.static.calls.run(f"eagle3.chain{o.num_tokens}", chain_call(o.num_tokens), (root, padded))
+        else:
+            fn = tree_call(draft_call(self.drafter, kv, o.depth, o.topk), o.nodes, o.depth, o.min_score, o.num_tokens)
+            fields = self.m.static.calls.run(f"eagle3.tree-{o.label}.graft:{tag(kv)}", fn,
+                                             (*self._draft_inputs(), root, padded), keep=kv)
+        return StaticTree(*fields[:5]), fields[5:]
+
     @torch.inference_mode()
     def step(self) -> tuple[list[int], int]:
         new, depth = super().step()
+        if self.also_read:            # a device-built graft: its node count came with the verdict
+            self.grafted += int(self.also_read[0] > 0)
+            self.grafted_nodes += self.also_read[0]
         self.index.extend(new)
         return new, depth
 
@@ -223,8 +251,6 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
     looks up its own context); a row whose graft is shorter than another's pads with nodes that are
     computed and never accepted (``RowTrees``). A plain step of the schedule (None) drafts and looks
     up nothing. Proposed per row and step = its tree's depth, as at batch 1."""
-
-    grafts = True   # each row's tree gets its looked-up chain on the host: verified through ``RowTrees``
 
     def __init__(self, m: MedusaModel, options, lookup: PromptLookupSettings, switch: int = 0):
         super().__init__(m, options)
@@ -238,19 +264,44 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
         self.indexes = []            # a new batch (the batch sizing reuses one drafter for many)
         super().prefilled(dec, paths, aux)
 
-    def amend(self, dec: BatchTreeDecoder, rows: list) -> list:
+    def _lookups(self, dec: BatchTreeDecoder) -> list[tuple[list[int], bool]]:
+        """Every row's looked-up proposal and whether the row verifies it alone (``switches``), its index first
+        brought up to date with the row's history."""
         if not self.indexes:
             self.indexes = [NGramIndex(self.s.min_ngram, self.s.max_ngram) for _ in dec.history]
             self.seen = [0] * len(dec.history)
         out = []
-        for b, (hist, row) in enumerate(zip(dec.history, rows)):
+        for b, hist in enumerate(dec.history):
             self.indexes[b].extend(hist[self.seen[b]:])
             self.seen[b] = len(hist)
             proposal = self.indexes[b].propose(self.s.num_tokens)
-            if switches(self.switch, proposal, self.indexes[b].last_match):   # this row: its looked-up chain alone
+            out.append((proposal, switches(self.switch, proposal, self.indexes[b].last_match)))
+        return out
+
+    def amend(self, dec: BatchTreeDecoder, rows: list) -> list:
+        out = []
+        for row, (proposal, alone) in zip(rows, self._lookups(dec)):
+            if alone:                   # this row: its looked-up chain alone
                 row = root_only(row[0][:1])
             out.append(graft_branch(*row, proposal)[:3])
         return out
+
+    def _static_trees(self, o, dec: BatchTreeDecoder) -> StaticTree:
+        """``amend`` on the device (static steps, greedy): eagle3's captured tree call with every row's looked-up
+        chain grafted on in it (``static_graft``), each tree nodes + 1 + eagle_lookup_tokens; a switching row's
+        drafted nodes masked. A step where no row looks anything up is eagle3's."""
+        lookups = self._lookups(dec)
+        if not any(p for p, _ in lookups):
+            return super()._static_trees(o, dec)
+        kv, dev, width = self.dkv, self.m.device, self.s.num_tokens
+        kv.reserve((o.depth - 1) * o.topk)
+        proposals = torch.tensor([p + [-1] * (width - len(p)) for p, _ in lookups], device=dev)
+        alone = torch.tensor([a for _, a in lookups], device=dev)
+        fn = tree_call(batch_draft_call(self.d, kv.cache, o.depth, o.topk), o.nodes, o.depth, o.min_score, width)
+        fields = self.m.static.calls.run(f"eagle3.tree-{o.label}.graft{width}:{tag(kv.cache)}", fn,
+                                         (self.root_logits, self.root_state, kv.committed, dec.root, proposals, alone),
+                                         rows=dec.batch, keep=kv.cache)
+        return StaticTree(*fields[:5])
 
     def rows_kept(self, index: list[int]) -> None:
         super().rows_kept(index)

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ..heads.eagle3 import StaticDraftKV
-from ..runtime.static_tree import static_tree
+from ..runtime.static_tree import root_tree, static_graft, static_tree
 
 MIN_SLOTS = 256
 KEPT = "eagle3 draft caches"   # under the static steps' ``kept``: {batch: (drafter, cache)}, outliving a generation
@@ -133,14 +133,31 @@ def draft_call(d, cache: StaticDraftKV, depth: int, k: int):
     return fn
 
 
-def tree_call(draft, nodes: int, depth: int, min_score: Optional[float]):
+def tree_call(draft, nodes: int, depth: int, min_score: Optional[float], graft: int = 0):
     """fn(root_logits, root_state, committed, root) -> ``StaticTree``'s fields: ``draft`` (``draft_call`` or
     ``batch_draft_call``: its inputs are the first three), then the rerank of ``Eagle3Decoder.tree`` (the ``nodes``
     best, those below ``min_score`` masked) at the fixed size nodes + 1 (``runtime.static_tree``), so a greedy
-    step reads the host once (its verdict)."""
-    def fn(root_logits, root_state, committed, root):
+    step reads the host once (its verdict). ``graft``: the length of a looked-up chain (``eagle3_lookup``) grafted
+    on the device (``static_graft``): fn takes the proposal [graft] (-1 padded) and, batched, which rows verify the
+    chain alone [B] bool, and returns the fields at nodes + 1 + graft and the nodes grafted."""
+    def fn(root_logits, root_state, committed, root, *lookup):
         tok, score, parent, level = draft(root_logits, root_state, committed)
-        return static_tree(root, tok, score, parent, level, nodes, depth, min_score)
+        fields = static_tree(root, tok, score, parent, level, nodes, depth, min_score)
+        if not graft:
+            return fields
+        if root.dim() == 0:                                  # batch 1: a row axis for the graft
+            return tuple(f[0] for f in static_graft(*(f[None] for f in fields), lookup[0][None]))
+        return static_graft(*fields, *lookup)
+    return fn
+
+
+def chain_call(graft: int):
+    """fn(root [B] or [], proposal [B, graft] or [graft]) -> the fields of the root with the looked-up chain alone
+    (``static_graft`` on ``root_tree``) and the nodes grafted: ``eagle3_lookup``'s switch at batch 1 (no drafting)."""
+    def fn(root, proposal):
+        if root.dim() == 0:
+            return tuple(f[0] for f in static_graft(*root_tree(root.reshape(1)), proposal[None]))
+        return static_graft(*root_tree(root), proposal)
     return fn
 
 

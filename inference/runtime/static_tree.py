@@ -71,7 +71,14 @@ def static_tree(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, pare
     parents = torch.cat([first, up], 1)
     depths = torch.cat([first + 1, torch.where(passes, depth.gather(1, keep), 0)], 1)
     tokens = torch.cat([root.reshape(b, 1), torch.where(passes, tok.gather(1, keep), -1)], 1)
-    size = nodes + 1
+    return (tokens, parents, depths, *_structure(parents, depths, max_depth))
+
+
+def _structure(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tree mask [B, T, T] and every node's path [B, T, D+1] of trees given by parents (-1: the root) and depths
+    [B, T], at most ``max_depth`` deep."""
+    b, size = parents.shape
+    dev = parents.device
     idx = torch.arange(size, device=dev)
     ups = parents.clamp(min=0)
     mask = (idx[:, None] == idx[None]).expand(b, size, size)
@@ -82,4 +89,58 @@ def static_tree(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, pare
         mask = mask | (idx == cur[..., None])
         paths = torch.where(column == depths.gather(1, cur)[..., None], cur[..., None], paths)
         cur = ups.gather(1, cur)
-    return tokens, parents, depths, mask, paths
+    return mask, paths
+
+
+def static_graft(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
+                 paths: torch.Tensor, proposal: torch.Tensor,
+                 drop: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+    """A looked-up continuation grafted onto trees of ``StaticTree``'s fields ([B, T, ...]) at the fixed size T + L,
+    on the device (``eagle3_lookup``'s ``graft_branch`` without reading the tree): ``proposal`` [B, L] long, -1 padded
+    at its end. The proposal walks down the tree while a node carries its next token; the rest of it hangs under the
+    deepest node it reached as one chain, proposal token j at node T + j with depth j + 1. Slots of the tokens the tree
+    already had, and of the padding, are masked nodes (token -1, depth 0, child of the root). ``drop`` [B] bool: rows
+    whose drafted nodes are masked too (the chain alone is verified). Returns the fields at max(D, L) deep (the mask
+    and paths recomputed: ``mask`` is not read) and the nodes grafted per row [B]."""
+    b, size = tokens.shape
+    length, dev = proposal.shape[1], tokens.device
+    if drop is not None:
+        drafted = drop[:, None] & (torch.arange(size, device=dev) > 0)
+        tokens = tokens.masked_fill(drafted, -1)
+        parents = torch.where(drafted, 0, parents)
+        depths = depths.masked_fill(drafted, 0)
+        paths = torch.where(drafted[..., None], _root_path(paths), paths)
+    # node i lies on the proposal when every token on its path (depths 1..) is the proposal's at that depth; beyond
+    # the proposal's length no token matches (-2), nor does its padding (-1) match a drafted token
+    want = torch.cat([proposal.new_full((b, 1), -1), proposal,
+                      proposal.new_full((b, max(paths.shape[2] - 1 - length, 0)), -2)], 1)[:, :paths.shape[2]]
+    on_path = tokens.gather(1, paths.clamp(min=0).reshape(b, -1)).reshape(paths.shape)
+    agrees = (paths < 0) | (on_path == want[:, None]) | (torch.arange(paths.shape[2], device=dev) == 0)
+    matched = agrees.all(-1)
+    idx = torch.arange(size, device=dev)
+    rank = torch.where(matched, depths * (size + 1) + size - idx, -1)     # deepest, then the earliest (the root)
+    anchor = rank.argmax(1)                                                # [B]
+    n = depths.gather(1, anchor[:, None])                                  # proposal tokens the tree has
+    j = torch.arange(length, device=dev)[None]
+    real = (j >= n) & (proposal >= 0)
+    chain_parents = torch.where(j == n, anchor[:, None], size + j - 1)
+    tokens = torch.cat([tokens, torch.where(real, proposal, -1)], 1)
+    parents = torch.cat([parents, torch.where(real, chain_parents, 0)], 1)
+    depths = torch.cat([depths, torch.where(real, j + 1, 0)], 1)
+    return (tokens, parents, depths, *_structure(parents, depths, max(paths.shape[2] - 1, length)),
+            real.sum(1))
+
+
+def _root_path(paths: torch.Tensor) -> torch.Tensor:
+    """The path of the root alone, [0, -1, ...], in ``paths``' shape."""
+    root = torch.full_like(paths, -1)
+    root[..., 0] = 0
+    return root
+
+
+def root_tree(root: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``StaticTree``'s fields of trees of the root alone (tokens ``root`` [B]), for a looked-up chain to be grafted
+    on (``static_graft``)."""
+    b, dev = root.shape[0], root.device
+    zeros = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    return (root.reshape(b, 1), zeros - 1, zeros, torch.ones(b, 1, 1, dtype=torch.bool, device=dev), zeros[..., None])

@@ -72,10 +72,12 @@ def m(backbone):
 
 def expansion(method: str, opts: dict) -> str:
     """The name (up to its cache tag) of the captured call that drafts a step's tree: greedy eagle3 drafts and
-    reranks in one call (its tree built on the device); eagle3_lookup grafts on the host after the draft."""
+    reranks in one call (its tree built on the device); eagle3_lookup's grafts its looked-up chain in that call too
+    (``.graft``, where the lookup found one)."""
     if method == "eagle3":
         return f"tree-{Eagle3Options(**opts).label}:"
-    return f"draft-d{opts['depth']}k{opts['topk']}:"
+    from inference.methods.eagle3_lookup import Eagle3LookupOptions
+    return f"tree-{Eagle3LookupOptions(**opts).label}"
 
 
 def drafter_calls(m) -> dict:
@@ -107,15 +109,31 @@ def test_greedy_is_token_identical_off_uncaptured_and_replayed(m, method, settin
     m.static = None
 
 
+def token_paths(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor) -> list[tuple]:
+    """A tree's nodes as the tokens from the root to each (masked nodes, token -1, left out), in a canonical order:
+    two layouts of the same tree give the same list."""
+    out = []
+    for i in range(tokens.numel()):
+        if tokens[i] < 0:
+            continue
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, int(tokens[j]))
+            j = int(parents[j])
+        assert len(path) == int(depths[i]) + 1
+        out.append(tuple(path))
+    return sorted(out)
+
+
 def recording(dec, log: list):
     """``dec`` with every tree it verifies (tokens, parents, depths) appended to ``log``: the host-built tree
     (``tree``) or the one built on the device (``_static_tree``, greedy eagle3 on static steps)."""
     tree, static = dec.tree, dec._static_tree
 
     def on_device():
-        buf = static()
+        buf, extra = static()
         log.append((buf.tokens, buf.parents, buf.position_offsets))
-        return buf
+        return buf, extra
     dec.tree = lambda: (lambda out: log.append(out) or out)(tree())
     dec._static_tree = on_device
     return dec
@@ -147,9 +165,14 @@ def test_drafter_state_equals_the_dynamic_drafters_step_by_step(backbone, method
             assert steps[0] == steps[1]
             lengths.append(len(steps[0][0]))
             (ta, pa, da), (tb, pb, db) = logs[0][-1], logs[1][-1]
-            assert torch.equal(ta, tb) and torch.equal(pa, pb) and torch.equal(da, db)
+            if method == "eagle3":
+                assert torch.equal(ta, tb) and torch.equal(pa, pb) and torch.equal(da, db)
+            else:   # a chain grafted on the device sits at fixed slots, the host's right after the tree: same nodes
+                assert token_paths(ta, pa, da) == token_paths(tb, pb, db)
+        if method == "eagle3_lookup":     # the device graft's count (read with the verdict) is the host's
+            assert (decs[1].grafted, decs[1].grafted_nodes) == (decs[0].grafted, decs[0].grafted_nodes)
         if method == "eagle3_lookup" and prompt == REPEATING:
-            assert max(lengths) > 2          # grafted paths accepted: catch-ups of several rows ran
+            assert max(lengths) > 2 and decs[1].grafted > 0   # grafted paths accepted: multi-row catch-ups ran
     if how == "replayed":
         assert_clean(static)
 
@@ -169,7 +192,8 @@ def test_deep_accepted_paths_stay_greedy_and_capture_each_catch_up_once(backbone
     assert all(o.tokens == plain for o in outs) and max(outs[0].accept_lengths) >= 5
     names = drafter_calls(sm)
     assert all(v == 1 for v in names.values())
-    assert sum(expansion(method, dict(nodes=8, depth=4, topk=2)) in k for k in names) == 1   # one cache, 3 runs
+    # one cache, 3 runs: eagle3's tree call; eagle3_lookup's with and without a grafted chain
+    assert sum(expansion(method, dict(nodes=8, depth=4, topk=2)) in k for k in names) == (1 if method == "eagle3" else 2)
     assert "catchup5" in {k.split(":")[0].split(".")[1] for k in names}
     assert_clean(sm)
     sm.static = None
@@ -190,8 +214,8 @@ def test_calls_are_captured_once_per_key_across_generations(m):
             generate(m, [5], "eagle3_lookup", max_new_tokens=30, eos_token_ids=(), **opts)
     grown = set(drafter_calls(m)) - set(first)
     assert all("catchup" in k for k in grown)      # only longer accepted paths, never a recapture
-    assert {k.split(":")[0] for k in first} >= {"eagle3.tree-n4-d1-k4", "eagle3.tree-n8-d3-k2", "eagle3.draft-d1k4",
-                                                "eagle3.draft-d3k2", "eagle3.catchup1"}
+    assert {k.split(":")[0] for k in first} >= {"eagle3.tree-n4-d1-k4", "eagle3.tree-n8-d3-k2", "eagle3.catchup1",
+                                                "eagle3.tree-n4-d1-k4+t6-m2", "eagle3.tree-n8-d3-k2+t6-m2"}
     tags = {k.split(":")[1] for k in drafter_calls(m)}
     assert len(tags) == 1
     generate(m, LONG + LONG, "eagle3", max_new_tokens=10, eos_token_ids=(), **SETTINGS["n4-d1-k4"])
@@ -300,8 +324,8 @@ def test_batched_drafter_state_equals_the_dynamic_drafters_step_by_step(backbone
     when rows leave), a draft mask hiding a node's own or its ancestors' entries, a wrong next-root state. In
     lockstep with graphs=off, every captured step drafts the same nodes (scores to fp32 rounding), and after the
     prefill and every step each row's entries and state equal a fresh catch-up over its accepted tokens, also
-    after rows leave in another order (3 rows in the 4-lane bucket, then 2). Greedy eagle3's trees are built on
-    the device: every step's verified trees (parents, depths, tokens) equal graphs=off's."""
+    after rows leave in another order (3 rows in the 4-lane bucket, then 2). Greedy trees are built on the device:
+    every step's verified trees (parents, depths, tokens) equal graphs=off's (eagle3_lookup's as token paths)."""
     from inference.methods.eagle3_lookup import Eagle3LookupOptions
     from inference.runtime.batch_decode import BatchTreeDecoder
     from test_batch_eagle3 import check_drafter_cache
@@ -323,7 +347,12 @@ def test_batched_drafter_state_equals_the_dynamic_drafters_step_by_step(backbone
         assert news[0] == news[1]
         lengths += [len(new) for new, _ in news[1]]
         (pa, da, ca), (pb, db, cb) = logs[0][-1], logs[1][-1]
-        assert all(map(torch.equal, pa, pb)) and all(map(torch.equal, da, db)) and torch.equal(ca, cb)
+        if method == "eagle3":
+            assert all(map(torch.equal, pa, pb)) and all(map(torch.equal, da, db)) and torch.equal(ca, cb)
+        else:       # grafted chains at fixed slots on the device, right after each row's tree on the host
+            for row in range(len(pa)):
+                a, b = (torch.cat([c.new_zeros(1), c[row]]) for c in (ca, cb))
+                assert token_paths(a, pa[row], da[row]) == token_paths(b, pb[row], db[row])
         check_drafter_cache(off, dec, dec.drafter)
         if step == 2:
             with torch.inference_mode():     # as run_batch calls it (the backbone's static rows move in it)

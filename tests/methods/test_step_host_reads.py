@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.host_reads import HostReads
 from inference.methods import generate, generate_batch, stream
+from inference.runtime.verify import SamplingConfig
 from runtime_support import one_thread  # noqa: F401 (autouse fixture)
 from test_static_steps import REPEATING, backbone_for, medusa, model, with_steps  # noqa: F401 (fixtures)
 
@@ -23,6 +24,8 @@ CASES = [
     ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}),
     ("eagle3", "eagle3", {"nodes": 4, "depth": 1, "topk": 4}),
     ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}),   # nodes below the floor masked
+    ("eagle3", "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2}),              # a looked-up chain grafted
+    ("eagle3", "eagle3_lookup", {"nodes": 4, "depth": 2, "topk": 2, "min_prob": 0.02, "switch": 2}),
 ]
 
 
@@ -66,20 +69,22 @@ def test_a_greedy_batch_step_reads_the_host_once(model, medusa, kind, method, kw
     """Guards against a batched greedy step reading the host once per row or per question (the longest row's
     length, whether all rows are equally long, each row's verdict, its tokens, its tree's size): on a GPU each
     read idles the device between captured graphs, and the batch's graphs are what make large batches pay.
-    The reads of a generation of 30 tokens less those of one of 15 (the prompts' cancel) are one per step."""
+    The reads of a generation of 45 tokens less those of one of 15 (the prompts' cancel) are one per step."""
     m = with_steps(backbone_for(kind, model, medusa), "replayed")
-    for _ in range(2):
-        batch_reads(m, method, kw, 30)
-    (long, steps_long), (short, steps_short) = batch_reads(m, method, kw, 30), batch_reads(m, method, kw, 15)
+    for _ in range(2):      # both lengths: a batch that shrinks earlier in one may capture a call the other does not
+        batch_reads(m, method, kw, 45)
+        batch_reads(m, method, kw, 15)
+    (long, steps_long), (short, steps_short) = batch_reads(m, method, kw, 45), batch_reads(m, method, kw, 15)
     assert steps_long - steps_short > 5
     assert long - short == steps_long - steps_short, (long, short, steps_long, steps_short)
     m.static = None
 
 
 def test_the_count_sees_a_host_built_tree(model, medusa):
-    """Guards against a read counter that cannot fail: eagle3_lookup grafts its looked-up chain on the host,
-    so its tree is built there and its steps read several times."""
+    """Guards against a read counter that cannot fail: EAGLE-3 in sample mode builds its tree on the host (how
+    many nodes pass the floor, how deep the tree is, each node's draw), so its steps read several times."""
     m = with_steps(backbone_for("eagle3", model, medusa), "replayed")
-    counts = reads_per_step(m, "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2})
+    counts = reads_per_step(m, "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "seed": 0,
+                                          "sampling": SamplingConfig(mode="sample", temperature=0.8)})
     assert max(counts) > 1
     m.static = None

@@ -147,19 +147,22 @@ def test_captured_batched_steps_are_token_identical_in_fp32(method, kw):
 
 
 @pytest.mark.parametrize("method, kw", [("autoregressive", {}), ("medusa", {"tree": "tree8"}),
-                                        ("eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02})])
+                                        ("eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}),
+                                        ("eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2, "switch": 2})])
 def test_a_captured_greedy_step_reads_the_host_once(method, kw):
     """Guards against a captured greedy step waiting on the device more than once (each read of a device value
     idles the GPU between graphs), on CUDA: batch 1 and a batch of three, one read a step."""
     from test_step_host_reads import batch_reads, reads_per_step
 
-    model = tiny_llama(vocab=96, hidden=64, layers=4 if method == "eagle3" else 2, seed=0).to(DEV)
-    m = random_drafter(model) if method == "eagle3" else wrap(model, random_heads(model, num_heads=3))
+    eagle = method.startswith("eagle3")
+    model = tiny_llama(vocab=96, hidden=64, layers=4 if eagle else 2, seed=0).to(DEV)
+    m = random_drafter(model) if eagle else wrap(model, random_heads(model, num_heads=3))
     captured(m)
     counts = reads_per_step(m, method, kw)
     assert counts == [1] * len(counts)
-    for _ in range(2):       # the batch's calls captured and checked
-        batch_reads(m, method, kw, 30)
-    (long, steps_long), (short, steps_short) = batch_reads(m, method, kw, 30), batch_reads(m, method, kw, 15)
+    for _ in range(2):       # the batch's calls captured and checked, at both lengths
+        batch_reads(m, method, kw, 45)
+        batch_reads(m, method, kw, 15)
+    (long, steps_long), (short, steps_short) = batch_reads(m, method, kw, 45), batch_reads(m, method, kw, 15)
     assert long - short == steps_long - steps_short
     assert m.static.failed == 0 and m.static.calls.failed == 0 and m.static.disagreed == 0
