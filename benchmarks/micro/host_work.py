@@ -142,10 +142,12 @@ def timed(m, stand: Stand, method: str, kw: dict, batch: int, tokens: int) -> tu
     return time.perf_counter() - t - stand.spent, steps
 
 
-def run(tokens: int, rounds: int) -> dict:
+def run(tokens: int, rounds: int, only: str = "") -> dict:
     result = {"tokens": tokens, "rounds": rounds, "threads": torch.get_num_threads(), "load": machine_load(),
               "torch": torch.__version__, "cases": {}}
     for name, (kind, method, kw, batch) in CASES.items():
+        if only not in name:
+            continue
         net = backbone()
         m = with_drafter(net, kind) if kind else MedusaModel(model=net, tokenizer=None, heads=None)
         stand = Stand()
@@ -171,10 +173,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="bench.py host-work", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default="", help="the cases whose name contains this (default: all)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    result = run(a.tokens, a.rounds)
+    result = run(a.tokens, a.rounds, a.only)
     print(f"{a.tokens} vs {a.tokens // 2} tokens, {a.rounds} rounds, 1 thread, load {result['load']}, "
           f"torch {result['torch']}")
     print("| steps | host reads / step | ops outside the graphs / step | host us / step (min-max) |")
