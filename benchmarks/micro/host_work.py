@@ -42,6 +42,7 @@ CASES = {   # name -> (drafter kind, method, options, batch)
     "eagle3 n8-d3-k2": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}, 1),
     "eagle3 n8-d3-k2-p0.02": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}, 1),
     "eagle3_lookup n8-d3-k2": ("eagle3", "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2}, 1),
+    "medusa_lookup tree8": ("medusa", "medusa_lookup", {"tree": "tree8"}, 1),
     "plain loop, batch 4": (None, "autoregressive", {}, 4),
     "medusa tree8, batch 4": ("medusa", "medusa", {"tree": "tree8"}, 4),
     "eagle3 n8-d3-k2, batch 4": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}, 4),

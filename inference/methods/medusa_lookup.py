@@ -22,6 +22,11 @@ common continuations. Each step of ``HybridDecoder`` puts up both and verifies t
 When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly
 a Medusa step with the fixed tree (same buffers, same tokens, same accepted path).
 
+With static steps (``graphs=``) greedy decoding grafts on the device instead (``runtime.static_tree.static_graft``,
+a captured call per tree): walking the proposal down the tree needs the heads' tokens, which the host would
+have to read (on a GPU a wait for the device); there the chain sits at fixed slots after the tree, unused slots
+masked, and the step reads the host once (its verdict).
+
 Modes: greedy is token-identical to plain greedy decoding (whatever the guesses). typical:
 Medusa's lossy rule on the trie. sample: exact, with the deterministic-candidate rule
 (``draft="topk"``: draw Y ~ p at an accepted node, descend into the child carrying Y, else Y is
@@ -45,8 +50,9 @@ from ..errors import UserError
 from ..heads.drafting import static_tree_refusal
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
+from ..runtime.static_tree import StaticTree, static_graft, tree_structure
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
-from ..runtime.verify import SamplingConfig, verify
+from ..runtime.verify import SamplingConfig, verify, verify_greedy
 from .draft import chain_sampling
 from .medusa import MEDUSA_TREE, tree_nodes
 from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, match_in_tree
@@ -94,7 +100,7 @@ class HybridDecoder:
 
     After each step: ``cache`` holds prompt + every emitted token except ``root``; ``last_path``
     is the accepted trie path and ``last_trie`` the trie's buffers (the tree's own when nothing
-    was grafted)."""
+    was grafted; a ``StaticTree`` where the graft was built on the device)."""
 
     def __init__(self, m: MedusaModel, tree, settings: Optional[PromptLookupSettings] = None,
                  sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None):
@@ -142,14 +148,18 @@ class HybridDecoder:
         self.index.extend(prompt[0].tolist() + [self.root])
         return self.root
 
-    def trie_tokens(self) -> tuple[TreeBuffers, torch.Tensor]:
-        """This step's trie and its tokens [T] (node 0 = the root): heads' tree + lookup branch."""
+    def trie_tokens(self, on_device: bool = False) -> tuple[TreeBuffers | StaticTree, torch.Tensor]:
+        """This step's trie and its tokens [T] (node 0 = the root): heads' tree + lookup branch. ``on_device``: the
+        graft built on the device (``_device_trie``), its unused slots masked (token -1)."""
         m, buf = self.m, self.buf
         cand, _ = m.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen)   # draft_q None: draft=topk
         tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
         proposal = self.index.propose(self.s.num_tokens)
         if not proposal:
             return buf, tokens
+        if on_device:
+            trie = self._device_trie(tokens, proposal)
+            return trie, trie.tokens
         node, n = match_prefix(self.tree, tokens.tolist(), proposal)
         if n == len(proposal):                            # already in the tree: a plain Medusa step
             return buf, tokens
@@ -157,17 +167,37 @@ class HybridDecoder:
         rest = torch.tensor(proposal[n:], dtype=torch.long, device=m.device)
         return trie, torch.cat([tokens, rest])[source]
 
+    def _device_trie(self, tokens: torch.Tensor, proposal: list[int]) -> StaticTree:
+        """The graft without reading the tree's tokens: a captured call (named by the tree's structure) of
+        ``static_graft`` over the fixed tree, the proposal a fixed-length input (-1 padded)."""
+        buf, width = self.buf, self.s.num_tokens
+        parents, depths = buf.parents[None], buf.position_offsets[None]
+        mask, paths = tree_structure(parents, depths, buf.max_depth)
+
+        def graft(tokens, proposal):
+            return tuple(f[0] for f in static_graft(tokens[None], parents, depths, mask, paths, proposal[None])[:5])
+        padded = torch.tensor(proposal + [-1] * (width - len(proposal)), device=self.m.device)
+        return StaticTree(*self.m.static.calls.run(f"medusa_lookup.graft{width}-{buf.shape_key}", graft,
+                                                   (tokens, padded), keep=buf))
+
     @torch.inference_mode()
     def step(self) -> tuple[list[int], int]:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, the trie's depth).
 
         "Proposed" is the depth (the most one step can accept), as the harness counts Medusa's
-        tree and lookahead's trie, so acceptance rates compare across methods."""
+        tree and lookahead's trie, so acceptance rates compare across methods. With static steps a greedy
+        step's graft is built on the device, its depth read with the verdict: one host read a step."""
         m, past = self.m, self.past
-        trie, tokens = self.trie_tokens()
+        trie, tokens = self.trie_tokens(on_device=getattr(m, "static", None) is not None and self.cfg.is_greedy)
         positions = (trie.position_offsets + past)[None]
-        h = m.hidden(tokens[None], positions, self.cache, trie.additive_mask(past, m.dtype))[0]
-        verdict = verify(trie, tokens, m.logits(h), self.cfg, None, self.gen)
+        static = isinstance(trie, StaticTree)
+        ids = tokens.clamp(min=0) if static else tokens    # a masked slot's -1 is for verification, not the embedding
+        h = m.hidden(ids[None], positions, self.cache, trie.additive_mask(past, m.dtype))[0]
+        if static:
+            verdict = verify_greedy(trie, tokens, m.logits(h), also=[trie.position_offsets.max()])
+            depth = verdict.also[0]
+        else:
+            verdict, depth = verify(trie, tokens, m.logits(h), self.cfg, None, self.gen), trie.max_depth
         self.cache.keep(past, verdict.path)
         new = verdict.accepted_tokens(tokens) + [verdict.bonus]
         self.index.extend(new)
@@ -175,7 +205,7 @@ class HybridDecoder:
         self.h_last = h[verdict.path[-1]]
         self.past = past + len(verdict.path)
         self.root = verdict.bonus
-        return new, trie.max_depth
+        return new, depth
 
 
 register(Method(

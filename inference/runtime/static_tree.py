@@ -71,12 +71,12 @@ def static_tree(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, pare
     parents = torch.cat([first, up], 1)
     depths = torch.cat([first + 1, torch.where(passes, depth.gather(1, keep), 0)], 1)
     tokens = torch.cat([root.reshape(b, 1), torch.where(passes, tok.gather(1, keep), -1)], 1)
-    return (tokens, parents, depths, *_structure(parents, depths, max_depth))
+    return (tokens, parents, depths, *tree_structure(parents, depths, max_depth))
 
 
-def _structure(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tree mask [B, T, T] and every node's path [B, T, D+1] of trees given by parents (-1: the root) and depths
-    [B, T], at most ``max_depth`` deep."""
+def tree_structure(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tree mask [B, T, T] and every node's path [B, T, D+1] of trees given by parents (-1: the root) and
+    depths [B, T], at most ``max_depth`` deep; on the device, no host read."""
     b, size = parents.shape
     dev = parents.device
     idx = torch.arange(size, device=dev)
@@ -127,7 +127,7 @@ def static_graft(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
     tokens = torch.cat([tokens, torch.where(real, proposal, -1)], 1)
     parents = torch.cat([parents, torch.where(real, chain_parents, 0)], 1)
     depths = torch.cat([depths, torch.where(real, j + 1, 0)], 1)
-    return (tokens, parents, depths, *_structure(parents, depths, max(paths.shape[2] - 1, length)),
+    return (tokens, parents, depths, *tree_structure(parents, depths, max(paths.shape[2] - 1, length)),
             real.sum(1))
 
 

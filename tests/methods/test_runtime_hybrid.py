@@ -304,3 +304,29 @@ def test_cli_medusa_lookup_without_heads_is_one_line_and_exit_2():
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "medusa_lookup needs heads=" in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["uncaptured", "replayed"])
+def test_a_graft_built_on_the_device_verifies_the_host_trie(m, how):
+    """Guards against the graft built on the device (static steps, greedy: no read of the heads' tokens) verifying
+    another trie than the host's: the chain under another node, a token the tree has repeated, an unused slot seen
+    or accepted. Step by step against graphs=off: the same trie (as token paths), the same tokens and proposed
+    depth; and the device did graft (tries of more nodes than the tree's, built as ``StaticTree``)."""
+    from test_eagle3_captured import token_paths
+    from test_static_steps import with_steps
+
+    def run(how):
+        with_steps(m, how)
+        dec = HybridDecoder(m, "tree8", PromptLookupSettings(num_tokens=5))
+        tries, trie_tokens = [], dec.trie_tokens
+        dec.trie_tokens = lambda **kw: (lambda out: tries.append(out) or out)(trie_tokens(**kw))
+        dec.prefill(torch.tensor([REPEATING]), max_new_tokens=40)
+        steps = [dec.step() for _ in range(10)]
+        return steps, [(type(trie).__name__, token_paths(t, trie.parents, trie.position_offsets)) for trie, t in tries]
+    try:
+        (host, host_tries), (dev, dev_tries) = run("off"), run(how)
+    finally:
+        m.static = None
+    assert dev == host and [p for _, p in dev_tries] == [p for _, p in host_tries]
+    assert any(kind == "StaticTree" and len(p) > 9 for kind, p in dev_tries)       # the tree8 trie has 9 nodes
+    assert all(kind == "TreeBuffers" for kind, _ in host_tries)

@@ -21,6 +21,8 @@ CASES = [
     ("hydra", "medusa", {"tree": "tree8"}),
     ("mlp_speculator", "medusa", {"tree": "tree4"}),
     ("medusa", "prompt_lookup", {}),
+    ("medusa", "medusa_lookup", {"tree": "tree8"}),                              # a looked-up chain grafted
+    ("hydra", "medusa_lookup", {"tree": "tree8", "num_tokens": 4}),
     ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}),
     ("eagle3", "eagle3", {"nodes": 4, "depth": 1, "topk": 4}),
     ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}),   # nodes below the floor masked
@@ -52,7 +54,8 @@ def test_a_greedy_step_reads_the_host_once(model, medusa, kind, method, kw):
     m.static = None
 
 
-BATCH_CASES = [c for c in CASES if c[1] != "prompt_lookup"]   # prompt_lookup's batches look up per row on the host
+# prompt_lookup's batches look up per row on the host; medusa_lookup decodes batch 1 only
+BATCH_CASES = [c for c in CASES if c[1] not in ("prompt_lookup", "medusa_lookup")]
 
 
 def batch_reads(m, method: str, kw: dict, tokens: int) -> tuple[int, int]:

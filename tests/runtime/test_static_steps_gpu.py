@@ -148,7 +148,8 @@ def test_captured_batched_steps_are_token_identical_in_fp32(method, kw):
 
 @pytest.mark.parametrize("method, kw", [("autoregressive", {}), ("medusa", {"tree": "tree8"}),
                                         ("eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}),
-                                        ("eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2, "switch": 2})])
+                                        ("eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2, "switch": 2}),
+                                        ("medusa_lookup", {"tree": "tree8"})])
 def test_a_captured_greedy_step_reads_the_host_once(method, kw):
     """Guards against a captured greedy step waiting on the device more than once (each read of a device value
     idles the GPU between graphs), on CUDA: batch 1 and a batch of three, one read a step."""
@@ -160,6 +161,8 @@ def test_a_captured_greedy_step_reads_the_host_once(method, kw):
     captured(m)
     counts = reads_per_step(m, method, kw)
     assert counts == [1] * len(counts)
+    if method == "medusa_lookup":   # batch 1 only
+        return
     for _ in range(2):       # the batch's calls captured and checked, at both lengths
         batch_reads(m, method, kw, 45)
         batch_reads(m, method, kw, 15)
