@@ -126,6 +126,7 @@ class HybridDecoder:
         self.h_last: Optional[torch.Tensor] = None
         self.last_path: list[int] = []
         self.last_trie: TreeBuffers = self.buf
+        self._graft_call = None     # ``_device_trie``'s captured function (static steps)
 
     @property
     def extra_kv_tokens(self) -> int:
@@ -171,13 +172,13 @@ class HybridDecoder:
         """The graft without reading the tree's tokens: a captured call (named by the tree's structure) of
         ``static_graft`` over the fixed tree, the proposal a fixed-length input (-1 padded)."""
         buf, width = self.buf, self.s.num_tokens
-        parents, depths = buf.parents[None], buf.position_offsets[None]
-        mask, paths = tree_structure(parents, depths, buf.max_depth)
-
-        def graft(tokens, proposal):
-            return tuple(f[0] for f in static_graft(tokens[None], parents, depths, mask, paths, proposal[None])[:5])
+        if self._graft_call is None:      # the tree's fields, fixed: built once, not each step
+            parents, depths = buf.parents[None], buf.position_offsets[None]
+            mask, paths = tree_structure(parents, depths, buf.max_depth)
+            self._graft_call = lambda tokens, proposal: tuple(
+                f[0] for f in static_graft(tokens[None], parents, depths, mask, paths, proposal[None])[:5])
         padded = torch.tensor(proposal + [-1] * (width - len(proposal)), device=self.m.device)
-        return StaticTree(*self.m.static.calls.run(f"medusa_lookup.graft{width}-{buf.shape_key}", graft,
+        return StaticTree(*self.m.static.calls.run(f"medusa_lookup.graft{width}-{buf.shape_key}", self._graft_call,
                                                    (tokens, padded), keep=buf))
 
     @torch.inference_mode()
