@@ -22,10 +22,10 @@ common continuations. Each step of ``HybridDecoder`` puts up both and verifies t
 When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly
 a Medusa step with the fixed tree (same buffers, same tokens, same accepted path).
 
-With static steps (``graphs=``) greedy decoding grafts on the device instead (``runtime.static_tree.static_graft``,
-a captured call per tree): walking the proposal down the tree needs the heads' tokens, which the host would
-have to read (on a GPU a wait for the device); there the chain sits at fixed slots after the tree, unused slots
-masked, and the step reads the host once (its verdict).
+With static steps (``graphs=``) greedy and sampling steps graft on the device instead
+(``runtime.static_tree.static_graft``, a captured call per tree): walking the proposal down the tree needs the heads'
+tokens, which the host would have to read (on a GPU a wait for the device); there the chain sits at fixed slots after
+the tree, unused slots masked, and the step reads the host once (its verdict).
 
 Modes: greedy is token-identical to plain greedy decoding (whatever the guesses). typical:
 Medusa's lossy rule on the trie. sample: exact, with the deterministic-candidate rule
@@ -52,7 +52,7 @@ from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
 from ..runtime.static_tree import StaticTree, static_graft, tree_structure
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
-from ..runtime.verify import SamplingConfig, verify, verify_greedy
+from ..runtime.verify import SamplingConfig, verify
 from .draft import chain_sampling
 from .medusa import MEDUSA_TREE, tree_nodes
 from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, match_in_tree
@@ -186,16 +186,16 @@ class HybridDecoder:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, the trie's depth).
 
         "Proposed" is the depth (the most one step can accept), as the harness counts Medusa's
-        tree and lookahead's trie, so acceptance rates compare across methods. With static steps a greedy
-        step's graft is built on the device, its depth read with the verdict: one host read a step."""
+        tree and lookahead's trie, so acceptance rates compare across methods. With static steps a greedy or
+        sampling step's graft is built on the device, its depth read with the verdict: one host read a step."""
         m, past = self.m, self.past
-        trie, tokens = self.trie_tokens(on_device=getattr(m, "static", None) is not None and self.cfg.is_greedy)
+        trie, tokens = self.trie_tokens(on_device=getattr(m, "static", None) is not None and self.cfg.reads_once)
         positions = (trie.position_offsets + past)[None]
         static = isinstance(trie, StaticTree)
         ids = tokens.clamp(min=0) if static else tokens    # a masked slot's -1 is for verification, not the embedding
         h = m.hidden(ids[None], positions, self.cache, trie.additive_mask(past, m.dtype))[0]
         if static:
-            verdict = verify_greedy(trie, tokens, m.logits(h), also=[trie.position_offsets.max()])
+            verdict = verify(trie, tokens, m.logits(h), self.cfg, None, self.gen, also=[trie.position_offsets.max()])
             depth = verdict.also[0]
         else:
             verdict, depth = verify(trie, tokens, m.logits(h), self.cfg, None, self.gen), trie.max_depth

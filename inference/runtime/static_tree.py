@@ -19,6 +19,7 @@ part of a captured call and greedy verification reads the host once a step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -46,6 +47,12 @@ class StaticTree:
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[-1]
+
+    @cached_property
+    def children(self) -> torch.Tensor:
+        """[T, T-1] long ([B, T, T-1] for a batch's trees): each node's children in node order, -1 padded, for exact
+        sampling's walk down the tree (``verify.verify_sample``); masked nodes are nobody's children."""
+        return tree_children(self.parents, self.position_offsets)
 
 
 def static_tree(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor,
@@ -136,6 +143,22 @@ def _root_path(paths: torch.Tensor) -> torch.Tensor:
     root = torch.full_like(paths, -1)
     root[..., 0] = 0
     return root
+
+
+def tree_children(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """``StaticTree.children`` of parents and depths [T] or [B, T], on the device: a node below the root has depth
+    >= 1 (the root and masked nodes have depth 0), and its rank among its siblings is the count of earlier ones."""
+    if parents.dim() == 1:
+        return tree_children(parents[None], depths[None])[0]
+    b, size = parents.shape
+    idx = torch.arange(size, device=parents.device)
+    real = depths > 0
+    sibling = (parents[:, :, None] == parents[:, None, :]) & real[:, :, None] & real[:, None, :]
+    rank = (sibling & (idx[None, :] < idx[:, None])).sum(-1)                   # earlier siblings of each node
+    slot = torch.where(real, parents.clamp(min=0) * size + rank, size * size)   # the others to a spare slot
+    table = torch.full((b, size * size + 1), -1, dtype=torch.long, device=parents.device)
+    table.scatter_(1, slot, idx.expand(b, size).contiguous())
+    return table[:, :size * size].reshape(b, size, size)[..., :max(size - 1, 1)]
 
 
 def root_tree(root: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -59,6 +59,7 @@ from .static_tree import StaticTree
 from .tree import RowTrees, TreeBuffers
 
 MODES = ("greedy", "typical", "sample")
+UNIFORMS = 32   # uniforms ``verify_sample`` draws a step (more for a deeper tree)
 DRAFTS = ("topk", "sampled")
 
 
@@ -93,6 +94,12 @@ class SamplingConfig:
     @property
     def is_greedy(self) -> bool:
         return self.mode == "greedy" or self.temperature == 0
+
+    @property
+    def reads_once(self) -> bool:
+        """Whether verification is tensor ops read to the host once a step (greedy, exact sampling), so a tree built
+        on the device (``StaticTree``) can be verified; typical acceptance picks its path on the host."""
+        return self.is_greedy or self.mode == "sample"
 
 
 @dataclass
@@ -261,7 +268,8 @@ def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs, draft_probs: Op
     [B, N, V] tensor or a function (nodes [B] -> [B, V]) so that decoding only filters the
     few nodes it visits; draft_probs [B, D, V] the heads' q (draft="sampled" only).
     Returns (paths [B, D+1] node indices, -1 padded; accepted [B] number of accepted
-    non-root nodes; bonus [B]).
+    non-root nodes; bonus [B]), on the device: nothing is read to the host (a caller reads them at once,
+    ``sampled_rows``), so a step of sampled decoding waits on the device once.
     """
     if draft not in DRAFTS:
         raise UserError(f"draft scheme must be one of {DRAFTS}, got {draft!r}")
@@ -269,18 +277,22 @@ def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs, draft_probs: Op
     dev = tokens.device
     rows = torch.arange(B, device=dev)
     node_probs = (lambda nodes: probs[rows, nodes]) if isinstance(probs, torch.Tensor) else probs
+    depth = buf.retrieve_indices.shape[-1] - 1      # a tree built on the device: its setting's bound
+    # one fixed draw of uniforms u a step, whatever the tree's depth: Y at depth d is the inverse CDF of u[:, d-1], the
+    # last bonus of u[:, accepted], so a tree and the same tree at a deeper fixed shape sample the same tokens
+    uniforms = torch.rand(B, max(UNIFORMS, depth + 1), generator=generator, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     p = node_probs(cur).float().clone()
     alive = torch.ones(B, dtype=torch.bool, device=dev)
-    paths = torch.full((B, buf.max_depth + 1), -1, dtype=torch.long, device=dev)
+    paths = torch.full((B, depth + 1), -1, dtype=torch.long, device=dev)
     paths[:, 0] = 0
     accepted = torch.zeros(B, dtype=torch.long, device=dev)
     bonus = torch.full((B,), -1, dtype=torch.long, device=dev)
-    for d in range(1, buf.max_depth + 1):
-        kids = buf.children[cur]                                     # [B, S]
+    for d in range(1, depth + 1):
+        kids = buf.children[cur] if buf.children.dim() == 2 else buf.children[rows, cur]   # [B, S]
         kid_tok = tokens.gather(1, kids.clamp(min=0))
         if draft == "topk":
-            y = torch.multinomial(p, 1, generator=generator)[:, 0]
+            y = draw(p, uniforms[:, d - 1])
             hit = (kid_tok == y[:, None]) & (kids >= 0)
             found = hit.any(1) & alive
             nxt = kids.gather(1, hit.int().argmax(1, keepdim=True))[:, 0]
@@ -309,28 +321,52 @@ def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs, draft_probs: Op
         nxt = torch.where(found, nxt, cur)
         paths[:, d] = torch.where(found, nxt, paths[:, d])
         accepted += found.long()
-        if found.any():                                              # fresh target at the new node
-            p = torch.where(found[:, None], node_probs(nxt).float(), p)
+        # fresh target at the new node; computed whether or not any row descended (asking would read the host)
+        p = torch.where(found[:, None], node_probs(nxt).float(), p)
         cur = nxt
         alive = found
-    todo = bonus < 0
-    if todo.any():  # leaf reached (fresh p) or all children rejected (residual p)
-        y = torch.multinomial(p, 1, generator=generator)[:, 0]
-        bonus = torch.where(todo, y, bonus)
-    return paths, accepted, bonus
+    # leaf reached (fresh p) or all children rejected (residual p); drawn for every row, used where no bonus yet:
+    # the unused draws are independent of everything kept, so the output's law is unchanged, and nothing is read
+    y = draw(p, uniforms.gather(1, accepted[:, None])[:, 0])
+    return paths, accepted, torch.where(bonus < 0, y, bonus)
 
 
-def verify(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
-           draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> Verdict:
-    """One step of batch-1 decoding: tokens [N], logits [N, V]."""
+def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of p [B, V] (non-negative, any total) from uniforms u [B] in [0, 1): the first token whose
+    cumulative mass (in float64: no token of non-zero mass is skipped by rounding) exceeds u times the total. A token
+    of zero mass is never drawn."""
+    cdf = p.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=p.shape[-1] - 1)
+
+
+def verify(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
+           draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator],
+           also: Sequence[torch.Tensor] = ()) -> Verdict:
+    """One step of batch-1 decoding: tokens [N], logits [N, V]. ``also``: long scalars read with the verdict
+    (greedy and sample modes, ``SamplingConfig.reads_once``; typical reads them apart)."""
     if cfg.mode == "greedy" or cfg.is_greedy:
-        return verify_greedy(buf, tokens, logits)
+        return verify_greedy(buf, tokens, logits, also)
     if cfg.mode == "typical":
-        return verify_typical(buf, tokens, logits, cfg, generator)
-    paths, n, bonus = verify_sample(buf, tokens[None], lambda nodes: target_probs(logits[nodes], cfg),
-                                    None if draft_probs is None else draft_probs[None], cfg.draft, generator)
-    k = int(n[0])
-    return Verdict(paths[0, :k + 1].tolist(), int(bonus[0]))
+        v = verify_typical(buf, tokens, logits, cfg, generator)
+        v.also = [int(x) for x in also]
+        return v
+    v = sampled_rows(buf, tokens[None], lambda nodes: target_probs(logits[nodes], cfg),
+                     None if draft_probs is None else draft_probs[None], cfg.draft, generator,
+                     [x.reshape(1) for x in also])
+    return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
+
+
+def sampled_rows(buf, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor], draft: str,
+                 generator: Optional[torch.Generator], also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
+    """``verify_sample``'s verdicts (arguments as its): every row's path, its tokens, the bonus and ``also`` ([B]
+    long tensors) read in one read."""
+    paths, n, bonus = verify_sample(buf, tokens, probs, draft_probs, draft, generator)
+    b, width = paths.shape
+    extra = [x.reshape(b, 1).long() for x in also]
+    packed = torch.cat([n[:, None], bonus[:, None], *extra, paths, tokens.gather(1, paths.clamp(min=0))], 1).tolist()
+    at = 2 + len(extra)                                         # (n, bonus, also, path, its tokens)
+    return RowVerdicts([r[at:at + 1 + r[0]] for r in packed], [r[1] for r in packed],
+                       [r[at + width:at + width + 1 + r[0]] for r in packed], [r[2:at] for r in packed])
 
 
 def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, logits: torch.Tensor,
@@ -338,7 +374,8 @@ def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, 
                 also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
     """``verify`` for every row of a batch, each row its own tree instance: tokens [B, N], logits
     [B, N, V], draft_probs [B, D, V] or None. A token -1 marks a node that carries no draft in its row (a
-    shorter proposal): never accepted. ``also`` ([B] long tensors, greedy only) is read with the verdicts.
+    shorter proposal): never accepted. ``also`` ([B] long tensors; greedy and sample modes) is read with the
+    verdicts.
 
     Greedy is vectorised (``greedy_rows``, ``verify_greedy``'s tie rule: the first longest leaf path), one host
     read for the whole batch, so a row's verdict equals its batch-1 verdict on the same logits; a batch of trees
@@ -359,7 +396,5 @@ def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, 
         return RowVerdicts([v.path for v in verdicts], [v.bonus for v in verdicts], [v.tokens for v in verdicts],
                            [[] for _ in verdicts])
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    paths, n, bonus = verify_sample(buf, tokens, lambda nodes: target_probs(logits[rows, nodes], cfg),
-                                    draft_probs, cfg.draft, generator)
-    return RowVerdicts([paths[b, :k + 1].tolist() for b, k in enumerate(n.tolist())], bonus.tolist(),
-                       [None] * tokens.shape[0], [[] for _ in range(tokens.shape[0])])
+    return sampled_rows(buf, tokens, lambda nodes: target_probs(logits[rows, nodes], cfg), draft_probs, cfg.draft,
+                        generator, also)
