@@ -34,11 +34,10 @@ trees verified in one forward.
 
 With static steps (``graphs=``, ``MedusaModel.static``) the drafter's cache is a fixed-shape one and steps 1-2
 (one call per setting) and 5 (one per accepted length) are captured calls (``eagle3_static``): the same
-drafts, without their few dozen kernel launches from Python a step on a GPU. A greedy or sampling step also reranks
-in that call: its tree comes out at the setting's fixed size N + 1, built on the device (``runtime.static_tree``: the
-nodes below eagle_min_prob kept as masked nodes, never accepted), so the step's one host read is its verdict, where
-``select_nodes`` / ``tree_buffers`` read three or more times (typical acceptance keeps the host-built tree: it picks
-its path on the host). graphs=off keeps ``DraftKV`` and the host-built tree.
+drafts, without their few dozen kernel launches from Python a step on a GPU. A step also reranks in that call: its
+tree comes out at the setting's fixed size N + 1, built on the device (``runtime.static_tree``: the nodes below
+eagle_min_prob kept as masked nodes, never accepted), so the step's one host read is its verdict (every mode), where
+``select_nodes`` / ``tree_buffers`` read three or more times. graphs=off keeps ``DraftKV`` and the host-built tree.
 
 Options (``medusa-eval`` keys): eagle_nodes N (draft tokens verified per step, root excluded;
 0 = plain decoding), eagle_depth D, eagle_topk k, eagle_min_prob p (0: every one of the N);
@@ -321,7 +320,7 @@ class Eagle3Decoder:
 
     def _static_tree(self) -> tuple[StaticTree, tuple]:
         """Steps 1-3 as one captured call (``eagle3_static.tree_call``): this step's tree at the setting's fixed size,
-        built on the device, so a step reads the host once (its verdict; greedy or sampling); and device scalars for
+        built on the device, so a step reads the host once (its verdict); and device scalars for
         that read to bring besides (none here; ``eagle3_lookup``'s nodes grafted), left in ``also_read``."""
         o, kv = self.o, self.dkv
         root = torch.full((), self.root, dtype=torch.long, device=self.m.device)
@@ -344,7 +343,7 @@ class Eagle3Decoder:
     def step(self) -> tuple[list[int], int]:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, the tree's depth)."""
         m, past, dev = self.m, self.past, self.m.device
-        one_read = isinstance(self.dkv, StaticDraftKV) and self.cfg.reads_once
+        one_read = isinstance(self.dkv, StaticDraftKV)
         self.also_read = []
         if one_read:                                 # the tree built on the device: the verdict is the one host read
             buf, extra = self._static_tree()

@@ -21,7 +21,7 @@ call, and later steps still draft from a complete cache. Per step: D-1 expansion
 catch-up call, for the whole batch.
 
 With static steps (``graphs=``) the cache is ``eagle3_static.StaticRowDraftKV`` and the expansion and a
-step's catch-up are captured calls, the batch padded to its bucket (``eagle3_static``). A greedy or sampling step's
+step's catch-up are captured calls, the batch padded to its bucket (``eagle3_static``). A step's
 rerank runs in the expansion's call too: every row's tree at the setting's fixed size, built on the device
 (``runtime.static_tree``, a ``StaticTree`` with a row axis), verified with the other rows in one host read.
 
@@ -233,7 +233,7 @@ class Eagle3BatchDrafter:
             self.row_proposed = [0] * dec.batch
             return root_only(dev), torch.empty(dec.batch, 0, dtype=torch.long, device=dev), None
         self.catch_up_pending()
-        if isinstance(self.dkv, StaticRowDraftKV) and dec.cfg.reads_once:
+        if isinstance(self.dkv, StaticRowDraftKV):
             trees = self._static_trees(o, dec)     # built on the device: the step's one host read is its verdict
             return trees, trees.tokens[:, 1:], None
         tok, score, parent, depth = self._grow(o)

@@ -22,7 +22,7 @@ Batches (``generate_batch``, ``Eagle3LookupBatchDrafter``): every row grows its 
 does and grafts its own looked-up branch as here; the rows' tries, of different sizes, are verified
 in one forward (narrower ones padded with nodes that are never accepted).
 
-With static steps (``graphs=``) greedy and sampling steps graft on the device instead, inside eagle3's captured
+With static steps (``graphs=``) steps graft on the device instead, inside eagle3's captured
 tree call (``runtime.static_tree.static_graft``): the proposal (the host knows it: the index holds the emitted tokens)
 goes in as a fixed-length input, the chain sits at fixed slots after the tree, and the step reads the host once (its
 verdict, which brings the nodes grafted too), batch 1 and batches alike; a step that looks up nothing is eagle3's.
@@ -216,7 +216,7 @@ class Eagle3LookupDecoder(Eagle3Decoder):
         return tokens, parents, depths
 
     def _static_tree(self) -> tuple[StaticTree, tuple]:
-        """``tree`` on the device (static steps, greedy or sampling): eagle3's captured tree call with the looked-up
+        """``tree`` on the device (static steps): eagle3's captured tree call with the looked-up
         chain grafted on in it (``static_graft``) at the fixed size nodes + 1 + eagle_lookup_tokens; a step that
         switches verifies the root and the chain alone without drafting (``chain_call``), one that looks up nothing
         is eagle3's. The nodes grafted come back with the step's one host read (``also_read``)."""
@@ -287,7 +287,7 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
         return out
 
     def _static_trees(self, o, dec: BatchTreeDecoder) -> StaticTree:
-        """``amend`` on the device (static steps, greedy or sampling): eagle3's captured tree call with every row's
+        """``amend`` on the device (static steps): eagle3's captured tree call with every row's
         looked-up chain grafted on in it (``static_graft``), each tree nodes + 1 + eagle_lookup_tokens; a switching
         row's drafted nodes masked. A step where no row looks anything up is eagle3's."""
         lookups = self._lookups(dec)

@@ -22,7 +22,7 @@ common continuations. Each step of ``HybridDecoder`` puts up both and verifies t
 When the lookup finds nothing, or everything it finds is already in the tree, the step is exactly
 a Medusa step with the fixed tree (same buffers, same tokens, same accepted path).
 
-With static steps (``graphs=``) greedy and sampling steps graft on the device instead
+With static steps (``graphs=``) steps graft on the device instead
 (``runtime.static_tree.static_graft``, a captured call per tree): walking the proposal down the tree needs the heads'
 tokens, which the host would have to read (on a GPU a wait for the device); there the chain sits at fixed slots after
 the tree, unused slots masked, and the step reads the host once (its verdict).
@@ -186,10 +186,10 @@ class HybridDecoder:
         """One draft-verify-compact step; returns (accepted tokens + the bonus token, the trie's depth).
 
         "Proposed" is the depth (the most one step can accept), as the harness counts Medusa's
-        tree and lookahead's trie, so acceptance rates compare across methods. With static steps a greedy or
-        sampling step's graft is built on the device, its depth read with the verdict: one host read a step."""
+        tree and lookahead's trie, so acceptance rates compare across methods. With static steps a step's graft
+        is built on the device, its depth read with the verdict: one host read a step."""
         m, past = self.m, self.past
-        trie, tokens = self.trie_tokens(on_device=getattr(m, "static", None) is not None and self.cfg.reads_once)
+        trie, tokens = self.trie_tokens(on_device=getattr(m, "static", None) is not None)
         positions = (trie.position_offsets + past)[None]
         static = isinstance(trie, StaticTree)
         ids = tokens.clamp(min=0) if static else tokens    # a masked slot's -1 is for verification, not the embedding

@@ -95,12 +95,6 @@ class SamplingConfig:
     def is_greedy(self) -> bool:
         return self.mode == "greedy" or self.temperature == 0
 
-    @property
-    def reads_once(self) -> bool:
-        """Whether verification is tensor ops read to the host once a step (greedy, exact sampling), so a tree built
-        on the device (``StaticTree``) can be verified; typical acceptance picks its path on the host."""
-        return self.is_greedy or self.mode == "sample"
-
 
 @dataclass
 class Verdict:
@@ -190,17 +184,6 @@ def _accepted_lengths(ri: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
     return ok.int().cumprod(2).sum(2)
 
 
-def _best_scored_path(buf: TreeBuffers, match: torch.Tensor, score: torch.Tensor) -> list[int]:
-    """The longest accepted prefix over the leaf paths, ties to the higher ``score`` (summed over the path)."""
-    ri = buf.retrieve_indices
-    lengths = _accepted_lengths(ri[None], match[None])[0]
-    keep = torch.arange(ri.shape[1], device=ri.device) < lengths[:, None]
-    total = torch.where(keep, score[ri.clamp(min=0)], torch.zeros_like(score[:1])).sum(1)
-    total = total.masked_fill(lengths < lengths.max(), -math.inf)   # longest first, then score
-    best = int(torch.argmax(total))
-    return ri[best, :int(lengths[best])].tolist()
-
-
 def verify_greedy(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Tensor,
                   also: Sequence[torch.Tensor] = ()) -> Verdict:
     """tokens [N], logits [N, V] (backbone next-token logits at every node). The first longest accepted leaf
@@ -244,20 +227,46 @@ def greedy_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Ten
                        [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
 
 
-def verify_typical(buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
-                   generator: Optional[torch.Generator]) -> Verdict:
+def verify_typical(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
+                   generator: Optional[torch.Generator], also: Sequence[torch.Tensor] = ()) -> Verdict:
+    """Typical acceptance of one tree (tokens [N], logits [N, V]); ``typical_rows`` with one row."""
     if cfg.is_greedy:
-        return verify_greedy(buf, tokens, logits)
-    logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)
+        return verify_greedy(buf, tokens, logits, also)
+    v = typical_rows(buf.parents, buf.retrieve_indices, tokens[None], logits[None], cfg, generator,
+                     [x.reshape(1) for x in also])
+    return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
+
+
+def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor,
+                 cfg: SamplingConfig, generator: Optional[torch.Generator],
+                 also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
+    """Typical acceptance of B rows in one host read (arguments as ``greedy_rows``'): a node is accepted when its
+    token's probability at its parent passes the entropy threshold and its parent is accepted; among the longest
+    accepted paths, the one of the highest summed log-probability; the bonus sampled at its last node."""
+    b, n = tokens.shape
+    logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)                 # [B, N, V]
     entropy = -(logp.exp() * logp).sum(-1)
-    threshold = torch.minimum(torch.full_like(entropy, cfg.typical_epsilon),
-                              cfg.typical_delta * torch.exp(-entropy))
-    par = buf.parents.clamp(min=0)
-    cand_logp = logp[par, tokens.clamp(min=0)].masked_fill(tokens < 0, -math.inf)   # -1: no draft here
-    match = cand_logp.exp() > threshold[par]
-    path = _best_scored_path(buf, match, cand_logp)
-    bonus = choose_token(logits[path[-1]], cfg, generator)
-    return Verdict(path, int(bonus))
+    threshold = torch.minimum(torch.full_like(entropy, cfg.typical_epsilon), cfg.typical_delta * torch.exp(-entropy))
+    par = parents.expand(b, n).clamp(min=0)
+    rows = torch.arange(b, device=tokens.device)
+    cand_logp = logp[rows[:, None], par, tokens.clamp(min=0)].masked_fill(tokens < 0, -math.inf)   # -1: no draft
+    match = cand_logp.exp() > threshold.gather(1, par)
+    ri = retrieve.expand(b, *retrieve.shape[-2:])                                      # [B, L, D+1]
+    lengths = _accepted_lengths(ri, match)                                             # [B, L]
+    keep = torch.arange(ri.shape[2], device=ri.device) < lengths[..., None]
+    on_path = cand_logp.gather(1, ri.clamp(min=0).flatten(1)).view(ri.shape)
+    total = torch.where(keep, on_path, torch.zeros_like(on_path)).sum(2)
+    total = total.masked_fill(lengths < lengths.max(1, keepdim=True).values, -math.inf)   # longest first, then score
+    best = total.argmax(1)
+    count = lengths.gather(1, best[:, None])                                           # [B, 1]
+    leaves = ri.gather(1, best[:, None, None].expand(b, 1, ri.shape[2]))[:, 0]          # [B, D+1]
+    last = leaves.gather(1, count - 1)                                                 # [B, 1]
+    bonus = choose_token(logits[rows, last[:, 0]], cfg, generator)[:, None]
+    extra = [x.reshape(b, 1).long() for x in also]
+    packed = torch.cat([count, bonus, *extra, leaves, tokens.gather(1, leaves.clamp(min=0))], 1).tolist()
+    at, width = 2 + len(extra), leaves.shape[1]
+    return RowVerdicts([r[at:at + r[0]] for r in packed], [r[1] for r in packed],
+                       [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
 
 
 def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor], draft: str,
@@ -342,14 +351,12 @@ def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def verify(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig,
            draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator],
            also: Sequence[torch.Tensor] = ()) -> Verdict:
-    """One step of batch-1 decoding: tokens [N], logits [N, V]. ``also``: long scalars read with the verdict
-    (greedy and sample modes, ``SamplingConfig.reads_once``; typical reads them apart)."""
+    """One step of batch-1 decoding: tokens [N], logits [N, V], in one host read (every mode); ``also``: long
+    scalars read with the verdict."""
     if cfg.mode == "greedy" or cfg.is_greedy:
         return verify_greedy(buf, tokens, logits, also)
     if cfg.mode == "typical":
-        v = verify_typical(buf, tokens, logits, cfg, generator)
-        v.also = [int(x) for x in also]
-        return v
+        return verify_typical(buf, tokens, logits, cfg, generator, also)
     v = sampled_rows(buf, tokens[None], lambda nodes: target_probs(logits[nodes], cfg),
                      None if draft_probs is None else draft_probs[None], cfg.draft, generator,
                      [x.reshape(1) for x in also])
@@ -374,8 +381,7 @@ def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, 
                 also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
     """``verify`` for every row of a batch, each row its own tree instance: tokens [B, N], logits
     [B, N, V], draft_probs [B, D, V] or None. A token -1 marks a node that carries no draft in its row (a
-    shorter proposal): never accepted. ``also`` ([B] long tensors; greedy and sample modes) is read with the
-    verdicts.
+    shorter proposal): never accepted. ``also`` ([B] long tensors) is read with the verdicts.
 
     Greedy is vectorised (``greedy_rows``, ``verify_greedy``'s tie rule: the first longest leaf path), one host
     read for the whole batch, so a row's verdict equals its batch-1 verdict on the same logits; a batch of trees
@@ -392,9 +398,7 @@ def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, 
     if cfg.mode == "greedy" or cfg.is_greedy:
         return greedy_rows(buf.parents, buf.retrieve_indices, tokens, logits, also)
     if cfg.mode == "typical":
-        verdicts = [verify_typical(buf, tokens[b], logits[b], cfg, generator) for b in range(tokens.shape[0])]
-        return RowVerdicts([v.path for v in verdicts], [v.bonus for v in verdicts], [v.tokens for v in verdicts],
-                           [[] for _ in verdicts])
+        return typical_rows(buf.parents, buf.retrieve_indices, tokens, logits, cfg, generator, also)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     return sampled_rows(buf, tokens, lambda nodes: target_probs(logits[rows, nodes], cfg), draft_probs, cfg.draft,
                         generator, also)

@@ -83,18 +83,19 @@ def test_a_greedy_batch_step_reads_the_host_once(model, medusa, kind, method, kw
     m.static = None
 
 
-SAMPLE = SamplingConfig(mode="sample", temperature=0.8)
 SAMPLE_CASES = [c for c in CASES if c[1] != "autoregressive"]
 
 
+@pytest.mark.parametrize("mode", ["sample", "typical"])
 @pytest.mark.parametrize("kind, method, kw", SAMPLE_CASES,
                          ids=[f"{k}-{m}-{i}" for i, (k, m, _) in enumerate(SAMPLE_CASES)])
-def test_an_exact_sampling_step_reads_the_host_once(model, medusa, kind, method, kw):
-    """Guards against exact sampling reading the host per depth of the tree (whether any row descended, whether a
-    bonus is still to draw), apart from its path and tokens, or sizing EAGLE-3's tree on the host: chat users sample,
-    and on a GPU each read idles the device. Batch 1 and (where batched) a batch of three, one read a step."""
+def test_a_sampling_step_reads_the_host_once(model, medusa, kind, method, kw, mode):
+    """Guards against sampling reading the host per depth of the tree (whether any row descended, whether a bonus is
+    still to draw), apart from its path and tokens, typical acceptance picking its path on the host, or sizing
+    EAGLE-3's tree on the host: chat users sample, and on a GPU each read idles the device. Exact sampling and
+    typical acceptance, batch 1 and (where batched) a batch of three: one read a step."""
     m = with_steps(backbone_for(kind, model, medusa), "replayed")
-    kw = dict(kw, sampling=SAMPLE, seed=0)
+    kw = dict(kw, sampling=SamplingConfig(mode=mode, temperature=0.8), seed=0)
     counts = reads_per_step(m, method, kw)
     assert len(counts) > 5 and counts == [1] * len(counts), counts
     if method not in ("prompt_lookup", "medusa_lookup"):     # as BATCH_CASES
@@ -107,10 +108,8 @@ def test_an_exact_sampling_step_reads_the_host_once(model, medusa, kind, method,
 
 
 def test_the_count_sees_a_host_built_tree(model, medusa):
-    """Guards against a read counter that cannot fail: Medusa's typical acceptance picks its path on the host (the
-    most likely of the longest accepted paths), so its steps read several times."""
-    m = with_steps(backbone_for("medusa", model, medusa), "replayed")
-    counts = reads_per_step(m, "medusa", {"tree": "tree8", "seed": 0,
-                                          "sampling": SamplingConfig(mode="typical", temperature=0.8)})
+    """Guards against a read counter that cannot fail: without static steps (graphs=off) EAGLE-3 builds its tree on
+    the host (how many nodes pass the floor, how deep the tree is), so its steps read several times."""
+    m = with_steps(backbone_for("eagle3", model, medusa), "off")
+    counts = reads_per_step(m, "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02})
     assert max(counts) > 1
-    m.static = None

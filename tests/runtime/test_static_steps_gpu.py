@@ -9,6 +9,7 @@ from inference.methods import generate
 from inference.runtime.cache import TreeKVCache
 from inference.runtime.static_steps import StaticSteps, apply_graphs
 from inference.runtime.tree import default_tree
+from inference.runtime.verify import SamplingConfig
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401 (autouse fixture)
 from test_eagle3_decoding import random_drafter
 from test_static_steps import replaying
@@ -149,10 +150,14 @@ def test_captured_batched_steps_are_token_identical_in_fp32(method, kw):
 @pytest.mark.parametrize("method, kw", [("autoregressive", {}), ("medusa", {"tree": "tree8"}),
                                         ("eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}),
                                         ("eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2, "switch": 2}),
-                                        ("medusa_lookup", {"tree": "tree8"})])
-def test_a_captured_greedy_step_reads_the_host_once(method, kw):
-    """Guards against a captured greedy step waiting on the device more than once (each read of a device value
-    idles the GPU between graphs), on CUDA: batch 1 and a batch of three, one read a step."""
+                                        ("medusa_lookup", {"tree": "tree8"}),
+                                        ("medusa", {"tree": "tree8", "seed": 0,
+                                                    "sampling": SamplingConfig(mode="sample", temperature=0.8)}),
+                                        ("eagle3", {"nodes": 8, "depth": 3, "topk": 2, "seed": 0,
+                                                    "sampling": SamplingConfig(mode="typical", temperature=0.8)})])
+def test_a_captured_step_reads_the_host_once(method, kw):
+    """Guards against a captured step waiting on the device more than once (each read of a device value idles the
+    GPU between graphs), on CUDA: batch 1 and a batch of three, one read a step, greedy and sampling."""
     from test_step_host_reads import batch_reads, reads_per_step
 
     eagle = method.startswith("eagle3")
