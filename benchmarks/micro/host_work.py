@@ -34,8 +34,10 @@ from inference.methods import generate, generate_batch
 from inference.runtime.model import MedusaModel
 from inference.runtime.race import machine_load
 from inference.runtime.static_steps import StaticSteps
+from inference.runtime.verify import SamplingConfig
 
 PROMPT = [5, 17, 3, 88, 41, 9, 5, 17, 3, 88, 41, 9, 5, 17]
+SAMPLE, TYPICAL = SamplingConfig(mode="sample", temperature=0.8), SamplingConfig(mode="typical", temperature=0.8)
 CASES = {   # name -> (drafter kind, method, options, batch)
     "plain loop": (None, "autoregressive", {}, 1),
     "medusa tree8": ("medusa", "medusa", {"tree": "tree8"}, 1),
@@ -43,10 +45,16 @@ CASES = {   # name -> (drafter kind, method, options, batch)
     "eagle3 n8-d3-k2-p0.02": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}, 1),
     "eagle3_lookup n8-d3-k2": ("eagle3", "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2}, 1),
     "medusa_lookup tree8": ("medusa", "medusa_lookup", {"tree": "tree8"}, 1),
+    "medusa tree8, sample": ("medusa", "medusa", {"tree": "tree8", "sampling": SAMPLE, "seed": 0}, 1),
+    "medusa tree8, typical": ("medusa", "medusa", {"tree": "tree8", "sampling": TYPICAL, "seed": 0}, 1),
+    "eagle3 n8-d3-k2, sample": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "sampling": SAMPLE,
+                                                    "seed": 0}, 1),
     "plain loop, batch 4": (None, "autoregressive", {}, 4),
     "medusa tree8, batch 4": ("medusa", "medusa", {"tree": "tree8"}, 4),
     "eagle3 n8-d3-k2, batch 4": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}, 4),
     "eagle3_lookup n8-d3-k2, batch 4": ("eagle3", "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2}, 4),
+    "eagle3 n8-d3-k2, sample, batch 4": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "sampling": SAMPLE,
+                                                             "seed": 0}, 4),
 }
 
 
