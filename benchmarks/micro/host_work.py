@@ -45,6 +45,8 @@ CASES = {   # name -> (drafter kind, method, options, batch)
     "eagle3 n8-d3-k2-p0.02": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02}, 1),
     "eagle3_lookup n8-d3-k2": ("eagle3", "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2}, 1),
     "medusa_lookup tree8": ("medusa", "medusa_lookup", {"tree": "tree8"}, 1),
+    "lookahead": ("medusa", "lookahead", {}, 1),
+    "draft self:1 k4": ("medusa", "draft", {"draft": "self:1"}, 1),
     "medusa tree8, sample": ("medusa", "medusa", {"tree": "tree8", "sampling": SAMPLE, "seed": 0}, 1),
     "medusa tree8, typical": ("medusa", "medusa", {"tree": "tree8", "sampling": TYPICAL, "seed": 0}, 1),
     "eagle3 n8-d3-k2, sample": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "sampling": SAMPLE,
@@ -53,6 +55,7 @@ CASES = {   # name -> (drafter kind, method, options, batch)
     "medusa tree8, batch 4": ("medusa", "medusa", {"tree": "tree8"}, 4),
     "eagle3 n8-d3-k2, batch 4": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}, 4),
     "eagle3_lookup n8-d3-k2, batch 4": ("eagle3", "eagle3_lookup", {"nodes": 8, "depth": 3, "topk": 2}, 4),
+    "draft self:1 k4, batch 4": ("medusa", "draft", {"draft": "self:1"}, 4),
     "eagle3 n8-d3-k2, sample, batch 4": ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "sampling": SAMPLE,
                                                              "seed": 0}, 4),
 }

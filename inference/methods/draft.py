@@ -4,7 +4,8 @@ Draft-model speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batc
   1. the root is the token the target already chose (prefill or the previous step's bonus);
   2. the draft model, a smaller causal LM with the target's tokenizer, proposes K tokens
      x_1..x_K one forward at a time, each from its own distribution q_i (the argmax in
-     greedy/typical mode);
+     greedy/typical mode), each fed to the next forward on the device: nothing is read until the verdict,
+     which brings the drafts with it (one host read a step; on a GPU each read idles the device);
   3. the target scores root, x_1..x_K in ONE forward (a chain: position past+i, causal mask),
      giving p_1..p_{K+1};
   4. greedy: accept the longest prefix with x_i = argmax p_i, bonus = argmax p_{n+1}
@@ -90,26 +91,30 @@ def chain_sampling(cfg: SamplingConfig) -> SamplingConfig:
     what a chain of fixed guesses is (see verify.py); "sampled" would need a q we do not have."""
     return cfg if cfg.draft == "topk" else dataclasses.replace(cfg, draft="topk")
 
-def _forward_chain(m: MedusaModel, tokens: list[int], past: int, cache) -> torch.Tensor:
-    """Run ``tokens`` at positions past.. (causal) into ``cache``; returns hidden [n, H]."""
-    buf = chain_buffers(len(tokens), m.device)
-    ids = torch.tensor([tokens], dtype=torch.long, device=m.device)
+def _forward_chain(m: MedusaModel, tokens: list[int] | torch.Tensor, past: int, cache) -> torch.Tensor:
+    """Run ``tokens`` (a list, or a device tensor [n]: nothing read) at positions past.. (causal) into ``cache``;
+    returns hidden [n, H]."""
+    ids = tokens.reshape(1, -1) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=m.device)
+    buf = chain_buffers(ids.shape[1], m.device)
     return m.hidden(ids, (buf.position_offsets + past)[None], cache, buf.additive_mask(past, m.dtype))[0]
 
-def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int], cfg: SamplingConfig,
+def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int] | torch.Tensor, cfg: SamplingConfig,
                  gen: Optional[torch.Generator]) -> tuple[list[int], int]:
-    """Score root + a fixed proposal in one target forward, keep the accepted prefix in ``cache``.
+    """Score root + a fixed proposal (a list, or a device tensor [k]) in one target forward, keep the accepted prefix
+    in ``cache``; one host read (the verdict, which brings the accepted tokens).
 
     Returns (accepted proposal tokens, bonus token); afterwards ``cache`` holds
     ``past + 1 + len(accepted)`` entries (prefix, root, accepted tokens).
     """
-    tokens = [root] + list(proposal)
+    if not isinstance(proposal, torch.Tensor):
+        proposal = torch.tensor(list(proposal), dtype=torch.long, device=m.device)
+    tokens = torch.cat([torch.tensor([root], device=m.device), proposal])
     h = _forward_chain(m, tokens, past, cache)
-    buf = chain_buffers(len(tokens), m.device)
-    verdict = verify(buf, torch.tensor(tokens, device=m.device), m.logits(h), chain_sampling(cfg), None, gen)
+    buf = chain_buffers(tokens.numel(), m.device)
+    verdict = verify(buf, tokens, m.logits(h), chain_sampling(cfg), None, gen)
     n = len(verdict.path) - 1
     cache.truncate(past + 1 + n)
-    return list(proposal[:n]), verdict.bonus
+    return verdict.accepted_tokens(tokens), verdict.bonus
 
 # -- the draft model ----------------------------------------------------------------------
 MAX_DRAFT_K = 64   # a chain is verified in one forward pass: longer ones only cost (and a typo allocates GBs)
@@ -303,8 +308,9 @@ class DraftDecoder:
         self.past = n
         return root
 
-    def _propose(self, k: int) -> tuple[list[int], Optional[torch.Tensor]]:
-        """k draft tokens (and their q rows in sample mode); the draft cache gains all but x_k."""
+    def _propose(self, k: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """k draft tokens [k] (and their q rows in sample mode), on the device: each is fed to the next draft forward
+        without being read; the draft cache gains all but x_k."""
         d, sample = self.draft, not self.cfg.is_greedy and self.cfg.mode == "sample"
         feed = self.seq[self.dcache.length:]          # the root, after a full acceptance x_K first
         drafts, qs = [], []
@@ -313,13 +319,13 @@ class DraftDecoder:
             logits = d.logits(h)
             if sample:
                 q = target_probs(logits, self.cfg)
-                tok = int(torch.multinomial(q, 1, generator=self.gen))
+                tok = torch.multinomial(q, 1, generator=self.gen)
                 qs.append(q)
             else:
-                tok = int(logits.argmax(-1))
+                tok = logits.argmax(-1, keepdim=True)
             drafts.append(tok)
-            feed = [tok]                               # x_k itself runs only once accepted (next step)
-        return drafts, (torch.stack(qs) if sample else None)
+            feed = tok                                 # x_k itself runs only once accepted (next step)
+        return torch.cat(drafts), (torch.stack(qs) if sample else None)
 
     def step(self) -> tuple[list[int], int]:
         k, past, root = self.k, self.past, self.seq[-1]
@@ -328,12 +334,13 @@ class DraftDecoder:
             accepted, bonus = verify_chain(self.m, self.cache, past, root, drafts, self.cfg, self.gen)
             n = len(accepted)
         else:
-            h = _forward_chain(self.m, [root] + drafts, past, self.cache)
+            h = _forward_chain(self.m, torch.cat([drafts.new_tensor([root]), drafts]), past, self.cache)
             p = target_probs(self.m.logits(h), self.cfg)
-            n_t, nxt = accept_drafts(torch.tensor([drafts], device=self.m.device), p[None], q[None], self.gen)
-            n, bonus = int(n_t[0]), int(nxt[0])
+            n_t, nxt = accept_drafts(drafts[None], p[None], q[None], self.gen)
+            n, bonus, *chain = torch.cat([n_t, nxt, drafts]).tolist()     # one read: the verdict and the drafts
+            accepted = chain[:n]
             self.cache.truncate(past + 1 + n)
-        new = drafts[:n] + [bonus]
+        new = accepted + [bonus]
         self.dcache.truncate(min(self.dcache.length, past + 1 + n))   # drop rejected draft entries
         self.seq += new
         self.past = past + 1 + n
@@ -368,8 +375,8 @@ class BatchDraftDrafter:
     def _catch_up(self, dec: BatchTreeDecoder) -> torch.Tensor:
         """Run each row's tokens the draft has not seen (1 or 2); the last one's hidden state [B, H]."""
         c, dev = self.dcache, self.dm.device
-        c.truncate_rows(torch.tensor([len(h) - 1 for h in dec.history], device=dev))   # drop rejected drafts
-        feeds = [h[int(n):] for h, n in zip(dec.history, c.lengths.tolist())]
+        c.truncate_rows([len(h) - 1 for h in dec.history])   # drop rejected drafts
+        feeds = [h[n:] for h, n in zip(dec.history, c.host_lengths)]
         width = max(len(f) for f in feeds)
         ids = torch.tensor([[f[0]] * (width - len(f)) + f for f in feeds], device=dev)
         see = torch.zeros(len(feeds), width, width, dtype=torch.bool, device=dev)
@@ -391,7 +398,7 @@ class BatchDraftDrafter:
             if self.dcache is not None:
                 # drop last step's rejected drafts now: once plain steps have added tokens, the cache's
                 # length can no longer tell them from accepted ones
-                self.dcache.truncate_rows(torch.tensor([len(h) - 1 for h in dec.history], device=d.device))
+                self.dcache.truncate_rows([len(h) - 1 for h in dec.history])
             return root_only(self.m.device), torch.empty(dec.batch, 0, dtype=torch.long, device=self.m.device), None
         if self.dcache is None:
             self._start(dec)

@@ -209,16 +209,16 @@ class LookaheadDecoder:
         ids = torch.tensor([x.tokens], dtype=torch.long, device=m.device)
         h = m.hidden(ids, x.positions[None], self.cache, x.mask)[0]
 
-        guesses = m.logits(h[1 + lw - w:1 + lw]).argmax(-1).tolist()    # the last level's next tokens
+        guessed = m.logits(h[1 + lw - w:1 + lw]).argmax(-1)    # the last level's next tokens, read with the verdict
         if buf is None:
             path = [0]
-            bonus = int(choose_token(m.logits(h[0]), self.cfg, self.gen))
+            bonus, *guesses = torch.cat([choose_token(m.logits(h[:1]), self.cfg, self.gen), guessed]).tolist()
         else:
             rows = torch.cat([torch.zeros(1, dtype=torch.long, device=m.device),
                               torch.arange(1 + lw, len(x.tokens), device=m.device)])
             verdict = verify(buf, torch.tensor([self.root] + x.trie_tokens[1:], device=m.device), m.logits(h[rows]),
-                             self.cfg, None, self.gen)
-            path, bonus = verdict.path, verdict.bonus
+                             self.cfg, None, self.gen, also=[guessed])
+            path, bonus, guesses = verdict.path, verdict.bonus, verdict.also
         self.cache.keep(past, [0] + [lw + v for v in path[1:]])  # drop the window and rejected nodes
         new = [x.trie_tokens[v] for v in path[1:]] + [bonus]
 

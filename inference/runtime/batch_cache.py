@@ -187,13 +187,15 @@ class RaggedKVCache(Cache):
             self.lengths, self.host_lengths = torch.full_like(self.lengths, longest), [longest] * self.batch
         self._pending = None
 
-    def truncate_rows(self, lengths: torch.Tensor) -> None:
-        """Compact mode: row b keeps at most its first ``lengths[b]`` tokens (a draft model's rejected drafts)."""
+    def truncate_rows(self, lengths: Sequence[int]) -> None:
+        """Compact mode: row b keeps at most its first ``lengths[b]`` tokens (a draft model's rejected drafts); the
+        lengths are host numbers, as ``host_lengths``, so nothing is read from the device."""
         if self.mode != "compact":
             raise ValueError("truncate_rows needs a compact cache")
-        new = torch.minimum(self.lengths, lengths.to(self.lengths))
+        self.host_lengths = [min(a, n) for a, n in zip(self.host_lengths, lengths)]
+        new = torch.tensor(self.host_lengths, dtype=self.lengths.dtype, device=self.device)
         self.valid &= torch.arange(self.capacity, device=self.device)[None] < new[:, None]
-        self.lengths, self.positions, self.host_lengths = new, new.clone(), new.tolist()
+        self.lengths, self.positions = new, new.clone()
 
     def select_rows(self, index: Sequence[int]) -> None:
         """Keep only rows ``index`` (in that order): finished rows leave the batch."""

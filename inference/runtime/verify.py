@@ -188,8 +188,9 @@ def verify_greedy(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: t
                   also: Sequence[torch.Tensor] = ()) -> Verdict:
     """tokens [N], logits [N, V] (backbone next-token logits at every node). The first longest accepted leaf
     path, found on the device and read back once: on a GPU each read waits for the device. ``also``: long
-    scalars the caller needs on the host this step, read in that same read (``Verdict.also``)."""
-    v = greedy_rows(buf.parents, buf.retrieve_indices, tokens[None], logits[None], [x.reshape(1) for x in also])
+    tensors (scalars, or a few values each) the caller needs on the host this step, read in that same read
+    (``Verdict.also``: their values in order, flattened)."""
+    v = greedy_rows(buf.parents, buf.retrieve_indices, tokens[None], logits[None], [x.reshape(1, -1) for x in also])
     return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
 
 
@@ -209,8 +210,8 @@ def greedy_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Ten
     """Greedy verification of B rows at once, in one host read: tokens [B, N], logits [B, N, V]; the tree's
     parents [N] and leaf paths ``retrieve`` [L, D+1] shared by the rows, or each row's own ([B, N], [B, L, D+1]).
     A node is accepted when its token is the backbone's choice at its parent and its parent is accepted; each
-    row keeps its first longest accepted path (-1 tokens are never accepted). ``also``: [B] long tensors read
-    in the same read (``RowVerdicts.also``)."""
+    row keeps its first longest accepted path (-1 tokens are never accepted). ``also``: [B] or [B, k] long tensors
+    read in the same read (``RowVerdicts.also``)."""
     b, n = tokens.shape
     target = logits.argmax(-1)                                                # [B, N]
     ri = retrieve.expand(b, *retrieve.shape[-2:])                             # [B, L, D+1]
@@ -220,9 +221,9 @@ def greedy_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Ten
     count = lengths.gather(1, best[:, None])                                  # [B, 1]
     leaves = ri.gather(1, best[:, None, None].expand(b, 1, ri.shape[2]))[:, 0]   # [B, D+1]
     bonus = target.gather(1, leaves.gather(1, count - 1))
-    extra = [x.reshape(b, 1).long() for x in also]
+    extra = [x.reshape(b, -1).long() for x in also]
     packed = torch.cat([count, bonus, *extra, leaves, tokens.gather(1, leaves.clamp(min=0))], 1).tolist()
-    at, width = 2 + len(extra), leaves.shape[1]                               # (n, bonus, also, leaf path, its tokens)
+    at, width = 2 + sum(e.shape[1] for e in extra), leaves.shape[1]   # (n, bonus, also, leaf path, its tokens)
     return RowVerdicts([r[at:at + r[0]] for r in packed], [r[1] for r in packed],
                        [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
 
@@ -233,7 +234,7 @@ def verify_typical(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: 
     if cfg.is_greedy:
         return verify_greedy(buf, tokens, logits, also)
     v = typical_rows(buf.parents, buf.retrieve_indices, tokens[None], logits[None], cfg, generator,
-                     [x.reshape(1) for x in also])
+                     [x.reshape(1, -1) for x in also])
     return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
 
 
@@ -262,9 +263,9 @@ def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Te
     leaves = ri.gather(1, best[:, None, None].expand(b, 1, ri.shape[2]))[:, 0]          # [B, D+1]
     last = leaves.gather(1, count - 1)                                                 # [B, 1]
     bonus = choose_token(logits[rows, last[:, 0]], cfg, generator)[:, None]
-    extra = [x.reshape(b, 1).long() for x in also]
+    extra = [x.reshape(b, -1).long() for x in also]
     packed = torch.cat([count, bonus, *extra, leaves, tokens.gather(1, leaves.clamp(min=0))], 1).tolist()
-    at, width = 2 + len(extra), leaves.shape[1]
+    at, width = 2 + sum(e.shape[1] for e in extra), leaves.shape[1]
     return RowVerdicts([r[at:at + r[0]] for r in packed], [r[1] for r in packed],
                        [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
 
@@ -352,26 +353,26 @@ def verify(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Te
            draft_probs: Optional[torch.Tensor], generator: Optional[torch.Generator],
            also: Sequence[torch.Tensor] = ()) -> Verdict:
     """One step of batch-1 decoding: tokens [N], logits [N, V], in one host read (every mode); ``also``: long
-    scalars read with the verdict."""
+    tensors read with the verdict (``verify_greedy``)."""
     if cfg.mode == "greedy" or cfg.is_greedy:
         return verify_greedy(buf, tokens, logits, also)
     if cfg.mode == "typical":
         return verify_typical(buf, tokens, logits, cfg, generator, also)
     v = sampled_rows(buf, tokens[None], lambda nodes: target_probs(logits[nodes], cfg),
                      None if draft_probs is None else draft_probs[None], cfg.draft, generator,
-                     [x.reshape(1) for x in also])
+                     [x.reshape(1, -1) for x in also])
     return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
 
 
 def sampled_rows(buf, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor], draft: str,
                  generator: Optional[torch.Generator], also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
-    """``verify_sample``'s verdicts (arguments as its): every row's path, its tokens, the bonus and ``also`` ([B]
-    long tensors) read in one read."""
+    """``verify_sample``'s verdicts (arguments as its): every row's path, its tokens, the bonus and ``also`` ([B] or
+    [B, k] long tensors) read in one read."""
     paths, n, bonus = verify_sample(buf, tokens, probs, draft_probs, draft, generator)
     b, width = paths.shape
-    extra = [x.reshape(b, 1).long() for x in also]
+    extra = [x.reshape(b, -1).long() for x in also]
     packed = torch.cat([n[:, None], bonus[:, None], *extra, paths, tokens.gather(1, paths.clamp(min=0))], 1).tolist()
-    at = 2 + len(extra)                                         # (n, bonus, also, path, its tokens)
+    at = 2 + sum(e.shape[1] for e in extra)                     # (n, bonus, also, path, its tokens)
     return RowVerdicts([r[at:at + 1 + r[0]] for r in packed], [r[1] for r in packed],
                        [r[at + width:at + width + 1 + r[0]] for r in packed], [r[2:at] for r in packed])
 
@@ -381,7 +382,7 @@ def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, 
                 also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
     """``verify`` for every row of a batch, each row its own tree instance: tokens [B, N], logits
     [B, N, V], draft_probs [B, D, V] or None. A token -1 marks a node that carries no draft in its row (a
-    shorter proposal): never accepted. ``also`` ([B] long tensors) is read with the verdicts.
+    shorter proposal): never accepted. ``also`` ([B] or [B, k] long tensors) is read with the verdicts.
 
     Greedy is vectorised (``greedy_rows``, ``verify_greedy``'s tie rule: the first longest leaf path), one host
     read for the whole batch, so a row's verdict equals its batch-1 verdict on the same logits; a batch of trees

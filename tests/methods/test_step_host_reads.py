@@ -21,6 +21,8 @@ CASES = [
     ("hydra", "medusa", {"tree": "tree8"}),
     ("mlp_speculator", "medusa", {"tree": "tree4"}),
     ("medusa", "prompt_lookup", {}),
+    ("medusa", "lookahead", {}),                                                  # its guesses read with the verdict
+    ("medusa", "draft", {"draft": "self:1"}),                                     # drafts fed on without a read
     ("medusa", "medusa_lookup", {"tree": "tree8"}),                              # a looked-up chain grafted
     ("hydra", "medusa_lookup", {"tree": "tree8", "num_tokens": 4}),
     ("eagle3", "eagle3", {"nodes": 8, "depth": 3, "topk": 2}),
@@ -54,8 +56,9 @@ def test_a_greedy_step_reads_the_host_once(model, medusa, kind, method, kw):
     m.static = None
 
 
-# prompt_lookup's batches look up per row on the host; medusa_lookup decodes batch 1 only
-BATCH_CASES = [c for c in CASES if c[1] not in ("prompt_lookup", "medusa_lookup")]
+# prompt_lookup's batches look up per row on the host; medusa_lookup and lookahead decode batch 1 only
+NOT_BATCHED = ("prompt_lookup", "medusa_lookup", "lookahead")
+BATCH_CASES = [c for c in CASES if c[1] not in NOT_BATCHED]
 
 
 def batch_reads(m, method: str, kw: dict, tokens: int) -> tuple[int, int]:
@@ -98,7 +101,7 @@ def test_a_sampling_step_reads_the_host_once(model, medusa, kind, method, kw, mo
     kw = dict(kw, sampling=SamplingConfig(mode=mode, temperature=0.8), seed=0)
     counts = reads_per_step(m, method, kw)
     assert len(counts) > 5 and counts == [1] * len(counts), counts
-    if method not in ("prompt_lookup", "medusa_lookup"):     # as BATCH_CASES
+    if method not in NOT_BATCHED:
         for _ in range(2):
             batch_reads(m, method, kw, 45)
             batch_reads(m, method, kw, 15)
