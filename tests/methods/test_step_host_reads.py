@@ -56,8 +56,7 @@ def test_a_greedy_step_reads_the_host_once(model, medusa, kind, method, kw):
     m.static = None
 
 
-# prompt_lookup's batches look up per row on the host; medusa_lookup and lookahead decode batch 1 only
-NOT_BATCHED = ("prompt_lookup", "medusa_lookup", "lookahead")
+NOT_BATCHED = ("medusa_lookup", "lookahead")     # they decode batch 1 only
 BATCH_CASES = [c for c in CASES if c[1] not in NOT_BATCHED]
 
 
