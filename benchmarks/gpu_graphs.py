@@ -8,8 +8,8 @@ device: ``random_llama``), random bf16 weights, batch 1, each part a guarded sec
   loop:     tokens/s of the plain loop graphs off / on beside ``generate`` eager and ``hf_generate_static``: an
             untimed warm-up call each (captures, transformers' compile), interleaved rounds, medians + min / max;
             the weight-read floor (parameter bytes / 4.2e12 B/s) and the loop's fraction of it;
-  drafting: Medusa (3 random heads, tree16) and EAGLE-3 (gpu_check's random drafter) steps, graphs on and off,
-            over a plain captured step;
+  drafting: Medusa (3 random heads, tree16; greedy, and exact sampling at temperature 0.7: one host read a step
+            either way) and EAGLE-3 (gpu_check's random drafter) steps, graphs on and off, over a plain captured step;
   stub:     ``gpu_stub.StubChain``, a drafter of set acceptance, end to end against the captured plain loop;
   capture_ways: the 1-token static step uncaptured, captured with torch.cuda.CUDAGraph directly (what graphs=on
             does) and compiled with torch.compile(mode="reduce-overhead") (inductor + CUDA-graph trees): its
@@ -50,6 +50,7 @@ from inference.methods.medusa_choice import step_times
 from inference.runtime.model import MedusaModel
 from inference.runtime.static_steps import apply_graphs
 from inference.runtime.tree import resolve_tree
+from inference.runtime.verify import SamplingConfig
 
 try:  # transformers' own weight init is skipped (every weight is drawn in random_llama anyway)
     from transformers.initialization import no_init_weights
@@ -64,8 +65,9 @@ SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-
 READ_BYTES_PER_S = 4.2e12          # H200 HBM3e, the weight-read floor's bandwidth
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
 # a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
-PART_S = {"build": 25, "steps": 15, "gqa": 10, "loop": 110, "drafting": 40, "stub": 30, "capture_ways": 75,
+PART_S = {"build": 25, "steps": 15, "gqa": 10, "loop": 110, "drafting": 48, "stub": 30, "capture_ways": 75,
           "batches": 30}
+SAMPLED = SamplingConfig(mode="sample", temperature=0.7)   # the drafting part's sampled Medusa step
 TARGETS = dict(wall_vs_kernel=1.3, vs_hf_static={"smollm2_135m": 2.0, "llama31_8b": 1.3}, floor=0.60,
                verify16=1.25, draft_step=1.3, stub=(2.0, 1.6))
 
@@ -211,13 +213,16 @@ def medusa_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
 
 
 def drafting_steps(m: MedusaModel, prompt: list[int], sz: dict, mode_on: str) -> dict:
-    """Median ms of a plain, a Medusa tree16 and EAGLE-3 decoding step (drafting + verification + acceptance,
-    ``run_decoder``'s step time), graphs on and off, interleaved rounds; each over the plain captured step."""
+    """Median ms of a plain, a Medusa tree16 (greedy and sampled) and EAGLE-3 decoding step (drafting + verification
+    + acceptance, ``run_decoder``'s step time), graphs on and off, interleaved rounds; each over the plain captured
+    step."""
     med, eag = medusa_model(m), eagle3_model(m)
     apply_graphs(med, mode_on), apply_graphs(eag, mode_on)
     tree, w, k = resolve_tree("tree16", 3), sz["warmup"], sz["draft_steps"]
     kinds = {"plain": (m, lambda x: step_times(x, prompt, None, steps=k, warmup=w)),
-             "medusa tree16": (med, lambda x: step_times(x, prompt, tree, steps=k, warmup=w))}
+             "medusa tree16": (med, lambda x: step_times(x, prompt, tree, steps=k, warmup=w)),
+             # not "medusa ...": the Medusa verdict's rows are greedy steps
+             "sampled medusa tree16": (med, lambda x: step_times(x, prompt, tree, steps=k, warmup=w, sampling=SAMPLED))}
     for s in EAGLE3_TAU:
         kinds[f"eagle3 {eagle3_name(s)}"] = (eag, lambda x, s=s: eagle3_step_times(x, prompt, s, steps=k, warmup=w))
     times: dict = {(kind, mode): [] for kind in kinds for mode in ("on", "off")}

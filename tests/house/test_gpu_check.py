@@ -37,7 +37,8 @@ def check_graphs_part(result: dict, summary: str) -> None:
         assert set(tps) == {"plain_off", "plain_on", "hf_generate", "hf_generate_static"}
         assert all(v["median"] > 0 and v["n"] == result["graphs"]["sizes"]["rounds"] for v in tps.values())
         assert s["loop"]["plain_on_vs"]["hf_generate_static"] > 0 and s["floor"]["plain_on_fraction"] > 0
-        assert set(s["drafting"]["kinds"]) == {"medusa tree16", "eagle3 n1-d1-k1", "eagle3 n4-d1-k4"}
+        assert set(s["drafting"]["kinds"]) == {"medusa tree16", "sampled medusa tree16", "eagle3 n1-d1-k1",
+                                               "eagle3 n4-d1-k4"}
         assert all(v["vs_plain_captured"]["on"] > 0 for v in s["drafting"]["kinds"].values())
         runs = s["stub"]["runs"]
         assert [(r["target_tau"], r["graphs"]) for r in runs] == [(1.5, "on"), (2.0, "on"), (3.0, "on"), (2.0, "off")]
