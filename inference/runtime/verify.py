@@ -387,9 +387,9 @@ def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, 
     Greedy is vectorised (``greedy_rows``, ``verify_greedy``'s tie rule: the first longest leaf path), one host
     read for the whole batch, so a row's verdict equals its batch-1 verdict on the same logits; a batch of trees
     built on the device (``StaticTree`` with a row axis) is verified so too. Exact sampling runs
-    ``verify_sample`` over the rows as independent trials; typical acceptance goes row by row.
-    Per-row trees (``RowTrees``) go row by row through ``verify`` on each row's own nodes, so
-    every verdict is its batch-1 verdict in every mode."""
+    ``verify_sample`` over the rows as independent trials, typical acceptance ``typical_rows``: one read too.
+    Per-row trees built on the host (``RowTrees``) go row by row through ``verify`` on each row's own nodes, so
+    every verdict is its batch-1 verdict in every mode (a read per row)."""
     if isinstance(buf, RowTrees):
         verdicts = [verify(t, tokens[b, :t.num_nodes], logits[b, :t.num_nodes], cfg,
                            None if draft_probs is None else draft_probs[b], generator)
