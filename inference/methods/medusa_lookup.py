@@ -178,8 +178,9 @@ class HybridDecoder:
             self._graft_call = lambda tokens, proposal: tuple(
                 f[0] for f in static_graft(tokens[None], parents, depths, mask, paths, proposal[None])[:5])
         padded = torch.tensor(proposal + [-1] * (width - len(proposal)), device=self.m.device)
+        # keep: the function holds the fixed fields the captured graph reads (a graph keeps no tensor alive itself)
         return StaticTree(*self.m.static.calls.run(f"medusa_lookup.graft{width}-{buf.shape_key}", self._graft_call,
-                                                   (tokens, padded), keep=buf))
+                                                   (tokens, padded), keep=(buf, self._graft_call)))
 
     @torch.inference_mode()
     def step(self) -> tuple[list[int], int]:
