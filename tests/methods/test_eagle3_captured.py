@@ -252,15 +252,19 @@ def test_the_host_read_stand_in_does_refuse_a_host_read(m):
     m.static = None
 
 
-def test_exact_sampling_is_unchanged_by_captured_drafting(m):
-    """Guards against the captured draft changing what sampling sees (the draft is deterministic; verify
-    samples outside the calls): the same seed gives the same tokens off, uncaptured and replayed."""
-    cfg = SamplingConfig(mode="sample", temperature=0.8)
+@pytest.mark.parametrize("setting", ["n8-d3-k2", "n8-d3-k2-p0.02"])
+@pytest.mark.parametrize("mode", ["sample", "typical"])
+def test_sampling_is_unchanged_by_trees_built_on_the_device(m, mode, setting):
+    """Guards against the tree built on the device (static steps: fixed size, masked nodes below the floor, chains
+    grafted at fixed slots, one path per node) sampling otherwise than the host-built tree (graphs=off): a masked
+    node walked into, a draw that depends on the tree's padded depth, another path preferred. The same seed gives
+    the same tokens off, uncaptured and replayed, exact sampling and typical acceptance, eagle3 and eagle3_lookup."""
+    cfg = SamplingConfig(mode=mode, temperature=0.8)
     tokens = {}
     for how in ("off", "uncaptured", "replayed"):
         with_steps(m, how)
         tokens[how] = [generate(m, REPEATING, method, max_new_tokens=30, sampling=cfg, seed=7,
-                                **SETTINGS["n8-d3-k2"]).tokens for method in METHODS]
+                                **SETTINGS[setting]).tokens for method in METHODS]
     assert tokens["uncaptured"] == tokens["replayed"] == tokens["off"]
     assert_clean(m)
     m.static = None

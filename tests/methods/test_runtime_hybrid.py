@@ -330,3 +330,23 @@ def test_a_graft_built_on_the_device_verifies_the_host_trie(m, how):
     assert dev == host and [p for _, p in dev_tries] == [p for _, p in host_tries]
     assert any(kind == "StaticTree" and len(p) > 9 for kind, p in dev_tries)       # the tree8 trie has 9 nodes
     assert all(kind == "TreeBuffers" for kind, _ in host_tries)
+
+
+@pytest.mark.parametrize("mode", ["sample", "typical"])
+def test_sampling_through_a_graft_built_on_the_device_is_the_host_trie_s(m, mode):
+    """Guards against the device graft sampling otherwise than the host trie (a masked slot walked into, a draw
+    that depends on the trie's fixed depth, another path preferred by typical acceptance): the same seed gives the
+    same tokens with graphs=off, uncaptured and replayed, where lookups fire."""
+    from test_static_steps import with_steps
+
+    cfg = SamplingConfig(mode=mode, temperature=0.8)
+    tokens, settings = {}, PromptLookupSettings(num_tokens=5)
+    try:
+        for how in ("off", "uncaptured", "replayed"):
+            with_steps(m, how)
+            tokens[how] = generate(m, REPEATING, "medusa_lookup", tree="tree8", options=settings, max_new_tokens=40,
+                                   sampling=cfg, seed=5).tokens
+        grafted = [k for k in m.static.calls.captures if k.startswith("medusa_lookup.graft")]
+    finally:
+        m.static = None
+    assert tokens["uncaptured"] == tokens["replayed"] == tokens["off"] and grafted
