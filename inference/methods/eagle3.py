@@ -64,6 +64,7 @@ from ..runtime.static_tree import StaticTree
 from ..runtime.verify import SamplingConfig, choose_token, verify
 from .autoregressive import AutoregressiveDecoder
 from .eagle3_choice import Eagle3Shape
+from .eagle3_expand import expand
 from .eagle3_batch import Eagle3BatchDrafter
 from .eagle3_static import catch_up_call, draft_cache, draft_call, tag, tree_call
 from .registry import Costs, Method, heads_costs, option, register
@@ -266,48 +267,25 @@ class Eagle3Decoder:
         kv.length = start + n
 
     def _draft(self):
-        """Grow the dynamic tree (steps 1-2): token, score, parent (-1: the root) and depth of every
-        drafted node, in drafting order. Draft entries are appended after the committed ones."""
+        """Grow the dynamic tree (steps 1-2, ``eagle3_expand.expand``): token, score, parent (-1: the root) and depth
+        of every drafted node, in drafting order. Draft entries are appended after the committed ones."""
         if isinstance(self.dkv, StaticDraftKV):    # one captured call per setting (eagle3_static.draft_call)
             o, kv = self.o, self.dkv
             return self.m.static.calls.run(f"eagle3.draft-d{o.depth}k{o.topk}:{tag(kv)}",
                                            draft_call(self.drafter, kv, o.depth, o.topk), self._draft_inputs(), keep=kv)
-        d, o, dev = self.drafter, self.o, self.m.device
-        k, committed = o.topk, self.dkv.length
-        score, local = torch.log_softmax(self.root_logits.float(), -1).topk(k)
-        tok = d.to_vocab_ids(local)
-        parent = torch.full((k,), -1, dtype=torch.long, device=dev)
-        state = self.root_state.expand(k, -1)       # what each node of the last depth is fed
-        vis = torch.zeros(k, (o.depth - 1) * k, dtype=torch.bool, device=dev)  # its ancestors' entries
-        toks, scores, parents, depths = [tok], [score], [parent], [torch.ones(k, dtype=torch.long, device=dev)]
-        first, entries = 0, 0                       # index of the last depth's first node; draft entries so far
+        d, dev, committed = self.drafter, self.m.device, self.dkv.length
         neg = torch.finfo(self.m.dtype).min
-        for depth in range(1, o.depth):
-            rows = min(k, score.numel())
-            pick = score.topk(rows).indices
+
+        def attend(level, entries, rows, tok, state, sees):    # over the committed and this step's draft entries
             mask = torch.full((1, 1, rows, committed + entries + rows), neg, dtype=self.m.dtype, device=dev)
             mask[..., :committed] = 0
-            mask[0, 0, :, committed:committed + entries].masked_fill_(vis[pick, :entries], 0)
-            mask[0, 0, :, committed + entries:].fill_diagonal_(0)
-            positions = torch.full((1, rows), committed - 1 + depth, dtype=torch.long, device=dev)
-            normed, pre, (kk, vv) = d.forward_step(tok[pick][None], state[pick][None], positions,
-                                                   self.dkv.view(), mask)
+            mask[0, 0, :, committed:].masked_fill_(sees[0, :, :entries + rows], 0)   # ancestors' and its own
+            positions = torch.full((1, rows), committed - 1 + level, dtype=torch.long, device=dev)
+            normed, pre, (kk, vv) = d.forward_step(tok, state, positions, self.dkv.view(), mask)
             self.dkv.append(kk, vv)
-            logq = torch.log_softmax(d.project(normed[0]).float(), -1).clamp(max=0)
-            child_score, child_local = logq.topk(k, dim=-1)                        # [rows, k]
-            own = vis[pick]
-            own[torch.arange(rows, device=dev), entries + torch.arange(rows, device=dev)] = True
-            score = (score[pick][:, None] + child_score).reshape(-1)
-            tok = d.to_vocab_ids(child_local).reshape(-1)
-            parent = (first + pick).repeat_interleave(k)
-            state, vis = pre[0].repeat_interleave(k, 0), own.repeat_interleave(k, 0)
-            first += toks[-1].numel()
-            entries += rows
-            toks.append(tok)
-            scores.append(score)
-            parents.append(parent)
-            depths.append(torch.full((score.numel(),), depth + 1, dtype=torch.long, device=dev))
-        return torch.cat(toks), torch.cat(scores), torch.cat(parents), torch.cat(depths)
+            return normed, pre
+        out = expand(d, self.root_logits[None], self.root_state[None], self.o.depth, self.o.topk, attend)
+        return tuple(x[0] for x in out)
 
     def _draft_inputs(self) -> tuple[torch.Tensor, ...]:
         """The static draft's inputs (root distribution, root state, committed count), once the cache is checked to

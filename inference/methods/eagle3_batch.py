@@ -44,6 +44,7 @@ from ..runtime.speculation import ScheduleCursor, SpeculationSchedule
 from ..runtime.static_tree import StaticTree
 from ..runtime.tree import RowTrees, select_nodes, tree_buffers
 from ..runtime.verify import SamplingConfig
+from .eagle3_expand import expand
 from .eagle3_static import (StaticRowDraftKV, batch_catch_up_call, batch_draft_call, cache_slots, static_rows, tag,
                             tree_call)
 
@@ -268,8 +269,9 @@ class Eagle3BatchDrafter:
         return rows
 
     def _grow(self, o):
-        """Every row's dynamic tree (batch 1's ``Eagle3Decoder._draft`` with a leading row axis): token,
-        score, parent (-1: the root) and depth of each drafted node [B, k + (D-1) k^2], in drafting order."""
+        """Every row's dynamic tree (``eagle3_expand.expand``, as batch 1's ``Eagle3Decoder._draft``): token, score,
+        parent (-1: the root) and depth of each drafted node [B, k + (D-1) k^2], in drafting order; every row's
+        draft entries at one shared offset, the longest row's committed count."""
         d, kv, dev = self.d, self.dkv, self.m.device
         k, committed = o.topk, kv.committed
         b = committed.shape[0]
@@ -279,45 +281,18 @@ class Eagle3BatchDrafter:
                                            batch_draft_call(d, kv.cache, o.depth, k),
                                            (self.root_logits, self.root_state, committed), rows=b, keep=kv.cache)
         base = int(committed.max())             # where the draft entries start, in every row
-        lanes = torch.arange(b, device=dev)[:, None]
         neg = torch.finfo(self.m.dtype).min
-        score, local = torch.log_softmax(self.root_logits.float(), -1).topk(k)               # [B, k]
-        tok = d.to_vocab_ids(local)
-        parent = torch.full((b, k), -1, dtype=torch.long, device=dev)
-        state = self.root_state[:, None].expand(b, k, -1)      # what each node of the last depth is fed
-        vis = torch.zeros(b, k, (o.depth - 1) * k, dtype=torch.bool, device=dev)   # its ancestors' entries
-        toks, scores, parents = [tok], [score], [parent]
-        depths = [torch.ones(b, k, dtype=torch.long, device=dev)]
-        first, entries = 0, 0                   # index of the last depth's first node; draft entries so far
         own_committed = torch.arange(base, device=dev)[None] < committed[:, None]           # [B, base]
-        for depth in range(1, o.depth):
-            rows = min(k, score.shape[1])
-            pick = score.topk(rows, dim=-1).indices                                          # [B, rows]
-            sees = vis[lanes, pick]                                                          # [B, rows, E]
+
+        def attend(level, entries, rows, tok, state, sees):    # over each row's committed and draft entries
             mask = torch.full((b, 1, rows, base + entries + rows), neg, dtype=self.m.dtype, device=dev)
             mask[:, 0, :, :base].masked_fill_(own_committed[:, None], 0)
-            mask[:, 0, :, base:base + entries].masked_fill_(sees[..., :entries], 0)
-            mask[:, 0, :, base + entries:].masked_fill_(torch.eye(rows, dtype=torch.bool, device=dev), 0)
-            positions = (committed - 1 + depth)[:, None].expand(b, rows)
-            normed, pre, (kk, vv) = d.forward_step(tok[lanes, pick], state[lanes, pick], positions,
-                                                   kv.view(base + entries), mask)
+            mask[:, 0, :, base:].masked_fill_(sees[..., :entries + rows], 0)    # ancestors' and its own
+            positions = (committed - 1 + level)[:, None].expand(b, rows)
+            normed, pre, (kk, vv) = d.forward_step(tok, state, positions, kv.view(base + entries), mask)
             kv.put_draft(kk, vv, base + entries)
-            logq = torch.log_softmax(d.project(normed).float(), -1).clamp(max=0)
-            child_score, child_local = logq.topk(k, dim=-1)                                  # [B, rows, k]
-            own = sees.clone()
-            slot = torch.arange(rows, device=dev)
-            own[:, slot, entries + slot] = True
-            score = (score[lanes, pick][..., None] + child_score).reshape(b, -1)
-            tok = d.to_vocab_ids(child_local).reshape(b, -1)
-            parent = (first + pick).repeat_interleave(k, dim=1)
-            state, vis = pre.repeat_interleave(k, dim=1), own.repeat_interleave(k, dim=1)
-            first += toks[-1].shape[1]
-            entries += rows
-            toks.append(tok)
-            scores.append(score)
-            parents.append(parent)
-            depths.append(torch.full((b, score.shape[1]), depth + 1, dtype=torch.long, device=dev))
-        return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1)
+            return normed, pre
+        return expand(d, self.root_logits, self.root_state, o.depth, k, attend)
 
     def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
         """The drafter's own cache for this batch (one layer: keys and values per slot), for the memory check; with

@@ -30,6 +30,7 @@ import torch
 
 from ..heads.eagle3 import StaticDraftKV
 from ..runtime.static_tree import root_tree, static_graft, static_tree
+from .eagle3_expand import expand
 
 MIN_SLOTS = 256
 KEPT = "eagle3 draft caches"   # under the static steps' ``kept``: {batch: (drafter, cache)}, outliving a generation
@@ -89,47 +90,11 @@ def catch_up_call(d, cache: StaticDraftKV, n: int):
 def draft_call(d, cache: StaticDraftKV, depth: int, k: int):
     """fn(root_logits [V'], root_state [H], committed [] long) -> (tokens, scores, parents, depths): the
     dynamic tree of ``Eagle3Decoder._draft`` (same nodes, same scores, same order), its draft entries at
-    slots committed.. of ``cache``."""
-    neg, width = _neg(cache), (depth - 1) * k      # draft entries a step writes
+    slots committed.. of ``cache`` (``batch_draft_call`` with one row)."""
+    batched = batch_draft_call(d, cache, depth, k)
 
     def fn(root_logits, root_state, committed):
-        dev = root_logits.device
-        score, local = torch.log_softmax(root_logits.float(), -1).topk(k)
-        tok = d.to_vocab_ids(local)
-        parent = torch.full((k,), -1, dtype=torch.long, device=dev)
-        state = root_state.expand(k, -1)
-        vis = torch.zeros(k, width, dtype=torch.bool, device=dev)       # each node's ancestors' entries
-        toks, scores, parents, depths = [tok], [score], [parent], [torch.ones(k, dtype=torch.long, device=dev)]
-        seen = torch.zeros(cache.capacity, dtype=cache.k.dtype, device=dev).masked_fill_(
-            torch.arange(cache.capacity, device=dev) >= committed, neg)    # the committed entries alone
-        slots = committed + torch.arange(width, device=dev)
-        first = entries = 0
-        for level in range(1, depth):
-            rows = min(k, score.numel())
-            pick = score.topk(rows).indices
-            own = vis[pick]
-            # each node's own entry; a device tensor, not ``= True`` (a host scalar copied in at every replay)
-            own[:, entries:entries + rows] |= torch.eye(rows, dtype=torch.bool, device=dev)
-            drafted = torch.zeros(own.shape, dtype=seen.dtype, device=dev).masked_fill_(~own, neg)
-            mask = seen[None].repeat(rows, 1).index_copy_(1, slots, drafted)    # + ancestors and itself
-            positions = (committed - 1 + level).expand(1, rows)
-            normed, pre = d.forward_static(tok[pick][None], state[pick][None], positions, cache,
-                                           slots[entries:entries + rows], mask[None, None])
-            logq = torch.log_softmax(d.project(normed[0]).float(), -1).clamp(max=0)
-            child_score, child_local = logq.topk(k, dim=-1)                                  # [rows, k]
-            score = (score[pick][:, None] + child_score).reshape(-1)
-            tok = d.to_vocab_ids(child_local).reshape(-1)
-            # expand + reshape, not repeat_interleave: the same values, and no host read of a repeat count
-            parent = (first + pick)[:, None].expand(rows, k).reshape(-1)
-            state = pre[0][:, None].expand(rows, k, -1).reshape(rows * k, -1)
-            vis = own[:, None].expand(rows, k, width).reshape(rows * k, width)
-            first += toks[-1].numel()
-            entries += rows
-            toks.append(tok)
-            scores.append(score)
-            parents.append(parent)
-            depths.append(torch.full((score.numel(),), level + 1, dtype=torch.long, device=dev))
-        return torch.cat(toks), torch.cat(scores), torch.cat(parents), torch.cat(depths)
+        return tuple(x[0] for x in batched(root_logits[None], root_state[None], committed.reshape(1)))
     return fn
 
 
@@ -225,46 +190,23 @@ def batch_catch_up_call(d, cache: StaticDraftKV, t: int):
 
 def batch_draft_call(d, cache: StaticDraftKV, depth: int, k: int):
     """fn(root_logits [B, V'], root_state [B, H], committed [B]) -> (tokens, scores, parents, depths) [B, nodes]:
-    ``Eagle3BatchDrafter._grow`` (``draft_call`` with a leading row axis), row b's draft entries at slots
-    committed[b]..."""
+    ``Eagle3BatchDrafter._grow`` (``eagle3_expand.expand``), row b's draft entries at slots committed[b]..., each
+    depth's attention over the cache's whole capacity under a mask: the row's committed entries, and of the step's
+    draft entries its ancestors' and its own."""
     neg, width = _neg(cache), (depth - 1) * k
 
     def fn(root_logits, root_state, committed):
         b, dev = root_logits.shape[0], root_logits.device
         lanes = torch.arange(b, device=dev)[:, None]
-        score, local = torch.log_softmax(root_logits.float(), -1).topk(k)                 # [B, k]
-        tok = d.to_vocab_ids(local)
-        parent = torch.full((b, k), -1, dtype=torch.long, device=dev)
-        state = root_state[:, None].expand(b, k, -1)
-        vis = torch.zeros(b, k, width, dtype=torch.bool, device=dev)
-        toks, scores, parents = [tok], [score], [parent]
-        depths = [torch.ones(b, k, dtype=torch.long, device=dev)]
         seen = torch.zeros(b, cache.capacity, dtype=cache.k.dtype, device=dev).masked_fill_(
             torch.arange(cache.capacity, device=dev)[None] >= committed[:, None], neg)   # [B, capacity]
         slots = committed[:, None] + torch.arange(width, device=dev)[None]              # [B, width]
-        first = entries = 0
-        for level in range(1, depth):
-            rows = min(k, score.shape[1])
-            pick = score.topk(rows, dim=-1).indices                                      # [B, rows]
-            own = vis[lanes, pick]                                                       # [B, rows, width]
-            own[:, :, entries:entries + rows] |= torch.eye(rows, dtype=torch.bool, device=dev)
-            drafted = torch.zeros(own.shape, dtype=seen.dtype, device=dev).masked_fill_(~own, neg)
+
+        def attend(level, entries, rows, tok, state, sees):
+            drafted = torch.zeros(sees.shape, dtype=seen.dtype, device=dev).masked_fill_(~sees, neg)
             mask = seen[:, None].repeat(1, rows, 1).scatter_(2, slots[:, None].expand(b, rows, width), drafted)
             positions = (committed - 1 + level)[:, None].expand(b, rows)
-            normed, pre = d.forward_static(tok[lanes, pick], state[lanes, pick], positions, cache,
-                                           slots[:, entries:entries + rows], mask[:, None], rows=lanes)
-            logq = torch.log_softmax(d.project(normed).float(), -1).clamp(max=0)
-            child_score, child_local = logq.topk(k, dim=-1)                              # [B, rows, k]
-            score = (score[lanes, pick][..., None] + child_score).reshape(b, -1)
-            tok = d.to_vocab_ids(child_local).reshape(b, -1)
-            parent = (first + pick)[..., None].expand(b, rows, k).reshape(b, -1)
-            state = pre[:, :, None].expand(b, rows, k, -1).reshape(b, rows * k, -1)
-            vis = own[:, :, None].expand(b, rows, k, width).reshape(b, rows * k, width)
-            first += toks[-1].shape[1]
-            entries += rows
-            toks.append(tok)
-            scores.append(score)
-            parents.append(parent)
-            depths.append(torch.full((b, score.shape[1]), level + 1, dtype=torch.long, device=dev))
-        return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1)
+            return d.forward_static(tok, state, positions, cache, slots[:, entries:entries + rows], mask[:, None],
+                                    rows=lanes)
+        return expand(d, root_logits, root_state, depth, k, attend)
     return fn
