@@ -4,7 +4,7 @@ A dynamic tree (EAGLE-2's rerank, method ``eagle3``) is chosen anew each step. `
 ``tree.tree_buffers`` build it at its own size, which the host must read: how many nodes passed the probability
 floor, how deep the kept tree is, which nodes are leaves (three or more reads a step, and on a GPU each read waits
 for the device). Here the same tree comes out at a shape fixed by the setting, with tensor ops only, so it can be
-part of a captured call and greedy verification reads the host once a step:
+part of a captured call and verification (greedy, exact sampling, typical) reads the host once a step:
 
 - the ``nodes`` best-scored drafted nodes (stable: ties go to the earlier node), in drafting order, as
   ``select_nodes`` keeps them; a node below the floor (``min_score``) is not dropped but kept as a masked node at the
@@ -14,6 +14,10 @@ part of a captured call and greedy verification reads the host once a step:
   data, and every node's path is a prefix of a leaf's, so the longest accepted prefix is the same;
 - the verification forward runs ``nodes + 1`` rows whatever passes the floor: on a GPU a few more rows in one
   forward cost about nothing, and the row count stays one captured bucket.
+
+A looked-up continuation (methods that add a prompt-lookup branch) is grafted onto such a tree on the device too
+(``static_graft``): the proposal is host knowledge, the tree's tokens are not, so the walk down the tree happens here
+and the rest of the proposal hangs at fixed slots after the tree.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def static_graft(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
                  paths: torch.Tensor, proposal: torch.Tensor,
                  drop: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """A looked-up continuation grafted onto trees of ``StaticTree``'s fields ([B, T, ...]) at the fixed size T + L,
-    on the device (``eagle3_lookup``'s ``graft_branch`` without reading the tree): ``proposal`` [B, L] long, -1 padded
+    on the device (a lookup method's host graft without reading the tree): ``proposal`` [B, L] long, -1 padded
     at its end. The proposal walks down the tree while a node carries its next token; the rest of it hangs under the
     deepest node it reached as one chain, proposal token j at node T + j with depth j + 1. Slots of the tokens the tree
     already had, and of the padding, are masked nodes (token -1, depth 0, child of the root). ``drop`` [B] bool: rows
