@@ -1,6 +1,6 @@
 """What a decoding step leaves on the host between its captured graphs, measured on this machine's CPU.
 
-    python scripts/bench.py host-work [--tokens 48] [--rounds 5] [--out runs/host_work.json]
+    python scripts/bench.py host-work [--tokens 48] [--rounds 5] [--only NAME] [--out runs/host_work.json]
 
 With graphs=on the backbone's step and the drafter's calls replay as CUDA graphs; what is left each step is
 Python: filling the graphs' inputs, acceptance, the bookkeeping, and the reads of device values, each of which
@@ -10,8 +10,9 @@ nothing here) on static steps, capture stood in for by a replay that runs the ca
 and subtracted. Per method, per step: host reads (``benchmarks.host_reads.HostReads``), ops dispatched outside
 the replays (each a Python call into torch, most a kernel launch on a GPU) and the host microseconds outside
 the replays. Per-step figures difference a generation of --tokens tokens and one of half as many (the prompt's
-forward cancels); microseconds are the median over --rounds such pairs, after two warm-up generations that
-capture and check every call.
+forward cancels); microseconds are the median over --rounds such pairs, after two warm-up rounds of both lengths
+that capture and check every call. Cases: every method, greedy; Medusa and EAGLE-3 sampling (temperature 0.8) and
+typical acceptance; batches of 4 (``--only`` picks cases whose name contains it).
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ class Eagle3LookupDecoder(Eagle3Decoder):
             fields = self.m.static.calls.run(f"eagle3.chain{o.num_tokens}", chain_call(o.num_tokens), (root, padded))
         else:
             fn = tree_call(draft_call(self.drafter, kv, o.depth, o.topk), o.nodes, o.depth, o.min_score, o.num_tokens)
-            fields = self.m.static.calls.run(f"eagle3.tree-{o.label}.graft:{tag(kv)}", fn,
+            fields = self.m.static.calls.run(f"eagle3.tree-{o.label}.graft{o.num_tokens}:{tag(kv)}", fn,
                                              (*self._draft_inputs(), root, padded), keep=kv)
         return StaticTree(*fields[:5]), fields[5:]
 

@@ -270,8 +270,8 @@ def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Te
                        [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
 
 
-def verify_sample(buf: TreeBuffers, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor], draft: str,
-                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_sample(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor],
+                  draft: str, generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact tree verification for B independent trials.
 
     tokens [B, N] (node 0 = root); probs: the target distribution at every node, either a
@@ -364,8 +364,8 @@ def verify(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Te
     return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
 
 
-def sampled_rows(buf, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor], draft: str,
-                 generator: Optional[torch.Generator], also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
+def sampled_rows(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor],
+                 draft: str, generator: Optional[torch.Generator], also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
     """``verify_sample``'s verdicts (arguments as its): every row's path, its tokens, the bonus and ``also`` ([B] or
     [B, k] long tensors) read in one read."""
     paths, n, bonus = verify_sample(buf, tokens, probs, draft_probs, draft, generator)
