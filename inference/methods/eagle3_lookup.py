@@ -58,7 +58,7 @@ import torch
 from ..errors import UserError
 from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.model import MedusaModel
-from ..runtime.static_tree import StaticTree
+from ..runtime.static_tree import StaticTree, padded_proposals
 from ..runtime.verify import SamplingConfig
 from .autoregressive import AutoregressiveDecoder
 from .draft import chain_sampling
@@ -224,7 +224,7 @@ class Eagle3LookupDecoder(Eagle3Decoder):
         if not proposal:
             return super()._static_tree()
         o, kv, dev = self.o, self.dkv, self.m.device
-        padded = torch.tensor(proposal + [-1] * (o.num_tokens - len(proposal)), device=dev)
+        padded = padded_proposals([proposal], o.num_tokens, dev)[0]
         root = torch.full((), self.root, dtype=torch.long, device=dev)
         if switches(o.switch, proposal, self.index.last_match):
             self.switched += 1
@@ -295,7 +295,7 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
             return super()._static_trees(o, dec)
         kv, dev, width = self.dkv, self.m.device, self.s.num_tokens
         kv.reserve((o.depth - 1) * o.topk)
-        proposals = torch.tensor([p + [-1] * (width - len(p)) for p, _ in lookups], device=dev)
+        proposals = padded_proposals([p for p, _ in lookups], width, dev)
         alone = torch.tensor([a for _, a in lookups], device=dev)
         fn = tree_call(batch_draft_call(self.d, kv.cache, o.depth, o.topk), o.nodes, o.depth, o.min_score, width)
         fields = self.m.static.calls.run(f"eagle3.tree-{o.label}.graft{width}:{tag(kv.cache)}", fn,

@@ -50,7 +50,7 @@ from ..errors import UserError
 from ..heads.drafting import static_tree_refusal
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
-from ..runtime.static_tree import StaticTree, static_graft, tree_structure
+from ..runtime.static_tree import StaticTree, padded_proposals, static_graft, tree_structure
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .draft import chain_sampling
@@ -177,7 +177,7 @@ class HybridDecoder:
             mask, paths = tree_structure(parents, depths, buf.max_depth)
             self._graft_call = lambda tokens, proposal: tuple(
                 f[0] for f in static_graft(tokens[None], parents, depths, mask, paths, proposal[None])[:5])
-        padded = torch.tensor(proposal + [-1] * (width - len(proposal)), device=self.m.device)
+        padded = padded_proposals([proposal], width, self.m.device)[0]
         # keep: the function holds the fixed fields the captured graph reads (a graph keeps no tensor alive itself)
         return StaticTree(*self.m.static.calls.run(f"medusa_lookup.graft{width}-{buf.shape_key}", self._graft_call,
                                                    (tokens, padded), keep=(buf, self._graft_call)))

@@ -142,6 +142,11 @@ def static_graft(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
             real.sum(1))
 
 
+def padded_proposals(proposals: list[list[int]], width: int, device) -> torch.Tensor:
+    """``static_graft``'s proposal input: each proposal [width] long, -1 padded at its end, one row each."""
+    return torch.tensor([p + [-1] * (width - len(p)) for p in proposals], dtype=torch.long, device=device)
+
+
 def _root_path(paths: torch.Tensor) -> torch.Tensor:
     """The path of the root alone, [0, -1, ...], in ``paths``' shape."""
     root = torch.full_like(paths, -1)

@@ -221,9 +221,17 @@ def greedy_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Ten
     count = lengths.gather(1, best[:, None])                                  # [B, 1]
     leaves = ri.gather(1, best[:, None, None].expand(b, 1, ri.shape[2]))[:, 0]   # [B, D+1]
     bonus = target.gather(1, leaves.gather(1, count - 1))
+    return _read_rows(count, bonus, also, leaves, tokens)
+
+
+def _read_rows(count: torch.Tensor, bonus: torch.Tensor, also: Sequence[torch.Tensor], paths: torch.Tensor,
+               tokens: torch.Tensor) -> RowVerdicts:
+    """Every row's verdict in one host read: count [B, 1] nodes on its accepted path (root included), bonus [B, 1],
+    ``also`` ([B] or [B, k] long tensors), paths [B, D+1] node indices (-1 padded) and the nodes' tokens [B, N]."""
+    b = paths.shape[0]
     extra = [x.reshape(b, -1).long() for x in also]
-    packed = torch.cat([count, bonus, *extra, leaves, tokens.gather(1, leaves.clamp(min=0))], 1).tolist()
-    at, width = 2 + sum(e.shape[1] for e in extra), leaves.shape[1]   # (n, bonus, also, leaf path, its tokens)
+    packed = torch.cat([count, bonus, *extra, paths, tokens.gather(1, paths.clamp(min=0))], 1).tolist()
+    at, width = 2 + sum(e.shape[1] for e in extra), paths.shape[1]   # (count, bonus, also, path, its tokens)
     return RowVerdicts([r[at:at + r[0]] for r in packed], [r[1] for r in packed],
                        [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
 
@@ -263,11 +271,7 @@ def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Te
     leaves = ri.gather(1, best[:, None, None].expand(b, 1, ri.shape[2]))[:, 0]          # [B, D+1]
     last = leaves.gather(1, count - 1)                                                 # [B, 1]
     bonus = choose_token(logits[rows, last[:, 0]], cfg, generator)[:, None]
-    extra = [x.reshape(b, -1).long() for x in also]
-    packed = torch.cat([count, bonus, *extra, leaves, tokens.gather(1, leaves.clamp(min=0))], 1).tolist()
-    at, width = 2 + sum(e.shape[1] for e in extra), leaves.shape[1]
-    return RowVerdicts([r[at:at + r[0]] for r in packed], [r[1] for r in packed],
-                       [r[at + width:at + width + r[0]] for r in packed], [r[2:at] for r in packed])
+    return _read_rows(count, bonus, also, leaves, tokens)
 
 
 def verify_sample(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor],
@@ -369,12 +373,7 @@ def sampled_rows(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, probs, dra
     """``verify_sample``'s verdicts (arguments as its): every row's path, its tokens, the bonus and ``also`` ([B] or
     [B, k] long tensors) read in one read."""
     paths, n, bonus = verify_sample(buf, tokens, probs, draft_probs, draft, generator)
-    b, width = paths.shape
-    extra = [x.reshape(b, -1).long() for x in also]
-    packed = torch.cat([n[:, None], bonus[:, None], *extra, paths, tokens.gather(1, paths.clamp(min=0))], 1).tolist()
-    at = 2 + sum(e.shape[1] for e in extra)                     # (n, bonus, also, path, its tokens)
-    return RowVerdicts([r[at:at + 1 + r[0]] for r in packed], [r[1] for r in packed],
-                       [r[at + width:at + width + 1 + r[0]] for r in packed], [r[2:at] for r in packed])
+    return _read_rows(n[:, None] + 1, bonus[:, None], also, paths, tokens)
 
 
 def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, logits: torch.Tensor,
