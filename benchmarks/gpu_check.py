@@ -21,10 +21,10 @@ On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no d
      1-token step's wall vs kernel time, the plain loop graphs off / on vs ``generate`` eager and
      ``hf_generate_static``, 1 / 16 / 64-row verification, the weight-read floor, Medusa and EAGLE-3 steps, a stub
      drafter of set acceptance end to end; ``--budget-s``: its parts that could not end in time are skipped;
-  5. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16) on the SmolLM2-shaped backbone, Medusa
-     heads and then an EAGLE-3 drafter: training step tokens/s against the backbone's forward (``python
-     scripts/bench.py train``'s interleaved loop). The 8B shape is not trained here: its random init and DeepSpeed
-     setup alone would take the rest of the check's 8 minutes.
+  5. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16), Medusa heads and then an EAGLE-3
+     drafter: training step tokens/s against the backbone's forward (benchmarks/gpu_training.py), on the
+     SmolLM2-shaped backbone, then at Llama-3.1-8B's shape when the time left allows it (its parts not run are
+     listed: ``--skip ... graphs`` leaves it the time).
 Then the verdicts against the targets, a Markdown summary (summary.md, also printed) and every
 figure as JSON (gpu_check.json). ``--dry-run``: CPU, a tiny Llama, 1-2 node counts, a few tokens:
 the same code paths in well under a minute; with ``--full-shape`` the SmolLM2-135M shape at those sizes.
@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -49,6 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root's packages
+from benchmarks import gpu_graphs, gpu_training  # noqa: E402
 from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, backbone, eagle3_model  # noqa: E402
 from benchmarks.timing import median, plain_loop_vs_generate, sync, verification_step  # noqa: E402
 
@@ -224,78 +224,6 @@ def eagle3_steps(m: MedusaModel, shapes: list[tuple[int, int, int]], rounds: int
     return {"plain_ms": round(plain * 1e3, 3), "settings": rows, "draft_vocab": m.heads.spec.truncated_vocab_size}
 
 
-# -- 4. training step vs backbone forward -----------------------------------------------------------------------
-def write_chats(path: Path, n: int, words: int, seed: int = 0) -> None:
-    """Synthetic chats (ASCII words) long enough to fill the packed rows: a JSONL the trainer reads."""
-    import random
-
-    rnd = random.Random(seed)
-    vocab = ["alpha", "beta", "gamma", "delta", "hash", "map", "tree", "node", "cache", "token", "step", "head"]
-    with open(path, "w") as f:
-        for _ in range(n):
-            text = lambda k: " ".join(rnd.choice(vocab) for _ in range(k))  # noqa: E731
-            f.write(json.dumps({"messages": [{"role": "user", "content": text(words // 4)},
-                                             {"role": "assistant", "content": text(words)}]}) + "\n")
-
-
-def train_throughput(shape: dict, device: str, precision: str, zero: int, micro: int, max_length: int,
-                     steps: int, work: Path, heads: str = "medusa") -> dict:
-    """The real trainer (debug_tiny recipe, backbone replaced by ``shape`` random weights, synthetic chats, the
-    ``heads`` family: medusa or eagle3, 3 heads / draft steps), then ``bench.py train``'s loop: backbone forward
-    vs one training micro-step (the trainer's own loss: features, then the family's loss) on the same batch,
-    alternating."""
-    from medusa_train.launch import compose_recipe
-    from medusa_train.trainer import MedusaTrainer
-
-    data = work / "chats.jsonl"
-    write_chats(data, n=max(16, 4 * micro * (steps + 2)), words=max_length // 2)
-    ri = [f"++backbone.random_init.{k}={v}" for k, v in shape.items()]
-    cfg = compose_recipe("debug_tiny", [
-        f"output_dir={work / 'run'}", f"data.source={data}", "logger.wandb=disabled", "logger.plot=false",
-        "trainer.progress_bar=false", "trainer.resume=never", f"trainer.device={device}",
-        f"trainer.precision={precision}", f"trainer.zero_stage={zero}", f"trainer.micro_batch_size={micro}",
-        f"trainer.global_batch_size={micro}", f"data.max_length={max_length}", "data.eval_conversations=2",
-        "data.max_conversations=null", "data.vocab_scan_conversations=8",
-        f"backbone.dtype={'bfloat16' if precision == 'bf16' else 'float32'}", *ri, f"heads={heads}",
-        "heads.projection=truncated", f"heads.truncated_vocab_size={min(8192, shape['vocab_size'] // 2)}"])
-    tr = MedusaTrainer(cfg)
-    tr.setup()
-    model = tr.backbone.model
-    dev = tr.device
-    it = iter(tr.batches)
-    fwd, train, losses = [], [], []
-    tr.engine.train()
-    for i in range(steps + 1):  # the first round warms up and is dropped
-        batch = next(it)
-        tokens = int((batch["doc_ids"] > 0).sum())
-        ids, pos = batch["input_ids"].to(dev), batch["position_ids"].to(dev)
-        sync(dev)
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            model(input_ids=ids, position_ids=pos, use_cache=False)
-            sync(dev)
-            t1 = time.perf_counter()
-        loss = tr.loss(batch)
-        tr.engine.backward(loss)
-        tr.engine.step()
-        sync(dev)
-        t2 = time.perf_counter()
-        losses.append(loss.detach().float().item())
-        if i:
-            fwd.append(tokens / (t1 - t0))
-            train.append(tokens / (t2 - t1))
-    trainable = sum(p.numel() for p in tr.module.parameters() if p.requires_grad)
-    out = {"heads": heads, "zero_stage": zero, "precision": precision, "micro_batch": micro, "max_length": max_length,
-           "tokens_per_batch": tokens, "forward_tokens_per_s": round(median(fwd), 1),
-           "train_tokens_per_s": round(median(train), 1),
-           "ratio": round(median([t / f for t, f in zip(train, fwd)]), 3),
-           "trainable_params_m": round(trainable / 1e6, 2), "losses": [round(x, 4) for x in losses],
-           "finite": all(x == x and abs(x) < float("inf") for x in losses)}
-    if dev.type == "cuda":
-        out["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
-    return out
-
-
 # -- the gpu tier (pytest's JUnit XML, written by gpu_check.sh) -----------------------------------------------
 def tier_result(xml: Path | None) -> dict:
     if xml is None or not xml.is_file():
@@ -393,17 +321,8 @@ def summary(result: dict) -> str:
                       f"{pl['identical']}/{pl['prompts']} identical "
                       f"({pl.get('identical_same_kernels', '-')}/{pl['prompts']} with `generate` on the same "
                       "attention kernels)"]
-    runs = [result[k] for k in ("training", "training_eagle3") if result.get(k)]
-    if runs:
-        lines += ["", "| training (real trainer, DeepSpeed) | tokens/batch | backbone forward tok/s | train step tok/s "
-                      "| ratio | trainable | peak GPU memory |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {tr.get('heads', 'medusa')}, ZeRO {tr['zero_stage']}, {tr['precision']}, micro {tr['micro_batch']} "
-                  f"x {tr['max_length']} | {tr['tokens_per_batch']} | {tr['forward_tokens_per_s']:.0f} | "
-                  f"{tr['train_tokens_per_s']:.0f} | {tr['ratio']:.2f} | {tr['trainable_params_m']}M | "
-                  f"{tr.get('peak_gpu_memory_gb', '-')} GB |" for tr in runs]
-    from benchmarks.gpu_graphs import summary_lines
-
-    lines += summary_lines(result.get("graphs"))
+    lines += gpu_training.summary_lines(result)
+    lines += gpu_graphs.summary_lines(result.get("graphs"))
     if result["errors"]:
         lines += ["", "Errors:"] + [f"- {k}: {v.splitlines()[-1] if v else ''}" for k, v in result["errors"].items()]
     lines += ["", f"({result['seconds']:.0f} s; full figures in gpu_check.json)"]
@@ -419,7 +338,8 @@ def main() -> None:
                     help="with --dry-run: the SmolLM2-135M shape (vocabulary 49,152, 30 layers) at the dry run's "
                          "sizes, "
                          "so shape-dependent paths run on CPU before a GPU is lent (~1-2 minutes)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train", "train_eagle3"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train", "train_eagle3",
+                             "train_8b.build", "train_8b", "train_eagle3_8b"])
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds this run may take (gpu_check.sh's timeout): CUDA-graph parts that could not end within "
                          "it, less the training's share, are skipped, so the summary is always written")
@@ -488,21 +408,13 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if "graphs" not in args.skip:
-        from benchmarks import gpu_graphs
-
         deadline = t_start + args.budget_s - (0 if dry else 75) if args.budget_s else float("inf")  # 75 s: train x 2
         gpu_graphs.run(result, section, device, dry, args.full_shape, deadline)
 
-    def train(heads: str, key: str):
-        with tempfile.TemporaryDirectory(prefix="gpu-check-train-") as work:
-            result[key] = train_throughput(shape, device.type, "bf16", 1, sizes["micro"], sizes["max_length"],
-                                           sizes["train_steps"], Path(work), heads)
-
-    section("train", lambda: train("medusa", "training"))
-    section("train_eagle3", lambda: train("eagle3", "training_eagle3"))
-    from benchmarks.gpu_graphs import verdicts as graph_verdicts
-
-    result["verdicts"] = verdicts(result) + graph_verdicts(result.get("graphs"), dry)
+    end = t_start + args.budget_s if args.budget_s and not dry else float("inf")
+    gpu_training.run(result, section, device, dry, ("SmolLM2-135M" if shape is SMOLLM2_135M else "tiny Llama", shape),
+                     sizes, end)
+    result["verdicts"] = verdicts(result) + gpu_graphs.verdicts(result.get("graphs"), dry)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     text = summary(result)
     (out / "summary.md").write_text(text)

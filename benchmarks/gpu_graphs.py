@@ -1,7 +1,7 @@
 """The GPU check's CUDA-graph part (``graphs=``, inference/runtime/static_steps.py), run by benchmarks/gpu_check.py.
 
 At SmolLM2-135M's shape (``gpu_models.SMOLLM2_135M``) and Llama-3.1-8B's (``LLAMA31_8B``, ~16 GB, made on the
-device: ``random_llama``), random bf16 weights, batch 1, each part a guarded section (``run_shape``):
+device: ``gpu_models.device_llama``), random bf16 weights, batch 1, each part a guarded section (``run_shape``):
   steps:    the 1-token step (``hidden`` + ``logits``, benchmarks/timing.py): wall vs device time (torch.profiler,
             ``device_time``), graphs off and on; 1 / 16 / 64-row verification graphs on, over the 1-row step;
   gqa:      the captured 1 / 16-row steps over 2,048 slots, grouped-query attention folded vs repeated (``gpu_gqa``);
@@ -28,14 +28,12 @@ from __future__ import annotations
 import gc
 import time
 import traceback
-from contextlib import nullcontext
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks.gpu_models import EAGLE3_TAU, SMOLLM2_135M, TINY, eagle3_model
+from benchmarks.gpu_models import EAGLE3_TAU, LLAMA31_8B, SMOLLM2_135M, TINY, device_llama, eagle3_model
 from benchmarks.gpu_batches import batch_loop, summary_rows as batch_rows
 from benchmarks.gpu_capture_ways import capture_ways
 from benchmarks.gpu_gqa import gqa_fold, summary_rows as gqa_rows
@@ -52,15 +50,6 @@ from inference.runtime.static_steps import apply_graphs
 from inference.runtime.tree import resolve_tree
 from inference.runtime.verify import SamplingConfig
 
-try:  # transformers' own weight init is skipped (every weight is drawn in random_llama anyway)
-    from transformers.initialization import no_init_weights
-except ImportError:  # pragma: no cover - another layout: transformers then initialises on the device first
-    no_init_weights = nullcontext
-
-# Llama-3.1-8B's config.json as LlamaConfig takes it (its llama3 rope scaling left out: same cost per step).
-LLAMA31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                  intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-                  max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu")
 SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-3.1-8B", LLAMA31_8B)}
 READ_BYTES_PER_S = 4.2e12          # H200 HBM3e, the weight-read floor's bandwidth
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
@@ -80,23 +69,6 @@ def sizes(dry: bool) -> dict:
     return dict(dry=False, prompt_len=64, new_tokens=64, rounds=3, profile_steps=10, step_rounds=3, per_round=5,
                 verify_rows=[1, 16, 64], draft_rounds=2, draft_steps=6, warmup=2, stub_tokens=128, stub_rounds=2,
                 ways_rounds=5, ways_per_round=10, compile_warmup=4)
-
-
-def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> MedusaModel:
-    """A random Llama of ``shape`` made on ``device`` in ``dtype`` directly: under ``torch.device`` every weight
-    is allocated there (8B never exists on the host: 16 GB bf16, not 32 GB fp32), transformers' per-module init
-    is skipped (``no_init_weights``), then every matrix is drawn N(0, 0.02) and every norm set to 1 on the device
-    (what transformers' init gives a Llama with initializer_range 0.02), one pass over the weights."""
-    cfg = LlamaConfig(**shape, initializer_range=0.02, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    with torch.device(device), no_init_weights():
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-    if cfg.tie_word_embeddings:  # no_init_weights also skips the tying init_weights does
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
-    return MedusaModel(model=model.eval(), tokenizer=None, heads=None)
 
 
 # -- steps: wall vs device time, verification rows ------------------------------------------------------------
@@ -274,7 +246,7 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
 
     def build():
         t = time.perf_counter()
-        state["m"] = m = random_llama(shape, device, torch.bfloat16)
+        state["m"] = m = MedusaModel(model=device_llama(shape, device, torch.bfloat16), tokenizer=None, heads=None)
         apply_graphs(m, g["graphs_on_mode"])
         s["build_s"] = round(time.perf_counter() - t, 2)
         s["param_bytes"] = sum(p.numel() * p.element_size() for p in m.model.parameters())

@@ -12,7 +12,8 @@
 #      on the GPU): step wall vs kernel time graphs off / on, the plain loop off / on vs generate eager and
 #      hf_generate_static, 1/16/64-row verification, the weight-read floor, Medusa and EAGLE-3 steps, a stub
 #      drafter of set acceptance (tau 1.5 / 2 / 3) end to end; last the training step's tokens/s vs the
-#      backbone forward (real trainer, DeepSpeed ZeRO 1, bf16);
+#      backbone forward (real trainer, DeepSpeed ZeRO 1, bf16; benchmarks/gpu_training.py), Medusa heads and EAGLE-3,
+#      at the SmolLM2 shape, then at the 8B shape if the time left allows it (~100 s);
 #   3. summary.md (Markdown for BENCHMARKS.md's GPU section, with every verdict) and gpu_check.json.
 # Time: the tier and gpu_check.py together stay under 8 minutes: gpu_check.py gets what the tier left of
 # $GPU_CHECK_BUDGET_S (default 470 s from the script's start; at least 200 s), and is told so (--budget-s):
@@ -30,7 +31,9 @@
 #     bash scripts/gpu_check.sh --dry-run [--out DIR]      # or GPU_CHECK_DRY_RUN=1
 #
 # Options: --out DIR (default runs/gpu_check, or $OUT when set), --dry-run, --no-tier (skip pytest),
-# --full-shape (with --dry-run: the SmolLM2-135M shape at the dry run's sizes, ~30 s more).
+# --full-shape (with --dry-run: the SmolLM2-135M shape at the dry run's sizes, ~30 s more); after `--`, arguments
+# for benchmarks/gpu_check.py, e.g. the training at both shapes alone (~4 minutes, a second call's worth):
+#     run(command="bash scripts/gpu_check.sh --out $OUT --no-tier -- --skip steps batch plain eagle3 graphs", ...)
 # Python: $PYTHON, else python3. If .whl/ holds wheels and DeepSpeed is not importable, they are
 # installed into /tmp/gpu_check_site (no index, no deps) and put on PYTHONPATH.
 set -uo pipefail
@@ -46,6 +49,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1; shift;;
     --no-tier) tier=0; shift;;
     --full-shape) full=1; shift;;
+    --) shift; break;;
     *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2;;
   esac
 done
@@ -86,7 +90,7 @@ dry_arg=()
 [ "$full" = 1 ] && dry_arg+=(--full-shape)
 left=$(( ${GPU_CHECK_BUDGET_S:-470} - SECONDS ))   # what the tier left of the budget, 200 s at least
 [ "$left" -lt 200 ] && left=200
-timeout "$left" "$PY" -m benchmarks.gpu_check --out "$out" --budget-s $(( left - 20 )) "${dry_arg[@]}" "${xml_arg[@]}" \
+timeout "$left" "$PY" -m benchmarks.gpu_check --out "$out" --budget-s $(( left - 20 )) "${dry_arg[@]}" "${xml_arg[@]}" "$@" \
   2>&1 | tee -a "$out/check.log"
 rc=${PIPESTATUS[0]}
 [ -f "$out/summary.md" ] || { echo "gpu_check.sh: no summary written (rc $rc)" >&2; exit 1; }

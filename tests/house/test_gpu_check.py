@@ -96,9 +96,16 @@ def test_gpu_check_dry_run_writes_summary_and_json(tmp_path):
     e3 = result["eagle3_steps"]
     assert e3["plain_ms"] > 0 and [r["setting"] for r in e3["settings"]] == ["n1-d1-k1", "n4-d1-k4"]
     assert all(r["ms"] > 0 and r["expected_speedup"] > 0 for r in e3["settings"])
-    for key, heads in (("training", "medusa"), ("training_eagle3", "eagle3")):   # both families train
+    # both families train at both shapes: the 8B one (its tiny stand-in here) through a backbone made on the device
+    # and handed to the trainer (benchmarks/gpu_training.handed_backbone), which the dry run must have run
+    for key, heads, shape in (("training", "medusa", "tiny Llama"), ("training_eagle3", "eagle3", "tiny Llama"),
+                              ("training_8b", "medusa", "Llama-3.1-8B (tiny stand-in)"),
+                              ("training_eagle3_8b", "eagle3", "Llama-3.1-8B (tiny stand-in)")):
         tr = result[key]
-        assert tr["heads"] == heads and tr["finite"] and tr["train_tokens_per_s"] > 0 and tr["forward_tokens_per_s"] > 0
+        assert tr["heads"] == heads and tr["shape"] == shape, (key, tr)
+        assert tr["finite"] and tr["train_tokens_per_s"] > 0 and tr["forward_tokens_per_s"] > 0, (key, tr)
+    assert result["training_skipped"] == [] and result["training_8b_build_s"] >= 0
+    assert "| Llama-3.1-8B (tiny stand-in) eagle3, ZeRO 1, bf16" in summary
     assert [v["target"] for v in result["verdicts"]] == [
         "gpu test tier passes", "16-node verification step < 1.3x a 1-token step (bf16)",
         "runtime plain loop within 10% of generate, or faster", *GRAPH_TARGETS]
@@ -129,6 +136,7 @@ def test_gpu_check_dry_run_at_the_full_smollm2_shape(tmp_path):
     assert result["eagle3_steps"]["draft_vocab"] == 8192
     assert result["training"]["finite"] and result["training"]["trainable_params_m"] > 10
     assert result["training_eagle3"]["finite"] and result["training_eagle3"]["heads"] == "eagle3"
+    assert result["training"]["shape"] == "SmolLM2-135M" and result["training_eagle3_8b"]["finite"]
     assert "SmolLM2-135M-shaped" in (out / "summary.md").read_text()
     shapes = result["graphs"]["shapes"]   # the graph part's SmolLM2 entry at its own shape, the 8B one tiny
     assert shapes["smollm2_135m"]["shape"]["vocab_size"] == 49152 and not shapes["smollm2_135m"]["tiny_stand_in"]
@@ -152,3 +160,24 @@ def test_profile_gpu_step_dry_run(tmp_path):
         assert res[k]["calls"] > 0 and res[k]["args"]["q"].startswith("("), res[k]
     assert res["launch"]["host_us_per_launch"] > 0
     assert "BatchTreeDecoder.step, batch 8" in (out / "profile.txt").read_text()
+
+
+def test_gpu_check_training_at_8b_runs_only_when_it_fits():
+    """Guards against the 8B training part overrunning the device call (it would cost the summary) or being dropped
+    silently: with too little time left it is skipped and listed, with enough its backbone is built first and both
+    families then train on it."""
+    import time
+
+    import torch
+
+    from benchmarks import gpu_training
+
+    for end, expect in ((time.perf_counter(), ["train", "train_eagle3"]),
+                        (float("inf"), ["train", "train_eagle3", "train_8b.build"])):
+        names, result = [], {}
+        gpu_training.run(result, lambda name, fn: names.append(name), torch.device("cpu"), False,
+                         ("tiny Llama", {}), {}, end)
+        assert names == expect   # the stub section runs nothing: no backbone built, so no 8B trainer follows
+        assert result["training_skipped"] == ([] if end == float("inf") else ["train_8b", "train_eagle3_8b"])
+    assert "skipped (time): train_8b, train_eagle3_8b" in "\n".join(gpu_training.summary_lines(
+        {"training_skipped": ["train_8b", "train_eagle3_8b"]}))
