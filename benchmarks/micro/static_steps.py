@@ -1,11 +1,15 @@
 """The static-shape steps (``graphs=``) against the dynamic ones, on this machine: what ``graphs=uncaptured`` costs
 where nothing is captured (the CPU), and an A/A pair that shows the noise.
 
-    python scripts/bench.py static-steps [--prompts 6] [--tokens 64] [--tree tree4] [--out runs/static_steps.json]
+    python scripts/bench.py static-steps [--prompts 6] [--tokens 64] [--tree tree4] [--drafter eagle3]
+                                         [--out runs/static_steps.json]
 
 SmolLM2-135M-Instruct (the embedded GGUF, fp32, kernels routed as medusa-eval routes them) with random
 Medusa heads (3; random drafts are rarely accepted: the figure is the cost of the same steps, not a speedup),
-on MT-Bench first turns. Per prompt, the plain loop and a Medusa tree are decoded with graphs off, uncaptured
+on MT-Bench first turns. ``--drafter eagle3``: a random EAGLE-3 drafter of ``eagle3_smollm2``'s shape instead
+(three backbone layers, one decoder layer, draft vocabulary 8,192), decoded by ``eagle3`` and ``eagle3_lookup`` at
+n8-d3-k2 (a deeper tree than the recipe's, so that the drafter's expansion runs). Per prompt, the plain loop and
+the drafter's methods are decoded with graphs off, uncaptured
 and off again, the order rotating from prompt to prompt; tokens are checked identical. Prints the median
 tokens/s of each and the per-prompt ratios to the first ``off`` (median, min-max).
 """
@@ -21,6 +25,7 @@ import torch
 
 from inference.backbone import load_backbone
 from inference.evaluation.prompts import load_prompts
+from inference.heads.eagle3 import default_aux_layers, draft_layer_config
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
 from inference.loading import attach_heads, kernel_plans_path
@@ -32,27 +37,48 @@ from inference.runtime.static_steps import apply_graphs
 MODES = ("off", "uncaptured", "off again")
 
 
-def model():
+def model(drafter: str = "medusa"):
     net, tok, _ = load_backbone("embedded:smollm2", device="cpu", dtype="float32")
     cfg = net.config
-    spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                     base_model="embedded:smollm2")
+    if drafter == "eagle3":
+        spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                         projection="truncated", truncated_vocab_size=EAGLE3_DRAFT_VOCAB, kind="eagle3",
+                         aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_layer=draft_layer_config(cfg),
+                         base_model="embedded:smollm2")
+        weights = (net.get_output_embeddings().weight, net.get_input_embeddings().weight,
+                   torch.arange(EAGLE3_DRAFT_VOCAB))
+    else:
+        spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                         base_model="embedded:smollm2")
+        weights = (net.get_output_embeddings().weight,)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        heads = init_heads(spec, net.get_output_embeddings().weight)
+        heads = init_heads(spec, *weights)
     m = attach_heads(net, heads, tok)
     return apply_kernels(m, "auto", kernel_plans_path())
 
 
-def run(prompts: int, tokens: int, tree: str) -> dict:
-    m = model()
+EAGLE3_DRAFT_VOCAB = 8192   # eagle3_smollm2's
+EAGLE3_SETTING = dict(nodes=8, depth=3, topk=2)
+
+
+def cases(drafter: str, tree: str) -> dict:
+    """Each timed case: its method and options."""
+    if drafter == "eagle3":
+        return {"plain loop": ("autoregressive", {}), "eagle3 n8-d3-k2": ("eagle3", EAGLE3_SETTING),
+                "eagle3_lookup n8-d3-k2": ("eagle3_lookup", EAGLE3_SETTING)}
+    return {"plain loop": ("autoregressive", {}), f"medusa {tree}": ("medusa", {"tree": tree})}
+
+
+def run(prompts: int, tokens: int, tree: str, drafter: str = "medusa") -> dict:
+    m = model(drafter)
     ids = [m.encode_chat(p.turns[0]) for p in load_prompts("embedded:mtbench", prompts)]
-    cases = {"plain loop": ("autoregressive", {}), f"medusa {tree}": ("medusa", {"tree": tree})}
-    rates = {c: {x: [] for x in MODES} for c in cases}
+    timed = cases(drafter, tree)
+    rates = {c: {x: [] for x in MODES} for c in timed}
     same = True
     for i, p in enumerate(ids):
         order = MODES[i % 3:] + MODES[:i % 3]
-        for case, (method, kw) in cases.items():
+        for case, (method, kw) in timed.items():
             out = {}
             for mode in order:
                 apply_graphs(m, "off" if mode.startswith("off") else mode)
@@ -78,9 +104,10 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--tree", default="tree4")
+    ap.add_argument("--drafter", choices=["medusa", "eagle3"], default="medusa")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    result = run(a.prompts, a.tokens, a.tree)
+    result = run(a.prompts, a.tokens, a.tree, a.drafter)
     print(f"{result['prompts']} prompts x {result['tokens']} tokens, {result['threads']} threads, "
           f"load {result['load']}, token-identical: {result['token_identical']}")
     print("| steps | off tok/s | uncaptured tok/s | off again tok/s | uncaptured / off | off again / off |")
