@@ -46,6 +46,19 @@ class MedusaOptions:
                        "given, choice=auto leaves it as named")
 
 
+def check_tree_heads(m: MedusaModel, trees, missing: str = "this model has no Medusa heads: use method "
+                     "autoregressive") -> None:
+    """Before any decoding (not at the first step's ``draft_tree``): heads are there (else ``missing``), they draft
+    a fixed tree (``static_tree_refusal``), and each of ``trees`` fits their count and output size."""
+    if m.heads is None:
+        raise UserError(missing)
+    reason = static_tree_refusal(m.heads.spec)
+    if reason:
+        raise UserError(reason)
+    for t in trees:
+        t.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+
+
 class TreeDecoder:
     """Medusa decoding state for one sequence: ``prefill`` once, then ``step`` repeatedly.
 
@@ -55,14 +68,9 @@ class TreeDecoder:
 
     def __init__(self, m: MedusaModel, tree, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
-        if m.heads is None:
-            raise UserError("this model has no Medusa heads: use method autoregressive")
-        reason = static_tree_refusal(m.heads.spec)
-        if reason:  # before any decoding, not at the first step's draft_tree
-            raise UserError(reason)
         self.m = m
-        self.tree: MedusaTree = resolve_tree(tree, m.num_heads)
-        self.tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+        self.tree: MedusaTree = resolve_tree(tree, m.num_heads) if m.heads is not None else None
+        check_tree_heads(m, [self.tree])
         self.buf = self.tree.buffers(m.device)
         self.cfg = sampling or SamplingConfig()
         m.heads.check_sampling(self.cfg)
@@ -104,17 +112,12 @@ class HeadsDrafter:
     given a tree; plain steps where the schedule says none pays)."""
 
     def __init__(self, m: MedusaModel, tree):
-        if m.heads is None:
-            raise UserError("this model has no Medusa heads: use method autoregressive")
-        reason = static_tree_refusal(m.heads.spec)
-        if reason:
-            raise UserError(reason)
+        check_tree_heads(m, [])   # before resolving: a missing model's "0 heads" would refuse the tree instead
         self.m = m
         self.schedule = as_schedule(tree if isinstance(tree, SpeculationSchedule) or tree is None
                                     else resolve_tree(tree, m.num_heads))
         trees = [t for t in self.schedule.choices.values() if t is not None]
-        for t in trees:
-            t.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+        check_tree_heads(m, trees)
         self._buffers = {id(t): t.buffers(m.device) for t in trees}
         self.max_nodes = max([t.num_nodes for t in trees], default=1)
         self.max_depth = max([t.max_depth for t in trees], default=0)
