@@ -338,8 +338,8 @@ def main() -> None:
                     help="with --dry-run: the SmolLM2-135M shape (vocabulary 49,152, 30 layers) at the dry run's "
                          "sizes, "
                          "so shape-dependent paths run on CPU before a GPU is lent (~1-2 minutes)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train", "train_eagle3",
-                             "train_8b.build", "train_8b", "train_eagle3_8b"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train",
+                                                              "train_eagle3", "train_8b", "train_eagle3_8b"])
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds this run may take (gpu_check.sh's timeout): CUDA-graph parts that could not end within "
                          "it, less the training's share, are skipped, so the summary is always written")
@@ -413,7 +413,7 @@ def main() -> None:
 
     end = t_start + args.budget_s if args.budget_s and not dry else float("inf")
     gpu_training.run(result, section, device, dry, ("SmolLM2-135M" if shape is SMOLLM2_135M else "tiny Llama", shape),
-                     sizes, end)
+                     sizes, end, args.skip)
     result["verdicts"] = verdicts(result) + gpu_graphs.verdicts(result.get("graphs"), dry)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     text = summary(result)

@@ -123,10 +123,12 @@ def train_throughput(shape: dict, device: str, precision: str, zero: int, micro:
 
 
 def run(result: dict, section, device: torch.device, dry: bool, small: tuple[str, dict], sizes: dict,
-        end: float) -> None:
+        end: float, skip: tuple = ()) -> None:
     """Both families at the small shape into ``result["training"]`` / ``["training_eagle3"]``, then, when it can
     end before ``end`` (a perf_counter time; the dry run always runs it), at 8B into ``["training_8b"]`` /
-    ``["training_eagle3_8b"]``; a part not run is listed in ``result["training_skipped"]``."""
+    ``["training_eagle3_8b"]``; a part not run for time is listed in ``result["training_skipped"]``. ``section``
+    runs a part (gpu_check's: errors recorded, ``--skip`` honoured); ``skip``: the 8B backbone is not built when
+    both of its trainers are skipped."""
     result["training_skipped"] = []
 
     def train(shape: tuple[str, dict], heads: str, key: str):
@@ -144,6 +146,8 @@ def run(result: dict, section, device: torch.device, dry: bool, small: tuple[str
     section("train", lambda: train(small, "medusa", "training"))
     section("train_eagle3", lambda: train(small, "eagle3", "training_eagle3"))
     big = ("Llama-3.1-8B (tiny stand-in)", TINY) if dry else ("Llama-3.1-8B", LLAMA31_8B)
+    if {"train_8b", "train_eagle3_8b"} <= set(skip):
+        return
     if not dry and time.perf_counter() + BIG_PART_S > end:
         result["training_skipped"] += ["train_8b", "train_eagle3_8b"]
         return

@@ -90,7 +90,8 @@ dry_arg=()
 [ "$full" = 1 ] && dry_arg+=(--full-shape)
 left=$(( ${GPU_CHECK_BUDGET_S:-470} - SECONDS ))   # what the tier left of the budget, 200 s at least
 [ "$left" -lt 200 ] && left=200
-timeout "$left" "$PY" -m benchmarks.gpu_check --out "$out" --budget-s $(( left - 20 )) "${dry_arg[@]}" "${xml_arg[@]}" "$@" \
+timeout "$left" "$PY" -m benchmarks.gpu_check --out "$out" --budget-s $(( left - 20 )) "${dry_arg[@]}" \
+  "${xml_arg[@]}" "$@" \
   2>&1 | tee -a "$out/check.log"
 rc=${PIPESTATUS[0]}
 [ -f "$out/summary.md" ] || { echo "gpu_check.sh: no summary written (rc $rc)" >&2; exit 1; }

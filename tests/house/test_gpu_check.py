@@ -179,5 +179,9 @@ def test_gpu_check_training_at_8b_runs_only_when_it_fits():
                          ("tiny Llama", {}), {}, end)
         assert names == expect   # the stub section runs nothing: no backbone built, so no 8B trainer follows
         assert result["training_skipped"] == ([] if end == float("inf") else ["train_8b", "train_eagle3_8b"])
+    names = []   # --skip of both 8B trainers: their 16 GB backbone is not built either
+    gpu_training.run({}, lambda name, fn: names.append(name), torch.device("cpu"), False, ("tiny Llama", {}), {},
+                     float("inf"), ("train_8b", "train_eagle3_8b"))
+    assert names == ["train", "train_eagle3"]
     assert "skipped (time): train_8b, train_eagle3_8b" in "\n".join(gpu_training.summary_lines(
         {"training_skipped": ["train_8b", "train_eagle3_8b"]}))
