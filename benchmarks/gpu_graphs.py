@@ -7,7 +7,8 @@ device: ``gpu_models.device_llama``), random bf16 weights, batch 1, each part a 
   gqa:      the captured 1 / 16-row steps over 2,048 slots, grouped-query attention folded vs repeated (``gpu_gqa``);
   loop:     tokens/s of the plain loop graphs off / on beside ``generate`` eager and ``hf_generate_static``: an
             untimed warm-up call each (captures, transformers' compile), interleaved rounds, medians + min / max;
-            the weight-read floor (parameter bytes / 4.2e12 B/s) and the loop's fraction of it;
+            the weight-read floor (parameter bytes / the device's memory bandwidth, ``read_bandwidth``: measured
+            there, 4.2e12 B/s on an H200) and the loop's fraction of it;
   drafting: Medusa (3 random heads, tree16; greedy, and exact sampling at temperature 0.7: one host read a step
             either way) and EAGLE-3 (gpu_check's random drafter) steps, graphs on and off, over a plain captured step;
   stub:     ``gpu_stub.StubChain``, a drafter of set acceptance, end to end against the captured plain loop;
@@ -51,7 +52,7 @@ from inference.runtime.tree import resolve_tree
 from inference.runtime.verify import SamplingConfig
 
 SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-3.1-8B", LLAMA31_8B)}
-READ_BYTES_PER_S = 4.2e12          # H200 HBM3e, the weight-read floor's bandwidth
+READ_BYTES_PER_S = 4.2e12   # the H200's (issue 45: ~4.2 TB/s); the dry run's stand-in, a GPU measures its own
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
 # a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
 PART_S = {"build": 25, "steps": 15, "gqa": 10, "loop": 110, "drafting": 48, "stub": 30, "capture_ways": 75,
@@ -162,10 +163,34 @@ def plain_loop(m: MedusaModel, prompts: list, sz: dict, errors: dict, where: str
                                       for k, v in tokens.items() if on and k != "plain_on"}}
 
 
-def weight_floor(m: MedusaModel, loop: dict) -> dict:
-    """Tokens/s if a step cost only reading every parameter once at ``READ_BYTES_PER_S``; the loop's fraction."""
+def read_bandwidth(device: torch.device, gib: int = 2, copies: int = 10) -> tuple[float, str]:
+    """(bytes/s, how it was found) for the weight-read floor. CUDA: a device-to-device copy of ``gib`` GiB, bytes
+    read and written over the median of ``copies`` timed copies (CUDA events, after a warm-up), as the device
+    notes measure it (H200 ~4.3e12, H100 ~3.0e12: the lent kind decides, so no figure is assumed). Elsewhere
+    (dry run): ``READ_BYTES_PER_S``."""
+    if device.type != "cuda":
+        return READ_BYTES_PER_S, f"assumed {READ_BYTES_PER_S:.2e} B/s (the H200's; dry run)"
+    n = gib * 2**30
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    times = []
+    for _ in range(copies):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    bw = 2 * n / median(times)
+    return bw, f"measured {bw:.2e} B/s: a {gib} GiB device-to-device copy, bytes read + written, median of {copies}"
+
+
+def weight_floor(m: MedusaModel, loop: dict, read_bytes_per_s: float) -> dict:
+    """Tokens/s if a step cost only reading every parameter once at ``read_bytes_per_s``; the loop's fraction."""
     size = sum(p.numel() * p.element_size() for p in m.model.parameters())
-    floor = READ_BYTES_PER_S / size
+    floor = read_bytes_per_s / size
     tps = loop.get("tokens_per_s", {})
     return {"param_bytes": size, "ms_per_token": round(1e3 / floor, 4), "tokens_per_s": round(floor, 1),
             **{f"{k}_fraction": round(tps[k]["median"] / floor, 6) for k in ("plain_off", "plain_on") if k in tps}}
@@ -222,8 +247,9 @@ def run(result: dict, section, device: torch.device, dry: bool, full_shape: bool
     ``result["errors"]``, the next part runs); a part that could not end before ``deadline`` is skipped (listed)."""
     t0, sz = time.perf_counter(), sizes(dry)
     cuda = device.type == "cuda"
+    bandwidth, how = read_bandwidth(device)
     g = result["graphs"] = {"graphs_on_mode": "on" if cuda else "uncaptured", "sizes": sz, "skipped": [],
-                            "read_bytes_per_s": READ_BYTES_PER_S, "shapes": dict.fromkeys(SHAPES),
+                            "read_bytes_per_s": bandwidth, "read_bandwidth": how, "shapes": dict.fromkeys(SHAPES),
                             "graphs_on_note": "graphs 'on' = " + ("captured CUDA graphs" if cuda else
                                               "graphs=uncaptured (dry run: graphs=on is refused off CUDA)")}
     for key, (label, shape) in reversed(SHAPES.items()):   # 8B first: most targets are its, if time runs short
@@ -263,7 +289,7 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
 
     def loop():
         s["loop"] = plain_loop(m, prompts, sz, errors, f"graphs.{key}.loop")
-        s["floor"] = weight_floor(m, s["loop"])
+        s["floor"] = weight_floor(m, s["loop"], g["read_bytes_per_s"])
 
     parts = {"steps": lambda: s.update(step=step_costs(m, prompts[0], sz)),
              "gqa": lambda: s.update(gqa=gqa_fold(m, prompts[0], sz, g["graphs_on_mode"])), "loop": loop,
@@ -367,7 +393,7 @@ def summary_lines(g: dict | None) -> list[str]:
     row("tokens/s generate eager / hf_generate_static", lambda s: tps(s, ("hf_generate", "hf_generate_static")))
     row("plain on vs off / eager / static", lambda s: " / ".join(
         f"{s['loop']['plain_on_vs'].get(k, '-')}x" for k in ("plain_off", "hf_generate", "hf_generate_static")))
-    row("weight-read floor tokens/s; plain on's fraction",
+    row(f"weight-read floor tokens/s ({g.get('read_bandwidth', '')}); plain on's fraction",
         lambda s: f"{s['floor']['tokens_per_s']}; {s['floor']['plain_on_fraction']:.1%}")
     for kind in next((list(s["drafting"]["kinds"]) for s in shapes if "drafting" in s), []):
         row(f"{kind} step vs plain captured, on / off", lambda s, kind=kind: "{on}x / {off}x".format(
