@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one command, on the lent H200 machine, < 8 minutes, everything in one folder.
+# The prepared GPU check: one command, on the lent GPU machine (H100 or H200), < 8 minutes, everything in one folder.
 #
 #   1. the gpu test tier (pytest -m gpu: tree verification vs sequential decoding in bf16/fp16,
 #      greedy identity in fp32, KV cache + compaction on CUDA, DeepSpeed heads steps: ZeRO 0 fp32, ZeRO 1 and 2 bf16;
