@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_wheels.sh            # here, once, before the device call (needs pip + a registry)
 #
-# The lent GPU machines, H100 and H200 alike (one image; see /work/.library/device/KINDS.md) has Python 3.12, torch 2.11,
+# The lent GPU machine, H100 or H200 (one image; see /work/.library/device/KINDS.md), has Python 3.12, torch 2.11,
 # transformers 5.17, peft, pyarrow, pandas, xxhash, fsspec, huggingface-hub, psutil, ninja,
 # py-cpuinfo, msgpack, einops, nvidia-ml-py, pyyaml, tqdm, but not DeepSpeed, Hydra, OmegaConf,
 # pydantic or datasets, and it reaches no registry. What the check needs:
