@@ -46,17 +46,21 @@ class MedusaOptions:
                        "given, choice=auto leaves it as named")
 
 
-def check_tree_heads(m: MedusaModel, trees, missing: str = "this model has no Medusa heads: use method "
-                     "autoregressive") -> None:
-    """Before any decoding (not at the first step's ``draft_tree``): heads are there (else ``missing``), they draft
-    a fixed tree (``static_tree_refusal``), and each of ``trees`` fits their count and output size."""
+def check_tree_heads(m: MedusaModel, missing: str = "this model has no Medusa heads: use method autoregressive"
+                     ) -> None:
+    """Before any decoding (not at the first step's ``draft_tree``), and before a tree is resolved against the heads'
+    count: heads are there (else ``missing``) and they draft a fixed tree (``static_tree_refusal``)."""
     if m.heads is None:
         raise UserError(missing)
     reason = static_tree_refusal(m.heads.spec)
     if reason:
         raise UserError(reason)
-    for t in trees:
-        t.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+
+
+def fitted_tree(m: MedusaModel, tree: MedusaTree) -> MedusaTree:
+    """``tree``, once it is known to fit the heads' count and output size (a clear error otherwise)."""
+    tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
+    return tree
 
 
 class TreeDecoder:
@@ -68,9 +72,9 @@ class TreeDecoder:
 
     def __init__(self, m: MedusaModel, tree, sampling: Optional[SamplingConfig] = None,
                  seed: Optional[int] = None):
+        check_tree_heads(m)
         self.m = m
-        self.tree: MedusaTree = resolve_tree(tree, m.num_heads) if m.heads is not None else None
-        check_tree_heads(m, [self.tree])
+        self.tree: MedusaTree = fitted_tree(m, resolve_tree(tree, m.num_heads))
         self.buf = self.tree.buffers(m.device)
         self.cfg = sampling or SamplingConfig()
         m.heads.check_sampling(self.cfg)
@@ -112,12 +116,13 @@ class HeadsDrafter:
     given a tree; plain steps where the schedule says none pays)."""
 
     def __init__(self, m: MedusaModel, tree):
-        check_tree_heads(m, [])   # before resolving: a missing model's "0 heads" would refuse the tree instead
+        check_tree_heads(m)
         self.m = m
         self.schedule = as_schedule(tree if isinstance(tree, SpeculationSchedule) or tree is None
                                     else resolve_tree(tree, m.num_heads))
         trees = [t for t in self.schedule.choices.values() if t is not None]
-        check_tree_heads(m, trees)
+        for t in trees:
+            fitted_tree(m, t)
         self._buffers = {id(t): t.buffers(m.device) for t in trees}
         self.max_nodes = max([t.num_nodes for t in trees], default=1)
         self.max_depth = max([t.max_depth for t in trees], default=0)
