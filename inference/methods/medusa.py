@@ -57,7 +57,7 @@ def check_tree_heads(m: MedusaModel, missing: str = "this model has no Medusa he
         raise UserError(reason)
 
 
-def fitted_tree(m: MedusaModel, tree: MedusaTree) -> MedusaTree:
+def checked_tree(m: MedusaModel, tree: MedusaTree) -> MedusaTree:
     """``tree``, once it is known to fit the heads' count and output size (a clear error otherwise)."""
     tree.check_fits(m.num_heads, getattr(m.heads.spec, "output_size", m.vocab_size))
     return tree
@@ -74,7 +74,7 @@ class TreeDecoder:
                  seed: Optional[int] = None):
         check_tree_heads(m)
         self.m = m
-        self.tree: MedusaTree = fitted_tree(m, resolve_tree(tree, m.num_heads))
+        self.tree: MedusaTree = checked_tree(m, resolve_tree(tree, m.num_heads))
         self.buf = self.tree.buffers(m.device)
         self.cfg = sampling or SamplingConfig()
         m.heads.check_sampling(self.cfg)
@@ -122,7 +122,7 @@ class HeadsDrafter:
                                     else resolve_tree(tree, m.num_heads))
         trees = [t for t in self.schedule.choices.values() if t is not None]
         for t in trees:
-            fitted_tree(m, t)
+            checked_tree(m, t)
         self._buffers = {id(t): t.buffers(m.device) for t in trees}
         self.max_nodes = max([t.num_nodes for t in trees], default=1)
         self.max_depth = max([t.max_depth for t in trees], default=0)

@@ -53,7 +53,7 @@ from ..runtime.static_tree import StaticTree, padded_proposals, static_graft, tr
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
 from ..runtime.verify import SamplingConfig, verify
 from .draft import chain_sampling
-from .medusa import MEDUSA_TREE, check_tree_heads, fitted_tree, tree_nodes
+from .medusa import MEDUSA_TREE, check_tree_heads, checked_tree, tree_nodes
 from .prompt_lookup import NGramIndex, PromptLookupDecoder, PromptLookupSettings, match_in_tree
 from .registry import Method, heads_costs, option, register
 
@@ -106,7 +106,7 @@ class HybridDecoder:
         check_tree_heads(m, "method medusa_lookup needs Medusa heads (heads=<export directory>); prompt_lookup "
                             "alone runs without them")
         self.m = m
-        self.tree: MedusaTree = fitted_tree(m, resolve_tree(tree, m.num_heads))
+        self.tree: MedusaTree = checked_tree(m, resolve_tree(tree, m.num_heads))
         self.buf = self.tree.buffers(m.device)
         self.s = settings or PromptLookupSettings()
         self.cfg = chain_sampling(sampling or SamplingConfig())   # sample mode: the exact fixed-candidate rule
