@@ -63,9 +63,10 @@ def device_llama(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
     return model.eval()
 
 
-def eagle3_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
+def eagle3_model(m: MedusaModel, seed: int = 0, tokenizer=None) -> MedusaModel:
     """``m``'s backbone with a random EAGLE-3 drafter of the recipe's shape (draft vocabulary: the first
-    ``EAGLE3_DRAFT_VOCAB`` ids; random weights draft the same amount of work as trained ones)."""
+    ``EAGLE3_DRAFT_VOCAB`` ids; random weights draft the same amount of work as trained ones); ``tokenizer``: the
+    result's, for benchmarks that encode chats."""
     model, cfg = m.model, m.model.config
     vocab = min(EAGLE3_DRAFT_VOCAB, cfg.vocab_size)
     spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
@@ -76,4 +77,4 @@ def eagle3_model(m: MedusaModel, seed: int = 0) -> MedusaModel:
         torch.manual_seed(seed)
         heads = init_heads(spec, model.get_output_embeddings().weight.float().cpu(),
                            model.get_input_embeddings().weight.float().cpu(), torch.arange(vocab))
-    return attach_heads(model, heads)
+    return attach_heads(model, heads, tokenizer)

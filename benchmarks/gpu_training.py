@@ -131,6 +131,11 @@ def run(result: dict, section, device: torch.device, dry: bool, small: tuple[str
     both of its trainers are skipped."""
     result["training_skipped"] = []
 
+    def free():
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def train(shape: tuple[str, dict], heads: str, key: str):
         label, dims = shape
         if device.type == "cuda":
@@ -139,15 +144,13 @@ def run(result: dict, section, device: torch.device, dry: bool, small: tuple[str
             result[key] = {"shape": label, **train_throughput(dims, device.type, "bf16", 1, sizes["micro"],
                                                               sizes["max_length"], sizes["train_steps"], Path(work),
                                                               heads)}
-        gc.collect()   # the trainer's engine and optimizer state, before the next trainer allocates its own
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free()   # the trainer's engine and optimizer state, before the next trainer allocates its own
 
     section("train", lambda: train(small, "medusa", "training"))
     section("train_eagle3", lambda: train(small, "eagle3", "training_eagle3"))
-    big = ("Llama-3.1-8B (tiny stand-in)", TINY) if dry else ("Llama-3.1-8B", LLAMA31_8B)
     if {"train_8b", "train_eagle3_8b"} <= set(skip):
         return
+    big = ("Llama-3.1-8B (tiny stand-in)", TINY) if dry else ("Llama-3.1-8B", LLAMA31_8B)
     if not dry and time.perf_counter() + BIG_PART_S > end:
         result["training_skipped"] += ["train_8b", "train_eagle3_8b"]
         return
@@ -165,9 +168,7 @@ def run(result: dict, section, device: torch.device, dry: bool, small: tuple[str
         section("train_8b", lambda: train(big, "medusa", "training_8b"))
         section("train_eagle3_8b", lambda: train(big, "eagle3", "training_eagle3_8b"))
     del state["model"]
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free()
 
 
 KEYS = ("training", "training_eagle3", "training_8b", "training_eagle3_8b")

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_models import eagle3_model
 from inference.backbone import load_backbone
 from inference.evaluation.prompts import load_prompts
-from inference.heads.eagle3 import default_aux_layers, draft_layer_config
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
 from inference.loading import attach_heads, kernel_plans_path
 from inference.methods import generate
-from inference.runtime.model import apply_kernels
+from inference.runtime.model import MedusaModel, apply_kernels
 from inference.runtime.race import machine_load
 from inference.runtime.static_steps import apply_graphs
 
@@ -39,26 +39,19 @@ MODES = ("off", "uncaptured", "off again")
 
 def model(drafter: str = "medusa"):
     net, tok, _ = load_backbone("embedded:smollm2", device="cpu", dtype="float32")
-    cfg = net.config
-    if drafter == "eagle3":
-        spec = HeadsSpec(num_heads=1, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                         projection="truncated", truncated_vocab_size=EAGLE3_DRAFT_VOCAB, kind="eagle3",
-                         aux_layers=default_aux_layers(cfg.num_hidden_layers), draft_layer=draft_layer_config(cfg),
-                         base_model="embedded:smollm2")
-        weights = (net.get_output_embeddings().weight, net.get_input_embeddings().weight,
-                   torch.arange(EAGLE3_DRAFT_VOCAB))
+    if drafter == "eagle3":   # the GPU check's random drafter of eagle3_smollm2's shape
+        m = eagle3_model(MedusaModel(model=net, tokenizer=tok, heads=None), tokenizer=tok)
     else:
+        cfg = net.config
         spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                          base_model="embedded:smollm2")
-        weights = (net.get_output_embeddings().weight,)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        heads = init_heads(spec, *weights)
-    m = attach_heads(net, heads, tok)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            heads = init_heads(spec, net.get_output_embeddings().weight)
+        m = attach_heads(net, heads, tok)
     return apply_kernels(m, "auto", kernel_plans_path())
 
 
-EAGLE3_DRAFT_VOCAB = 8192   # eagle3_smollm2's
 EAGLE3_SETTING = dict(nodes=8, depth=3, topk=2)
 
 
