@@ -11,7 +11,7 @@ draft entries. One step for the B active rows (``Eagle3BatchDrafter``):
      ancestors' draft entries and itself (a per-row additive mask); same scores, same top-k;
   3. rerank per row: its N best nodes (stable sort: ties to the earlier node, ancestors kept), less
      those below eagle_min_prob, as at batch 1. Rows differ in shape (and, with eagle_min_prob, in
-     size), so each row gets its own ``TreeBuffers`` (``RowTrees``), verified row by row with ``verify``;
+     size), so each row gets its own ``TreeBuffers``, stacked (``RowTrees``) and verified together;
   4. ``accepted``: after the (tapped) verification forward, every row catches up over its root and
      accepted nodes with their TRUE aux features, fed the next accepted token / the bonus, in one
      drafter call (paths right-padded to the longest); that step's draft entries are dropped.

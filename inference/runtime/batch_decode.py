@@ -10,7 +10,7 @@ the batch (its cache rows are dropped), so finished rows cost nothing afterwards
 ``Drafter`` (``draft(decoder) -> (tree buffers, candidate tokens [B, n-1], draft probs)``), which
 a method supplies: Medusa/Hydra/MLP-speculator heads fill static trees, prompt lookup fills
 chains, an EAGLE-3 drafter grows one dynamic tree per row (``tree.RowTrees``: per-row masks and
-depths in the one forward, verified row by row), ``PlainDrafter`` proposes nothing (the plain
+depths in the one forward, stacked leaf paths in the one verification), ``PlainDrafter`` proposes nothing (the plain
 batched loop, the baseline). A drafter that reads backbone features (EAGLE-3) names the layers
 (``tap_layers``) and is handed them, with the positions each row committed, after the prefill
 and after every step. How much a method speculates may depend on how many rows are active

@@ -416,25 +416,40 @@ def select_nodes(score: torch.Tensor, parent: torch.Tensor, nodes: int,
 @dataclass(frozen=True)
 class RowTrees:
     """One tree per row of a batch (dynamic trees: each row grows its own, method ``eagle3``): the
-    rows' own ``TreeBuffers`` (verification goes row by row through them) and, for the one
-    verification forward, their masks [B, n, n] and depths [B, n] stacked to the widest row. A
-    narrower row is padded with nodes that see only themselves at depth 0; its candidates carry
-    token -1 there, so they are computed but outside its own tree, never accepted or kept."""
+    rows' own ``TreeBuffers`` and their fields stacked to the widest row, so the one verification
+    forward and the one verification (``verify.verify_rows``, one host read for the batch) see every
+    row at once. A narrower row is padded with nodes that see only themselves at depth 0, nobody's
+    parent or child; its candidates carry token -1 there, so they are computed but outside its own
+    tree, never accepted or kept. Its leaf paths are padded with root-only paths placed after its own,
+    which the first-longest-path rule never prefers: every row's verdict is its own tree's."""
 
     rows: tuple[TreeBuffers, ...]
     tree_mask: torch.Tensor          # [B, n, n] bool
     position_offsets: torch.Tensor   # [B, n] long: depth of each node
+    parents: torch.Tensor            # [B, n] long: -1 for the root and padding
+    retrieve_indices: torch.Tensor   # [B, L, D+1] long: each row's leaf paths, then [0, -1, ...]
+    children: torch.Tensor           # [B, n, S] long, -1 padded, children in rank order
 
     @classmethod
     def stack(cls, rows: Sequence[TreeBuffers]) -> "RowTrees":
-        n = max(t.num_nodes for t in rows)
-        dev = rows[0].tree_mask.device
-        mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(len(rows), 1, 1)
-        depth = torch.zeros(len(rows), n, dtype=torch.long, device=dev)
-        for b, t in enumerate(rows):
-            mask[b, :t.num_nodes, :t.num_nodes] = t.tree_mask
-            depth[b, :t.num_nodes] = t.position_offsets
-        return cls(tuple(rows), mask, depth)
+        b, n, dev = len(rows), max(t.num_nodes for t in rows), rows[0].tree_mask.device
+        paths = max(t.retrieve_indices.shape[0] for t in rows)
+        width = max(t.retrieve_indices.shape[1] for t in rows)
+        slots = max(t.children.shape[1] for t in rows)
+        mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(b, 1, 1)
+        depth = torch.zeros(b, n, dtype=torch.long, device=dev)
+        parents = torch.full((b, n), -1, dtype=torch.long, device=dev)
+        retrieve = torch.full((b, paths, width), -1, dtype=torch.long, device=dev)
+        retrieve[:, :, 0] = 0
+        children = torch.full((b, n, slots), -1, dtype=torch.long, device=dev)
+        for i, t in enumerate(rows):
+            k, ri, ch = t.num_nodes, t.retrieve_indices, t.children
+            mask[i, :k, :k] = t.tree_mask
+            depth[i, :k] = t.position_offsets
+            parents[i, :k] = t.parents
+            retrieve[i, :ri.shape[0], :ri.shape[1]] = ri
+            children[i, :k, :ch.shape[1]] = ch
+        return cls(tuple(rows), mask, depth, parents, retrieve, children)
 
     @property
     def num_nodes(self) -> int:

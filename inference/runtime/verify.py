@@ -274,7 +274,8 @@ def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Te
     return _read_rows(count, bonus, also, leaves, tokens)
 
 
-def verify_sample(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor],
+def verify_sample(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, probs,
+                  draft_probs: Optional[torch.Tensor],
                   draft: str, generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact tree verification for B independent trials.
 
@@ -368,7 +369,8 @@ def verify(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, logits: torch.Te
     return Verdict(v.paths[0], v.bonus[0], v.tokens[0], v.also[0])
 
 
-def sampled_rows(buf: TreeBuffers | StaticTree, tokens: torch.Tensor, probs, draft_probs: Optional[torch.Tensor],
+def sampled_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, probs,
+                 draft_probs: Optional[torch.Tensor],
                  draft: str, generator: Optional[torch.Generator], also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
     """``verify_sample``'s verdicts (arguments as its): every row's path, its tokens, the bonus and ``also`` ([B] or
     [B, k] long tensors) read in one read."""
@@ -387,14 +389,8 @@ def verify_rows(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor, 
     read for the whole batch, so a row's verdict equals its batch-1 verdict on the same logits; a batch of trees
     built on the device (``StaticTree`` with a row axis) is verified so too. Exact sampling runs
     ``verify_sample`` over the rows as independent trials, typical acceptance ``typical_rows``: one read too.
-    Per-row trees built on the host (``RowTrees``) go row by row through ``verify`` on each row's own nodes, so
-    every verdict is its batch-1 verdict in every mode (a read per row)."""
-    if isinstance(buf, RowTrees):
-        verdicts = [verify(t, tokens[b, :t.num_nodes], logits[b, :t.num_nodes], cfg,
-                           None if draft_probs is None else draft_probs[b], generator)
-                    for b, t in enumerate(buf.rows)]
-        return RowVerdicts([v.path for v in verdicts], [v.bonus for v in verdicts], [v.tokens for v in verdicts],
-                           [[] for _ in verdicts])
+    Per-row trees built on the host (``RowTrees``) are verified so through their stacked fields: each row's verdict
+    is the one ``verify`` gives on its own tree alone (greedy: the same; sampling: the same law)."""
     if cfg.mode == "greedy" or cfg.is_greedy:
         return greedy_rows(buf.parents, buf.retrieve_indices, tokens, logits, also)
     if cfg.mode == "typical":

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from inference.runtime.tree import MedusaTree
-from inference.runtime.verify import SamplingConfig, filter_probs, propose, verify_greedy, verify_typical
+from inference.runtime.tree import MedusaTree, RowTrees, default_tree
+from inference.runtime.verify import (SamplingConfig, filter_probs, propose, verify, verify_greedy, verify_rows,
+                                      verify_typical)
+
+from test_runtime_sampling import chi_square_pvalue
 
 # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
 TREE = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
@@ -123,3 +126,69 @@ def test_bad_sampling_settings_are_user_errors(kwargs, fragment):
     """Guards against nonsense settings reaching the sampler (NaNs, silent greedy)."""
     with pytest.raises(UserError, match=fragment):
         SamplingConfig(**kwargs)
+
+
+# -- per-row trees of different shapes, verified together (RowTrees) -------------------------------------
+ROW_TREES = [MedusaTree([[0], [0, 0]]), TREE, MedusaTree([[0], [1], [2]]), MedusaTree([[0]])]
+
+
+def _row_batch(trees, seed: int, vocab: int = 4):
+    """Each tree's tokens and logits drawn from a small vocabulary (so draws match often, ties between equally long
+    paths included), stacked as a batched drafter hands them over: -1 tokens on a narrower row's padding."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = [t.buffers() for t in trees]
+    n = max(b.num_nodes for b in bufs)
+    tokens = torch.full((len(bufs), n), -1, dtype=torch.long)
+    logits = torch.randn(len(bufs), n, vocab, generator=g) * 3
+    for i, b in enumerate(bufs):
+        tokens[i, :b.num_nodes] = torch.randint(vocab, (b.num_nodes,), generator=g)
+    return bufs, RowTrees.stack(bufs), tokens, logits
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_row_trees_verified_together_give_each_row_its_own_trees_verdict(seed):
+    """Guards against stacking per-row trees of different shapes into one verification going wrong: a padding node
+    or padding leaf path accepted, another row's structure read, or the first-longest tie rule picking a padding
+    path. Greedy: every row's path, bonus and tokens equal ``verify`` on its tree alone. Typical acceptance (its
+    bonus is drawn): every row's accepted path equals its own tree's."""
+    bufs, rows, tokens, logits = _row_batch(ROW_TREES, seed)
+    v = verify_rows(rows, tokens, logits, SamplingConfig(), None, None)
+    for i, b in enumerate(bufs):
+        alone = verify(b, tokens[i, :b.num_nodes], logits[i, :b.num_nodes], SamplingConfig(), None, None)
+        assert (v.paths[i], v.bonus[i], v.tokens[i]) == (alone.path, alone.bonus, alone.tokens)
+    cfg = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=0.3, typical_delta=0.09)
+    g = torch.Generator().manual_seed(seed)
+    v = verify_rows(rows, tokens, logits, cfg, None, g)
+    for i, b in enumerate(bufs):
+        assert v.paths[i] == verify(b, tokens[i, :b.num_nodes], logits[i, :b.num_nodes], cfg, None, g).path
+
+
+def test_row_trees_sample_each_rows_own_distribution():
+    """Guards against exact sampling over stacked per-row trees walking a padding node or another row's children:
+    over 4,000 rows of two trees of different shapes (the narrow one padded), each row's first two emitted tokens
+    follow the target's law on its own tree (the first at the root; the second, after an accepted child, at that
+    child's node; none after a first token no child carries), and drafts are both accepted and rejected."""
+    vocab, trials = 6, 2000
+    g = torch.Generator().manual_seed(0)
+    trees = [default_tree("chain3", 2), TREE]
+    bufs = [t.buffers() for t in trees] * trials
+    rows = RowTrees.stack(bufs)
+    n = rows.num_nodes
+    logits = torch.randn(n, vocab, generator=g).expand(len(bufs), n, vocab)
+    tokens = torch.full((len(bufs), n), -1, dtype=torch.long)
+    for i, b in enumerate(bufs):
+        tokens[i, :b.num_nodes] = torch.arange(b.num_nodes) % vocab
+    v = verify_rows(rows, tokens, logits, SamplingConfig(mode="sample", temperature=1.0), None, g)
+    p = torch.softmax(logits[0], -1)                                       # [n, V]: the target at each node
+    for shape, b in enumerate(bufs[:len(trees)]):
+        law = torch.zeros(vocab, vocab + 1)                                # (first, second or none)
+        for x in range(vocab):
+            kids = [c for c in b.children[0].tolist() if c >= 0 and tokens[shape, c] == x]
+            after = torch.cat([p[kids[0]], torch.zeros(1)]) if kids else torch.eye(vocab + 1)[vocab]   # none: stop
+            law[x] = p[0, x] * after
+        counts = torch.zeros(vocab, vocab + 1)
+        for path, bonus, toks in list(zip(v.paths, v.bonus, v.tokens))[shape::len(trees)]:
+            emitted = toks[1:] + [bonus]
+            counts[emitted[0], emitted[1] if len(emitted) > 1 else vocab] += 1
+        assert chi_square_pvalue(counts.flatten(), law.flatten()) > 1e-3
+        assert 0 < sum(len(p) > 1 for p in v.paths[shape::len(trees)]) < trials
