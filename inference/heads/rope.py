@@ -22,8 +22,9 @@ supported); ``DraftRotary`` turns it into cos / sin exactly as transformers'
             training, decoding and both engines then rotate alike at every position, and equal
             transformers for any call reaching past omax.
   dynamic   plain RoPE up to max_position_embeddings; a longer call (``max(positions) + 1 = L``) uses
-            theta * (factor L / max_pos - (factor - 1))^(D / (D - 2)), recomputed per call (transformers
-            keeps the grown base across calls until a short one resets it)
+            theta * (factor L / max_pos - (factor - 1))^(D / (D - 2)), recomputed per call on the device
+            (no host read: a captured call keeps it; transformers keeps the grown base across calls until a
+            short one resets it)
 
 (omax = ``original_max_position_embeddings``.) ``export_rope_scaling`` writes what vLLM's ``get_rope``
 and SGLang's ``get_rope`` read (``vllm/model_executor/layers/rotary_embedding/__init__.py``,
@@ -195,15 +196,10 @@ def _yarn_frequencies(s: dict, theta: float, dim: int) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
-def rope_frequencies(scaling: Optional[dict], theta: float, dim: int, max_pos: int,
-                     seq_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [dim/2] float32, cos/sin scale) for a call whose positions end at seq_len - 1 (None: a
-    short call) — transformers' ``ROPE_INIT_FUNCTIONS`` plus ``dynamic_rope_update`` (longrope: always
-    the long factors, module docstring)."""
+def rope_frequencies(scaling: Optional[dict], theta: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim/2] float32, cos/sin scale) at positions below max_pos — transformers' ``ROPE_INIT_FUNCTIONS``
+    (longrope: always the long factors, module docstring). Dynamic rescales past max_pos, per call: ``DraftRotary``."""
     rope_type = scaling["rope_type"] if scaling else "default"
-    if rope_type == "dynamic" and seq_len is not None and seq_len > max_pos:
-        factor = scaling["factor"]
-        theta = theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
     if rope_type in ("default", "dynamic"):
         return _plain(theta, dim), 1.0
     if rope_type == "linear":
@@ -239,10 +235,16 @@ class DraftRotary(nn.Module):
     def frequencies(self, positions: torch.Tensor) -> torch.Tensor:
         if not self.length_dependent:
             return self.inv_freq
-        seq_len = int(positions.max()) + 1  # one host sync per call, for dynamic only
-        if seq_len <= self.max_pos:
-            return self.inv_freq
-        return rope_frequencies(self.scaling, self.theta, self.head_dim, self.max_pos, seq_len)[0].to(positions.device)
+        # Dynamic NTK, computed on the device as transformers computes it from a tensor length (float32, the same
+        # ops): no host read, so a captured drafter call keeps its graph. Up to max_position_embeddings the base
+        # is the plain one (the buffer, bit for bit).
+        seq_len = positions.max() + 1
+        factor, dim = self.scaling["factor"], self.head_dim
+        base = self.theta * ((factor * seq_len.clamp(min=self.max_pos) / self.max_pos) - (factor - 1)) ** (
+            dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
+        inv = self.inv_freq.to(positions.device)
+        return torch.where(seq_len > self.max_pos, 1.0 / base ** exponents, inv)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [..., T] -> cos, sin [..., T, head_dim] in ``dtype`` (computed in float32)."""
