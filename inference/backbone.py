@@ -38,11 +38,6 @@ def parse_dtype(dtype) -> torch.dtype:
     raise UserError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The canonical name (``float32``, ``bfloat16``, ``float16``) configs and reports write."""
-    return str(parse_dtype(dtype)).removeprefix("torch.")
-
-
 def parse_device(device) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` (``auto``: CUDA when available), checked against this machine."""
     if device == "auto":

@@ -196,7 +196,6 @@ class MedusaTrainer:
         if self.rank == 0:
             print(f"[medusa-train] truncated vocabulary: top {n} of {vocab_size} tokens cover "
                   f"{coverage:.1%} of assistant tokens in {scan.stats.conversations} conversations", flush=True)
-        self.vocab_coverage = coverage
         return token_map
 
     def _build_engine(self) -> None:

@@ -344,7 +344,6 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         super().__init__()
         self.spec = spec
         h, layer = spec.hidden_size, spec.settings.draft_layer
-        self.layer_cfg = layer
         self.fc = nn.Linear(NUM_AUX * h, h, bias=False)
         self.midlayer = DraftLayer(h, layer)
         self.norm = RMSNorm(h, layer["rms_norm_eps"])
