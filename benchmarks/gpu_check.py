@@ -30,7 +30,9 @@ figure as JSON (gpu_check.json). ``--dry-run``: CPU, a tiny Llama, 1-2 node coun
 the same code paths in well under a minute; with ``--full-shape`` the SmolLM2-135M shape at those sizes.
 
 Each section is guarded: a failure is recorded in the JSON (``errors``) and the summary, and the
-sections after it still run.
+sections after it still run. Both files are rewritten after every section, and the time limit's SIGTERM
+(gpu_check.sh's ``timeout``) stops the run where it is and writes them once more: a run cut short keeps
+every figure it had measured.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -329,6 +332,28 @@ def summary(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(result: dict, out: Path, t_start: float, dry: bool) -> str:
+    """summary.md and gpu_check.json from what is measured so far. Written after every section (and when the
+    time limit's signal stops the run), each file replaced whole, so a run cut short keeps every figure it has."""
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    try:
+        result["verdicts"] = verdicts(result) + gpu_graphs.verdicts(result.get("graphs"), dry)
+        text = summary(result)
+        result["errors"].pop("summary", None)   # an earlier write's failure, mended by what came since
+    except Exception:   # a part stopped half-way: its figures still go to the JSON
+        result["errors"]["summary"] = traceback.format_exc()
+        text = f"# GPU check (incomplete)\n\nThe summary failed: see gpu_check.json\n({result['seconds']:.0f} s)\n"
+    for name, body in (("gpu_check.json", json.dumps(result, indent=2, default=str) + "\n"), ("summary.md", text)):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(body)
+        os.replace(tmp, out / name)
+    return text
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"))
@@ -377,7 +402,23 @@ def main() -> None:
             result["errors"][name] = traceback.format_exc()
             print(result["errors"][name], file=sys.stderr, flush=True)
         print(f"[gpu_check] {name} done in {time.perf_counter() - t:.1f} s", flush=True)
+        write_results(result, out, t_start, dry)
 
+    # gpu_check.sh's timeout sends SIGINT: the run stops where it is and writes what it has (write_results)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        run_sections(result, section, args, device, dtype, shape, sizes, t_start)
+    except KeyboardInterrupt as stop:
+        result["errors"]["stopped"] = f"stopped by {stop} after {time.perf_counter() - t_start:.0f} s"
+        print(f"[gpu_check] {result['errors']['stopped']}", flush=True)
+    text = write_results(result, out, t_start, dry)
+    print("\n" + text)
+    print(f"wrote {out / 'summary.md'} and {out / 'gpu_check.json'}")
+
+
+def run_sections(result: dict, section, args, device, dtype, shape: dict, sizes: dict, t_start: float) -> None:
+    """Every part of the check, each through ``section`` (which records its failure and writes the results)."""
+    dry = args.dry_run
     m = MedusaModel(model=backbone(shape, device, dtype), tokenizer=None, heads=None)
 
     def steps():
@@ -414,13 +455,6 @@ def main() -> None:
     end = t_start + args.budget_s if args.budget_s and not dry else float("inf")
     gpu_training.run(result, section, device, dry, ("SmolLM2-135M" if shape is SMOLLM2_135M else "tiny Llama", shape),
                      sizes, end, args.skip)
-    result["verdicts"] = verdicts(result) + gpu_graphs.verdicts(result.get("graphs"), dry)
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
-    text = summary(result)
-    (out / "summary.md").write_text(text)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print("\n" + text)
-    print(f"wrote {out / 'summary.md'} and {out / 'gpu_check.json'}")
 
 
 if __name__ == "__main__":

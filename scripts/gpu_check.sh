@@ -90,7 +90,7 @@ dry_arg=()
 [ "$full" = 1 ] && dry_arg+=(--full-shape)
 left=$(( ${GPU_CHECK_BUDGET_S:-470} - SECONDS ))   # what the tier left of the budget, 200 s at least
 [ "$left" -lt 200 ] && left=200
-timeout "$left" "$PY" -m benchmarks.gpu_check --out "$out" --budget-s $(( left - 20 )) "${dry_arg[@]}" \
+timeout -k 20 "$left" "$PY" -m benchmarks.gpu_check --out "$out" --budget-s $(( left - 20 )) "${dry_arg[@]}" \
   "${xml_arg[@]}" "$@" \
   2>&1 | tee -a "$out/check.log"
 rc=${PIPESTATUS[0]}

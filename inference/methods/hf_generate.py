@@ -19,7 +19,8 @@ the one-token decode steps run compiled; the prefill runs eager (``_prefill``, l
 ``prefill_chunk_size``). So on CUDA the first call per cache length compiles (untimed here: a warm-up), on
 the CPU nothing compiles and this is the eager static-cache loop. The cache length is kept per model
 (``_cache_length``), so prompts of other lengths reuse the compiled graph. Not batched: the batched
-evaluation keeps ``hf_generate_batch`` as its only transformers baseline.
+evaluation keeps ``hf_generate_batch`` as its only transformers baseline. (The line numbers are 5.25's; 5.17, the
+GPU image's, has the same functions at other lines.)
 """
 
 from __future__ import annotations

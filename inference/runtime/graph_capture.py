@@ -31,9 +31,9 @@ def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tup
     try:
         with torch.cuda.stream(stream):
             fn()
-    finally:
+    finally:   # joined even when refused: the eager rerun that follows must not race the warm-up's writes
         torch.cuda.set_sync_debug_mode(debug)
-    torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(stream)
     graph, before = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph, pool=pool):

@@ -416,6 +416,13 @@ class StaticSteps:
                 ~see, torch.finfo(self.kv.dtype).min)
         return self._blocks[key]
 
+    def captured_replay(self, batch: int = 1, rows: int = 1) -> Optional[Callable[[], None]]:
+        """The replay of the (batch, rows) bucket's captured step without aux features, None where it is not
+        captured: a measurement times the device's share of a step alone with it (replays back to back)."""
+        b = (self._buckets or {}).get((batch, rows))
+        captured = b.replays.get(None) if b is not None else None
+        return captured[0] if captured else None
+
     def summary(self) -> dict:
         """What report.json records of the static steps."""
         return {"captured": self.capture is not None, "buckets": list(self.buckets),

@@ -35,6 +35,8 @@ def check_graphs_part(result: dict, summary: str) -> None:
         for mode in ("off", "on"):
             assert s["step"][mode]["wall_ms"] > 0 and s["step"][mode]["kernel_ms"] > 0, (key, mode)
             assert s["step"][mode]["clock"] == "cpu"   # the dry run's profiler records CPU op time
+        # nothing captured on the CPU: no replay to time, and so no cross-check of the profiler's kernel sum
+        assert s["step"]["on"]["graph_replay_ms"] is None and s["step"]["on"]["profiler_short"] is False
         assert set(s["step"]["verify"]) == {"1", "16", "64"} and s["step"]["verify"]["1"]["vs_1"] == 1.0
         tps = s["loop"]["tokens_per_s"]
         assert set(tps) == {"plain_off", "plain_on", "hf_generate", "hf_generate_static"}
@@ -62,6 +64,7 @@ def check_graphs_part(result: dict, summary: str) -> None:
         assert w["which"].startswith("dry run") and w["torch"]
         assert w["issues"] and all(u.startswith("https://github.com/pytorch/pytorch/issues/") for u in w["issues"])
     for text in ("CUDA graphs: graphs 'on' = graphs=uncaptured", "1-token step wall / kernel ms, graphs on",
+                 "1-token step: back-to-back replays ms",
                  "Stub drafter of set acceptance", "hf_generate_static",
                  "static 1-token step ms: uncaptured / CUDAGraph / reduce-overhead",
                  'Capturing: torch.cuda.CUDAGraph directly or torch.compile(mode="reduce-overhead")',
@@ -188,3 +191,59 @@ def test_gpu_check_training_at_8b_runs_only_when_it_fits():
     assert names == ["train", "train_eagle3"]
     assert "skipped (time): train_8b, train_eagle3_8b" in "\n".join(gpu_training.summary_lines(
         {"training_skipped": ["train_8b", "train_eagle3_8b"]}))
+
+
+def test_gpu_check_stopped_by_its_time_limit_keeps_what_it_measured(tmp_path, monkeypatch):
+    """Guards against a device run that overruns losing every figure: the results are written after each section
+    (each file replaced whole), and the time limit's SIGTERM stops the run where it is and writes what it has,
+    with the stop recorded, instead of dying with no summary."""
+    import os
+    import signal
+
+    from benchmarks import gpu_check
+
+    out = tmp_path / "gpu_check"
+    seen = {}
+
+    def two_sections(result, section, *args):
+        section("steps", lambda: result.update(probe={"ms": 1.0}))   # a figure no verdict reads
+        seen["after_first"] = json.loads((out / "gpu_check.json").read_text())
+        section("batch", lambda: os.kill(os.getpid(), signal.SIGTERM))   # the limit, inside the second part
+
+    monkeypatch.setattr(gpu_check, "run_sections", two_sections)
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--dry-run", "--out", str(out)])
+    saved = signal.getsignal(signal.SIGTERM)
+    try:
+        gpu_check.main()
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert seen["after_first"]["probe"] == {"ms": 1.0}
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["probe"] == {"ms": 1.0} and "batch" not in result["errors"] and "summary" not in result["errors"]
+    assert result["errors"]["stopped"].startswith("stopped by signal")
+    summary = (out / "summary.md").read_text()
+    assert "| target | verdict | detail |" in summary and "- stopped: stopped by signal 15" in summary
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "summary.md"]   # no temporary file left
+
+
+def test_a_profiler_that_misses_graph_kernels_is_caught():
+    """Guards against the 1-token step's wall / kernel verdict failing (or passing) on a profiler that under-counts
+    the kernels of graph replays (CUPTI with CUDA 13.0): under half graphs off's kernel count, or under half the
+    device time of back-to-back replays, marks it short, and the verdict then divides by the replays' own time
+    and says so."""
+    from benchmarks.gpu_graphs import profiler_short, verdicts
+
+    off = {"wall_ms": 30.0, "kernel_ms": 2.4, "device_ops": 1300, "clock": "cuda", "wall_vs_kernel": 12.5}
+    good = {"wall_ms": 3.0, "kernel_ms": 2.5, "device_ops": 1290, "graph_replay_ms": 2.7, "clock": "cuda"}
+    assert not profiler_short(good, off)
+    assert profiler_short({**good, "device_ops": 40}, off)                        # kernels of the graph missed
+    assert profiler_short({**good, "kernel_ms": 0.9}, off)                        # their time missed
+    assert not profiler_short({**good, "graph_replay_ms": None, "device_ops": None}, {})   # the dry run: no figures
+    short = {**good, "kernel_ms": 0.5, "device_ops": 40, "wall_vs_kernel": 6.0, "wall_vs_replay": 1.11,
+             "profiler_short": True}
+    g = {"shapes": {"smollm2_135m": {"step": {"on": short, "off": off}}}}
+    v = verdicts(g, dry=False)[0]
+    assert v["verdict"] == "PASS" and "back-to-back replays" in v["detail"] and "40 of graphs off's 1300" in v["detail"]
+    g["shapes"]["smollm2_135m"]["step"]["on"] = {**good, "wall_vs_kernel": 1.2, "profiler_short": False}
+    v = verdicts(g, dry=False)[0]
+    assert v["verdict"] == "PASS" and v["detail"].startswith("3.0 ms wall / 2.5 ms cuda = 1.2x")
