@@ -404,7 +404,7 @@ def main() -> None:
         print(f"[gpu_check] {name} done in {time.perf_counter() - t:.1f} s", flush=True)
         write_results(result, out, t_start, dry)
 
-    # gpu_check.sh's timeout sends SIGINT: the run stops where it is and writes what it has (write_results)
+    # gpu_check.sh's timeout sends SIGTERM: the run stops where it is and writes what it has (write_results)
     signal.signal(signal.SIGTERM, _stop)
     try:
         run_sections(result, section, args, device, dtype, shape, sizes, t_start)

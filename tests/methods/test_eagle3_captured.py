@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.heads.eagle3 import Eagle3Drafter, StaticDraftKV, draft_layer_config
+from inference.heads.eagle3 import Eagle3Drafter, StaticDraftKV
 from inference.heads.registry import init_heads
-from inference.heads.spec import HeadsSpec
 from inference.loading import attach_heads
 from inference.methods import generate, generate_batch
 from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options
@@ -21,7 +20,7 @@ from inference.runtime.tree import RowTrees
 from inference.runtime.verify import SamplingConfig
 from runtime_support import one_thread, tiny_llama  # noqa: F401 (autouse fixture)
 from test_captured_calls import host_read_refused
-from test_eagle3_decoding import random_drafter, runtime_aux_layers
+from test_eagle3_decoding import eagle3_spec, random_drafter
 from test_static_steps import REPEATING, with_steps
 
 LONG = [(7 * i + 3) % 96 for i in range(300)]
@@ -411,11 +410,7 @@ def test_a_dynamic_rope_drafter_is_captured_and_decodes_as_uncaptured(backbone):
     backbone steps. Its drafter's max_position_embeddings (32) is passed at once, so the rescaled frequencies are
     the ones used: every drafter call captures with no host read, and tokens equal graphs=off's, eagle3 and
     eagle3_lookup, prompts of 1, 14 and 300 tokens."""
-    cfg = backbone.config
-    layer = {**draft_layer_config(cfg), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
-             "max_position_embeddings": 32}
-    spec = HeadsSpec(num_heads=2, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, kind="eagle3",
-                     aux_layers=runtime_aux_layers(cfg.num_hidden_layers), draft_layer=layer, base_model="random:llama")
+    spec = eagle3_spec(backbone, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=32)
     d = init_heads(spec, backbone.lm_head.weight, backbone.get_input_embeddings().weight)
     assert d.midlayer.self_attn.rotary.length_dependent
     m = attach_heads(backbone, d)

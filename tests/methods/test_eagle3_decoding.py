@@ -35,11 +35,12 @@ def runtime_aux_layers(num_layers: int) -> list[int]:
     return default_aux_layers(num_layers) if num_layers >= 4 else [num_layers - 1] * 3
 
 
-def eagle3_spec(model, num_heads: int = 2, aux=None) -> HeadsSpec:
+def eagle3_spec(model, num_heads: int = 2, aux=None, **layer) -> HeadsSpec:
+    """A drafter's spec for ``model``; ``layer``: draft_layer fields to set otherwise than the backbone's."""
     cfg = model.config
     return HeadsSpec(num_heads=num_heads, num_layers=1, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                      kind="eagle3", aux_layers=aux or runtime_aux_layers(cfg.num_hidden_layers),
-                     draft_layer=draft_layer_config(cfg), base_model="random:llama")
+                     draft_layer={**draft_layer_config(cfg), **layer}, base_model="random:llama")
 
 
 def random_drafter(model, cls=Eagle3Drafter, seed: int = 3, scale: float = 0.1, aux=None, num_heads: int = 2):
