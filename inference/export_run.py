@@ -5,7 +5,9 @@ against their target, loaded, and written in the format's layout. Imports torch 
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -33,6 +35,7 @@ def run_export(cfg) -> None:
         # backbone= or the heads' own base model) so heads made for another target are refused.
         first, target = export_target(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
         exporter_for(cfg.format, first.kind)
+        base_model = _engine_base_model(cfg.base_model, first, src)
         # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
         # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
         # Likewise an empty input-embedding table for drafters that borrow the backbone's (EAGLE-3):
@@ -68,17 +71,69 @@ def run_export(cfg) -> None:
             loaded["config"] = _read_backbone_config(cfg.backbone or spec.base_model, cfg.trust_remote_code)
         return loaded["config"]
 
+    def tokenizer_files():
+        return _tokenizer_files(cfg.backbone or spec.base_model, cfg.trust_remote_code)
+
     options = ExportOptions(materialize=cfg.materialize, lm_head=backbone_lm_head,
-                            base_model=cfg.base_model or "", dtype=dtype,
-                            backbone_config=backbone_config)
+                            base_model=base_model, dtype=dtype,
+                            backbone_config=backbone_config, tokenizer_files=tokenizer_files)
     result = export_heads(heads, cfg.format, out, overwrite=cfg.overwrite, options=options)
     for note in result.notes:
         print(note)
-    base = cfg.base_model or spec.base_model
+    base = base_model or spec.base_model
     if not base or ":" in base.split("/")[0]:
         print(f"note: the config records base model {base!r}, which engines cannot load: "
               "pass base_model=<hub id or path>")
     print(f"wrote {result.path} ({', '.join(result.files)}; weights {megabytes(result.weight_bytes)})")
+
+
+def _engine_base_model(given: Optional[str], spec, src: Path) -> str:
+    """The base model the engine config names ("" = the heads' own). Heads trained with a LoRA adapter on
+    their backbone (Medusa-2) need the backbone with it merged: ``base_model=``, or the ``merged/`` folder
+    ``lora.merge=true`` wrote beside them; ``formats.export.check_adapter`` refuses them otherwise."""
+    if given or not spec.backbone_adapter:
+        return given or ""
+    merged = src.resolve().parent / "merged"
+    if (merged / "config.json").is_file():
+        print(f"note: these heads were trained with a LoRA adapter on their backbone: the engine config names "
+              f"the merged backbone {merged} (pass base_model= to name another copy of it)")
+        return str(merged)
+    return ""
+
+
+# What a tokenizer's save_pretrained writes that an engine reading it from the export needs (text files only).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "added_tokens.json")
+
+
+def _tokenizer_files(name: Optional[str], trust_remote_code: bool) -> dict:
+    """The backbone tokenizer's files as {name: text}, its chat template inside ``tokenizer_config.json``
+    and as ``chat_template.json`` (the two places TGI's router reads it; transformers 5 saves it as
+    ``chat_template.jinja``, which TGI does not read); {} when the tokenizer cannot be read."""
+    if not name or name.startswith("random:"):
+        return {}
+    try:
+        from transformers import AutoTokenizer   # lazy, as in _read_backbone_config
+
+        path, _ = resolve_backbone_path(name)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            files = {f: (Path(tmp) / f).read_text(encoding="utf-8") for f in _TOKENIZER_FILES
+                     if (Path(tmp) / f).is_file()}
+    except (OSError, ValueError, UserError, UnicodeDecodeError):
+        return {}
+    if "tokenizer.json" not in files and "vocab.json" not in files:
+        return {}
+    template = tokenizer.chat_template
+    if isinstance(template, dict):   # named templates: the list form tokenizer_config.json keeps them in
+        template = [{"name": k, "template": v} for k, v in template.items()]
+    if template:
+        config = json.loads(files.get("tokenizer_config.json", "{}"))
+        config["chat_template"] = template
+        files["tokenizer_config.json"] = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        files["chat_template.json"] = json.dumps({"chat_template": template}, indent=2, ensure_ascii=False) + "\n"
+    return files
 
 
 def _read_backbone_config(name: Optional[str], trust_remote_code: bool):

@@ -41,6 +41,9 @@ class ExportOptions:
     backbone_config: a callable giving the backbone's transformers config (or None when it cannot
                  be read); called only by exporters that copy backbone facts into the engine
                  config (TGI: the attention head size its launcher reads), never loads weights.
+    tokenizer_files: a callable giving the backbone tokenizer's files as {name: text} (or {} when it
+                 cannot be read); called only by exporters whose engine reads the tokenizer and its
+                 chat template from the export itself (TGI's router).
     """
 
     materialize: bool = False
@@ -48,6 +51,7 @@ class ExportOptions:
     base_model: str = ""
     dtype: Optional[torch.dtype] = None
     backbone_config: Optional[Callable[[], object]] = None
+    tokenizer_files: Optional[Callable[[], dict]] = None
 
     def backbone_lm_head(self, heads) -> torch.Tensor:
         """The lm_head matrix shared heads project with: the one attached to ``heads`` if any
@@ -115,6 +119,7 @@ def exporter_for(format_name: str, kind: str) -> Callable:
 def plan_export(heads, format_name: str, options: Optional[ExportOptions] = None) -> ExportPlan:
     """The plan (names, tensors, config) without writing anything: what the engine-spec tests check."""
     options = options or ExportOptions()
+    check_adapter(heads.spec, options.base_model)
     kind = getattr(heads.spec, "kind", "medusa")
     plan = exporter_for(format_name, kind)(heads, options)
     if options.dtype is not None:
@@ -199,7 +204,7 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
         for name, text in plan.extra_files.items():  # inside the same swap: all files or none
             if "/" in name or name in ("config.json", plan.weights_file):
                 raise ValueError(f"extra file name {name!r} must be a plain name other than the plan's own files")
-            (tmp / name).write_text(text)
+            (tmp / name).write_text(text, encoding="utf-8")
         # mkdtemp makes the dir 0700 (and safetensors its file 0600): an engine running as another
         # user (a container) must read them, so give them the permissions a plain mkdir would.
         umask = os.umask(0)
@@ -210,6 +215,16 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
         swap_dir_into_place(tmp, out)
     finally:
         release_temp_dir(tmp)
+
+
+def check_adapter(spec, base_model: str) -> None:
+    """Refuse heads trained with a LoRA adapter on their backbone (Medusa-2) unless ``base_model`` names the
+    model the engine must serve: engines load the config's base model as it is and cannot apply an adapter,
+    so the recorded (un-adapted) backbone would feed the heads hidden states they were never trained on."""
+    if getattr(spec, "backbone_adapter", None) and not base_model:
+        raise UserError(f"these heads were trained with a LoRA adapter on their backbone ({spec.backbone_adapter}/): "
+                        "an engine would serve the backbone without it; pass base_model=<the backbone with the "
+                        "adapter merged> (rerunning the training command with lora.merge=true writes <run>/merged)")
 
 
 # -- helpers shared by exporters --------------------------------------------------------------

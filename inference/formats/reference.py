@@ -48,6 +48,9 @@ Read from the loaders themselves:
                 attention) cannot fire, so for those backbones no head size is written and the note says
                 to set ``ATTENTION`` / ``PREFIX_CACHING`` as for the backbone; multimodal and
                 encoder-decoder backbones (prefix caching off in TGI) likewise get no head size.
+                The launcher also hands this dir to the router as the tokenizer, and the router reads the
+                chat template only from its ``tokenizer_config.json`` / ``chat_template.json``: the export
+                copies the backbone's tokenizer files here (``tgi_tokenizer_files``).
   Medusa        FasterDecoding/Medusa medusa/model/medusa_model.py (commit 60eeab92e98adb0e787987493b11fa38535a8260):
                 ``MedusaConfig`` {medusa_num_heads, medusa_num_layers, base_model_name_or_path};
                 ``from_pretrained`` reads ``medusa_lm_head.pt`` only and builds ``[ResBlock] * L``
@@ -146,6 +149,22 @@ def tgi_launcher_keys(backbone_config, spec: HeadsSpec) -> tuple[dict, str]:
     return {"num_attention_heads": int(heads), "head_dim": int(head_dim)}, ""
 
 
+def tgi_tokenizer_files(options: ExportOptions, notes: list) -> dict:
+    """The backbone's tokenizer files for the TGI dir. TGI's launcher hands the model dir to its router as
+    the tokenizer, and the router takes the chat template (and bos / eos) only from that dir's
+    ``tokenizer_config.json`` / ``chat_template.json`` (router/src/server.rs): without them every
+    ``/v1/chat/completions`` request fails with "template not found" (``base_model_name_or_path`` gives it
+    the tokenizer only, through ``legacy_tokenizer_handle``)."""
+    files = options.tokenizer_files() if options.tokenizer_files is not None else {}
+    if not files:
+        notes.append("note: the backbone's tokenizer could not be read (pass backbone=<model>): TGI's chat API "
+                     "needs its tokenizer_config.json (with the chat template) in this dir, or "
+                     "--tokenizer-config-path <backbone>/tokenizer_config.json")
+    elif "chat_template.json" not in files:
+        notes.append("note: the backbone's tokenizer has no chat template: TGI serves /generate, not its chat API")
+    return files
+
+
 # -- export -----------------------------------------------------------------------------------
 def _projection_bytes(heads) -> int:
     if heads.projections is None:
@@ -210,6 +229,7 @@ def _export(heads: MedusaHeads, options: ExportOptions, fmt: str) -> ExportPlan:
         config.update(keys)
         if note:
             notes.append(note)
+        extra_files.update(tgi_tokenizer_files(options, notes))
     if fmt in ("tensorrt_llm", "medusa_v1"):
         tree = reference_tree(K, _REFERENCE_HEADS if fmt == "medusa_v1" else K)
         depth = tree.max_depth

@@ -270,3 +270,72 @@ def test_mlp_speculator_export_says_it_needs_vllms_v0_engine(tmp_path, capsys):
     code, out, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
     assert code == 0, err
     assert "V0 engine" in out and "Unknown speculative decoding method" in out and "VLLM_USE_V1=0" in out
+
+
+def test_tgi_export_carries_the_backbone_tokenizer_and_chat_template(backbone_dir, tmp_path, capsys):
+    """Guards against: a TGI dir without the tokenizer files TGI's router reads from it. Its launcher hands
+    the dir itself to the router as the tokenizer, and the router takes the chat template only from the
+    dir's tokenizer_config.json / chat_template.json: without them every /v1/chat/completions request fails
+    with "template not found"."""
+    from transformers import AutoTokenizer
+
+    bdir, model = backbone_dir
+    src = heads_dir(tmp_path, model, base_model=str(bdir))
+    code, out, err = run([f"heads={src}", "format=tgi", f"out={tmp_path / 'g'}"], capsys)
+    assert code == 0, err
+    backbone_tokenizer = AutoTokenizer.from_pretrained(bdir)
+    template = tgi_router_chat_template(tmp_path / "g")
+    assert template == backbone_tokenizer.chat_template
+    # What the router's Python side loads from the dir (py_resolve_tokenizer: AutoTokenizer on it) renders a
+    # chat exactly as the backbone's own tokenizer does.
+    chat = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    exported = AutoTokenizer.from_pretrained(tmp_path / "g")
+    assert exported.apply_chat_template(chat, tokenize=False) == backbone_tokenizer.apply_chat_template(
+        chat, tokenize=False)
+    assert exported("a sentence")["input_ids"] == backbone_tokenizer("a sentence")["input_ids"]
+    assert check_tgi(tmp_path / "g", HIDDEN, VOCAB) == []   # the extra files change nothing TGI's loader reads
+    # No tokenizer to read (a random: test backbone): the export says how to give TGI the template.
+    code, out, err = run([f"heads={heads_dir(tmp_path / 'r', model)}", "format=tgi", f"out={tmp_path / 'r' / 'g'}"],
+                         capsys)
+    assert code == 0 and "--tokenizer-config-path" in out and tgi_router_chat_template(tmp_path / "r" / "g") is None
+
+
+def tgi_router_chat_template(d):
+    """The chat template TGI's router would use for model dir ``d`` (router/src/server.rs): chat_template.json's
+    ``chat_template`` wins over tokenizer_config.json's; None when neither has one (TemplateNotFound)."""
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = d / name
+        if f.is_file() and json.loads(f.read_text()).get("chat_template"):
+            return json.loads(f.read_text())["chat_template"]
+    return None
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "tgi", "tensorrt_llm"])
+def test_heads_trained_with_a_backbone_adapter_name_the_merged_backbone_or_are_refused(fmt, backbone_dir, tmp_path,
+                                                                                      capsys):
+    """Guards against: exporting Medusa-2 heads (trained with a LoRA adapter on the backbone) with the
+    un-adapted backbone as the engine's base model. Engines serve that model as it is and cannot apply the
+    adapter, so the heads would read hidden states they were never trained on; the runtime merges the
+    adapter, so medusa-eval's figures would not carry over. Refused in one line, writing nothing, unless the
+    merged backbone is named (base_model=) or lies beside the heads (lora.merge=true's <run>/merged)."""
+    bdir, model = backbone_dir
+    run_dir = tmp_path / "run"
+    heads = random_heads(model)
+    heads.spec.base_model, heads.spec.backbone_adapter = str(bdir), "adapter"
+    src = save_heads(heads, run_dir / "heads")
+    materialize = ["materialize=true"] if fmt == "tensorrt_llm" else []
+    code, out, err = run([f"heads={src}", f"format={fmt}", f"out={tmp_path / 'e'}", *materialize], capsys)
+    assert_one_line_error(code, err, "LoRA adapter", "base_model=", "lora.merge=true")
+    assert not (tmp_path / "e").exists()
+
+    code, out, err = run([f"heads={src}", f"format={fmt}", f"out={tmp_path / 'e'}", "base_model=org/merged",
+                          *materialize], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["base_model_name_or_path"] == "org/merged"
+
+    merged = run_dir / "merged"
+    model.save_pretrained(merged)   # stands in for lora.merge=true's merged backbone
+    code, out, err = run([f"heads={src}", f"format={fmt}", f"out={tmp_path / 'f'}", *materialize], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "f" / "config.json").read_text())["base_model_name_or_path"] == str(merged.resolve())
+    assert "merged backbone" in out
