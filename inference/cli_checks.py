@@ -46,6 +46,9 @@ def check_decoding_keys(cfg):
         value = getattr(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"{key} must be an integer >= {low}{what}, got {value!r}")
+    seed = getattr(cfg, "seed", 0)
+    if seed is not None and not -2**63 <= seed < 2**64:   # what torch.Generator.manual_seed takes
+        raise UserError(f"seed must lie in -2**63 .. 2**64-1, got {seed}")
     buckets = cfg.graph_buckets
     check_graphs(cfg.graphs, list(buckets) if not isinstance(buckets, (str, int)) else buckets,
                  parse_device(cfg.device).type if graphs_mode(cfg.graphs) == "on" else None)
@@ -183,6 +186,8 @@ def eval_methods(cfg) -> list[str]:
         chosen = [x for x in names() if not get(x).baseline and (x in usable or not get(x).needs_heads)]
     elif cfg.methods is not None:
         chosen = [str(x) for x in (cfg.methods if not isinstance(cfg.methods, str) else cfg.methods.split(","))]
+        if not [x for x in chosen if x.strip()]:
+            raise UserError("methods= is empty: name at least one method (the baselines are added), or leave it out")
     elif cfg.heads:
         chosen = usable[:1]
     else:

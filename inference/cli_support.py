@@ -40,6 +40,10 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     bad = [a for a in argv if "=" not in a or a.startswith("-")]
     if bad:
         fail(prog, f"arguments are key=value overrides, got {bad[0]!r} (see {prog} --help)")
+    keys = [a.split("=", 1)[0].strip() for a in argv]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:   # the last would win silently: say which one the user meant
+        fail(prog, f"{twice}= is given twice: give it once (see {prog} --help)")
     from omegaconf import OmegaConf   # lazy: --help and a word that is no key=value answer without OmegaConf
 
     structured = OmegaConf.structured(schema)

@@ -17,7 +17,8 @@ import torch
 from .assets import resolve_backbone_path
 from .backbone import load_backbone
 from .errors import UserError
-from .formats.export import ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for, megabytes
+from .formats.export import (TOKENIZER_FILES, ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for,
+                             megabytes)
 from .heads.spec import check_compatible
 from .loading import export_target, load_heads
 
@@ -101,9 +102,6 @@ def _engine_base_model(given: Optional[str], spec, src: Path) -> str:
     return ""
 
 
-# What a tokenizer's save_pretrained writes that an engine reading it from the export needs (text files only).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "added_tokens.json")
 
 
 def _tokenizer_files(name: Optional[str], trust_remote_code: bool) -> dict:
@@ -119,7 +117,7 @@ def _tokenizer_files(name: Optional[str], trust_remote_code: bool) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer.save_pretrained(tmp)
-            files = {f: (Path(tmp) / f).read_text(encoding="utf-8") for f in _TOKENIZER_FILES
+            files = {f: (Path(tmp) / f).read_text(encoding="utf-8") for f in TOKENIZER_FILES
                      if (Path(tmp) / f).is_file()}
     except (OSError, ValueError, UserError, UnicodeDecodeError):
         return {}

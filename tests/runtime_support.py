@@ -99,7 +99,7 @@ class OracleHeads(IndependentDrafting, torch.nn.Module):
         self.seq = sequence
         with torch.no_grad():
             ids = torch.tensor([sequence])
-            self.reference = m.model.model(input_ids=ids).last_hidden_state[0]
+            self.reference = m.body(input_ids=ids).last_hidden_state[0]   # any decoder body (GPT-2: .transformer)
 
     def head_logits(self, hidden, k):
         flat = hidden.reshape(-1, hidden.shape[-1])

@@ -20,6 +20,7 @@ import torch
 from ..errors import UserError
 from ..heads.native import make_temp_dir, release_temp_dir, swap_dir_into_place
 from . import FORMATS, load_builtin_formats
+from .importers import detect_layout
 
 _EXPORTERS: dict[tuple[str, str], Callable] = {}
 
@@ -160,8 +161,8 @@ def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> 
         if not overwrite:
             raise UserError(f"out={out} is not empty: pass overwrite=true to replace it")
         if not _is_export(out):
-            raise UserError(f"out={out} is not an export (overwrite=true replaces only a folder holding a "
-                            "config.json and files, no subfolders): give out= a new or empty folder")
+            raise UserError(f"out={out} is not an export (overwrite=true replaces only a previous export: an engine "
+                            "layout's config.json and the files exports write): give out= a new or empty folder")
     base = out.absolute().parent
     while not base.exists() and base != base.parent:
         base = base.parent
@@ -171,12 +172,25 @@ def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> 
         raise UserError(f"out={out} cannot be created: {base} is not writable")
 
 
+# Every name an export writes (the formats' weights files, trees, the TGI dir's tokenizer files): a folder holding
+# anything else is not one of ours to replace. tests/formats check each exporter's plan against it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "chat_template.json")
+EXPORT_FILES = frozenset(("config.json", "model.safetensors", "medusa_lm_head.safetensors", "medusa_choices.json",
+                          *TOKENIZER_FILES))
+
+
 def _is_export(folder: Path) -> bool:
-    """Whether ``folder`` looks like a previous export, which ``overwrite=true`` may replace: every format
-    writes a flat folder (config.json, one weights file, small text files); a training run (checkpoints/,
-    heads/) or any other folder with subfolders is not one, and neither is a folder without config.json."""
+    """Whether ``folder`` is a previous export, which ``overwrite=true`` may replace: a flat folder of the files
+    exports write (``EXPORT_FILES``) whose config a format's importer recognises. A training run (subfolders), a
+    model folder (generation_config.json; a config no drafter layout has), another run's heads (the native
+    config) or a downloaded drafter with other files (a ``.pt``) is not one."""
     entries = list(folder.iterdir())
-    return (folder / "config.json").is_file() and not any(e.is_dir() or e.is_symlink() for e in entries)
+    if not (folder / "config.json").is_file() or any(e.is_dir() or e.is_symlink() for e in entries):
+        return False
+    if any(e.name not in EXPORT_FILES for e in entries):
+        return False
+    return detect_layout(folder) is not None
 
 
 def _writable_temp_dir(out: Path) -> Path:

@@ -99,7 +99,10 @@ def _record(path: str) -> dict:
         if isinstance(record, list) or (isinstance(record, dict) and "choices" in record):
             raise UserError(f"choice={path} is a Medusa tree, not a choice file: give it as tree={path}, or {RERUN}")
         raise UserError(f"choice={path}: not a choice file written by medusa-eval ({RERUN})")
-    if record.get("version", 0) > VERSION:
+    version = record.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise UserError(f"choice={path}: its version is {version!r}, not a number ({RERUN})")
+    if version > VERSION:
         raise UserError(f"choice={path} was written by a newer medusa-train (version {record['version']})")
     return record
 

@@ -32,16 +32,16 @@ import torch
 
 from ..runtime.attention import transformers_attention
 from ..runtime.batch_decode import BatchOutput
-from ..runtime.decode import GenerationOutput
+from ..runtime.decode import GenerationOutput, eos_set
 from ..runtime.linear_kernels import stock_kernels
 from ..runtime.model import MedusaModel
 from .registry import Costs, Method, register, slot_costs
 
 
 def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int, sampling=None, seed=None,
-                options=None) -> GenerationOutput:
+                options=None, eos_token_ids=None) -> GenerationOutput:
     ids = torch.tensor([prompt_ids], device=m.device)
-    new, dt = _generate(m, ids, torch.ones_like(ids), max_new_tokens)
+    new, dt = _generate(m, ids, torch.ones_like(ids), max_new_tokens, eos=eos_token_ids)
     g = _output(new[0], len(prompt_ids))
     g.decode_s = dt
     return g
@@ -56,11 +56,12 @@ def pad_id(m: MedusaModel) -> int:
     return eos[0] if eos else 0  # no EOS at all (a random backbone, EOS disabled): any id pads nothing
 
 
-def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos=None,
               **extra) -> tuple[list, float]:
     """Greedy ``generate`` of [B, L] ids (``extra``: more ``generate`` keys) -> (each row's new tokens cut after its
-    first EOS, wall seconds)."""
-    eos = list(m.eos_token_ids)
+    first EOS, wall seconds). ``eos``: the ids to stop at, as the runtime's ``eos_set`` reads them (None = the
+    model's, ``()`` = never stop early)."""
+    eos = sorted(eos_set(m, eos))
     t0 = time.perf_counter()
     with torch.inference_mode(), stock_kernels(), transformers_attention(m.model):
         out = m.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
@@ -124,7 +125,7 @@ def _compiles(m: MedusaModel) -> bool:
 
 
 def hf_generate_static(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int, sampling=None, seed=None,
-                       options=None) -> GenerationOutput:
+                       options=None, eos_token_ids=None) -> GenerationOutput:
     """``hf_generate`` with transformers' static cache (module docstring): timed at steady state, the compile a
     new cache length causes on a GPU done by an untimed warm-up call first."""
     ids = torch.tensor([prompt_ids], device=m.device)
@@ -137,7 +138,7 @@ def hf_generate_static(m: MedusaModel, prompt_ids: list[int], max_new_tokens: in
         n = min(WARMUP_TOKENS, max_new_tokens)
         _generate(m, ids, torch.ones_like(ids), n, min_new_tokens=n, **static)
         warm.add(length)
-    new, dt = _generate(m, ids, torch.ones_like(ids), max_new_tokens, **static)
+    new, dt = _generate(m, ids, torch.ones_like(ids), max_new_tokens, eos=eos_token_ids, **static)
     g = _output(new[0], len(prompt_ids))
     g.decode_s = dt
     return g

@@ -95,7 +95,8 @@ class TreeDecoder:
 
     @torch.inference_mode()
     def step(self) -> tuple[list[int], int]:
-        """One draft-verify-compact step; returns (accepted tokens + the bonus token, nodes proposed)."""
+        """One draft-verify-compact step; returns (accepted tokens + the bonus token, the tree's depth: what
+        it proposed, as the module docstring counts it and the batched decoder does)."""
         m, buf, past = self.m, self.buf, self.past
         cand, draft_q = m.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen)
         tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
@@ -107,7 +108,7 @@ class TreeDecoder:
         self.h_last = h_tree[verdict.path[-1]]
         self.past = past + len(verdict.path)
         self.root = verdict.bonus
-        return verdict.accepted_tokens(tokens) + [verdict.bonus], buf.num_nodes - 1
+        return verdict.accepted_tokens(tokens) + [verdict.bonus], buf.max_depth
 
 
 class HeadsDrafter:

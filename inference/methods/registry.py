@@ -75,7 +75,7 @@ class Method:
     """One decoding method (see the module docstring).
 
     decoder(m, options, sampling, seed) -> Decoder; runner(m, prompt_ids, max_new_tokens,
-    sampling, seed, options) -> GenerationOutput for a method that is not a Decoder;
+    sampling, seed, options, eos_token_ids=...) -> GenerationOutput for a method that is not a Decoder;
     batch_decoder(m, options, sampling, seed, ragged) -> the method's ``BatchTreeDecoder`` (None: it
     decodes one prompt at a time; ``generate_batch`` refuses it for batches); shape: what it speculates with
     and how that is chosen, applied, recorded and read (``shape.SpeculationShape``; None: nothing to choose).
@@ -279,7 +279,8 @@ def stream(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens
     spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields)
     if spec.runner is not None:
         ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
-        return TokenStream(_runner_steps(spec.runner(m, ids, max_new_tokens, sampling, seed, opts)))
+        return TokenStream(_runner_steps(spec.runner(m, ids, max_new_tokens, sampling, seed, opts,
+                                                     eos_token_ids=eos_token_ids)))
     decoder = spec.decoder(m, opts, sampling, seed)
     return TokenStream(run_decoder(decoder, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
 

@@ -124,7 +124,9 @@ class RaggedKVCache(Cache):
         s = torch.arange(width, device=self.device)
         if self.mode == "compact":
             real = s[None] < lens[:, None]                       # [B, L]
-            pos = s[None].expand(len(lens), width)
+            # pads (masked, never valid) at position 0, as in gaps mode: a rotary that reads a row's largest
+            # position (LongRoPE's switch, runtime/rope_switch.py) then reads its prompt's last
+            pos = torch.where(real, s[None], 0)
             self.lengths, self.host_lengths = lens.clone(), list(lengths)
         else:
             pad = width - lens

@@ -328,16 +328,16 @@ def run_batch(decoder: BatchTreeDecoder, m: MedusaModel, prompts, max_new_tokens
         if not decoder.rows or (max_steps is not None and steps >= max_steps):
             break
         t = time.perf_counter()
-        result = decoder.step()
+        with m.stepping():
+            result = decoder.step()
         _sync(m.device)
         out.step_s.append(time.perf_counter() - t)
         out.active.append(decoder.batch)
         out.speculation.append(decoder.last_nodes)
         for row, (new, proposed) in zip(decoder.rows, result):
-            outs[row].accept_lengths.append(len(new))
+            outs[row].accept_lengths.append(len(emit[row].add(new)))   # emitted: cut at EOS / the budget
             outs[row].proposed.append(proposed)
             outs[row].step_s.append(out.step_s[-1])
-            emit[row].add(new)
         steps += 1
     out.decode_s = time.perf_counter() - t0 - out.prefill_s
     for e, o in zip(emit, outs):

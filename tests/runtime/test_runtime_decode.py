@@ -110,8 +110,48 @@ def test_greedy_identity_and_full_acceptance_with_perfect_heads(m, model, greedy
     out = generate(mm, PROMPT, tree=tree, max_new_tokens=48)
     depth = default_tree(tree, 3).max_depth
     assert out.tokens == greedy
-    assert all(a == depth + 1 for a in out.accept_lengths)
-    assert out.tau == depth + 1 and out.steps == -(-47 // (depth + 1))
+    assert all(a == depth + 1 for a in out.accept_lengths[:-1])
+    assert out.steps == -(-47 // (depth + 1)) and sum(out.accept_lengths) == 47   # the last step cut at the budget
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["batch-1", "batched"])
+def test_accept_lengths_count_only_emitted_tokens(m, model, greedy, batched):
+    """Guards against tau, accept lengths and the acceptance rate counting a last step's accepted tokens that
+    were never output (past max_new_tokens or past an EOS): with perfect heads a 3-deep chain accepts 4 tokens
+    a step, and a budget of 7 emits 1 + 4 + 2. Every figure must add up to the tokens emitted."""
+    from inference.methods import generate_batch
+
+    oracle = OracleHeads(m, PROMPT + generate(m, PROMPT, "autoregressive", max_new_tokens=64).tokens, num_heads=4)
+    mm = wrap(model, oracle)
+
+    def run(**kw):
+        if batched:
+            return generate_batch(mm, [PROMPT], tree="chain4", **kw).rows[0]
+        return generate(mm, PROMPT, tree="chain4", **kw)
+
+    depth = default_tree("chain4", 4).max_depth   # 3: a step accepts 4 tokens
+    out = run(max_new_tokens=7)
+    assert out.tokens == greedy[:7] and out.accept_lengths == [depth + 1, 6 - (depth + 1)]
+    assert out.tau == 3.0 and out.acceptance_rate == (depth + 6 - (depth + 1) - 1) / (2 * depth)
+    eos = greedy[3]
+    first = greedy.index(eos)
+    out = run(max_new_tokens=48, eos_token_ids=[eos])
+    assert out.tokens == greedy[:first + 1] and out.finish_reason == "eos"
+    assert 1 + sum(out.accept_lengths) == len(out.tokens)
+
+
+def test_medusa_counts_the_tree_depth_as_proposed_at_batch_1_as_batched(m, model):
+    """Guards against batch-1 Medusa counting every tree node as proposed (the batched decoder and every other
+    method count the depth, the most a step can accept): the same decoding then gave two acceptance rates."""
+    from inference.methods import generate_batch
+
+    oracle = OracleHeads(m, PROMPT + generate(m, PROMPT, "autoregressive", max_new_tokens=40).tokens, num_heads=3)
+    mm = wrap(model, oracle)
+    one = generate(mm, PROMPT, tree="tree8", max_new_tokens=20)
+    row = generate_batch(mm, [PROMPT], tree="tree8", max_new_tokens=20).rows[0]
+    assert one.tokens == row.tokens and one.accept_lengths == row.accept_lengths
+    assert one.proposed == row.proposed == [default_tree("tree8", 3).max_depth] * one.steps
+    assert one.acceptance_rate == row.acceptance_rate
 
 
 def test_plain_loop_matches_transformers_generate(model, m):
@@ -150,7 +190,8 @@ def test_sampling_modes_are_reproducible_and_typical_accepts(m):
         assert a.tokens == b.tokens and len(a.tokens) == 24
     # a random tiny model is near-uniform: typical's threshold is tiny, so guesses get accepted
     lax = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=1e-6, typical_delta=1e-6)
-    assert generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=lax, seed=1).tau == 4.0
+    lengths = generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=lax, seed=1).accept_lengths
+    assert lengths[:-1] == [4] * (len(lengths) - 1) and sum(lengths) == 23   # the last step cut at the budget
     strict = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=1.0, typical_delta=1e6)
     assert generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=strict, seed=1).tau == 1.0
 
