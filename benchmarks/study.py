@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+
+from inference.errors import UserError
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -71,7 +74,7 @@ def names() -> list[str]:
 def load(name: str) -> dict:
     path = STUDIES / f"{name}.yaml"
     if not path.is_file():
-        raise SystemExit(f"bench.py: no study {name!r} (known: {', '.join(names())})")
+        raise UserError(f"no study {name!r} (known: {', '.join(names())})")
     study = yaml.safe_load(path.read_text())
     problems = [f"unknown key {k!r}" for k in set(study) - KEYS]
     problems += [f"no {k}" for k in ("title", "out") if k not in study]
@@ -81,7 +84,7 @@ def load(name: str) -> dict:
     for name, ev in (study.get("eval") or {}).items():
         problems += [f"eval.{name}: {k!r} is not heads / args / repeats" for k in set(ev or {}) - EVAL_KEYS]
     if problems:
-        raise SystemExit(f"bench.py: {path.relative_to(ROOT)}: " + "; ".join(sorted(problems)))
+        raise UserError(f"{path.relative_to(ROOT)}: " + "; ".join(sorted(problems)))
     study["eval"] = {k: v or {} for k, v in (study.get("eval") or {}).items()}
     return study
 
@@ -148,15 +151,36 @@ def default_bin() -> Optional[Path]:
     return d if (d / "medusa-train").exists() else None
 
 
+def check(study: dict, jobs: list[Job], bin_dir: Optional[Path], only: Optional[str]) -> None:
+    """A ``UserError`` for what would fail only once the study runs: a ``--bin`` that is no folder or lacks a
+    CLI the jobs start, and (``--only eval``) heads that no training made. Called before anything is created."""
+    todo = [j for j in jobs if not (ROOT / j.done).exists()]
+    if bin_dir is not None and not bin_dir.is_dir():
+        raise UserError(f"--bin {bin_dir}: {'not a directory' if bin_dir.exists() else 'not found'}")
+    for cli in sorted({j.cli for j in todo}):
+        found = (bin_dir / cli).is_file() if bin_dir is not None else shutil.which(cli) is not None
+        if not found:
+            raise UserError(f"no {cli} in {bin_dir if bin_dir is not None else 'PATH'} (pass --bin <the folder of "
+                            "medusa-train and medusa-eval>, or install the project into this Python)")
+    if only == "eval":  # the training runs are skipped: what they would make must be there already
+        for j in todo:
+            heads = heads_path(str(j.heads), study) if j.heads is not None else None
+            if heads is not None and not (ROOT / heads).exists():
+                raise UserError(f"eval.{j.name}: heads {heads} not found (run the study without --only eval to "
+                                "train them)")
+
+
 def run(name: str, dry_run: bool = False, only: Optional[str] = None, bin_dir: Optional[Path] = None) -> int:
     study = load(name)
-    bin_dir = bin_dir or default_bin()
+    # absolute: the commands run after the chdir to the repository below, from wherever --bin was given
+    bin_dir = Path(os.path.abspath(os.path.expanduser(bin_dir))) if bin_dir is not None else default_bin()
     jobs = [j for j in plan(study) if only is None or j.cli == f"medusa-{only}"]
     if dry_run:
         for j in jobs:
             state = "done: skipped" if (ROOT / j.done).exists() else "to run"
             print(f"# {j.name} -> {j.done} ({state})\n{shlex.join(j.command(bin_dir))}")
         return 0
+    check(study, jobs, bin_dir, only)  # before the folder below is made: a refused run leaves nothing behind
     os.chdir(ROOT)
     Path(study["out"]).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}

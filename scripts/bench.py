@@ -26,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package (not installed) beside inference/ and medusa_train/
 
+from benchmarks.options import EXIT_USER_ERROR, Parser  # noqa: E402  (standard library only: --help stays instant)
+from inference.errors import UserError  # noqa: E402  (no torch: the exception module alone)
+
 MICRO = {  # subcommand -> (module, help); imported only when run, so --help stays instant
     "machine": ("benchmarks.micro.machine", "memory bandwidth, stock vs routed steps, plain loop vs generate"),
     "kernels": ("benchmarks.micro.kernels", "a verification forward per node count: stock, routed, prepacked"),
@@ -38,9 +41,19 @@ MICRO = {  # subcommand -> (module, help); imported only when run, so --help sta
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; a user's mistake (a bad option, a missing path, the project's ``UserError`` from a
+    loader) ends as one ``bench.py: error: <line>`` and exit 2, as every CLI of the toolkit does."""
+    try:
+        return _main(argv)
+    except UserError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _main(argv: list[str] | None) -> int:
     head, examples = __doc__.split("\n\n", 1)
-    ap = argparse.ArgumentParser(prog="bench.py", description=head, epilog=examples,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="bench.py", description=head, epilog=examples,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the studies and what each measures")
     st = sub.add_parser("study", help="run a study: train what is missing, evaluate, write its section")

@@ -21,7 +21,6 @@ Writes profile.json and profile.txt (also printed) under --out.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -33,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_check import SMOLLM2_135M, TINY, _RandomDrafter, backbone, machine
+from benchmarks.options import Parser
 from benchmarks.timing import median, sync, verification_step
 from inference.runtime.batch_decode import BatchTreeDecoder
 from inference.runtime.model import MedusaModel
@@ -143,13 +143,15 @@ def top_python(fn, steps: int, n: int = 18) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="bench.py profile-gpu", description=__doc__.splitlines()[0])
+    ap = Parser(prog="bench.py profile-gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/profile_gpu_step")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("bench.py profile-gpu: no CUDA device (use --dry-run to check the script on CPU)")
+        ap.error("no CUDA device (use --dry-run to check the script on CPU)")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out}: is a file (give the folder to write the profile into)")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.dry_run else "cuda")
     shape = TINY if args.dry_run else SMOLLM2_135M

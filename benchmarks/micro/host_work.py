@@ -17,7 +17,6 @@ typical acceptance; batches of 4 (``--only`` picks cases whose name contains it)
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.host_reads import HostReads
+from benchmarks.options import Parser, int_at_least, positive_int
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
 from inference.loading import attach_heads
@@ -183,12 +183,15 @@ def run(tokens: int, rounds: int, only: str = "") -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="bench.py host-work", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = Parser(prog="bench.py host-work", description=__doc__.split("\n\n")[0])
+    # 2 at least: a step's figures are the difference between a run of --tokens and one of half as many
+    ap.add_argument("--tokens", type=int_at_least(2), default=48)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--only", default="", help="the cases whose name contains this (default: all)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    if not any(a.only in name for name in CASES):
+        ap.error(f"--only {a.only!r}: no case's name contains it (cases: {'; '.join(CASES)})")
     torch.set_num_threads(1)
     result = run(a.tokens, a.rounds, a.only)
     print(f"{a.tokens} vs {a.tokens // 2} tokens, {a.rounds} rounds, 1 thread, load {result['load']}, "

@@ -15,27 +15,30 @@ minimum is the cost, the median shows the noise.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-import torch
-
-from inference.runtime.linear_kernels import PACKED, route_linear_kernels, routing_summary, stock_kernels
-from inference.backbone import load_backbone
-from inference.loading import load_medusa
-from inference.runtime.model import MedusaModel
+from benchmarks.options import Parser, directory, dtype, nonnegative_int, positive_int
 
 NODES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="bench.py kernels", description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", default=None, help="a heads export (its backbone is used); default: embedded SmolLM2")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--dtype", default="float32")
+    ap = Parser(prog="bench.py kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=directory, default=None,
+                    help="a heads export (its backbone is used); default: embedded SmolLM2")
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--dtype", type=dtype, default="float32")
     args = ap.parse_args(argv)
+    # imported once the options are known good: a mistaken one is refused before torch and a model load
+    import torch
+
+    from inference.backbone import load_backbone
+    from inference.loading import load_medusa
+    from inference.runtime.linear_kernels import PACKED, route_linear_kernels, routing_summary, stock_kernels
+    from inference.runtime.model import MedusaModel
+
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.heads:

@@ -23,7 +23,6 @@ JSON with every figure. Medians throughout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.options import Parser, nonnegative_int, positive_int
 from benchmarks.timing import plain_loop_vs_generate as compare_plain_loop, verification_step
 from inference.backbone import load_backbone
 from inference.evaluation.prompts import load_prompts
@@ -118,11 +118,11 @@ def plain_loop_vs_generate(m: MedusaModel, prompts: int, tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="bench.py machine", description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap = Parser(prog="bench.py machine", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=positive_int, default=4)
+    ap.add_argument("--tokens", type=positive_int, default=64)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=None, help="write every figure here as JSON")
     args = ap.parse_args(argv)
     if args.threads:

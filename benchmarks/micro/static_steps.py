@@ -16,7 +16,6 @@ tokens/s of each and the per-prompt ratios to the first ``off`` (median, min-max
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_models import eagle3_model
+from benchmarks.options import Parser, positive_int
 from inference.backbone import load_backbone
 from inference.evaluation.prompts import load_prompts
 from inference.heads.registry import init_heads
@@ -93,9 +93,9 @@ def run(prompts: int, tokens: int, tree: str, drafter: str = "medusa") -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="bench.py static-steps", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap = Parser(prog="bench.py static-steps", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=positive_int, default=6)
+    ap.add_argument("--tokens", type=positive_int, default=64)
     ap.add_argument("--tree", default="tree4")
     ap.add_argument("--drafter", choices=["medusa", "eagle3"], default="medusa")
     ap.add_argument("--out", type=Path)

@@ -14,7 +14,6 @@ ratio robust to the machine's background load; absolute numbers are not.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -23,6 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from argparse import SUPPRESS
+from pathlib import Path
+
+from benchmarks.options import Parser, positive_int
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECTIONS = ("truncated", "shared", "own")  # inference.heads.spec.PROJECTIONS (that module loads torch)
 
 
 def measure(mode: str, heads: int, steps: int, micro: int, max_length: int) -> dict:
@@ -67,16 +73,31 @@ def measure(mode: str, heads: int, steps: int, micro: int, max_length: int) -> d
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def child_command() -> list[str]:
+    """The child as a module, not as this file: run as a script, its folder would head sys.path and this
+    package's ``kernels.py`` would shadow the ``kernels`` package DeepSpeed imports (an ImportError)."""
+    return [sys.executable, "-m", "benchmarks.micro.train"]
+
+
+def child_env() -> dict:
+    """The child's environment: the repository first on PYTHONPATH (``benchmarks`` is not installed, and the
+    child keeps the caller's working directory, so relative paths in the recipe mean what they meant)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled"}
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="bench.py train", description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["truncated", "shared", "own"])
-    ap.add_argument("--heads", nargs="+", type=int, default=[3, 5])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--micro", type=int, default=2)
-    ap.add_argument("--max-length", type=int, default=1024)
+    ap = Parser(prog="bench.py train", description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", choices=PROJECTIONS, default=list(PROJECTIONS))
+    ap.add_argument("--heads", nargs="+", type=positive_int, default=[3, 5])
+    ap.add_argument("--steps", type=positive_int, default=5)
+    ap.add_argument("--micro", type=positive_int, default=2)
+    ap.add_argument("--max-length", type=positive_int, default=1024)
     ap.add_argument("--out", default="runs/bench_train.json")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=SUPPRESS)
     args = ap.parse_args(argv)
+    if os.path.isdir(args.out):
+        ap.error(f"--out {args.out}: is a directory (give the JSON file to write)")
     if args.child:
         mode, heads = args.child.split(":")
         print("RESULT " + json.dumps(measure(mode, int(heads), args.steps, args.micro, args.max_length)), flush=True)
@@ -84,9 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for heads in args.heads:
         for mode in args.modes:
-            cmd = [sys.executable, __file__, "--child", f"{mode}:{heads}", "--steps", str(args.steps),
+            cmd = [*child_command(), "--child", f"{mode}:{heads}", "--steps", str(args.steps),
                    "--micro", str(args.micro), "--max-length", str(args.max_length)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not line:
                 print(proc.stderr[-3000:], file=sys.stderr)

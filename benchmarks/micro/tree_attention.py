@@ -12,29 +12,37 @@ attention in the verification forward").
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-import torch
-
-from inference.backbone import load_backbone
-from inference.runtime.attention import NAME
-from inference.runtime.model import MedusaModel
-from inference.runtime.tree import tree_buffers
+from benchmarks.options import Parser, backbone as backbone_name, positive_int
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="bench.py tree-attention", description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[250, 1000])
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--backbone", default="embedded:smollm2")
+    ap = Parser(prog="bench.py tree-attention", description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=positive_int, nargs="+", default=[250, 1000])
+    ap.add_argument("--rounds", type=positive_int, default=20)
+    ap.add_argument("--backbone", type=backbone_name, default="embedded:smollm2")
     a = ap.parse_args(argv)
-    with torch.inference_mode():
-        compare(a.contexts, a.rounds, a.backbone)
+    compare(a.contexts, a.rounds, a.backbone)
 
 
 def compare(contexts: list[int], rounds: int, backbone: str) -> None:
+    # imported here, after main's checks: a mistaken option is refused before torch and the model load
+    import torch
+
+    with torch.inference_mode():
+        _compare(contexts, rounds, backbone)
+
+
+def _compare(contexts: list[int], rounds: int, backbone: str) -> None:
+    import torch
+
+    from inference.backbone import load_backbone
+    from inference.runtime.attention import NAME
+    from inference.runtime.model import MedusaModel
+    from inference.runtime.tree import tree_buffers
+
     model, tok, _ = load_backbone(backbone, device="cpu", dtype="float32")
     m = MedusaModel(model=model, tokenizer=tok, heads=None)
     m.route_kernels()
