@@ -12,6 +12,7 @@ imports it, and ``cli.py`` imports that only once a command runs, so ``--help`` 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -250,3 +251,18 @@ def generate_prompts(cfg) -> tuple[list[str], bool]:
         if not isinstance(t, str) or not t.strip():
             raise UserError(f"prompt {i} of {len(texts)} is {'empty' if isinstance(t, str) else 'not text'}")
     return texts, True
+
+
+def check_keys_used(cfg, methods: list[str], defaults: Optional[dict] = None) -> None:
+    """Refuse a method key given on the command line that none of ``methods`` (what this command decodes with)
+    takes: ``eagle_nodes=4`` beside Medusa heads was silently ignored, the run measuring something else than asked.
+    A key is given when it differs from the command's schema default (None, or ``defaults[key]``)."""
+    from .cli_keys import CommandKeys, method_keys   # lazy, as cli_keys' own registry import
+
+    own = {f.name for f in dataclasses.fields(CommandKeys)}
+    for key, (_, _, _, takers) in sorted(method_keys().items()):
+        value = getattr(cfg, key, None)
+        if key in own or value is None or value == (defaults or {}).get(key) or set(takers) & set(methods):
+            continue
+        raise UserError(f"{key}= is a key of {', '.join(takers)}, and none of the methods decoding here "
+                        f"({', '.join(methods)}) takes it: drop it, or name such a method")

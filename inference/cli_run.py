@@ -14,15 +14,17 @@ from omegaconf import OmegaConf
 
 from . import methods as decoding   # decoding.stream / generate / generate_batch, looked up when called
 from .backbone import load_backbone
-from .cli_checks import (check_decoding_keys, check_eval_keys, check_fixed_choices, check_options_fit, choice_modes,
+from .cli_checks import (check_decoding_keys, check_eval_keys, check_fixed_choices, check_keys_used, check_options_fit,
+                         choice_modes,
                          encode_prompts, eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec,
                          method_options, read_choice_file)
+from .cli_keys import GENERATE_DEFAULTS
 from .errors import UserError
 from .evaluation.batch_eval import check_batchable, evaluate_batched
 from .evaluation.batch_reports import print_batched
 from .evaluation.drift import greedy_drift
 from .evaluation.evaluate import evaluate
-from .evaluation.reports import print_per_method, write_compare, write_report
+from .evaluation.reports import print_per_method, remove_stale_reports, write_compare, write_report
 from .loading import kernel_plans_path, load_medusa
 from .methods.choice_file import write_choice
 from .methods.registry import PLAIN_METHOD, batched_names, get, methods_for_heads
@@ -76,6 +78,7 @@ def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict]:
 def run_eval(cfg) -> dict:
     sampling, sizes = check_eval_keys(cfg)   # everything the config alone decides, before anything loads
     methods = eval_methods(cfg)
+    check_keys_used(cfg, methods)
     options, modes = eval_choices(cfg, methods, heads_spec(cfg, strict=True), sizes)   # heads given: readable
     if sizes is not None:  # before the backbone loads: methods that cannot decode batches
         check_batchable(methods, sizes)
@@ -122,11 +125,14 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
     fingerprint = getattr(getattr(m.heads, "spec", None), "base_model_fingerprint", "") or ""   # the loaded heads'
     files = {x: write_choice(out, x, c, c.options, fingerprint) for x, c in chosen.items() if c.measured}
     paths += list(files.values())
+    stale = remove_stale_reports(out, paths)
     print()
     if batched:
         print_batched(report["batched"])
     print_per_method(report)
     print("report: " + ", ".join(str(p) for p in paths))
+    if stale:
+        print(f"removed what an earlier evaluation left in {out}: {', '.join(stale)}")
     batches = " prompts_file=<prompts.jsonl> batch_size=<B>" if batched else ""
     for method, path in files.items():
         print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads}{batches} choice={path}")
@@ -170,6 +176,7 @@ def run_generate(cfg) -> None:
     if cfg.heads in ("???", ""):
         raise UserError("heads=<export directory> is required")
     method, options, together = generate_options(cfg, heads_spec(cfg), several, size)
+    check_keys_used(cfg, [method], GENERATE_DEFAULTS)
     m = _load(cfg)
     ids = encode_prompts(m, texts, cfg)   # every prompt fits the backbone's positions before any is decoded
     if several:

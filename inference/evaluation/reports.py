@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError
-from .batch_reports import batched_markdown, plot_throughput, pyplot
+from ..methods.choice_file import SUFFIX as CHOICE_SUFFIX
+from .batch_reports import THROUGHPUT_PLOT, batched_markdown, plot_throughput, pyplot
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -38,6 +39,22 @@ def check_report_dir(out_dir: Path) -> None:
                 p.rmdir()
             except OSError:
                 pass
+
+
+HISTOGRAM_PLOT, HEAD_ACCURACY_PLOT = "acceptance_histogram.png", "head_accuracy.png"
+
+
+def remove_stale_reports(out_dir: Path, written: list[Path]) -> list[str]:
+    """Delete what an earlier evaluation into ``out_dir`` wrote and this one (``written``) did not: its plots, its
+    trade-off matrix, its choice files would otherwise sit beside this report as if they were its own (another
+    heads' choice file decodes wrong heads). Only the evaluation's own file names; returns the names removed."""
+    ours = {"report.json", "report.md", HISTOGRAM_PLOT, HEAD_ACCURACY_PLOT, THROUGHPUT_PLOT, *COMPARE_FILES}
+    keep = {p.name for p in written}
+    stale = sorted(f.name for f in out_dir.iterdir() if f.is_file() and f.name not in keep
+                   and (f.name in ours or f.name.endswith(CHOICE_SUFFIX)))
+    for name in stale:
+        (out_dir / name).unlink()
+    return stale
 
 
 def write_report(out_dir: Path, report: dict) -> list[Path]:
@@ -153,7 +170,7 @@ def plot_report(out_dir: Path, r: dict) -> list[Path]:
         ax.set(xlabel="tokens accepted per step (bonus included)", ylabel="steps",
                title=f"{name}: acceptance length, tau = {row.get('tau', 1):.2f}")
         fig.tight_layout()
-        paths.append(out_dir / "acceptance_histogram.png")
+        paths.append(out_dir / HISTOGRAM_PLOT)
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     acc = r.get("head_accuracy")
@@ -167,7 +184,7 @@ def plot_report(out_dir: Path, r: dict) -> list[Path]:
         ax.set(ylabel="accuracy vs backbone greedy", title="per-head accuracy")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        paths.append(out_dir / "head_accuracy.png")
+        paths.append(out_dir / HEAD_ACCURACY_PLOT)
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths

@@ -122,6 +122,10 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=4", "max_new_tokens=5"], "max_new_tokens= is given twice"),
     (EXPORT, [MEDUSA, "format=vllm", "out={tmp}/o", "format=tgi"], "format= is given twice"),
     (EVAL, [MEDUSA, PROMPTS, "methods=[]"], "methods= is empty"),
+    (GEN, [MEDUSA, "prompt=hi", "eagle_nodes=4"], "eagle_nodes= is a key of eagle3, eagle3_lookup, and none of"),
+    (GEN, [EAGLE, "prompt=hi", "draft_k=3"], "draft_k= is a key of draft, and none of the methods decoding here"),
+    (GEN, [EAGLE, "prompt=hi", "tree=tree8"], "tree= is a key of medusa, medusa_lookup"),
+    (EVAL, [MEDUSA, PROMPTS, "draft_k=3", "choice=fixed"], "draft_k= is a key of draft"),
 ]
 
 

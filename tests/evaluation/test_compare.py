@@ -146,3 +146,19 @@ def test_cli_compare_end_to_end_on_a_local_tiny_backbone(backbone, tmp_path):
     assert report["methods"] == ["draft", "lookahead", "prompt_lookup", "autoregressive", "hf_generate"]
     opts = report["method_options"]
     assert opts["draft"]["draft"] == "self:1" and opts["lookahead"]["lookahead_window"] == 2
+
+
+def test_an_evaluation_into_an_earlier_ones_folder_leaves_none_of_its_files(tmp_path):
+    """Guards against: two evaluations mixed in one out= folder. The second one's report.json sat beside the
+    first one's head_accuracy.png, trade-off matrix and choice files (another heads' choice file, offered to
+    medusa-generate as if it were this report's). Files an evaluation never writes are left alone."""
+    from inference.evaluation.reports import remove_stale_reports
+
+    for name in ("report.json", "report.md", "head_accuracy.png", "compare.md", "compare.png",
+                 "medusa_choice.json", "throughput_vs_batch.png", "notes.txt", "my_plot.png"):
+        (tmp_path / name).write_text("earlier")
+    written = [tmp_path / "report.json", tmp_path / "report.md", tmp_path / "eagle3_choice.json"]
+    removed = remove_stale_reports(tmp_path, written)
+    assert removed == ["compare.md", "compare.png", "head_accuracy.png", "medusa_choice.json",
+                       "throughput_vs_batch.png"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["my_plot.png", "notes.txt", "report.json", "report.md"]
