@@ -98,9 +98,18 @@ def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, 
                                           revision=revision, **kwargs)
 
 
+def check_backbone_name(name_or_path: Optional[str]) -> None:
+    """A backbone setting that names a local path refused in one line when it is none (before anything loads)."""
+    if name_or_path and not name_or_path.startswith(("embedded:", "random:")):
+        _check_local(name_or_path, name_or_path)
+
+
 def _check_local(name_or_path: str, path: str) -> None:
     """A setting that looks like a local path must exist (else the hub would be asked for it)."""
     looks_local = path.startswith((".", "/", "~")) or (os.path.sep in path and path.count("/") > 1)
+    if looks_local and os.path.isfile(os.path.expanduser(path)):
+        raise UserError(f"cannot load backbone {name_or_path!r}: it is a file, give its model folder (a GGUF "
+                        "inside one: the folder, with gguf_file=)")
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
         raise UserError(f"cannot load backbone {name_or_path!r}: path not found ({path})")
 

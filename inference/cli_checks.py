@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import loading   # loading.read_heads_spec_for looked up when called (tests replace it)
-from .backbone import load_backbone_config, parse_device
+from .backbone import check_backbone_name, load_backbone_config, parse_device
 from .cli_support import enum_value
 from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
@@ -47,6 +47,7 @@ def check_decoding_keys(cfg):
         value = getattr(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"{key} must be an integer >= {low}{what}, got {value!r}")
+    check_backbone_name(cfg.backbone)
     seed = getattr(cfg, "seed", 0)
     if seed is not None and not -2**63 <= seed < 2**64:   # what torch.Generator.manual_seed takes
         raise UserError(f"seed must lie in -2**63 .. 2**64-1, got {seed}")

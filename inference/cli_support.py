@@ -40,6 +40,9 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     bad = [a for a in argv if "=" not in a or a.startswith("-")]
     if bad:
         fail(prog, f"arguments are key=value overrides, got {bad[0]!r} (see {prog} --help)")
+    empty = next((a for a in argv if a.endswith("=") and a.count("=") == 1), None)
+    if empty is not None:   # OmegaConf reads it as null: "Incompatible value 'None'" named no fix
+        fail(prog, f"{empty} needs a value (see {prog} --help)")
     keys = [a.split("=", 1)[0].strip() for a in argv]
     twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
     if twice is not None:   # the last would win silently: say which one the user meant

@@ -206,6 +206,9 @@ def read_native_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
     check_config_object(d)
     if raw.get("format_version", 0) > FORMAT_VERSION:
         raise UserError(f"{d} was written by a newer medusa-train (format {raw['format_version']})")
+    if "model_type" in raw and "num_heads" not in raw:   # a transformers model folder: the usual mix-up
+        raise UserError(f"{d} holds a model ({raw['model_type']}), not heads: give heads= a heads export "
+                        "(<run>/heads) and the model as backbone=")
     try:
         return HeadsSpec.from_dict(raw)
     except TypeError as e:

@@ -126,6 +126,9 @@ REFUSED = [
     (GEN, [EAGLE, "prompt=hi", "draft_k=3"], "draft_k= is a key of draft, and none of the methods decoding here"),
     (GEN, [EAGLE, "prompt=hi", "tree=tree8"], "tree= is a key of medusa, medusa_lookup"),
     (EVAL, [MEDUSA, PROMPTS, "draft_k=3", "choice=fixed"], "draft_k= is a key of draft"),
+    (GEN, ["heads=", "prompt=hi"], "heads= needs a value"),
+    (GEN, ["heads={tmp}/model", "prompt=hi"], "holds a model (llama), not heads"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/afile"], "it is a file, give its model folder"),
 ]
 
 
@@ -155,6 +158,9 @@ def setup(tmp_path) -> Path:
     (tmp_path / "tree_schedule.json").write_text(json.dumps({"format": "medusa-train tree schedule", "version": 1}))
     for name in ("eagle3_tree.json", "eagle3_lookup_tree.json"):
         (tmp_path / name).write_text(json.dumps({"format": "medusa-train eagle3 tree choice", "method": "eagle3"}))
+    (tmp_path / "model").mkdir()   # a transformers model folder given as heads=
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
     (tmp_path / "version_string.json").write_text(json.dumps({"format": "medusa-train speculation choice",
                                                              "version": "2", "method": "medusa"}))
     from transformers import LlamaConfig   # a backbone's config alone (no weights): 64 positions, 2 layers
