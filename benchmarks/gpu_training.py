@@ -53,9 +53,11 @@ def handed_backbone(model):
     tok = byte_tokenizer()
     model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
 
-    def load(cfg, device, seed=0, run_dir=None, write=True):
+    def load(cfg, device, seed=0, run_dir=None, write=True, before_write=None):
         if next(model.parameters()).device.type != torch.device(device).type:
             raise RuntimeError(f"handed backbone is on {next(model.parameters()).device}, the trainer runs on {device}")
+        if before_write is not None:   # the trainer's data check and run record, as the real loader calls them
+            before_write(tok)
         return Backbone(model.eval().requires_grad_(False), tok, "random:llama")
 
     saved = trainer_module.load_backbone

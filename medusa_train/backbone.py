@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -68,9 +68,18 @@ def random_config(config: dict):
     if cfg["vocab_size"] < BYTE_TOKENIZER_SIZE:
         raise UserError(f"backbone.random_init.vocab_size must be >= {BYTE_TOKENIZER_SIZE} (the byte tokenizer)")
     try:
-        return AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"backbone.random_init: {str(e).strip().splitlines()[0]}") from None
+        hf_config = AutoConfig.for_model(model_type, **cfg)
+    except Exception as e:  # ValueError/TypeError, or huggingface_hub's strict-dataclass validation wrapping one
+        cause = e.__cause__ if e.__cause__ is not None and "validation error" in str(e) else e
+        raise UserError(f"backbone.random_init: {(str(cause).strip().splitlines() or [type(cause).__name__])[0]}"
+                        ) from None
+    # transformers leaves this to the first forward (a RuntimeError there, after the run's files are written).
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv = getattr(hf_config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        raise UserError(f"backbone.random_init: num_attention_heads={heads} is not a multiple of "
+                        f"num_key_value_heads={kv}")
+    return hf_config
 
 
 def random_backbone(config: dict, seed: int = 0) -> Backbone:
@@ -92,30 +101,32 @@ RANDOM_BACKBONE_DIR = "backbone"  # <output_dir>/backbone: a random backbone sav
 
 
 def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0, run_dir=None,
-                  write: bool = True) -> Backbone:
+                  write: bool = True, before_write: Callable[[Any], None] | None = None) -> Backbone:
     """Build the frozen backbone described by a ``BackboneConfig``.
 
     With ``run_dir``, a random backbone (``random_init``) is kept with the run: saved (model +
     tokenizer, safetensors) into ``<run_dir>/backbone`` (by the process with ``write``) and named
     by that folder's absolute path, which the heads then record as their base model, so the
-    runtime (``medusa-eval heads=<run_dir>/heads``) rebuilds exactly it."""
-    if cfg.random_init:
-        backbone = random_backbone(dict(cfg.random_init), seed=seed)
-        if run_dir is not None:  # cached features stay keyed on "random:<type>" + weights, wherever the run is
-            backbone.identity = backbone.name
-            backbone.name = keep_random_backbone(backbone, Path(run_dir) / RANDOM_BACKBONE_DIR, write)
-    else:
-        backbone = _load_pretrained(cfg)
+    runtime (``medusa-eval heads=<run_dir>/heads``) rebuilds exactly it. ``before_write`` is given the
+    tokenizer before that save (whether or not there is one to make): the trainer checks its data with it,
+    so data it refuses leaves the run's folder as it was."""
+    backbone = random_backbone(dict(cfg.random_init), seed=seed) if cfg.random_init else _load_pretrained(cfg)
+    if backbone.tokenizer.pad_token is None:
+        backbone.tokenizer.pad_token = backbone.tokenizer.eos_token
+    if not backbone.tokenizer.chat_template:
+        raise UserError(f"tokenizer of {backbone.name} has no chat template; use a chat (instruct) model")
+    if before_write is not None:
+        before_write(backbone.tokenizer)
+    if cfg.random_init and run_dir is not None:  # kept in fp32, before the cast below
+        # cached features stay keyed on "random:<type>" + weights, wherever the run is
+        backbone.identity = backbone.name
+        backbone.name = keep_random_backbone(backbone, Path(run_dir) / RANDOM_BACKBONE_DIR, write)
     model = backbone.model
     if cfg.dtype != "auto":
         model.to(parse_dtype(cfg.dtype))
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    if backbone.tokenizer.pad_token is None:
-        backbone.tokenizer.pad_token = backbone.tokenizer.eos_token
-    if not backbone.tokenizer.chat_template:
-        raise UserError(f"tokenizer of {backbone.name} has no chat template; use a chat (instruct) model")
     return backbone
 
 

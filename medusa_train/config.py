@@ -279,6 +279,9 @@ def validate(cfg) -> None:
         (t.log_every >= 1, f"trainer.log_every must be >= 1, got {t.log_every}"),
         (t.eval_every >= 0 and t.save_every >= 0, "trainer.eval_every and trainer.save_every must be >= 0"),
         (t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}"),
+        # torch.manual_seed takes < 2**64 and the data shuffle (numpy) no negative seed: refused here, not by a
+        # traceback once the run's record is written.
+        (0 <= t.seed <= MAX_SEED, f"trainer.seed must be in 0..{MAX_SEED}, got {t.seed}"),
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
          f"backbone.dtype must be float32|bfloat16|float16|auto, got {cfg.backbone.dtype!r}"),
     ]
@@ -298,6 +301,7 @@ def validate(cfg) -> None:
 
 MAX_HEAD_LAYERS = 64  # heads.num_layers (Medusa uses 1)
 MAX_THREADS = 1024  # trainer.threads (OpenMP refuses far more with an ImportError)
+MAX_SEED = 2**63 - 1  # trainer.seed: what torch (< 2**64) and numpy (>= 0) both take, with room for derived seeds
 # backbone.random_init keys that are sizes or counts: positive integers, or transformers fails with a traceback.
 RANDOM_INIT_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
@@ -331,13 +335,24 @@ def _validate_sizes(cfg) -> None:
 
 def _validate_random_init(random_init) -> None:
     """The size keys of ``backbone.random_init``: positive integers (transformers would build a model with
-    -64 hidden units, or none at all, and fail later with a traceback)."""
+    -64 hidden units, or none at all, and fail later with a traceback), and attention heads that divide as
+    attention needs: the hidden size by the heads (without an explicit head_dim), the heads by the key/value
+    heads (transformers checks the latter only in the first forward, after the run's files are written).
+    What the model type's defaults fill in is checked on its config (``backbone.random_config``)."""
+    init = random_init or {}
     for key in RANDOM_INIT_SIZES:
-        value = (random_init or {}).get(key)
+        value = init.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"backbone.random_init.{key} must be a positive integer, got {value!r}")
+    hidden, heads, kv = init.get("hidden_size"), init.get("num_attention_heads"), init.get("num_key_value_heads")
+    if hidden and heads and init.get("head_dim") is None and hidden % heads:
+        raise UserError(f"backbone.random_init.hidden_size={hidden} is not a multiple of "
+                        f"backbone.random_init.num_attention_heads={heads}")
+    if heads and kv and heads % kv:
+        raise UserError(f"backbone.random_init.num_attention_heads={heads} is not a multiple of "
+                        f"backbone.random_init.num_key_value_heads={kv}")
 
 
 def launch_world_size() -> int:

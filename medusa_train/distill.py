@@ -59,7 +59,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -320,9 +320,12 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run(cfg) -> dict:
-    """The distillation task; returns the manifest when this process finished the last shard."""
+def run(cfg, record: Callable[[], None] | None = None) -> dict:
+    """The distillation task; returns the manifest when this process finished the last shard. ``record``
+    writes the run's record (``launch.write_run_record``), first: preflight has read the data already."""
     validate(cfg)
+    if record is not None:
+        record()
     t, g = cfg.trainer, cfg.distill
     out = Path(cfg.output_dir)
     rank, world, local = _launcher_rank()
@@ -359,7 +362,8 @@ def run(cfg) -> dict:
                     bar.update(len(members))
                 continue
             _remove_leftovers(out, k)
-            torch.manual_seed(t.seed * 1_000_003 + k)  # the shard's samples do not depend on what ran before
+            # The shard's samples do not depend on what ran before; modulo 2**64, what torch takes.
+            torch.manual_seed((t.seed * 1_000_003 + k) % 2**64)
             result = distill_shard(gen, members, cfg, on_batch)
             write_shard(out, k, result)
             done_here += 1

@@ -92,7 +92,7 @@ from .backbone import backbone_identity, load_backbone
 from .backbone_inputs import FrozenFeatures
 from .config import derived_batch, validate
 from .data.readers import ReadStats
-from .data.stream import ConversationStream, RankData, StreamStats, first_epoch
+from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
 from .distributed import barrier, start_process
 from .families import backbone_layers
 from .manifest import claim, read_manifest, write_json_atomic
@@ -396,7 +396,8 @@ class CachedBatches:
         if epoch == 0:
             ids = list(range(self.n))
         else:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # modulo 2**64: a seed near the top of its range stays within what torch takes
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
             ids = torch.randperm(self.n, generator=g).tolist()
         return ids[self.rank::self.world]
 
@@ -447,12 +448,19 @@ def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: i
                      world_size=world_size, progress_bar=t.progress_bar)
 
 
-def run_build(cfg) -> dict:
-    """``features.mode=build``: build (or complete) the cache and exit, without heads, optimizer or engine."""
+def run_build(cfg, record: Callable[[], None] | None = None) -> dict:
+    """``features.mode=build``: build (or complete) the cache and exit, without heads, optimizer or engine.
+    ``record`` writes the run's record once the data gave a training conversation (as the trainer's)."""
     validate(cfg)
     proc = start_process(cfg.trainer)
     batch = derived_batch(cfg.trainer, proc.world_size)
-    backbone = load_backbone(cfg.backbone, proc.device, seed=cfg.trainer.seed)
+
+    def accept_data(tokenizer) -> None:
+        check_training_data(cfg.data, tokenizer)
+        if record is not None:
+            record()
+
+    backbone = load_backbone(cfg.backbone, proc.device, seed=cfg.trainer.seed, before_write=accept_data)
     pad_id = backbone.tokenizer.pad_token_id
     frozen = FrozenFeatures(backbone.model, cfg.data.packing, parse_dtype(enum_value(cfg.trainer.precision)),
                             proc.device)

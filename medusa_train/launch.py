@@ -29,6 +29,7 @@ from .preflight import preflight
 
 RECORD_DIR = ".hydra"
 _PRECHECKED = False
+_CREATED: list[Path] = []  # the folders create_output_dir made, deepest first (remove_created_dirs)
 
 
 def launch(recipe: str, overrides: list[str], flags: list[str], multirun: bool, prints: bool) -> None:
@@ -79,15 +80,19 @@ def _task(cfg) -> None:
         if not _PRECHECKED:  # runs with Hydra flags (sweeps) are checked here, per job
             validate(cfg)
             preflight(cfg)
-        write_run_record(cfg)
-        run(cfg)
+        # The task writes the record itself, once its data is accepted: data refused at its start then leaves
+        # an existing run's record as it was (and a new run's folder without one).
+        run(cfg, record=lambda: write_run_record(cfg))
     except UserError as e:
+        remove_created_dirs()
         refuse(str(e))
 
 
 def task_runner(cfg):
     """What a recipe runs: ``task: distill`` -> distill.run; ``features.mode=build`` -> features.run_build;
-    otherwise the trainer (which reads the feature cache itself under ``features.mode=train``)."""
+    otherwise the trainer (which reads the feature cache itself under ``features.mode=train``). Each is called
+    as ``run(cfg, record=...)``: ``record()`` writes the run's record (``write_run_record``) when the task has
+    accepted its data."""
     if enum_value(cfg.task) == "distill":
         from .distill import run   # lazy: only the task the recipe runs is imported (its own dependencies)
     elif enum_value(cfg.features.mode) == "build":
@@ -100,18 +105,36 @@ def task_runner(cfg):
 def create_output_dir(output_dir) -> None:
     """Create the accepted run's folder (what Hydra would do next), or say in one line why it cannot be
     (``config.check_output_dir`` cannot tell from permissions alone: root may write /proc, the kernel refuses)."""
+    path = Path(str(output_dir))
+    missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
-        Path(str(output_dir)).mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         refuse(f"output_dir={output_dir} cannot be created: {e.strerror or e}")
+    _CREATED[:] = missing
+
+
+def remove_created_dirs() -> None:
+    """Remove again the folders ``create_output_dir`` made for a run its task then refused (data it found no
+    training conversation in) while they are still empty: a refused command leaves no folder behind. A folder
+    the run wrote into is kept, and with it every folder above it."""
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # one process decides, as for the record
+        return
+    for folder in _CREATED:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or already gone): it and the folders above it stay
+            return
+    _CREATED.clear()
 
 
 def write_run_record(cfg) -> None:
-    """Hydra's record of the run, ``<output_dir>/.hydra/{config,hydra,overrides}.yaml``, written here once the
-    configuration is accepted: the recipes set ``hydra.output_subdir: null`` because Hydra writes it before
-    the app runs, so a refused command left one behind, and a refused resume overwrote the run's own record
-    with the settings it refused. Each file is replaced atomically and only when its text changes: an idle
-    rerun touches nothing; an accepted resume records what it changed (safe keys only, e.g. trainer.max_steps)."""
+    """Hydra's record of the run, ``<output_dir>/.hydra/{config,hydra,overrides}.yaml``, written by the task
+    (``record``, see ``_task``) once the configuration and its data are accepted: the recipes set
+    ``hydra.output_subdir: null`` because Hydra writes it before the app runs, so a refused command left one
+    behind, and a refused resume overwrote the run's own record with the settings it refused. Each file is
+    replaced atomically and only when its text changes: an idle rerun touches nothing; an accepted resume
+    records what it changed (safe keys only, e.g. trainer.max_steps)."""
     if int(os.environ.get("RANK", "0") or 0) != 0:  # one writer per run
         return
     hydra_cfg = HydraConfig.instance().cfg

@@ -6,7 +6,8 @@ data source, a known attention implementation, ``data.max_length`` within the ba
 run within this machine's memory (``check_fits``: the frozen forward, the weights, the heads' parameters with
 their gradients and optimizer state, and what the family's training adds, ``TrainingFamily.unroll_bytes``),
 the family's settings on this backbone (``check_family``), and for a training of heads the vocabulary, the
-device for the precision and a resumable checkpoint trained under this configuration.
+device for the precision and a resumable checkpoint trained under this configuration; last, a local data
+source that gives the task a conversation (``check_data_usable``, reading no more than its first ones).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from inference.heads.spec import HeadsSpec
 from .backbone import backbone_config
 from .checkpoint import resume_point
 from .config import check_data_source, derived_batch, launch_world_size
+from .data.readers import ReadStats, iter_conversations
+from .data.stream import check_training_data
 from .distributed import resolve_device
 from .families import draft_depth, draft_vocabulary, training_family
 
@@ -224,12 +227,29 @@ def check_resume(cfg) -> None:
     resume_point(cfg, derived_batch(cfg.trainer, launch_world_size()).global_batch_size)
 
 
+def check_data_usable(cfg) -> None:
+    """A local (or embedded) data source gives what the task reads: a training conversation after the held-out
+    ones (``data.stream.check_training_data``), or for ``task: distill`` a conversation at all. The stream would
+    find out only once the run's record and random backbone were written into ``output_dir``. A hub dataset is
+    left to the trainer's own check (``trainer.MedusaTrainer.setup``): streaming it is not for a preflight."""
+    source = str(cfg.data.source)
+    if not (source.startswith("embedded:") or os.path.exists(os.path.expanduser(source))):
+        return
+    if enum_value(cfg.task) == "distill":
+        stats = ReadStats()
+        if next(iter_conversations(source, cfg.data.split, stats, cfg.data.system_prompt), None) is None:
+            raise UserError(f"data source {source!r} gave no conversations to distill ({stats.summary()})")
+        return
+    check_training_data(cfg.data)
+
+
 def preflight(cfg, resume: bool = True) -> None:
     """What a run needs from disk, checked before any weight or data loads: a readable local data source,
     a ``data.max_length`` the backbone has positions (and this machine memory) for, the heads family on this
     backbone, and for a training of heads: a truncated vocabulary the backbone has tokens for, a device for
     the precision, and a checkpoint to resume that was trained under this configuration (not with
-    ``resume=False``: a sweep's jobs resume from folders Hydra names only when each runs)."""
+    ``resume=False``: a sweep's jobs resume from folders Hydra names only when each runs), and data that gives
+    the task a conversation to read."""
     check_data_source(cfg.data.source)
     check_attn_implementation(cfg.backbone)
     check_fits(cfg)
@@ -239,3 +259,4 @@ def preflight(cfg, resume: bool = True) -> None:
         check_precision_device(cfg.trainer)
         if resume:
             check_resume(cfg)
+    check_data_usable(cfg)  # last: the only check that reads the data

@@ -33,6 +33,7 @@ import math
 import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ from . import checkpoint, features
 from .backbone import load_backbone
 from .config import derived_batch, loss_weights, validate
 from .families import draft_depth, draft_vocabulary, training_family
-from .data.stream import ConversationStream, RankData, token_frequencies
+from .data.stream import ConversationStream, RankData, check_training_data, token_frequencies
 from .deepspeed_config import check_consistent, deepspeed_config
 from .distributed import resolve_device, start_process
 from .losses import HeadMetrics, vocab_to_local
@@ -57,9 +58,12 @@ from .tracking import Tracker
 
 
 class MedusaTrainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, record: Callable[[], None] | None = None):
         validate(cfg)
         self.cfg = cfg
+        # Writes the run's record (``launch.write_run_record``): called by setup once the data is accepted, not
+        # before, so data refused at setup leaves an existing run's record as it was.
+        self.record = record or (lambda: None)
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
         self.tracker: Tracker | None = None
@@ -83,10 +87,13 @@ class MedusaTrainer:
         self.resume_from, resume_state = checkpoint.resume_point(cfg, self.plan.global_batch_size)
         if resume_state is not None and self._already_exported(resume_state):
             self.step = int(resume_state["step"])
+            self.record()
             return
 
+        # A random backbone is kept in <output_dir>/backbone, once ``_accept_data`` has read the data with its
+        # tokenizer: nothing is written into output_dir for data that gives no training batch.
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed, run_dir=self.output_dir,
-                                      write=self.is_main)  # a random backbone is kept in <output_dir>/backbone
+                                      write=self.is_main, before_write=self._accept_data)
         model, tok = self.backbone.model, self.backbone.tokenizer
         self.pad_id = tok.pad_token_id
         data = RankData(cfg.data, tok, t.seed, self.rank, self.world_size, self.plan.micro_batch_size, self.pad_id)
@@ -122,6 +129,13 @@ class MedusaTrainer:
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+
+    def _accept_data(self, tokenizer) -> None:
+        """Refuse data with no training conversation that keeps an assistant token within data.max_length
+        (a hub dataset, or a max_length the reader alone cannot judge) before the first write of the run;
+        then write the run's record."""
+        check_training_data(self.cfg.data, tokenizer)
+        self.record()
 
     def _rank_data_state(self, state: dict) -> dict:
         """This rank's data position in checkpoint ``state`` (its own, or rank 0's under another world size),
@@ -372,9 +386,10 @@ def format_accuracy_table(summary: dict, num_heads: int) -> str:
     return "\n".join(lines)
 
 
-def run(cfg) -> dict:
-    """The whole recipe: returns the final eval summary (rank 0) for callers and tests."""
-    trainer = MedusaTrainer(cfg)
+def run(cfg, record: Callable[[], None] | None = None) -> dict:
+    """The whole recipe: returns the final eval summary (rank 0) for callers and tests. ``record`` writes the
+    run's record once the data is accepted (``MedusaTrainer``)."""
+    trainer = MedusaTrainer(cfg, record)
     trainer.setup()
     if trainer.finished is not None:  # a rerun of a complete training: say so, touch nothing
         if trainer.is_main:

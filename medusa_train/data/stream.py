@@ -258,6 +258,33 @@ def first_epoch(stream: ConversationStream, micro_batch_size: int, pad_id: int, 
         yield batch
 
 
+def check_training_data(data, tokenizer=None) -> None:
+    """Refuse data that would give no training batch, reading only up to the first conversation that would:
+    called before anything is written into the run's folder (``preflight`` without a tokenizer, the trainer
+    with the backbone's), since the stream itself finds out only at the run's first batch. Refused: a source
+    with no usable conversation after the ``data.eval_conversations`` held out (an empty or malformed file,
+    records that are not chats); with ``tokenizer``, one whose training conversations keep no assistant token
+    within ``data.max_length``."""
+    stats = ReadStats()
+    start = int(data.eval_conversations)
+    stop = None if data.max_conversations is None else start + int(data.max_conversations)
+    training = 0
+    for i, messages in enumerate(iter_conversations(str(data.source), data.split, stats, data.system_prompt)):
+        if stop is not None and i >= stop:
+            break
+        if i < start:
+            continue
+        training += 1
+        if tokenizer is None or encode_conversation(tokenizer, messages, data.max_length) is not None:
+            return
+    if not training:
+        held = (f"; data.eval_conversations={start} holds out the first {start} for evaluation"
+                if stats.recovered else "")
+        raise UserError(f"data source {data.source!r} gave no training conversations ({stats.summary()}){held}")
+    raise UserError(f"data source {data.source!r} gave no training conversation with an assistant token within "
+                    f"data.max_length={data.max_length} tokens ({training} read); raise data.max_length")
+
+
 def token_frequencies(stream: ConversationStream, vocab_size: int, max_conversations: int) -> torch.Tensor:
     """Counts of assistant (label) tokens over the first conversations of the training stream."""
     counts = torch.zeros(vocab_size, dtype=torch.long)

@@ -138,6 +138,12 @@ LATE_OR_NEVER = [
     (["trainer.threads=100000"], "trainer.threads must be in 0..1024"),
     (["backbone.random_init.hidden_size=-64"], "backbone.random_init.hidden_size must be a positive integer"),
     (["backbone.random_init.num_hidden_layers=0"], "backbone.random_init.num_hidden_layers must be a positive integer"),
+    (["backbone.random_init.num_attention_heads=3"],
+     "backbone.random_init.hidden_size=64 is not a multiple of backbone.random_init.num_attention_heads=3"),
+    (["backbone.random_init.num_key_value_heads=3"],
+     "backbone.random_init.num_attention_heads=4 is not a multiple of backbone.random_init.num_key_value_heads=3"),
+    (["trainer.seed=99999999999999999999"], "trainer.seed must be in 0..9223372036854775807"),
+    (["trainer.seed=-1"], "trainer.seed must be in 0..9223372036854775807"),
     (["data.max_conversations=0"], "data.max_conversations must be >= 1"),
     (["data.eval_conversations=-1"], "data.eval_conversations must be >= 1"),
     (["heads.kind=mlp_speculator", "heads.scale_input=3"], "heads.scale_input must be true or false"),
@@ -155,7 +161,10 @@ def test_bad_value_is_refused_before_anything_is_written(args, phrase, tmp_path)
     memory estimate (which did not count the heads' parameters, gradients and AdamW state) and failing after a
     minute with an allocation traceback, with .hydra/ and backbone/ written; trainer.threads=-1 or 100000 and a
     negative or zero backbone.random_init size ending in tracebacks; data.max_conversations=0 refused only after
-    the backbone was saved; heads.scale_input=3 or data.packing=3 read as true; an unknown
+    the backbone was saved; backbone.random_init attention heads that do not divide the hidden size (a 42-line
+    strict-dataclass traceback) or by the key/value heads (a RuntimeError in the first forward, after files were
+    written); a trainer.seed torch cannot take (an overflow traceback after .hydra/ was written) or numpy cannot
+    (negative); heads.scale_input=3 or data.packing=3 read as true; an unknown
     backbone.attn_implementation silently ignored; output_dir= (empty) training into the current folder; a
     sweep (-m) running its good jobs (and writing multirun/) before refusing a bad one."""
     before = snapshot(tmp_path)
@@ -227,6 +236,35 @@ def test_accepted_edges_still_validate(compose_tiny):
                           "trainer.global_batch_size=null", "heads.loss_weights=[1,0,0]"))
     validate(compose_tiny("heads.num_heads=64", "heads.num_layers=64"))
     validate(compose_tiny("heads.kind=mlp_speculator", "heads.inner_dim=32", "heads.scale_input=true"))
+    validate(compose_tiny(f"trainer.seed={2**63 - 1}", "backbone.random_init.num_key_value_heads=1"))
+    validate(compose_tiny("backbone.random_init.num_attention_heads=4", "+backbone.random_init.head_dim=8"))
+
+
+def test_random_init_heads_are_checked_on_the_built_config():
+    """Guards against: attention heads that cannot divide, hidden by what the model type fills in (here
+    Mistral's default 8 key/value heads) or by an explicit head_dim, ending in a traceback (transformers'
+    StrictDataclassClassValidationError, or a RuntimeError in the first forward) instead of one line."""
+    from medusa_train.backbone import random_config
+
+    with pytest.raises(UserError, match=r"^backbone.random_init: num_attention_heads=12 is not a multiple of "
+                                        r"num_key_value_heads=8$"):
+        random_config({"model_type": "mistral", "hidden_size": 96, "num_attention_heads": 12})
+    with pytest.raises(UserError, match=r"^backbone.random_init: The hidden size \(64\) is not a multiple"):
+        random_config({"hidden_size": 64, "num_attention_heads": 3, "head_dim": 16})
+    assert random_config({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}).head_dim == 16
+
+
+def test_derived_seeds_stay_in_torchs_range():
+    """Guards against: the largest accepted trainer.seed overflowing torch.manual_seed where an epoch's seed is
+    derived from it (seed * 1_000_003 + epoch: the feature cache's epoch order; distill's shards alike), and
+    the small seeds every run so far used getting another order from the fix."""
+    from medusa_train.config import MAX_SEED
+    from medusa_train.features import CachedBatches
+
+    manifest = {"shard_batches": 4, "batches": 8}
+    assert sorted(CachedBatches(None, manifest, 0, 1, MAX_SEED, "cpu", torch.float32).order(3)) == list(range(8))
+    expected = torch.randperm(8, generator=torch.Generator().manual_seed(5 * 1_000_003 + 2)).tolist()
+    assert CachedBatches(None, manifest, 0, 1, 5, "cpu", torch.float32).order(2) == expected
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator", "eagle3"])
