@@ -78,6 +78,16 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     return model.to(parse_device(device)), tokenizer, name
 
 
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
+    """``load_backbone``'s tokenizer alone (no weights), with its errors."""
+    from transformers import AutoTokenizer   # lazy: as load_backbone's
+
+    path, _ = assets.resolve_backbone_path(name_or_path)
+    _check_local(name_or_path, path)
+    with _loading_errors(name_or_path):
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, trust_remote_code: bool = False,
                          revision: Optional[str] = None):
     """The backbone's transformers config, without its weights (and without converting a GGUF: the

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 from . import loading   # loading.read_heads_spec_for looked up when called (tests replace it)
-from .backbone import check_backbone_name, load_backbone_config, parse_device
+from .backbone import check_backbone_name, load_backbone_config, load_tokenizer, parse_device
 from .cli_support import enum_value
 from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
@@ -30,6 +31,7 @@ from .methods.choice_file import is_choice_file, read_choice
 from .methods.registry import check_methods, methods_for_heads, options_from_keys
 from .methods.shape import keyed_fields, method_mode
 from .runtime.decode import check_budget, check_positions
+from .runtime.model import chat_ids
 from .runtime.static_steps import check_graphs, graphs_mode
 from .runtime.verify import SamplingConfig
 
@@ -107,6 +109,25 @@ def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
     for i, row in enumerate(ids, start=1):
         check_budget(m, len(row), cfg.max_new_tokens, what=f"prompt {i} of {len(ids)}" if len(ids) > 1 else "prompt")
     return ids
+
+
+def check_prompts_fit(cfg, texts: list[str], spec) -> None:
+    """``encode_prompts``' check before the weights load: each prompt encoded with the backbone's tokenizer alone
+    and checked against its positions (a 4,800-token prompt refused after an 8B model had loaded). Where the
+    tokenizer or config cannot be read here, ``encode_prompts`` checks once the model has loaded."""
+    name = cfg.backbone or (spec.base_model if spec is not None else None)
+    if not name or name.startswith("random:"):
+        return
+    try:
+        config = load_backbone_config(name, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
+    except UserError:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model = SimpleNamespace(max_positions=getattr(text, "max_position_embeddings", None))
+    for i, t in enumerate(texts, start=1):
+        check_budget(model, len(chat_ids(tokenizer, t, cfg.system)), cfg.max_new_tokens,
+                     what=f"prompt {i} of {len(texts)}" if len(texts) > 1 else "prompt")
 
 
 def method_options(cfg, method: str, spec):

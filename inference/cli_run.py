@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from . import methods as decoding   # decoding.stream / generate / generate_batch, looked up when called
 from .backbone import load_backbone
 from .cli_checks import (check_decoding_keys, check_eval_keys, check_fixed_choices, check_keys_used, check_options_fit,
-                         choice_modes,
+                         check_prompts_fit, choice_modes,
                          encode_prompts, eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec,
                          method_options, read_choice_file)
 from .cli_keys import GENERATE_DEFAULTS
@@ -177,6 +177,7 @@ def run_generate(cfg) -> None:
         raise UserError("heads=<export directory> is required")
     method, options, together = generate_options(cfg, heads_spec(cfg), several, size)
     check_keys_used(cfg, [method], GENERATE_DEFAULTS)
+    check_prompts_fit(cfg, texts, heads_spec(cfg))   # the tokenizer alone: a prompt too long refused before weights
     m = _load(cfg)
     ids = encode_prompts(m, texts, cfg)   # every prompt fits the backbone's positions before any is decoded
     if several:

@@ -191,15 +191,20 @@ class MedusaModel:
         """Token ids of a user prompt (or a message list) with the chat template applied."""
         if self.tokenizer is None:
             raise UserError("this model was loaded without a tokenizer; pass token ids instead")
-        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system:
-            msgs = [{"role": "system", "content": system}] + msgs
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise UserError("the tokenizer has no chat template; pass token ids or plain text instead")
-        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_ids(self.tokenizer, prompt, system)
+
+
+def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None) -> list[int]:
+    """``MedusaModel.encode_chat`` with a tokenizer alone (a prompt checked before the weights load)."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system:
+        msgs = [{"role": "system", "content": system}] + msgs
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the tokenizer has no chat template; pass token ids or plain text instead")
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def kv_bytes_per_token(m: MedusaModel) -> int:

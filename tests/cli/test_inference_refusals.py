@@ -127,6 +127,8 @@ REFUSED = [
     (GEN, [EAGLE, "prompt=hi", "tree=tree8"], "tree= is a key of medusa, medusa_lookup"),
     (EVAL, [MEDUSA, PROMPTS, "draft_k=3", "choice=fixed"], "draft_k= is a key of draft"),
     (GEN, ["heads=", "prompt=hi"], "heads= needs a value"),
+    (GEN, [MEDUSA, "prompt=" + "long " * 20, "backbone={tmp}/bbtok", "max_new_tokens=8"],
+     "exceeds the backbone's 64 positions"),   # the tokenizer alone read: the weights never load
     (GEN, ["heads={tmp}/model", "prompt=hi"], "holds a model (llama), not heads"),
     (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/afile"], "it is a file, give its model folder"),
 ]
@@ -167,6 +169,11 @@ def setup(tmp_path) -> Path:
 
     LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                 max_position_embeddings=64).save_pretrained(tmp_path / "bb")
+    from medusa_train.backbone import byte_tokenizer   # the same config with a tokenizer, still no weights
+
+    LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=64).save_pretrained(tmp_path / "bbtok")
+    byte_tokenizer().save_pretrained(tmp_path / "bbtok")
     return tmp_path
 
 
