@@ -92,6 +92,10 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
             refuse(f"arguments after the recipe are key=value overrides or Hydra flags, got {a!r} "
                    "(list the keys: medusa-train <recipe> --cfg job)")
         i += 1
+    keys = [override_key(a) for a in overrides]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:   # Hydra would take the last silently: say which one the user meant
+        refuse(f"{twice} is given twice: give it once")
     return overrides, flags
 
 

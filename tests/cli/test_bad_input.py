@@ -30,6 +30,7 @@ BAD_INPUT = [
     (TRAIN, ["debug_tiny", "--cfg"], 2, "--cfg takes job, hydra or all"),
     (TRAIN, ["nope"], 2, "unknown recipe 'nope'"),
     (TRAIN, ["debug_tiny", "trainer.nope=1"], 2, "trainer.nope"),
+    (TRAIN, ["debug_tiny", "trainer.max_steps=3", "trainer.max_steps=4"], 2, "trainer.max_steps is given twice"),
     # -- optimizer values (defect 7) ---------------------------------------------------------------------------
     (TRAIN, ["debug_tiny", "optim.lr=-1"], 2, "optim.lr must be > 0"),
     (TRAIN, ["debug_tiny", "optim.lr=0"], 2, "optim.lr must be > 0"),
