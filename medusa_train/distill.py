@@ -29,6 +29,9 @@ user turns and the *regenerated* replies 1..i-1, as in a real chat with the back
 Generation runs on batches (``distill_engines``: transformers' ``generate`` or the runtime's batched
 decoding, whichever is measured faster on this machine); within a shard all conversations' turn-i
 prompts are sorted by length before batching, so a batch wastes little on padding.
+A conversation the chat template refuses (a system turn for Gemma's, roles that do not alternate) ends there,
+its earlier turns kept, counted in ``distill.json``'s ``ended`` as "chat template refused it: <message>".
+``data.max_length`` + ``distill.max_new_tokens`` must fit the backbone's positions (refused before loading).
 
 Output (``output_dir``)::
 
@@ -70,6 +73,7 @@ from inference.errors import UserError
 from . import backbone as frozen   # frozen.load_backbone looked up when called (tests replace it)
 from .config import validate
 from .data.readers import ReadStats, iter_conversations
+from .data.tokenize import TemplateRefused, template_refusals
 from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
 from .distributed import resolve_device
 from .manifest import claim, read_manifest, write_json_atomic
@@ -219,7 +223,12 @@ def distill_shard(gen: Generator, members: list[tuple[int, list[dict]]], cfg, on
             prompt = rep.next_prompt(g.max_turns)
             if prompt is None:
                 continue
-            ids = gen.encode(prompt)
+            try:
+                with template_refusals():
+                    ids = gen.encode(prompt)
+            except TemplateRefused as e:  # this conversation only: it ends here (its earlier turns are kept)
+                rep.done, rep.ended_by = True, e.reason
+                continue
             if len(ids) >= max_prompt:  # training would truncate before this reply: stop the replay here
                 rep.done, rep.ended_by = True, "prompt reached data.max_length"
                 continue
@@ -441,7 +450,11 @@ def calibration_prompts(cfg, gen: Generator) -> list[list[int]]:
     for index, messages in source_conversations(cfg):
         prompt = Replay(index, messages).next_prompt(cfg.distill.max_turns)
         if prompt is not None:
-            ids = gen.encode(prompt)
+            try:
+                with template_refusals():
+                    ids = gen.encode(prompt)
+            except TemplateRefused:  # the run drops this conversation (counted there): not a prompt to measure
+                continue
             if len(ids) < cfg.data.max_length:
                 prompts.append(ids)
         if len(prompts) >= cfg.distill.batch_size or index >= 4 * cfg.distill.batch_size:

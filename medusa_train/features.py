@@ -50,7 +50,8 @@ Safety: before writing, the disk needed (positions x hidden x bytes, plus the id
 printed and compared with ``shutil.disk_usage``; a cache that will not fit is refused. Each
 shard is written under a temporary name and renamed when complete, so a full disk, a kill or
 a crash mid-write never leaves a shard that looks complete (the error says how many are
-kept; the same command continues). A cache built for another backbone (weights or
+kept; the same command continues; the temporary files of builds killed mid-write are removed by the next
+build, ``FeatureCache.remove_dead_writers``). A cache built for another backbone (weights or
 architecture), other data settings, seed or micro-batch size is refused, naming what differs.
 
 Aux layers: heads whose family declares them as inputs (``inference.heads.inputs``; EAGLE-3 reads three
@@ -75,6 +76,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -101,6 +103,7 @@ FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy)
 MANIFEST = "features.json"
 EVAL_FILE = "eval.safetensors"
 KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
+_STARTED = time.time()  # leftovers older than this process cannot be from a writer of this run
 
 
 def enabled(cfg) -> bool:
@@ -188,6 +191,25 @@ class FeatureCache:
         write_json_atomic(self.manifest_path, manifest)
         return manifest
 
+    def remove_dead_writers(self) -> list[Path]:
+        """Remove the temporary files (``.<name>.tmp-<pid>``) of writers killed mid-shard, which no rename will
+        ever claim. The rule of ``inference.heads.native.recover_dir``: a file is a dead writer's when its process
+        is gone from this host (or the id is this process's, reused, as nothing is being written yet); a file
+        modified since this process started is kept whatever its id, as another host's writer of this very
+        build may own it (a shared ``features.cache_dir``). Removed paths are returned."""
+        removed = []
+        for tmp in self.root.glob(".*.safetensors.tmp-*"):
+            pid = tmp.name.rsplit(".tmp-", 1)[1]
+            try:
+                recent = tmp.stat().st_mtime >= _STARTED
+            except FileNotFoundError:  # its writer finished (renamed it) or another rank removed it
+                continue
+            if recent or _pid_alive(int(pid) if pid.isdigit() else None):
+                continue
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+        return removed
+
     def shard_path(self, k: int) -> Path:
         return self.root / f"train-{k:06d}.safetensors"
 
@@ -239,6 +261,20 @@ class FeatureCache:
         return [self.read(path, j, device, dtype) for j in range(self.shard_count(path))]
 
 
+def _pid_alive(pid: Optional[int]) -> bool:
+    """Whether process ``pid`` may still be writing: another live process on this host (this one writes nothing
+    while leftovers are removed); a name without an id counts as dead, as in ``recover_dir``."""
+    if pid is None or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by another user
+        return True
+    return True
+
+
 # -- building -----------------------------------------------------------------------------------------------
 @dataclass
 class CachePlan:
@@ -277,6 +313,8 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
     sequence); ``eval_set`` the held-out batches; ``frozen`` runs the backbone (once per batch)."""
     rank, world, main, needed = plan.rank, plan.world_size, plan.is_main, plan.needed
     S = manifest["shard_batches"]
+    if main:  # before anything is written: what killed builds left, whether or not this one writes
+        cache.remove_dead_writers()
     shards_ok = all(cache.shard_count(cache.shard_path(k)) == c for k, c in enumerate(manifest["shards"]))
     if manifest["eval"] and shards_ok and (manifest["epoch_complete"] or manifest["batches"] >= needed):
         return manifest
@@ -421,7 +459,7 @@ def stream_stats(manifest: dict) -> tuple[StreamStats, ReadStats]:
     """What tokenising the cached batches saw (for the run's summary line), as the online stream counts it."""
     counts = manifest.get("stream", {})
     stats = StreamStats(conversations=counts.get("conversations", 0), truncated=counts.get("truncated", 0))
-    read = ReadStats()
+    read = ReadStats(read=True)  # the build read them
     read.recovered = counts.get("recovered", 0)
     read.dropped.update(counts.get("dropped", {}))
     return stats, read

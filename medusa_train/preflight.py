@@ -2,7 +2,8 @@
 family be built on that backbone? Each check reads the backbone's config alone and refuses in one line.
 
 ``preflight`` runs them all (``medusa-train`` calls it once a configuration is accepted): a readable local
-data source, a known attention implementation, ``data.max_length`` within the backbone's positions and the
+data source, a known attention implementation, ``data.max_length`` within the backbone's positions (for a
+distillation, with ``distill.max_new_tokens`` added: ``check_distill_positions``) and the
 run within this machine's memory (``check_fits``: the frozen forward, the weights, the heads' parameters with
 their gradients and optimizer state, and what the family's training adds, ``TrainingFamily.unroll_bytes``),
 the family's settings on this backbone (``check_family``), and for a training of heads the vocabulary, the
@@ -123,7 +124,11 @@ def check_fits(cfg) -> None:
     (its config's ``max_position_embeddings``) or a run this machine cannot hold: a micro-batch
     (``trainer.micro_batch_size`` rows of that length through the frozen forward), the weights, and the heads'
     own parameters with their gradients and optimizer state, and what the family's training keeps beyond them."""
-    if enum_value(cfg.task) != "train":
+    task = enum_value(cfg.task)
+    if task == "distill":
+        check_distill_positions(cfg)
+        return
+    if task != "train":
         return
     hf_config = backbone_config(cfg.backbone)
     length, batch = int(cfg.data.max_length), int(cfg.trainer.micro_batch_size)
@@ -151,6 +156,18 @@ def check_fits(cfg) -> None:
     need = (activations + unroll + weights + heads) * max(processes, 1)
     if need > free[0]:
         _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes)
+
+
+def check_distill_positions(cfg) -> None:
+    """Refuse a distillation whose longest generation would not fit the backbone's positions: a prompt of up to
+    ``data.max_length`` tokens plus ``distill.max_new_tokens`` new ones. Found only mid-run otherwise, and
+    then ``data.max_length`` cannot be lowered in that output_dir (it is part of the data's identity)."""
+    positions = getattr(text_config(backbone_config(cfg.backbone)), "max_position_embeddings", None)
+    length, new = int(cfg.data.max_length), int(cfg.distill.max_new_tokens)
+    if positions and length + new > int(positions):
+        raise UserError(f"data.max_length={length} (the longest prompt) + distill.max_new_tokens={new} exceeds the "
+                        f"{int(positions)} positions of the backbone (max_position_embeddings of its config); "
+                        f"use data.max_length <= {max(int(positions) - new, 0)} or lower distill.max_new_tokens")
 
 
 def _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes) -> None:

@@ -30,14 +30,32 @@ _CHUNK = 1 << 20
 class ReadStats:
     recovered: int = 0
     dropped: Counter = field(default_factory=Counter)
+    read: bool = False  # whether a pass over the source began here: all zeros mean nothing read, not an empty source
+    # (epoch, batch index) a resumed training stream restarted at: the counts are then this process's reading only
+    resumed_at: Optional[tuple[int, int]] = None
 
     @property
     def dropped_total(self) -> int:
         return sum(self.dropped.values())
 
-    def summary(self) -> str:
+    def refuse(self, why: str) -> None:
+        """A conversation counted usable that a later step (the chat template) could not use: dropped, with ``why``."""
+        self.recovered -= 1
+        self.dropped[why] += 1
+
+    def counts(self) -> str:
         reasons = ", ".join(f"{n} {why}" for why, n in self.dropped.most_common()) or "none"
         return f"{self.recovered} conversations usable, {self.dropped_total} records dropped ({reasons})"
+
+    def summary(self) -> str:
+        if self.resumed_at is None:
+            return self.counts()
+        # A resumed process reads only what it replays and trains on: say so rather than look like a whole source.
+        epoch, index = self.resumed_at
+        where = f"resumed at epoch {epoch}, batch {index}"
+        if not self.read:
+            return f"{where}: no conversation read by this process (nothing left to train)"
+        return f"{where}: this process read {self.counts()}"
 
 
 def iter_json_array(path: Path, stats: ReadStats) -> Iterator[dict]:
@@ -97,10 +115,15 @@ def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[dict]:
 
 
 def iter_parquet(path: Path, stats: ReadStats) -> Iterator[dict]:
-    import pyarrow.parquet as pq   # lazy: parquet sources only
+    import pyarrow   # lazy: parquet sources only
+    import pyarrow.parquet as pq   # lazy: as pyarrow
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
-        yield from batch.to_pylist()
+    try:  # an empty or corrupt file fails on open or on any batch: one line naming it, not pyarrow's traceback
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+            yield from batch.to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{path} is not a readable parquet file ({first})") from None
 
 
 def _file_records(path: Path, stats: ReadStats) -> Iterator[dict]:
@@ -190,6 +213,7 @@ def normalize(record, system_prompt: Optional[str] = None) -> tuple[Optional[lis
 def iter_conversations(source: str, split: str = "train", stats: Optional[ReadStats] = None,
                        system_prompt: Optional[str] = None) -> Iterator[list[dict]]:
     stats = stats if stats is not None else ReadStats()
+    stats.read = True
     for record in iter_records(source, split, stats):
         messages, why = normalize(record, system_prompt)
         if messages is None:

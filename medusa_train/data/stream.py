@@ -25,7 +25,7 @@ import torch
 
 from inference.errors import UserError
 from .readers import ReadStats, iter_conversations
-from .tokenize import IGNORE, Encoded, encode_conversation
+from .tokenize import IGNORE, Encoded, TemplateRefused, encode_conversation
 
 
 @dataclass
@@ -84,8 +84,19 @@ class ConversationStream:
     eval_split: bool = False
     read_stats: ReadStats = field(default_factory=ReadStats)
     stats: StreamStats = field(default_factory=StreamStats)
+    # The epoch whose reading ``read_stats`` counts: the first this process reads (a resumed run may start past
+    # epoch 0), so the source is reported once, not once per epoch, and never as zeros because epoch 0 was skipped.
+    counted_epoch: Optional[int] = None
+    # Where conversations the chat template refuses are counted, if not in this stream's own ``read_stats``: the
+    # held-out stream counts them with the training stream's, the counts the run's summary reports.
+    refusals: Optional[ReadStats] = None
 
-    def dataset(self, epoch: int = 0):
+    def _read_stats(self, epoch: int) -> ReadStats:
+        if self.counted_epoch is None:
+            self.counted_epoch = epoch
+        return self.read_stats if epoch == self.counted_epoch else ReadStats()
+
+    def dataset(self, epoch: int = 0, stats: Optional[ReadStats] = None):
         import datasets   # lazy: 1.1 s to import, only once a stream is read
         from datasets.distributed import split_dataset_by_node   # lazy: as datasets
 
@@ -96,7 +107,7 @@ class ConversationStream:
         else:
             start = n_eval
             stop = None if d.max_conversations is None else n_eval + d.max_conversations
-        stats = self.read_stats if epoch == 0 else ReadStats()  # report the source once, not per epoch
+        stats = stats if stats is not None else self._read_stats(epoch)
         gen = functools.partial(_conversation_records, d.source, d.split, d.system_prompt, start, stop, stats)
         ds = datasets.IterableDataset.from_generator(gen)
         if not self.eval_split and d.shuffle_buffer > 1:
@@ -107,17 +118,25 @@ class ConversationStream:
         return ds
 
     def encoded(self, epoch: int = 0) -> Iterator[Encoded]:
+        stats = self._read_stats(epoch)
         seen = 0
-        for record in self.dataset(epoch):
+        for record in self.dataset(epoch, stats):
+            try:
+                enc = encode_conversation(self.tokenizer, record["messages"], self.data.max_length)
+            except TemplateRefused as e:  # this conversation only: dropped and counted like an unusable record
+                (self.refusals if self.refusals is not None else stats).refuse(e.reason)
+                # Held-out ones refused leave a smaller evaluation set (as those without a label do); a training
+                # split refused whole is refused with the reason below.
+                seen += int(self.eval_split)
+                continue
             seen += 1
-            enc = encode_conversation(self.tokenizer, record["messages"], self.data.max_length)
             if enc is None:
                 self.stats.no_labels += 1
                 continue
             self.stats.conversations += 1
             self.stats.truncated += int(enc.truncated)
             yield enc
-        if seen == 0 and epoch == 0:
+        if seen == 0 and stats is self.read_stats:
             what = "evaluation" if self.eval_split else "training"
             raise UserError(f"data source {self.data.source!r} gave no {what} conversations "
                             f"({self.read_stats.summary()})")
@@ -228,7 +247,8 @@ class RankData:
                  pad_id: int):
         self.data, self.micro, self.pad_id = data, micro_batch_size, pad_id
         self.train_stream = ConversationStream(data, tokenizer, seed=seed, rank=rank, world_size=world_size)
-        self.eval_stream = ConversationStream(data, tokenizer, eval_split=True)
+        self.eval_stream = ConversationStream(data, tokenizer, eval_split=True,
+                                              refusals=self.train_stream.read_stats)
         self._eval: Optional[list[dict]] = None
 
     @property
@@ -240,6 +260,8 @@ class RankData:
         return self.train_stream.read_stats
 
     def batches(self, epoch: int = 0, index: int = 0) -> MicroBatches:
+        if epoch or index:  # a resumed run: its summary's counts cover only what this process reads from here
+            self.read_stats.resumed_at = (epoch, index)
         return MicroBatches(self.train_stream, self.micro, self.pad_id, buffer=self.data.bucket_buffer,
                             epoch=epoch, index=index)
 
@@ -268,18 +290,26 @@ def check_training_data(data, tokenizer=None) -> None:
     stats = ReadStats()
     start = int(data.eval_conversations)
     stop = None if data.max_conversations is None else start + int(data.max_conversations)
-    training = 0
+    training, refused = 0, 0
     for i, messages in enumerate(iter_conversations(str(data.source), data.split, stats, data.system_prompt)):
         if stop is not None and i >= stop:
             break
         if i < start:
             continue
+        if tokenizer is None:
+            return
+        try:
+            encoded = encode_conversation(tokenizer, messages, data.max_length)
+        except TemplateRefused as e:  # dropped as the stream drops it; all refused: "gave no training conversations"
+            stats.refuse(e.reason)
+            refused += 1
+            continue
         training += 1
-        if tokenizer is None or encode_conversation(tokenizer, messages, data.max_length) is not None:
+        if encoded is not None:
             return
     if not training:
         held = (f"; data.eval_conversations={start} holds out the first {start} for evaluation"
-                if stats.recovered else "")
+                if stats.recovered and not refused else "")
         raise UserError(f"data source {data.source!r} gave no training conversations ({stats.summary()}){held}")
     raise UserError(f"data source {data.source!r} gave no training conversation with an assistant token within "
                     f"data.max_length={data.max_length} tokens ({training} read); raise data.max_length")

@@ -9,10 +9,15 @@ Assistant spans are found by rendering the template on growing prefixes of the
 conversation: the reply of message i is what ``messages[:i+1]`` adds after
 ``messages[:i]`` + generation prompt. Templates that are not prefix-stable fall back to
 locating the reply text in the rendered conversation.
+
+A template may refuse a conversation (Gemma's raises on a system turn, others on roles that do not
+alternate): ``TemplateRefused`` says so, and every caller drops that one conversation and counts it
+(``TemplateRefused.reason``) like an unusable record, rather than ending the run.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,8 +31,37 @@ class Encoded:
     truncated: bool
 
 
+class TemplateRefused(Exception):
+    """The chat template raised on this conversation (``raise_exception`` in the template, or a template error
+    it hits on these messages): this conversation is unusable, the rest may be fine."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    @property
+    def reason(self) -> str:
+        """What the dropped counts call it (one short line, whatever the template raised)."""
+        first = (self.message.strip().splitlines() or ["no message"])[0]
+        return f"chat template refused it: {first[:120]}"
+
+
+@contextmanager
+def template_refusals():
+    """Turn an error the chat template raises (jinja2's ``TemplateError``) into ``TemplateRefused``."""
+    try:
+        yield
+    except Exception as e:
+        from jinja2.exceptions import TemplateError   # lazy: transformers has imported it by the time a template ran
+
+        if isinstance(e, TemplateError):
+            raise TemplateRefused(str(e)) from None
+        raise
+
+
 def _render(tokenizer, messages, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    with template_refusals():
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -59,7 +93,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 
 
 def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Optional[Encoded]:
-    """Token ids and assistant-only labels, truncated to ``max_length``; None if nothing to learn."""
+    """Token ids and assistant-only labels, truncated to ``max_length``; None if nothing to learn;
+    ``TemplateRefused`` if the chat template raises on this conversation."""
     text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]

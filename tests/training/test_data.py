@@ -308,6 +308,46 @@ def test_read_stats_describe_the_source_once(tok):
     assert stream.read_stats.recovered == 40  # the file has 40 usable conversations
 
 
+def test_read_stats_after_a_resume_say_what_this_process_read(tok):
+    """Guards against: a run resumed past its first epoch (or with no step left) reporting '0 conversations
+    usable, 0 records dropped' for a 40-record file: the counters only counted epoch 0 of this process."""
+    from medusa_train.data.stream import RankData
+
+    data = RankData(_data_cfg(), tok, seed=0, rank=0, world_size=1, micro_batch_size=2, pad_id=tok.pad_token_id)
+    mb = data.batches(epoch=1, index=2)
+    it = iter(mb)
+    while mb.epoch < 3:
+        next(it)
+    summary = data.read_stats.summary()
+    assert data.read_stats.recovered == 40, summary  # once, not per epoch, whichever epoch came first
+    assert summary.startswith("resumed at epoch 1, batch 2: this process read 40 conversations usable"), summary
+    idle = RankData(_data_cfg(), tok, seed=0, rank=0, world_size=1, micro_batch_size=2, pad_id=tok.pad_token_id)
+    idle.batches(epoch=0, index=7)  # resumed at max_steps: evaluated and exported, nothing read
+    assert idle.read_stats.summary() == "resumed at epoch 0, batch 7: no conversation read by this process " \
+                                        "(nothing left to train)"
+
+
+def test_summary_line_after_resuming_past_the_first_epoch(compose_tiny, out_dir, capsys):
+    """Guards against: the run's last 'data:' line after a resume saying '0 conversations usable, 0 records
+    dropped' (the resumed process starts past epoch 0, whose reading alone was counted)."""
+    import shutil
+
+    from medusa_train import trainer as T
+
+    run = ["trainer.save_every=16", "logger.plot=false"]
+    T.run(compose_tiny(*run, "trainer.max_steps=16"))
+    state = json.loads((out_dir / "checkpoints" / "step-000016" / "trainer_state.json").read_text())
+    assert state["data"]["epoch"] >= 1  # the resume below starts past epoch 0
+    capsys.readouterr()
+    T.run(compose_tiny(*run, "trainer.max_steps=18"))
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("data: "))
+    assert "this process read 40 conversations usable" in line and "resumed at epoch" in line, line
+    shutil.rmtree(out_dir / "heads")  # killed before its export: the rerun trains no step, then exports
+    T.run(compose_tiny(*run, "trainer.max_steps=18"))
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("data: "))
+    assert "0 conversations usable" not in line and "no conversation read by this process" in line, line
+
+
 def test_token_frequencies_count_only_assistant_tokens(tok, tmp_path):
     """Guards against: the truncated vocabulary being chosen from user/system tokens as well."""
     path = tmp_path / "f.jsonl"

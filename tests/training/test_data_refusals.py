@@ -5,13 +5,25 @@ existing run named with ``trainer.resume=never`` is left as it was."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY_DATA
+from conftest import TINY_DATA, clean_env, console_script
 from inference.errors import UserError
-from test_train_refusals import assert_one_line_refusal, medusa_train, snapshot
+from test_train_refusals import assert_one_line_refusal, snapshot
+
+
+def medusa_train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """``test_train_refusals.medusa_train``, its defaults left out where ``args`` set the same key (medusa-train
+    refuses a key given twice)."""
+    defaults = [f"output_dir={tmp / 'out'}", f"data.source={TINY_DATA}", "logger.wandb=disabled",
+                "trainer.progress_bar=false", "trainer.threads=1"]
+    given = {a.split("=", 1)[0] for a in args}
+    argv = ["debug_tiny", *[d for d in defaults if d.split("=", 1)[0] not in given], *args]
+    return subprocess.run([console_script("medusa-train"), *argv], capture_output=True, text=True, cwd=tmp,
+                          env=clean_env(), timeout=240)
 
 
 def bad_sources(root: Path) -> dict[str, Path]:
@@ -99,3 +111,150 @@ def test_preflight_leaves_a_hub_dataset_to_the_trainer(compose_tiny, monkeypatch
     P.check_data_usable(compose_tiny("data.source=someone/some-chats"))
     with pytest.raises(AssertionError, match="hub dataset was read"):
         P.check_data_usable(compose_tiny(f"data.source={TINY_DATA}"))
+
+
+# -- conversations the chat template refuses ----------------------------------------------------------------
+REFUSED_SYSTEM = "System role not supported"
+# ChatML that raises on a system turn, as Gemma's template does (and others on roles that do not alternate).
+RAISING_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ raise_exception('"
+                    + REFUSED_SYSTEM + "') }}{% endif %}{% endfor %}")
+
+
+def raising_tokenizer():
+    from medusa_train.backbone import CHATML_TEMPLATE, byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = RAISING_TEMPLATE + CHATML_TEMPLATE
+    return tok
+
+
+def with_system_turns(path: Path, at: tuple[int, ...]) -> Path:
+    """The tiny chats with a system turn added to the conversations at positions ``at`` (0-based)."""
+    lines = TINY_DATA.read_text().splitlines()
+    for i in at:
+        record = json.loads(lines[i])
+        turns = record.get("conversations") or record["messages"]
+        key = ("from", "value") if "conversations" in record else ("role", "content")
+        turns.insert(0, {key[0]: "system", key[1]: "Be brief."})
+        lines[i] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_conversation_the_template_refuses_is_dropped_and_counted(compose_tiny, tmp_path):
+    """Guards against: one conversation the chat template refuses (a system turn for a Gemma-like template)
+    ending the whole run with jinja2's TemplateError traceback, in the training stream, the held-out stream,
+    the truncated vocabulary's token count and the data check, instead of being dropped and counted."""
+    from medusa_train.data.stream import (ConversationStream, RankData, check_training_data, first_epoch,
+                                          token_frequencies)
+
+    tok = raising_tokenizer()
+    data = compose_tiny(f"data.source={with_system_turns(tmp_path / 'c.jsonl', (3, 20))}").data  # 8 held out
+    why = f"chat template refused it: {REFUSED_SYSTEM}"
+    rank = RankData(data, tok, seed=0, rank=0, world_size=1, micro_batch_size=2, pad_id=tok.pad_token_id)
+    assert rank.eval_batches()  # the 7 other held-out conversations
+    it = iter(rank.batches())
+    next(it)
+    assert rank.read_stats.dropped == {why: 2} and rank.read_stats.recovered == 38
+    assert why in rank.read_stats.summary()
+    assert rank.stats.conversations + rank.stats.no_labels == 31  # the training split less the refused one
+    cache_stream = ConversationStream(data, tok)  # what a features build stores
+    assert len(list(first_epoch(cache_stream, 2, tok.pad_token_id, data.bucket_buffer))) > 0
+    assert cache_stream.read_stats.dropped == {why: 1}
+    assert int(token_frequencies(ConversationStream(data, tok), 320, 100).sum()) > 0
+    check_training_data(data, tok)
+
+
+def test_every_conversation_refused_by_the_template_is_the_no_training_conversations_refusal(compose_tiny):
+    """Guards against: a template that refuses every conversation (a system prompt for a Gemma-like template)
+    surfacing as a traceback or as an unexplained 'produced no training batches' instead of the one-line
+    'gave no training conversations' refusal naming the template's reason."""
+    from medusa_train.data.stream import ConversationStream, MicroBatches, check_training_data
+
+    tok = raising_tokenizer()
+    data = compose_tiny("data.system_prompt=Be brief.").data
+    with pytest.raises(UserError, match=f"gave no training conversations .*32 chat template refused it: "
+                                        f"{REFUSED_SYSTEM}") as e:
+        check_training_data(data, tok)
+    assert "holds out" not in str(e.value)
+    with pytest.raises(UserError, match=f"gave no training conversations .*chat template refused it"):
+        next(iter(MicroBatches(ConversationStream(data, tok), 2, tok.pad_token_id)))
+
+
+def test_a_refused_conversation_in_a_run_and_a_cache_build(compose_tiny, tmp_path, monkeypatch, capsys):
+    """Guards against: the run (its truncated vocabulary scan, training and held-out streams) or a feature
+    cache build stopping with a traceback on a conversation the template refuses, and the run's summary or
+    the cache's counts not saying it was dropped."""
+    from medusa_train import backbone as B
+    from medusa_train import features
+    from medusa_train import trainer as T
+
+    monkeypatch.setattr(B, "CHATML_TEMPLATE", RAISING_TEMPLATE + B.CHATML_TEMPLATE)  # the random backbone's
+    source = with_system_turns(tmp_path / "c.jsonl", (3, 20))
+    run = ["trainer.max_steps=2", "trainer.save_every=0", "logger.plot=false", f"data.source={source}"]
+    T.run(compose_tiny(*run, out=tmp_path / "online"))
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("data: "))
+    assert f"2 chat template refused it: {REFUSED_SYSTEM}" in line, line
+    manifest = features.run_build(compose_tiny(*run, "features.mode=build", out=tmp_path / "cached"))
+    assert manifest["stream"]["dropped"] == {f"chat template refused it: {REFUSED_SYSTEM}": 1}
+
+
+def test_distillation_ends_a_conversation_the_template_refuses(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: distillation stopping with a traceback (after shards were written) on a conversation
+    the chat template refuses, instead of ending that conversation and counting why in distill.json."""
+    from medusa_train import backbone as B
+    from medusa_train import distill
+
+    monkeypatch.setattr(B, "CHATML_TEMPLATE", RAISING_TEMPLATE + B.CHATML_TEMPLATE)
+    source = with_system_turns(tmp_path / "c.jsonl", (1,))
+    manifest = distill.run(compose_tiny("task=distill", f"data.source={source}", "distill.max_new_tokens=4",
+                                        "distill.shard_size=4", "distill.max_conversations=6",
+                                        "distill.engine=generate", out=tmp_path / "d"))
+    assert manifest["complete"]
+    assert manifest["counts"]["ended"] == {f"chat template refused it: {REFUSED_SYSTEM}": 1}
+    assert manifest["counts"]["conversations"] == 5
+
+
+# -- unreadable parquet -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"", b"PAR1 not a parquet file at all"], ids=["empty", "corrupt"])
+@pytest.mark.parametrize("task", ["train", "distill"])
+def test_an_unreadable_parquet_file_is_one_line(content, task, tmp_path):
+    """Guards against: a 0-byte or corrupt .parquet (alone or in a folder) giving pyarrow's ArrowInvalid traceback
+    instead of one line naming the file, before anything is written."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "b.parquet").write_bytes(content)
+    before = snapshot(tmp_path)
+    for source in (folder / "b.parquet", folder):
+        proc = medusa_train(tmp_path, f"data.source={source}", f"task={task}")
+        assert_one_line_refusal(proc, f"{folder / 'b.parquet'} is not a readable parquet file")
+        assert snapshot(tmp_path) == before, "a refused command wrote files"
+
+
+def test_unreadable_parquet_reader(tmp_path):
+    """Guards against: the parquet reader letting pyarrow's errors through (the trainer and distillation read
+    the source beyond what preflight looked at)."""
+    from medusa_train.data.readers import iter_conversations
+
+    bad = tmp_path / "x.parquet"
+    for content in (b"", b"\x00" * 64):
+        bad.write_bytes(content)
+        with pytest.raises(UserError, match="x.parquet is not a readable parquet file"):
+            list(iter_conversations(str(bad)))
+
+
+# -- distillation within the backbone's positions -----------------------------------------------------------
+def test_distillation_past_the_backbones_positions_is_refused_before_loading(compose_tiny, tmp_path):
+    """Guards against: data.max_length + distill.max_new_tokens beyond the backbone's positions accepted, the
+    run then stopping mid-way ('prompt + max_new_tokens exceeds the backbone's positions') in a folder where the
+    fix (a lower data.max_length) is refused because it is part of the data's identity."""
+    from medusa_train.preflight import check_fits
+
+    check_fits(compose_tiny("task=distill", "data.max_length=504", "distill.max_new_tokens=8"))  # 512 positions
+    with pytest.raises(UserError, match=r"data.max_length=505 .*distill.max_new_tokens=8 exceeds the 512 positions"
+                                        r".*data.max_length <= 504"):
+        check_fits(compose_tiny("task=distill", "data.max_length=505", "distill.max_new_tokens=8"))
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, "task=distill", "data.max_length=512", "distill.max_new_tokens=24")
+    assert_one_line_refusal(proc, "exceeds the 512 positions of the backbone")
+    assert snapshot(tmp_path) == before, "a refused command wrote files"

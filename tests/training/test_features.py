@@ -179,3 +179,42 @@ def test_a_killed_build_keeps_its_aux_layers(tmp_path, first_aux):
     assert "\n" not in str(e.value) and "features.cache_dir" in str(e.value)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert cache.claim(identity, 1, aux_layers=first_aux or ())["aux_layers"] == list(first_aux)  # its own: fine
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_rerun_removes_what_killed_builds_left(compose_tiny, out_dir):
+    """Guards against: the temporary shard files of builds killed mid-write (``.train-*.safetensors.tmp-<pid>``)
+    staying in the cache forever, as the shard is rewritten under a new process id; and the clean-up removing a
+    live writer's file (another process, or one written since this process started: another host's)."""
+    import subprocess
+    import sys
+    import time
+
+    root = out_dir / "features"
+    root.mkdir(parents=True)
+    old = time.time() - 3600
+    dead = [root / f".train-000002.safetensors.tmp-{_dead_pid()}", root / f".eval.safetensors.tmp-{_dead_pid()}"]
+    live_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = root / f".train-000003.safetensors.tmp-{live_proc.pid}"
+        for p in (*dead, live):
+            p.write_bytes(b"\0" * 100)
+            os.utime(p, (old, old))
+        recent = root / f".train-000004.safetensors.tmp-{_dead_pid()}"  # written after this process started
+        recent.write_bytes(b"\0" * 100)
+        features.run_build(compose_tiny(*RUN, "features.mode=build", "features.shard_batches=1"))
+        left = sorted(p.name for p in root.iterdir() if ".tmp-" in p.name)
+        assert left == sorted([live.name, recent.name])
+    finally:
+        live_proc.kill()
+        live_proc.wait()
+    assert features.FeatureCache(root).remove_dead_writers() == [live]  # its writer is gone now

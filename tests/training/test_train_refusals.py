@@ -32,8 +32,10 @@ def snapshot(root: Path) -> dict:
 
 
 def medusa_train(tmp: Path, *args: str, out: Path | None = None) -> subprocess.CompletedProcess:
-    argv = ["debug_tiny", f"output_dir={out or tmp / 'out'}", f"data.source={TINY_DATA}", "logger.wandb=disabled",
-            "trainer.progress_bar=false", "trainer.threads=1", *args]
+    given = {a.split("=", 1)[0] for a in args}   # a key given twice is refused: the test's own value wins
+    defaults = [f"output_dir={out or tmp / 'out'}", f"data.source={TINY_DATA}", "logger.wandb=disabled",
+                "trainer.progress_bar=false", "trainer.threads=1"]
+    argv = ["debug_tiny", *[d for d in defaults if d.split("=", 1)[0] not in given], *args]
     return subprocess.run([console_script("medusa-train"), *argv], capture_output=True, text=True, cwd=tmp,
                           env=clean_env(), timeout=240)
 
