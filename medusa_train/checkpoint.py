@@ -29,8 +29,8 @@ resumed run a different run than the one checkpointed. A refused change goes to 
 ``trainer.threads``, ``trainer.device``, ``logger.*``, ``output_dir``, ``recipe`` (a label);
 where and at which precision the same maths runs -- ``trainer.zero_stage`` and ``trainer.precision``
 (checkpoints hold full fp32 weights and moments whatever the stage or precision, see above),
-``trainer.micro_batch_size`` / ``trainer.global_batch_size`` as long as the *effective* global batch
-(rows per optimizer step) is unchanged (it is compared instead), ``backbone.attn_implementation``
+``trainer.global_batch_size`` as long as the *effective* global batch (rows per optimizer step) is
+unchanged (it is compared instead), ``backbone.attn_implementation``
 (same function, another kernel), ``backbone.trust_remote_code``, ``features.cache_dir`` (a location),
 ``lora.merge`` (what is written after training), and ``task`` / ``distill.*`` (not training).
 
@@ -51,7 +51,9 @@ truncated vocabulary, kind), the data order or content (``data.*``, ``trainer.se
 ``heads.targets``, ``heads.train_on``, ``heads.teacher_weight``, ``lora.*``, the backbone: ``backbone.*``), or the
 optimizer's meaning (``optim.*``, ``trainer.grad_clip``, the effective global batch; the LR
 schedule's base LR is restored from the checkpoint, so a changed ``optim.lr`` would not even
-take effect).
+take effect). ``trainer.micro_batch_size`` too, even with the effective batch unchanged: the saved data
+position counts micro-batches, so under another micro-batch size it points at other rows (some trained
+twice, some skipped).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ SAFE_KEYS = (
     "recipe", "output_dir", "task", "distill.*", "logger.*",
     "trainer.max_steps", "trainer.save_every", "trainer.keep_last", "trainer.log_every", "trainer.eval_every",
     "trainer.resume", "trainer.progress_bar", "trainer.threads", "trainer.device",
-    "trainer.zero_stage", "trainer.precision", "trainer.micro_batch_size", "trainer.global_batch_size",
+    "trainer.zero_stage", "trainer.precision", "trainer.global_batch_size",
     "backbone.attn_implementation", "backbone.trust_remote_code", "features.cache_dir", "lora.merge",
 )
 EFFECTIVE_BATCH = "trainer.global_batch_size (effective)"

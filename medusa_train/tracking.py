@@ -1,7 +1,9 @@
 """Where metrics go: a JSONL log (always), wandb (offline by default), a progress bar, a PNG.
 
 Only rank 0 tracks. ``metrics.jsonl`` is the source of truth for plots and for resume: on
-resume, records after the checkpoint's step are dropped so the log matches the run.
+resume, records after the checkpoint's step are dropped so the log matches the run, and so are eval
+records at that step when the resumed run evaluates there again (its final evaluation, when an attempt
+was killed after it but before its export).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tqdm.auto import tqdm
 
 class Tracker:
     def __init__(self, output_dir: Path, logger_cfg, run_config: dict, total_steps: int, start_step: int,
-                 enabled: bool = True, progress: bool = True):
+                 enabled: bool = True, progress: bool = True, redo_eval_at_start: bool = False):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.wandb = None
@@ -26,7 +28,7 @@ class Tracker:
         self.plot_enabled = bool(logger_cfg.plot)
         if not enabled:
             return
-        self._truncate_after(start_step)
+        self._truncate_after(start_step, drop_eval_at_step=redo_eval_at_start)
         mode = str(getattr(logger_cfg.wandb, "value", logger_cfg.wandb))
         if mode != "disabled":
             self.wandb = _start_wandb(mode, logger_cfg, run_config, output_dir)
@@ -34,10 +36,17 @@ class Tracker:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr)
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, drop_eval_at_step: bool = False) -> None:
+        """Keep the records of steps up to ``step`` (the checkpoint's), less its eval records when
+        ``drop_eval_at_step`` (the run logs them again)."""
         if not self.path.exists():
             return
-        kept = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+
+        def keep(record: dict) -> bool:
+            at = record.get("step", 0)
+            return at < step or (at == step and not (drop_eval_at_step and record.get("kind") == "eval"))
+
+        kept = [l for l in self.path.read_text().splitlines() if l.strip() and keep(json.loads(l))]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(l + "\n" for l in kept))
         os.replace(tmp, self.path)

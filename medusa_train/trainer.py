@@ -30,7 +30,9 @@ hidden states their family declares, not the backbone's 49k-vocabulary logits).
 from __future__ import annotations
 
 import math
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -68,6 +70,10 @@ class MedusaTrainer:
         self.step = 0
         self.tracker: Tracker | None = None
         self.finished: Path | None = None  # set by setup: the heads of a run already complete
+        self.interrupts = Interrupts()  # ``run`` installs its signal handlers; ``train`` reads its request
+        self.checkpointed: tuple[int, Path] | None = None  # (step, path) of the last checkpoint saved or resumed
+        self.eval_empty_warned = False
+        self.stopped_together = False  # set when every rank stopped at the same step on a Ctrl-C / SIGTERM
 
     # -- setup -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -111,14 +117,18 @@ class MedusaTrainer:
             state = checkpoint.load(self.engine, self.resume_from, self.rank)  # its config was checked above
             if self.is_main:
                 print(f"[medusa-train] resumed from {self.resume_from} at step {state['step']}", flush=True)
+            self.checkpointed = (int(state["step"]), Path(self.resume_from))
         self.step = state["step"]
         self.batches = self.source.batches(**self._rank_data_state(state))
         self.eval_set = self.source.eval_batches()
         self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.batch_counts = self.source.stats.batch_counts()  # the padding fraction's counters at that step
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        # A run resumed at (or past) max_steps evaluates at that step again (``run``): an eval record left there by
+        # an attempt killed before its export is dropped, not duplicated.
         self.tracker = Tracker(self.output_dir, cfg.logger, self.run_config, t.max_steps, self.step,
-                               enabled=self.is_main, progress=t.progress_bar)
+                               enabled=self.is_main, progress=t.progress_bar,
+                               redo_eval_at_start=self.step >= t.max_steps)
         if self.is_main:
             n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
             n_back = sum(p.numel() for p in model.parameters())
@@ -238,6 +248,10 @@ class MedusaTrainer:
         window_tokens, window_start, loss_sum = 0, time.perf_counter(), 0.0
         self.engine.train()
         while self.step < t.max_steps:
+            # Here, between complete steps, the step counter, data position and engine agree: the only place a
+            # Ctrl-C / SIGTERM (``Interrupts``) stops training, so its checkpoint is exactly this step's.
+            if self._stop_requested():
+                self._stop()
             step_loss = 0.0
             for _ in range(self.plan.grad_accum):
                 batch = next(it)
@@ -279,8 +293,33 @@ class MedusaTrainer:
                 window_start += time.perf_counter() - paused
         self.save_checkpoint()
 
+    def _stop_requested(self) -> bool:
+        """Whether a stop was asked (SIGINT/SIGTERM) on any rank: every rank then stops after the same step."""
+        stop = self.interrupts.requested is not None
+        if self.world_size > 1:  # a signal may reach one rank only (a scheduler's), or the ranks at other steps
+            flag = torch.tensor([1.0 if stop else 0.0], device=self.device)
+            dist.all_reduce(flag)
+            stop = flag.item() > 0
+        return stop
+
+    def _stop(self):
+        """Stop training at the step boundary: checkpoint this step (unless it is already) and say so in one line."""
+        if self.checkpointed is not None and self.checkpointed[0] == self.step:
+            path = self.checkpointed[1]
+        elif self.step == 0:
+            raise UserError("interrupted before the first step; nothing was trained or saved; run the same command "
+                            "again to start")
+        else:
+            path = self.save_checkpoint()
+        self.stopped_together = True
+        # trainer.resume=never would start over on the same command
+        again = ("rerun with trainer.resume=auto to resume" if self.cfg.trainer.resume == "never"
+                 else "run the same command again to resume")
+        raise UserError(f"interrupted at step {self.step}; checkpoint saved to {path}; {again}")
+
     def _check_finite(self, loss: torch.Tensor) -> None:
-        bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0])
+        # on the loss's device: NCCL reduces CUDA tensors only (a CPU one fails on every multi-GPU step)
+        bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device)
         if self.world_size > 1:
             dist.all_reduce(bad)  # every rank stops together, none is left waiting
         if bad.item() > 0:
@@ -299,12 +338,26 @@ class MedusaTrainer:
             losses.append(float(self.loss(batch)))
             metrics.batches += 1
         self.engine.train()
+        self.module.metrics = previous
+        if not any(metrics.count):
+            # No held-out target token: every number would be 0/1 of nothing (loss 0, top-1 0, tau 1 logged as
+            # real). Nothing is logged; one warning says why, once per run.
+            if self.is_main and not self.eval_empty_warned:
+                self.eval_empty_warned = True
+                self._write(f"[medusa-train] warning: {empty_eval_reason(self.cfg.data)}; no held-out metrics are "
+                            "logged")
+            return {}
         # the accuracies are against the training targets (dataset or backbone greedy tokens): say which
         summary = {"loss": sum(losses) / max(len(losses), 1), **metrics.summary(), "targets": self.cfg.heads.targets}
         if self.tracker:
             self.tracker.log(self.step, summary, phase="eval")
-        self.module.metrics = previous
         return summary
+
+    def _write(self, line: str) -> None:
+        if self.tracker:
+            self.tracker.write(line)
+        else:
+            print(line, flush=True)
 
     def save_checkpoint(self) -> Path:
         # Each rank reads its own shard, so each has its own data position; an interrupted
@@ -320,7 +373,9 @@ class MedusaTrainer:
                  "batch_counts_per_rank": [counts for _, counts in per_rank], "heads": self.spec.to_dict(),
                  "world_size": self.world_size, "global_batch_size": self.plan.global_batch_size,
                  "config": self.run_config}  # compared with the next run's on resume (checkpoint docstring)
-        return checkpoint.save(self.engine, self.output_dir, self.step, state, self.cfg.trainer.keep_last, self.rank)
+        path = checkpoint.save(self.engine, self.output_dir, self.step, state, self.cfg.trainer.keep_last, self.rank)
+        self.checkpointed = (self.step, path)
+        return path
 
     # -- export ------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -348,8 +403,52 @@ class MedusaTrainer:
         return png
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+class Interrupts:
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's preemption) while ``run`` trains.
+
+    During training the first one only records the request (``requested``): ``MedusaTrainer.train`` stops
+    between two complete steps, where step counter, data position and engine agree, and saves that step's
+    checkpoint. A KeyboardInterrupt raised at the signal itself could land between ``engine.step()`` and the step
+    counter and save an off-by-one checkpoint. A further Ctrl-C stops at once, without a checkpoint (the last one
+    stays the resume point); a further SIGTERM changes nothing: the DeepSpeed launcher sends every rank one right
+    after the terminal's SIGINT. Once training is over (``finishing``: final evaluation and export, the training
+    already checkpointed) any of them stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, announce: bool = False):
+        self.announce = announce  # one process tells the user that the stop is on its way
+        self.requested: int | None = None
+        self.immediate = False
+        self.previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+            return
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self.handle)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+    def finishing(self) -> None:
+        self.immediate = True
+
+    def handle(self, signum, frame) -> None:
+        if self.immediate or (self.requested is not None and signum == signal.SIGINT):
+            raise KeyboardInterrupt
+        if self.requested is None and self.announce:
+            # os.write, not print: a handler may run in the middle of a print to the same stream
+            os.write(2, f"\n[medusa-train] {signal.Signals(signum).name}: stopping after the current step to save a "
+                        "checkpoint (Ctrl-C again stops at once, without it)\n".encode())
+        self.requested = signum
+
+
+def empty_eval_reason(data) -> str:
+    return (f"the held-out split is empty: none of the first {data.eval_conversations} conversations "
+            f"(data.eval_conversations) has a token to predict within data.max_length={data.max_length}")
 
 
 def lr_factor(step: int, max_steps: int, optim) -> float:
@@ -386,6 +485,14 @@ def format_accuracy_table(summary: dict, num_heads: int) -> str:
     return "\n".join(lines)
 
 
+def _last_checkpoint(trainer: MedusaTrainer) -> str:
+    try:
+        last = checkpoint.find_resume(trainer.output_dir, trainer.cfg.trainer.resume)
+    except UserError:
+        last = None
+    return str(last) if last is not None else "none: it starts over"
+
+
 def run(cfg, record: Callable[[], None] | None = None) -> dict:
     """The whole recipe: returns the final eval summary (rank 0) for callers and tests. ``record`` writes the
     run's record once the data is accepted (``MedusaTrainer``)."""
@@ -397,22 +504,30 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
                   f"(heads in {trainer.finished})", flush=True)
         _leave_process_group(trainer.world_size)
         return {"step": trainer.step, "already_trained": True}
-    previous_handler = None
-    if trainer.world_size == 1:  # a scheduler's SIGTERM saves a checkpoint like Ctrl-C does
-        previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupts = trainer.interrupts = Interrupts(announce=trainer.is_main)
+    interrupts.install()  # every rank: a Ctrl-C reaches them all, a scheduler's SIGTERM perhaps only some
     summary: dict = {}
     try:
-        if trainer.step < cfg.trainer.max_steps:
-            try:
-                trainer.train()
-            except KeyboardInterrupt:
-                path = trainer.save_checkpoint()
-                raise UserError(f"interrupted at step {trainer.step}; checkpoint saved to {path}; "
-                                "run the same command again to resume") from None
-        summary = trainer.evaluate()
-        heads_dir = trainer.export()
+        try:
+            if trainer.step < cfg.trainer.max_steps:
+                trainer.train()  # a Ctrl-C / SIGTERM: it checkpoints the step reached and says so (UserError)
+        except KeyboardInterrupt:  # a second Ctrl-C: at once, wherever the step was, so nothing is saved
+            raise UserError(f"interrupted again: stopped at once at step {trainer.step}, saving nothing; run the same "
+                            f"command again to resume from the last checkpoint ({_last_checkpoint(trainer)})") from None
+        interrupts.finishing()  # the training is checkpointed: from here a signal stops at once
+        try:
+            if interrupts.requested is not None:  # arrived while the last checkpoint was being written
+                raise KeyboardInterrupt
+            summary = trainer.evaluate()
+            heads_dir = trainer.export()
+        except KeyboardInterrupt:
+            raise UserError(f"interrupted after training, during the final evaluation or export (checkpoint "
+                            f"{_last_checkpoint(trainer)}); run the same command again to finish them") from None
         if trainer.is_main:
-            trainer.tracker.write("\n" + format_accuracy_table(summary, trainer.spec.num_heads))
+            if summary:
+                trainer.tracker.write("\n" + format_accuracy_table(summary, trainer.spec.num_heads))
+            else:
+                trainer.tracker.write(f"\nno held-out accuracy: {empty_eval_reason(cfg.data)}")
             stats = trainer.source.stats
             trainer.tracker.write(
                 f"data: {trainer.source.read_stats.summary()}; this run tokenized {stats.conversations} "
@@ -420,9 +535,12 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
                 f"padding {stats.padding_fraction:.1%} of batch tokens")
             trainer.tracker.write(f"heads exported to {heads_dir}")
     finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
+        interrupts.restore()
         png = trainer.cleanup()
+        if trainer.stopped_together:
+            # every rank is here: rank 0 has written its curves before any rank exits (the launcher ends the
+            # others as soon as one exits with an error)
+            _leave_process_group(trainer.world_size)
     if trainer.is_main and png:
         print(f"curves: {png}", flush=True)
     _leave_process_group(trainer.world_size)

@@ -59,7 +59,9 @@ def interrupted_run(compose_tiny, out: Path, monkeypatch, *extra: str) -> None:
     (["heads.truncated_vocab_size=64"], "heads.truncated_vocab_size"),
     (["optim.lr=1e-4"], "optim.lr"),
     (["data.max_length=128", "trainer.seed=3"], "data.max_length"),
-], ids=["num_heads", "truncated_vocab", "lr", "data-and-seed"])
+    # same effective batch, but the saved data position counts micro-batches: other rows would be trained
+    (["trainer.micro_batch_size=1", "trainer.global_batch_size=2"], "trainer.micro_batch_size (2 -> 1)"),
+], ids=["num_heads", "truncated_vocab", "lr", "data-and-seed", "micro_batch_size"])
 def test_resume_under_changed_heads_or_training_is_refused(change, key, compose_tiny, tmp_path, monkeypatch):
     """Guards against: resuming a 3-head checkpoint with heads.num_heads=2 silently continuing the 3-head
     run (metrics.jsonl then mixes both runs' losses), a changed truncated_vocab_size crashing with a
@@ -73,7 +75,7 @@ def test_resume_under_changed_heads_or_training_is_refused(change, key, compose_
         T.run(compose_tiny(*RUN, *change, out=out))
     msg = str(err.value)
     assert "\n" not in msg and key in msg and "step-000002" in msg and "output_dir" in msg, msg
-    if len(change) > 1:
+    if "trainer.seed=3" in change:
         assert "trainer.seed" in msg, msg
     assert snapshot(out) == before
 
@@ -125,6 +127,9 @@ def test_safe_unsafe_split():
                        ("optim.betas", [0.9, 0.99]), ("trainer.seed", 1), ("trainer.grad_clip", 0.5),
                        ("data.shuffle_buffer", 8), ("backbone.dtype", "bfloat16")]:
         assert changed(key, value) == [key], key
+    # the saved data position counts micro-batches: another micro-batch size reads other rows
+    micro = {**flat, "trainer.micro_batch_size": 2}
+    assert checkpoint.unsafe_changes(micro, {**micro, "trainer.micro_batch_size": 1}) == ["trainer.micro_batch_size"]
     # a key nobody has classified yet is unsafe; one the checkpoint's version did not have is not compared
     assert checkpoint.unsafe_changes({**flat, "lora.new_key": 1}, {**flat, "lora.new_key": 2}) == ["lora.new_key"]
     assert checkpoint.unsafe_changes(flat, {**flat, "lora.new_key": 2}) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -257,8 +258,8 @@ def test_resume_after_kill_between_checkpoints(compose_tiny, tmp_path, monkeypat
     assert train_losses(tmp_path / "b") == train_losses(tmp_path / "a")
 
 
-def interrupt_at_forward(monkeypatch, n: int) -> None:
-    """Make the n-th training forward of the heads raise KeyboardInterrupt (a Ctrl-C mid-run)."""
+def interrupt_at_forward(monkeypatch, n: int, signals: tuple = (signal.SIGINT,)) -> None:
+    """Deliver ``signals`` to this process (a Ctrl-C is SIGINT) in the n-th training forward of the heads."""
     original = HeadsWithLoss.forward
     calls = {"n": 0}
 
@@ -266,7 +267,8 @@ def interrupt_at_forward(monkeypatch, n: int) -> None:
         if self.training:
             calls["n"] += 1
             if calls["n"] == n:
-                raise KeyboardInterrupt
+                for sig in signals:
+                    os.kill(os.getpid(), sig)
         return original(self, hidden, labels, doc_ids, input_ids)
 
     monkeypatch.setattr(HeadsWithLoss, "forward", forward)
@@ -274,10 +276,11 @@ def interrupt_at_forward(monkeypatch, n: int) -> None:
 
 def test_resume_after_ctrl_c_matches_uninterrupted_run(compose_tiny, tmp_path, monkeypatch):
     """Guards against: Ctrl-C mid-step (the README's 'rerun after a crash or Ctrl-C') losing training data:
-    the interrupt checkpoint must resume exactly where the last completed step left off."""
+    the interrupt checkpoint must resume exactly where the last completed step left off (the step in progress
+    completes first)."""
     T.run(compose_tiny(*RESUME_OVERRIDES, out=tmp_path / "a"))
     interrupt_at_forward(monkeypatch, 6)
-    with pytest.raises(UserError, match="interrupted at step 5"):
+    with pytest.raises(UserError, match="interrupted at step 6"):
         T.run(compose_tiny(*RESUME_OVERRIDES, out=tmp_path / "b"))
     monkeypatch.undo()
     T.run(compose_tiny(*RESUME_OVERRIDES, out=tmp_path / "b"))
@@ -288,34 +291,22 @@ def test_ctrl_c_saves_a_resumable_checkpoint(compose_tiny, out_dir, monkeypatch)
     """Guards against: Ctrl-C losing the run (no checkpoint) or ending with a traceback instead of a
     one-line message telling the user how to continue."""
     interrupt_at_forward(monkeypatch, 3)
-    with pytest.raises(UserError, match="interrupted at step 2.*step-000002.*again to resume"):
+    with pytest.raises(UserError, match="interrupted at step 3.*step-000003.*again to resume"):
         T.run(compose_tiny(*RESUME_OVERRIDES))
     monkeypatch.undo()
-    assert checkpoint.read_state(out_dir / "checkpoints" / "step-000002")["step"] == 2
+    assert checkpoint.read_state(out_dir / "checkpoints" / "step-000003")["step"] == 3
     assert T.run(compose_tiny(*RESUME_OVERRIDES))["step"] == 8
 
 
 def test_sigterm_saves_a_checkpoint_and_restores_the_handler(compose_tiny, out_dir, monkeypatch):
     """Guards against: a scheduler's SIGTERM (preemption) killing a single-process run without a
-    checkpoint, or run() leaving its SIGTERM handler installed in the caller's process afterwards."""
-    import signal
-
-    before = signal.getsignal(signal.SIGTERM)
-    original = HeadsWithLoss.forward
-    calls = {"n": 0}
-
-    def forward(self, hidden, labels, doc_ids, input_ids=None):
-        if self.training:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, hidden, labels, doc_ids, input_ids)
-
-    monkeypatch.setattr(HeadsWithLoss, "forward", forward)
-    with pytest.raises(UserError, match="interrupted at step 2"):
+    checkpoint, or run() leaving its SIGTERM / SIGINT handlers installed in the caller's process afterwards."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    interrupt_at_forward(monkeypatch, 3, (signal.SIGTERM,))
+    with pytest.raises(UserError, match="interrupted at step 3"):
         T.run(compose_tiny(*RESUME_OVERRIDES))
-    assert signal.getsignal(signal.SIGTERM) == before
-    assert checkpoint.read_state(out_dir / "checkpoints" / "step-000002")["step"] == 2
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    assert checkpoint.read_state(out_dir / "checkpoints" / "step-000003")["step"] == 3
 
 
 def test_keep_last_latest_and_resume_never(compose_tiny, out_dir, capsys):
