@@ -118,8 +118,7 @@ def _check_local(name_or_path: str, path: str) -> None:
     """A setting that looks like a local path must exist (else the hub would be asked for it)."""
     looks_local = path.startswith((".", "/", "~")) or (os.path.sep in path and path.count("/") > 1)
     if looks_local and os.path.isfile(os.path.expanduser(path)):
-        raise UserError(f"cannot load backbone {name_or_path!r}: it is a file, give its model folder (a GGUF "
-                        "inside one: the folder, with gguf_file=)")
+        raise UserError(f"cannot load backbone {name_or_path!r}: it is a file, give the model's folder")
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
         raise UserError(f"cannot load backbone {name_or_path!r}: path not found ({path})")
 

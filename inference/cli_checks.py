@@ -51,8 +51,9 @@ def check_decoding_keys(cfg):
             raise UserError(f"{key} must be an integer >= {low}{what}, got {value!r}")
     check_backbone_name(cfg.backbone)
     seed = getattr(cfg, "seed", 0)
-    if seed is not None and not -2**63 <= seed < 2**64:   # what torch.Generator.manual_seed takes
-        raise UserError(f"seed must lie in -2**63 .. 2**64-1, got {seed}")
+    # torch.Generator.manual_seed takes -2**63 .. 2**64-1; an evaluation adds the prompt's index to it
+    if seed is not None and not -2**63 <= seed < 2**63:
+        raise UserError(f"seed must lie in -2**63 .. 2**63-1, got {seed}")
     buckets = cfg.graph_buckets
     check_graphs(cfg.graphs, list(buckets) if not isinstance(buckets, (str, int)) else buckets,
                  parse_device(cfg.device).type if graphs_mode(cfg.graphs) == "on" else None)

@@ -7,6 +7,7 @@ its top: ``cli.py`` imports it only once a command runs, so ``--help`` stays fas
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -125,7 +126,8 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
     fingerprint = getattr(getattr(m.heads, "spec", None), "base_model_fingerprint", "") or ""   # the loaded heads'
     files = {x: write_choice(out, x, c, c.options, fingerprint) for x, c in chosen.items() if c.measured}
     paths += list(files.values())
-    stale = remove_stale_reports(out, paths)
+    given = [Path(cfg.choice)] if cfg.choice not in ("auto", "fixed") else []   # the choice= file read: never removed
+    stale = remove_stale_reports(out, paths + given)
     print()
     if batched:
         print_batched(report["batched"])

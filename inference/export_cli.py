@@ -10,7 +10,8 @@ Keys:
   heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 dir (re-export)
   format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM and SGLang)
   out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true, and even then
-                    unless it is a previous export (a config.json and files, no subfolders); never
+                    unless it is a previous export (an engine layout's config.json and only the files
+                    exports write, no subfolders); never
                     the heads= folder, a folder holding it or one inside it
   materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
                     that need them (tensorrt_llm, medusa_v1, tgi with >1 layer); prints the size cost
@@ -18,7 +19,8 @@ Keys:
                     hidden size, vocabulary, fingerprint, EAGLE-3 aux layers), where the lm_head of
                     shared heads is read, and for tgi the attention head size its launcher needs
                     (default: the heads' base model, checked when its config can be read)
-  base_model=NAME   the base model written into the engine config (default: the heads' own);
+  base_model=NAME   the base model written into the engine config (default: the heads' own; for heads
+                    trained with a LoRA adapter on the backbone, <run>/merged, else required);
                     use a hub id or path the engine can load
   dtype=NAME        keep (default) | float16 | bfloat16 | float32
 

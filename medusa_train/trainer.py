@@ -144,7 +144,9 @@ class MedusaTrainer:
         """Refuse data with no training conversation that keeps an assistant token within data.max_length
         (a hub dataset, or a max_length the reader alone cannot judge) before the first write of the run;
         then write the run's record."""
-        check_training_data(self.cfg.data, tokenizer)
+        cached = self.cfg.features.mode == "train" and (features.cache_dir(self.cfg) / features.MANIFEST).is_file()
+        if not cached:   # a feature cache already built trains without the source (offline, a hub dataset)
+            check_training_data(self.cfg.data, tokenizer)
         self.record()
 
     def _rank_data_state(self, state: dict) -> dict:

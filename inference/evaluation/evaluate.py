@@ -1,10 +1,11 @@
 """Evaluation: what a decoding method is worth on this machine, measured honestly.
 
 One place defines the metrics (per method, in ``per_method``):
-  tau                mean tokens per verification step, bonus counted (plain decoding = 1.0);
-                     pooled over all steps of all prompts.
-  acceptance_rate    accepted draft tokens / proposed draft tokens. What a step proposes is the
-                     method's own definition (``Method.proposed``): the tree's depth for Medusa
+  tau                mean tokens emitted per verification step, bonus counted (plain decoding = 1.0);
+                     pooled over all steps of all prompts; a step cut at EOS / max_new_tokens counts what it output.
+  acceptance_rate    accepted draft tokens / proposed draft tokens, as verification accepted them (before
+                     that cut: a deep tree's last step is no rejection; the histogram and n_alpha too).
+                     What a step proposes is the method's own definition (``Method.proposed``): the tree's depth for Medusa
                      (the most it could accept, as vLLM counts its K speculative tokens); K for
                      the draft model, the candidate trie's depth for lookahead, the looked-up
                      length for prompt lookup, the merged trie's depth for medusa_lookup.
@@ -77,15 +78,16 @@ def method_summary(samples: list[Sample], method: str, methods: Sequence[str], r
     lengths = [n for o in outs for n in o.accept_lengths]
     out: dict = {"tokens_per_s": round(rates[method], 3),
                  "tau": round(sum(lengths) / len(lengths), 4) if lengths else 1.0}
-    if not registry.get(method).baseline:
-        accepted = [n - 1 for n in lengths]
+    if not registry.get(method).baseline:   # what verification accepted, before EOS / the budget cut a step
+        verified = [n for o in outs for n in (o.accepted or o.accept_lengths)]
+        accepted = [n - 1 for n in verified]
         total = proposed * len(lengths) if proposed is not None else sum(sum(o.proposed) for o in outs)
         out["acceptance_rate"] = round(sum(accepted) / total, 4) if total else 0.0
         out["proposed_per_step"] = round(total / len(lengths), 3) if lengths else 0.0
         if proposed is not None:
             out["n_alpha"] = [round(sum(a >= n for a in accepted) / max(sum(a >= n - 1 for a in accepted), 1), 4)
                               for n in range(1, proposed + 1)]
-        out["accept_length_histogram"] = {str(k): lengths.count(k) for k in sorted(set(lengths))}
+        out["accept_length_histogram"] = {str(k): verified.count(k) for k in sorted(set(verified))}
     for base in methods:
         if registry.get(base).baseline and rates[base] > 0:
             out[f"speedup_vs_{base}"] = round(rates[method] / rates[base], 4)

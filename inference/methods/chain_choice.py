@@ -34,7 +34,7 @@ def measure_chain_acceptance(m: MedusaModel, method: str, options, prompts: Sequ
     accepted = []
     for p in prompts:
         out = registry.generate(m, list(p), method, options=opts, max_new_tokens=max_new_tokens, eos_token_ids=())
-        accepted += [n - 1 for n in out.accept_lengths]
+        accepted += [n - 1 for n in out.accepted]   # before the budget's cut: a deep chain's last step is no rejection
     return accepted
 
 

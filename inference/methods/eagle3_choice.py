@@ -113,7 +113,7 @@ def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: 
     for p in prompts:
         out = generate(m, list(p), method, options=options, **eagle3_fields(shape),
                        max_new_tokens=max_new_tokens)
-        tokens, steps = tokens + sum(out.accept_lengths), steps + out.steps
+        tokens, steps = tokens + sum(out.accepted), steps + out.steps   # before the budget's cut, as a long reply runs
     return tokens / steps if steps else 1.0
 
 

@@ -336,6 +336,7 @@ def run_batch(decoder: BatchTreeDecoder, m: MedusaModel, prompts, max_new_tokens
         out.speculation.append(decoder.last_nodes)
         for row, (new, proposed) in zip(decoder.rows, result):
             outs[row].accept_lengths.append(len(emit[row].add(new)))   # emitted: cut at EOS / the budget
+            outs[row].accepted.append(len(new))
             outs[row].proposed.append(proposed)
             outs[row].step_s.append(out.step_s[-1])
         steps += 1

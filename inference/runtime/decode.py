@@ -32,6 +32,9 @@ class GenerationOutput:
     prompt_tokens: int
     finish_reason: str                                    # "eos", "length" or "steps"
     accept_lengths: list[int] = field(default_factory=list)  # tokens each step emitted (cut at EOS / the budget)
+    # tokens each step's verification accepted (drafts + the bonus), before that cut: what the drafter earned,
+    # for the acceptance rate and the calibrations that estimate a shape's tau over a long reply
+    accepted: list[int] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)     # wall time of each step
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -41,7 +44,7 @@ class GenerationOutput:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / proposed draft tokens (the bonus token is not a draft token)."""
         total = sum(self.proposed)
-        return sum(n - 1 for n in self.accept_lengths) / total if total else 0.0
+        return sum(n - 1 for n in self.accepted) / total if total else 0.0
 
     @property
     def steps(self) -> int:
@@ -49,7 +52,7 @@ class GenerationOutput:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per verification step (bonus included; plain decoding = 1.0)."""
+        """Mean tokens emitted per verification step (bonus included; plain decoding = 1.0)."""
         return sum(self.accept_lengths) / max(1, self.steps)
 
     @property
@@ -196,6 +199,7 @@ def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int
         out.step_s.append(time.perf_counter() - t)
         chunk = emit.add(new)
         out.accept_lengths.append(len(chunk))   # what the step emitted: tokens past EOS / the budget are not output
+        out.accepted.append(len(new))
         out.proposed.append(proposed)
         if chunk:
             yield chunk

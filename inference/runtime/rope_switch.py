@@ -8,11 +8,12 @@ past .. past + depth in one forward: when it straddles T, the whole forward went
 T included, and greedy output differed from plain decoding around that position.
 
 Inside the runtime's forwards (``MedusaModel.body_hidden``) the rotary module is called twice, once with the
-positions capped at T - 1 (short factors, exact below T) and once raised to T (long factors, exact from T on):
-during decoding steps (``stepping``) each position takes its own, what one-token decoding computes; for prompts
-each row takes transformers' rule for itself (long throughout when the row reaches T), where transformers
-decides for the whole batch at once and a long prompt turned a short one beside it long. Both calls are
-transformers' own code and device ops only, so a captured step stays capturable. Other callers of the backbone
+positions capped at T - 1 (short factors, exact below T) and once with one more position at T (long factors at
+every true position). During decoding steps (``stepping``) each position takes its own, what one-token decoding
+computes; for prompts each row takes transformers' rule for itself (long throughout when the row reaches T),
+where transformers decides for the whole batch at once and a long prompt turned a short one beside it long. Both
+calls are transformers' own code: where its switch is device ops (transformers 5.25's ``torch.where``) a captured
+step stays capturable; where it reads the host, steps run uncaptured, as before. Other callers of the backbone
 (transformers' ``generate``, the baselines) see it unchanged.
 
 Like one-token decoding over a KV cache (and vLLM), keys computed below T keep their short rotation after the
@@ -50,8 +51,11 @@ class PerPositionLongRope:
     def __call__(self, x, position_ids, *args, **kwargs):
         if not self.inside:
             return self.forward(x, position_ids, *args, **kwargs)
+        # short factors: a forward whose largest position is below T (positions from T on are moved, never used);
+        # long ones at every true position: one more column at T makes transformers take them, then it is dropped
         short = self.forward(x, position_ids.clamp(max=self.switch - 1), *args, **kwargs)
-        long = self.forward(x, position_ids.clamp(min=self.switch), *args, **kwargs)
+        reach = torch.full_like(position_ids[..., :1], self.switch)
+        long = tuple(t[..., :-1, :] for t in self.forward(x, torch.cat([position_ids, reach], -1), *args, **kwargs))
         past = position_ids >= self.switch if self.per_position else self._prompt_reaches(position_ids)
         return tuple(torch.where(past[..., None], lo, sh) for sh, lo in zip(short, long))
 

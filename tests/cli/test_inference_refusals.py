@@ -116,8 +116,8 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/tree_schedule.json"], "from before the one choice file"),
     (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/no_such_choice.json"], "no such file"),
     # -- review 3: tracebacks after loading, a key given twice, an empty method list -----------------------------
-    (GEN, [MEDUSA, "prompt=hi", "seed=99999999999999999999"], "seed must lie in -2**63 .. 2**64-1"),
-    (EVAL, [MEDUSA, PROMPTS, "seed=-9223372036854775809"], "seed must lie in -2**63 .. 2**64-1"),
+    (GEN, [MEDUSA, "prompt=hi", "seed=99999999999999999999"], "seed must lie in -2**63 .. 2**63-1"),
+    (EVAL, [MEDUSA, PROMPTS, "seed=-9223372036854775809"], "seed must lie in -2**63 .. 2**63-1"),
     (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/version_string.json"], "its version is '2', not a number"),
     (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=4", "max_new_tokens=5"], "max_new_tokens= is given twice"),
     (EXPORT, [MEDUSA, "format=vllm", "out={tmp}/o", "format=tgi"], "format= is given twice"),
@@ -130,7 +130,7 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=" + "long " * 20, "backbone={tmp}/bbtok", "max_new_tokens=8"],
      "exceeds the backbone's 64 positions"),   # the tokenizer alone read: the weights never load
     (GEN, ["heads={tmp}/model", "prompt=hi"], "holds a model (llama), not heads"),
-    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/afile"], "it is a file, give its model folder"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/afile"], "it is a file, give the model's folder"),
 ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -157,8 +158,26 @@ def test_an_evaluation_into_an_earlier_ones_folder_leaves_none_of_its_files(tmp_
     for name in ("report.json", "report.md", "head_accuracy.png", "compare.md", "compare.png",
                  "medusa_choice.json", "throughput_vs_batch.png", "notes.txt", "my_plot.png"):
         (tmp_path / name).write_text("earlier")
+    # the evaluation's files, and the choice= file it measured again (what README tells users to decode with)
     written = [tmp_path / "report.json", tmp_path / "report.md", tmp_path / "eagle3_choice.json"]
     removed = remove_stale_reports(tmp_path, written)
     assert removed == ["compare.md", "compare.png", "head_accuracy.png", "medusa_choice.json",
                        "throughput_vs_batch.png"]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["my_plot.png", "notes.txt", "report.json", "report.md"]
+
+
+def test_an_evaluation_keeps_the_choice_file_it_measured_again(tmp_path, monkeypatch, capsys):
+    """Guards against: medusa-eval choice=<out>/medusa_choice.json (measured again at fixed, so no choice file is
+    written) deleting that very file as an earlier evaluation's leftover: the file users decode with, which may
+    have taken hours to measure."""
+    import inference.cli as cli
+    from inference import cli_run
+
+    given = tmp_path / "medusa_choice.json"
+    given.write_text("{}")
+    (tmp_path / "eagle3_choice.json").write_text("{}")   # another evaluation's: removed
+    monkeypatch.setattr(cli_run, "write_report", lambda out, report: [out / "report.json"])
+    monkeypatch.setattr(cli_run, "print_per_method", lambda report: None)
+    cfg = cli.EvalConfig(heads="h", choice=str(given), out=str(tmp_path))
+    cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), tmp_path, {}, {}, batched=False)
+    assert given.exists() and not (tmp_path / "eagle3_choice.json").exists()

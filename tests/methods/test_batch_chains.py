@@ -66,7 +66,7 @@ def test_calibration_runs_the_longest_chain_at_batch_one(m, prompts, method):
     for p in prompts[:2]:
         fixed = {k: v for k, v in opts.items() if k != "adaptive"}
         out = generate(m, p, method, max_new_tokens=20, eos_token_ids=(), **fixed)
-        expected += [n - 1 for n in out.accept_lengths]
+        expected += [n - 1 for n in out.accepted]
         assert all(x <= 4 for x in out.proposed)
     assert accepted == expected and max(accepted) <= 4 and sum(accepted) > 0
 

@@ -400,7 +400,7 @@ def test_auto_can_choose_a_probability_floor(backbone, greedy, monkeypatch):
     the calibration decodes (tau), in the race (names), in the chosen options or in the report, and
     against a floor shape being costed by its median step where its steps differ by themselves."""
     monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
-    clock = fake_clock({"plain": 80, "n4-d1-k4": 130, "n4-d1-k4-p0.3": 100})
+    clock = fake_clock({"plain": 80, "n4-d1-k4": 130, "n4-d1-k4-p0.3": 90})
     whole = []   # the shapes timed over a whole reply (their steps differ) and that reply's length
     monkeypatch.setattr(tc, "eagle3_step_times", lambda m, p, shape, reply_tokens=None, **k: (
         whole.append((tc.eagle3_name(shape), reply_tokens)) if reply_tokens else None, clock(m, p, shape, **k))[1])

@@ -88,7 +88,7 @@ def test_greedy_speculative_is_token_identical(m, greedy, draft_spec, settings):
     assert out.tokens == greedy and out.finish_reason == "length"
     if draft_spec == "self:2":                               # the whole model as its own draft
         assert out.accept_lengths[:-1] == [settings.k + 1] * (len(out.accept_lengths) - 1)   # the last: cut at 48
-        assert sum(out.accept_lengths) == 47
+        assert sum(out.accept_lengths) == 47 and out.acceptance_rate == 1.0
 
 
 def test_caches_after_rollback_equal_sequential_caches(m):
