@@ -116,7 +116,7 @@ def check_prompts_fit(cfg, texts: list[str], spec) -> None:
     """``encode_prompts``' check before the weights load: each prompt encoded with the backbone's tokenizer alone
     and checked against its positions (a 4,800-token prompt refused after an 8B model had loaded). Where the
     tokenizer or config cannot be read here, ``encode_prompts`` checks once the model has loaded."""
-    name = cfg.backbone or (spec.base_model if spec is not None else None)
+    name = cfg.backbone or getattr(spec, "base_model", None)
     if not name or name.startswith("random:"):
         return
     try:
