@@ -104,6 +104,7 @@ MANIFEST = "features.json"
 EVAL_FILE = "eval.safetensors"
 KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
 _STARTED = time.time()  # leftovers older than this process cannot be from a writer of this run
+_OTHER_HOSTS_MARGIN_S = 900
 
 
 def enabled(cfg) -> bool:
@@ -201,7 +202,9 @@ class FeatureCache:
         for tmp in self.root.glob(".*.safetensors.tmp-*"):
             pid = tmp.name.rsplit(".tmp-", 1)[1]
             try:
-                recent = tmp.stat().st_mtime >= _STARTED
+                # a margin for another host's clock or a network file system's cached times: a writer of this
+                # run elsewhere keeps its file, a killed build's stays until a later run (disk, never a shard)
+                recent = tmp.stat().st_mtime >= _STARTED - _OTHER_HOSTS_MARGIN_S
             except FileNotFoundError:  # its writer finished (renamed it) or another rank removed it
                 continue
             if recent or _pid_alive(int(pid) if pid.isdigit() else None):
