@@ -83,7 +83,7 @@ LAYER_WEIGHTS = (
 
 
 # -- export -----------------------------------------------------------------------------------
-@register_exporter("eagle3", "eagle3")
+@register_exporter("eagle3", "eagle3", files=(WEIGHTS,))
 def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     refuse_unless_kind(heads, "eagle3")
     spec, layer, read = heads.spec, heads.spec.settings.draft_layer, heads.spec.settings.aux_layers

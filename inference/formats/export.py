@@ -93,10 +93,12 @@ class ExportResult:
     notes: list[str]
 
 
-def register_exporter(format_name: str, kind: str):
-    """Decorator: ``fn(heads, ExportOptions) -> ExportPlan`` exports heads of ``kind`` to ``format_name``."""
+def register_exporter(format_name: str, kind: str, files: tuple = ()):
+    """Decorator: ``fn(heads, ExportOptions) -> ExportPlan`` exports heads of ``kind`` to ``format_name``, writing
+    ``files`` besides config.json (its weights file, a tree file): what ``overwrite=true`` may later replace."""
     if format_name not in FORMATS:
         raise ValueError(f"unknown format {format_name!r}; add it to inference.formats.FORMATS first")
+    _EXPORT_FILES.update(files)
 
     def add(fn):
         _EXPORTERS[(format_name, kind)] = fn
@@ -172,23 +174,30 @@ def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> 
         raise UserError(f"out={out} cannot be created: {base} is not writable")
 
 
-# Every name an export writes (the formats' weights files, trees, the TGI dir's tokenizer files): a folder holding
-# anything else is not one of ours to replace. tests/formats check each exporter's plan against it.
+# The tokenizer files an export may carry (``ExportOptions.tokenizer_files``), the chat template's own file too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "chat_template.json")
-EXPORT_FILES = frozenset(("config.json", "model.safetensors", "medusa_lm_head.safetensors", "medusa_choices.json",
-                          *TOKENIZER_FILES))
+# Every name an export writes: config.json, the tokenizer files, and what each exporter declared when it registered
+# (``register_exporter(files=)``). A folder holding anything else is not one of ours to replace.
+_EXPORT_FILES: set = {"config.json", *TOKENIZER_FILES}
+
+
+def export_files() -> frozenset:
+    """Every file name an export of a registered format may hold."""
+    load_builtin_formats()
+    return frozenset(_EXPORT_FILES)
 
 
 def _is_export(folder: Path) -> bool:
     """Whether ``folder`` is a previous export, which ``overwrite=true`` may replace: a flat folder of the files
-    exports write (``EXPORT_FILES``) whose config a format's importer recognises. A training run (subfolders), a
+    exports write (``export_files``) whose config a format's importer recognises. A training run (subfolders), a
     model folder (generation_config.json; a config no drafter layout has), another run's heads (the native
     config) or a downloaded drafter with other files (a ``.pt``) is not one."""
     entries = list(folder.iterdir())
     if not (folder / "config.json").is_file() or any(e.is_dir() or e.is_symlink() for e in entries):
         return False
-    if any(e.name not in EXPORT_FILES for e in entries):
+    load_builtin_formats()
+    if any(e.name not in _EXPORT_FILES for e in entries):
         return False
     return detect_layout(folder) is not None
 

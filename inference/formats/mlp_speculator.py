@@ -44,7 +44,7 @@ MODEL_TYPE = "mlp_speculator"
 WEIGHTS = "model.safetensors"
 
 
-@register_exporter("vllm", "mlp_speculator")
+@register_exporter("vllm", "mlp_speculator", files=(WEIGHTS,))
 def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
     spec = heads.spec
     if spec.projection != "own" and not options.materialize:

@@ -240,17 +240,17 @@ def _export(heads: MedusaHeads, options: ExportOptions, fmt: str) -> ExportPlan:
                       extra_files=extra_files)
 
 
-@register_exporter("tensorrt_llm", "medusa")
+@register_exporter("tensorrt_llm", "medusa", files=(WEIGHTS_SAFETENSORS, TREE_FILE))
 def export_tensorrt_llm(heads, options):
     return _export(heads, options, "tensorrt_llm")
 
 
-@register_exporter("tgi", "medusa")
+@register_exporter("tgi", "medusa", files=(WEIGHTS_SAFETENSORS,))
 def export_tgi(heads, options):
     return _export(heads, options, "tgi")
 
 
-@register_exporter("medusa_v1", "medusa")
+@register_exporter("medusa_v1", "medusa", files=(WEIGHTS_SAFETENSORS, TREE_FILE))
 def export_medusa_v1(heads, options):
     return _export(heads, options, "medusa_v1")
 

@@ -42,10 +42,11 @@ from .importers import register_importer
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
 LM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
+WEIGHTS = "model.safetensors"   # what vLLM's Medusa loader reads
 
 
 # -- export -----------------------------------------------------------------------------------
-@register_exporter("vllm", "medusa")
+@register_exporter("vllm", "medusa", files=(WEIGHTS,))
 def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
     refuse_unless_kind(heads, "medusa")
     spec = heads.spec
@@ -98,7 +99,7 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
     }
     notes.append(f"serve: vllm serve {config['base_model_name_or_path'] or '<base model>'} --speculative-config "
                  f"'{{\"method\": \"medusa\", \"model\": \"<this dir>\", \"num_speculative_tokens\": {spec.num_heads}}}'")
-    return ExportPlan(config=config, weights_file="model.safetensors", tensors=tensors, notes=notes)
+    return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
 
 
 # -- import -----------------------------------------------------------------------------------

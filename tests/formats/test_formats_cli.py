@@ -147,16 +147,16 @@ def test_overwrite_never_replaces_a_model_other_heads_or_a_foreign_drafter(victi
 
 
 def test_every_exported_file_is_one_overwrite_may_replace(backbone_dir, tmp_path, capsys):
-    """Guards against: an exporter writing a file name that ``EXPORT_FILES`` lacks, so that its own export could
+    """Guards against: an exporter writing a file name it did not declare (``register_exporter(files=)``), so that its own export could
     not be replaced with overwrite=true (refused as no export)."""
-    from inference.formats.export import EXPORT_FILES
+    from inference.formats.export import export_files
 
     bdir, model = backbone_dir
     src = heads_dir(tmp_path, model, base_model=str(bdir))
     for fmt in ("vllm", "tgi", "tensorrt_llm", "medusa_v1"):
         out = tmp_path / fmt
         assert run([f"heads={src}", f"format={fmt}", f"out={out}"], capsys)[0] == 0
-        assert {f.name for f in out.iterdir()} <= EXPORT_FILES
+        assert {f.name for f in out.iterdir()} <= export_files()
         code, _, err = run([f"heads={src}", f"format={fmt}", f"out={out}", "overwrite=true"], capsys)
         assert code == 0, err
 
