@@ -5,8 +5,8 @@ One place defines the metrics (per method, in ``per_method``):
                      pooled over all steps of all prompts; a step cut at EOS / max_new_tokens counts what it output.
   acceptance_rate    accepted draft tokens / proposed draft tokens, as verification accepted them (before
                      that cut: a deep tree's last step is no rejection; the histogram and n_alpha too).
-                     What a step proposes is the method's own definition (``Method.proposed``): the tree's depth for Medusa
-                     (the most it could accept, as vLLM counts its K speculative tokens); K for
+                     What a step proposes is the method's own definition (``Method.proposed``): the tree's
+                     depth for Medusa (the most it could accept, as vLLM counts its K speculative tokens); K for
                      the draft model, the candidate trie's depth for lookahead, the looked-up
                      length for prompt lookup, the merged trie's depth for medusa_lookup.
   n_alpha            P(the draft token at depth n is accepted | depths < n were accepted), for a
