@@ -234,7 +234,7 @@ def test_auto_costs_a_varying_setting_over_a_whole_reply(monkeypatch, grafts):
     by its mean step; eagle3 (no branch) keeps its median over the race's few steps."""
     from types import SimpleNamespace
 
-    calibration = SimpleNamespace(accept_lengths=[2, 2, 2, 2], steps=4)   # tau 2
+    calibration = SimpleNamespace(accept_lengths=[2, 2, 2, 2], accepted=[2, 2, 2, 2], steps=4)   # tau 2
     monkeypatch.setattr(tc, "generate", lambda *a, **k: calibration)
     monkeypatch.setattr(race, "machine_load", lambda: (0.1, 2))
     replies = []
