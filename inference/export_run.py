@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .assets import resolve_backbone_path
-from .backbone import load_backbone
+from .backbone import load_backbone, load_tokenizer
 from .errors import UserError
 from .formats.export import (TOKENIZER_FILES, ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for,
                              megabytes)
@@ -111,10 +111,7 @@ def _tokenizer_files(name: Optional[str], trust_remote_code: bool) -> dict:
     if not name or name.startswith("random:"):
         return {}
     try:
-        from transformers import AutoTokenizer   # lazy, as in _read_backbone_config
-
-        path, _ = resolve_backbone_path(name)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(name, trust_remote_code=trust_remote_code)
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer.save_pretrained(tmp)
             files = {f: (Path(tmp) / f).read_text(encoding="utf-8") for f in TOKENIZER_FILES

@@ -79,7 +79,7 @@ def method_summary(samples: list[Sample], method: str, methods: Sequence[str], r
     out: dict = {"tokens_per_s": round(rates[method], 3),
                  "tau": round(sum(lengths) / len(lengths), 4) if lengths else 1.0}
     if not registry.get(method).baseline:   # what verification accepted, before EOS / the budget cut a step
-        verified = [n for o in outs for n in (o.accepted or o.accept_lengths)]
+        verified = [n for o in outs for n in o.verified]
         accepted = [n - 1 for n in verified]
         total = proposed * len(lengths) if proposed is not None else sum(sum(o.proposed) for o in outs)
         out["acceptance_rate"] = round(sum(accepted) / total, 4) if total else 0.0

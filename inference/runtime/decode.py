@@ -44,7 +44,12 @@ class GenerationOutput:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / proposed draft tokens (the bonus token is not a draft token)."""
         total = sum(self.proposed)
-        return sum(n - 1 for n in (self.accepted or self.accept_lengths)) / total if total else 0.0
+        return sum(n - 1 for n in self.verified) / total if total else 0.0
+
+    @property
+    def verified(self) -> list[int]:
+        """Tokens each step's verification accepted (``accepted``; the emitted counts where none were recorded)."""
+        return self.accepted or self.accept_lengths
 
     @property
     def steps(self) -> int:
