@@ -27,7 +27,7 @@ import sys
 from importlib import resources
 
 from inference.errors import UserError
-from .overrides import RECIPE_PACKAGE, override_key, recipe_overrides, refuse
+from .overrides import INTERRUPTED_BEFORE_RUN, RECIPE_PACKAGE, override_key, recipe_overrides, refuse
 
 def available_recipes() -> list[str]:
     root = resources.files(RECIPE_PACKAGE)
@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     multirun = bool(names & {"-m", "--multirun"})
     if multirun and names & {"--cfg", "-c", "--info", "-i"}:
         refuse("-m/--multirun runs a sweep and --cfg/--info print a config: give one of them")
-    from .launch import launch   # lazy: Hydra and torch load only once the words are accepted
-
+    try:
+        from .launch import launch   # lazy: Hydra and torch load only once the words are accepted
+    except KeyboardInterrupt:  # a Ctrl-C while torch imports: one line, as everywhere after
+        refuse(INTERRUPTED_BEFORE_RUN)
     launch(recipe, overrides, flags, multirun=multirun, prints=bool(names & _PRINT_FLAGS))
 
 

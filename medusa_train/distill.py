@@ -30,7 +30,8 @@ Generation runs on batches (``distill_engines``: transformers' ``generate`` or t
 decoding, whichever is measured faster on this machine); within a shard all conversations' turn-i
 prompts are sorted by length before batching, so a batch wastes little on padding.
 A conversation the chat template refuses (a system turn for Gemma's, roles that do not alternate) ends there,
-its earlier turns kept, counted in ``distill.json``'s ``ended`` as "chat template refused it: <message>".
+its earlier turns kept, counted in ``distill.json``'s ``ended`` as "chat template refused it: <message>"; a run
+whose template refuses every conversation is refused in one line before anything is written (``check_distillable``).
 ``data.max_length`` + ``distill.max_new_tokens`` must fit the backbone's positions (refused before loading).
 
 Output (``output_dir``)::
@@ -57,8 +58,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +74,7 @@ from .config import validate
 from .data.readers import ReadStats, iter_conversations
 from .data.tokenize import TemplateRefused, template_refusals
 from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
-from .distributed import resolve_device
+from .distributed import resolve_device, stop_on_signals
 from .manifest import claim, read_manifest, write_json_atomic
 
 FORMAT_VERSION = 1
@@ -100,8 +99,9 @@ def run_identity(cfg) -> dict:
     }
 
 
-def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None) -> dict:
-    """Create the manifest, or check that ``out`` holds this very run's data; refuse otherwise."""
+def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, create: bool = True) -> dict:
+    """Create the manifest, or check that ``out`` holds this very run's data; refuse otherwise. ``create=False``:
+    only check, writing nothing (an ``out`` without a manifest is taken unless it holds other files)."""
     data = out / DATA_DIR
 
     def ours(manifest: dict) -> Optional[str]:
@@ -116,6 +116,11 @@ def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None) 
                     "use another output_dir")
         return None
 
+    if not create and not (out / MANIFEST).is_file():
+        wrong = foreign()
+        if wrong:
+            raise UserError(wrong)
+        return {}
     manifest = claim(out, MANIFEST, identity, {"task": "distill", "format": FORMAT_VERSION,
                                                "backbone_fingerprint": fingerprint, "complete": False},
                      ours=ours, foreign=foreign,
@@ -325,23 +330,41 @@ def _launcher_rank() -> tuple[int, int, int]:
     return rank, world, int(os.environ.get("LOCAL_RANK", 0))
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def run(cfg, record: Callable[[], None] | None = None) -> dict:
     """The distillation task; returns the manifest when this process finished the last shard. ``record``
-    writes the run's record (``launch.write_run_record``), first: preflight has read the data already."""
+    writes the run's record (``launch.write_run_record``) once the backbone's chat template has accepted a
+    conversation (``check_distillable``): a refused run writes nothing. A Ctrl-C or SIGTERM stops it in one line
+    (``distributed.stop_on_signals``), losing at most the shard in progress."""
     validate(cfg)
-    if record is not None:
-        record()
-    t, g = cfg.trainer, cfg.distill
     out = Path(cfg.output_dir)
+    rank = _launcher_rank()[0]
+    progress = {"phase": "loading the backbone", "written": 0}
+
+    def interrupted() -> str:
+        if progress["phase"]:
+            return (f"interrupted during setup ({progress['phase']}): no shard written by this run; run the same "
+                    "command again to continue")
+        return (f"interrupted: {progress['written']} shard(s) written by this run under {out / DATA_DIR} "
+                f"(rank {rank}); run the same command again to continue")
+
+    with stop_on_signals(interrupted):
+        return _distill(cfg, record, out, progress)
+
+
+def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) -> dict:
+    t, g = cfg.trainer, cfg.distill
     rank, world, local = _launcher_rank()
     identity = run_identity(cfg)
-    claim_output(out, identity)  # refuse a foreign directory before loading anything
-    backbone, device = _load_backbone(cfg, out, identity, local)
+    claim_output(out, identity, create=False)  # refuse a foreign directory before loading anything
+    backbone, device = _load_backbone(cfg, local)
+    progress["phase"] = "checking the conversations"
+    check_distillable(cfg, Generator(backbone.model, backbone.tokenizer, cfg, device))  # before the first write
+    if record is not None:
+        record()
+    claim_output(out, identity, frozen.backbone_identity(backbone))  # its weights too: data is only valid for them
+    progress["phase"] = "choosing the engine"
     gen = pick_engine(cfg, out, backbone, device)
+    progress["phase"] = ""
     main = rank == 0
 
     bar = None
@@ -355,7 +378,6 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
         if bar is not None:
             bar.set_postfix_str(f"{rate['tokens'] / max(rate['s'], 1e-9):.1f} tok/s")
 
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
     read_stats = ReadStats()
     n_source, n_shards, done_here, skipped = 0, 0, 0, 0
     started = time.perf_counter()
@@ -376,14 +398,10 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
             result = distill_shard(gen, members, cfg, on_batch)
             write_shard(out, k, result)
             done_here += 1
+            progress["written"] = done_here
             if bar is not None:
                 bar.update(len(members))
-    except KeyboardInterrupt:
-        raise UserError(f"interrupted: {done_here} shard(s) written by this run under {out / DATA_DIR} "
-                        f"(rank {rank}); run the same command again to continue") from None
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         if bar is not None:
             bar.close()
     if n_source == 0:
@@ -404,9 +422,8 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
     return manifest or {}
 
 
-def _load_backbone(cfg, out: Path, identity: dict, local_rank: int):
-    """(backbone, device): the run's backbone on this process's device (its launcher's GPU), the output folder
-    claimed against its weights too (distilled data is only valid for the backbone that wrote it)."""
+def _load_backbone(cfg, local_rank: int):
+    """(backbone, device): the run's backbone on this process's device (its launcher's GPU)."""
     t = cfg.trainer
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -414,8 +431,47 @@ def _load_backbone(cfg, out: Path, identity: dict, local_rank: int):
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
     backbone = frozen.load_backbone(cfg.backbone, device, seed=t.seed)
-    claim_output(out, identity, frozen.backbone_identity(backbone))
     return backbone, device
+
+
+def check_distillable(cfg, gen: Generator) -> None:
+    """Refuse, before anything is written, a run with no conversation to distill: every one refused by the
+    backbone's chat template (a system turn for Gemma's; each would end before its first reply, leaving empty
+    shards to train on), or with a first prompt that already reaches ``data.max_length``. Reads up to the first
+    conversation that has a reply to regenerate (normally the first: one rendered prompt); a run with some
+    conversations refused goes on, each counted in ``distill.json``'s ``ended``."""
+    stats = ReadStats()
+    n, refused, too_long, first = 0, 0, 0, None
+    for index, messages in source_conversations(cfg, stats):
+        n += 1
+        prompt = Replay(index, messages).next_prompt(cfg.distill.max_turns)
+        if prompt is None:  # no user turn before any reply: the run writes nothing for it either
+            continue
+        try:
+            with template_refusals():
+                ids = gen.encode(prompt)
+        except TemplateRefused as e:
+            refused, first = refused + 1, first or e
+            continue
+        if len(ids) < cfg.data.max_length:
+            return
+        too_long += 1
+    source = cfg.data.source
+    if n == 0:
+        raise UserError(f"data source {source!r} gave no conversations to distill ({stats.summary()})")
+    if refused == n:
+        raise UserError(f"the backbone's chat template refused all {n} conversations of data source {source!r} to "
+                        f"distill (the first: {first.line}); nothing was written: use data or a backbone whose "
+                        "template takes them")
+    parts, none = [], n - refused - too_long
+    if refused:
+        parts.append(f"{refused} refused by the chat template (the first: {first.line})")
+    if too_long:
+        parts.append(f"{too_long} with a first prompt of data.max_length={cfg.data.max_length} tokens or more")
+    if none:
+        parts.append(f"{none} with no reply to regenerate")
+    raise UserError(f"data source {source!r} gave no conversations to distill: of {n}, {', '.join(parts)}; "
+                    "nothing was written")
 
 
 def pick_engine(cfg, out: Path, backbone, device) -> Generator:
@@ -461,6 +517,3 @@ def calibration_prompts(cfg, gen: Generator) -> list[list[int]]:
             break
     return prompts
 
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()

@@ -2,7 +2,8 @@
 
 Training and the feature-cache build both run under ``deepspeed``/``torchrun`` launchers (N ranks)
 or as a plain process; distillation picks its device the same way. Kept apart from the trainer so
-those commands set up a process without importing the training loop.
+those commands set up a process without importing the training loop. ``stop_on_signals``: what a Ctrl-C or
+SIGTERM does to a process with nothing to finish first (the trainer's setup, a cache build, distillation).
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,3 +97,31 @@ def start_process(t) -> Process:
 def barrier(world_size: int) -> None:
     if world_size > 1:
         dist.barrier()
+
+
+@contextmanager
+def stop_on_signals(message: Callable[[], str]) -> Iterator[None]:
+    """A Ctrl-C (SIGINT) or SIGTERM while the block runs stops it at once, through its ``finally`` clauses (a
+    temporary file is removed), and ends it as ``UserError(message())``: one line saying what is kept, exit 2 as
+    a stop during training (``trainer.Interrupts``). A signal while that line is made changes nothing (the
+    DeepSpeed launcher sends each rank a SIGTERM right after the terminal's SIGINT); one while the block unwinds
+    raises again, into the same line. The handlers in place before are restored on leaving. Main thread only
+    (the only one that can take a signal handler); elsewhere a KeyboardInterrupt is still turned into the line."""
+    state = {"stopping": False}
+
+    def handle(signum, frame) -> None:
+        if not state["stopping"]:
+            raise KeyboardInterrupt
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handle)
+    try:
+        yield
+    except KeyboardInterrupt:
+        state["stopping"] = True
+        raise UserError(message()) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

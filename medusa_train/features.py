@@ -95,7 +95,7 @@ from .backbone_inputs import FrozenFeatures
 from .config import derived_batch, validate
 from .data.readers import ReadStats
 from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
-from .distributed import barrier, start_process
+from .distributed import barrier, start_process, stop_on_signals
 from .families import backbone_layers
 from .manifest import claim, read_manifest, write_json_atomic
 
@@ -489,10 +489,27 @@ def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: i
                      world_size=world_size, progress_bar=t.progress_bar)
 
 
+def kept_shards(root: Path) -> str:
+    """What a stopped build leaves for the next one, as a clause of the line it stops with ("" when nothing)."""
+    n = sum(1 for _ in Path(root).glob("train-*.safetensors")) if Path(root).is_dir() else 0
+    return f"{n} complete shard{'s' if n != 1 else ''} of the feature cache kept in {root}" if n else ""
+
+
 def run_build(cfg, record: Callable[[], None] | None = None) -> dict:
     """``features.mode=build``: build (or complete) the cache and exit, without heads, optimizer or engine.
-    ``record`` writes the run's record once the data gave a training conversation (as the trainer's)."""
+    ``record`` writes the run's record once the data gave a training conversation (as the trainer's). A Ctrl-C or
+    SIGTERM stops it at once in one line (``stop_on_signals``): complete shards are kept, none is half-written."""
     validate(cfg)
+
+    def interrupted() -> str:
+        kept = kept_shards(cache_dir(cfg)) or "no shard of the feature cache written yet"
+        return f"interrupted while building the feature cache: {kept}; run the same command again to continue"
+
+    with stop_on_signals(interrupted):
+        return _build_only(cfg, record)
+
+
+def _build_only(cfg, record: Callable[[], None] | None) -> dict:
     proc = start_process(cfg.trainer)
     batch = derived_batch(cfg.trainer, proc.world_size)
 

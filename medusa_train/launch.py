@@ -24,17 +24,27 @@ from inference.cli_support import config_error_line, enum_value, non_boolean_ove
 from inference.errors import UserError
 from .config import register_configs, validate
 from .families import stray_key_line
-from .overrides import RECIPE_PACKAGE, override_key, recipe_overrides, refuse
+from .overrides import INTERRUPTED_BEFORE_RUN, RECIPE_PACKAGE, override_key, recipe_overrides, refuse
 from .preflight import preflight
 
 RECORD_DIR = ".hydra"
 _PRECHECKED = False
+_TASK_STARTED = False  # a task ran (which stops on a Ctrl-C / SIGTERM in its own line)
 _CREATED: list[Path] = []  # the folders create_output_dir made, deepest first (remove_created_dirs)
 
 
 def launch(recipe: str, overrides: list[str], flags: list[str], multirun: bool, prints: bool) -> None:
     """Check every run first (each job of a sweep, before Hydra runs the first; nothing for flags that only
-    print, ``prints``), then hand the recipe to Hydra. ``overrides`` as ``overrides.recipe_overrides`` made them."""
+    print, ``prints``), then hand the recipe to Hydra. ``overrides`` as ``overrides.recipe_overrides`` made them.
+    A Ctrl-C before a task runs (these checks, Hydra's start) is one line; each task stops on its own signals."""
+    try:
+        _launch(recipe, overrides, flags, multirun, prints)
+    except KeyboardInterrupt:
+        remove_created_dirs()
+        refuse(INTERRUPTED_BEFORE_RUN if not _TASK_STARTED else "interrupted; run the same command again")
+
+
+def _launch(recipe: str, overrides: list[str], flags: list[str], multirun: bool, prints: bool) -> None:
     if multirun and not prints:
         # Every job of a sweep, before Hydra runs the first: one bad combination refuses the sweep, nothing written.
         for job in sweep_jobs(overrides):
@@ -71,6 +81,8 @@ def compose_error_line(recipe: str, overrides: list[str], e: BaseException) -> s
 
 
 def _task(cfg) -> None:
+    global _TASK_STARTED
+    _TASK_STARTED = True
     try:
         run = task_runner(cfg)
         hc = HydraConfig.get()
@@ -147,8 +159,11 @@ def write_run_record(cfg) -> None:
         if path.is_file() and path.read_text(encoding="utf-8") == text:
             continue
         tmp = folder / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        finally:  # a Ctrl-C mid-write leaves the record as it was, and no temporary file
+            tmp.unlink(missing_ok=True)
 
 
 def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:

@@ -12,6 +12,8 @@ from inference.errors import UserError
 from .families import family_kinds
 
 RECIPE_PACKAGE = "recipes"
+# A Ctrl-C before a task took the signals over (torch's import, the checks, Hydra's start): nothing is written yet.
+INTERRUPTED_BEFORE_RUN = "interrupted before the run started; nothing was written; run the same command again"
 _OVERRIDE_PREFIXES = ("++", "+", "~")
 
 

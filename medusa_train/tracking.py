@@ -48,8 +48,11 @@ class Tracker:
 
         kept = [l for l in self.path.read_text().splitlines() if l.strip() and keep(json.loads(l))]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(l + "\n" for l in kept))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(l + "\n" for l in kept))
+            os.replace(tmp, self.path)
+        finally:  # a Ctrl-C mid-write leaves the log as it was, and no temporary file
+            tmp.unlink(missing_ok=True)
 
     def log(self, step: int, metrics: dict, phase: str = "train") -> None:
         if not self.enabled:

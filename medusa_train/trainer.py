@@ -53,7 +53,7 @@ from .config import derived_batch, loss_weights, validate
 from .families import draft_depth, draft_vocabulary, training_family
 from .data.stream import ConversationStream, RankData, check_training_data, token_frequencies
 from .deepspeed_config import check_consistent, deepspeed_config
-from .distributed import resolve_device, start_process
+from .distributed import resolve_device, start_process, stop_on_signals
 from .losses import HeadMetrics, vocab_to_local
 from .sources import BatchSource, make_source
 from .tracking import Tracker
@@ -74,6 +74,8 @@ class MedusaTrainer:
         self.checkpointed: tuple[int, Path] | None = None  # (step, path) of the last checkpoint saved or resumed
         self.eval_empty_warned = False
         self.stopped_together = False  # set when every rank stopped at the same step on a Ctrl-C / SIGTERM
+        self.phase = "starting"  # what ``setup`` is doing: named by the line a Ctrl-C / SIGTERM there ends with
+        self.resume_from = None
 
     # -- setup -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -81,6 +83,7 @@ class MedusaTrainer:
         precision = enum_value(t.precision)
         if precision == "fp16" and resolve_device(t.device).type != "cuda":
             raise UserError("trainer.precision=fp16 needs a GPU; on CPU use fp32 (or bf16)")
+        self.phase = "starting the process group"
         proc = start_process(t)
         self.device, self.rank, self.world_size = proc.device, proc.rank, proc.world_size
         self.is_main = proc.is_main
@@ -90,6 +93,7 @@ class MedusaTrainer:
 
         # Before any weights (backbone or checkpoint) or data are touched: is there a checkpoint to
         # resume, was it trained under this configuration, and is that run already complete?
+        self.phase = "looking for a checkpoint"
         self.resume_from, resume_state = checkpoint.resume_point(cfg, self.plan.global_batch_size)
         if resume_state is not None and self._already_exported(resume_state):
             self.step = int(resume_state["step"])
@@ -98,6 +102,7 @@ class MedusaTrainer:
 
         # A random backbone is kept in <output_dir>/backbone, once ``_accept_data`` has read the data with its
         # tokenizer: nothing is written into output_dir for data that gives no training batch.
+        self.phase = "loading the backbone"
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed, run_dir=self.output_dir,
                                       write=self.is_main, before_write=self._accept_data)
         model, tok = self.backbone.model, self.backbone.tokenizer
@@ -105,25 +110,32 @@ class MedusaTrainer:
         data = RankData(cfg.data, tok, t.seed, self.rank, self.world_size, self.plan.micro_batch_size, self.pad_id)
         cache_plan = features.cache_plan(cfg, self.plan.micro_batch_size, self.plan.grad_accum, self.pad_id,
                                          self.rank, self.world_size)
+        cached = features.enabled(cfg) and not cfg.lora.enabled
+        self.phase = "building the feature cache" if cached else "preparing the batch source"
         self.source: BatchSource = make_source(cfg, self.backbone, self.device, data, self.compute_dtype, cache_plan)
 
+        self.phase = "building the heads"
         heads, self.spec = self._new_heads()
         self.module = self.source.wrap(heads, self.spec, loss_weights(cfg.heads),
                                        vocab_to_local(heads.token_map, self.spec.vocab_size))
+        self.phase = "starting the DeepSpeed engine"
         self._build_engine()
 
         state = {"step": 0, "data": {"epoch": 0, "index": 0}}
         if self.resume_from is not None:
+            self.phase = "loading the checkpoint"
             state = checkpoint.load(self.engine, self.resume_from, self.rank)  # its config was checked above
             if self.is_main:
                 print(f"[medusa-train] resumed from {self.resume_from} at step {state['step']}", flush=True)
             self.checkpointed = (int(state["step"]), Path(self.resume_from))
         self.step = state["step"]
+        self.phase = "preparing the data"
         self.batches = self.source.batches(**self._rank_data_state(state))
         self.eval_set = self.source.eval_batches()
         self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.batch_counts = self.source.stats.batch_counts()  # the padding fraction's counters at that step
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.phase = "starting the logger"
         # A run resumed at (or past) max_steps evaluates at that step again (``run``): an eval record left there by
         # an attempt killed before its export is dropped, not duplicated.
         self.tracker = Tracker(self.output_dir, cfg.logger, self.run_config, t.max_steps, self.step,
@@ -139,6 +151,17 @@ class MedusaTrainer:
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+
+    def setup_interrupted(self) -> str:
+        """The line a Ctrl-C / SIGTERM during ``setup`` stops the run with: where it was, what is kept (the
+        checkpoint to resume, a feature cache's complete shards); exit 2 as a stop during training."""
+        if self.resume_from is not None:
+            done, again = f"nothing was trained since checkpoint {self.resume_from}", "resume"
+        else:
+            done, again = "nothing was trained", "start"
+        kept = features.kept_shards(features.cache_dir(self.cfg)) if features.enabled(self.cfg) else ""
+        return (f"interrupted during setup ({self.phase}): {done}{f'; {kept}' if kept else ''}; "
+                f"run the same command again to {again}")
 
     def _accept_data(self, tokenizer) -> None:
         """Refuse data with no training conversation that keeps an assistant token within data.max_length
@@ -406,7 +429,8 @@ class MedusaTrainer:
 
 
 class Interrupts:
-    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's preemption) while ``run`` trains.
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's preemption) while ``run`` trains (during ``setup``, before it,
+    ``distributed.stop_on_signals`` stops at once: there is no step to finish nor anything to save).
 
     During training the first one only records the request (``requested``): ``MedusaTrainer.train`` stops
     between two complete steps, where step counter, data position and engine agree, and saves that step's
@@ -499,15 +523,25 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
     """The whole recipe: returns the final eval summary (rank 0) for callers and tests. ``record`` writes the
     run's record once the data is accepted (``MedusaTrainer``)."""
     trainer = MedusaTrainer(cfg, record)
-    trainer.setup()
+    interrupts = trainer.interrupts
+    interrupts.install()  # every rank: a Ctrl-C reaches them all, a scheduler's SIGTERM perhaps only some
+    try:
+        # Nothing to finish or save before the first step: a signal stops setup at once, in one line (the run's
+        # handlers above take over once setup is done: a signal after it stops training before its first step).
+        with stop_on_signals(trainer.setup_interrupted):
+            trainer.setup()
+    except BaseException:
+        interrupts.restore()
+        trainer.cleanup(plot=False)  # the logger, when setup got that far
+        raise
     if trainer.finished is not None:  # a rerun of a complete training: say so, touch nothing
+        interrupts.restore()
         if trainer.is_main:
             print(f"[medusa-train] already trained to step {trainer.step}/{cfg.trainer.max_steps}; nothing to do "
                   f"(heads in {trainer.finished})", flush=True)
         _leave_process_group(trainer.world_size)
         return {"step": trainer.step, "already_trained": True}
-    interrupts = trainer.interrupts = Interrupts(announce=trainer.is_main)
-    interrupts.install()  # every rank: a Ctrl-C reaches them all, a scheduler's SIGTERM perhaps only some
+    interrupts.announce = trainer.is_main  # one process tells the user that the stop is on its way
     summary: dict = {}
     try:
         try:

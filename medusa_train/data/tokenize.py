@@ -40,10 +40,14 @@ class TemplateRefused(Exception):
         self.message = message
 
     @property
+    def line(self) -> str:
+        """The template's message as one short line."""
+        return (self.message.strip().splitlines() or ["no message"])[0][:120]
+
+    @property
     def reason(self) -> str:
         """What the dropped counts call it (one short line, whatever the template raised)."""
-        first = (self.message.strip().splitlines() or ["no message"])[0]
-        return f"chat template refused it: {first[:120]}"
+        return f"chat template refused it: {self.line}"
 
 
 @contextmanager

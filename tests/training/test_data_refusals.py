@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,53 @@ def test_distillation_ends_a_conversation_the_template_refuses(compose_tiny, tmp
     assert manifest["complete"]
     assert manifest["counts"]["ended"] == {f"chat template refused it: {REFUSED_SYSTEM}": 1}
     assert manifest["counts"]["conversations"] == 5
+
+
+def test_distillation_the_template_refuses_entirely_is_refused_and_writes_nothing(compose_tiny, tmp_path,
+                                                                                 monkeypatch):
+    """Guards against: a distillation whose chat template refuses every conversation (each dropped and counted,
+    as one refused conversation is) completing with empty shards and a 'complete' manifest, so the training on it
+    then ran on nothing; it must refuse in one line naming how many were refused and why, write nothing, and leave
+    an earlier run's data in that folder as it was. All but one refused still distills that one."""
+    from medusa_train import backbone as B
+    from medusa_train import distill
+
+    run = ["task=distill", "distill.max_new_tokens=4", "distill.shard_size=4", "distill.max_conversations=6",
+           "distill.engine=generate"]
+    run.append(f"data.source={with_system_turns(tmp_path / 'all.jsonl', tuple(range(6)))}")
+    earlier = tmp_path / "earlier"
+    distill.run(compose_tiny(*run, out=earlier))  # the template of that run took them
+    before = snapshot(earlier)
+    monkeypatch.setattr(B, "CHATML_TEMPLATE", RAISING_TEMPLATE + B.CHATML_TEMPLATE)
+    for out in (tmp_path / "new", earlier):
+        with pytest.raises(UserError, match=f"chat template refused all 6 conversations .*{REFUSED_SYSTEM}") as e:
+            distill.run(compose_tiny(*run, out=out))
+        assert "\n" not in str(e.value) and "nothing was written" in str(e.value)
+    assert not (tmp_path / "new").exists()
+    assert snapshot(earlier) == before
+    source = with_system_turns(tmp_path / "c.jsonl", (0, 1, 2, 4, 5))  # all but conversation 3
+    manifest = distill.run(compose_tiny(*run[:-1], f"data.source={source}", out=tmp_path / "one"))
+    assert manifest["complete"] and manifest["counts"]["conversations"] == 1
+    assert manifest["counts"]["ended"] == {f"chat template refused it: {REFUSED_SYSTEM}": 5}
+
+
+def test_cli_distillation_the_template_refuses_entirely_is_one_line(tmp_path):
+    """Guards against: ``medusa-train <recipe> task=distill`` with a chat template that refuses every conversation
+    exiting 0 after writing empty shards (or with a traceback) instead of one line, exit 2, and no folder, record
+    or manifest left behind."""
+    script = tmp_path / "refusing_template.py"
+    script.write_text("import sys\nimport medusa_train.backbone as B\n"
+                      f"B.CHATML_TEMPLATE = {RAISING_TEMPLATE!r} + B.CHATML_TEMPLATE\n"
+                      "from medusa_train.cli import main\nmain(sys.argv[1:])\n")
+    before = snapshot(tmp_path)
+    proc = subprocess.run([sys.executable, str(script), "debug_tiny", f"output_dir={tmp_path / 'out'}",
+                           f"data.source={TINY_DATA}", "logger.wandb=disabled", "trainer.progress_bar=false",
+                           "trainer.threads=1", "task=distill", "distill.max_conversations=4",
+                           "distill.engine=generate", "data.system_prompt=Be brief."],
+                          capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=240)
+    assert_one_line_refusal(proc, "chat template refused all 4 conversations")
+    assert REFUSED_SYSTEM in proc.stderr
+    assert snapshot(tmp_path) == before, "a refused distillation wrote files"
 
 
 # -- unreadable parquet -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,142 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step-000004" in resumed.stdout
     assert_same_run(a, b)
+
+
+# -- during setup ---------------------------------------------------------------------------------------------
+SETUP_WRAPPER = '''
+import os, signal, sys
+import medusa_train.backbone as B
+import medusa_train.features as F
+
+PHASE, SIG = os.environ["SIGNAL_PHASE"], getattr(signal, os.environ["SIGNAL_NAME"])
+
+if PHASE == "backbone":  # while the random backbone is kept with the run: its weights written, its tokenizer not
+    make_tokenizer = B.byte_tokenizer
+
+    def byte_tokenizer():
+        tok = make_tokenizer()
+        save = tok.save_pretrained
+
+        def signalled(*args, **kwargs):
+            os.kill(os.getpid(), SIG)
+            return save(*args, **kwargs)
+
+        tok.save_pretrained = signalled
+        return tok
+
+    B.byte_tokenizer = byte_tokenizer
+else:  # while the feature cache is built: its held-out file and first shard written, the second on disk unrenamed
+    save_file, calls = F.save_file, [0]
+
+    def signalled(*args, **kwargs):
+        save_file(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), SIG)
+
+    F.save_file = signalled
+from medusa_train.cli import main
+main(sys.argv[1:])
+'''
+
+SETUP_CASES = [("backbone", "SIGINT", "loading the backbone"), ("cache", "SIGTERM", "building the feature cache")]
+
+
+@pytest.mark.parametrize("phase, sig, where", SETUP_CASES, ids=[f"{p}-{s}" for p, s, _ in SETUP_CASES])
+def test_signal_during_setup_is_one_line_and_leaves_no_half_written_file(phase, sig, where, tmp_path):
+    """Guards against: a Ctrl-C or SIGTERM while the run sets up (the backbone loading and kept with the run, the
+    feature cache being built), before any step, ending in a KeyboardInterrupt traceback (or, for SIGTERM, a
+    silent kill) instead of one line saying where it stopped and what is kept, exit 2 as a stop during training;
+    and leaving a half-written file: a kept backbone without its tokenizer, a cache shard's temporary file."""
+    from test_train_refusals import assert_one_line_refusal
+
+    script, out = tmp_path / "signal_in_setup.py", tmp_path / "run"
+    script.write_text(SETUP_WRAPPER)
+    args = [f"output_dir={out}", f"data.source={TINY_DATA}", "logger.wandb=disabled", "trainer.progress_bar=false",
+            "trainer.threads=1", "trainer.max_steps=4", "logger.plot=false"]
+    if phase == "cache":
+        args += ["features.mode=train", "features.shard_batches=1", "features.dtype=fp32"]
+    proc = subprocess.run([sys.executable, str(script), "debug_tiny", *args], capture_output=True, text=True,
+                          cwd=tmp_path, env=clean_env(SIGNAL_PHASE=phase, SIGNAL_NAME=sig), timeout=400)
+    assert_one_line_refusal(proc, f"interrupted during setup ({where}): nothing was trained")
+    assert "run the same command again" in proc.stderr
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name], sorted(out.rglob("*"))
+    assert not (out / "checkpoints").exists() and not (out / "heads").exists()
+    if phase == "backbone":
+        assert not (out / "backbone").exists(), sorted(out.rglob("*"))  # whole or not at all
+    else:
+        assert "1 complete shard of the feature cache kept in" in proc.stderr, proc.stderr
+        assert sorted(p.name for p in (out / "features").glob("*.safetensors")) == ["eval.safetensors",
+                                                                                    "train-000000.safetensors"]
+
+
+def test_ctrl_c_before_the_task_runs_is_one_line(tmp_path, monkeypatch, capsys):
+    """Guards against: a Ctrl-C while medusa-train checks the configuration and starts Hydra (before the task, and
+    its own handling of signals, runs) ending in a KeyboardInterrupt traceback, or leaving the run's new folder."""
+    from medusa_train import cli, launch
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "_PRECHECKED", False)
+    monkeypatch.setattr(launch, "_TASK_STARTED", False, raising=False)
+    monkeypatch.setattr(launch, "register_configs", interrupted)  # right after the run's folder is created
+    out = tmp_path / "new" / "run"
+    try:
+        cli.main(["debug_tiny", *base_overrides(out)])
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C before the task escaped as a KeyboardInterrupt (a traceback)")
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        pytest.fail("no exit")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "medusa-train: error: interrupted before the run started; nothing was written; run the same command again"]
+    assert not (tmp_path / "new").exists()
+
+
+def test_ctrl_c_in_a_cache_build_keeps_its_complete_shards_in_one_line(compose_tiny, out_dir, monkeypatch):
+    """Guards against: a Ctrl-C during ``features.mode=build`` ending in a KeyboardInterrupt traceback instead of
+    one line naming the complete shards kept, or leaving the interrupted shard's temporary file."""
+    from medusa_train import features
+
+    save_file, calls = features.save_file, {"n": 0}
+
+    def interrupted(tensors, path, metadata=None):
+        save_file(tensors, path, metadata=metadata)
+        calls["n"] += 1
+        if calls["n"] == 3:  # the held-out file and shard 0 written, shard 1 on disk under its temporary name
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(features, "save_file", interrupted)
+    cfg = compose_tiny("features.mode=build", "features.shard_batches=1", "trainer.max_steps=4")
+    try:
+        with pytest.raises(UserError, match=r"^interrupted while building the feature cache: 1 complete shard of "
+                                            r"the feature cache kept in .*; run the same command again") as err:
+            features.run_build(cfg)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped as a KeyboardInterrupt (a traceback)")
+    assert "\n" not in str(err.value)
+    root = out_dir / "features"
+    assert sorted(p.name for p in root.iterdir() if p.name != features.MANIFEST) == ["eval.safetensors",
+                                                                                     "train-000000.safetensors"]
+
+
+def test_ctrl_c_while_distillation_loads_its_backbone_is_one_line(compose_tiny, out_dir, monkeypatch):
+    """Guards against: a Ctrl-C / SIGTERM while distillation loads its backbone (before its shard loop, the only
+    part that handled them) ending in a KeyboardInterrupt traceback instead of one line, after its manifest was
+    already written into a new output_dir."""
+    from medusa_train import distill
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill.frozen, "load_backbone", interrupted)
+    try:
+        with pytest.raises(UserError, match=r"^interrupted during setup \(loading the backbone\): no shard written "
+                                            r"by this run; run the same command again"):
+            distill.run(compose_tiny("task=distill", "distill.max_conversations=4", "distill.engine=generate"))
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped as a KeyboardInterrupt (a traceback)")
+    assert not out_dir.exists()
