@@ -21,7 +21,9 @@ A study file, ``benchmarks/studies/<name>.yaml``::
       <name>: {heads: <a train entry | a path | a list of them>, args: {key: value}, repeats: N}
 
 A training run is skipped when ``done`` exists (default: its heads' config.json), an evaluation when its
-report.json does, so a study resumes where it stopped. ``repeats`` runs an evaluation N times (one
+report.json does and the ``study_job.json`` the study wrote beside it records these very arguments (changed
+arguments, or none recorded, run it again), so a study resumes where it stopped. The section gives each
+evaluation's own command line and date (from that record), not today's. ``repeats`` runs an evaluation N times (one
 report each): the section gives each ratio as the median and [min-max] over them. Every figure is a
 latency: run a study alone on the machine.
 """
@@ -65,6 +67,35 @@ class Job:
     def command(self, bin_dir: Optional[Path]) -> list[str]:
         exe = str(bin_dir / self.cli) if bin_dir is not None else self.cli
         return [exe, *self.args]
+
+    @property
+    def record(self) -> Path:
+        """An evaluation's ``study_job.json``: the arguments its report.json was made with, and when."""
+        return self.done.parent / JOB_RECORD
+
+
+JOB_RECORD = "study_job.json"
+
+
+def recorded(j: Job) -> dict:
+    """What ``j``'s record holds ({} where none was written)."""
+    path = ROOT / j.record
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def stale(j: Job) -> Optional[str]:
+    """Why ``j`` must run (None: done). An evaluation is done only when its report.json was made with the
+    arguments the study gives now: a report skipped on its mere existence once kept figures of other arguments."""
+    if not (ROOT / j.done).exists():
+        return "to run"
+    if j.cli != "medusa-eval":
+        return None
+    args = recorded(j).get("args")
+    return None if args == j.args else "to run again: " + ("no arguments recorded" if args is None
+                                                           else "its arguments changed")
 
 
 def names() -> list[str]:
@@ -154,7 +185,7 @@ def default_bin() -> Optional[Path]:
 def check(study: dict, jobs: list[Job], bin_dir: Optional[Path], only: Optional[str]) -> None:
     """A ``UserError`` for what would fail only once the study runs: a ``--bin`` that is no folder or lacks a
     CLI the jobs start, and (``--only eval``) heads that no training made. Called before anything is created."""
-    todo = [j for j in jobs if not (ROOT / j.done).exists()]
+    todo = [j for j in jobs if stale(j)]
     if bin_dir is not None and not bin_dir.is_dir():
         raise UserError(f"--bin {bin_dir}: {'not a directory' if bin_dir.exists() else 'not found'}")
     for cli in sorted({j.cli for j in todo}):
@@ -177,7 +208,7 @@ def run(name: str, dry_run: bool = False, only: Optional[str] = None, bin_dir: O
     jobs = [j for j in plan(study) if only is None or j.cli == f"medusa-{only}"]
     if dry_run:
         for j in jobs:
-            state = "done: skipped" if (ROOT / j.done).exists() else "to run"
+            state = stale(j) or "done: skipped"
             print(f"# {j.name} -> {j.done} ({state})\n{shlex.join(j.command(bin_dir))}")
         return 0
     check(study, jobs, bin_dir, only)  # before the folder below is made: a refused run leaves nothing behind
@@ -185,11 +216,12 @@ def run(name: str, dry_run: bool = False, only: Optional[str] = None, bin_dir: O
     Path(study["out"]).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
     for j in jobs:
-        if j.done.exists():
+        why = stale(j)
+        if why is None:
             print(f"[bench] {j.name}: done ({j.done})", flush=True)
             continue
         cmd = j.command(bin_dir)
-        print(f"[bench] {shlex.join(cmd)}", flush=True)
+        print(f"[bench] {j.name}: {why}\n[bench] {shlex.join(cmd)}", flush=True)
         start = time.time()
         rc = subprocess.run(cmd, env=env).returncode
         with open(Path(study["out"]) / "timings.txt", "a") as f:
@@ -198,6 +230,9 @@ def run(name: str, dry_run: bool = False, only: Optional[str] = None, bin_dir: O
             print(f"[bench] {j.name} failed (exit {rc}); fix it and run the study again (done runs are kept)",
                   file=sys.stderr)
             return rc
+        if j.cli == "medusa-eval":   # what this report.json was made with, and when
+            j.record.write_text(json.dumps({"cli": j.cli, "args": j.args,
+                                            "finished": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
     print(f"[bench] wrote {write_section(name, study)}")
     return 0
 
@@ -254,8 +289,26 @@ def records(study: dict) -> str:
     return (" Record: benchmarks/history.md " + ", ".join(f'"{s}"' for s in sections) + ".") if sections else ""
 
 
+def _made(jobs: list[Job]) -> tuple[str, list[str]]:
+    """(the command line the reports of ``jobs`` were made with, their dates) from the study's records; a report
+    without one: the study file's arguments, marked, and its file's date."""
+    recs = [recorded(j) for j in jobs]
+    args = recs[0].get("args") or jobs[0].args
+    shown = " ".join(a for a in args if not a.startswith("out="))
+    if not recs[0].get("args"):
+        shown += "` (arguments not recorded: the study file's)"
+    elif args != jobs[0].args:
+        shown += "` (the study file now gives other arguments: run the study again)"
+    else:
+        shown += "`"
+    dates = [r.get("finished", "")[:10] or time.strftime("%Y-%m-%d", time.localtime((ROOT / j.done).stat().st_mtime))
+             for r, j in zip(recs, jobs)]
+    return shown, dates
+
+
 def write_section(name: str, study: dict) -> Path:
-    """benchmarks/results/<name>.md from the report.json files of the study's evaluations that exist."""
+    """benchmarks/results/<name>.md from the report.json files of the study's evaluations that exist, each with
+    the command line and date it was made with (``_made``)."""
     lines = [f"<!-- generated by `python scripts/bench.py study {name}`; rewritten by every run -->",
              f"## {study['title']}", "",
              f"Command: `python scripts/bench.py study {name}` ({(STUDIES / f'{name}.yaml').relative_to(ROOT)})."
@@ -264,18 +317,20 @@ def write_section(name: str, study: dict) -> Path:
     for j in plan(study):
         if j.cli == "medusa-eval" and (ROOT / j.done).exists():
             groups.setdefault((j.name, j.heads), []).append(j)
-    machine = None
+    machine, dates = None, set()
     for (ev, ref), jobs in groups.items():
         reports = [json.loads((ROOT / j.done).read_text()) for j in jobs]
         machine = machine or reports[0].get("machine")
-        args = [a for a in jobs[0].args if not a.startswith("out=")]
+        shown, made = _made(jobs)
+        dates.update(made)
         lines += [f"### {ev}" + (f" ({ref})" if ref is not None else ""), "",
-                  f"`medusa-eval {' '.join(args)}`" + (f", {len(reports)} runs" if len(reports) > 1 else ""), "",
-                  *table(reports), ""]
+                  f"`medusa-eval {shown}" + (f", {len(reports)} runs" if len(reports) > 1 else "")
+                  + f" ({', '.join(sorted(set(made)))})", "", *table(reports), ""]
     if machine:
         where = machine.get("gpu", machine.get("cpu"))
+        span = min(dates) if len(dates) == 1 else f"{min(dates)} to {max(dates)}"
         lines.insert(4, f"Machine: {where}, {machine.get('cores')} cores, {machine.get('threads')} threads, "
-                        f"torch {machine.get('torch')}; {time.strftime('%Y-%m-%d')}.")
+                        f"torch {machine.get('torch')}; reports of {span}.")
     if not groups:
         lines.append("(no evaluation has a report yet)")
     RESULTS.mkdir(exist_ok=True)

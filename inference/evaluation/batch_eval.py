@@ -15,18 +15,19 @@ Per batch size (``report["batched"]["per_batch_size"][B]["per_method"][method]``
   speedup_vs_autoregressive, speedup_vs_hf_generate   over the plain batched loop / HF's batched generate
                       at the same B
   tau, tau_per_row    tokens per row-step (bonus included; plain = 1.0): pooled over all rows, and per
-                      row in prompt order
+                      row in prompt order (null where no step was verified)
   nodes_per_step      nodes per row a step verified (root included), averaged over row-steps
   identical_to_plain_batched, identical_to_batch1   greedy mode only, per row in prompt order: its
                       tokens equal the plain batched loop's row / batch-1 autoregressive ``generate``
+``greedy_mismatches``: per method, the prompts whose row differed at any B (a stderr warning names them).
 ``speculation_stops_paying``: per method, the smallest B whose tokens/s is not above the plain batched
 loop's (null: it pays at every B measured).
 
 Each method with a speculation shape gets its choice per batch size (``choosing``, ``choice=auto``): a
 Medusa tree, an EAGLE-3 setting (with eagle3_lookup's looked-up branch on), a chain method's length (up to its
 set draft_k / prompt_lookup_tokens), each measured on the calibration prompts (held out as ``evaluate`` holds
-them out) and timed per batch size (``runtime.sizing``), or none where nothing pays; ``choice=fixed`` keeps the
-options as given at every B (``tree=calibrated:N`` grows one N-node tree).
+them out) and timed per batch size on them too, never on the evaluated ones (``runtime.sizing``), or none where
+nothing pays; ``choice=fixed`` keeps the options as given at every B (``tree=calibrated:N`` grows one N-node tree).
 ``report["batched"]["speculation"][method]`` records each sized method's schedule and how it was
 measured; ``per_batch_size[B]["speculation"][method]`` the choice in force at B.
 """
@@ -34,6 +35,7 @@ measured; ``per_batch_size[B]["speculation"][method]`` the choice in force at B.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ..errors import UserError
@@ -47,8 +49,8 @@ from ..runtime.race import progress_bar
 from ..runtime.speculation import tree_label
 from ..runtime.verify import SamplingConfig
 from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
-from .evaluate import check_settings, machine
-from .prompts import Prompt, encode_checked, split_calibration
+from .evaluate import WARMUP_TOKENS, check_settings, machine, warn_mismatches
+from .prompts import Prompt, encode_checked, prompt_record, split_calibration
 
 PLAIN, HF = "autoregressive", "hf_generate"
 # the baselines a batched evaluation measures; hf_generate_static is not among them: it decodes one prompt per
@@ -105,14 +107,14 @@ def method_summary(method: str, runs: dict[str, list[BatchOutput]], rates: dict[
     ``rounds`` runs in a row; per-row figures come from each batch's first run (prompt order)."""
     rows = [r for o in runs[method][::rounds] for r in o.rows]
     steps = sum(r.steps for r in rows)
-    single = sorted(o.tokens_per_s for o in runs[method])
+    single = [o.tokens_per_s for o in runs[method]]
     out: dict = {"tokens_per_s": round(rates[method], 3),
-                 "tokens_per_s_runs": [round(single[0], 3), round(single[len(single) // 2], 3), round(single[-1], 3)],
+                 "tokens_per_s_runs": [round(f(single), 3) for f in (min, statistics.median, max)],
                  "new_tokens": sum(o.new_tokens for o in runs[method]),
                  "seconds": round(sum(o.prefill_s + o.decode_s for o in runs[method]), 4),
                  "prefill_s": round(sum(o.prefill_s for o in runs[method]), 4),
-                 "tau": round(sum(sum(r.accept_lengths) for r in rows) / steps, 4) if steps else 1.0,
-                 "tau_per_row": [round(r.tau, 3) for r in rows]}
+                 "tau": round(sum(sum(r.accept_lengths) for r in rows) / steps, 4) if steps else None,
+                 "tau_per_row": [round(r.tau, 3) if r.steps else None for r in rows]}
     if not registry.get(method).baseline:
         weights = [(a, s) for o in runs[method] for a, s in zip(o.active, o.speculation)]
         out["nodes_per_step"] = round(sum(a * s for a, s in weights) / max(1, sum(a for a, _ in weights)), 3)
@@ -132,6 +134,19 @@ def method_summary(method: str, runs: dict[str, list[BatchOutput]], rates: dict[
     return out
 
 
+def mismatched_rows(batched: dict, prompt_ids: list[str]) -> dict[str, list[str]]:
+    """method -> the prompts whose row differs from greedy (the plain batched loop's row or batch-1 greedy) at any
+    batch size, in prompt order; methods without any left out."""
+    out = {}
+    for x in batched["methods"]:
+        rows = [entry["per_method"][x] for entry in batched["per_batch_size"].values()]
+        bad = {i for row in rows for key in ("identical_to_plain_batched", "identical_to_batch1")
+               for i, same in enumerate(row.get(key, [])) if not same}
+        if bad:
+            out[x] = [prompt_ids[i] for i in sorted(bad)]
+    return out
+
+
 def stops_paying(per_size: Mapping[int, Mapping[str, float]], method: str) -> Optional[int]:
     """The smallest batch size whose tokens/s for ``method`` is not above the plain batched loop's."""
     return next((b for b in sorted(per_size) if per_size[b][method] <= per_size[b][PLAIN]), None)
@@ -146,18 +161,23 @@ def run_method(m: MedusaModel, method: str, rows: list[list[int]], options, max_
                                    sampling=sampling, seed=seed)
 
 
-def warm_captured_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int],
-                          opts: Mapping[str, Any], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
-    """With captured steps, one untimed batch per method at every graph bucket up to each batch size and at the
-    last batch's size, so the captures (rows leave, the batch shrinks to smaller buckets) happen here."""
-    widths = {w for b in sizes for w in (*[x for x in m.static.buckets if x < b], b, len(ids) % b or b)}
+def warm_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int],
+                 opts: Mapping[str, Any], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
+    """Untimed batches of every measured method before the timed runs, for all alike (the calibration ran the
+    runtime's methods, never transformers' batched ``generate``). With captured steps one per graph bucket up to
+    each batch size and at the last batch's size, at ``max_new_tokens``, so the captures (rows leave, the batch
+    shrinks to smaller buckets) happen here; else one batch of the smallest size, ``WARMUP_TOKENS`` long."""
+    captured = m.static is not None and m.static.capture is not None
+    widths = {w for b in sizes for w in (*[x for x in m.static.buckets if x < b], b, len(ids) % b or b)} \
+        if captured else {sizes[0]}
     for w in sorted(widths, reverse=True):   # the widest first: the buffer grows (dropping captures) only there
         for x in measured:
-            run_method(m, x, ids[:w], opts.get(x), max_new_tokens, sampling, seed)
+            run_method(m, x, ids[:w], opts.get(x), max_new_tokens if captured else min(WARMUP_TOKENS, max_new_tokens),
+                       sampling, seed)
 
 
-def run_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int], opts: Mapping[str, Any],
-                *, rounds: int, max_new_tokens: int, sampling: SamplingConfig, seed: int,
+def run_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int],
+                opts: Mapping[str, Any], *, rounds: int, max_new_tokens: int, sampling: SamplingConfig, seed: int,
                 progress: bool) -> dict[int, dict[str, list[BatchOutput]]]:
     """batch size -> method -> its runs: every batch of ``ids`` decoded ``rounds`` times by every method, the
     methods' order rotated from run to run (module docstring)."""
@@ -237,10 +257,12 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
             split_calibration(list(prompts), calibration_prompts)
     if not prompts:
         raise UserError("no prompts to evaluate")
+    held = prompt_record(prompts, calib_src, (settings or {}).get("num_prompts"))
     check_sizes_measured(sizes, len(prompts))
     ids = encode_checked(m, prompts, max_new_tokens)   # every prompt fits before anything is decoded
     calib = encode_checked(m, calib_src, calibration_tokens)
-    ctx = ChoiceContext(m, calib, ids, calibration_tokens, log=log, progress=progress)
+    # each batch size's steps are timed on the calibration prompts (rows cycled up to the size), not the evaluated
+    ctx = ChoiceContext(m, calib, calib or ids, calibration_tokens, log=log, progress=progress)
     made = choose_all(ctx, opts, modes, sizes)
     opts.update({x: c.options for x, c in made.items()})
     if chosen is not None:
@@ -249,13 +271,15 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     reference = None
     if greedy:  # each row's batch-1 greedy output: what every batched row must reproduce
         reference = [registry.generate(m, p, PLAIN, max_new_tokens=max_new_tokens, seed=seed).tokens for p in ids]
-    if m.static is not None and m.static.capture is not None:
-        warm_captured_batches(m, ids, measured, sizes, opts, max_new_tokens, sampling, seed)
+    warm_batches(m, ids, measured, sizes, opts, max_new_tokens, sampling, seed)
     runs = run_batches(m, ids, measured, sizes, opts, rounds=rounds, max_new_tokens=max_new_tokens,
                        sampling=sampling, seed=seed, progress=progress)
     batched = batched_section(runs, ids, measured, sizes, {x: c.schedule for x, c in made.items()},
                               {x: c.record for x, c in made.items()}, reference, greedy, rounds)
-    return {"settings": settings or {}, "machine": machine(), "num_samples": len(ids), "methods": measured,
+    if greedy:   # the prompts any batch size decoded differently from greedy, per method (its per-row lists)
+        batched["greedy_mismatches"] = mismatched_rows(batched, held["evaluated_prompt_ids"])
+        warn_mismatches(batched["greedy_mismatches"])
+    return {"settings": settings or {}, "machine": machine(), "num_samples": len(ids), "methods": measured, **held,
             "method_options": reported, "batched": batched,
             "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock",
             "graphs": m.static.summary() if m.static is not None else "off", **report_entries(made)}

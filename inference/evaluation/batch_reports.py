@@ -1,17 +1,19 @@
-"""Writing what ``batch_eval`` measured: the batched report.md and ``throughput_vs_batch.png``.
-
-The metric definitions live in ``batch_eval``'s docstring; this module only formats them.
+"""Writing what ``batch_eval`` measured: the batched report.md (``throughput_vs_batch.png`` is drawn by
+``inference.report_plots``). The metric definitions live in ``batch_eval``'s docstring; this module only formats
+them.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 THROUGHPUT_PLOT = "throughput_vs_batch.png"
 
 
 def _times(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
+
+
+def _fmt(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def _identity(row: dict) -> str:
@@ -36,8 +38,9 @@ def batched_markdown(r: dict) -> str:
     for size, entry in b["per_batch_size"].items():
         for meth, row in entry["per_method"].items():
             spec = (entry.get("speculation") or {}).get(meth, "-")
-            lines.append(f"| {size} | {meth} | {spec} | {row['tokens_per_s']:.2f} | {row['tau']:.3f} | "
-                         f"{_times(row.get('speedup_vs_autoregressive'))} | {_times(row.get('speedup_vs_hf_generate'))} "
+            lines.append(f"| {size} | {meth} | {spec} | {row['tokens_per_s']:.2f} | {_fmt(row.get('tau'))} | "
+                         f"{_times(row.get('speedup_vs_autoregressive'))} | "
+                         f"{_times(row.get('speedup_vs_hf_generate'))} "
                          f"| {_identity(row)} |")
     lines.append("")
     for meth, size in b.get("speculation_stops_paying", {}).items():
@@ -50,42 +53,12 @@ def batched_markdown(r: dict) -> str:
     if b.get("greedy_reference"):
         lines.append(f"- greedy identity: each row against the plain batched loop's row and against "
                      f"{b['greedy_reference']}")
+    lines += [f"- **output differs from greedy** ({meth}) on prompts: {', '.join(map(str, ids))}"
+              for meth, ids in (b.get("greedy_mismatches") or {}).items()]
+    lines += [f"- note: {r['prompts_note']}"] if r.get("prompts_note") else []
     lines += ["", "tokens/s = new tokens of all rows / wall time of all batched runs (prefill included); tau = "
                   "tokens per row-step (bonus included; plain decoding 1.0)."]
     return "\n".join(lines) + "\n"
-
-
-def pyplot():
-    """matplotlib's pyplot on the headless Agg backend, for the reports' PNGs."""
-    import matplotlib   # lazy: 0.7 s to import, only once a report is plotted
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt   # lazy: after the headless backend is chosen
-
-    return plt
-
-
-def plot_throughput(out_dir: Path, r: dict) -> Path:
-    """tokens/s against batch size: the plain batched loop, HF's batched generate, each method."""
-    plt = pyplot()
-    b = r["batched"]
-    sizes = b["batch_sizes"]
-    labels = {"autoregressive": "plain batched loop", "hf_generate": "HF batched generate"}
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, meth in enumerate(b["methods"]):
-        ys = [b["per_batch_size"][str(s)]["tokens_per_s"][meth] for s in sizes]
-        ax.plot(sizes, ys, marker="o", color=f"C{i}", label=labels.get(meth, meth),
-                ls="--" if meth in labels else "-")
-    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 4:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set(xlabel="batch size", ylabel="tokens/s (all rows, prefill included)", title="throughput vs batch size")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / THROUGHPUT_PLOT
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def print_batched(b: dict) -> None:

@@ -2,9 +2,11 @@
 
 One place defines the metrics (per method, in ``per_method``):
   tau                mean tokens emitted per verification step, bonus counted (plain decoding = 1.0);
-                     pooled over all steps of all prompts; a step cut at EOS / max_new_tokens counts what it output.
+                     pooled over all steps of all prompts; a step cut at EOS / max_new_tokens counts what it output;
+                     null when no step was verified (nothing measured; ``GenerationOutput.tau`` says 0.0).
   acceptance_rate    accepted draft tokens / proposed draft tokens, as verification accepted them (before
-                     that cut: a deep tree's last step is no rejection; the histogram and n_alpha too).
+                     that cut: a deep tree's last step is no rejection; the histogram and n_alpha too); null,
+                     with ``ran_as_plain_decoding``, when the method proposed nothing (it fell back to plain).
                      What a step proposes is the method's own definition (``Method.proposed``): the tree's
                      depth for Medusa (the most it could accept, as vLLM counts its K speculative tokens); K for
                      the draft model, the candidate trie's depth for lookahead, the looked-up
@@ -15,13 +17,20 @@ One place defines the metrics (per method, in ``per_method``):
   tokens_per_s       new tokens / wall time including prefill, per method, summed over prompts.
   speedup_vs_<baseline>  tokens/s over each baseline run beside it (``Method.baseline``): the runtime's own
                      autoregressive loop (same cache, same token choice), transformers' ``generate``
-                     (greedy) and, on CUDA, its static-cache form (``hf_generate_static``).
+                     (greedy) and, on CUDA, its static-cache form (``hf_generate_static``); pooled (all tokens
+                     / all seconds), with ``per_prompt_speedup_vs_<baseline>`` [min, median, max] of each
+                     prompt's own ratio beside it.
   greedy_identical_fraction  prompts whose output equals the autoregressive baseline's; greedy mode
-                     only (in sample / typical mode outputs differ by design: the key is omitted).
+                     only (in sample / typical mode outputs differ by design: the key is omitted);
+                     ``greedy_mismatches`` names the prompts that differ (and a stderr warning does).
+  samples            per prompt and method: tokens, prefill / decode seconds, tau, accepted / proposed draft
+                     tokens, identical_to_greedy; ``evaluated_prompt_ids`` / ``calibration_prompt_ids``: which
+                     prompts were scored and which calibrated the choice (never the same ones).
 
 The methods come from the registry (``inference.methods``); the baselines (autoregressive,
 hf_generate, on CUDA hf_generate_static) run beside them. They run interleaved prompt by prompt (their
-order rotates), in one process, so the machine's background load hits them alike. Before they run,
+order rotates), in one process, so the machine's background load hits them alike, each after one untimed
+warm-up call (``warm_up``: every method alike, transformers' ``generate`` included). Before they run,
 each method with a speculation shape gets its choice (``choosing``; ``choice=auto`` measures it on
 held-out calibration prompts and this machine): the methods decoding a Medusa tree share one tree
 (report.json's ``tree``, with the heads' measured ``head_accuracy``), EAGLE-3's methods each get their
@@ -39,6 +48,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -54,7 +65,7 @@ from ..runtime.verify import SamplingConfig
 from ..methods import registry
 from ..methods.shape import DEFAULT_BUDGETS, ChoiceContext
 from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
-from .prompts import Prompt, encode_checked, split_calibration
+from .prompts import Prompt, encode_checked, prompt_record, split_calibration
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
 
@@ -67,22 +78,35 @@ class Sample:
     tokens: dict = field(default_factory=dict)  # method -> token ids
 
 
+def _rate(g) -> float:
+    secs = g.prefill_s + g.decode_s
+    return len(g.tokens) / secs if secs > 0 else 0.0
+
+
+def _spread(xs: list) -> Optional[list]:
+    """[min, median, max] of ``xs`` (None when empty)."""
+    return [round(min(xs), 4), round(statistics.median(xs), 4), round(max(xs), 4)] if xs else None
+
+
 def method_summary(samples: list[Sample], method: str, methods: Sequence[str], rates: dict,
                    proposed: Optional[int] = None, greedy: bool = True) -> dict:
     """tau, acceptance rate, tokens/s, speedups and greedy identity of one method (module docstring).
 
     ``proposed``: the draft tokens each step counts as proposed when the method fixes it (a tree's
     depth; n_alpha is then reported too); None: what each step recorded. ``greedy``: the run's mode is
-    greedy (greedy identity is reported only then)."""
+    greedy (greedy identity is reported only then). tau is None when no step was verified, the acceptance
+    rate None (and ``ran_as_plain_decoding`` true) when no draft token was proposed: nothing was measured."""
     outs = [s.outputs[method] for s in samples]
     lengths = [n for o in outs for n in o.accept_lengths]
     out: dict = {"tokens_per_s": round(rates[method], 3),
-                 "tau": round(sum(lengths) / len(lengths), 4) if lengths else 1.0}
+                 "tau": round(sum(lengths) / len(lengths), 4) if lengths else None}
     if not registry.get(method).baseline:   # what verification accepted, before EOS / the budget cut a step
         verified = [n for o in outs for n in o.verified]
         accepted = [n - 1 for n in verified]
         total = proposed * len(lengths) if proposed is not None else sum(sum(o.proposed) for o in outs)
-        out["acceptance_rate"] = round(sum(accepted) / total, 4) if total else 0.0
+        out["acceptance_rate"] = round(sum(accepted) / total, 4) if total else None
+        if not total:
+            out["ran_as_plain_decoding"] = True
         out["proposed_per_step"] = round(total / len(lengths), 3) if lengths else 0.0
         if proposed is not None:
             out["n_alpha"] = [round(sum(a >= n for a in accepted) / max(sum(a >= n - 1 for a in accepted), 1), 4)
@@ -91,10 +115,18 @@ def method_summary(samples: list[Sample], method: str, methods: Sequence[str], r
     for base in methods:
         if registry.get(base).baseline and rates[base] > 0:
             out[f"speedup_vs_{base}"] = round(rates[method] / rates[base], 4)
+            if base != method:   # the spread behind the pooled ratio: each prompt's own ratio
+                ratios = [_rate(s.outputs[method]) / _rate(s.outputs[base]) for s in samples
+                          if _rate(s.outputs[base]) > 0]
+                out[f"per_prompt_speedup_vs_{base}"] = _spread(ratios)
     if greedy and "autoregressive" in methods and samples:
         same = [s.tokens[method] == s.tokens["autoregressive"] for s in samples]
         out["greedy_identical_fraction"] = round(sum(same) / len(same), 4)
     return out
+
+
+def _label(s: Sample) -> str:
+    return s.prompt_id if s.turn == 1 else f"{s.prompt_id} (turn {s.turn})"
 
 
 def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[Mapping[str, int]] = None,
@@ -102,7 +134,8 @@ def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[
     """The report's numbers from the per-sample outputs (definitions: module docstring).
 
     ``proposed``: method -> draft tokens a step proposes, for the methods that fix it. ``greedy``:
-    whether the run decoded greedily (identity with plain greedy is meaningful, and reported, only then)."""
+    whether the run decoded greedily (identity with plain greedy is meaningful, and reported, only then;
+    ``greedy_mismatches``: method -> the prompts whose output differs from the autoregressive baseline's)."""
     proposed = proposed or {}
     rates = {}
     for meth in methods:
@@ -116,7 +149,38 @@ def summarize(samples: list[Sample], methods: Sequence[str], proposed: Optional[
         for base in (x for x in methods if x != "autoregressive" and registry.get(x).baseline):
             same = [s.tokens[base] == s.tokens["autoregressive"] for s in samples]
             out[f"{base}_identical_fraction"] = round(sum(same) / len(same), 4)
+        differ = {x: [_label(s) for s in samples if s.tokens[x] != s.tokens["autoregressive"]] for x in methods}
+        out["greedy_mismatches"] = {x: ids for x, ids in differ.items() if ids}
     return out
+
+
+def warn_mismatches(mismatches: Mapping[str, Sequence[str]]) -> None:
+    """One loud stderr line naming, per method, the prompts whose greedy output differs from plain greedy."""
+    if mismatches:
+        print("WARNING: output differs from plain greedy decoding: " + "; ".join(
+            f"{x} on prompt{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}" for x, ids in mismatches.items()),
+              file=sys.stderr)
+
+
+def sample_records(samples: list[Sample], specs: Mapping[str, Any], proposed: Mapping[str, int],
+                   greedy: bool) -> list[dict]:
+    """report.json's ``samples``: per prompt (and turn) and method, what a speedup is recomputed from (its tokens,
+    prefill and decode seconds), tau, accepted / proposed draft tokens and, in greedy mode, whether its
+    output equals plain greedy's (tau None: no step verified)."""
+    rows = []
+    for s in samples:
+        row: dict = {"prompt_id": s.prompt_id, "turn": s.turn}
+        for k, g in s.outputs.items():
+            row.update({f"{k}_tokens": len(g.tokens), f"{k}_prefill_s": round(g.prefill_s, 6),
+                        f"{k}_decode_s": round(g.decode_s, 6)})
+            if not specs[k].baseline:
+                row[f"{k}_tau"] = round(g.tau, 3) if g.steps else None
+                row[f"{k}_accepted"] = sum(n - 1 for n in g.verified)
+                row[f"{k}_proposed"] = proposed[k] * g.steps if k in proposed else sum(g.proposed)
+            if greedy and "autoregressive" in s.tokens and k != "autoregressive":
+                row[f"{k}_identical_to_greedy"] = s.tokens[k] == s.tokens["autoregressive"]
+        rows.append(row)
+    return rows
 
 
 def machine() -> dict:
@@ -182,16 +246,22 @@ def decode_interleaved(m: MedusaModel, prompts: list[Prompt], methods: Sequence[
     return samples
 
 
-def warm_captured_steps(m: MedusaModel, prompts: list[Prompt], methods: Sequence[str], opts: Mapping[str, Any],
-                        max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
-    """With captured steps (``graphs``), one untimed generation per method on the longest first turn, so
-    that the captures (and the KV buffer's growth to the longest prompt) happen here, not in timed runs."""
-    if m.static is None or m.static.capture is None or not prompts:
+WARMUP_TOKENS = 8   # the untimed warm-up's length without captured steps
+
+
+def warm_up(m: MedusaModel, prompts: list[Prompt], methods: Sequence[str], opts: Mapping[str, Any],
+            max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
+    """One untimed generation of every timed method before the timed runs, for all alike: the calibration ran
+    the runtime's methods, never transformers' ``generate``, whose first-call setup was then timed on the first
+    prompt alone. With captured steps (``graphs``) on the longest first turn at ``max_new_tokens`` (the captures
+    and the KV buffer's growth to the longest prompt happen here), else ``WARMUP_TOKENS`` on the first one."""
+    if not prompts:
         return
-    ids = max((m.encode_chat(p.turns[0]) for p in prompts), key=len)
+    captured = m.static is not None and m.static.capture is not None
+    ids = max((m.encode_chat(p.turns[0]) for p in prompts), key=len) if captured else m.encode_chat(prompts[0].turns[0])
     for meth in methods:
-        registry.generate(m, ids, meth, options=opts[meth], max_new_tokens=max_new_tokens, sampling=sampling,
-                          seed=seed)
+        registry.generate(m, ids, meth, options=opts[meth], max_new_tokens=max_new_tokens if captured else
+                          min(WARMUP_TOKENS, max_new_tokens), sampling=sampling, seed=seed)
 
 
 def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = DEFAULT_METHODS,
@@ -207,8 +277,9 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     every method that has them (``tree="chain3"``); ``choice``: ``auto`` / ``fixed`` (``choosing``), each
     method's speculation shape choosing. ``m.heads`` may be None when no method needs heads.
     ``calibration``: the calibration prompts, all of ``prompts`` evaluated (``prompts.select_prompts``);
-    None: the last ``calibration_prompts`` held out (``split_calibration``). ``chosen``: a dict that gets
-    each shaped method's ``Chosen`` (medusa-eval writes the choice files from it)."""
+    None: the last ``calibration_prompts`` held out (``split_calibration``). Either way no prompt both
+    calibrates and is evaluated. ``chosen``: a dict that gets each shaped method's ``Chosen`` (medusa-eval
+    writes the choice files from it)."""
     sampling = sampling or SamplingConfig()
     check_settings(max_new_tokens=max_new_tokens, turns=turns, calibration_prompts=calibration_prompts,
                    calibration_tokens=calibration_tokens, budgets=budgets)
@@ -219,10 +290,11 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         raise UserError(f"{greedy_only[0]} is measured in greedy mode only")
     opts = method_options(m, methods, options, fields)
     modes = choice_modes(methods, choice, fields)
-    calib: list[list[int]] = []
+    calib_src: list[Prompt] = []
     if calibrating(opts, modes, batched=False):
         calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
-        calib = encode_checked(m, calib_src, calibration_tokens)
+    held = prompt_record(prompts, calib_src, (settings or {}).get("num_prompts"))
+    calib = encode_checked(m, calib_src, calibration_tokens)
     encode_checked(m, prompts, max_new_tokens)   # every first turn fits before anything is decoded
     made = choose_all(ChoiceContext(m, calib, calib[:1], calibration_tokens, budgets, log, progress), opts, modes)
     opts.update({meth: c.options for meth, c in made.items()})
@@ -232,19 +304,17 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     for meth, spec in specs.items():
         if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
             opts[meth] = spec.prepare(m, opts[meth])
-    warm_captured_steps(m, prompts, methods, opts, max_new_tokens, sampling, seed)
+    warm_up(m, prompts, methods, opts, max_new_tokens, sampling, seed)
     samples = decode_interleaved(m, prompts, methods, opts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  turns=turns, seed=seed, progress=progress)
     run_length = max((s.outputs[methods[0]].prompt_tokens for s in samples), default=0) + max_new_tokens
+    proposed = {meth: spec.proposed(opts[meth]) for meth, spec in specs.items() if spec.proposed is not None}
     report = {"settings": settings or {}, "machine": machine(), "num_samples": len(samples), "methods": list(methods),
-              **summarize(samples, methods, {meth: spec.proposed(opts[meth]) for meth, spec in specs.items()
-                                             if spec.proposed is not None}, greedy=sampling.is_greedy),
+              **held, **summarize(samples, methods, proposed, greedy=sampling.is_greedy),
               "method_options": reported, "run_length": run_length,
-              "costs": {meth: dataclasses.asdict(spec.costs(m, opts[meth], run_length)) for meth, spec in specs.items()},
+              "costs": {x: dataclasses.asdict(spec.costs(m, opts[x], run_length)) for x, spec in specs.items()},
               "linear_kernels": routing_summary(m.kernel_plans) if m.kernel_plans else "stock",
               "graphs": m.static.summary() if m.static is not None else "off", **report_entries(made)}
-    report["samples"] = [{"prompt_id": s.prompt_id, "turn": s.turn,
-                          **{f"{k}_tokens": len(v.tokens) for k, v in s.outputs.items()},
-                          **{f"{k}_tau": round(v.tau, 3) for k, v in s.outputs.items() if not specs[k].baseline}}
-                         for s in samples]
+    report["samples"] = sample_records(samples, specs, proposed, sampling.is_greedy)
+    warn_mismatches(report.get("greedy_mismatches"))
     return report

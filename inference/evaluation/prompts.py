@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -64,25 +65,40 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
 
 
 def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[list[Prompt], list[Prompt]]:
-    """(calibration prompts, evaluated prompts): the last ``calibration_prompts`` are held out when
-    there are more prompts than that; otherwise the first ones calibrate and are evaluated too."""
-    if len(prompts) > calibration_prompts >= 1:
-        return prompts[-calibration_prompts:], prompts[:-calibration_prompts]
-    return prompts[:max(calibration_prompts, 1)], prompts
+    """(calibration prompts, the prompts left to evaluate): the last ``calibration_prompts`` are held out and never
+    evaluated (a choice fit on the prompts it is then scored on flatters itself). A set with no more prompts than
+    that leaves nothing to evaluate: refused in one line (the CLI checks it before the backbone loads)."""
+    if len(prompts) <= calibration_prompts:
+        raise UserError(f"calibration_prompts={calibration_prompts} holds out all {len(prompts)} prompts of the set, "
+                        "leaving none to evaluate: give more prompts, a smaller calibration_prompts or choice=fixed")
+    return prompts[-calibration_prompts:], prompts[:-calibration_prompts]
 
 
 def select_prompts(prompts: list[Prompt], num_prompts: Optional[int], calibration_prompts: int) -> tuple[
         list[Prompt], list[Prompt]]:
-    """(evaluated prompts, calibration prompts) for an evaluation that calibrates: without ``num_prompts`` as
-    ``split_calibration``; with it, exactly the first ``num_prompts`` evaluated and up to ``calibration_prompts``
-    of those after them held out (none after them: the first evaluated ones calibrate too). Held-out prompts
-    fewer than ``calibration_prompts`` once made the evaluation split them again, evaluating more prompts than
-    asked (num_prompts=1 of 3 evaluated all 3)."""
-    if num_prompts is None:
-        calibration, evaluated = split_calibration(prompts, calibration_prompts)
-        return evaluated, calibration
-    evaluated = prompts[:num_prompts]
-    return evaluated, prompts[num_prompts:][-calibration_prompts:] or evaluated[:calibration_prompts]
+    """(evaluated prompts, calibration prompts) for an evaluation that calibrates: the last ``calibration_prompts``
+    of the set held out (``split_calibration``), the first ``num_prompts`` of the others evaluated (all of them
+    without it; fewer than asked when fewer remain: ``prompt_record`` says so). The calibration prompts do not
+    depend on ``num_prompts``, and never overlap the evaluated ones (they once did: num_prompts=80 of MT-Bench's
+    80 fit the choice on 8 of the prompts it was then scored on)."""
+    calibration, rest = split_calibration(prompts, calibration_prompts)
+    return (rest if num_prompts is None else rest[:num_prompts]), calibration
+
+
+def prompt_record(evaluated: list[Prompt], calibration: list[Prompt], asked: Optional[int]) -> dict:
+    """report.json's ``evaluated_prompt_ids`` / ``calibration_prompt_ids``, and ``prompts_note`` (also printed on
+    stderr) when ``num_prompts`` asked for more prompts than remained after the calibration ones were held out.
+    Refuses calibration prompts that are also evaluated (a caller's slip)."""
+    shared = sorted({p.id for p in evaluated} & {p.id for p in calibration})
+    if shared:
+        raise UserError(f"calibration prompts {', '.join(shared)} are also evaluated: hold them out")
+    out: dict = {"evaluated_prompt_ids": [p.id for p in evaluated],
+                 "calibration_prompt_ids": [p.id for p in calibration]}
+    if calibration and isinstance(asked, int) and asked > len(evaluated):
+        out["prompts_note"] = (f"num_prompts={asked} asked for more prompts than the {len(evaluated)} left once the "
+                               f"{len(calibration)} calibration prompts were held out: evaluating {len(evaluated)}")
+        print(f"note: {out['prompts_note']}", file=sys.stderr)
+    return out
 
 
 def _turns(rec) -> list:

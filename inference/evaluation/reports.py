@@ -1,6 +1,6 @@
-"""Writing what ``evaluate`` measured: report.json / report.md / PNGs, and the trade-off matrix
-(compare.md + compare.png). The metric definitions live in ``evaluate``'s docstring; this module
-only formats them. A batched evaluation's report (``batch_eval``) is formatted by ``batch_reports``.
+"""Writing what ``evaluate`` measured: report.json / report.md / PNGs (drawn by ``inference.report_plots``), and
+the trade-off matrix (compare.md + compare.png). The metric definitions live in ``evaluate``'s docstring; this
+module only formats them. A batched evaluation's report (``batch_eval``) is formatted by ``batch_reports``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..methods.choice_file import SUFFIX as CHOICE_SUFFIX
-from .batch_reports import THROUGHPUT_PLOT, batched_markdown, plot_throughput, pyplot
+from ..report_plots import plot_compare, plot_head_accuracy, plot_histogram, plot_throughput
+from .batch_reports import THROUGHPUT_PLOT, batched_markdown
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -67,14 +68,14 @@ def write_report(out_dir: Path, report: dict) -> list[Path]:
     paths[1].write_text(batched_markdown(report) if batched else markdown(report))
     paths += plot_report(out_dir, report)
     if batched:
-        paths.append(plot_throughput(out_dir, report))
+        paths.append(plot_throughput(out_dir / THROUGHPUT_PLOT, report))
     return paths
 
 
 def print_per_method(report: dict) -> None:
     """One line per method of a one-prompt-at-a-time evaluation: tokens/s, tau, speedups, greedy identity."""
     for meth, row in report.get("per_method", {}).items():
-        parts = [f"{meth:>14}: {row['tokens_per_s']:8.2f} tok/s", f"tau {row['tau']:.3f}"]
+        parts = [f"{_method(meth, row):>14}: {row['tokens_per_s']:8.2f} tok/s", f"tau {_fmt(row.get('tau'))}"]
         parts += [f"{row[key]:.2f}x vs {label}" for key, label in speedup_columns([row]) if key in row]
         if "greedy_identical_fraction" in row and meth != "autoregressive":
             parts.append(f"identical to greedy: {row['greedy_identical_fraction']}")
@@ -106,40 +107,34 @@ def _times(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
-def headline(r: dict) -> tuple[str, dict]:
-    """The method the report is about: the first one with an acceptance rate (not a baseline)."""
-    per = r.get("per_method") or {}
-    name = next((m for m in r.get("methods", []) if "acceptance_rate" in per.get(m, {})), None)
-    return name, per.get(name, {})
+def _speedups(row: dict, cols) -> str:
+    """The speedup cells: the pooled ratio, then the median [min-max] of the per-prompt ratios."""
+    cells = []
+    for key, _ in cols:
+        spread = row.get(f"per_prompt_{key}")
+        cells.append(_times(row.get(key)) + (f" ({spread[1]:.2f}x [{spread[0]:.2f}-{spread[2]:.2f}])" if spread
+                                             else ""))
+    return "".join(f" {c} |" for c in cells)
 
 
-def markdown(r: dict) -> str:
-    s = r.get("settings") or {}
-    per = r.get("per_method") or {}
-    cols = speedup_columns(per.values())
-    title = f"Medusa evaluation: {s['heads']}" if s.get("heads") else f"Decoding evaluation: {s.get('backbone', '')}"
-    lines = [f"# {title}", "",
-             f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
-             f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
-             f"({r['machine']['threads']} threads), {s.get('dtype', '')}.", "",
-             "| method | tau | acceptance rate | tokens/s |" + _speedup_header(cols), "|---" * (4 + len(cols)) + "|"]
-    for meth, v in r["tokens_per_s"].items():
-        row = per.get(meth, {})
-        lines.append(f"| {meth} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | {v:.2f} |"
-                     + "".join(f" {_times(row.get(k))} |" for k, _ in cols))
-    name, row = headline(r)
-    if name is not None:
-        lines += ["", f"- {name} tau (tokens per verification step): **{row.get('tau', 1.0):.3f}**",
-                  f"- acceptance rate: {row.get('acceptance_rate', 0):.3f}"
-                  + (f"; n-alpha: {row['n_alpha']}" if "n_alpha" in row else "")]
-        if row.get("greedy_identical_fraction") is not None:  # greedy mode only
-            lines.append(f"- output identical to plain greedy: {row['greedy_identical_fraction']}")
-    # the shared Medusa tree, then each method's own chosen tree setting (``<method>_tree``: there only when chosen)
+def _method(meth: str, row: dict) -> str:
+    """A method's name, marked when it proposed nothing (it fell back to plain decoding: nothing was measured)."""
+    return f"{meth} (ran as plain decoding)" if row.get("ran_as_plain_decoding") else meth
+
+
+SPEEDUP_NOTE = ("Speedups: pooled (all tokens / all seconds), then the median [min-max] of each prompt's own ratio; "
+                "tau and the acceptance rate are `-` where nothing was measured (no step verified, nothing proposed).")
+
+
+def _choices(r: dict) -> list[str]:
+    """One line per choice (the shared Medusa tree, then each ``<method>_tree``), plain decoding included."""
+    lines = []
     for key, what in [("tree", "tree")] + [(k, k[:-len("_tree")] + " tree") for k in r if k.endswith("_tree")]:
         choice = r.get(key) or {}
-        if choice.get("nodes") or (key != "tree" and choice):
-            lines.append(f"- {what}: {choice['name']}" + (f" ({choice['nodes']} nodes)" if choice.get("nodes") else "")
-                         + f" — {choice['reason']}")
+        if choice:
+            nodes = f" ({choice['nodes']} nodes)" if choice.get("nodes") else ""
+            lines.append(f"- {what}: {choice.get('name')}{nodes}" + (f" — {choice['reason']}" if choice.get("reason")
+                                                                      else ""))
         timing = choice.get("timing")
         if timing:
             paired = " (each tree costed against the plain runs beside it)" if timing.get("paired") else ""
@@ -151,6 +146,51 @@ def markdown(r: dict) -> str:
                                      for c in [{"name": "plain", **timing["autoregressive"]}, *choice["candidates"]]
                                      if "step_ms_min" in c))
             lines += [f"- warning: {w}" for w in timing.get("warnings", [])]
+    return lines
+
+
+def _prompts_lines(r: dict) -> list[str]:
+    """The prompts-held-out note and the prompts whose greedy output differs, per method."""
+    lines = [f"- note: {r['prompts_note']}"] if r.get("prompts_note") else []
+    if r.get("calibration_prompt_ids"):
+        lines.append(f"- calibration prompts (held out, never evaluated): {', '.join(r['calibration_prompt_ids'])}")
+    return lines + [f"- **output differs from plain greedy** ({meth}) on prompts: {', '.join(ids)}"
+                    for meth, ids in (r.get("greedy_mismatches") or {}).items()]
+
+
+def headline(r: dict) -> tuple[str, dict]:
+    """The method the report is about: the first one with an acceptance rate (not a baseline)."""
+    per = r.get("per_method") or {}
+    name = next((m for m in r.get("methods", []) if "acceptance_rate" in per.get(m, {})), None)
+    return name, per.get(name, {})
+
+
+def _intro(r: dict, s: dict) -> str:
+    return (f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
+            f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
+            f"({r['machine']['threads']} threads), {s.get('dtype', '')}")
+
+
+def markdown(r: dict) -> str:
+    s = r.get("settings") or {}
+    per = r.get("per_method") or {}
+    cols = speedup_columns(per.values())
+    title = f"Medusa evaluation: {s['heads']}" if s.get("heads") else f"Decoding evaluation: {s.get('backbone', '')}"
+    lines = [f"# {title}", "", _intro(r, s) + ".", "",
+             "| method | tau | acceptance rate | tokens/s |" + _speedup_header(cols), "|---" * (4 + len(cols)) + "|"]
+    for meth, v in r["tokens_per_s"].items():
+        row = per.get(meth, {})
+        lines.append(f"| {_method(meth, row)} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | "
+                     f"{v:.2f} |" + _speedups(row, cols))
+    lines += ["", SPEEDUP_NOTE]
+    name, row = headline(r)
+    if name is not None:
+        lines += ["", f"- {_method(name, row)} tau (tokens per verification step): **{_fmt(row.get('tau'))}**",
+                  f"- acceptance rate: {_fmt(row.get('acceptance_rate'))}"
+                  + (f"; n-alpha: {row['n_alpha']}" if row.get("n_alpha") else "")]
+        if row.get("greedy_identical_fraction") is not None:  # greedy mode only
+            lines.append(f"- output identical to plain greedy: {row['greedy_identical_fraction']}")
+    lines += _choices(r) + _prompts_lines(r)
     acc = r.get("head_accuracy")
     if acc:
         lines += ["", "| head | " + " | ".join(f"top-{j}" for j in range(1, 6)) + " |", "|---" * 6 + "|"]
@@ -160,33 +200,12 @@ def markdown(r: dict) -> str:
 
 
 def plot_report(out_dir: Path, r: dict) -> list[Path]:
-    plt = pyplot()
-    paths = []
+    """acceptance_histogram.png (what verification accepted, its own mean in the title) and head_accuracy.png."""
     name, row = headline(r)
-    hist = row.get("accept_length_histogram")
-    if hist:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.bar([int(k) for k in hist], list(hist.values()))
-        ax.set(xlabel="tokens accepted per step (bonus included)", ylabel="steps",
-               title=f"{name}: acceptance length, tau = {row.get('tau', 1):.2f}")
-        fig.tight_layout()
-        paths.append(out_dir / HISTOGRAM_PLOT)
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    acc = r.get("head_accuracy")
-    if acc:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        topk = acc["topk"]
-        width = 0.8 / max(len(topk), 1)
-        for k, row in enumerate(topk):
-            ax.bar([j + k * width for j in range(min(5, len(row)))], row[:5], width, label=f"head {k + 1}")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(5)], [f"top-{j}" for j in range(1, 6)])
-        ax.set(ylabel="accuracy vs backbone greedy", title="per-head accuracy")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / HEAD_ACCURACY_PLOT)
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+    paths = [plot_histogram(out_dir / HISTOGRAM_PLOT, name, row["accept_length_histogram"])] \
+        if row.get("accept_length_histogram") else []
+    if r.get("head_accuracy"):
+        paths.append(plot_head_accuracy(out_dir / HEAD_ACCURACY_PLOT, r["head_accuracy"]["topk"]))
     return paths
 
 
@@ -201,6 +220,13 @@ def _size(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}".strip()
 
 
+def _same(row: dict, greedy: bool) -> str:
+    ident = row.get("greedy_identical_fraction")
+    if not greedy:
+        return "n/a (sampling)"
+    return "-" if ident is None else "yes" if ident == 1.0 else f"no ({ident:.0%} of prompts)"
+
+
 def compare_markdown(r: dict) -> str:
     """The trade-off matrix: one row per method (definitions: module docstring)."""
     s = r.get("settings") or {}
@@ -208,59 +234,28 @@ def compare_markdown(r: dict) -> str:
     cols = speedup_columns(per.values())
     greedy = s.get("mode", "greedy") == "greedy"
     lines = [f"# Decoding methods compared: {s.get('backbone') or s.get('heads') or ''}", "",
-             f"{r['num_samples']} samples from `{s.get('prompts', '?')}`, {s.get('max_new_tokens', '?')} new tokens "
-             f"max, mode `{s.get('mode', 'greedy')}`, {r['machine'].get('gpu', r['machine']['cpu'])} "
-             f"({r['machine']['threads']} threads), {s.get('dtype', '')}; methods interleaved per prompt.", "",
+             _intro(r, s) + "; methods interleaved per prompt.", "",
              "| method | tau | acceptance rate | tokens/s |" + _speedup_header(cols)
              + " extra parameters | extra KV cache | training needed | output = plain greedy |",
              "|---" * (8 + len(cols)) + "|"]
     for meth in r["methods"]:
         row, cost = per[meth], costs.get(meth, {})
-        speedups = "".join(f" {_times(row.get(k))} |" for k, _ in cols)
-        ident = row.get("greedy_identical_fraction")
-        if not greedy:
-            same = "n/a (sampling)"
-        elif ident is None:
-            same = "-"
-        else:
-            same = "yes" if ident == 1.0 else f"no ({ident:.0%} of prompts)"
         params = cost.get("extra_parameters", 0)
         p_txt = "0" if not params else f"{_size(params, '')} ({_size(cost.get('extra_parameter_bytes', 0), 'B')})"
         kv = cost.get("extra_kv_cache_bytes", 0)
-        lines.append(f"| {meth} | {_fmt(row.get('tau'), '.2f')} | {_fmt(row.get('acceptance_rate'), '.3f')} | "
-                     f"{row['tokens_per_s']:.2f} |{speedups} {p_txt} | {_size(kv, 'B') if kv else '0'} | "
-                     f"{cost.get('training', 'none')} | {same} |")
-    notes = [f"{meth}: " + ", ".join(f"{k} = {v}" for k, v in opts[meth].items())
+        lines.append(f"| {_method(meth, row)} | {_fmt(row.get('tau'), '.2f')} | "
+                     f"{_fmt(row.get('acceptance_rate'), '.3f')} | {row['tokens_per_s']:.2f} |{_speedups(row, cols)} "
+                     f"{p_txt} | {_size(kv, 'B') if kv else '0'} | {cost.get('training', 'none')} | "
+                     f"{_same(row, greedy)} |")
+    notes = [f"{_method(meth, per[meth])}: " + ", ".join(f"{k} = {v}" for k, v in opts[meth].items())
              for meth in r["methods"] if opts.get(meth)]
-    lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "",
+    lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "", *_prompts_lines(r), "", SPEEDUP_NOTE,
               "",
               "tau = tokens per verification step (bonus included; plain decoding 1.0); acceptance rate = accepted "
               "/ proposed draft tokens; tokens/s include prefill; speedups from the same run. Extra parameters: "
               "loaded beyond the backbone, tensors shared with it not counted. Extra KV cache: cache allocated "
               f"beyond plain decoding's, at {r.get('run_length', '?')} tokens (longest prompt + max_new_tokens)."]
     return "\n".join(lines) + "\n"
-
-
-def plot_compare(path: Path, r: dict) -> Path:
-    plt = pyplot()
-    methods = r["methods"]
-    per = r["per_method"]
-    panels = [("speedup vs autoregressive", [per[m].get("speedup_vs_autoregressive") or 0 for m in methods]),
-              ("tau (tokens / step)", [per[m].get("tau") or 0 for m in methods]),
-              ("tokens/s", [per[m]["tokens_per_s"] for m in methods])]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
-    for ax, (title, values) in zip(axes, panels):
-        ax.bar(range(len(methods)), values, color=[f"C{i}" for i in range(len(methods))])
-        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=8)
-        ax.set_title(title, fontsize=10)
-        if title.startswith("speedup"):
-            ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    fig.suptitle(f"{r['settings'].get('prompts', '')}: {r['num_samples']} samples, "
-                 f"{r['settings'].get('max_new_tokens', '')} tokens max", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def write_compare(out_dir: Path, report: dict) -> list[Path]:

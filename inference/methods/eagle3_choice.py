@@ -108,13 +108,14 @@ def eagle3_step_times(m: MedusaModel, prompt_ids: Sequence[int], shape: Optional
 def measure_eagle3_tau(m: MedusaModel, prompts: Sequence[Sequence[int]], shape: tuple, *,
                        max_new_tokens: int = 48, method: str = "eagle3", options=None) -> float:
     """Tokens per step of greedy ``method`` decoding with ``shape`` over ``prompts``: a dynamic tree has
-    no fixed node values to add up, so its expected tau is measured by decoding."""
+    no fixed node values to add up, so its expected tau is measured by decoding. 0.0 when no step was verified
+    (as ``GenerationOutput.tau``): nothing measured, so such a candidate never wins (1.0 once let it tie plain)."""
     tokens = steps = 0
     for p in prompts:
         out = generate(m, list(p), method, options=options, **eagle3_fields(shape),
                        max_new_tokens=max_new_tokens)
         tokens, steps = tokens + sum(out.accepted), steps + out.steps   # before the budget's cut, as a long reply runs
-    return tokens / steps if steps else 1.0
+    return tokens / steps if steps else 0.0
 
 
 def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_prompt: Sequence[int], *,
@@ -165,7 +166,8 @@ def choose_eagle3(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_
     cands, rates = [], {}
     for name, shape in shapes.items():
         rates[name] = taus[name] / step[name]
-        cands.append({"name": name, **eagle3_fields(shape), "measured_tau": round(taus[name], 4), **spreads[name],
+        cands.append({"name": name, **eagle3_fields(shape), "measured_tau": round(taus[name], 4) or None,
+                      **spreads[name],
                       "timed_on": f"a {calibration_tokens}-token reply" if name in varies else f"{latency_steps} steps",
                       "expected_tokens_per_s": round(rates[name], 2)})
         log(f"  {method} {name:>11}: tau {taus[name]:.3f} (measured), step {step[name] * 1e3:.1f} ms -> "
@@ -208,7 +210,7 @@ def choose_eagle3_schedule(m: MedusaModel, calibration: Sequence[Sequence[int]],
     # the race costs each setting by its mean step at that batch size (``race``'s varying)
     sizing = size_speculation(m, cands, lambda o: SharedSetting(shared, o), latency_prompts, batch_sizes,
                               what=f"{method} trees", varying=base.steps_vary, **timing)
-    return sizing, {"measured_tau": {name: round(t, 4) for name, t in taus.items()}}
+    return sizing, {"measured_tau": {name: round(t, 4) or None for name, t in taus.items()}}
 
 
 

@@ -2,7 +2,9 @@
 
 Not a ``Decoder``: it registers a runner. Its default cache, timed like the others, with stock
 kernels (no ``linear_kernels`` routing) and transformers' own sdpa (not ``runtime.attention``); the
-output is cut after the first EOS, as the runtime cuts. Greedy mode only.
+output is cut after the first EOS, as the runtime cuts. Greedy mode only, from a clean greedy config
+(``greedy_config``): the backbone's own ``generation_config`` (a repetition_penalty, no_repeat_ngram_size,
+min_new_tokens, num_beams it ships) is not applied, or this would be another decoder than plain greedy.
 
 ``hf_generate_batch`` is its batched form (the batched evaluation's second baseline): one
 ``generate`` call over left-padded prompts with an attention mask, each row cut after its first
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import contextmanager
 
 import torch
+from transformers import GenerationConfig
 
 from ..runtime.attention import transformers_attention
 from ..runtime.batch_decode import BatchOutput
@@ -56,16 +60,42 @@ def pad_id(m: MedusaModel) -> int:
     return eos[0] if eos else 0  # no EOS at all (a random backbone, EOS disabled): any id pads nothing
 
 
+@contextmanager
+def model_defaults_off(model):
+    """The backbone's own ``generation_config`` replaced by transformers' defaults while ``generate`` runs.
+    ``generate`` fills every key the config it is given leaves unset from the model's (``_prepare_generation_config``:
+    "user kwargs > self.generation_config > global defaults"), so a backbone shipping repetition_penalty,
+    no_repeat_ngram_size, min_new_tokens, num_beams, an EOS, ... made this baseline another decoder than the greedy
+    loop it is compared with, and an empty EOS set fall back to the model's EOS."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def greedy_config(**keys) -> tuple[GenerationConfig, dict]:
+    """(a clean greedy ``GenerationConfig`` with ``keys`` set, transformers' defaults for the rest; the keys it has no
+    field for, passed to ``generate`` as transformers itself passes them on). Sampling keys are never set: every
+    transformers baseline here is greedy."""
+    config = GenerationConfig()
+    rest = config.update(do_sample=False, num_beams=1, **keys)
+    return config, rest
+
+
 def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos=None,
               **extra) -> tuple[list, float]:
     """Greedy ``generate`` of [B, L] ids (``extra``: more ``generate`` keys) -> (each row's new tokens cut after its
-    first EOS, wall seconds). ``eos``: the ids to stop at, as the runtime's ``eos_set`` reads them (None = the
-    model's, ``()`` = never stop early)."""
+    first EOS, wall seconds), with a clean config (``greedy_config``, ``model_defaults_off``): only what is set here
+    decides. ``eos``: the ids to stop at, as the runtime's ``eos_set`` reads them (None = the model's, ``()`` =
+    never stop early)."""
     eos = sorted(eos_set(m, eos))
+    config, rest = greedy_config(max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad_id(m),
+                                 **extra)
     t0 = time.perf_counter()
-    with torch.inference_mode(), stock_kernels(), transformers_attention(m.model):
-        out = m.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                               do_sample=False, eos_token_id=eos or None, pad_token_id=pad_id(m), **extra)
+    with torch.inference_mode(), stock_kernels(), transformers_attention(m.model), model_defaults_off(m.model):
+        out = m.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **rest)
     if m.device.type == "cuda":
         torch.cuda.synchronize(m.device)
     dt = time.perf_counter() - t0

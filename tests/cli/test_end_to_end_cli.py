@@ -83,8 +83,9 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     (the vLLM/SGLang directory must load as the same drafter), generate refusing its own heads, or an
     choice=auto choice that medusa-generate cannot decode with (eagle3_lookup_choice.json)."""
     run = tmp_path / "runs" / "e3"
+    # three: with calibration_prompts=1 held out (never evaluated), the batched run below still evaluates two
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in
-                                                      ["Say hello.", "Count to three."]) + "\n")
+                                                      ["Say hello.", "Count to three.", "Name a colour."]) + "\n")
     _run("medusa-train", "debug_tiny", "heads.kind=eagle3", "backbone.random_init.num_hidden_layers=4",
          "heads.ttt_steps=2", "trainer.max_steps=2",
          f"data.source={TINY_DATA}", "trainer.threads=1", "logger.plot=false", "output_dir=runs/e3", cwd=tmp_path)

@@ -158,9 +158,10 @@ def test_rounds_repeat_each_batch_without_mixing_rows(oracle):
 
 def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch):
     """Guards against: choice=auto in a batched run not asking the Medusa tree shape for a tree per batch size
-    (with the heads' measured per-rank accuracy, latency prompts from the evaluated prompts, every batch
-    size), the calibration prompts not being held out, the chosen schedule not being the one decoded
-    with (plain steps where it says none pays), or the sizing record missing from the report."""
+    (with the heads' measured per-rank accuracy, every batch size), the per-batch-size steps timed on the evaluated
+    prompts instead of the held-out calibration ones, the calibration prompts not being held out, the chosen
+    schedule not being the one decoded with (plain steps where it says none pays), or the sizing record missing
+    from the report."""
     calls = {}
 
     class Sizing:
@@ -181,7 +182,9 @@ def test_tree_auto_takes_the_schedule_choose_schedule_picks(oracle, monkeypatch)
     r = evaluate_batched(oracle, PROMPTS, methods=["medusa"], batch_sizes=[1, 4], choice="auto", max_new_tokens=NEW,
                          calibration_prompts=1, calibration_tokens=6, progress=False, log=_quiet, chosen=chosen)
     b = r["batched"]   # (batch 4 needs 4 prompts evaluated: a larger size than the prompts is refused)
-    assert calls["sizes"] == [1, 4] and len(calls["latency"]) == 4 == b["num_prompts"]  # 1 of 5 held out
+    assert calls["sizes"] == [1, 4] and 4 == b["num_prompts"]  # 1 of 5 held out
+    assert calls["latency"] == [oracle.encode_chat(PROMPTS[-1].turns[0])]   # timed on the held-out prompt only
+    assert r["calibration_prompt_ids"] == ["4"] and r["evaluated_prompt_ids"] == ["0", "1", "2", "3"]
     assert len(calls["per_rank"]) == 2 and calls["per_rank"] == r["head_accuracy"]["per_rank"]
     assert b["speculation"]["medusa"] == {"tree": "auto", "schedule": {"1": "chain2", "4": "plain"},
                                           "sizing": {"1": {"winner": "chain2"}, "4": {"winner": "plain"}}}

@@ -126,3 +126,59 @@ def test_every_micro_benchmark_imports():
     spec.loader.exec_module(entry)
     for name, (module, _) in entry.MICRO.items():
         assert callable(importlib.import_module(module).main), name
+
+
+def test_an_evaluation_reruns_when_its_arguments_changed(tmp_path, monkeypatch):
+    """Guards against a study skipping an evaluation because some report.json exists, though the study file now
+    gives other arguments (the section then showed old figures under today's command line and today's date): the
+    arguments are recorded beside the report, a change runs it again, and the section prints the report's own
+    command line and date."""
+    monkeypatch.chdir(tmp_path)   # run() changes into the repository: restored after the test
+    monkeypatch.setattr(study, "RESULTS", tmp_path / "results")
+    out = tmp_path / "runs"
+    s = {"title": "T", "out": str(out), "eval": {"one": {"heads": "runs/x/heads", "args": {"max_new_tokens": 8}}}}
+    monkeypatch.setattr(study, "load", lambda name: s)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "medusa-eval").write_text("")
+    ran = []
+
+    def fake_run(cmd, env=None):
+        ran.append(cmd[1:])
+        where = Path(next(a for a in cmd if a.startswith("out=")).split("=", 1)[1])
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "report.json").write_text(json.dumps({"machine": {"cpu": "x"}, "per_method": {
+            "autoregressive": {"tokens_per_s": 1.0, "tau": 1.0}}}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    assert study.run("t", bin_dir=tmp_path / "bin") == 0 and len(ran) == 1
+    assert study.run("t", bin_dir=tmp_path / "bin") == 0 and len(ran) == 1          # same arguments: skipped
+    s["eval"]["one"]["args"] = {"max_new_tokens": 16}
+    assert study.run("t", bin_dir=tmp_path / "bin") == 0 and len(ran) == 2          # changed: run again
+    assert "max_new_tokens=16" in ran[-1]
+    record = json.loads((out / "one" / "study_job.json").read_text())
+    record["finished"] = "2001-02-03 04:05:06"
+    (out / "one" / "study_job.json").write_text(json.dumps(record))
+    text = study.write_section("t", s).read_text()
+    assert "reports of 2001-02-03." in text and "max_new_tokens=16" in text
+
+
+def test_plain_loop_vs_generate_warms_both_alike(monkeypatch):
+    """Guards against the machine benchmark timing transformers' generate's first call (its config and processors
+    built on the first prompt) while the runtime's loop had been warmed by whatever ran before: both get one short
+    untimed call first, and only the calls after it are timed."""
+    from benchmarks import timing
+    from inference.runtime.decode import GenerationOutput
+
+    calls = []
+
+    def fake(m, ids, name, max_new_tokens):
+        calls.append((name, max_new_tokens))
+        g = GenerationOutput(tokens=[1] * max_new_tokens, prompt_tokens=len(ids), finish_reason="length")
+        g.decode_s = 1.0
+        return g
+
+    monkeypatch.setattr(timing, "generate", fake)
+    out = timing.plain_loop_vs_generate(None, [[1, 2], [3, 4]], 32)
+    assert calls[:2] == [("autoregressive", timing.WARMUP_TOKENS), ("hf_generate", timing.WARMUP_TOKENS)]
+    assert len(calls) == 6 and out["prompts"] == 2 and out["new_tokens"] == [32, 32]

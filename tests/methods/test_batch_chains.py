@@ -202,7 +202,7 @@ def test_batched_eval_sizes_chain_methods_per_batch_size(m, prompts, monkeypatch
                              options={x: make_options(x, None, **METHODS[x]) for x in METHODS})
         b = r["batched"]
         assert [c[0] for c in calls] == ["draft", "prompt_lookup"]
-        assert all(c[1] == 2 and c[2] == 6 and c[3] == [1, 2] for c in calls)
+        assert all(c[1] == 2 and c[2] == 2 and c[3] == [1, 2] for c in calls)   # timed on the calibration prompts
         for x in METHODS:
             assert b["speculation"][x]["chain"] == "auto"
             assert b["speculation"][x]["schedule"] == {"1": "chain3", "2": "plain"}

@@ -446,7 +446,7 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
                                     calibration_prompts=2, progress=False, log=lambda s: None,
                                     options={"eagle3": Eagle3Options()}, choice="auto")
     b = r["batched"]
-    assert calls == [(2, 3, [1, 2])]
+    assert calls == [(2, 2, [1, 2])]   # steps timed on the 2 calibration prompts, not the 3 evaluated
     assert b["speculation"]["eagle3"]["schedule"] == {"1": "n3-d3-k1", "2": "plain"}
     assert b["per_batch_size"]["2"]["speculation"]["eagle3"] == "plain"
     row = b["per_batch_size"]["2"]["per_method"]["eagle3"]

@@ -149,3 +149,27 @@ def test_generate_baselines_stop_at_the_eos_ids_given(tiny, method):
     tiny.eos_token_ids = [stop]
     assert generate(tiny, prompt, method, max_new_tokens=NEW, eos_token_ids=()).tokens == free
     assert generate(tiny, prompt, method, max_new_tokens=NEW).tokens == expect
+
+
+@pytest.mark.parametrize("method", ["hf_generate", STATIC, "batch"])
+def test_backbone_generation_config_does_not_change_the_baseline(tiny, method):
+    """Guards against the transformers baselines inheriting the backbone's ``generation_config``: transformers
+    fills every key left unset from it, so a model shipping repetition_penalty / no_repeat_ngram_size /
+    min_new_tokens / num_beams / an EOS made ``hf_generate`` (static cache and batched too) another decoder than the
+    greedy loop it is compared with; and ``eos_token_ids=()`` fell back to that config's EOS instead of never
+    stopping early. The model's own config must come back unchanged after the call."""
+    prompt = ids(6)
+    free = generate(tiny, prompt, "autoregressive", max_new_tokens=NEW, eos_token_ids=()).tokens
+    shipped = dict(repetition_penalty=3.0, no_repeat_ngram_size=2, min_new_tokens=2, num_beams=2,
+                   eos_token_id=free[3], pad_token_id=0)
+    for key, value in shipped.items():
+        setattr(tiny.model.generation_config, key, value)
+    tiny.eos_token_ids = [free[3]]
+    expect = generate(tiny, prompt, "autoregressive", max_new_tokens=NEW).tokens
+    assert expect == free[:free.index(free[3]) + 1]
+    if method == "batch":
+        assert hf.hf_generate_batch(tiny, [prompt], NEW).rows[0].tokens == expect
+    else:
+        assert generate(tiny, prompt, method, max_new_tokens=NEW, eos_token_ids=()).tokens == free
+        assert generate(tiny, prompt, method, max_new_tokens=NEW).tokens == expect
+    assert {k: getattr(tiny.model.generation_config, k) for k in shipped} == shipped
