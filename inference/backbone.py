@@ -13,7 +13,10 @@ apply and flash-attention kernels ignore.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -61,7 +64,9 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
                   attn_implementation: str = "sdpa"):
     """(model, tokenizer, name): a causal LM and its tokenizer from an ``embedded:`` name, a local
     folder or a hub id; ``name`` is what heads record as their base model. ``dtype="auto"`` keeps
-    the checkpoint's own. Any failure to find or build it is one ``UserError`` line."""
+    the checkpoint's own. Any failure a user causes (no such model, no or damaged weights: ``check_weight_files``
+    before transformers reads them, a config of no causal LM, a model class without ``attn_implementation``) is one
+    ``UserError`` line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer   # lazy: 1.3 s; medusa-train's checks import this
 
     if name_or_path.startswith("random:"):
@@ -69,9 +74,11 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
                         "pass the backbone model itself")
     path, name = assets.resolve_backbone_path(name_or_path, gguf_file)
     _check_local(name_or_path, path)
+    path = os.path.expanduser(path)   # as _check_local read it (transformers would take ~/model for a hub id)
+    check_weight_files(name_or_path, path)   # before transformers reads anything: no weights, a file cut short
     kwargs = dict(trust_remote_code=trust_remote_code, revision=revision)
     torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
-    with _loading_errors(name_or_path):
+    with _loading_errors(name_or_path, path, attn_implementation=attn_implementation):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation, **kwargs)
@@ -84,8 +91,8 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
 
     path, _ = assets.resolve_backbone_path(name_or_path)
     _check_local(name_or_path, path)
-    with _loading_errors(name_or_path):
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with _loading_errors(name_or_path, path):
+        return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
 
 
 def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, trust_remote_code: bool = False,
@@ -103,7 +110,7 @@ def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, 
     else:
         path, kwargs = name_or_path, {}
         _check_local(name_or_path, path)
-    with _loading_errors(name_or_path, config_only=True):
+    with _loading_errors(name_or_path, path, config_only=True):
         return AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code,
                                           revision=revision, **kwargs)
 
@@ -112,6 +119,56 @@ def check_backbone_name(name_or_path: Optional[str]) -> None:
     """A backbone setting that names a local path refused in one line when it is none (before anything loads)."""
     if name_or_path and not name_or_path.startswith(("embedded:", "random:")):
         _check_local(name_or_path, name_or_path)
+
+
+# The weights transformers reads from a model folder, in the order it looks for them (no variant, no
+# ``transformers_weights`` naming another file: such a folder holds weights under another name, left to the load).
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def check_weight_files(name_or_path: str, path: str) -> None:
+    """The weights of a local model folder (``path``; a hub id is left to the hub) checked before transformers
+    reads them, each failure one line: a config.json beside no weights at all (transformers' OSError, which read
+    as an unreachable hub), an index naming a shard that is missing, a safetensors file whose header is cut short
+    or overwritten (a traceback once the model had been built). Only the files transformers picks are opened
+    (``model.safetensors`` or the shards its index names; headers only, no tensor read); a folder holding weights
+    under other names (pickles, remote code's, an adapter's, a GGUF) is left to the load."""
+    from safetensors import SafetensorError, safe_open   # lazy: as transformers'
+
+    folder = Path(os.path.expanduser(path))
+    if not (folder / "config.json").is_file():
+        return
+    if (folder / SAFETENSORS).is_file():
+        files = [folder / SAFETENSORS]
+    elif (folder / SAFETENSORS_INDEX).is_file():
+        files = _indexed_shards(name_or_path, folder / SAFETENSORS_INDEX)
+    elif any(f.name in PICKLES or f.name.endswith(WEIGHT_SUFFIXES) for f in folder.iterdir() if f.is_file()):
+        return
+    else:
+        raise UserError(f"cannot load backbone {name_or_path!r}: {folder} holds a config.json but no weights "
+                        f"({SAFETENSORS}, its shards or {PICKLES[0]})")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot load backbone {name_or_path!r}: {f} is corrupt or unreadable ({e})") from None
+
+
+def _indexed_shards(name_or_path: str, index: Path) -> list[Path]:
+    """The shard files a safetensors index names, each present (one line otherwise)."""
+    try:
+        shards = sorted({str(v) for v in json.loads(index.read_text())["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"cannot load backbone {name_or_path!r}: {index} is not a safetensors index "
+                        "(JSON with a weight_map)") from None
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    if missing:
+        raise UserError(f"cannot load backbone {name_or_path!r}: {index.name} names {len(missing)} shard(s) missing "
+                        f"from {index.parent} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+    return [index.parent / s for s in shards]
 
 
 def _check_local(name_or_path: str, path: str) -> None:
@@ -124,22 +181,50 @@ def _check_local(name_or_path: str, path: str) -> None:
 
 
 @contextlib.contextmanager
-def _loading_errors(name_or_path: str, config_only: bool = False):
-    """transformers' loading errors as one ``UserError`` line saying what to do."""
+def _loading_errors(name_or_path: str, path: Optional[str] = None, config_only: bool = False,
+                    attn_implementation: str = "sdpa"):
+    """transformers' loading errors that a user causes as one ``UserError`` line saying what to do (``path``: where
+    it is read from; a local folder, and the hub is not to blame); any other error keeps its traceback (a bug)."""
+    from safetensors import SafetensorError   # lazy: as transformers'
+
     try:
         yield
     except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load backbone {name_or_path!r} (not a local model folder, and the hub has no "
-                        f"such model or cannot be reached): {first}") from None
+        local = path is not None and os.path.isdir(os.path.expanduser(str(path)))
+        where = "" if local else " (not a local model folder, and the hub has no such model or cannot be reached)"
+        raise UserError(f"cannot load backbone {name_or_path!r}{where}: {_first_line(e)}") from None
+    except SafetensorError as e:   # a file the checks before could not open (a hub download cut short)
+        raise UserError(f"cannot load backbone {name_or_path!r}: a weights file is corrupt or unreadable "
+                        f"({_first_line(e)})") from None
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"backbone {name_or_path!r} needs custom code: set trust_remote_code=true "
                             "only if you trust its source") from None
         if config_only:
-            raise UserError(f"cannot read the config of backbone {name_or_path!r}: "
-                            f"{str(e).strip().splitlines()[0]}") from None
-        raise
+            raise UserError(f"cannot read the config of backbone {name_or_path!r}: {_first_line(e)}") from None
+        known = _model_class_refusal(str(e), attn_implementation)
+        if known is None:
+            raise
+        raise UserError(f"cannot load backbone {name_or_path!r}: {known}") from None
+
+
+def _model_class_refusal(text: str, attn_implementation: str) -> Optional[str]:
+    """transformers' refusal to build a causal LM from a config, both raised before any weight is read, in a
+    line: a config of no causal LM (a vision or encoder model's), or a model class without the attention
+    implementation it is loaded with; None for any other error."""
+    unknown = re.match(r"Unrecognized configuration class <class '[\w.]*?(\w+)'> for this kind of AutoModel", text)
+    if unknown:
+        return f"its config ({unknown[1]}) is no causal language model's: transformers' AutoModelForCausalLM " \
+               "has no class for it"
+    unsupported = re.match(r"(\w+) does not support an attention implementation through ([\w.]+)", text)
+    if unsupported:
+        return f"transformers' {unsupported[1]} does not support attn_implementation={attn_implementation!r} " \
+               f"({unsupported[2]}), which it is loaded with"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:

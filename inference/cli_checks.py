@@ -1,7 +1,8 @@
 """What ``medusa-eval`` and ``medusa-generate`` refuse before the backbone loads.
 
 A backbone takes seconds to minutes to load, behind its progress bars; a mistake that the keys, the heads'
-config.json or the prompts file already show is refused first, in one line. Each rule lives with its concept
+config.json (and their weight files' headers: ``loading.read_heads_spec_for``), the prompts file or the backbone's
+config and tokenizer already show is refused first, in one line. Each rule lives with its concept
 (sampling: ``runtime.verify.SamplingConfig``; a method's keys: its options class, which also checks them
 against the heads' config, ``check_spec``; a choice, its method's speculation shape (``methods.shape``) and
 the choice file's reader (``methods.choice_file``); evaluation settings: ``evaluation.evaluate.check_settings``;
@@ -24,14 +25,15 @@ from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
 from .evaluation.choosing import calibrating
 from .evaluation.evaluate import check_settings
-from .evaluation.prompts import load_prompts, select_prompts
+from .evaluation.prompts import encode_checked, load_prompts, select_prompts
 from .evaluation.reports import check_report_dir
 from .methods import get, names
 from .methods.choice_file import is_choice_file, read_choice
 from .methods.registry import check_methods, methods_for_heads, options_from_keys
+from .methods.registry import check_greedy_only  # noqa: F401  (cli_run's: a greedy-only method beside another mode)
 from .methods.shape import keyed_fields, method_mode
 from .runtime.decode import check_budget, check_positions
-from .runtime.model import chat_ids
+from .runtime.model import chat_ids, check_backbone_config, position_limit
 from .runtime.static_steps import check_graphs, graphs_mode
 from .runtime.verify import SamplingConfig
 
@@ -75,8 +77,9 @@ def heads_spec(cfg, strict: bool = False):
 
 def check_options_fit(options: dict, spec, cfg) -> None:
     """What each method's options can tell from the heads' config alone (EAGLE-3: top-k within the drafter's
-    outputs) and from the backbone's (``backbone_config``: a self:N draft within its layers), and
-    max_new_tokens within its positions; ``check_model`` / the decoders say it again once loaded."""
+    outputs) and from the backbone's (``backbone_config``: a self:N draft within its layers), the backbone's
+    layers decodable (``runtime.model.check_backbone_config``: full attention) and max_new_tokens within its
+    positions; ``check_model`` / ``MedusaModel`` / the decoders say it again once loaded."""
     for opts in options.values():
         check = getattr(opts, "check_spec", None)
         if check is not None and spec is not None:
@@ -84,6 +87,7 @@ def check_options_fit(options: dict, spec, cfg) -> None:
     config = backbone_config(cfg, spec)
     if config is None:
         return
+    check_backbone_config(config, backbone_name(cfg, spec))
     check_positions(config, cfg.max_new_tokens)
     for opts in options.values():
         check = getattr(opts, "check_backbone", None)
@@ -91,14 +95,21 @@ def check_options_fit(options: dict, spec, cfg) -> None:
             check(config)
 
 
-def backbone_config(cfg, spec):
-    """The config (not the weights) of the backbone the command loads: ``backbone=``, else the one the heads
-    record, else (no heads) embedded:smollm2; None when it cannot be read here (the load says why)."""
+def backbone_name(cfg, spec) -> Optional[str]:
+    """The backbone the command loads: ``backbone=``, else the one the heads record, else (no heads)
+    embedded:smollm2; None where there is none to read here (or a ``random:`` test model, never rebuilt)."""
     name = cfg.backbone or getattr(spec, "base_model", None) or (None if cfg.heads else "embedded:smollm2")
-    if not name or str(name).startswith("random:"):
+    return None if not name or str(name).startswith("random:") else str(name)
+
+
+def backbone_config(cfg, spec):
+    """The config (not the weights) of the backbone the command loads (``backbone_name``); None when it cannot
+    be read here (the load says why)."""
+    name = backbone_name(cfg, spec)
+    if name is None:
         return None
     try:
-        return load_backbone_config(str(name), trust_remote_code=cfg.trust_remote_code)
+        return load_backbone_config(name, trust_remote_code=cfg.trust_remote_code)
     except (UserError, OSError, ValueError):
         return None
 
@@ -112,23 +123,52 @@ def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
     return ids
 
 
-def check_prompts_fit(cfg, texts: list[str], spec) -> None:
-    """``encode_prompts``' check before the weights load: each prompt encoded with the backbone's tokenizer alone
-    and checked against its positions (a 4,800-token prompt refused after an 8B model had loaded). Where the
-    tokenizer or config cannot be read here, ``encode_prompts`` checks once the model has loaded."""
-    name = cfg.backbone or getattr(spec, "base_model", None)
-    if not name or name.startswith("random:"):
-        return
+def tokenizer_model(cfg, spec):
+    """The backbone the command loads (``backbone_name``) as far as its prompts see it, its tokenizer and config
+    alone (no weights): ``encode_chat`` and ``max_positions`` as a loaded model has them, so that the prompt checks
+    made once it has loaded (``encode_prompts``, ``evaluation.prompts.encode_checked``) run before. None where the
+    config or tokenizer cannot be read here (the load says why, before the weights); a tokenizer transformers
+    cannot build (no tokenizer files: a traceback from the load) is refused in one line."""
+    name = backbone_name(cfg, spec)
+    if name is None:
+        return None
     try:
         config = load_backbone_config(name, trust_remote_code=cfg.trust_remote_code)
         tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
     except UserError:
+        return None
+    except ValueError as e:   # transformers' words span lines
+        raise UserError(f"cannot load the tokenizer of backbone {name!r}: {' '.join(str(e).split())}") from None
+    from jinja2 import TemplateError   # lazy: transformers' chat templates run on it
+
+    def encode_chat(prompt, system=None) -> list[int]:
+        try:
+            return chat_ids(tokenizer, prompt, system)
+        except TemplateError as e:   # the template's own refusal (raise_exception: "System role not supported")
+            raise UserError(f"the chat template of backbone {name!r} refuses the prompt: {e}") from None
+
+    return SimpleNamespace(max_positions=position_limit(config), config=config, encode_chat=encode_chat)
+
+
+def check_prompts_fit(cfg, texts: list[str], spec) -> None:
+    """``encode_prompts``' check before the weights load (``tokenizer_model``): each prompt encoded with the
+    backbone's tokenizer alone and checked against its positions (a 4,800-token prompt refused after an 8B model
+    had loaded)."""
+    model = tokenizer_model(cfg, spec)
+    if model is not None:
+        encode_prompts(model, texts, cfg)
+
+
+def check_eval_prompts_fit(cfg, prompts: list, calibration: Optional[list], spec) -> None:
+    """The evaluation's own prompt checks (``encode_checked``: each first turn within the backbone's positions with
+    max_new_tokens, each calibration prompt with calibration_tokens; a tokenizer without a chat template) made
+    before the weights load (``tokenizer_model``), where the evaluation makes them only once they have."""
+    model = tokenizer_model(cfg, spec)
+    if model is None:
         return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model = SimpleNamespace(max_positions=getattr(text, "max_position_embeddings", None))
-    for i, t in enumerate(texts, start=1):
-        check_budget(model, len(chat_ids(tokenizer, t, cfg.system)), cfg.max_new_tokens,
-                     what=f"prompt {i} of {len(texts)}" if len(texts) > 1 else "prompt")
+    encode_checked(model, prompts, cfg.max_new_tokens)
+    if calibration:
+        encode_checked(model, calibration, cfg.calibration_tokens)
 
 
 def method_options(cfg, method: str, spec):

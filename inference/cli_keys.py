@@ -72,7 +72,7 @@ class CommandKeys:
 class EvalKeys(CommandKeys):
     heads: Optional[str] = None  # a heads export directory; needed only by the methods that use heads
     prompts: str = "embedded:mtbench"  # embedded:mtbench | code | a JSONL of prompts
-    num_prompts: Optional[int] = None  # first N prompts (calibration prompts are taken after them)
+    num_prompts: Optional[int] = None  # first N prompts (choice=auto calibrates on the set's last, never evaluated)
     turns: str = "first"  # first | both
     method: Any = None  # removed: refused with a pointer to methods=
     methods: Optional[List[str]] = None  # the methods to measure (default: medusa); the baselines are added

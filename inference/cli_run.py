@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from . import methods as decoding   # decoding.stream / generate / generate_batch, looked up when called
 from .backbone import load_backbone
-from .cli_checks import (check_decoding_keys, check_eval_keys, check_fixed_choices, check_keys_used, check_options_fit,
-                         check_prompts_fit, choice_modes,
+from .cli_checks import (check_decoding_keys, check_eval_keys, check_eval_prompts_fit, check_fixed_choices,
+                         check_greedy_only, check_keys_used, check_options_fit, check_prompts_fit, choice_modes,
                          encode_prompts, eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec,
                          method_options, read_choice_file)
 from .cli_keys import GENERATE_DEFAULTS
@@ -80,11 +80,14 @@ def run_eval(cfg) -> dict:
     sampling, sizes = check_eval_keys(cfg)   # everything the config alone decides, before anything loads
     methods = eval_methods(cfg)
     check_keys_used(cfg, methods)
-    options, modes = eval_choices(cfg, methods, heads_spec(cfg, strict=True), sizes)   # heads given: readable
+    check_greedy_only(methods, sampling)
+    spec = heads_spec(cfg, strict=True)   # heads given: readable
+    options, modes = eval_choices(cfg, methods, spec, sizes)
     if sizes is not None:  # before the backbone loads: methods that cannot decode batches
         check_batchable(methods, sizes)
     prompts, calibration = eval_prompts(cfg, options, modes, sizes)
     out = eval_out_dir(cfg)
+    check_eval_prompts_fit(cfg, prompts, calibration, spec)   # the tokenizer alone: prompts beyond the positions
     m = _load_eval(cfg)
     settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
     settings["backbone"] = settings.get("backbone") or ("embedded:smollm2" if not cfg.heads else None)

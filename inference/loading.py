@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from .assets import cache_dir
 from .backbone import load_backbone, load_backbone_config, parse_device, parse_dtype
@@ -31,9 +32,9 @@ from .formats.importers import detect_layout, importer_for
 from .heads.native import check_config_object, load_native, place, read_native_spec
 from .heads.registry import family
 from .heads.spec import HeadsSpec, check_compatible
-from .runtime.adapter import merge_lora
+from .runtime.adapter import merge_lora, read_adapter
 from .runtime.kernel_plan_cache import FILE_NAME
-from .runtime.model import MedusaModel, apply_kernels, check_kernels
+from .runtime.model import MedusaModel, apply_kernels, check_backbone_config, check_kernels
 from .runtime.draft_weights import check_draft_weights, half_draft_weights
 from .runtime.static_steps import DEFAULT_BUCKETS, apply_graphs, check_graphs, graphs_mode
 
@@ -112,8 +113,27 @@ def _checkable(config) -> bool:
 
 
 def read_heads_spec_for(heads_dir: str | os.PathLike, backbone=None, trust_remote_code: bool = False) -> HeadsSpec:
-    """``read_heads_spec`` for a directory about to be loaded onto ``backbone`` (``spec_with_target``)."""
-    return spec_with_target(heads_dir, backbone, trust_remote_code)[0]
+    """``read_heads_spec`` for a directory about to be loaded onto ``backbone`` (``spec_with_target``), its weight
+    files checked too (``check_weight_files``): a corrupt one is refused before the backbone's weights load."""
+    spec = spec_with_target(heads_dir, backbone, trust_remote_code)[0]
+    check_weight_files(heads_dir, spec)
+    return spec
+
+
+def check_weight_files(heads_dir: str | os.PathLike, spec: HeadsSpec) -> None:
+    """Every safetensors file of a heads directory of any layout, and of the backbone adapter its spec records,
+    checked from its header alone: safetensors' own validation (the header's length, its JSON, the tensors'
+    offsets against the file's size: a half-written or cut file), reading no tensor. The load (``load_heads``,
+    ``merge_lora``) reads them only after the backbone's weights; this refuses a corrupt one first, in the
+    loaders' words."""
+    d = Path(heads_dir)
+    folders = [d] + ([d / spec.backbone_adapter] if spec.backbone_adapter else [])
+    for f in sorted(f for folder in folders for f in folder.glob("*.safetensors") if f.is_file()):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{f} is corrupt or unreadable ({e})") from None
 
 
 def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
@@ -208,9 +228,11 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         _refuse_another_target(heads_dir, spec, name, trust_remote_code)
         dev = parse_device(device or "cpu")
         dt = parse_dtype(dtype or torch.float32)
+        apply = apply_adapter if apply_adapter is not None else backbone is None
+        if spec.backbone_adapter and apply:   # a missing or unreadable adapter refused before the backbone loads
+            read_adapter(Path(heads_dir) / spec.backbone_adapter)
         model, tok, _ = load_backbone(name, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
         tokenizer = tokenizer or tok
-        apply = apply_adapter if apply_adapter is not None else backbone is None
         if spec.backbone_adapter and apply:  # Medusa-2 heads: decode on the backbone they were trained with
             merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
             adapter_applied = True
@@ -244,6 +266,7 @@ def _refuse_another_target(heads_dir, spec: HeadsSpec, name: str, trust_remote_c
         config = load_backbone_config(name, trust_remote_code=trust_remote_code)
     except UserError:
         return
+    check_backbone_config(config, name)   # a backbone the tree decoder cannot decode, before its weights
     if spec.vocab_size and _checkable(config):
         check_compatible(spec, config, where=f"heads in {heads_dir}")
 

@@ -48,7 +48,7 @@ from ..errors import UserError
 from ..runtime.batch_cache import RaggedKVCache, pad_layout
 from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
 from ..runtime.decode import prefill_token, seeded_generator
-from ..runtime.model import MedusaModel
+from ..runtime.model import MedusaModel, check_backbone_config
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule, draft_tokens, fixed, tree_label
 from ..runtime.tree import MedusaTree, TreeBuffers, chain_tree
 from ..runtime.verify import SamplingConfig, target_probs, verify
@@ -138,12 +138,15 @@ class DraftSettings:
         check_chain_schedule(self.schedule, self.k, "draft_k")
 
     def check_backbone(self, config) -> None:
-        """Refuse, from the backbone's config alone (before its weights load), a self:N deeper than it."""
+        """Refuse, from the backbone's config alone (before its weights load), a self:N deeper than it, and a draft
+        checkpoint (``check_draft_checkpoint``) that cannot load or has another vocabulary."""
         layers = parse_self_draft(self.draft)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         total = getattr(text, "num_hidden_layers", None)
         if layers and isinstance(total, int) and layers > total:
             raise UserError(f"a self-draft takes 1..{total} of the backbone's layers, got {self.draft!r}")
+        if layers is None and isinstance(self.draft, str):
+            check_draft_checkpoint(self.draft, getattr(text, "vocab_size", None), self.trust_remote_code)
 
     @property
     def k_max(self) -> int:
@@ -189,12 +192,39 @@ def self_draft(target: MedusaModel, num_layers: int) -> MedusaModel:
     draft.self_draft_layers = num_layers
     return draft
 
+def check_draft_checkpoint(name: str, target_vocab: Optional[int], trust_remote_code: bool = False) -> None:
+    """A draft checkpoint (a path or hub id) refused, before any weights load, where ``load_draft`` would only
+    refuse it after the target's: one it cannot find or read the config of (``backbone.load_backbone_config``'s
+    refusals), a vocabulary other than the target's (``target_vocab``; ``check_vocabulary``), a tokenizer it
+    cannot load. The configs and the tokenizer alone are read."""
+    try:
+        config = backbones.load_backbone_config(name, trust_remote_code=trust_remote_code)
+    except UserError as e:
+        raise UserError(f"draft={name}: {e}") from None
+    try:
+        check_backbone_config(config, name)   # the draft decodes on the same runtime as the target
+    except UserError as e:
+        raise UserError(f"draft={name}: {e}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(target_vocab, int) and isinstance(getattr(text, "vocab_size", None), int):
+        check_vocabulary(target_vocab, text.vocab_size)
+    try:
+        backbones.load_tokenizer(name, trust_remote_code=trust_remote_code)
+    except (UserError, OSError, ValueError) as e:   # transformers' own words span lines: one line here
+        words = " ".join(str(e).split()) or type(e).__name__
+        raise UserError(f"draft={name}: its tokenizer cannot be loaded ({words})") from None
+
+
+def check_vocabulary(target: int, draft: int) -> None:
+    """A draft's vocabulary has the target's size (one line otherwise)."""
+    if target != draft:
+        raise UserError(f"the draft model's vocabulary has {draft} entries, the target's {target}: "
+                        "a draft must use the target's tokenizer")
+
+
 def check_draft_compatible(target: MedusaModel, draft: MedusaModel) -> None:
     """Refuse a draft that does not speak the target's tokens (one line, ``UserError``)."""
-    tv, dv = target.vocab_size, draft.vocab_size
-    if tv != dv:
-        raise UserError(f"the draft model's vocabulary has {dv} entries, the target's {tv}: "
-                        "a draft must use the target's tokenizer")
+    check_vocabulary(target.vocab_size, draft.vocab_size)
     tt, dt = target.tokenizer, draft.tokenizer
     if tt is None or dt is None or tt is dt:
         return

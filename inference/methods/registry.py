@@ -193,6 +193,17 @@ def check_methods(methods: Sequence[str], m: Optional[MedusaModel] = None) -> li
     return list(methods)
 
 
+def check_greedy_only(methods: Iterable[str], sampling: Optional[SamplingConfig]) -> None:
+    """Outside greedy mode (``sampling``; None: greedy), the first of ``methods`` registered ``greedy_only``
+    refused in one line. The one wording of the rule: ``generate`` / ``stream``, the evaluations and the commands'
+    checks before the backbone loads (``cli_checks``) all refuse with it."""
+    if sampling is None or sampling.is_greedy:
+        return
+    refused = [x for x in methods if get(x).greedy_only]
+    if refused:
+        raise UserError(f"{refused[0]} is measured in greedy mode only")
+
+
 def methods_for_heads(spec) -> list[str]:
     """The methods that decode with heads of ``spec`` (``needs_heads``, not refusing them), the default first
     (``default_priority``, then registration order)."""
@@ -262,8 +273,7 @@ def _prepare(m, method: str, options, sampling: Optional[SamplingConfig], option
     m = as_medusa_model(m)
     opts = fitted_options(m, method, make_options(method, options, **option_fields))
     sampling = sampling or SamplingConfig()
-    if spec.greedy_only and not sampling.is_greedy:
-        raise UserError(f"{method} is measured in greedy mode only")
+    check_greedy_only([method], sampling)
     return spec, opts, m, sampling
 
 

@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Protocol, Sequence
 import torch
 
 from ..errors import UserError
-from .model import MedusaModel
+from .model import MedusaModel, position_limit, positions_named
 from .verify import SamplingConfig, choose_token
 
 
@@ -113,18 +113,18 @@ def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int, what: str
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     limit = getattr(m, "max_positions", None)   # None: no positional limit known
     if limit and prompt_len + max_new_tokens > limit:
+        named = positions_named(m.config) if getattr(m, "config", None) is not None else f"{limit} positions"
         raise UserError(f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                        f"backbone's {limit} positions")
+                        f"backbone's {named}")
 
 
 def check_positions(config, max_new_tokens: int) -> None:
     """Refuse, from the backbone's config alone (before its weights load), a ``max_new_tokens`` that leaves no
     position for even a one-token prompt; each prompt is checked once encoded (``check_budget``)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    if isinstance(limit, int) and limit > 0 and max_new_tokens >= limit:
-        raise UserError(f"max_new_tokens={max_new_tokens} does not fit the backbone's {limit} positions with a "
-                        f"prompt: at most {limit - 1}, less the prompt's tokens")
+    limit = position_limit(config)
+    if limit is not None and max_new_tokens >= limit:
+        raise UserError(f"max_new_tokens={max_new_tokens} does not fit the backbone's {positions_named(config)} with "
+                        f"a prompt: at most {limit - 1}, less the prompt's tokens")
 
 
 def seeded_generator(device: torch.device, seed: Optional[int]) -> torch.Generator:

@@ -2,8 +2,10 @@
 
 Loading both from disk is ``inference.loading.load_medusa``; ``attach_heads`` wraps heads already
 in memory. ``MedusaModel`` refuses attention implementations that ignore custom 4D tree masks
-(sdpa and eager apply them; flash-attention kernels do not), and moves an sdpa backbone to
-``runtime.attention``'s function (the same math, grouped-query attention in the kernel on CPU).
+(sdpa and eager apply them; flash-attention kernels do not) and backbones whose layers are not all full
+attention (``check_backbone_config``: the config alone decides it, so the commands refuse it before the weights
+load), and moves an sdpa backbone to ``runtime.attention``'s function (the same math, grouped-query attention in
+the kernel on CPU).
 
 ``MedusaModel`` runs the decoder body (not ``*ForCausalLM.forward``) so the 49k-vocabulary
 lm_head is applied only where logits are needed: the last prompt position, the tree nodes.
@@ -63,10 +65,7 @@ class MedusaModel:
             raise UserError(f"{type(self.model).__name__} has no decoder body + lm_head; Medusa needs a causal LM")
         self.body, self.lm_head = base, self.model.get_output_embeddings()
         self.config = cfg = text_config(self.model)
-        layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"}:
-            raise UserError(f"backbones with {sorted(layer_types - {'full_attention'})} layers are not supported "
-                            "by the tree decoder (full-attention decoders only)")
+        check_backbone_config(cfg)   # a model object passed in (the commands check the config before loading)
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self._logit_scale = getattr(cfg, "logit_scale", None)
         # transformers 5.x calls the cache argument ``cache``; 4.x called it ``past_key_values``.
@@ -95,7 +94,7 @@ class MedusaModel:
 
     @property
     def max_positions(self) -> Optional[int]:
-        return getattr(self.config, "max_position_embeddings", None)
+        return position_limit(self.config)
 
     def new_cache(self, capacity: int) -> TreeKVCache | StaticKV:
         """A KV cache of ``capacity`` entries: a view of the static buffer with graphs (``static``), unless
@@ -192,6 +191,62 @@ class MedusaModel:
         if self.tokenizer is None:
             raise UserError("this model was loaded without a tokenizer; pass token ids instead")
         return chat_ids(self.tokenizer, prompt, system)
+
+
+def check_backbone_config(config, name: Optional[str] = None) -> None:
+    """What the tree decoder refuses in a backbone's config alone, its weights unread (``name``: the backbone as
+    the user gave it, for the message): a layer that attends otherwise than fully and causally (``attention_kinds``).
+    Tree masks and the KV cache give every layer every position, so such a layer would see what the backbone itself
+    never sees, and the decoded text would no longer be the backbone's. ``MedusaModel`` checks a model object it is
+    given; the commands check the config before the weights load (``cli_checks.check_options_fit``)."""
+    cfg = text_config(config)
+    other = sorted(attention_kinds(cfg) - {"full_attention"})
+    if not other:
+        return
+    who = f"backbone {name!r}" if name else f"the backbone ({getattr(cfg, 'model_type', None) or type(cfg).__name__})"
+    window = getattr(cfg, "sliding_window", None)
+    within = f" (a {window}-token window)" if "sliding_attention" in other and _is_count(window) else ""
+    raise UserError(f"{who} has {', '.join(other)} layers{within}, which the tree decoder does not support "
+                    "(full-attention decoders only)")
+
+
+def attention_kinds(cfg) -> set[str]:
+    """The kinds of attention a decoder config's layers use, as transformers names them (``layer_types``:
+    full_attention, sliding_attention, linear_attention ...). A config without ``layer_types`` (Mistral-7B-v0.1,
+    Starcoder2, Phi-3-mini-4k: every layer within one ``sliding_window``) counts as full attention: its requests are
+    kept within the window instead (``position_limit``)."""
+    layer_types = getattr(cfg, "layer_types", None)
+    return {str(t) for t in layer_types} if layer_types else {"full_attention"}
+
+
+def position_limit(cfg) -> Optional[int]:
+    """The positions a request (prompt + new tokens) may fill for the tree decoder to decode as the backbone does:
+    ``max_position_embeddings``, or a shorter ``sliding_window`` that every layer attends within (a config without
+    ``layer_types``; transformers' mask lets token i see j when i - j < window). Within the window sliding and full
+    attention are the same; beyond it the tree decoder's masks and cache would give every layer positions the
+    backbone never sees, so a request past it is refused like one past the positions. None: no limit known."""
+    cfg = text_config(cfg)
+    positions = getattr(cfg, "max_position_embeddings", None)
+    positions = positions if _is_count(positions) and positions > 0 else None
+    window = getattr(cfg, "sliding_window", None)
+    slides = (not getattr(cfg, "layer_types", None) and _is_count(window) and window > 0
+              and getattr(cfg, "use_sliding_window", True) is not False)
+    if slides and (positions is None or window < positions):
+        return window
+    return positions
+
+
+def positions_named(cfg) -> str:
+    """How a refusal names ``position_limit``: "N positions", or its sliding window when that is what limits."""
+    limit = position_limit(cfg)
+    positions = getattr(text_config(cfg), "max_position_embeddings", None)
+    if limit is not None and limit != positions:
+        return f"{limit}-token sliding window (decoded exactly only within it)"
+    return f"{limit} positions"
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None) -> list[int]:

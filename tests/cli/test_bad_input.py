@@ -115,15 +115,15 @@ def _row_id(row):
 
 @pytest.fixture
 def setup(tmp_path) -> Path:
+    from inference.heads.native import save_heads
+    from inference.heads.registry import build_heads
     from inference.heads.spec import HeadsSpec
 
     (tmp_path / "afile").write_text("not a folder\n")
     heads = tmp_path / "heads3"
-    heads.mkdir()
     spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=64, vocab_size=320, projection="own",
                      base_model=str(tmp_path / "no_such_backbone"))
-    (heads / "config.json").write_text(json.dumps(spec.to_dict()))
-    (heads / "model.safetensors").write_bytes(b"")  # never read: every row fails before weights load
+    save_heads(build_heads(spec), heads)   # a sound header (checked before loading); never loaded: every row fails first
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_positions": 2048, "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 320,

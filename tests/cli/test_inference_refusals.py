@@ -6,19 +6,23 @@ only comes after the backbone loaded (behind its progress bars, minutes into a l
 test with "the backbone was loaded". Every refusal must be one ``<prog>: error: ...`` line, exit 2, and
 leave the test's folder as it was. ``{tmp}`` in an argument is the test's folder (``setup``): a Medusa
 export and an EAGLE-3 export whose recorded backbone does not exist, three prompts, a plain file, a tree
-file holding ``[]`` and a heads dir whose config.json is a JSON list.
+file holding ``[]`` and a heads dir whose config.json is a JSON list; exports whose weights (or LoRA adapter)
+are cut short or empty, backbone configs without weights (with and without a tokenizer, another vocabulary).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 EVAL, GEN, EXPORT = "medusa-eval", "medusa-generate", "medusa-export"
 MEDUSA, EAGLE = "heads={tmp}/heads3", "heads={tmp}/e3"
 PROMPTS = "prompts={tmp}/prompts.jsonl"
+DRAFT = ["methods=[draft]", PROMPTS, "backbone={tmp}/bbtok", "max_new_tokens=8"]   # a target with no weights
 
 REFUSED = [
     # -- item 7: EAGLE-3 trees beyond any serious setting (10^5 drafter calls a step), before loading -------------
@@ -36,8 +40,8 @@ REFUSED = [
     (GEN, [EAGLE, "prompt=hi", "eagle_topk=60", "eagle_nodes=8", "eagle_depth=2"],
      "eagle_topk=60 is more than the drafter's 50 outputs"),
     # -- item 9: refused only after the backbone loaded, after the evaluation, or with a traceback ----------------
-    (EVAL, [MEDUSA, PROMPTS, "out={tmp}/afile"], "out={tmp}/afile is a file, not a folder"),
-    (EVAL, [MEDUSA, PROMPTS, "out={tmp}/afile/eval"], "out={tmp}/afile/eval cannot be created"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out={tmp}/afile"], "out={tmp}/afile is a file, not a folder"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out={tmp}/afile/eval"], "out={tmp}/afile/eval cannot be created"),
     (EVAL, ["heads={tmp}/listcfg", PROMPTS], "config.json is not a JSON object"),
     (GEN, ["heads={tmp}/listcfg", "prompt=hi"], "config.json is not a JSON object"),
     (EXPORT, ["heads={tmp}/listcfg", "format=vllm", "out={tmp}/o"], "config.json is not a JSON object"),
@@ -77,7 +81,8 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=hi", "trust_remote_code=maybe"], "trust_remote_code must be true or false"),
     (GEN, [MEDUSA, "prompt=hi", "apply_adapter=-1"], "apply_adapter must be true or false"),
     # -- review 2: refused only after loading (or never), a traceback or gigabytes allocated ----------------------
-    (EVAL, [MEDUSA, PROMPTS, "out=/proc/medusa_no_such/eval"], "out=/proc/medusa_no_such/eval cannot be created"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out=/proc/medusa_no_such/eval"],
+     "out=/proc/medusa_no_such/eval cannot be created"),
     (EVAL, [EAGLE, PROMPTS, "methods=[eagle3_lookup]", "choice=fixed", "eagle_nodes=8", "eagle_depth=3",
             "eagle_lookup_tokens=100000000"], "eagle_lookup_tokens must be an integer in 0..64, got 100000000"),
     (GEN, [EAGLE, "prompt=hi", "eagle_nodes=8", "eagle_depth=3", "eagle_lookup_tokens=100000000"],
@@ -131,12 +136,45 @@ REFUSED = [
      "exceeds the backbone's 64 positions"),   # the tokenizer alone read: the weights never load
     (GEN, ["heads={tmp}/model", "prompt=hi"], "holds a model (llama), not heads"),
     (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/afile"], "it is a file, give the model's folder"),
+    # -- review 4: a corrupt heads weights file, a draft model that cannot load: refused only after loading --------
+    (EVAL, ["heads={tmp}/corrupt", PROMPTS], "corrupt/model.safetensors is corrupt or unreadable"),
+    (GEN, ["heads={tmp}/corrupt", "prompt=hi"], "corrupt/model.safetensors is corrupt or unreadable"),
+    (EVAL, ["heads={tmp}/empty_weights", PROMPTS], "empty_weights/model.safetensors is corrupt or unreadable"),
+    (GEN, ["heads={tmp}/corrupt_adapter", "prompt=hi"], "adapter_model.safetensors is corrupt or unreadable"),
+    (EVAL, ["draft={tmp}/no_such_draft"] + DRAFT, "draft={tmp}/no_such_draft: cannot load backbone"),
+    (EVAL, ["draft={tmp}/afile"] + DRAFT, "draft={tmp}/afile: cannot load backbone"),
+    (EVAL, ["draft={tmp}/heads3"] + DRAFT, "draft={tmp}/heads3: cannot read the config of backbone"),
+    (EVAL, ["draft=no-such-org/no-such-draft"] + DRAFT, "draft=no-such-org/no-such-draft: cannot load backbone"),
+    (EVAL, ["draft={tmp}/bb400"] + DRAFT, "the draft model's vocabulary has 400 entries, the target's 320"),
+    (EVAL, ["draft={tmp}/bb"] + DRAFT, "draft={tmp}/bb: its tokenizer cannot be loaded"),
+    (EVAL, ["methods=[hf_generate]", PROMPTS, "backbone={tmp}/bbtok", "mode=sample", "max_new_tokens=8"],
+     "hf_generate is measured in greedy mode only"),
+    (EVAL, ["methods=[autoregressive]", "prompts={tmp}/long.jsonl", "backbone={tmp}/bbtok", "max_new_tokens=8"],
+     "prompt 'long' (119 tokens) + max_new_tokens (8) exceeds the backbone's 64 positions"),
+    (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bbnochat", "max_new_tokens=8"],
+     "the tokenizer has no chat template"),
+    (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bb", "max_new_tokens=8"],
+     "cannot load the tokenizer of backbone"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bb", "max_new_tokens=8"], "cannot load the tokenizer of backbone"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bbnosys", "system=Be brief.", "max_new_tokens=8"],
+     "refuses the prompt: System role not supported"),
+    # -- review 5: a backbone the tree decoder cannot decode, refused only once its weights had loaded -------------
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bbsliding", "max_new_tokens=8"],
+     "backbone '{tmp}/bbsliding' has sliding_attention layers (a 16-token window), which the tree decoder does not"),
+    (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bbsliding", "max_new_tokens=8"],
+     "has sliding_attention layers (a 16-token window), which the tree decoder does not support"),
+    (EVAL, [MEDUSA, PROMPTS, "backbone={tmp}/bbwindow", "choice=fixed", "max_new_tokens=16"],
+     "max_new_tokens=16 does not fit the backbone's 16-token sliding window (decoded exactly only within it)"),
+    (GEN, [MEDUSA, "prompt=" + "x" * 20, "backbone={tmp}/bbwindow", "max_new_tokens=8"],
+     "exceeds the backbone's 16-token sliding window"),
 ]
 
 
 @pytest.fixture
 def setup(tmp_path) -> Path:
     from inference.heads.eagle3 import draft_layer_config
+    from inference.heads.native import save_heads
+    from inference.heads.registry import build_heads
     from inference.heads.spec import HeadsSpec
 
     missing = str(tmp_path / "no_such_backbone")   # a check made after loading would fail with "not found"
@@ -147,10 +185,19 @@ def setup(tmp_path) -> Path:
                                                              "intermediate_size": 128, "num_hidden_layers": 4,
                                                              "model_type": "llama"}),
                              base_model=missing)}
-    for name, spec in specs.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(spec.to_dict()))
-        (tmp_path / name / "model.safetensors").write_bytes(b"")   # never read: every row fails before
+    for name, spec in specs.items():   # weights whose header is sound (checked before loading), never loaded
+        save_heads(build_heads(spec), tmp_path / name)
+    shutil.copytree(tmp_path / "heads3", tmp_path / "corrupt")   # a half-written export
+    weights = (tmp_path / "heads3" / "model.safetensors").read_bytes()
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    shutil.copytree(tmp_path / "heads3", tmp_path / "empty_weights")
+    (tmp_path / "empty_weights" / "model.safetensors").write_bytes(b"")
+    adapted = HeadsSpec(num_heads=3, num_layers=1, hidden_size=64, vocab_size=320, base_model=missing,
+                        backbone_adapter="adapter")   # Medusa-2 heads whose LoRA adapter file is cut short
+    save_heads(build_heads(adapted), tmp_path / "corrupt_adapter")
+    (tmp_path / "corrupt_adapter" / "adapter").mkdir()
+    (tmp_path / "corrupt_adapter" / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 2}))
+    (tmp_path / "corrupt_adapter" / "adapter" / "adapter_model.safetensors").write_bytes(weights[:100])
     (tmp_path / "listcfg").mkdir()
     (tmp_path / "listcfg" / "config.json").write_text("[1, 2]")
     (tmp_path / "listcfg" / "model.safetensors").write_bytes(b"")
@@ -174,6 +221,28 @@ def setup(tmp_path) -> Path:
     LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                 max_position_embeddings=64).save_pretrained(tmp_path / "bbtok")
     byte_tokenizer().save_pretrained(tmp_path / "bbtok")
+    shutil.copytree(tmp_path / "bbtok", tmp_path / "bbnochat")   # a tokenizer without a chat template
+    for f in (tmp_path / "bbnochat").glob("chat_template.*"):
+        f.unlink()
+    tokenizer_config = json.loads((tmp_path / "bbnochat" / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (tmp_path / "bbnochat" / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    nosys = byte_tokenizer()   # a chat template that refuses a system prompt, as Gemma's
+    nosys.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                           "supported') }}{% endif %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    nosys.save_pretrained(tmp_path / "bbnosys")
+    shutil.copy(tmp_path / "bb" / "config.json", tmp_path / "bbnosys" / "config.json")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "prompt": "x" * 100}) + "\n")
+    LlamaConfig(hidden_size=64, vocab_size=400, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=64).save_pretrained(tmp_path / "bb400")   # a draft of another vocabulary
+    from transformers import MistralConfig, Qwen2Config   # sliding-window backbones (config and tokenizer)
+
+    shapes = dict(hidden_size=64, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  max_position_embeddings=64, sliding_window=16)
+    Qwen2Config(use_sliding_window=True, max_window_layers=1, **shapes).save_pretrained(tmp_path / "bbsliding")
+    MistralConfig(**shapes).save_pretrained(tmp_path / "bbwindow")   # every layer within the window
+    for name in ("bbsliding", "bbwindow"):
+        byte_tokenizer().save_pretrained(tmp_path / name)
     return tmp_path
 
 
@@ -215,7 +284,14 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
     other non-boolean words taken as true. Review 2: out=/proc/... evaluated in full, then a FileNotFoundError;
     eagle_lookup_tokens=10^8 allocating 12.8 GB after loading (and the other unbounded lookup / lookahead /
     draft_k keys); max_new_tokens beyond the backbone's positions and draft=self:100 refused only after loading;
-    tree=tree99999999 a MemoryError and tree9999 accepted; tree_budgets=[10^8] accepted."""
+    tree=tree99999999 a MemoryError and tree9999 accepted; tree_budgets=[10^8] accepted. Review 4: a cut or empty
+    model.safetensors (or adapter_model.safetensors) and a draft= that is no model (missing, a file, a heads
+    folder, an unreachable hub id, another vocabulary, no tokenizer) refused only after the backbone loaded; so were
+    methods=[hf_generate] in sample mode, an evaluated prompt beyond the backbone's positions and a tokenizer
+    without a chat template (medusa-eval); a backbone without a tokenizer and a chat template refusing system=
+    were tracebacks. Review 5: a backbone with sliding-window layers (Qwen2 with use_sliding_window) refused by
+    ``MedusaModel`` only once its weights had loaded; a request past a Mistral-7B-v0.1-style window (every layer
+    within it)."""
     from inference.cli import eval_main, generate_main
     from inference.export_cli import export_main
 
@@ -233,6 +309,116 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
     assert lines[0].startswith(f"{prog}: error: "), lines[0]
     assert phrase.replace("{tmp}", str(tmp)) in lines[0], (phrase, lines[0])
     assert _snapshot(tmp) == before, "a refused command wrote files"
+
+
+@pytest.mark.parametrize("main_name, argv", [("generate_main", ["prompt=hi"]), ("eval_main", [PROMPTS])])
+def test_a_missing_adapter_is_refused_before_the_backbone_loads(main_name, argv, setup, monkeypatch, capsys):
+    """Guards against Medusa-2 heads copied without the LoRA adapter folder their config names refused only once
+    the backbone had loaded (``merge_lora`` read it after ``load_backbone``), in ``load_medusa`` itself: only the
+    backbone's loader is replaced here."""
+    import inference.backbone
+    import inference.cli as cli
+    import inference.cli_run  # noqa: F401  (imported before the patches, as no_loading)
+    import inference.loading
+    from inference.heads.native import save_heads
+    from inference.heads.registry import build_heads
+    from inference.heads.spec import HeadsSpec
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the backbone was loaded before the refusal")
+
+    for module in (inference.loading, inference.backbone):
+        monkeypatch.setattr(module, "load_backbone", loaded)
+    spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=64, vocab_size=320, base_model=str(setup / "bbtok"),
+                     backbone_adapter="adapter")
+    save_heads(build_heads(spec), setup / "no_adapter")
+    before = _snapshot(setup)
+    with pytest.raises(SystemExit) as exit_:
+        getattr(cli, main_name)([f"heads={setup / 'no_adapter'}", "max_new_tokens=8", "choice=fixed",
+                                 *[a.replace("{tmp}", str(setup)) for a in argv]])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err[-3000:]
+    assert "adapter is not a LoRA adapter directory" in err and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert _snapshot(setup) == before
+
+
+def _one_line_refusal(main, argv: list[str], root: Path, capsys) -> str:
+    """The one ``error:`` line ``main(argv)`` exits 2 with, having written nothing under ``root``."""
+    before = _snapshot(root)
+    capsys.readouterr()   # what setting up printed (transformers' progress bars)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[transformers]")]
+    assert exit_.value.code == 2 and len(lines) == 1, err[-3000:]
+    assert _snapshot(root) == before, "a refused command wrote files"
+    return lines[0]
+
+
+@pytest.mark.parametrize("folder, phrase", [
+    ("bbtok", "bbtok holds a config.json but no weights (model.safetensors, its shards or pytorch_model.bin)"),
+    ("bbcut", "bbcut/model.safetensors is corrupt or unreadable (Error while deserializing header"),
+    ("bbshards", "model.safetensors.index.json names 1 shard(s) missing from"),
+])
+def test_backbone_weights_are_checked_before_transformers_reads_them(folder, phrase, setup, monkeypatch, capsys):
+    """Guards against a backbone folder whose weights are missing or cut short reaching transformers: no weights
+    read as "not a local model folder, and the hub has no such model or cannot be reached", a safetensors file cut
+    short (or a shard its index names, missing) was a SafetensorError / OSError traceback once the model had been
+    built. Here transformers' model loader fails the test: the folder is checked before it runs."""
+    import transformers
+
+    import inference.cli_run  # noqa: F401  (imported before the patch, as no_loading)
+    from inference.cli import generate_main
+
+    def built(*args, **kwargs):
+        raise AssertionError("transformers read the backbone before the refusal")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", built)
+    from safetensors.torch import save_file
+
+    shutil.copytree(setup / "bbtok", setup / "bbcut")
+    save_file({"w": torch.zeros(64, 64)}, str(setup / "bbcut" / "model.safetensors"))
+    weights = (setup / "bbcut" / "model.safetensors").read_bytes()
+    (setup / "bbcut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    shutil.copytree(setup / "bbtok", setup / "bbshards")
+    (setup / "bbshards" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    line = _one_line_refusal(generate_main, [MEDUSA.replace("{tmp}", str(setup)), "prompt=hi", "max_new_tokens=8",
+                                             f"backbone={setup / folder}"], setup, capsys)
+    assert line.startswith(f"medusa-generate: error: cannot load backbone '{setup / folder}': "), line
+    assert phrase in line, (phrase, line)
+
+
+def test_a_model_transformers_cannot_build_is_one_line(setup, capsys):
+    """Guards against transformers' refusals to build the backbone ending in a ValueError traceback (both come
+    before any weight is read): a model class without sdpa attention (Bloom: "does not support an attention
+    implementation through torch.nn.functional.scaled_dot_product_attention"), and a config of no causal LM
+    (ViT: "Unrecognized configuration class ... for this kind of AutoModel")."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, BloomConfig, ViTConfig
+
+    from inference.backbone import load_backbone
+    from inference.cli import generate_main
+    from inference.errors import UserError
+    from medusa_train.backbone import byte_tokenizer
+
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=320),
+                                             attn_implementation="eager")
+    bloom.save_pretrained(setup / "bloom")
+    byte_tokenizer().save_pretrained(setup / "bloom")
+    line = _one_line_refusal(generate_main, [MEDUSA.replace("{tmp}", str(setup)), "prompt=hi", "max_new_tokens=8",
+                                             f"backbone={setup / 'bloom'}"], setup, capsys)
+    assert line == (f"medusa-generate: error: cannot load backbone '{setup / 'bloom'}': transformers' BloomForCausalLM "
+                    "does not support attn_implementation='sdpa' (torch.nn.functional.scaled_dot_product_attention), "
+                    "which it is loaded with"), line
+    ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64).save_pretrained(
+        setup / "vit")
+    byte_tokenizer().save_pretrained(setup / "vit")
+    save_file({"w": torch.zeros(2)}, str(setup / "vit" / "model.safetensors"))
+    with pytest.raises(UserError) as refused:
+        load_backbone(str(setup / "vit"))
+    assert str(refused.value) == (f"cannot load backbone '{setup / 'vit'}': its config (ViTConfig) is no causal "
+                                  "language model's: transformers' AutoModelForCausalLM has no class for it")
 
 
 @pytest.mark.parametrize("word, value", [("true", True), ("False", False), ("yes", True), ("off", False),

@@ -112,6 +112,35 @@ def test_dtype_is_applied_to_backbone_and_heads(export):
     assert len(generate(m, PROMPT, tree="tree8", max_new_tokens=6).tokens) == 6
 
 
+def test_a_backbone_attending_within_a_window_decodes_only_within_it():
+    """Guards against a Mistral-style backbone (no ``layer_types``, every layer within ``sliding_window``) decoded
+    past its window: the tree decoder's masks and cache give every layer every position, so its output there is no
+    longer the backbone's. Requests are kept within the window (refused past it, as past the positions), where the
+    decode equals transformers' own windowed greedy decoding; a window the positions never exceed never bites."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from inference.runtime.model import attention_kinds
+
+    def mistral(window):
+        torch.manual_seed(0)
+        cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            sliding_window=window)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+    windowed = MedusaModel(model=mistral(16), tokenizer=None, heads=None)
+    assert windowed.max_positions == 16 and attention_kinds(windowed.config) == {"full_attention"}
+    ids = [5, 17, 33, 2, 60, 41]
+    out = generate(windowed, ids, "autoregressive", max_new_tokens=10, eos_token_ids=())
+    want = windowed.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0, min_new_tokens=10)[0, len(ids):].tolist()
+    assert out.tokens == want
+    with pytest.raises(UserError, match=r"exceeds the backbone's 16-token sliding window"):
+        generate(windowed, ids, "autoregressive", max_new_tokens=11)
+    for window in (64, None):
+        assert MedusaModel(model=mistral(window), tokenizer=None, heads=None).max_positions == 64
+
+
 def test_attention_that_ignores_tree_masks_is_refused():
     """Guards against flash-attention backbones, which would ignore the tree mask and decode wrongly."""
     model = tiny_llama(vocab=96, seed=0)
