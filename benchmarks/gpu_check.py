@@ -33,12 +33,20 @@ Each section is guarded: a failure is recorded in the JSON (``errors``) and the 
 sections after it still run. Both files are rewritten after every section, and the time limit's SIGTERM
 (gpu_check.sh's ``timeout``) stops the run where it is and writes them once more: a run cut short keeps
 every figure it had measured.
+
+Time (``--budget-s``; not on the dry run, whose times mean nothing): every section is given an estimate of its
+seconds (``SECTION_S``, ``gpu_graphs.PART_S``, ``gpu_training.PART_S``). It starts only if that estimate ends before
+the budget's end (less ``RESERVE_S`` for the last write), and it is stopped at ``CAP`` times it, or at the budget's
+end if sooner (``PartDeadline``, raised by a SIGALRM timer): one slow compile cannot eat the parts after it. A part
+stopped there keeps what earlier parts wrote and is listed as "stopped at its deadline"; every part not run for time
+is listed in the summary's "Time budget" lines with the second device call that runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -76,6 +84,51 @@ calibration, ranks 2-3 from held-out top-3",
 
 TARGET_TREE_STEP = 1.3    # a 16-node verification step costs < 1.3x a 1-token step (bf16)
 TARGET_PLAIN_LOOP = 0.90  # the runtime's plain loop within 10% of generate, or faster
+
+# Seconds the first sections are expected to take on the GPU at the SmolLM2 shape (never measured yet: generous).
+SECTION_S = {"steps": 30, "batch": 40, "plain": 60, "eagle3": 30}
+CAP = 1.5          # a part is stopped at CAP x its estimate
+RESERVE_S = 10     # seconds of the budget kept after the last part's deadline: the summary's last write
+REFIRE_S = 5.0     # a deadline fires again every REFIRE_S s until its part ends (an interrupt swallowed on the way)
+TRAINING = ("train", "train_eagle3", "train_8b", "train_eagle3_8b")
+FIRST = ("steps", "batch", "plain", "eagle3")
+
+
+class PartDeadline(BaseException):
+    """Raised in a part still running at its deadline (``Deadline``). Not an ``Exception``: no ``except Exception``
+    on the way (a failed capture's fallback, a warm-up's guard) takes it for a failure of its own and goes on."""
+
+
+class Deadline:
+    """Raise ``PartDeadline`` in the main thread once ``seconds`` have passed inside the block, and again every
+    ``REFIRE_S`` s until it ends (a capture whose end fails because of the interrupt raises its own error, which a
+    fallback may catch: the next one stops the part). SIGALRM via setitimer: a part blocked inside one long C call
+    stops when that call returns."""
+
+    def __init__(self, seconds: float, name: str):
+        self.seconds, self.name, self.armed, self.old = seconds, name, False, None
+
+    def _fire(self, signum, frame):
+        if self.armed:
+            raise PartDeadline(f"{self.name} stopped at its deadline ({self.seconds:.0f} s)")
+
+    def __enter__(self):
+        if math.isfinite(self.seconds):
+            self.old = signal.signal(signal.SIGALRM, self._fire)
+            self.armed = True
+            signal.setitimer(signal.ITIMER_REAL, max(self.seconds, 1e-3), REFIRE_S)
+        return self
+
+    def __exit__(self, *exc):
+        while self.old is not None:
+            try:                        # a signal before ``armed`` is cleared raises here: disarm again
+                self.armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, self.old)
+                self.old = None
+            except PartDeadline:
+                continue
+        return False
 
 
 def machine() -> dict:
@@ -326,10 +379,39 @@ def summary(result: dict) -> str:
                       "attention kernels)"]
     lines += gpu_training.summary_lines(result)
     lines += gpu_graphs.summary_lines(result.get("graphs"))
+    lines += budget_lines(result)
     if result["errors"]:
         lines += ["", "Errors:"] + [f"- {k}: {v.splitlines()[-1] if v else ''}" for k, v in result["errors"].items()]
     lines += ["", f"({result['seconds']:.0f} s; full figures in gpu_check.json)"]
     return "\n".join(lines) + "\n"
+
+
+def not_run(result: dict) -> tuple[list[str], dict]:
+    """(the parts not started for time, the parts stopped at their deadline {name: why}), from every list."""
+    budget = result.get("budget", {})
+    skipped = list(budget.get("skipped", [])) + [f"graphs.{p}" for p in (result.get("graphs") or {}).get("skipped", [])]
+    skipped += [p for p in result.get("training_skipped", []) if p not in skipped]
+    return skipped, dict(budget.get("stopped", {}))
+
+
+def budget_lines(result: dict) -> list[str]:
+    """summary.md's "Time budget" lines: what this call did not run or stopped, and the device call that runs it."""
+    skipped, stopped = not_run(result)
+    if not skipped and not stopped:
+        return []
+    lines = ["", f"Time budget ({result.get('budget', {}).get('budget_s')} s for this script):"]
+    if skipped:
+        lines.append(f"- not run for time: {', '.join(skipped)}")
+    lines += [f"- stopped at its deadline: {name} ({why})" for name, why in stopped.items()]
+    parts = skipped + list(stopped)
+    call = "bash scripts/gpu_check.sh --out $OUT --no-tier -- --skip "
+    if any(p.split(".")[0] in TRAINING for p in parts):
+        lines.append(f"- the training parts run in a second device call: `{call}{' '.join(FIRST)} graphs`")
+    if any(p.startswith("graphs.") for p in parts):
+        lines.append(f"- the CUDA-graph parts run in a second device call: `{call}{' '.join(FIRST + TRAINING)}`")
+    if any(p in FIRST for p in parts):
+        lines.append(f"- the first sections run in a second device call: `{call}graphs {' '.join(TRAINING)}`")
+    return lines
 
 
 def write_results(result: dict, out: Path, t_start: float, dry: bool) -> str:
@@ -366,8 +448,8 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train",
                                                               "train_eagle3", "train_8b", "train_eagle3_8b"])
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="seconds this run may take (gpu_check.sh's timeout): CUDA-graph parts that could not end within "
-                         "it, less the training's share, are skipped, so the summary is always written")
+                    help="seconds this run may take (gpu_check.sh's timeout): parts that could not end within it are "
+                         "skipped, a part past 1.5x its estimate is stopped, so the summary is always written")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -389,20 +471,10 @@ def main() -> None:
     result = {"dry_run": dry, "machine": machine(), "backbone": name,
               "shape": shape, "dtype": str(dtype).replace("torch.", ""), "sizes": sizes,
               "new_tokens": sizes["new_tokens"],
-              "gpu_tier": tier_result(Path(args.tier_xml) if args.tier_xml else None), "errors": {}}
-
-    def section(name, fn):
-        if name in args.skip:
-            return
-        print(f"[gpu_check] {name} ...", flush=True)
-        t = time.perf_counter()
-        try:
-            fn()
-        except Exception:  # recorded, the next section still runs
-            result["errors"][name] = traceback.format_exc()
-            print(result["errors"][name], file=sys.stderr, flush=True)
-        print(f"[gpu_check] {name} done in {time.perf_counter() - t:.1f} s", flush=True)
-        write_results(result, out, t_start, dry)
+              "gpu_tier": tier_result(Path(args.tier_xml) if args.tier_xml else None), "errors": {},
+              "budget": {"budget_s": args.budget_s, "skipped": [], "stopped": {}}}
+    end = t_start + args.budget_s - RESERVE_S if args.budget_s else math.inf
+    section = Sections(result, args.skip, end, dry, lambda: write_results(result, out, t_start, dry))
 
     # gpu_check.sh's timeout sends SIGTERM: the run stops where it is and writes what it has (write_results)
     signal.signal(signal.SIGTERM, _stop)
@@ -414,6 +486,38 @@ def main() -> None:
     text = write_results(result, out, t_start, dry)
     print("\n" + text)
     print(f"wrote {out / 'summary.md'} and {out / 'gpu_check.json'}")
+
+
+class Sections:
+    """gpu_check's section runner: ``section(name, fn, estimate_s)`` runs ``fn`` unless ``--skip`` names it or (not on
+    the dry run) ``estimate_s`` would end past ``end``; stops it at ``CAP`` x ``estimate_s`` or at ``end``
+    (``Deadline``); records a failure in ``errors`` or a stop in ``budget``; then writes the results (``write``)."""
+
+    def __init__(self, result: dict, skip, end: float, dry: bool, write):
+        self.result, self.skip, self.end, self.dry, self.write = result, skip, end, dry, write
+
+    def __call__(self, name: str, fn, estimate_s: float | None = None) -> None:
+        if name in self.skip:
+            return
+        budget, now = self.result["budget"], time.perf_counter()
+        guess = 0.0 if self.dry or estimate_s is None else estimate_s
+        if now + guess > self.end:
+            budget["skipped"].append(name)
+            print(f"[gpu_check] {name} skipped: {guess:.0f} s would end past the budget", flush=True)
+            return self.write()
+        limit = min(CAP * guess if guess else math.inf, self.end - now)
+        print(f"[gpu_check] {name} ..." + (f" (deadline {limit:.0f} s)" if math.isfinite(limit) else ""), flush=True)
+        try:
+            with Deadline(limit, name):
+                fn()
+        except PartDeadline:      # what earlier parts wrote stays; this part's figures are the ones it finished
+            budget["stopped"][name] = f"after {time.perf_counter() - now:.0f} s, its deadline"
+            print(f"[gpu_check] {name} stopped at its deadline ({limit:.0f} s)", flush=True)
+        except Exception:  # recorded, the next section still runs
+            self.result["errors"][name] = traceback.format_exc()
+            print(self.result["errors"][name], file=sys.stderr, flush=True)
+        print(f"[gpu_check] {name} done in {time.perf_counter() - now:.1f} s", flush=True)
+        self.write()
 
 
 def run_sections(result: dict, section, args, device, dtype, shape: dict, sizes: dict, t_start: float) -> None:
@@ -441,18 +545,18 @@ def run_sections(result: dict, section, args, device, dtype, shape: dict, sizes:
         result["eagle3_steps"] = eagle3_steps(eagle3_model(m), list(EAGLE3_TAU), sizes["rounds"], sizes["per_round"],
                                               sizes["prompt_len"])
 
-    section("steps", steps)
-    section("batch", batch)
-    section("plain", plain)
-    section("eagle3", eagle3)
+    for name, fn in (("steps", steps), ("batch", batch), ("plain", plain), ("eagle3", eagle3)):
+        section(name, fn, SECTION_S[name])
     del m
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if "graphs" not in args.skip:
-        deadline = t_start + args.budget_s - (0 if dry else 75) if args.budget_s else float("inf")  # 75 s: train x 2
+        # the small trainings' share kept after the graphs' parts (none when they are skipped: a graphs-only call)
+        train = 0 if dry or {"train", "train_eagle3"} <= set(args.skip) else gpu_training.SMALL_S
+        deadline = t_start + args.budget_s - RESERVE_S - train if args.budget_s else float("inf")
         gpu_graphs.run(result, section, device, dry, args.full_shape, deadline)
 
-    end = t_start + args.budget_s if args.budget_s and not dry else float("inf")
+    end = t_start + args.budget_s - RESERVE_S if args.budget_s and not dry else float("inf")
     gpu_training.run(result, section, device, dry, ("SmolLM2-135M" if shape is SMOLLM2_135M else "tiny Llama", shape),
                      sizes, end, args.skip)
 

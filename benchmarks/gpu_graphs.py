@@ -17,7 +17,9 @@ device: ``gpu_models.device_llama``), random bf16 weights, batch 1, each part a 
             compile / warm-up seconds, graph breaks, whether it equals the uncaptured step, which is faster and why;
   batches:  the plain batched loop at batch 1 / 4 / 16 / 32, graphs off and on (``gpu_batches``), last: it
             gives way first when time runs short;
-then ``m.static.summary()`` (captures, capture time, graph memory), the verdicts and a summary.md section.
+then ``m.static.summary()`` (captures, capture time, graph memory), the verdicts (first, per shape: everything
+captured, no capture failed, no replay disagreed; a shape whose "on" fell back to uncaptured steps has its other
+verdicts and its summary column marked "on (fell back to uncaptured)") and a summary.md section.
 Dry run (CPU): both shapes are ``gpu_models.TINY`` (``--full-shape``: SmolLM2 keeps its own), sizes shrink,
 and "graphs on" is ``graphs=uncaptured`` (``on`` is refused off CUDA; ``graphs_on_mode`` in the JSON says
 which), the profiler records CPU op time (``clock: cpu``), reduce-overhead is skipped (its reason recorded),
@@ -54,9 +56,12 @@ from inference.runtime.verify import SamplingConfig
 SHAPES = {"smollm2_135m": ("SmolLM2-135M", SMOLLM2_135M), "llama31_8b": ("Llama-3.1-8B", LLAMA31_8B)}
 READ_BYTES_PER_S = 4.2e12   # the H200's (issue 45: ~4.2 TB/s); the dry run's stand-in, a GPU measures its own
 # Seconds a part may take on the H200 at the 8B shape (generous; hf_generate_static's compile dominates the loop):
-# a part that could not finish before the deadline is skipped, so gpu_check.py writes its summary in time.
-PART_S = {"build": 25, "steps": 15, "gqa": 10, "loop": 110, "drafting": 48, "stub": 30, "capture_ways": 75,
-          "batches": 30}
+# a part that could not finish before the deadline is skipped, and one still running at 1.5x its estimate is stopped
+# (gpu_check's ``Sections``), so gpu_check.py writes its summary in time. ``reduce_overhead``: capture_ways's
+# torch.compile(mode="reduce-overhead") of the step (inductor, 60-120 s at the 8B shape), run only where the time
+# left covers it besides the part's own (else the part compares uncaptured and CUDAGraph alone, and lists it skipped).
+PART_S = {"build": 25, "steps": 15, "gqa": 10, "loop": 110, "drafting": 48, "stub": 30, "capture_ways": 15,
+          "reduce_overhead": 90, "batches": 30}
 SAMPLED = SamplingConfig(mode="sample", temperature=0.7)   # the drafting part's sampled Medusa step
 TARGETS = dict(wall_vs_kernel=1.3, vs_hf_static={"smollm2_135m": 2.0, "llama31_8b": 1.3}, floor=0.60,
                verify16=1.25, draft_step=1.3, stub=(2.0, 1.6))
@@ -314,7 +319,7 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if fits("build"):
-        section(f"graphs.{key}.build", build)
+        section(f"graphs.{key}.build", build, PART_S["build"])
     if "m" not in state:
         return
     m = state.pop("m")
@@ -325,17 +330,30 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
         s["loop"] = plain_loop(m, prompts, sz, errors, f"graphs.{key}.loop")
         s["floor"] = weight_floor(m, s["loop"], g["read_bytes_per_s"])
 
+    compile_too = {}   # capture_ways's: whether reduce-overhead's compile fits too (decided as the part starts)
+
+    def ways():
+        s["capture_ways"] = capture_ways(m, prompts[0], sz, errors, f"graphs.{key}.capture_ways", compile_too["on"])
+
     parts = {"steps": lambda: s.update(step=step_costs(m, prompts[0], sz)),
              "gqa": lambda: s.update(gqa=gqa_fold(m, prompts[0], sz, g["graphs_on_mode"])), "loop": loop,
              "drafting": lambda: s.update(drafting=drafting_steps(m, prompts[1], sz, g["graphs_on_mode"])),
              "stub": lambda: s.update(stub=stub_speed(m, prompts[2], sz)),
              "batches": lambda: s.update(batches=batch_loop(m, prompts, sz)),
              # last: compiling the whole forward (reduce-overhead) is the part whose time is least known
-             "capture_ways": lambda: s.update(capture_ways=capture_ways(m, prompts[0], sz, errors,
-                                                                        f"graphs.{key}.capture_ways"))}
+             "capture_ways": ways}
     for part, fn in parts.items():
-        if fits(part):
-            section(f"graphs.{key}.{part}", fn)
+        if not fits(part):
+            continue
+        estimate = PART_S[part]
+        if part == "capture_ways":   # reduce-overhead's compile only where the time left covers it too
+            compile_too["on"] = time.perf_counter() + (0 if sz["dry"] else estimate + PART_S["reduce_overhead"]) \
+                <= deadline
+            if compile_too["on"]:
+                estimate += PART_S["reduce_overhead"]
+            else:
+                g["skipped"].append(f"{key}.capture_ways.reduce_overhead")
+        section(f"graphs.{key}.{part}", fn, estimate)
     s["static"] = m.static.summary()
     if cuda:
         s["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -348,14 +366,52 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
 
 
 # -- verdicts and summary -------------------------------------------------------------------------------------
+def static_stats(s: dict) -> dict:
+    """A shape's static steps' summaries (``StaticSteps.summary``): the backbone model's, then the drafting part's
+    Medusa and EAGLE-3 models' (their own static steps) where it ran."""
+    return {"backbone": s["static"], **(s.get("drafting") or {}).get("static", {})}
+
+
+def fell_back(s: dict, g: dict | None) -> bool:
+    """Whether graphs "on" fell back to uncaptured steps at this shape: on CUDA a failed capture sets the static steps
+    uncaptured from then on, so its "on" figures are (partly) uncaptured ones."""
+    if (g or {}).get("graphs_on_mode") != "on" or not s or "static" not in s:
+        return False
+    return any(not st["captured"] or st["failed_captures"] for st in static_stats(s).values())
+
+
+def all_captured(s: dict) -> tuple[bool, str]:
+    """Every static step and drafter call of the shape captured: the static steps still captured, no capture
+    failed, no replay disagreed with its uncaptured run (backbone steps and drafter calls, every model)."""
+    stats, ok, parts = static_stats(s), True, []
+    first = stats["backbone"]
+    if first["captured"] and not first["captures"] and not first["failed_captures"]:
+        raise ValueError("nothing captured yet: not run")
+    for name, st in stats.items():
+        calls = st["drafter_calls"]
+        failed = st["failed_captures"] + calls["failed_captures"]
+        disagreed = st["disagreeing_replays"] + calls["disagreeing_replays"]
+        checked = st["checked_replays"] + calls["checked_replays"]
+        ok = ok and st["captured"] and not failed and not disagreed
+        how = "" if st["captured"] else ", fell back to uncaptured" if st["failed_captures"] else ", uncaptured"
+        parts.append(f"{name}: {len(st['captures'])} steps + {len(calls['captures'])} drafter calls captured, "
+                     f"{failed} failed, {disagreed} of {checked} checked replays disagreed{how}")
+    return ok, "; ".join(parts)
+
+
 def verdicts(g: dict | None, dry: bool) -> list[dict]:
-    """The graph targets (``TARGETS``), in order; "not run" where a figure is missing, "dry run" on the CPU."""
+    """The graph targets (``TARGETS``), in order; "not run" where a figure is missing, "dry run" on the CPU. First, per
+    shape, whether graphs=on captured everything; a shape where it fell back to uncaptured steps has every other
+    verdict marked "(on fell back to uncaptured)": its "on" figures are not captured ones."""
     shapes, t, out = (g or {}).get("shapes", {}), TARGETS, []
 
-    def add(target: str, key: str, fig):   # fig(a shape's figures) -> (passed, detail)
+    def add(target: str, key: str, fig, mark: bool = True):   # fig(a shape's figures) -> (passed, detail)
         try:
             ok, detail = fig(shapes[key])
-            out.append({"target": target, "verdict": "dry run" if dry else "PASS" if ok else "FAIL", "detail": detail})
+            verdict = "dry run" if dry else "PASS" if ok else "FAIL"
+            if mark and not dry and fell_back(shapes[key], g):
+                verdict, detail = f"{verdict} (on fell back to uncaptured)", f"on (fell back to uncaptured): {detail}"
+            out.append({"target": target, "verdict": verdict, "detail": detail})
         except (KeyError, TypeError, ZeroDivisionError, StopIteration, ValueError):
             out.append({"target": target, "verdict": "not run", "detail": ""})
 
@@ -386,6 +442,9 @@ def verdicts(g: dict | None, dry: bool) -> list[dict]:
 
     labels = {key: label for key, (label, _) in SHAPES.items()}
     for key, label in labels.items():
+        add(f"graphs=on: every step and drafter call captured, none failed, no replay disagreed ({label} shape)", key,
+            all_captured, mark=False)
+    for key, label in labels.items():
         add(f"graphs=on: 1-token step wall <= {t['wall_vs_kernel']}x its kernel time ({label} shape)", key, step)
     for key, label in labels.items():
         x = t["vs_hf_static"][key]
@@ -412,8 +471,9 @@ def summary_lines(g: dict | None) -> list[str]:
         return []
     lines = ["", f"CUDA graphs: {g['graphs_on_note']}; bf16 random weights, batch 1 unless a row names one, "
              f"medians ({g.get('seconds')} s):",
-             "", "| figure | " + " | ".join(s["label"] + " (tiny stand-in)" * s["tiny_stand_in"] for s in shapes)
-             + " |", "|---|" + "---|" * len(shapes)]
+             "", "| figure | " + " | ".join(s["label"] + " (tiny stand-in)" * s["tiny_stand_in"]
+                                          + " [graphs on: on (fell back to uncaptured)]" * fell_back(s, g)
+                                          for s in shapes) + " |", "|---|" + "---|" * len(shapes)]
 
     def row(name, fig):
         cells = []
@@ -445,6 +505,9 @@ def summary_lines(g: dict | None) -> list[str]:
     batch_rows(row)
     row("captures; capture s; graph memory MiB", lambda s: f"{len(s['static']['captures'])}; "
         f"{s['static']['capture_s']}; {s['static']['graph_memory_bytes'] / 2**20:.1f}")
+    row("failed captures / disagreeing replays (steps + drafter calls, every model)", lambda s: " / ".join(
+        str(sum(st[k] + st["drafter_calls"][k] for st in static_stats(s).values()))
+        for k in ("failed_captures", "disagreeing_replays")))
     row("drafter calls captured; capture s; graph memory MiB", lambda s: "; ".join(
         f"{fam} {len(d['drafter_calls']['captures'])}, {d['drafter_calls']['capture_s']}, "
         f"{d['drafter_calls']['graph_memory_bytes'] / 2**20:.1f}" for fam, d in s["drafting"]["static"].items()))

@@ -242,9 +242,7 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     sizes = parse_batch_sizes([batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes))
     methods = registry.check_methods(list(methods), m)
     measured = list(methods) + [b for b in (PLAIN, HF) if b not in methods and (b == PLAIN or greedy)]
-    refused = [x for x in measured if registry.get(x).greedy_only and not greedy]
-    if refused:
-        raise UserError(f"{refused[0]} is measured in greedy mode only")
+    registry.check_greedy_only(measured, sampling)
     opts = method_options(m, [x for x in measured if x != HF], options, fields)
     modes = choice_modes(list(opts), choice, fields)
     check_batchable(methods, sizes)

@@ -285,9 +285,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
                    calibration_tokens=calibration_tokens, budgets=budgets)
     methods = registry.check_methods(methods, m)
     specs = {meth: registry.get(meth) for meth in methods}
-    greedy_only = [meth for meth, spec in specs.items() if spec.greedy_only]
-    if greedy_only and not sampling.is_greedy:
-        raise UserError(f"{greedy_only[0]} is measured in greedy mode only")
+    registry.check_greedy_only(methods, sampling)
     opts = method_options(m, methods, options, fields)
     modes = choice_modes(methods, choice, fields)
     calib_src: list[Prompt] = []

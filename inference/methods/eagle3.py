@@ -66,7 +66,7 @@ from .autoregressive import AutoregressiveDecoder
 from .eagle3_choice import Eagle3Shape
 from .eagle3_expand import expand
 from .eagle3_batch import Eagle3BatchDrafter
-from .eagle3_static import catch_up_call, draft_cache, draft_call, tag, tree_call
+from .eagle3_static import catch_up_call, draft_cache, draft_call, tag, tree_step
 from .registry import Costs, Method, heads_costs, option, register
 
 # The largest eagle_* settings taken: a step costs D-1 drafter calls over k^2 candidates, then one verification of
@@ -302,10 +302,8 @@ class Eagle3Decoder:
         that read to bring besides (none here; ``eagle3_lookup``'s nodes grafted), left in ``also_read``."""
         o, kv = self.o, self.dkv
         root = torch.full((), self.root, dtype=torch.long, device=self.m.device)
-        fields = self.m.static.calls.run(f"eagle3.tree-{o.label}:{tag(kv)}",
-                                         tree_call(draft_call(self.drafter, kv, o.depth, o.topk), o.nodes, o.depth,
-                                                   o.min_score),
-                                         (*self._draft_inputs(), root), keep=kv)
+        name, fn = tree_step(self.drafter, kv, o)     # named by every value it freezes (the floor too)
+        fields = self.m.static.calls.run(name, fn, (*self._draft_inputs(), root), keep=kv)
         return StaticTree(*fields), ()
 
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ from ..runtime.tree import RowTrees, select_nodes, tree_buffers
 from ..runtime.verify import SamplingConfig
 from .eagle3_expand import expand
 from .eagle3_static import (StaticRowDraftKV, batch_catch_up_call, batch_draft_call, cache_slots, static_rows, tag,
-                            tree_call)
+                            tree_step)
 
 
 def _additive(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -257,10 +257,9 @@ class Eagle3BatchDrafter:
         add nodes per row there (``eagle3_lookup`` grafts its looked-up branch)."""
         kv, root = self.dkv, dec.root
         kv.reserve((o.depth - 1) * o.topk)
-        fn = tree_call(batch_draft_call(self.d, kv.cache, o.depth, o.topk), o.nodes, o.depth, o.min_score)
-        fields = self.m.static.calls.run(f"eagle3.tree-{o.label}:{tag(kv.cache)}", fn,
-                                         (self.root_logits, self.root_state, kv.committed, root), rows=root.shape[0],
-                                         keep=kv.cache)
+        name, fn = tree_step(self.d, kv.cache, o, batched=True)     # named by every value it freezes
+        fields = self.m.static.calls.run(name, fn, (self.root_logits, self.root_state, kv.committed, root),
+                                         rows=root.shape[0], keep=kv.cache)
         return StaticTree(*fields)
 
     def amend(self, dec: BatchTreeDecoder, rows: list) -> list:

@@ -65,7 +65,7 @@ from .draft import chain_sampling
 from .eagle3 import Eagle3Decoder, Eagle3Options, eagle3_batch_decoder, eagle3_costs, fit_options, refuse_heads
 from .eagle3_batch import Eagle3BatchDrafter
 from .eagle3_choice import Eagle3Shape
-from .eagle3_static import batch_draft_call, chain_call, draft_call, tag, tree_call
+from .eagle3_static import chain_call, tree_step
 from .prompt_lookup import (LookupDrafter, NGramIndex, PromptLookupDecoder, PromptLookupSettings,
                             check_lookup_settings, match_in_tree)
 from .registry import Method, option, register, slot_costs
@@ -102,10 +102,12 @@ class Eagle3LookupOptions(Eagle3Options):
 
     @property
     def label(self) -> str:
+        """eagle3's label (the floor too: settings differing in eagle_min_prob alone are two settings, e.g. in a
+        schedule's rates) plus the looked-up branch's keys."""
         branch = f"t{self.num_tokens}-m{self.min_ngram}" + (f"-s{self.switch}" if self.switch else "")
         if not self.num_tokens:
             return super().label                        # the drafter alone (or, without nodes, plain decoding)
-        return f"n{self.nodes}-d{self.depth}-k{self.topk}+{branch}" if self.nodes else f"prompt lookup {branch}"
+        return f"{super().label}+{branch}" if self.nodes != 0 else f"prompt lookup {branch}"
 
     @property
     def looks_up(self) -> bool:
@@ -205,7 +207,7 @@ class Eagle3LookupDecoder(Eagle3Decoder):
 
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         proposal = self.index.propose(self.o.num_tokens) if self.o.looks_up else []
-        if switches(self.o.switch, proposal, self.index.last_match):    # text being copied: the chain alone, no drafted rows
+        if switches(self.o.switch, proposal, self.index.last_match):    # text being copied: the chain alone
             self.switched += 1
             tokens, parents, depths = root_only(torch.tensor([self.root], device=self.m.device))
         else:
@@ -230,9 +232,8 @@ class Eagle3LookupDecoder(Eagle3Decoder):
             self.switched += 1
             fields = self.m.static.calls.run(f"eagle3.chain{o.num_tokens}", chain_call(o.num_tokens), (root, padded))
         else:
-            fn = tree_call(draft_call(self.drafter, kv, o.depth, o.topk), o.nodes, o.depth, o.min_score, o.num_tokens)
-            fields = self.m.static.calls.run(f"eagle3.tree-{o.label}.graft{o.num_tokens}:{tag(kv)}", fn,
-                                             (*self._draft_inputs(), root, padded), keep=kv)
+            name, fn = tree_step(self.drafter, kv, o, o.num_tokens)     # named by every value it freezes
+            fields = self.m.static.calls.run(name, fn, (*self._draft_inputs(), root, padded), keep=kv)
         return StaticTree(*fields[:5]), fields[5:]
 
     @torch.inference_mode()
@@ -297,8 +298,8 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
         kv.reserve((o.depth - 1) * o.topk)
         proposals = padded_proposals([p for p, _ in lookups], width, dev)
         alone = torch.tensor([a for _, a in lookups], device=dev)
-        fn = tree_call(batch_draft_call(self.d, kv.cache, o.depth, o.topk), o.nodes, o.depth, o.min_score, width)
-        fields = self.m.static.calls.run(f"eagle3.tree-{o.label}.graft{width}:{tag(kv.cache)}", fn,
+        name, fn = tree_step(self.d, kv.cache, o, width, batched=True)     # named by every value it freezes
+        fields = self.m.static.calls.run(name, fn,
                                          (self.root_logits, self.root_state, kv.committed, dec.root, proposals, alone),
                                          rows=dec.batch, keep=kv.cache)
         return StaticTree(*fields[:5])

@@ -16,7 +16,8 @@ so ``MedusaModel.static.calls`` captures it once per key and replays it after th
   (committed entries, the ancestors' and the node's own draft entries): every shape is fixed for the key.
 
 Nothing inside reads the host (``.item()``, a branch on a tensor, a data-dependent shape): a CUDA capture
-refuses that, or freezes it. Every Python number the functions close over is fixed for their name. Tensors
+refuses that, or freezes it. Every Python number the functions close over is fixed for their name: the tree call's
+name and function come from the same values (``tree_step``), never from a setting's label. Tensors
 they read besides their inputs are the drafter's weights and the cache, which lives as long as the model's
 static steps (``draft_cache``: one per batch size, grown in powers of two, kept with the calls captured over
 it), so a generation does not capture anew.
@@ -114,6 +115,20 @@ def tree_call(draft, nodes: int, depth: int, min_score: Optional[float], graft: 
             return tuple(f[0] for f in static_graft(*(f[None] for f in fields), lookup[0][None]))
         return static_graft(*fields, *lookup)
     return fn
+
+
+def tree_step(d, cache: StaticDraftKV, o, graft: int = 0, batched: bool = False):
+    """(name, fn) of the captured tree call of options ``o`` (eagle3's tree fields: nodes, depth, topk, min_prob)
+    over ``cache``: ``tree_call`` over ``draft_call`` (``batch_draft_call`` when ``batched``). Name and function are
+    built from the same values, and the name holds every Python value the function freezes into its graph: the
+    tree's size, depth and top-k, the floor (``repr``, exact: a label's ``:g`` rounds 0.3 and 0.30000001 alike, and
+    eagle3_lookup's label has no floor), the graft's length and the cache (``tag``); never a label, which names a
+    setting for people and may leave out or round what a graph freezes. Settings that freeze the same values (eagle3
+    and eagle3_lookup where it grafts nothing) share the call."""
+    draft = (batch_draft_call if batched else draft_call)(d, cache, o.depth, o.topk)
+    floor = "" if o.min_score is None else f"-p{o.min_prob!r}"     # min_score: log(min_prob), None for 0
+    name = f"eagle3.tree-n{o.nodes}-d{o.depth}-k{o.topk}{floor}" + (f".graft{graft}" if graft else "")
+    return f"{name}:{tag(cache)}", tree_call(draft, o.nodes, o.depth, o.min_score, graft)
 
 
 def chain_call(graft: int):

@@ -23,7 +23,9 @@ def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tup
     happen inside the capture; it writes the same cache entries the step itself writes), with torch's sync
     debugging set to raise: a step that reads a device value on the host (``.item()``, a data-dependent
     branch) cannot be captured, and is refused here, before a capture it would leave half-open. A capture that
-    fails all the same restores the stream and ends the pool's allocation before raising."""
+    fails all the same, or is interrupted (a signal's exception: it propagates as itself, never as a failed
+    capture that a caller would log and go on from), restores the stream and ends the pool's allocation before
+    raising."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     debug = torch.cuda.get_sync_debug_mode()
@@ -36,9 +38,13 @@ def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tup
         torch.cuda.current_stream().wait_stream(stream)
     graph, before = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        # "thread_local": only this thread's unsafe calls break the capture. The default "global" also fails it
+        # on another thread's (an NCCL / DeepSpeed watchdog polling its events, a data loader's pinned copy), which
+        # the step never depends on; this thread's own host reads are still refused. torch's own CUDA-graph trees
+        # (torch.compile mode="reduce-overhead") capture the same way.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outs = fn()
-    except Exception:
+    except BaseException as exc:   # an interrupt too (a deadline's signal, ^C): the stream is restored either way
         torch.cuda.set_stream(before)      # graph.__exit__ raising leaves the capture stream current
         end = getattr(torch._C, "_cuda_endAllocateToPool", None)
         if end is not None:
@@ -46,6 +52,9 @@ def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tup
                 end(torch.cuda.current_device(), pool)
             except Exception:
                 pass
+        interrupt = exc.__context__ if isinstance(exc, Exception) else None
+        if interrupt is not None and not isinstance(interrupt, Exception):
+            raise interrupt    # the capture's end failed because of it: the interrupt, not a capture failure
         raise
     return graph.replay, outs
 

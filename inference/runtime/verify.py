@@ -116,9 +116,12 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
     """softmax(logits / T), keep the top_k most likely, renormalise, keep the smallest top-p nucleus.
 
     Computed in float32 whatever the model dtype, so the same logits always give the same
-    distribution (the target of exact sampling and of the plain sampling baseline).
+    distribution (the target of exact sampling and of the plain sampling baseline). The logits are shifted by their
+    maximum before the division (softmax is shift-invariant): a tiny temperature (1e-39) then gives the argmax
+    distribution, where logits / T overflowed to inf and the softmax to NaN.
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    z = logits.float()
+    probs = torch.softmax((z - z.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_k and top_k < probs.shape[-1]:
         kth = probs.topk(top_k, dim=-1).values[..., -1:]
         probs = probs.masked_fill(probs < kth, 0.0)
@@ -328,8 +331,9 @@ def verify_sample(buf: TreeBuffers | RowTrees | StaticTree, tokens: torch.Tensor
                 resid = (p - q).clamp_(min=0)
                 rs = resid.sum(1, keepdim=True)
                 p = torch.where(rej[:, None] & (rs > 0), resid / rs.clamp(min=1e-30), p)
-                q2 = q.clone()
-                q2[rows, x] = 0
+                # a device-made zero: ``q2[rows, x] = 0`` makes the scalar a host tensor that index_put_ copies to
+                # the device on CUDA, a blocking sync per sibling (the same values written)
+                q2 = q.clone().index_put_((rows, x), q.new_zeros(()))
                 q2 = q2 / q2.sum(1, keepdim=True).clamp(min=1e-30)
                 q = torch.where(rej[:, None], q2, q)
             found = alive & (nxt >= 0)

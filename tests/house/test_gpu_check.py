@@ -8,6 +8,8 @@ verdicts and the fields BENCHMARKS.md's GPU section takes, the CUDA-graph part's
 included: on the CPU it runs graphs=uncaptured where the GPU runs graphs=on, and says so in the JSON."""
 
 GRAPH_TARGETS = [
+    "graphs=on: every step and drafter call captured, none failed, no replay disagreed (SmolLM2-135M shape)",
+    "graphs=on: every step and drafter call captured, none failed, no replay disagreed (Llama-3.1-8B shape)",
     "graphs=on: 1-token step wall <= 1.3x its kernel time (SmolLM2-135M shape)",
     "graphs=on: 1-token step wall <= 1.3x its kernel time (Llama-3.1-8B shape)",
     "graphs=on: plain loop >= 2.0x hf_generate_static (SmolLM2-135M shape)",
@@ -181,12 +183,12 @@ def test_gpu_check_training_at_8b_runs_only_when_it_fits():
     for end, expect in ((time.perf_counter(), ["train", "train_eagle3"]),
                         (float("inf"), ["train", "train_eagle3", "train_8b.build"])):
         names, result = [], {}
-        gpu_training.run(result, lambda name, fn: names.append(name), torch.device("cpu"), False,
+        gpu_training.run(result, lambda name, fn, *est: names.append(name), torch.device("cpu"), False,
                          ("tiny Llama", {}), {}, end)
         assert names == expect   # the stub section runs nothing: no backbone built, so no 8B trainer follows
         assert result["training_skipped"] == ([] if end == float("inf") else ["train_8b", "train_eagle3_8b"])
     names = []   # --skip of both 8B trainers: their 16 GB backbone is not built either
-    gpu_training.run({}, lambda name, fn: names.append(name), torch.device("cpu"), False, ("tiny Llama", {}), {},
+    gpu_training.run({}, lambda name, fn, *est: names.append(name), torch.device("cpu"), False, ("tiny Llama", {}), {},
                      float("inf"), ("train_8b", "train_eagle3_8b"))
     assert names == ["train", "train_eagle3"]
     assert "skipped (time): train_8b, train_eagle3_8b" in "\n".join(gpu_training.summary_lines(
@@ -242,8 +244,175 @@ def test_a_profiler_that_misses_graph_kernels_is_caught():
     short = {**good, "kernel_ms": 0.5, "device_ops": 40, "wall_vs_kernel": 6.0, "wall_vs_replay": 1.11,
              "profiler_short": True}
     g = {"shapes": {"smollm2_135m": {"step": {"on": short, "off": off}}}}
-    v = verdicts(g, dry=False)[0]
+    v = next(x for x in verdicts(g, dry=False) if x["target"].startswith("graphs=on: 1-token step"))
     assert v["verdict"] == "PASS" and "back-to-back replays" in v["detail"] and "40 of graphs off's 1300" in v["detail"]
     g["shapes"]["smollm2_135m"]["step"]["on"] = {**good, "wall_vs_kernel": 1.2, "profiler_short": False}
-    v = verdicts(g, dry=False)[0]
+    v = next(x for x in verdicts(g, dry=False) if x["target"].startswith("graphs=on: 1-token step"))
     assert v["verdict"] == "PASS" and v["detail"].startswith("3.0 ms wall / 2.5 ms cuda = 1.2x")
+
+
+def test_a_run_stopped_by_its_own_budget_exits_0_with_its_summary(tmp_path):
+    """Guards against gpu_check.sh passing on ``timeout``'s own exit code (124 when its deadline fired, 137 after
+    -k) although the run stopped itself there and wrote its summary: the device tool reads 124 / 137 as "ran past
+    its limit". With summary.md written the script says so in one line and exits 0 (137: the summary is marked
+    as cut after the last finished part and printed); without one it still fails."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_timeout = bin_dir / "timeout"   # runs the command, then returns the code a fired deadline gives
+    fake_timeout.write_text('#!/usr/bin/env bash\nwhile [[ "$1" == -* ]]; do [ "$1" = -k ] && shift; shift; done\n'
+                            'shift\n"$@"\nexit "${FAKE_TIMEOUT_RC:-0}"\n')
+    fake_python = bin_dir / "python"     # writes summary.md for gpu_check.py when asked to (WRITE_SUMMARY=1)
+    fake_python.write_text('#!/usr/bin/env bash\nif [ "$2" = benchmarks.gpu_check ]; then\n'
+                           '  while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+                           '  [ "$WRITE_SUMMARY" = 1 ] && echo "## GPU check (stub)" > "$out/summary.md"\nfi\n'
+                           'exit 0\n')
+    for f in (fake_timeout, fake_python):
+        f.chmod(0o755)
+    for rc, summary, expect in (("124", "1", 0), ("137", "1", 0), ("124", "0", 1), ("3", "1", 3)):
+        out = tmp_path / f"out{rc}{summary}"
+        env = clean_env(PYTHON=str(fake_python), PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_TIMEOUT_RC=rc,
+                        WRITE_SUMMARY=summary)
+        env.pop("OUT", None)
+        proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--no-tier", "--out", str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == expect, (rc, summary, proc.stdout[-2000:], proc.stderr[-2000:])
+        if expect == 0:
+            assert "stopped by its own budget; summary written" in proc.stdout
+            assert ("killed at its own budget" in (out / "summary.md").read_text()) == (rc == "137")
+
+
+def sections(monkeypatch, end: float = float("inf")):
+    """gpu_check's section runner on a fresh result (not a dry run: estimates count), writes counted."""
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "REFIRE_S", 0.05)
+    result = {"errors": {}, "budget": {"budget_s": 100, "skipped": [], "stopped": {}}}
+    writes = []
+    return gpu_check.Sections(result, [], end, False, lambda: writes.append(json.dumps(result))), result, writes
+
+
+def test_a_part_past_its_deadline_is_stopped_and_the_next_one_runs(monkeypatch):
+    """Guards against one slow part (an inductor compile, a capture that hangs) eating the parts after it, with the
+    outer timeout the only stop: a part still running at 1.5x its estimate is stopped there (also one that swallows
+    the first interrupt, as a capture whose end fails and is caught as a failed capture does), listed as stopped at
+    its deadline, not as an error; the results written before it survive and the next part runs."""
+    import time
+
+    section, result, writes = sections(monkeypatch)
+    section("steps", lambda: result.update(probe=1), 10)
+
+    def slow():
+        try:
+            while True:
+                time.sleep(0.01)
+        except BaseException:   # the first interrupt swallowed: the deadline fires again
+            pass
+        while True:
+            time.sleep(0.01)
+
+    t = time.perf_counter()
+    section("graphs.llama31_8b.loop", slow, 0.2)
+    assert time.perf_counter() - t < 5
+    section("eagle3", lambda: result.update(after=1), 10)
+    assert result["probe"] == result["after"] == 1 and result["errors"] == {}
+    assert list(result["budget"]["stopped"]) == ["graphs.llama31_8b.loop"]
+    assert json.loads(writes[1])["probe"] == 1 and len(writes) == 3
+    time.sleep(0.2)   # the timer is disarmed: nothing fires after the part
+
+
+def test_parts_not_run_for_time_are_listed_with_the_call_that_runs_them(monkeypatch):
+    """Guards against the first sections and the small trainings starting with no time left (only the CUDA-graph
+    parts had a start guard) and against a summary that does not say what was not run: a section whose estimate
+    ends past the budget is skipped and listed, and the summary's "Time budget" lines name every part not run or
+    stopped (CUDA-graph parts, the 8B training) and the second device call for each."""
+    import time
+
+    from benchmarks import gpu_check
+
+    section, result, _ = sections(monkeypatch, end=time.perf_counter() + 5)
+    ran = []
+    section("plain", lambda: ran.append("plain"), 60)
+    section("train", lambda: ran.append("train"), 1)
+    assert ran == ["train"] and result["budget"]["skipped"] == ["plain"]
+    result["budget"]["stopped"]["graphs.smollm2_135m.loop"] = "after 165 s, its deadline"
+    result["graphs"] = {"skipped": ["llama31_8b.capture_ways.reduce_overhead"]}
+    result["training_skipped"] = ["train_8b", "train_eagle3_8b"]
+    text = "\n".join(gpu_check.budget_lines(result))
+    assert ("not run for time: plain, graphs.llama31_8b.capture_ways.reduce_overhead, train_8b, train_eagle3_8b"
+            in text)
+    assert "stopped at its deadline: graphs.smollm2_135m.loop (after 165 s, its deadline)" in text
+    assert "--no-tier -- --skip steps batch plain eagle3 graphs`" in text          # the training's second call
+    assert "--skip steps batch plain eagle3 train train_eagle3 train_8b train_eagle3_8b`" in text   # the graphs'
+    assert "--skip graphs train train_eagle3 train_8b train_eagle3_8b`" in text    # the first sections'
+    assert gpu_check.budget_lines({"budget": {"skipped": [], "stopped": {}}}) == []
+
+
+def test_graphs_on_that_fell_back_to_uncaptured_is_said_so():
+    """Guards against "graphs on" figures that were measured uncaptured (a failed capture sets the static steps
+    uncaptured) passing as captured ones, shown only by JSON fields: per shape a verdict requires every step and
+    drafter call captured, no failed capture and no disagreeing replay; where graphs on fell back, every other
+    verdict of that shape and its summary column say "on (fell back to uncaptured)"."""
+    from benchmarks.gpu_graphs import summary_lines, verdicts
+
+    calls = {"captures": {"eagle3.tree": 1}, "failed_captures": 0, "checked_replays": 1, "disagreeing_replays": 0}
+
+    def static(captured=True, failed=0, disagreed=0):
+        return {"captured": captured, "captures": {"1": 1}, "failed_captures": failed, "checked_replays": 3,
+                "disagreeing_replays": disagreed, "drafter_calls": dict(calls), "capture_s": 0.1,
+                "graph_memory_bytes": 0}
+
+    off = {"wall_ms": 30.0, "kernel_ms": 2.4, "device_ops": 1300, "clock": "cuda", "wall_vs_kernel": 12.5}
+    on = {"wall_ms": 3.0, "kernel_ms": 2.5, "device_ops": 1290, "graph_replay_ms": 2.7, "clock": "cuda",
+          "wall_vs_kernel": 1.2, "profiler_short": False}
+
+    def shape(label, st, drafting_st):
+        return {"label": label, "tiny_stand_in": False, "static": st, "step": {"on": on, "off": off},
+                "drafting": {"static": {"eagle3": drafting_st}, "kinds": {}}}
+
+    g = {"graphs_on_mode": "on", "graphs_on_note": "graphs 'on' = captured CUDA graphs",
+         "shapes": {"smollm2_135m": shape("SmolLM2-135M", static(), static()),
+                    "llama31_8b": shape("Llama-3.1-8B", static(captured=False, failed=1), static())}}
+    v = {x["target"]: x for x in verdicts(g, dry=False)}
+    good = v["graphs=on: every step and drafter call captured, none failed, no replay disagreed (SmolLM2-135M shape)"]
+    bad = v["graphs=on: every step and drafter call captured, none failed, no replay disagreed (Llama-3.1-8B shape)"]
+    assert good["verdict"] == "PASS" and bad["verdict"] == "FAIL" and "fell back to uncaptured" in bad["detail"]
+    small = v["graphs=on: 1-token step wall <= 1.3x its kernel time (SmolLM2-135M shape)"]
+    big = v["graphs=on: 1-token step wall <= 1.3x its kernel time (Llama-3.1-8B shape)"]
+    assert small["verdict"] == "PASS" and big["verdict"] == "PASS (on fell back to uncaptured)"
+    assert big["detail"].startswith("on (fell back to uncaptured): ")
+    g["shapes"]["smollm2_135m"]["drafting"]["static"]["eagle3"] = static(disagreed=1)   # a drafter replay disagreed
+    assert verdicts(g, dry=False)[0]["verdict"] == "FAIL"
+    header = next(line for line in summary_lines(g) if line.startswith("| figure |"))
+    assert "Llama-3.1-8B [graphs on: on (fell back to uncaptured)]" in header and "SmolLM2-135M |" in header
+
+
+def test_reduce_overhead_runs_only_where_its_compile_fits(monkeypatch):
+    """Guards against capture_ways starting torch.compile(mode="reduce-overhead") (60-120 s at the 8B shape) with
+    too little time left, where it would run into the next deadline: with the time left covering the part but not
+    the compile, the part runs without it (listed skipped, the section's estimate its own); with enough, with it."""
+    import time
+
+    import torch
+
+    from benchmarks import gpu_graphs
+    from benchmarks.gpu_models import TINY
+
+    seen = {}
+    monkeypatch.setattr(gpu_graphs, "capture_ways", lambda *a, **k: seen.update(compile=a[-1]) or {})
+    for spare, compile_too in ((50, False), (1000, True)):
+        g = {"graphs_on_mode": "uncaptured", "skipped": [], "shapes": {}}
+        estimates = {}
+
+        def section(name, fn, estimate=None):   # runs the build and capture_ways only
+            estimates[name] = estimate
+            if name.endswith((".build", ".capture_ways")):
+                fn()
+        sz = {**gpu_graphs.sizes(True), "dry": False}
+        gpu_graphs.run_shape(g, {}, "llama31_8b", "Llama-3.1-8B", TINY, section, torch.device("cpu"), sz,
+                             time.perf_counter() + spare)
+        assert seen["compile"] is compile_too
+        assert ("llama31_8b.capture_ways.reduce_overhead" in g["skipped"]) is not compile_too
+        ways = gpu_graphs.PART_S["capture_ways"] + gpu_graphs.PART_S["reduce_overhead"] * compile_too
+        assert estimates["graphs.llama31_8b.capture_ways"] == ways

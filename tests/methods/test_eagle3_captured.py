@@ -15,11 +15,12 @@ from inference.heads.registry import init_heads
 from inference.loading import attach_heads
 from inference.methods import generate, generate_batch
 from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options
+from inference.methods.eagle3_static import tree_step
 from inference.runtime.static_steps import StaticSteps
 from inference.runtime.tree import RowTrees
 from inference.runtime.verify import SamplingConfig
 from runtime_support import one_thread, tiny_llama  # noqa: F401 (autouse fixture)
-from test_captured_calls import host_read_refused
+from test_captured_calls import KeyAudit, host_read_refused
 from test_eagle3_decoding import eagle3_spec, random_drafter
 from test_static_steps import REPEATING, with_steps
 
@@ -72,14 +73,13 @@ def m(backbone):
     return random_drafter(backbone)
 
 
-def expansion(method: str, opts: dict) -> str:
-    """The name (up to its cache tag) of the captured call that drafts a step's tree: greedy eagle3 drafts and
-    reranks in one call (its tree built on the device); eagle3_lookup's grafts its looked-up chain in that call too
-    (``.graft``, where the lookup found one)."""
-    if method == "eagle3":
-        return f"tree-{Eagle3Options(**opts).label}:"
-    from inference.methods.eagle3_lookup import Eagle3LookupOptions
-    return f"tree-{Eagle3LookupOptions(**opts).label}"
+def expansion(method: str, opts: dict, key: str) -> bool:
+    """Whether ``key`` names the captured call that drafts a step's tree: greedy eagle3 drafts and reranks in one
+    call (its tree built on the device); eagle3_lookup's grafts its looked-up chain in that call too (``.graft6``,
+    where the lookup found one; where it found none, eagle3's own call)."""
+    name = tree_step(None, StaticDraftKV(1, 1, 1, 1, torch.float32, torch.device("cpu")), Eagle3Options(**opts))[0]
+    head, name = key.split(":")[0], name.split(":")[0]
+    return head == name or (method == "eagle3_lookup" and head == name + ".graft6")
 
 
 def drafter_calls(m) -> dict:
@@ -106,7 +106,7 @@ def test_greedy_is_token_identical_off_uncaptured_and_replayed(m, method, settin
             with_steps(m, how)
             out = generate(m, prompt, method, max_new_tokens=40, eos_token_ids=(), **opts)
             assert out.tokens == ref.tokens and out.accept_lengths == ref.accept_lengths, (prompt[:3], how)
-        assert any(expansion(method, opts) in k for k in drafter_calls(m))
+        assert any(expansion(method, opts, k) for k in drafter_calls(m))
         assert_clean(m)
     m.static = None
 
@@ -195,7 +195,7 @@ def test_deep_accepted_paths_stay_greedy_and_capture_each_catch_up_once(backbone
     names = drafter_calls(sm)
     assert all(v == 1 for v in names.values())
     # one cache, 3 runs: eagle3's tree call; eagle3_lookup's with and without a grafted chain
-    assert sum(expansion(method, dict(nodes=8, depth=4, topk=2)) in k for k in names) == (1 if method == "eagle3" else 2)
+    assert sum(expansion(method, dict(nodes=8, depth=4, topk=2), k) for k in names) == (1 if method == "eagle3" else 2)
     assert "catchup5" in {k.split(":")[0].split(".")[1] for k in names}
     assert_clean(sm)
     sm.static = None
@@ -217,7 +217,8 @@ def test_calls_are_captured_once_per_key_across_generations(m):
     grown = set(drafter_calls(m)) - set(first)
     assert all("catchup" in k for k in grown)      # only longer accepted paths, never a recapture
     assert {k.split(":")[0] for k in first} >= {"eagle3.tree-n4-d1-k4", "eagle3.tree-n8-d3-k2", "eagle3.catchup1",
-                                                "eagle3.tree-n4-d1-k4+t6-m2", "eagle3.tree-n8-d3-k2+t6-m2"}
+                                                "eagle3.tree-n8-d3-k2-p0.02", "eagle3.tree-n4-d1-k4.graft6",
+                                                "eagle3.tree-n8-d3-k2.graft6", "eagle3.tree-n8-d3-k2-p0.02.graft6"}
     tags = {k.split(":")[1] for k in drafter_calls(m)}
     assert len(tags) == 1
     generate(m, LONG + LONG, "eagle3", max_new_tokens=10, eos_token_ids=(), **SETTINGS["n4-d1-k4"])
@@ -309,7 +310,7 @@ def test_batched_drafting_is_token_identical_and_captured_per_bucket(m, method, 
     for a, b in zip(out.rows, ref.rows):
         assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
     names = drafter_calls(m)
-    sizes = {int(k.rsplit("@", 1)[1]) for k in names if expansion(method, opts) in k}
+    sizes = {int(k.rsplit("@", 1)[1]) for k in names if expansion(method, opts, k)}
     assert 4 in sizes and all(v == 1 for v in names.values())
     assert m.static.calls.failed == 0 and m.static.calls.disagreed == 0
     m.static = None
@@ -424,3 +425,48 @@ def test_a_dynamic_rope_drafter_is_captured_and_decodes_as_uncaptured(backbone):
         assert outs == refs and drafter_calls(m)
         assert_clean(m)
         m.static = None
+
+
+# -- call keys: every value a captured call freezes is in its name -----------------------------------------
+FLOORS = (0.0, 0.3, 0.30000001, 0.9)   # settings differing in eagle_min_prob alone (0.3 and 0.30000001: alike in :g)
+
+
+def test_settings_differing_only_in_a_frozen_value_never_share_a_captured_call(m):
+    """Guards against a captured call's name leaving out a Python value its function freezes into the graph
+    (eagle3_lookup's tree call was named by its label, which has no eagle_min_prob; eagle3's label rounds it with
+    :g): a second setting on the same model then replays the first one's floor. Every captured call of eagle3 and
+    eagle3_lookup, batch 1 and batched, over settings differing in the floor alone, freezes one set of values per
+    key (``KeyAudit``)."""
+    with_steps(m, "replayed")
+    audit = KeyAudit(m)
+    for method in METHODS:
+        for p in FLOORS:
+            opts = dict(nodes=8, depth=3, topk=2, num_tokens=4) if method == "eagle3_lookup" else {}
+            opts.update(nodes=8, depth=3, topk=2, min_prob=p)
+            generate(m, REPEATING * 2, method, max_new_tokens=20, eos_token_ids=(), **opts)
+            generate_batch(m, [REPEATING * 2, BATCH[2]], method, max_new_tokens=12, eos_token_ids=(), **opts)
+    assert not audit.conflicts, [c[0] for c in audit.conflicts]
+    trees = {k[0].split(":")[0] for k in audit.seen if k[0].startswith("eagle3.tree")}
+    assert len(trees) >= 2 * len(FLOORS)           # a tree call per floor, with and without a grafted chain
+    assert_clean(m)
+    m.static = None
+
+
+def test_alternating_floors_on_one_model_decode_as_each_alone(m):
+    """Guards against a setting replaying the graph another setting of the same model captured (a frozen floor
+    its call's name leaves out): greedy tokens cannot show a floor, the trees' depths (``proposed``) do. eagle3_lookup
+    at eagle_min_prob 0, 0.9, 0 on one model, replayed, each generation equals that setting's graphs=uncaptured one."""
+    opts = dict(nodes=8, depth=3, topk=2, num_tokens=4)
+    ref = {}
+    for p in (0.0, 0.9):
+        with_steps(m, "uncaptured")
+        ref[p] = generate(m, REPEATING * 2, "eagle3_lookup", max_new_tokens=40, eos_token_ids=(), min_prob=p, **opts)
+    def seen(out):
+        return out.tokens, out.accept_lengths, out.proposed
+    assert seen(ref[0.0]) != seen(ref[0.9])                         # the floor shows
+    with_steps(m, "replayed")
+    for p in (0.0, 0.0, 0.9, 0.0):
+        out = generate(m, REPEATING * 2, "eagle3_lookup", max_new_tokens=40, eos_token_ids=(), min_prob=p, **opts)
+        assert seen(out) == seen(ref[p]), p
+    assert_clean(m)
+    m.static = None

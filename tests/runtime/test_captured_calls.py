@@ -7,6 +7,7 @@ and the checks run here; the CUDA capture itself is in the gpu tier (tests/runti
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import pytest
@@ -54,6 +55,47 @@ def host_read_refused(fn, pool):
 def static(m, capture=replaying, lines=None):
     m.static = StaticSteps(m, capture=capture, log=(lines.append if lines is not None else lambda line: None))
     return m
+
+
+SCALARS = (bool, int, float, str, type(None))
+
+
+def frozen_scalars(fn, depth: int = 0) -> tuple:
+    """The Python values (numbers, strings, None, tuples of them) a captured function closes over, through the
+    functions it closes over: what a capture freezes into its graph (tensors and modules it closes over are read at
+    each replay, not frozen)."""
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:            # an empty cell (a name bound later)
+            continue
+        if isinstance(v, SCALARS) or (isinstance(v, tuple) and all(isinstance(x, SCALARS) for x in v)):
+            out.append(v)
+        elif inspect.isfunction(v) and depth < 8:
+            out.append(frozen_scalars(v, depth + 1))
+    return tuple(out)
+
+
+class KeyAudit:
+    """Wraps ``m.static.calls.run``: for every call key (name, batched, input shapes), the Python values its
+    function freezes (``frozen_scalars``); ``conflicts``: the keys that stood for two sets of them, where a replay
+    would run the first set's graph for the second (a value left out of the call's name)."""
+
+    def __init__(self, m):
+        self.seen: dict = {}
+        self.conflicts: list = []
+        calls = m.static.calls
+        run = calls.run
+
+        def audited(name, fn, inputs, rows=None, keep=None):
+            key = (name, rows is not None, tuple(tuple(x.shape[1:] if rows is not None else x.shape) for x in inputs))
+            frozen = frozen_scalars(fn)
+            first = self.seen.setdefault(key, frozen)
+            if first != frozen:
+                self.conflicts.append((name, first, frozen))
+            return run(name, fn, inputs, rows, keep)
+        calls.run = audited
 
 
 def draft_captures(m) -> dict:
@@ -186,4 +228,22 @@ def test_two_calls_of_one_name_with_other_shapes_are_two_captures(medusa):
         (y,) = medusa.static.calls.run("double", lambda t: (t * 2,), (x,))
         assert torch.equal(y, x * 2)
     assert medusa.static.calls.captures == {"double": 1, "double[4]": 1} and medusa.static.calls.checked == 2
+    medusa.static = None
+
+
+def test_the_key_audit_sees_a_value_frozen_under_one_name(medusa):
+    """Guards against ``KeyAudit`` (the check that a captured call's name holds every Python value its function
+    freezes) passing everything: one name over two functions closing over other floats is a conflict; other
+    names, or the same float, are not."""
+    static(medusa)
+    audit = KeyAudit(medusa)
+
+    def scaled(factor):
+        def inner(t):
+            return (t * factor,)
+        return lambda t: inner(t)
+    x = torch.randn(2)
+    for name, factor in (("scale", 2.0), ("scale", 2.0), ("scale3", 3.0), ("scale", 0.5)):
+        medusa.static.calls.run(name, scaled(factor), (x,))
+    assert [c[0] for c in audit.conflicts] == ["scale"]
     medusa.static = None

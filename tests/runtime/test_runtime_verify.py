@@ -8,7 +8,7 @@ import torch
 from inference.errors import UserError
 from inference.runtime.tree import MedusaTree, RowTrees, default_tree
 from inference.runtime.verify import (SamplingConfig, filter_probs, propose, verify, verify_greedy, verify_rows,
-                                      verify_typical)
+                                      verify_sample, verify_typical)
 
 from test_runtime_sampling import chi_square_pvalue
 
@@ -192,3 +192,51 @@ def test_row_trees_sample_each_rows_own_distribution():
             counts[emitted[0], emitted[1] if len(emitted) > 1 else vocab] += 1
         assert chi_square_pvalue(counts.flatten(), law.flatten()) > 1e-3
         assert 0 < sum(len(p) > 1 for p in v.paths[shape::len(trees)]) < trials
+
+
+def test_sampled_verification_writes_no_python_scalar_through_an_index():
+    """Guards against draft="sampled" verification zeroing a rejected token's draft mass with a Python scalar through
+    a tensor index (``q2[rows, x] = 0``): on CUDA that scalar becomes a host tensor which index_put_ copies to the
+    device, a blocking sync once per sibling per step. Seen on CPU as an index_put_ whose value was made from a
+    Python number (``aten.lift_fresh``); a device-made value (``new_zeros``) is none, and the output is unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostScalarWrites(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.lifted, self.writes = set(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            if name.startswith("aten.lift_fresh"):
+                self.lifted.add(id(out))
+            elif name.startswith(("aten.index_put", "aten._index_put_impl")):
+                vals = args[2] if len(args) > 2 else (kwargs or {}).get("values")
+                self.writes += id(vals) in self.lifted
+            return out
+
+    buf = TREE.buffers()
+    g = torch.Generator().manual_seed(0)
+    heads = torch.randn(2, buf.max_depth, V, generator=g)
+    cfg = SamplingConfig(mode="sample", temperature=1.0, draft="sampled")
+    cand, q = propose(buf, list(heads.unbind(1)), lambda ids: ids, cfg, g, V)
+    tokens = torch.cat([torch.tensor([[1], [2]]), cand], 1)
+    probs = torch.softmax(torch.randn(2, buf.num_nodes, V, generator=g), -1)
+    ref = verify_sample(buf, tokens, probs, q, "sampled", torch.Generator().manual_seed(5))
+    with HostScalarWrites() as mode:
+        got = verify_sample(buf, tokens, probs, q, "sampled", torch.Generator().manual_seed(5))
+    assert mode.writes == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_a_tiny_temperature_gives_the_argmax_distribution():
+    """Guards against logits / T overflowing to inf at a tiny temperature (T <= ~1e-38 passes validation): the
+    softmax gave NaN and sampling raised torch's raw 'probability tensor contains either inf, nan' error in every
+    method. Shifted by their maximum first, the logits give the argmax one-hot; ordinary temperatures are unchanged."""
+    logits = torch.tensor([[1.0, 3.5, -2.0, 3.25], [0.0, -1.0, 7.0, 6.5]])
+    for t in (1e-39, 1e-44, 1e-4):
+        p = filter_probs(logits, t)
+        assert torch.isfinite(p).all()
+        assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
+    assert torch.allclose(filter_probs(logits, 0.7), torch.softmax(logits / 0.7, -1), atol=1e-7)
