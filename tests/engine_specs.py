@@ -34,6 +34,13 @@ tensor names, shapes and dtypes, and what it silently ignores. Each returns a li
                   compute_logits), vllm/model_executor/models/llama.py commit e06c9ba2a6ea923a84add30f5dafaea126429b81
                   (aux capture: hidden_states + residual before layer idx; default (2, N//2, N-3)),
                   v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config (top level, then eagle_config);
+                  norm_before_residual (_norm_before_residual: residual = hidden_norm(h)) and logit_scale
+                  (LogitsProcessor(scale=)) at that commit; norm_output (EAGLE-3.1: the post-norm state fed to the
+                  next depth) from vLLM PR 42764 as NVIDIA NeMo-AutoModel's EAGLE-3 draft model describes it;
+                  norm_before_fc (input_norm over the 3H concat; eagle_config first, then the top level) and
+                  fc_norm (fc_norm.{i} per aux layer, after input_norm) from llama_eagle3.py's LlamaModel.__init__,
+                  combine_hidden_states and load_weights (skip_substrs "input_norm.") after PRs 38111, 42143 and
+                  42764, read through the stored index (a copy of the file, not a pinned upstream commit);
                 SGLang python/sglang/srt/models/llama_eagle3.py  commit 03d5a7771f6082e7737a5f19cae7d1e863087013
                   (LlamaDecoderLayer.forward, LlamaModel.forward, LlamaForCausalLMEagle3.load_weights: d2t ->
                   hot_token_id), python/sglang/srt/models/llama.py commit 00239548f1cd1a06ca145a5447a86738090a48f1
@@ -475,11 +482,26 @@ def _eagle3_shapes(cfg: dict, prefix: str) -> dict[str, tuple]:
     kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
     inner, target_h = cfg["intermediate_size"], cfg.get("target_hidden_size", h)
     draft_vocab = cfg.get("draft_vocab_size") or cfg["vocab_size"]
-    return {f"{prefix}self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, 2 * h),
-            f"{prefix}self_attn.o_proj.weight": (h, heads * hd),
-            f"{prefix}mlp.gate_up_proj.weight": (2 * inner, h), f"{prefix}mlp.down_proj.weight": (h, inner),
-            **{f"{prefix}{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
-            "model.fc.weight": (h, 3 * target_h), "model.norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+    shapes = {f"{prefix}self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, 2 * h),
+              f"{prefix}self_attn.o_proj.weight": (h, heads * hd),
+              f"{prefix}mlp.gate_up_proj.weight": (2 * inner, h), f"{prefix}mlp.down_proj.weight": (h, inner),
+              **{f"{prefix}{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+              "model.fc.weight": (h, 3 * target_h), "model.norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+    if prefix == "model.layers.0.":  # the norms on fc's input: vLLM builds them, SGLang (at the commit read) never
+        before_fc, per_layer = vllm_eagle3_fc_flags(cfg)
+        if before_fc:
+            shapes["model.input_norm.weight"] = (3 * target_h,)
+        if per_layer:
+            shapes.update({f"model.fc_norm.{i}.weight": (target_h,) for i in range(3)})
+    return shapes
+
+
+def vllm_eagle3_fc_flags(cfg: dict) -> tuple[bool, bool]:
+    """(norm_before_fc, fc_norm) as vLLM's ``llama_eagle3.py`` reads them (after vllm-project/vllm#38111, #42143
+    and #42764, read through the stored index): norm_before_fc from ``eagle_config`` first, else the top level
+    (NVIDIA's checkpoints); fc_norm from the top level."""
+    eagle = cfg.get("eagle_config") or {}
+    return bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))), bool(cfg.get("fc_norm", False))
 
 
 def _stack(params: dict, name: str, t: torch.Tensor) -> bool:
@@ -509,8 +531,11 @@ def _eagle3_config_problems(cfg: dict, hidden_size: int, vocab_size: int, archs:
                         f"({hidden_size}, {vocab_size})")
     if cfg.get("tie_word_embeddings", False):
         problems.append("tie_word_embeddings: SGLang makes lm_head the embedding table")
-    if cfg.get("norm_before_residual", False):
-        problems.append("norm_before_residual: SGLang only implements the residual taken before hidden_norm")
+    sglang_ignores = {"norm_before_residual": False, "norm_output": False, "logit_scale": 1.0,  # its llama_eagle3
+                      "norm_before_fc": False, "fc_norm": False}
+    for flag, default in sglang_ignores.items():
+        if archs == EAGLE3_SGLANG_ARCHS and flag in cfg and cfg[flag] != default:
+            problems.append(f"{flag}: SGLang's drafter does not compute it")
     for key in ("attention_bias", "mlp_bias", "bias"):
         if cfg.get(key):
             problems.append(f"{key}: the drafter weights have no bias")
@@ -556,7 +581,9 @@ def vllm_eagle3_load(d: Path, hidden_size: int, vocab_size: int) -> tuple[dict, 
     draft_id_to_target_id, every name but lm_head prefixed ``model.``, ``midlayer.`` -> ``layers.0.``,
     q/k/v and gate/up stacked; an unknown name is a KeyError, an unloaded parameter an error (the
     model loader checks every weight was initialised), embed_tokens and draft_id_to_target_id may be
-    absent (shared from the target / left at zeros). Returns (params, config, problems)."""
+    absent (shared from the target / left at zeros). The norms on fc's input (``vllm_eagle3_fc_flags``): built
+    when their flag is set; ``input_norm.`` skipped when norm_before_fc is not (its ``skip_substrs``); a flagged
+    norm the checkpoint lacks keeps its init (ones), reported as a problem. Returns (params, config, problems)."""
     cfg, tensors = _eagle3_files(d)
     problems = _eagle3_config_problems(cfg, hidden_size, vocab_size, EAGLE3_VLLM_ARCHS)
     expect = _eagle3_shapes(cfg, "model.layers.0.")
@@ -570,7 +597,7 @@ def vllm_eagle3_load(d: Path, hidden_size: int, vocab_size: int) -> tuple[dict, 
         elif "lm_head" not in name:
             name = "model." + name
         name = name.replace("midlayer.", "layers.0.")
-        if _stack(stacked, name, t):
+        if _stack(stacked, name, t) or ("input_norm." in name and not vllm_eagle3_fc_flags(cfg)[0]):
             continue
         if name in expect or name == "draft_id_to_target_id" or name == "model.embed_tokens.weight":
             params[name] = t
@@ -579,7 +606,10 @@ def vllm_eagle3_load(d: Path, hidden_size: int, vocab_size: int) -> tuple[dict, 
     for name, shards in stacked.items():
         params[name] = torch.cat([shards[i] for i in sorted(shards)], 0)
     for name, shape in expect.items():
-        if name not in params:
+        if name not in params and ("input_norm." in name or "fc_norm." in name):
+            params[name] = torch.ones(shape)
+            problems.append(f"{name} is never loaded: vLLM keeps its init (ones)")
+        elif name not in params:
             problems.append(f"{name} is never loaded: vLLM refuses the checkpoint")
         elif tuple(params[name].shape) != shape:
             problems.append(f"{name} has shape {tuple(params[name].shape)}, vLLM allocates {shape}")
@@ -724,18 +754,19 @@ def eagle3_engine_forward(params: dict, cfg: dict, layer: str, embed: torch.Tens
       x = cat([embeds, hidden]) -> qkv_proj -> RoPE -> attention -> o_proj
       residual = x + residual; x = mlp(post_attention_layernorm(residual))     (fused add + norm)
       prenorm = x + residual; normed = norm(prenorm)                            (fused add + norm)
-    Returns (normed [T, H] for compute_logits, prenorm [T, H] fed to the next step, (k, v))."""
+    vLLM only (``model.layers.0.``): ``norm_before_residual`` takes residual = hidden_norm(hidden), ``norm_output``
+    feeds normed to the next step instead of prenorm, ``norm_before_fc`` / ``fc_norm`` norm fc's input
+    (``_engine_fc``).
+    Returns (normed [T, H] for compute_logits, the state [T, H] fed to the next step, (k, v))."""
     eps = cfg.get("rms_norm_eps", 1e-6)
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
+    vllm = layer == "model.layers.0."
     if hidden.shape[-1] != h:
-        fc = params["model.fc.weight"]
-        if hidden.shape[-1] != fc.shape[1]:  # e.g. a layer named twice: captured once, fc gets 2H
-            raise RuntimeError(f"fc expects {fc.shape[1]} features, the target captured {hidden.shape[-1]} "
-                               "(shape error at serve time)")
-        hidden = hidden @ fc.T
+        hidden = _engine_fc(params, cfg, hidden, vllm)
     e = _rms(embed[tokens], params[f"{layer}input_layernorm.weight"], eps)
-    residual = hidden
+    residual = _rms(hidden, params[f"{layer}hidden_norm.weight"], eps) if vllm and cfg.get("norm_before_residual") \
+        else hidden
     x = torch.cat([e, _rms(hidden, params[f"{layer}hidden_norm.weight"], eps)], -1)
     qkv = x @ params[f"{layer}self_attn.qkv_proj.weight"].T
     q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], -1)
@@ -760,13 +791,31 @@ def eagle3_engine_forward(params: dict, cfg: dict, layer: str, embed: torch.Tens
                 @ params[f"{layer}mlp.gate_up_proj.weight"].T).chunk(2, -1)
     x = (torch.nn.functional.silu(gate) * up) @ params[f"{layer}mlp.down_proj.weight"].T
     prenorm = x + residual
-    return _rms(prenorm, params["model.norm.weight"], eps), prenorm, (k, v)
+    normed = _rms(prenorm, params["model.norm.weight"], eps)
+    return normed, normed if vllm and cfg.get("norm_output") else prenorm, (k, v)
+
+
+def _engine_fc(params: dict, cfg: dict, hidden: torch.Tensor, vllm: bool) -> torch.Tensor:
+    """fc over the captured layers [T, 3H] (vLLM's ``combine_hidden_states``): with norm_before_fc one RMSNorm
+    over the 3H concat (``input_norm``), then with fc_norm one per layer's H block (``fc_norm.{i}``), in that
+    order; SGLang (at the commit read) applies neither."""
+    fc, eps = params["model.fc.weight"], cfg.get("rms_norm_eps", 1e-6)
+    if hidden.shape[-1] != fc.shape[1]:  # e.g. a layer named twice: captured once, fc gets 2H
+        raise RuntimeError(f"fc expects {fc.shape[1]} features, the target captured {hidden.shape[-1]} "
+                           "(shape error at serve time)")
+    before_fc, per_layer = vllm_eagle3_fc_flags(cfg) if vllm else (False, False)
+    if before_fc:
+        hidden = _rms(hidden, params["model.input_norm.weight"], eps)
+    if per_layer:
+        hidden = torch.cat([_rms(block, params[f"model.fc_norm.{i}.weight"], eps)
+                            for i, block in enumerate(hidden.chunk(3, -1))], -1)
+    return hidden @ fc.T
 
 
 def vllm_eagle3_logits(params: dict, cfg: dict, normed: torch.Tensor) -> torch.Tensor:
-    """``compute_logits``: draft logits scattered to ``arange(draft_vocab) + draft_id_to_target_id``,
-    -inf at every other target id."""
-    logits = normed @ params["lm_head.weight"].T
+    """``compute_logits``: draft logits (times ``logit_scale``) scattered to ``arange(draft_vocab) +
+    draft_id_to_target_id``, -inf at every other target id."""
+    logits = normed @ params["lm_head.weight"].T * cfg.get("logit_scale", 1.0)
     targets = torch.arange(logits.shape[-1]) + params["draft_id_to_target_id"]
     out = logits.new_full((logits.shape[0], cfg["vocab_size"]), float("-inf"))
     out[:, targets] = logits

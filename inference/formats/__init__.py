@@ -22,7 +22,8 @@ without touching the formats here; a (format, kind) pair with no exporter is ref
 Importers live in a registry too (``importers.register_importer``): each foreign layout registers
 how to recognise, read and load its directory from its own module — reference Medusa checkpoints
 (``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt``, the latter only with
-``torch.load(weights_only=True)``), TGI v2, vLLM Medusa and vLLM mlp_speculator dirs, EAGLE-3 drafters.
+``torch.load(weights_only=True)``), TGI v2, vLLM Medusa and vLLM mlp_speculator dirs, EAGLE-3 drafters (also
+in vLLM's ``speculators`` layout, ``speculators.py``).
 ``inference.loading.load_heads`` asks them before the native loader, so ``load_medusa`` and
 ``medusa-eval`` accept those directories as they are.
 
@@ -41,6 +42,7 @@ BUILTIN_MODULES = (
     "inference.formats.vllm",
     "inference.formats.mlp_speculator",
     "inference.formats.eagle3",
+    "inference.formats.speculators",
 )
 
 

@@ -37,15 +37,29 @@ The importer reads that layout as SpecForge, the EAGLE repo and vLLM / SGLang us
 repository's trainer names the architecture ``LlamaForCausalLM``, which vLLM renames for method eagle3,
 so a one-layer config holding ``fc.weight`` and ``midlayer.*`` is read as one), with its aux ids
 ascending as both engines capture them (no permutation: fc runs as they run it), refusing in one
-line what our drafter does not compute (``norm_before_residual: true``, more layers, biases, a RoPE
-scaling the engines would rotate otherwise than it (``heads/rope.py``), a draft width other than the
-target's) and, with a backbone, a target it was not made for. ``rope_scaling`` (llama3, linear, yarn,
+line what our drafter does not compute (more layers, biases, P-EAGLE's ``parallel_drafting`` (named, with the
+tensor it adds), a RoPE scaling the engines would rotate otherwise than it (``heads/rope.py``), a draft width
+other than the target's) and, with a backbone, a target it was not made for. The flags vLLM honours that the
+drafter computes are read into its ``draft_layer`` (``heads/eagle3.py`` ``ENGINE_FLAGS``): ``norm_before_residual``,
+``norm_output`` (EAGLE-3.1), ``logit_scale``, ``norm_before_fc`` (``input_norm.weight`` [3H]) and ``fc_norm``
+(``fc_norm.{i}.weight`` [H]); an export writes them back (SGLang, read at the commit above, computes none of them:
+the export says so). vLLM's ``llama_eagle3.py`` (after vllm-project/vllm#38111, #42143 and #42764, read through the
+stored index) reads ``norm_before_fc`` from ``eagle_config`` first, then the top level (NVIDIA's checkpoints put it
+there), and ``fc_norm`` from the top level; speculators' converter reads either from either place. Here either
+place sets them; the two saying different things is refused in one line. A set flag whose weights the checkpoint
+lacks runs with ones, as vLLM (its RMSNorm starts at ones) and speculators (``input_norm.weight`` in
+``_keys_to_ignore_on_load_missing``) run it, with a warning; such a tensor held while the config does not set its
+flag is refused, naming the flag (vLLM would skip ``input_norm.weight`` and refuse ``fc_norm.*``).
+``tie_word_embeddings: true`` with the checkpoint's own ``lm_head.weight`` loads that lm_head, as vLLM does
+(a warning: SGLang would use the embedding table); without one it is refused. Sharded safetensors
+(``model.safetensors.index.json``) load shard by shard. ``rope_scaling`` (llama3, linear, yarn,
 longrope) is written and read as vLLM's and SGLang's ``get_rope`` read it (``heads/rope.py``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -55,8 +69,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..errors import IncompatibleHeadsError, NeedsBackboneConfig, UserError
-from ..heads.eagle3 import (NUM_AUX, ascending_fc, engine_default_aux_layers, refuse_repeated_aux_layers,
-                            repeated_aux_layers)
+from ..heads.eagle3 import (ENGINE_FLAGS, NUM_AUX, ascending_fc_inputs, engine_default_aux_layers,
+                            refuse_repeated_aux_layers, repeated_aux_layers)
 from ..heads.native import load_state_checked
 from ..heads.rope import engine_rope_scaling, export_rope_scaling
 from ..heads.registry import build_heads
@@ -69,7 +83,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # vLLM's registry maps both to its EAGLE-3 Llama
 # What the EAGLE repository's trainer (eagle/traineagle3) writes: vLLM prefixes "Eagle3" for method eagle3.
 EAGLE_REPO_ARCHITECTURE = "LlamaForCausalLM"
-WEIGHTS, PICKLE = "model.safetensors", "pytorch_model.bin"
+WEIGHTS, PICKLE, INDEX = "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"
 META = "medusa_train"
 # Foreign checkpoints do not say how many steps they were unrolled in training; SpecForge's default.
 FOREIGN_DEPTH = 7
@@ -80,21 +94,42 @@ LAYER_WEIGHTS = (
     *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
     "norm.weight",
 )
+# Config flags (top level or in eagle_config) that add math this drafter does not compute: flag -> what it adds.
+UNSUPPORTED_FLAGS = {
+    "parallel_drafting": "P-EAGLE's parallel drafting: mask_hidden",
+}
+# The flags on fc's input the drafter computes (``ENGINE_FLAGS``) -> what they add.
+FC_INPUT_FLAGS = {
+    "norm_before_fc": "an RMSNorm over the concatenated aux states before fc: input_norm.weight",
+    "fc_norm": "EAGLE-3.1's RMSNorm on each aux state before fc: fc_norm.{i}.weight",
+}
+# Tensors those flags (or a Qwen3-style draft layer) add, to name the flag when the config does not set it.
+FLAG_TENSORS = {"input_norm.weight": "norm_before_fc", "fc_norm.": "fc_norm", "mask_hidden": "parallel_drafting",
+                "q_norm.weight": "a Qwen3-style draft layer (q_norm / k_norm)",
+                "k_norm.weight": "a Qwen3-style draft layer (q_norm / k_norm)"}
+
+
+def fc_input_weights(layer: dict, hidden: int) -> dict[str, int]:
+    """The tensors the flags on fc's input that ``layer`` sets add: name -> its length."""
+    out = {"input_norm.weight": NUM_AUX * hidden} if layer.get("norm_before_fc") else {}
+    if layer.get("fc_norm"):
+        out.update({f"fc_norm.{i}.weight": hidden for i in range(NUM_AUX)})
+    return out
 
 
 # -- export -----------------------------------------------------------------------------------
 @register_exporter("eagle3", "eagle3", files=(WEIGHTS,))
 def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     refuse_unless_kind(heads, "eagle3")
-    spec, layer, read = heads.spec, heads.spec.settings.draft_layer, heads.spec.settings.aux_layers
+    spec, read = heads.spec, heads.spec.settings.aux_layers
     if 0 in read:
         raise UserError(f"aux layer 0 (the embeddings) cannot be served: vLLM and SGLang capture hidden_states + "
                         f"residual before each layer and residual is None before layer 0 (aux {read})")
     refuse_repeated_aux_layers(read, "this drafter")
-    aux = sorted(read)  # the engines capture ascending: fc's blocks follow (ascending_fc)
     state = heads.state_dict()
-    tensors = {name: state[name].detach() for name in LAYER_WEIGHTS}
-    tensors["fc.weight"] = ascending_fc(tensors["fc.weight"], read)
+    names = (*LAYER_WEIGHTS, *fc_input_weights(spec.settings.draft_layer, spec.hidden_size))
+    # fc and the norms on its input in the order the engines capture the layers (ascending)
+    tensors = ascending_fc_inputs({name: state[name].detach() for name in names}, read)
     lm_head = state["lm_head.weight"].detach().cpu()
     if spec.projection == "truncated":
         # Sorted by target id, as SpecForge writes d2t (offsets >= 0); the rows move with their ids.
@@ -106,9 +141,31 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         tensors["t2d"] = t2d
     else:
         tensors["lm_head.weight"] = lm_head
-    dtype = tensors["fc.weight"].dtype
     base = options.base_model or spec.base_model
-    config = {
+    config = _export_config(spec, sorted(read), tensors["fc.weight"].dtype, base)
+    k, target = spec.num_heads, base or "<base model>"
+    notes = [
+        f"serve: vllm serve {target} --speculative-config "
+        f"'{{\"method\": \"eagle3\", \"model\": \"<this dir>\", \"num_speculative_tokens\": {k}}}'",
+        f"serve: python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path <this dir> --speculative-num-steps {k} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {k + 1}",
+    ]
+    flags = _set_flags(spec.settings.draft_layer)
+    if flags:
+        notes.append(f"note: this drafter computes {', '.join(f'{f}={v}' for f, v in flags.items())}, which vLLM "
+                     "honours and SGLang does not: serve it with vLLM")
+    return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
+
+
+def _set_flags(layer: dict) -> dict:
+    """The engine flags (``ENGINE_FLAGS``) ``layer`` sets to other than their defaults."""
+    return {f: layer[f] for f, default in ENGINE_FLAGS.items() if f in layer and layer[f] != default}
+
+
+def _export_config(spec: HeadsSpec, aux: list[int], dtype: torch.dtype, base: str) -> dict:
+    layer = spec.settings.draft_layer
+    return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "num_hidden_layers": 1,
@@ -127,7 +184,8 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         "vocab_size": spec.vocab_size,
         "draft_vocab_size": spec.output_size,
         "tie_word_embeddings": False,
-        "norm_before_residual": False,
+        "norm_before_residual": bool(layer.get("norm_before_residual", False)),  # written always (SGLang: false)
+        **{f: v for f, v in _set_flags(layer).items() if f != "norm_before_residual"},
         "eagle_aux_hidden_state_layer_ids": aux,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],
                          "use_aux_hidden_state": True},
@@ -136,19 +194,10 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         META: {"num_heads": spec.num_heads, "target_layers": layer["target_layers"],
                "base_model_fingerprint": spec.base_model_fingerprint},
     }
-    k, target = spec.num_heads, base or "<base model>"
-    notes = [
-        f"serve: vllm serve {target} --speculative-config "
-        f"'{{\"method\": \"eagle3\", \"model\": \"<this dir>\", \"num_speculative_tokens\": {k}}}'",
-        f"serve: python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-        f"--speculative-draft-model-path <this dir> --speculative-num-steps {k} --speculative-eagle-topk 1 "
-        f"--speculative-num-draft-tokens {k + 1}",
-    ]
-    return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
 
 
 # -- import -----------------------------------------------------------------------------------
-def _raw_config(d: Path) -> dict | None:
+def raw_config(d: Path) -> dict | None:
     try:
         raw = json.loads((d / "config.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
@@ -161,7 +210,7 @@ def is_eagle3_dir(d: Path) -> bool:
     EAGLE repository's own layout (``LlamaForCausalLM``, which vLLM renames to its EAGLE-3 class) by its
     one-layer config with a ``draft_vocab_size`` (which its trainer requires) or the drafter's weight names,
     so a one-layer Llama target is not taken for one."""
-    raw = _raw_config(d)
+    raw = raw_config(d)
     archs = raw.get("architectures") if raw else None
     if not isinstance(archs, list):
         return False
@@ -180,14 +229,25 @@ def _holds_drafter_weights(d: Path) -> bool:
             with safe_open(str(d / WEIGHTS), framework="pt") as f:
                 names = list(f.keys())
         elif (d / PICKLE).is_file():
-            obj = torch.load(d / PICKLE, map_location="cpu", weights_only=True, mmap=True)
-            names = [str(k) for k in obj] if isinstance(obj, dict) else []
+            names = _pickle_names(d / PICKLE)
     except (OSError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, pickle.UnpicklingError,
             SafetensorError):
         # an unreadable file is not this layout's to claim; the loader that does claim it says why
         return False
     names = [n.removeprefix("model.") for n in names]
     return "fc.weight" in names and any(n.startswith("midlayer.") for n in names)
+
+
+def _pickle_names(path: Path) -> list[str]:
+    """The keys of a ``.bin`` state dict (``weights_only``): memory-mapped, or read whole when it is a legacy
+    (pre-zip) ``torch.save`` file, which cannot be memory-mapped (RuntimeError "mmap can only be used with ...")."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    return [str(k) for k in obj] if isinstance(obj, dict) else []
 
 
 def _aux_ids(d: Path, raw: dict) -> list[int] | None:
@@ -234,18 +294,16 @@ def _target_default_aux(d: Path, layers: int) -> list[int]:
     return sorted(ids)
 
 
-def _refusals(d: Path, raw: dict) -> None:
+def _refusals(where, raw: dict) -> None:
     """One line for each thing the checkpoint asks that our drafter does not compute."""
-    where = d / "config.json"
-    if raw.get("norm_before_residual"):
-        raise UserError(f"{where}: norm_before_residual=true (residual taken after hidden_norm) is not supported: "
-                        "this drafter implements the default (residual = the un-normed hidden state)")
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise UserError(f"{where}: {raw['num_hidden_layers']} draft layers; this drafter has one decoder layer")
-    if not (raw.get("eagle_config") or {}).get("use_aux_hidden_state", True):
+    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    if not eagle.get("use_aux_hidden_state", True):
         raise UserError(f"{where}: use_aux_hidden_state=false (EAGLE-1 style input) is not an EAGLE-3 drafter")
-    if raw.get("tie_word_embeddings"):
-        raise UserError(f"{where}: tie_word_embeddings=true (lm_head = embed_tokens) is not supported")
+    for flag, what in UNSUPPORTED_FLAGS.items():
+        if raw.get(flag) or eagle.get(flag):
+            raise UserError(f"{where}: {flag}=true ({what}) is not supported by this drafter")
     for key in ("attention_bias", "mlp_bias", "bias"):
         if raw.get(key):
             raise UserError(f"{where}: {key}=true; this drafter's linear layers have no bias")
@@ -258,27 +316,91 @@ def _refusals(d: Path, raw: dict) -> None:
                         "drafter reads target features of its own width")
 
 
+def _flag_value(where, raw: dict, flag: str):
+    """``flag``'s value in ``raw``: the top level's; for the flags on fc's input the top level's or eagle_config's
+    (module docstring), refused in one line when both are given and differ."""
+    value = raw.get(flag)
+    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    if flag not in FC_INPUT_FLAGS or eagle.get(flag) is None:
+        return value
+    if value is not None and value != eagle[flag]:
+        raise UserError(f"{where}: {flag} is {value!r} at the top level and {eagle[flag]!r} in eagle_config; vLLM and "
+                        "speculators' converter read it from different places: say it once")
+    return eagle[flag]
+
+
+def _engine_flags(where, raw: dict) -> dict:
+    """The flags vLLM honours that the drafter computes (``ENGINE_FLAGS``), those set to other than their
+    defaults: they go into ``draft_layer``."""
+    flags = {}
+    for flag, default in ENGINE_FLAGS.items():
+        value = _flag_value(where, raw, flag)
+        if value is None:
+            continue
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise UserError(f"{where}: {flag} must be true or false, got {value!r}")
+        if not isinstance(default, bool):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise UserError(f"{where}: {flag} must be a number, got {value!r}") from None
+            if not math.isfinite(value) or value == 0:
+                raise UserError(f"{where}: {flag} must be a finite non-zero number, got {value!r}")
+        if value != default:
+            flags[flag] = value
+    return flags
+
+
+def _draft_layer(where, raw: dict, layers: int) -> dict:
+    hidden, n_heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    draft_layer = {
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(raw.get("num_key_value_heads") or n_heads),
+        "head_dim": int(raw.get("head_dim") or hidden // n_heads),
+        "intermediate_size": int(raw["intermediate_size"]),
+        "rms_norm_eps": float(raw.get("rms_norm_eps") or 1e-6),  # LlamaConfig's defaults
+        "rope_theta": float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(raw.get("max_position_embeddings") or 2048),
+        "target_layers": layers,
+        **_engine_flags(where, raw),
+    }
+    rope = engine_rope_scaling(raw, where)
+    if rope:  # absent = plain RoPE, as draft_layer_config writes it
+        draft_layer["rope_scaling"] = rope
+    return draft_layer
+
+
 def read_spec(d: Path, backbone_config=None) -> HeadsSpec:
-    raw = _raw_config(d)
+    raw = raw_config(d)
     if raw is None:
         raise UserError(f"{d / 'config.json'} is not a readable JSON object")
-    _refusals(d, raw)
+    return spec_from_config(d, raw, backbone_config)
+
+
+def spec_from_config(d: Path, raw: dict, backbone_config=None, depth: int | None = None,
+                     layout: str | None = None) -> HeadsSpec:
+    """The spec of the EAGLE-3 drafter in ``d`` whose (vLLM-shaped) config is ``raw``; ``depth``: its trained
+    depth when the layout records one elsewhere than our ``medusa_train`` key (else ``FOREIGN_DEPTH``);
+    ``layout``: the format named in refusals when it is not this one."""
+    where = f"{d / 'config.json'} ({layout})" if layout else d / "config.json"
+    _refusals(where, raw)
     try:
-        hidden, vocab, n_heads = int(raw["hidden_size"]), int(raw["vocab_size"]), int(raw["num_attention_heads"])
-        inner = int(raw["intermediate_size"])
+        hidden, vocab = int(raw["hidden_size"]), int(raw["vocab_size"])
+        int(raw["num_attention_heads"]), int(raw["intermediate_size"])
     except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{d / 'config.json'} is not an EAGLE-3 Llama config (missing or bad {e})") from None
+        raise UserError(f"{where} is not an EAGLE-3 Llama config (missing or bad {e})") from None
     draft_vocab = int(raw.get("draft_vocab_size") or vocab)  # absent: the full vocabulary (vLLM)
     meta = raw.get(META) if isinstance(raw.get(META), dict) else {}
     layers = backbone_config.num_hidden_layers if backbone_config is not None else meta.get("target_layers")
     layers = None if layers is None else int(layers)
     if draft_vocab > vocab:
-        raise UserError(f"{d / 'config.json'}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}; a draft "
+        raise UserError(f"{where}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}; a draft "
                         "vocabulary is a subset of the target's")
     aux = _aux_ids(d, raw)
     if aux is None:  # both engines then capture the target's default layers, known only with the target
         if layers is None:
-            raise NeedsBackboneConfig(f"{d / 'config.json'} names no aux layer ids (the engines then use the "
+            raise NeedsBackboneConfig(f"{where} names no aux layer ids (the engines then use the "
                                       "target's layers (2, N//2, N-3)): load it with its backbone (backbone=)",
                                       base_model=str(raw.get("base_model_name_or_path") or ""))
         aux = _target_default_aux(d, layers)
@@ -287,55 +409,96 @@ def read_spec(d: Path, backbone_config=None) -> HeadsSpec:
                                      f"0..{layers - 1} ({layers} layers): it was trained for another target")
     if layers is None:  # no backbone: the fewest layers these ids need (the backbone's count is checked on load)
         layers = max(aux) + 1
-    draft_layer = {
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(raw.get("num_key_value_heads") or n_heads),
-        "head_dim": int(raw.get("head_dim") or hidden // n_heads),
-        "intermediate_size": inner,
-        "rms_norm_eps": float(raw.get("rms_norm_eps") or 1e-6),  # LlamaConfig's defaults
-        "rope_theta": float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(raw.get("max_position_embeddings") or 2048),
-        "target_layers": layers,
-    }
-    rope = engine_rope_scaling(raw, d / "config.json")
-    if rope:  # absent = plain RoPE, as draft_layer_config writes it
-        draft_layer["rope_scaling"] = rope
     # A draft vocabulary as large as the target's is held as a full lm_head (``load`` puts the rows at
     # their ids), so only a smaller one needs the token map.
     truncated = draft_vocab < vocab
-    return HeadsSpec(num_heads=int(meta.get("num_heads") or FOREIGN_DEPTH), num_layers=1, hidden_size=hidden,
-                     vocab_size=vocab, projection="truncated" if truncated else "own",
+    return HeadsSpec(num_heads=int(meta.get("num_heads") or depth or FOREIGN_DEPTH), num_layers=1,
+                     hidden_size=hidden, vocab_size=vocab, projection="truncated" if truncated else "own",
                      truncated_vocab_size=draft_vocab if truncated else None,
                      base_model=str(raw.get("base_model_name_or_path") or ""),
                      base_model_fingerprint=str(meta.get("base_model_fingerprint") or ""), kind="eagle3",
-                     aux_layers=aux, draft_layer=draft_layer)
+                     aux_layers=aux, draft_layer=_draft_layer(where, raw, layers))
 
 
-def _weights(d: Path) -> tuple[dict[str, torch.Tensor], Path]:
+def read_weights(d: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The dir's tensors (``model.`` stripped) and the file they came from: ``model.safetensors``, its shards
+    (``model.safetensors.index.json``), or ``pytorch_model.bin`` through ``torch.load(weights_only=True)``."""
     if (d / WEIGHTS).is_file():
+        files, f = [d / WEIGHTS], d / WEIGHTS
+    elif (d / INDEX).is_file():
         try:
-            tensors = load_file(str(d / WEIGHTS))
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{d / WEIGHTS} is corrupt or unreadable ({e})") from None
-        f = d / WEIGHTS
+            shards = json.loads((d / INDEX).read_text())["weight_map"].values()
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{d / INDEX} is not a safetensors index ({e})") from None
+        files, f = [d / name for name in sorted(set(shards))], d / INDEX
     elif (d / PICKLE).is_file():
-        tensors, f = load_pickle_weights(d / PICKLE), d / PICKLE
+        files, f = [], d / PICKLE
     else:
-        raise UserError(f"{d} is an EAGLE-3 dir without {WEIGHTS} or {PICKLE}")
+        raise UserError(f"{d} is an EAGLE-3 dir without {WEIGHTS}, {INDEX} or {PICKLE}")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in files:
+        try:
+            tensors.update(load_file(str(shard)))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{shard} is corrupt or unreadable ({e})") from None
+    if not files:
+        tensors = load_pickle_weights(f)
     # SGLang accepts names with or without the "model." its own module adds; so do we.
     return {k.removeprefix("model."): v for k, v in tensors.items()}, f
 
 
 def load(d: Path, spec: HeadsSpec):
     """(drafter, None), values exactly as the engines run them: the draft rows at their target ids."""
-    tensors, f = _weights(d)
-    known = {*LAYER_WEIGHTS, "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
-    missing = sorted({*LAYER_WEIGHTS, "lm_head.weight"} - set(tensors))
+    tensors, f = read_weights(d)
+    return load_tensors(spec, tensors, f, tied=bool((raw_config(d) or {}).get("tie_word_embeddings"))), None
+
+
+def _refuse_unknown(f, tensors: dict, flagged: dict) -> None:
+    """One line for a tensor the drafter would not load (naming the flag that adds it) or a layer weight missing;
+    ``flagged``: the tensors the config's flags on fc's input add (``fc_input_weights``)."""
+    known = {*LAYER_WEIGHTS, *flagged, "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
+    missing = sorted(set(LAYER_WEIGHTS) - set(tensors))
     unknown = sorted(set(tensors) - known)
+    for name in unknown:
+        flag = next((v for k, v in FLAG_TENSORS.items() if k in name), None)
+        if flag in FC_INPUT_FLAGS:
+            raise UserError(f"{f} holds {name}, but its config does not set {flag}=true ({FC_INPUT_FLAGS[flag]}): "
+                            f"vLLM would not compute it; set {flag} in config.json if the drafter was trained with it")
+        if flag:
+            what = f"{flag}=true ({UNSUPPORTED_FLAGS[flag]})" if flag in UNSUPPORTED_FLAGS else flag
+            raise UserError(f"{f} holds {name}: {what} is not supported by this drafter")
     if missing or unknown:
         raise UserError(f"{f} is not an EAGLE-3 drafter this runtime computes: missing {missing[:4]}, "
                         f"unexpected {unknown[:4]}")
+
+
+def _fc_input_state(f, tensors: dict, flagged: dict) -> dict:
+    """The weights of the norms on fc's input the config sets; one it lacks is ones, as vLLM and speculators run
+    it (module docstring), with a warning."""
+    missing = [name for name in flagged if name not in tensors]
+    if missing:
+        flags = sorted({f"{v}=true" for name in missing for k, v in FLAG_TENSORS.items() if k in name})
+        warnings.warn(f"{f}: {', '.join(flags)} but no {', '.join(missing)}: run with ones, as vLLM (its RMSNorm "
+                      "starts at ones) and speculators run it", FormatWarning, stacklevel=4)
+    dtype = tensors["fc.weight"].dtype
+    return {name: tensors[name] if name in tensors else torch.ones(size, dtype=dtype) for name, size in flagged.items()}
+
+
+def load_tensors(spec: HeadsSpec, tensors: dict[str, torch.Tensor], path: Path, tied: bool = False,
+                 layout: str | None = None):
+    """The drafter of ``spec`` from vLLM-named tensors read from ``path``; ``tied``: the config's
+    tie_word_embeddings (vLLM loads the checkpoint's own lm_head.weight regardless; without one refused);
+    ``layout``: the format named in refusals when it is not this one."""
+    f = f"{path} ({layout})" if layout else path
+    flagged = fc_input_weights(spec.settings.draft_layer, spec.hidden_size)
+    _refuse_unknown(f, tensors, flagged)
+    if "lm_head.weight" not in tensors:
+        why = "tie_word_embeddings=true (lm_head = embed_tokens) is not supported" if tied else \
+            "an EAGLE-3 drafter needs its own draft lm_head"
+        raise UserError(f"{f} has no lm_head.weight: {why}")
+    if tied:
+        warnings.warn(f"{f}: tie_word_embeddings=true, but the checkpoint has its own lm_head.weight: loaded, as vLLM "
+                      "loads it (SGLang would use the embedding table instead)", FormatWarning, stacklevel=3)
     if "embed_tokens.weight" in tensors:
         warnings.warn(f"{f}: embed_tokens.weight ignored: this runtime embeds with the target's table, as SGLang does "
                       "(vLLM may use the checkpoint's copy)", FormatWarning, stacklevel=3)
@@ -354,6 +517,7 @@ def load(d: Path, spec: HeadsSpec):
     if ids.min() < 0 or ids.max() >= spec.vocab_size or ids.unique().numel() != rows:
         raise UserError(f"{f}: d2t maps draft tokens outside 0..{spec.vocab_size - 1} or two onto one target id")
     state = {name: tensors[name] for name in LAYER_WEIGHTS}
+    state.update(_fc_input_state(f, tensors, flagged))
     if spec.projection == "truncated":
         state["lm_head.weight"], state["token_map"] = lm_head, ids
     else:
@@ -361,8 +525,8 @@ def load(d: Path, spec: HeadsSpec):
         full[ids] = lm_head  # rows == vocab here, so the distinct ids cover every token once
         state["lm_head.weight"] = full
     heads = build_heads(spec)
-    load_state_checked(heads, state, f)
-    return heads, None
+    load_state_checked(heads, state, path)
+    return heads
 
 
 register_importer("eagle3", detect=is_eagle3_dir, read_spec=read_spec, load=load, read_spec_for=read_spec)

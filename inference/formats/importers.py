@@ -13,7 +13,7 @@ means the target's default layers); ``Importer.spec`` picks it when there is a b
 
 Built-in layouts (``inference.formats.BUILTIN_MODULES``): ``reference`` (reference Medusa,
 TensorRT-LLM, TGI v1/v2), ``vllm`` (vLLM's Medusa drafter), ``vllm_mlp_speculator``, ``eagle3`` (vLLM / SGLang
-EAGLE-3 drafters).
+EAGLE-3 drafters), ``speculators`` (vLLM's ``Eagle3Speculator`` layout).
 ``inference.loading`` asks ``detect_layout`` first and falls back to the native loader, so this
 registry is the only place that knows foreign layouts exist.
 """

@@ -23,6 +23,9 @@ vLLM 0.10.x or older with the V0 engine (``VLLM_USE_V1=0``), and ``medusa-export
 
 The head is a full-vocabulary matrix: ``projection=own`` exports as is; ``shared`` and
 ``truncated`` only with ``materialize=true`` (as for Medusa heads, see ``full_projection``).
+
+Import reads ``model.safetensors`` or, as IBM's fms checkpoints ship, only ``pytorch_model.bin`` (unpickled with
+``torch.load(weights_only=True)``: a pickle that needs code is refused, naming it).
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
 from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter
 from .importers import register_importer
+from .reference import load_pickle_weights
 
 MODEL_TYPE = "mlp_speculator"
 WEIGHTS = "model.safetensors"
+PICKLE = "pytorch_model.bin"  # what IBM's fms-extras checkpoints hold; read with torch.load(weights_only=True)
 
 
 @register_exporter("vllm", "mlp_speculator", files=(WEIGHTS,))
@@ -91,7 +96,7 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
 # -- import -------------------------------------------------------------------------------------
 def is_mlp_speculator_dir(d: Path) -> bool:
     cfg = d / "config.json"
-    if not cfg.is_file() or not (d / WEIGHTS).is_file():
+    if not cfg.is_file() or not ((d / WEIGHTS).is_file() or (d / PICKLE).is_file()):
         return False
     try:
         return json.loads(cfg.read_text()).get("model_type") == MODEL_TYPE
@@ -113,13 +118,15 @@ def read_spec(d: Path) -> HeadsSpec:
 
 
 def load(d: Path, spec: HeadsSpec):
-    tensors = {k.removeprefix("speculator."): v for k, v in load_file(str(d / WEIGHTS)).items()}
+    f = d / WEIGHTS if (d / WEIGHTS).is_file() else d / PICKLE
+    raw = load_file(str(f)) if f.name == WEIGHTS else load_pickle_weights(f)
+    tensors = {k.removeprefix("speculator."): v for k, v in raw.items()}
     heads = build_heads(spec)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise UserError(f"{d / WEIGHTS} lacks {missing[:4]} for an mlp_speculator of {spec.num_heads} steps")
-    load_state_checked(heads, {k: tensors[k] for k in expected}, d / WEIGHTS)
+        raise UserError(f"{f} lacks {missing[:4]} for an mlp_speculator of {spec.num_heads} steps")
+    load_state_checked(heads, {k: tensors[k] for k in expected}, f)
     return heads, None
 
 

@@ -9,6 +9,19 @@ The drafter (arXiv 2503.01840; the math vLLM's and SGLang's ``llama_eagle3.py`` 
   out   = norm(r')  -> lm_head -> the draft vocabulary          guesses x_{t+2}
   r'    is fed back as the next depth's g (the drafter continues from its own state)
 
+Five config flags vLLM honours change that math; imported drafters may carry them (``ENGINE_FLAGS``,
+optional keys of ``draft_layer``, absent = the defaults above; our trainer sets none):
+  norm_before_residual  r = hidden_norm(g) + o_proj(...)   (vLLM's ``_norm_before_residual``)
+  norm_output           norm(r') is fed back instead of r'  (EAGLE-3.1: the next depth reads the post-norm state)
+  logit_scale           lm_head(out) * logit_scale           (vLLM's ``LogitsProcessor(scale=logit_scale)``)
+  norm_before_fc        g = fc(input_norm([a^low; a^mid; a^high]))    one RMSNorm over the 3H concat (gpt-oss style;
+                        ``input_norm.weight`` [3H])
+  fc_norm               g = fc([fc_norm.0(a^low); fc_norm.1(a^mid); fc_norm.2(a^high)])   one RMSNorm per aux state
+                        (EAGLE-3.1 paper; ``fc_norm.{i}.weight`` [H])
+With both, input_norm runs first and the per-layer norms on its output, as vLLM's ``combine_hidden_states``
+orders them (speculators' trainer applies them in that order too, though its config refuses setting both).
+Every norm here is Llama's RMSNorm with the layer's ``rms_norm_eps`` (``rms_norm``: float32 statistics).
+
 ``a_t^i`` is hidden_states[i] in transformers' numbering (0 = the embeddings, i = the output of
 decoder layer i-1), which is also vLLM's "input of layer i" (``eagle_aux_hidden_state_layer_ids``);
 the EAGLE-3 default is (2, N//2, N-3), three distinct ids on shallow targets (``default_aux_layers``).
@@ -54,6 +67,10 @@ from .spec import HeadsSpec
 NUM_AUX = 3  # vLLM and SGLang build fc over exactly three target layers
 _LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                "rms_norm_eps", "rope_theta", "hidden_act", "max_position_embeddings", "target_layers")
+# Optional draft_layer keys, each a config flag vLLM honours (module docstring): name -> its default.
+ENGINE_FLAGS = {"norm_before_residual": False, "norm_output": False, "logit_scale": 1.0, "norm_before_fc": False,
+                "fc_norm": False}
+BOOL_FLAGS = tuple(f for f, default in ENGINE_FLAGS.items() if isinstance(default, bool))
 
 
 @dataclasses.dataclass
@@ -113,6 +130,23 @@ def ascending_fc(fc_weight: torch.Tensor, aux) -> torch.Tensor:
     return torch.cat([blocks[j] for j in order], dim=1)
 
 
+def ascending_fc_inputs(tensors: dict, aux) -> dict:
+    """``tensors`` (serving names) with what acts on fc's input reordered from ``aux``'s order to ascending ids:
+    fc.weight's column blocks (``ascending_fc``), ``input_norm.weight``'s blocks (its statistics span the whole
+    concat, so permuting its blocks with the layers leaves it the same norm) and the ``fc_norm.{i}`` of each layer."""
+    order = sorted(range(len(aux)), key=lambda j: int(aux[j]))
+    out = dict(tensors)
+    if "fc.weight" in out:
+        out["fc.weight"] = ascending_fc(out["fc.weight"], aux)
+    if "input_norm.weight" in out:
+        blocks = out["input_norm.weight"].chunk(len(aux))
+        out["input_norm.weight"] = torch.cat([blocks[j] for j in order])
+    norms = [f"fc_norm.{j}.weight" for j in range(len(aux))]
+    if all(n in tensors for n in norms):
+        out.update({norms[k]: tensors[norms[j]] for k, j in enumerate(order)})
+    return out
+
+
 def draft_layer_config(backbone_config) -> dict:
     """The sizes of the drafter's decoder layer, from the backbone's config; one line if the
     backbone's family has no Llama-style decoder layer to copy (what vLLM's drafter is)."""
@@ -166,6 +200,12 @@ def _validate(spec: HeadsSpec) -> None:
     own.aux_layers = [int(i) for i in aux]
     if layer["num_attention_heads"] % layer["num_key_value_heads"]:
         raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
+    for flag in BOOL_FLAGS:
+        if not isinstance(layer.get(flag, False), bool):
+            raise UserError(f"eagle3 draft_layer {flag} must be true or false, got {layer[flag]!r}")
+    scale = layer.get("logit_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
+        raise UserError(f"eagle3 draft_layer logit_scale must be a finite non-zero number, got {scale!r}")
 
 
 def _check_backbone(spec: HeadsSpec, backbone_config, where: str) -> None:
@@ -345,6 +385,10 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         self.spec = spec
         h, layer = spec.hidden_size, spec.settings.draft_layer
         self.fc = nn.Linear(NUM_AUX * h, h, bias=False)
+        # What acts on fc's input under norm_before_fc / fc_norm (module docstring); absent = plain EAGLE-3.
+        eps = layer["rms_norm_eps"]
+        self.input_norm = RMSNorm(NUM_AUX * h, eps) if layer.get("norm_before_fc", False) else None
+        self.fc_norm = nn.ModuleList([RMSNorm(h, eps) for _ in range(NUM_AUX)]) if layer.get("fc_norm", False) else None
         self.midlayer = DraftLayer(h, layer)
         self.norm = RMSNorm(h, layer["rms_norm_eps"])
         self.lm_head = nn.Linear(h, spec.output_size, bias=False)
@@ -353,6 +397,10 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         else:
             self.token_map = None
         self.register_buffer("embed_weight", None, persistent=False)  # the backbone's, borrowed
+        # The engine flags an imported drafter may carry (module docstring); the defaults compute plain EAGLE-3.
+        self.norm_before_residual = bool(layer.get("norm_before_residual", False))
+        self.norm_output = bool(layer.get("norm_output", False))
+        self.logit_scale = float(layer.get("logit_scale", 1.0))
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -404,8 +452,11 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         aux = list(self.spec.settings.aux_layers)
         refuse_repeated_aux_layers(aux, where)
         if aux != sorted(aux):
+            fc_inputs = ("fc.weight", "input_norm.", "fc_norm.")
+            params = {n: p for n, p in self.named_parameters() if n.startswith(fc_inputs)}
             with torch.no_grad():
-                self.fc.weight.copy_(ascending_fc(self.fc.weight, aux))
+                for name, t in ascending_fc_inputs({n: p.detach().clone() for n, p in params.items()}, aux).items():
+                    params[name].copy_(t)
             self.spec.settings.aux_layers = sorted(aux)
         return self
 
@@ -432,7 +483,12 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
 
     # -- the math -------------------------------------------------------------------------
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """[..., 3H] backbone features (low, mid, high concatenated) -> g [..., H]."""
+        """[..., 3H] backbone features (low, mid, high concatenated) -> g [..., H]; with ``norm_before_fc`` /
+        ``fc_norm`` through their norms first (input_norm, then each layer's, as vLLM orders them)."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(NUM_AUX, dim=-1))], dim=-1)
         return self.fc(aux)
 
     def _inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -441,10 +497,13 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         return torch.cat([e, layer.hidden_norm(hidden)], dim=-1)
 
     def _finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(r') for ``project``, the state fed to the next depth: r', or norm(r') with ``norm_output``);
+        the residual is hidden_norm(g) with ``norm_before_residual``."""
         layer = self.midlayer
-        r = hidden + attn_out
+        r = (layer.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
         r = r + layer.mlp(layer.post_attention_layernorm(r))
-        return self.norm(r), r
+        normed = self.norm(r)
+        return normed, (normed if self.norm_output else r)
 
     def forward_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -452,8 +511,8 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         """One drafter pass over new rows: tokens [B, T] (x_{p+1}), hidden [B, T, H] (g_p or a previous
         depth's pre-norm state), positions [B, T]; ``past`` = (K, V) [B, kv_heads, S, D] visible entries;
         ``mask`` additive [B|1, 1, T, S+T] (None: all of past plus causal among the new rows).
-        Returns (normed [B, T, H] for ``project``, pre-norm state [B, T, H] fed to the next depth,
-        (k, v) of the new rows)."""
+        Returns (normed [B, T, H] for ``project``, the state [B, T, H] fed to the next depth (pre-norm; with
+        ``norm_output`` the normed one), (k, v) of the new rows)."""
         attn = self.midlayer.self_attn
         q, k, v = attn.qkv(self._inputs(tokens, hidden), positions)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
@@ -523,7 +582,8 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
 
     # -- projection (one lm_head for every depth) ----------------------------------------------
     def project(self, x: torch.Tensor, k: int = 0) -> torch.Tensor:
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
     def to_vocab_ids(self, local_ids: torch.Tensor) -> torch.Tensor:
         return local_ids if self.token_map is None else self.token_map[local_ids]

@@ -307,7 +307,8 @@ def test_sglang_style_ids_are_read_as_sglang_reads_them(backbone, tmp_path):
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"norm_before_residual": True}, "norm_before_residual"),
+    ({"parallel_drafting": True}, "parallel_drafting=true"),
+    ({"eagle_config": {"parallel_drafting": True}}, "parallel_drafting=true"),
     ({"num_hidden_layers": 2}, "one decoder layer"),
     ({"target_hidden_size": 2 * HIDDEN}, "target_hidden_size"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
@@ -315,9 +316,9 @@ def test_sglang_style_ids_are_read_as_sglang_reads_them(backbone, tmp_path):
     ({"num_attention_heads": 8, "num_key_value_heads": 8}, "has shape"),
 ])
 def test_importer_refuses_what_the_drafter_does_not_compute_in_one_line(backbone, tmp_path, extra, words):
-    """Guards against: loading a checkpoint whose math differs from ours (the residual taken after
-    hidden_norm, more layers, another feature width, scaled RoPE, head sizes its weights contradict) and
-    drafting silently wrong tokens, or a traceback instead of one line."""
+    """Guards against: loading a checkpoint whose math differs from ours (P-EAGLE's parallel drafting, more layers,
+    another feature width, scaled RoPE, head sizes its weights contradict) and drafting silently wrong
+    tokens, or a traceback instead of one line (naming the flag, not only a tensor it adds)."""
     d = tmp_path / "f"
     write_foreign(d, backbone, config_extra={"eagle_aux_hidden_state_layer_ids": AUX, **extra})
     with pytest.raises(UserError) as e:

@@ -354,6 +354,29 @@ def test_mlp_speculator_exports_to_vllm_and_imports_bit_identically(model, extra
     assert generate(m, PROMPT, tree=TREE, max_new_tokens=16).tokens == ref
 
 
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_an_mlp_speculator_dir_with_only_pytorch_model_bin_imports(model, tmp_path, zipfile):
+    """Guards against: IBM fms mlp_speculator checkpoints (config.json + pytorch_model.bin, no safetensors) refused
+    with the native loader's "missing model.safetensors"; the .bin is read with torch.load(weights_only=True)."""
+    from safetensors.torch import load_file
+    from inference.formats.export import export_heads
+    from inference.formats.importers import detect_layout
+    from inference.loading import import_heads
+
+    heads = dependent_heads(model, "mlp_speculator")
+    d = export_heads(heads, "vllm", tmp_path / "fms").path
+    state = {f"speculator.{k}": v for k, v in load_file(str(d / "model.safetensors")).items()}
+    (d / "model.safetensors").unlink()
+    torch.save(state, d / "pytorch_model.bin", _use_new_zipfile_serialization=zipfile)
+    assert detect_layout(d) == "vllm_mlp_speculator"
+    back = import_heads(d, model.config)
+    g = torch.Generator().manual_seed(5)
+    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
+    for k in range(3):
+        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
+                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+
+
 def test_truncated_mlp_speculator_needs_materialize_and_hydra_has_no_vllm_layout(model, tmp_path):
     """Guards against writing a vLLM directory whose head.{k} vLLM cannot hold (truncated), and
     against exporting Hydra heads to a format that has no place for them."""
