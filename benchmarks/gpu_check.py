@@ -479,7 +479,7 @@ def main() -> None:
     # gpu_check.sh's timeout sends SIGTERM: the run stops where it is and writes what it has (write_results)
     signal.signal(signal.SIGTERM, _stop)
     try:
-        run_sections(result, section, args, device, dtype, shape, sizes, t_start)
+        run_sections(result, section, args, device, dtype, shape, sizes)
     except KeyboardInterrupt as stop:
         result["errors"]["stopped"] = f"stopped by {stop} after {time.perf_counter() - t_start:.0f} s"
         print(f"[gpu_check] {result['errors']['stopped']}", flush=True)
@@ -520,7 +520,7 @@ class Sections:
         self.write()
 
 
-def run_sections(result: dict, section, args, device, dtype, shape: dict, sizes: dict, t_start: float) -> None:
+def run_sections(result: dict, section, args, device, dtype, shape: dict, sizes: dict) -> None:
     """Every part of the check, each through ``section`` (which records its failure and writes the results)."""
     dry = args.dry_run
     m = MedusaModel(model=backbone(shape, device, dtype), tokenizer=None, heads=None)
@@ -553,12 +553,10 @@ def run_sections(result: dict, section, args, device, dtype, shape: dict, sizes:
     if "graphs" not in args.skip:
         # the small trainings' share kept after the graphs' parts (none when they are skipped: a graphs-only call)
         train = 0 if dry or {"train", "train_eagle3"} <= set(args.skip) else gpu_training.SMALL_S
-        deadline = t_start + args.budget_s - RESERVE_S - train if args.budget_s else float("inf")
-        gpu_graphs.run(result, section, device, dry, args.full_shape, deadline)
+        gpu_graphs.run(result, section, device, dry, args.full_shape, section.end - train)
 
-    end = t_start + args.budget_s - RESERVE_S if args.budget_s and not dry else float("inf")
     gpu_training.run(result, section, device, dry, ("SmolLM2-135M" if shape is SMOLLM2_135M else "tiny Llama", shape),
-                     sizes, end, args.skip)
+                     sizes, section.end, args.skip)
 
 
 if __name__ == "__main__":

@@ -303,10 +303,12 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
     state: dict = {}
     cuda = device.type == "cuda"
 
-    def fits(part: str) -> bool:   # whether it can end before the deadline (PART_S; nothing on the dry run)
-        if time.perf_counter() + (0 if sz["dry"] else PART_S[part]) <= deadline:
+    def fits(part: str, extra_s: float = 0.0, name: str = "") -> bool:
+        """Whether ``part`` (PART_S, plus ``extra_s``; nothing on the dry run) can end before the deadline; if not,
+        listed as skipped (as ``name``, default ``part``)."""
+        if time.perf_counter() + (0 if sz["dry"] else PART_S[part] + extra_s) <= deadline:
             return True
-        g["skipped"].append(f"{key}.{part}")
+        g["skipped"].append(f"{key}.{name or part}")
         return False
 
     def build():
@@ -347,12 +349,9 @@ def run_shape(g: dict, errors: dict, key: str, label: str, shape: dict, section,
             continue
         estimate = PART_S[part]
         if part == "capture_ways":   # reduce-overhead's compile only where the time left covers it too
-            compile_too["on"] = time.perf_counter() + (0 if sz["dry"] else estimate + PART_S["reduce_overhead"]) \
-                <= deadline
+            compile_too["on"] = fits(part, PART_S["reduce_overhead"], "capture_ways.reduce_overhead")
             if compile_too["on"]:
                 estimate += PART_S["reduce_overhead"]
-            else:
-                g["skipped"].append(f"{key}.capture_ways.reduce_overhead")
         section(f"graphs.{key}.{part}", fn, estimate)
     s["static"] = m.static.summary()
     if cuda:

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from inference.evaluation.evaluate import WARMUP_TOKENS   # the untimed warm-up call's length, as evaluations
 from inference.methods import generate
 from inference.runtime.model import MedusaModel
 from inference.runtime.tree import MedusaTree
@@ -68,9 +69,6 @@ def verification_step(m: MedusaModel, prompt: Sequence[int], max_nodes: int) -> 
         return dt
 
     return step
-
-
-WARMUP_TOKENS = 8   # the untimed warm-up call's length
 
 
 def plain_loop_vs_generate(m: MedusaModel, prompts: Sequence[Sequence[int]], tokens: int,

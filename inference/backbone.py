@@ -13,7 +13,6 @@ apply and flash-attention kernels ignore.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from pathlib import Path
@@ -85,14 +84,28 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     return model.to(parse_device(device)), tokenizer, name
 
 
+def _source(name_or_path: str, gguf_file: Optional[str] = None) -> tuple[str, dict]:
+    """Where a backbone's config and tokenizer are read from without its weights, and the ``from_pretrained``
+    keywords that go with it: a GGUF's conversion when one was made (read in no time, where the GGUF's metadata
+    takes seconds), else the GGUF read in place (``gguf_file=``; never converted here), else the setting itself
+    (a local path checked to exist)."""
+    gguf = assets.gguf_source(name_or_path, gguf_file)
+    converted = assets.cached_conversion(gguf) if gguf is not None else None
+    if converted is not None:
+        return str(converted), {}
+    if gguf is not None:
+        return str(gguf.parent), dict(gguf_file=gguf.name)
+    _check_local(name_or_path, name_or_path)
+    return name_or_path, {}
+
+
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
-    """``load_backbone``'s tokenizer alone (no weights), with its errors."""
+    """``load_backbone``'s tokenizer alone (no weights, no GGUF conversion), with its errors."""
     from transformers import AutoTokenizer   # lazy: as load_backbone's
 
-    path, _ = assets.resolve_backbone_path(name_or_path)
-    _check_local(name_or_path, path)
+    path, kwargs = _source(name_or_path)
     with _loading_errors(name_or_path, path):
-        return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code, **kwargs)
 
 
 def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, trust_remote_code: bool = False,
@@ -101,15 +114,7 @@ def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, 
     conversion's config.json when one was made, else its metadata read in place), with ``load_backbone``'s errors."""
     from transformers import AutoConfig   # lazy: as load_backbone's
 
-    gguf = assets.gguf_source(name_or_path, gguf_file)
-    converted = assets.cached_conversion(gguf) if gguf is not None else None
-    if converted is not None:   # its config.json: read in no time, where the GGUF's metadata takes seconds
-        path, kwargs = str(converted), {}
-    elif gguf is not None:
-        path, kwargs = str(gguf.parent), dict(gguf_file=gguf.name)
-    else:
-        path, kwargs = name_or_path, {}
-        _check_local(name_or_path, path)
+    path, kwargs = _source(name_or_path, gguf_file)
     with _loading_errors(name_or_path, path, config_only=True):
         return AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code,
                                           revision=revision, **kwargs)
@@ -135,40 +140,24 @@ def check_weight_files(name_or_path: str, path: str) -> None:
     or overwritten (a traceback once the model had been built). Only the files transformers picks are opened
     (``model.safetensors`` or the shards its index names; headers only, no tensor read); a folder holding weights
     under other names (pickles, remote code's, an adapter's, a GGUF) is left to the load."""
-    from safetensors import SafetensorError, safe_open   # lazy: as transformers'
+    from .heads.native import check_safetensors, indexed_shards   # lazy: safetensors as transformers'
 
     folder = Path(os.path.expanduser(path))
     if not (folder / "config.json").is_file():
         return
-    if (folder / SAFETENSORS).is_file():
-        files = [folder / SAFETENSORS]
-    elif (folder / SAFETENSORS_INDEX).is_file():
-        files = _indexed_shards(name_or_path, folder / SAFETENSORS_INDEX)
-    elif any(f.name in PICKLES or f.name.endswith(WEIGHT_SUFFIXES) for f in folder.iterdir() if f.is_file()):
-        return
-    else:
-        raise UserError(f"cannot load backbone {name_or_path!r}: {folder} holds a config.json but no weights "
-                        f"({SAFETENSORS}, its shards or {PICKLES[0]})")
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"cannot load backbone {name_or_path!r}: {f} is corrupt or unreadable ({e})") from None
-
-
-def _indexed_shards(name_or_path: str, index: Path) -> list[Path]:
-    """The shard files a safetensors index names, each present (one line otherwise)."""
     try:
-        shards = sorted({str(v) for v in json.loads(index.read_text())["weight_map"].values()})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise UserError(f"cannot load backbone {name_or_path!r}: {index} is not a safetensors index "
-                        "(JSON with a weight_map)") from None
-    missing = [s for s in shards if not (index.parent / s).is_file()]
-    if missing:
-        raise UserError(f"cannot load backbone {name_or_path!r}: {index.name} names {len(missing)} shard(s) missing "
-                        f"from {index.parent} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
-    return [index.parent / s for s in shards]
+        if (folder / SAFETENSORS).is_file():
+            files = [folder / SAFETENSORS]
+        elif (folder / SAFETENSORS_INDEX).is_file():
+            files = indexed_shards(folder / SAFETENSORS_INDEX)
+        elif any(f.name in PICKLES or f.name.endswith(WEIGHT_SUFFIXES) for f in folder.iterdir() if f.is_file()):
+            return
+        else:
+            raise UserError(f"{folder} holds a config.json but no weights ({SAFETENSORS}, its shards or {PICKLES[0]})")
+        for f in files:
+            check_safetensors(f)
+    except UserError as e:
+        raise UserError(f"cannot load backbone {name_or_path!r}: {e}") from None
 
 
 def _check_local(name_or_path: str, path: str) -> None:

@@ -30,7 +30,6 @@ from .evaluation.reports import check_report_dir
 from .methods import get, names
 from .methods.choice_file import is_choice_file, read_choice
 from .methods.registry import check_methods, methods_for_heads, options_from_keys
-from .methods.registry import check_greedy_only  # noqa: F401  (cli_run's: a greedy-only method beside another mode)
 from .methods.shape import keyed_fields, method_mode
 from .runtime.decode import check_budget, check_positions
 from .runtime.model import chat_ids, check_backbone_config, position_limit

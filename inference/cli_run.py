@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 from . import methods as decoding   # decoding.stream / generate / generate_batch, looked up when called
 from .backbone import load_backbone
 from .cli_checks import (check_decoding_keys, check_eval_keys, check_eval_prompts_fit, check_fixed_choices,
-                         check_greedy_only, check_keys_used, check_options_fit, check_prompts_fit, choice_modes,
-                         encode_prompts, eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec,
-                         method_options, read_choice_file)
+                         check_keys_used, check_options_fit, check_prompts_fit, choice_modes, encode_prompts,
+                         eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec, method_options,
+                         read_choice_file)
 from .cli_keys import GENERATE_DEFAULTS
 from .errors import UserError
 from .evaluation.batch_eval import check_batchable, evaluate_batched
@@ -28,7 +28,7 @@ from .evaluation.evaluate import evaluate
 from .evaluation.reports import print_per_method, remove_stale_reports, write_compare, write_report
 from .loading import kernel_plans_path, load_medusa
 from .methods.choice_file import write_choice
-from .methods.registry import PLAIN_METHOD, batched_names, get, methods_for_heads
+from .methods.registry import PLAIN_METHOD, batched_names, check_greedy_only, get, methods_for_heads
 from .runtime.batch_decode import check_batch_size
 from .runtime.draft_weights import check_draft_weights
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
@@ -180,9 +180,10 @@ def run_generate(cfg) -> None:
     size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None
     if cfg.heads in ("???", ""):
         raise UserError("heads=<export directory> is required")
-    method, options, together = generate_options(cfg, heads_spec(cfg), several, size)
+    spec = heads_spec(cfg)   # None when unreadable here: the load below says why
+    method, options, together = generate_options(cfg, spec, several, size)
     check_keys_used(cfg, [method], GENERATE_DEFAULTS)
-    check_prompts_fit(cfg, texts, heads_spec(cfg))   # the tokenizer alone: a prompt too long refused before weights
+    check_prompts_fit(cfg, texts, spec)   # the tokenizer alone: a prompt too long refused before weights
     m = _load(cfg)
     ids = encode_prompts(m, texts, cfg)   # every prompt fits the backbone's positions before any is decoded
     if several:

@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .assets import cache_dir
 from .backbone import load_backbone, load_backbone_config, parse_device, parse_dtype
 from .errors import NeedsBackboneConfig, UserError
 from .formats.export import FormatWarning
 from .formats.importers import detect_layout, importer_for
-from .heads.native import check_config_object, load_native, place, read_native_spec
+from .heads.native import check_config_object, check_safetensors, load_native, place, read_native_spec
 from .heads.registry import family
 from .heads.spec import HeadsSpec, check_compatible
 from .runtime.adapter import merge_lora, read_adapter
@@ -129,11 +128,7 @@ def check_weight_files(heads_dir: str | os.PathLike, spec: HeadsSpec) -> None:
     d = Path(heads_dir)
     folders = [d] + ([d / spec.backbone_adapter] if spec.backbone_adapter else [])
     for f in sorted(f for folder in folders for f in folder.glob("*.safetensors") if f.is_file()):
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{f} is corrupt or unreadable ({e})") from None
+        check_safetensors(f)
 
 
 def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
@@ -229,12 +224,13 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         dev = parse_device(device or "cpu")
         dt = parse_dtype(dtype or torch.float32)
         apply = apply_adapter if apply_adapter is not None else backbone is None
+        adapter = None
         if spec.backbone_adapter and apply:   # a missing or unreadable adapter refused before the backbone loads
-            read_adapter(Path(heads_dir) / spec.backbone_adapter)
+            adapter = read_adapter(Path(heads_dir) / spec.backbone_adapter)
         model, tok, _ = load_backbone(name, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
         tokenizer = tokenizer or tok
-        if spec.backbone_adapter and apply:  # Medusa-2 heads: decode on the backbone they were trained with
-            merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
+        if adapter is not None:  # Medusa-2 heads: decode on the backbone they were trained with
+            merge_lora(model, Path(heads_dir) / spec.backbone_adapter, adapter)
             adapter_applied = True
     else:
         model = backbone

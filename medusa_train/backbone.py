@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +22,7 @@ import torch
 from inference import backbone as runtime_backbone
 from inference.backbone import parse_dtype
 from inference.errors import UserError
+from inference.heads.native import make_temp_dir, release_temp_dir
 from inference.heads.spec import backbone_fingerprint
 
 CHATML_TEMPLATE = (
@@ -136,17 +136,16 @@ def keep_random_backbone(backbone: Backbone, folder: Path, write: bool = True) -
     """Save a random backbone (fp32 safetensors + its tokenizer) into ``folder``; its absolute path is
     the name heads record. A rerun (resume) rebuilds the same weights and rewrites the same files.
 
-    Written whole or not at all: into ``.<folder>.tmp-<pid>`` beside it, then each file renamed into ``folder``, so
-    a Ctrl-C, SIGTERM or crash mid-save leaves no half-written file there (a new run's ``folder`` does not exist
-    until every file is written); the temporary folder is removed on the way out, or, after a kill that skipped
-    that, by the next save once its writer is gone."""
+    Written whole or not at all: into ``.<folder>.tmp-<pid>-*`` beside it (``make_temp_dir``), then each file
+    renamed into ``folder``, so a Ctrl-C, SIGTERM or crash mid-save leaves no half-written file there (a new run's
+    ``folder`` does not exist until every file is written); the temporary folder is removed on the way out, or,
+    after a kill that skipped that, by the next save once its writer is gone."""
     folder = folder.resolve()
     if write:
         from transformers.utils import logging as hf_logging   # lazy: not for preflight's imports (docstring)
 
         folder.parent.mkdir(parents=True, exist_ok=True)
-        _remove_dead_saves(folder)
-        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+        tmp = make_temp_dir(folder)
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # "Writing model shards" for a few hundred kB
         try:
@@ -156,25 +155,10 @@ def keep_random_backbone(backbone: Backbone, folder: Path, write: bool = True) -
             for f in sorted(tmp.iterdir()):
                 os.replace(f, folder / f.name)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            release_temp_dir(tmp)
             if bars:
                 hf_logging.enable_progress_bar()
     return str(folder)
-
-
-def _remove_dead_saves(folder: Path) -> None:
-    """Remove the temporary folders of ``keep_random_backbone`` saves whose process is gone (killed mid-save)."""
-    for tmp in folder.parent.glob(f".{folder.name}.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-                continue  # alive: not ours to remove
-            except ProcessLookupError:
-                pass
-            except OSError:  # alive, another user's
-                continue
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_pretrained(cfg) -> Backbone:

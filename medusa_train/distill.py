@@ -72,7 +72,7 @@ from inference.errors import UserError
 from . import backbone as frozen   # frozen.load_backbone looked up when called (tests replace it)
 from .config import validate
 from .data.readers import ReadStats, iter_conversations
-from .data.tokenize import TemplateRefused, template_refusals
+from .data.tokenize import TemplateRefused
 from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
 from .distributed import resolve_device, stop_on_signals
 from .manifest import claim, read_manifest, write_json_atomic
@@ -229,8 +229,7 @@ def distill_shard(gen: Generator, members: list[tuple[int, list[dict]]], cfg, on
             if prompt is None:
                 continue
             try:
-                with template_refusals():
-                    ids = gen.encode(prompt)
+                ids = gen.encode(prompt)
             except TemplateRefused as e:  # this conversation only: it ends here (its earlier turns are kept)
                 rep.done, rep.ended_by = True, e.reason
                 continue
@@ -358,12 +357,13 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
     claim_output(out, identity, create=False)  # refuse a foreign directory before loading anything
     backbone, device = _load_backbone(cfg, local)
     progress["phase"] = "checking the conversations"
-    check_distillable(cfg, Generator(backbone.model, backbone.tokenizer, cfg, device))  # before the first write
+    probe = Generator(backbone.model, backbone.tokenizer, cfg, device)
+    check_distillable(cfg, probe)  # before the first write
     if record is not None:
         record()
     claim_output(out, identity, frozen.backbone_identity(backbone))  # its weights too: data is only valid for them
     progress["phase"] = "choosing the engine"
-    gen = pick_engine(cfg, out, backbone, device)
+    gen = pick_engine(cfg, out, backbone, device, probe)
     progress["phase"] = ""
     main = rank == 0
 
@@ -448,8 +448,7 @@ def check_distillable(cfg, gen: Generator) -> None:
         if prompt is None:  # no user turn before any reply: the run writes nothing for it either
             continue
         try:
-            with template_refusals():
-                ids = gen.encode(prompt)
+            ids = gen.encode(prompt)
         except TemplateRefused as e:
             refused, first = refused + 1, first or e
             continue
@@ -474,10 +473,11 @@ def check_distillable(cfg, gen: Generator) -> None:
                     "nothing was written")
 
 
-def pick_engine(cfg, out: Path, backbone, device) -> Generator:
+def pick_engine(cfg, out: Path, backbone, device, probe: Generator) -> Generator:
     """The engine of this output directory: the one recorded in ``distill.json`` (a resumed run keeps
     it), else ``distill.engine``, else (``auto``) the fastest measured on the run's first prompts,
-    then recorded. With several processes, the first record written wins for every later run."""
+    then recorded (``probe``, the plain ``generate`` engine, encodes its prompts). With several processes, the first
+    record written wins for every later run."""
     g = cfg.distill
     make = lambda name: make_engine(name, backbone.model, backbone.tokenizer, cfg, device)  # noqa: E731
     recorded = (read_manifest(out / MANIFEST, out) or {}).get("engine") or {}
@@ -486,7 +486,6 @@ def pick_engine(cfg, out: Path, backbone, device) -> Generator:
     if g.engine != "auto":
         gen, record = make(g.engine), {"chosen": g.engine, "calibration": None}
     else:
-        probe = Generator(backbone.model, backbone.tokenizer, cfg, device)
         prompts = calibration_prompts(cfg, probe)
         if not prompts:
             gen, record = probe, {"chosen": "generate", "calibration": None}
@@ -507,8 +506,7 @@ def calibration_prompts(cfg, gen: Generator) -> list[list[int]]:
         prompt = Replay(index, messages).next_prompt(cfg.distill.max_turns)
         if prompt is not None:
             try:
-                with template_refusals():
-                    ids = gen.encode(prompt)
+                ids = gen.encode(prompt)
             except TemplateRefused:  # the run drops this conversation (counted there): not a prompt to measure
                 continue
             if len(ids) < cfg.data.max_length:

@@ -32,6 +32,8 @@ from inference.methods import generate_batch
 from inference.runtime.model import MedusaModel
 from inference.runtime.verify import SamplingConfig
 
+from .data.tokenize import _render
+
 ENGINES = ("generate", "runtime", "lookup")
 CALIBRATION_TOKENS = 64   # new tokens per calibration prompt: enough steps for a stable rate
 
@@ -57,7 +59,8 @@ class Generator:
             pad_token_id=self.pad, use_cache=True)
 
     def encode(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        """The prompt's ids; a template that refuses it raises ``TemplateRefused``."""
+        text = _render(self.tokenizer, messages, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # as training tokenises
 
     @torch.no_grad()

@@ -113,15 +113,25 @@ def stop_on_signals(message: Callable[[], str]) -> Iterator[None]:
         if not state["stopping"]:
             raise KeyboardInterrupt
 
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, handle)
+    previous = swap_handlers(handle)
     try:
         yield
     except KeyboardInterrupt:
         state["stopping"] = True
         raise UserError(message()) from None
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)
+
+
+def swap_handlers(handler) -> dict:
+    """Make ``handler`` the SIGINT and SIGTERM handler; the ones it replaced, for ``restore_handlers``. Main thread
+    only (the only one that can take a signal handler); elsewhere nothing changes (``{}``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def restore_handlers(previous: dict) -> None:
+    """Put back the handlers ``swap_handlers`` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -89,6 +89,7 @@ from tqdm.auto import tqdm
 from inference.backbone import parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
+from inference.heads.native import pid_alive
 
 from .backbone import backbone_identity, load_backbone
 from .backbone_inputs import FrozenFeatures
@@ -267,15 +268,7 @@ class FeatureCache:
 def _pid_alive(pid: Optional[int]) -> bool:
     """Whether process ``pid`` may still be writing: another live process on this host (this one writes nothing
     while leftovers are removed); a name without an id counts as dead, as in ``recover_dir``."""
-    if pid is None or pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, owned by another user
-        return True
-    return True
+    return pid != os.getpid() and pid_alive(pid)
 
 
 # -- building -----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from inference.cli_support import config_error_line, enum_value, non_boolean_ove
 from inference.errors import UserError
 from .config import register_configs, validate
 from .families import stray_key_line
+from .manifest import write_text_atomic
 from .overrides import INTERRUPTED_BEFORE_RUN, RECIPE_PACKAGE, override_key, recipe_overrides, refuse
 from .preflight import preflight
 
@@ -158,12 +159,7 @@ def write_run_record(cfg) -> None:
         path = folder / name
         if path.is_file() and path.read_text(encoding="utf-8") == text:
             continue
-        tmp = folder / f".{name}.tmp-{os.getpid()}"
-        try:
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
-        finally:  # a Ctrl-C mid-write leaves the record as it was, and no temporary file
-            tmp.unlink(missing_ok=True)
+        write_text_atomic(path, text)
 
 
 def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:

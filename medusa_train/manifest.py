@@ -34,16 +34,21 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write beside the target, then rename: a reader (or the next run) never sees half a file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write beside the target, then rename: a reader (or the next run) never sees half a file, and a Ctrl-C
+    mid-write leaves the file as it was, and no temporary file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """``write_text_atomic`` of ``obj`` as indented JSON."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def read_manifest(path: Path, root: Path) -> Optional[dict]:

@@ -17,6 +17,8 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
+from .manifest import write_text_atomic
+
 
 class Tracker:
     def __init__(self, output_dir: Path, logger_cfg, run_config: dict, total_steps: int, start_step: int,
@@ -47,12 +49,7 @@ class Tracker:
             return at < step or (at == step and not (drop_eval_at_step and record.get("kind") == "eval"))
 
         kept = [l for l in self.path.read_text().splitlines() if l.strip() and keep(json.loads(l))]
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            tmp.write_text("".join(l + "\n" for l in kept))
-            os.replace(tmp, self.path)
-        finally:  # a Ctrl-C mid-write leaves the log as it was, and no temporary file
-            tmp.unlink(missing_ok=True)
+        write_text_atomic(self.path, "".join(l + "\n" for l in kept))
 
     def log(self, step: int, metrics: dict, phase: str = "train") -> None:
         if not self.enabled:

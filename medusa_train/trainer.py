@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -53,7 +52,7 @@ from .config import derived_batch, loss_weights, validate
 from .families import draft_depth, draft_vocabulary, training_family
 from .data.stream import ConversationStream, RankData, check_training_data, token_frequencies
 from .deepspeed_config import check_consistent, deepspeed_config
-from .distributed import resolve_device, start_process, stop_on_signals
+from .distributed import resolve_device, restore_handlers, start_process, stop_on_signals, swap_handlers
 from .losses import HeadMetrics, vocab_to_local
 from .sources import BatchSource, make_source
 from .tracking import Tracker
@@ -440,8 +439,6 @@ class Interrupts:
     after the terminal's SIGINT. Once training is over (``finishing``: final evaluation and export, the training
     already checkpointed) any of them stops at once."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
     def __init__(self, announce: bool = False):
         self.announce = announce  # one process tells the user that the stop is on its way
         self.requested: int | None = None
@@ -449,14 +446,10 @@ class Interrupts:
         self.previous: dict = {}
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
-            return
-        for sig in self.SIGNALS:
-            self.previous[sig] = signal.signal(sig, self.handle)
+        self.previous.update(swap_handlers(self.handle))
 
     def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(self.previous)
         self.previous.clear()
 
     def finishing(self) -> None:

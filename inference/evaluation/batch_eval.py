@@ -49,7 +49,7 @@ from ..runtime.race import progress_bar
 from ..runtime.speculation import tree_label
 from ..runtime.verify import SamplingConfig
 from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
-from .evaluate import WARMUP_TOKENS, check_settings, machine, warn_mismatches
+from .evaluate import check_settings, machine, warm_tokens, warn_mismatches
 from .prompts import Prompt, encode_checked, prompt_record, split_calibration
 
 PLAIN, HF = "autoregressive", "hf_generate"
@@ -167,13 +167,12 @@ def warm_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], size
     runtime's methods, never transformers' batched ``generate``). With captured steps one per graph bucket up to
     each batch size and at the last batch's size, at ``max_new_tokens``, so the captures (rows leave, the batch
     shrinks to smaller buckets) happen here; else one batch of the smallest size, ``WARMUP_TOKENS`` long."""
-    captured = m.static is not None and m.static.capture is not None
+    captured, tokens = warm_tokens(m, max_new_tokens)
     widths = {w for b in sizes for w in (*[x for x in m.static.buckets if x < b], b, len(ids) % b or b)} \
         if captured else {sizes[0]}
     for w in sorted(widths, reverse=True):   # the widest first: the buffer grows (dropping captures) only there
         for x in measured:
-            run_method(m, x, ids[:w], opts.get(x), max_new_tokens if captured else min(WARMUP_TOKENS, max_new_tokens),
-                       sampling, seed)
+            run_method(m, x, ids[:w], opts.get(x), tokens, sampling, seed)
 
 
 def run_batches(m: MedusaModel, ids: list[list[int]], measured: list[str], sizes: Sequence[int],

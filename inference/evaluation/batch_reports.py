@@ -12,8 +12,8 @@ def _times(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
-def _fmt(v, spec=".3f") -> str:
-    return "-" if v is None else format(v, spec)
+def _fmt(v, spec=".3f", default="-") -> str:
+    return default if v is None else format(v, spec)
 
 
 def _identity(row: dict) -> str:

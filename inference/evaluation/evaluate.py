@@ -58,7 +58,7 @@ import transformers
 
 from ..errors import UserError
 from ..runtime.linear_kernels import routing_summary
-from ..runtime.model import MedusaModel
+from ..runtime.model import MedusaModel, is_count
 from ..runtime.race import progress_bar
 from ..runtime.tree import MAX_TREE_NODES
 from ..runtime.verify import SamplingConfig
@@ -76,11 +76,6 @@ class Sample:
     turn: int
     outputs: dict = field(default_factory=dict)  # method -> GenerationOutput
     tokens: dict = field(default_factory=dict)  # method -> token ids
-
-
-def _rate(g) -> float:
-    secs = g.prefill_s + g.decode_s
-    return len(g.tokens) / secs if secs > 0 else 0.0
 
 
 def _spread(xs: list) -> Optional[list]:
@@ -116,8 +111,8 @@ def method_summary(samples: list[Sample], method: str, methods: Sequence[str], r
         if registry.get(base).baseline and rates[base] > 0:
             out[f"speedup_vs_{base}"] = round(rates[method] / rates[base], 4)
             if base != method:   # the spread behind the pooled ratio: each prompt's own ratio
-                ratios = [_rate(s.outputs[method]) / _rate(s.outputs[base]) for s in samples
-                          if _rate(s.outputs[base]) > 0]
+                ratios = [s.outputs[method].tokens_per_s / s.outputs[base].tokens_per_s for s in samples
+                          if s.outputs[base].tokens_per_s > 0]
                 out[f"per_prompt_speedup_vs_{base}"] = _spread(ratios)
     if greedy and "autoregressive" in methods and samples:
         same = [s.tokens[method] == s.tokens["autoregressive"] for s in samples]
@@ -193,24 +188,20 @@ def machine() -> dict:
 
 
 # -- the whole evaluation ------------------------------------------------------------------
-def _count(value, low: int = 1) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def check_settings(*, max_new_tokens: int, turns: str = "first", calibration_prompts: int = 8,
                    calibration_tokens: int = 48, budgets: Sequence[int] = DEFAULT_BUDGETS) -> None:
     """Refuse, in one line, evaluation settings that cannot be measured; from the settings alone, so
     medusa-eval calls it before the backbone loads. No calibration prompt, token or non-empty node budget
     would leave nothing timed, and a report saying "plain decoding is fastest" all the same."""
-    if not _count(max_new_tokens):
+    if not is_count(max_new_tokens, 1):
         raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if turns not in ("first", "both"):
         raise UserError(f"turns must be first|both, got {turns!r}")
     for name, value in (("calibration_prompts", calibration_prompts), ("calibration_tokens", calibration_tokens)):
-        if not _count(value):
+        if not is_count(value, 1):
             raise UserError(f"{name} must be an integer >= 1, got {value!r}")
     given = list(budgets) if isinstance(budgets, Sequence) and not isinstance(budgets, str) else None
-    if not given or not all(_count(b) and b < MAX_TREE_NODES for b in given):
+    if not given or not all(is_count(b, 1) and b < MAX_TREE_NODES for b in given):
         raise UserError(f"tree_budgets must be a non-empty list of node counts >= 1 (root excluded), each at most "
                         f"{MAX_TREE_NODES - 1}, got {budgets!r}")
 
@@ -249,19 +240,26 @@ def decode_interleaved(m: MedusaModel, prompts: list[Prompt], methods: Sequence[
 WARMUP_TOKENS = 8   # the untimed warm-up's length without captured steps
 
 
-def warm_up(m: MedusaModel, prompts: list[Prompt], methods: Sequence[str], opts: Mapping[str, Any],
+def warm_tokens(m: MedusaModel, max_new_tokens: int) -> tuple[bool, int]:
+    """Whether ``m`` has captured steps (``graphs``), and the untimed warm-up's length: ``max_new_tokens`` with
+    them (the captures happen there), else ``WARMUP_TOKENS`` at most."""
+    captured = m.static is not None and m.static.capture is not None
+    return captured, max_new_tokens if captured else min(WARMUP_TOKENS, max_new_tokens)
+
+
+def warm_up(m: MedusaModel, ids: list[list[int]], methods: Sequence[str], opts: Mapping[str, Any],
             max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
     """One untimed generation of every timed method before the timed runs, for all alike: the calibration ran
     the runtime's methods, never transformers' ``generate``, whose first-call setup was then timed on the first
-    prompt alone. With captured steps (``graphs``) on the longest first turn at ``max_new_tokens`` (the captures
-    and the KV buffer's growth to the longest prompt happen here), else ``WARMUP_TOKENS`` on the first one."""
-    if not prompts:
+    prompt alone. ``ids``: the prompts' encoded first turns. With captured steps (``graphs``) on the longest
+    at ``max_new_tokens`` (the captures and the KV buffer's growth to the longest prompt happen here), else
+    ``WARMUP_TOKENS`` on the first one."""
+    if not ids:
         return
-    captured = m.static is not None and m.static.capture is not None
-    ids = max((m.encode_chat(p.turns[0]) for p in prompts), key=len) if captured else m.encode_chat(prompts[0].turns[0])
+    captured, tokens = warm_tokens(m, max_new_tokens)
+    row = max(ids, key=len) if captured else ids[0]
     for meth in methods:
-        registry.generate(m, ids, meth, options=opts[meth], max_new_tokens=max_new_tokens if captured else
-                          min(WARMUP_TOKENS, max_new_tokens), sampling=sampling, seed=seed)
+        registry.generate(m, row, meth, options=opts[meth], max_new_tokens=tokens, sampling=sampling, seed=seed)
 
 
 def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = DEFAULT_METHODS,
@@ -293,7 +291,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
     held = prompt_record(prompts, calib_src, (settings or {}).get("num_prompts"))
     calib = encode_checked(m, calib_src, calibration_tokens)
-    encode_checked(m, prompts, max_new_tokens)   # every first turn fits before anything is decoded
+    ids = encode_checked(m, prompts, max_new_tokens)   # every first turn fits before anything is decoded
     made = choose_all(ChoiceContext(m, calib, calib[:1], calibration_tokens, budgets, log, progress), opts, modes)
     opts.update({meth: c.options for meth, c in made.items()})
     if chosen is not None:
@@ -302,7 +300,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     for meth, spec in specs.items():
         if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
             opts[meth] = spec.prepare(m, opts[meth])
-    warm_up(m, prompts, methods, opts, max_new_tokens, sampling, seed)
+    warm_up(m, ids, methods, opts, max_new_tokens, sampling, seed)
     samples = decode_interleaved(m, prompts, methods, opts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  turns=turns, seed=seed, progress=progress)
     run_length = max((s.outputs[methods[0]].prompt_tokens for s in samples), default=0) + max_new_tokens

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..methods.choice_file import SUFFIX as CHOICE_SUFFIX
 from ..report_plots import plot_compare, plot_head_accuracy, plot_histogram, plot_throughput
-from .batch_reports import THROUGHPUT_PLOT, batched_markdown
+from .batch_reports import THROUGHPUT_PLOT, _fmt, _times, batched_markdown
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -97,14 +97,6 @@ def speedup_columns(rows) -> list[tuple[str, str]]:
 
 def _speedup_header(cols) -> str:
     return "".join(f" speedup vs {label} |" for _, label in cols)
-
-
-def _fmt(v, spec=".3f", default="-") -> str:
-    return default if v is None else format(v, spec)
-
-
-def _times(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
 
 
 def _speedups(row: dict, cols) -> str:

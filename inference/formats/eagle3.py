@@ -71,7 +71,7 @@ from safetensors.torch import load_file
 from ..errors import IncompatibleHeadsError, NeedsBackboneConfig, UserError
 from ..heads.eagle3 import (ENGINE_FLAGS, NUM_AUX, ascending_fc_inputs, engine_default_aux_layers,
                             refuse_repeated_aux_layers, repeated_aux_layers)
-from ..heads.native import load_state_checked
+from ..heads.native import check_safetensors, indexed_shards, load_state_checked
 from ..heads.rope import engine_rope_scaling, export_rope_scaling
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
@@ -107,6 +107,12 @@ FC_INPUT_FLAGS = {
 FLAG_TENSORS = {"input_norm.weight": "norm_before_fc", "fc_norm.": "fc_norm", "mask_hidden": "parallel_drafting",
                 "q_norm.weight": "a Qwen3-style draft layer (q_norm / k_norm)",
                 "k_norm.weight": "a Qwen3-style draft layer (q_norm / k_norm)"}
+
+
+def sub_dict(raw: dict, key: str) -> dict:
+    """``raw[key]`` when it is an object, else {} (absent, null or another type)."""
+    value = raw.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def fc_input_weights(layer: dict, hidden: int) -> dict[str, int]:
@@ -256,7 +262,7 @@ def _aux_ids(d: Path, raw: dict) -> list[int] | None:
     layers and feed fc in that order whatever order the config lists them in."""
     where = d / "config.json"
     top = raw.get("eagle_aux_hidden_state_layer_ids") or None
-    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    eagle = sub_dict(raw, "eagle_config")
     sglang = eagle.get("eagle_aux_hidden_state_layer_ids") or None
     try:
         top = [int(i) for i in top] if top is not None else None
@@ -298,7 +304,7 @@ def _refusals(where, raw: dict) -> None:
     """One line for each thing the checkpoint asks that our drafter does not compute."""
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise UserError(f"{where}: {raw['num_hidden_layers']} draft layers; this drafter has one decoder layer")
-    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    eagle = sub_dict(raw, "eagle_config")
     if not eagle.get("use_aux_hidden_state", True):
         raise UserError(f"{where}: use_aux_hidden_state=false (EAGLE-1 style input) is not an EAGLE-3 drafter")
     for flag, what in UNSUPPORTED_FLAGS.items():
@@ -320,7 +326,7 @@ def _flag_value(where, raw: dict, flag: str):
     """``flag``'s value in ``raw``: the top level's; for the flags on fc's input the top level's or eagle_config's
     (module docstring), refused in one line when both are given and differ."""
     value = raw.get(flag)
-    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    eagle = sub_dict(raw, "eagle_config")
     if flag not in FC_INPUT_FLAGS or eagle.get(flag) is None:
         return value
     if value is not None and value != eagle[flag]:
@@ -391,7 +397,7 @@ def spec_from_config(d: Path, raw: dict, backbone_config=None, depth: int | None
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where} is not an EAGLE-3 Llama config (missing or bad {e})") from None
     draft_vocab = int(raw.get("draft_vocab_size") or vocab)  # absent: the full vocabulary (vLLM)
-    meta = raw.get(META) if isinstance(raw.get(META), dict) else {}
+    meta = sub_dict(raw, META)
     layers = backbone_config.num_hidden_layers if backbone_config is not None else meta.get("target_layers")
     layers = None if layers is None else int(layers)
     if draft_vocab > vocab:
@@ -426,21 +432,15 @@ def read_weights(d: Path) -> tuple[dict[str, torch.Tensor], Path]:
     if (d / WEIGHTS).is_file():
         files, f = [d / WEIGHTS], d / WEIGHTS
     elif (d / INDEX).is_file():
-        try:
-            shards = json.loads((d / INDEX).read_text())["weight_map"].values()
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise UserError(f"{d / INDEX} is not a safetensors index ({e})") from None
-        files, f = [d / name for name in sorted(set(shards))], d / INDEX
+        files, f = indexed_shards(d / INDEX), d / INDEX
     elif (d / PICKLE).is_file():
         files, f = [], d / PICKLE
     else:
         raise UserError(f"{d} is an EAGLE-3 dir without {WEIGHTS}, {INDEX} or {PICKLE}")
     tensors: dict[str, torch.Tensor] = {}
     for shard in files:
-        try:
-            tensors.update(load_file(str(shard)))
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{shard} is corrupt or unreadable ({e})") from None
+        check_safetensors(shard)
+        tensors.update(load_file(str(shard)))
     if not files:
         tensors = load_pickle_weights(f)
     # SGLang accepts names with or without the "model." its own module adds; so do we.

@@ -75,13 +75,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..backbone import text_config
 from ..errors import UserError
 from ..heads.medusa import MedusaHeads
-from ..heads.native import load_state_checked
+from ..heads.native import check_safetensors, load_state_checked
 from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, full_projection, materialise_note,
                      megabytes, refuse_unless_kind, register_exporter)
@@ -304,11 +304,9 @@ def _shapes(d: Path) -> tuple[dict[str, tuple], dict[str, torch.Tensor] | None]:
     """Names -> shapes (and the tensors, when they had to be loaded to know them)."""
     f = d / WEIGHTS_SAFETENSORS
     if f.is_file():  # preferred over the pickle when both exist: nothing to unpickle
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                return {_strip(k): tuple(st.get_slice(k).get_shape()) for k in st.keys()}, None
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{f} is corrupt or unreadable ({e})") from None
+        check_safetensors(f)
+        with safe_open(str(f), framework="pt") as st:
+            return {_strip(k): tuple(st.get_slice(k).get_shape()) for k in st.keys()}, None
     tensors = {_strip(k): v for k, v in load_pickle_weights(d / WEIGHTS_PICKLE).items()}
     return {k: tuple(v.shape) for k, v in tensors.items()}, tensors
 

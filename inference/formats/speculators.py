@@ -45,6 +45,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import UserError
+from ..heads.eagle3 import ENGINE_FLAGS
 from ..heads.spec import HeadsSpec
 from . import eagle3
 from .export import FormatWarning
@@ -53,8 +54,8 @@ from .importers import register_importer
 FORMAT = "speculators"
 ARCHITECTURE = "Eagle3Speculator"
 # Top-level keys of the speculators config that vLLM's Eagle3 config takes (over transformer_layer_config's).
-TOP_LEVEL = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
-             "norm_output", "logit_scale", "norm_before_fc", "fc_norm", "parallel_drafting")
+TOP_LEVEL = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", *ENGINE_FLAGS,
+             *eagle3.UNSUPPORTED_FLAGS)
 TREES = ("static_tree", "dynamic_tree")
 
 
@@ -75,7 +76,7 @@ def vllm_config(d: Path, raw: dict) -> dict:
     if speculator_type != "eagle3":
         raise UserError(f"{where}: speculators format with speculators_model_type {speculator_type!r} is not "
                         "supported: this runtime imports speculators eagle3 drafters only")
-    spec_cfg = raw.get("speculators_config") if isinstance(raw.get("speculators_config"), dict) else {}
+    spec_cfg = eagle3.sub_dict(raw, "speculators_config")
     algorithm = spec_cfg.get("algorithm", "eagle3")
     if algorithm != "eagle3":
         raise UserError(f"{where}: speculators format with speculators_config.algorithm {algorithm!r} is not "
@@ -90,14 +91,14 @@ def vllm_config(d: Path, raw: dict) -> dict:
         warnings.warn(f"{where} does not say norm_before_residual: read as true, as vLLM's speculators config "
                       "(update_eagle3) defaults it", FormatWarning, stacklevel=4)
         flat["norm_before_residual"] = True
-    verifier = spec_cfg.get("verifier") if isinstance(spec_cfg.get("verifier"), dict) else {}
+    verifier = eagle3.sub_dict(spec_cfg, "verifier")
     flat["base_model_name_or_path"] = str(verifier.get("name_or_path") or raw.get("base_model_name_or_path") or "")
     return flat
 
 
 def trained_depth(d: Path, raw: dict) -> int | None:
     """The default proposal method's depth (the first method's, where none is named default), or None."""
-    spec_cfg = raw.get("speculators_config") if isinstance(raw.get("speculators_config"), dict) else {}
+    spec_cfg = eagle3.sub_dict(raw, "speculators_config")
     methods = [m for m in spec_cfg.get("proposal_methods") or () if isinstance(m, dict)]
     if not methods:
         return None

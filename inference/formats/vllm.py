@@ -29,12 +29,12 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..heads.medusa import MedusaHeads
-from ..heads.native import load_state_checked
+from ..heads.native import check_safetensors, load_state_checked
 from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, megabytes, refuse_unless_kind,
                      register_exporter)
@@ -135,12 +135,10 @@ def _counts(config: dict) -> tuple:
 def _shapes(d: Path) -> dict[str, tuple]:
     shapes = {}
     for f in _weight_files(d):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    shapes[k.removeprefix("medusa_heads.")] = tuple(st.get_slice(k).get_shape())
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{f} is corrupt or unreadable ({e})") from None
+        check_safetensors(f)
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                shapes[k.removeprefix("medusa_heads.")] = tuple(st.get_slice(k).get_shape())
     return shapes
 
 

@@ -491,16 +491,19 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
             aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(NUM_AUX, dim=-1))], dim=-1)
         return self.fc(aux)
 
-    def _inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input [e; hidden_norm(g)], the residual ``_finish`` adds to: hidden_norm(g) with
+        ``norm_before_residual`` (the one computed for the input), else g)."""
         layer = self.midlayer
         e = layer.input_layernorm(self.embed(tokens, hidden.dtype))
-        return torch.cat([e, layer.hidden_norm(hidden)], dim=-1)
+        normed = layer.hidden_norm(hidden)
+        return torch.cat([e, normed], dim=-1), (normed if self.norm_before_residual else hidden)
 
-    def _finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(r') for ``project``, the state fed to the next depth: r', or norm(r') with ``norm_output``);
-        the residual is hidden_norm(g) with ``norm_before_residual``."""
+        ``residual``: ``_inputs``' second (hidden_norm(g) with ``norm_before_residual``, else g)."""
         layer = self.midlayer
-        r = (layer.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
+        r = residual + attn_out
         r = r + layer.mlp(layer.post_attention_layernorm(r))
         normed = self.norm(r)
         return normed, (normed if self.norm_output else r)
@@ -514,7 +517,8 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         Returns (normed [B, T, H] for ``project``, the state [B, T, H] fed to the next depth (pre-norm; with
         ``norm_output`` the normed one), (k, v) of the new rows)."""
         attn = self.midlayer.self_attn
-        q, k, v = attn.qkv(self._inputs(tokens, hidden), positions)
+        x, residual = self._inputs(tokens, hidden)
+        q, k, v = attn.qkv(x, positions)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         if mask is None and q.shape[2] > 1:
             t, s = q.shape[2], keys.shape[2]
@@ -522,7 +526,7 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
             mask[:, s - t:] = torch.triu(torch.full((t, t), torch.finfo(q.dtype).min, dtype=q.dtype,
                                                     device=q.device), 1)
             mask = mask[None, None]
-        normed, pre = self._attend(q, keys, values, mask, hidden)
+        normed, pre = self._attend(q, keys, values, mask, residual)
         return normed, pre, (k, v)
 
     def forward_static(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -532,19 +536,20 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         (``StaticDraftKV.write``), then attention spans the cache's whole capacity (its first B rows) under
         ``mask`` [B|1, 1, T, capacity] (additive), which must show each row its own entry. No host read: the
         drafter's calls are captured as graphs with it. Returns (normed, pre-norm state)."""
-        q, k, v = self.midlayer.self_attn.qkv(self._inputs(tokens, hidden), positions)
+        x, residual = self._inputs(tokens, hidden)
+        q, k, v = self.midlayer.self_attn.qkv(x, positions)
         cache.write(k, v, slots, rows)
         b = q.shape[0]
-        return self._attend(q, cache.k[:b], cache.v[:b], mask, hidden)
+        return self._attend(q, cache.k[:b], cache.v[:b], mask, residual)
 
-    def _attend(self, q, keys, values, mask, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend(self, q, keys, values, mask, residual) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.midlayer.self_attn
         # GQA inside the kernel: repeating the whole cache's keys and values per query head copied
         # (heads / kv_heads) x the cache on every call, twice the attention's own cost at 300 entries.
         with decoding_sdpa(q.device):  # the drafter's cache grows every call: no cuDNN plan per length
             ctx = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask.to(q.dtype),
                                                  enable_gqa=attn.heads != attn.kv_heads)
-        return self._finish(hidden, attn.out(ctx))
+        return self._finish(residual, attn.out(ctx))
 
     def ttt_features(self, aux: torch.Tensor, future: torch.Tensor, positions: torch.Tensor,
                      mask0: torch.Tensor, steps: Optional[int] = None) -> list[torch.Tensor]:
@@ -562,7 +567,8 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         keys, values, feats = [], [], []
         masks = [mask0.to(hidden.dtype)]
         for j in range(steps):
-            q, k, v = attn.qkv(self._inputs(future[..., j], hidden), positions + j)
+            x, residual = self._inputs(future[..., j], hidden)
+            q, k, v = attn.qkv(x, positions + j)
             keys.append(attn.expand_kv(k))
             values.append(attn.expand_kv(v))
             if j == 1:  # steps >= 1 see their chain's entries at their own position only: a diagonal block
@@ -576,7 +582,7 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
             # T x (j+1)T scores are never materialised; 3x faster than softmax over explicit scores).
             ctx = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
                                                  attn_mask=torch.cat(masks, -1))
-            normed, hidden = self._finish(hidden, attn.out(ctx))
+            normed, hidden = self._finish(residual, attn.out(ctx))
             feats.append(normed)
         return feats
 

@@ -32,7 +32,7 @@ from typing import Optional
 
 import safetensors.torch   # safetensors.torch.save_file looked up when writing (tests make it fail)
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..errors import UserError
@@ -135,10 +135,15 @@ def _writer_alive(path: Path, kind: str, out: Path) -> bool:
     the call that made it runs, another process while it exists on this host; names of another
     form (older versions) count as dead."""
     pid = _writer_pid(path, kind, out)
-    if pid is None or pid <= 0:
-        return False
     if pid == os.getpid():
         return path in _ACTIVE
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether process ``pid`` exists on this host (one owned by another user counts); no id, or one <= 0: no."""
+    if pid is None or pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -241,6 +246,29 @@ def load_native(heads_dir: str | os.PathLike, backbone_config=None,
         raise UserError(f"{spec.kind} heads in {d} read the backbone's input embeddings: pass the backbone to load them")
     heads.attach_backbone(lm_head_weight, input_embeddings)
     return place(heads, device, dtype)
+
+
+def check_safetensors(f: str | os.PathLike) -> None:
+    """A safetensors file checked from its header alone (its length, its JSON, the tensors' offsets against the
+    file's size: a half-written or cut file), reading no tensor; refused in one line otherwise."""
+    try:
+        with safe_open(str(f), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{f} is corrupt or unreadable ({e})") from None
+
+
+def indexed_shards(index: Path) -> list[Path]:
+    """The shard files a safetensors index names (sorted, each once), each present (one line otherwise)."""
+    try:
+        shards = sorted({str(v) for v in json.loads(index.read_text())["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{index} is not a safetensors index (JSON with a weight_map)") from None
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    if missing:
+        raise UserError(f"{index.name} names {len(missing)} shard(s) missing from {index.parent} "
+                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+    return [index.parent / s for s in shards]
 
 
 def load_state_checked(heads: ProjectedHeads, state: dict[str, torch.Tensor], where) -> None:

@@ -199,13 +199,10 @@ def check_draft_checkpoint(name: str, target_vocab: Optional[int], trust_remote_
     cannot load. The configs and the tokenizer alone are read."""
     try:
         config = backbones.load_backbone_config(name, trust_remote_code=trust_remote_code)
-    except UserError as e:
-        raise UserError(f"draft={name}: {e}") from None
-    try:
         check_backbone_config(config, name)   # the draft decodes on the same runtime as the target
     except UserError as e:
         raise UserError(f"draft={name}: {e}") from None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = backbones.text_config(config)
     if isinstance(target_vocab, int) and isinstance(getattr(text, "vocab_size", None), int):
         check_vocabulary(target_vocab, text.vocab_size)
     try:

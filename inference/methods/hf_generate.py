@@ -112,7 +112,6 @@ def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tok
 def _output(new: list[int], prompt_tokens: int) -> GenerationOutput:
     g = GenerationOutput(tokens=new, prompt_tokens=prompt_tokens, finish_reason="hf")
     g.accept_lengths = [1] * max(len(new) - 1, 0)
-    g.accepted = list(g.accept_lengths)
     return g
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors import SafetensorError
@@ -40,9 +41,10 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def merge_lora(model, adapter_dir) -> int:
-    """Merge the adapter into ``model``'s linear weights in place; returns the number of layers."""
-    cfg, tensors = read_adapter(adapter_dir)
+def merge_lora(model, adapter_dir, adapter: Optional[tuple[dict, dict[str, torch.Tensor]]] = None) -> int:
+    """Merge the adapter into ``model``'s linear weights in place; returns the number of layers. ``adapter``:
+    ``read_adapter(adapter_dir)``'s result when the caller already read it (else it is read here)."""
+    cfg, tensors = adapter if adapter is not None else read_adapter(adapter_dir)
     r = int(cfg["r"])
     alpha = float(cfg.get("lora_alpha", r))
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r

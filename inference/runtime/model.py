@@ -205,7 +205,7 @@ def check_backbone_config(config, name: Optional[str] = None) -> None:
         return
     who = f"backbone {name!r}" if name else f"the backbone ({getattr(cfg, 'model_type', None) or type(cfg).__name__})"
     window = getattr(cfg, "sliding_window", None)
-    within = f" (a {window}-token window)" if "sliding_attention" in other and _is_count(window) else ""
+    within = f" (a {window}-token window)" if "sliding_attention" in other and is_count(window, None) else ""
     raise UserError(f"{who} has {', '.join(other)} layers{within}, which the tree decoder does not support "
                     "(full-attention decoders only)")
 
@@ -227,9 +227,9 @@ def position_limit(cfg) -> Optional[int]:
     backbone never sees, so a request past it is refused like one past the positions. None: no limit known."""
     cfg = text_config(cfg)
     positions = getattr(cfg, "max_position_embeddings", None)
-    positions = positions if _is_count(positions) and positions > 0 else None
+    positions = positions if is_count(positions, 1) else None
     window = getattr(cfg, "sliding_window", None)
-    slides = (not getattr(cfg, "layer_types", None) and _is_count(window) and window > 0
+    slides = (not getattr(cfg, "layer_types", None) and is_count(window, 1)
               and getattr(cfg, "use_sliding_window", True) is not False)
     if slides and (positions is None or window < positions):
         return window
@@ -245,8 +245,9 @@ def positions_named(cfg) -> str:
     return f"{limit} positions"
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_count(value, low: Optional[int] = 0) -> bool:
+    """An int (never a bool) of at least ``low`` (None: any)."""
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
 
 
 def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None) -> list[int]:

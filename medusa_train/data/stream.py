@@ -96,7 +96,7 @@ class ConversationStream:
             self.counted_epoch = epoch
         return self.read_stats if epoch == self.counted_epoch else ReadStats()
 
-    def dataset(self, epoch: int = 0, stats: Optional[ReadStats] = None):
+    def dataset(self, epoch: int, stats: ReadStats):
         import datasets   # lazy: 1.1 s to import, only once a stream is read
         from datasets.distributed import split_dataset_by_node   # lazy: as datasets
 
@@ -107,7 +107,6 @@ class ConversationStream:
         else:
             start = n_eval
             stop = None if d.max_conversations is None else n_eval + d.max_conversations
-        stats = stats if stats is not None else self._read_stats(epoch)
         gen = functools.partial(_conversation_records, d.source, d.split, d.system_prompt, start, stop, stats)
         ds = datasets.IterableDataset.from_generator(gen)
         if not self.eval_split and d.shuffle_buffer > 1:
@@ -291,15 +290,11 @@ def check_training_data(data, tokenizer=None) -> None:
     start = int(data.eval_conversations)
     stop = None if data.max_conversations is None else start + int(data.max_conversations)
     training, refused = 0, 0
-    for i, messages in enumerate(iter_conversations(str(data.source), data.split, stats, data.system_prompt)):
-        if stop is not None and i >= stop:
-            break
-        if i < start:
-            continue
+    for record in _conversation_records(str(data.source), data.split, data.system_prompt, start, stop, stats):
         if tokenizer is None:
             return
         try:
-            encoded = encode_conversation(tokenizer, messages, data.max_length)
+            encoded = encode_conversation(tokenizer, record["messages"], data.max_length)
         except TemplateRefused as e:  # dropped as the stream drops it; all refused: "gave no training conversations"
             stats.refuse(e.reason)
             refused += 1
