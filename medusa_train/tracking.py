@@ -85,7 +85,12 @@ class Tracker:
         if plot_path is not None and self.plot_enabled:
             out = plot_curves(self.path, plot_path)
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as e:  # tracking must never turn a finished (or interrupted) run into a traceback
+                print(f"[medusa-train] wandb: finishing its run failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); every metric is in {self.path}",
+                      file=sys.stderr, flush=True)
         return out
 
 
