@@ -28,7 +28,7 @@ from .backbone import load_backbone, load_backbone_config, parse_device, parse_d
 from .errors import NeedsBackboneConfig, UserError
 from .formats.export import FormatWarning
 from .formats.importers import detect_layout, importer_for
-from .heads.native import check_config_object, check_safetensors, load_native, place, read_native_spec
+from .heads.native import check_config_object, check_safetensors, place, read_native, read_native_spec
 from .heads.registry import family
 from .heads.spec import HeadsSpec, check_compatible
 from .runtime.adapter import merge_lora, read_adapter
@@ -136,25 +136,50 @@ def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
                device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
                input_embeddings: Optional[torch.Tensor] = None):
     """Load heads strictly; with ``backbone_config``, refuse heads made for another model."""
+    heads, own_lm_head = read_heads(heads_dir, backbone_config, lm_head_weight)
+    return attach_backbone(heads, heads_dir, own_lm_head if own_lm_head is not None else lm_head_weight,
+                           input_embeddings, device, dtype)
+
+
+def read_heads(heads_dir: str | os.PathLike, backbone_config=None, lm_head_weight: Optional[torch.Tensor] = None):
+    """(heads, the directory's own copy of a shared lm_head or None) of any layout, strictly checked (every tensor
+    named and shaped as the config implies; with ``backbone_config``, made for that model) and in the form their
+    family serves, but not yet given the backbone tensors they borrow (``attach_backbone``): it reads no backbone
+    weights, so ``load_medusa`` reads the heads before them and refuses mismatched ones first."""
     d = Path(heads_dir)
     if detect_layout(d) is not None:
-        heads = import_heads(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
-                             input_embeddings=input_embeddings)
+        heads, own_lm_head = _read_imported(d, backbone_config, lm_head_weight)
     else:
         _canonical_spec(read_native_spec(d), f"heads in {d}")  # refused before any weight is read
-        heads = load_native(d, backbone_config, lm_head_weight, device=device, dtype=dtype,
-                            input_embeddings=input_embeddings)
-    return _canonicalize(heads, f"heads in {d}")
+        heads, own_lm_head = read_native(d, backbone_config), None
+    return _canonicalize(heads, f"heads in {d}"), own_lm_head
+
+
+def attach_backbone(heads, heads_dir, lm_head_weight: Optional[torch.Tensor], input_embeddings: Optional[torch.Tensor],
+                    device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
+    """Read heads (``read_heads``) given the backbone tensors they borrow (a shared lm_head, the input embeddings;
+    one line where one is needed and missing), cast and placed, in eval mode."""
+    if heads.needs_lm_head and lm_head_weight is None:
+        raise UserError(f"heads in {heads_dir} share the backbone lm_head: pass the backbone to load them")
+    if heads.needs_input_embeddings and input_embeddings is None:
+        raise UserError(f"{heads.spec.kind} heads in {heads_dir} read the backbone's input embeddings: "
+                        "pass the backbone to load them")
+    heads.attach_backbone(lm_head_weight, input_embeddings)
+    return place(heads, device, dtype)
 
 
 def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch.Tensor] = None,
                  device="cpu", dtype: Optional[torch.dtype] = None, input_embeddings: Optional[torch.Tensor] = None):
     """Load a foreign directory, with the checks ``load_heads`` makes for ours."""
     d = Path(heads_dir)
-    layout = detect_layout(d)
-    if layout is None:
+    if detect_layout(d) is None:
         raise UserError(f"{d} is neither a heads export nor a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 directory")
-    importer = importer_for(layout)
+    return load_heads(d, backbone_config, lm_head_weight, device, dtype, input_embeddings)
+
+
+def _read_imported(d: Path, backbone_config=None, lm_head_weight: Optional[torch.Tensor] = None):
+    """``read_heads`` of a foreign layout: (heads, its own lm_head copy or None)."""
+    importer = importer_for(detect_layout(d))
     # The layout's notes only once the heads fit this backbone: a refusal is then one line on its own.
     with warnings.catch_warnings(record=True) as notes:
         warnings.simplefilter("always", FormatWarning)
@@ -167,19 +192,7 @@ def import_heads(heads_dir, backbone_config=None, lm_head_weight: Optional[torch
             check_compatible(spec, backbone_config, where=f"heads in {d}")
     for note in notes:
         warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
-    heads, own_lm_head = importer.load(d, spec)
-    if spec.projection == "shared":
-        # A vLLM dir carries its own lm_head copy: run what the engine would run.
-        weight = own_lm_head if own_lm_head is not None else lm_head_weight
-        if weight is None:
-            raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
-        heads.attach_lm_head(weight)
-    if heads.needs_input_embeddings:  # EAGLE-3 drafters embed with the target's own table, as the engines do
-        if input_embeddings is None:
-            raise UserError(f"{spec.kind} heads in {d} read the backbone's input embeddings: "
-                            "pass the backbone to load them")
-        heads.attach_backbone(None, input_embeddings)
-    return place(heads, device, dtype)
+    return importer.load(d, spec)
 
 
 def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
@@ -220,7 +233,9 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         name = str(backbone) if backbone is not None else spec.base_model
         if not name:
             raise UserError(f"heads in {heads_dir} do not record their backbone; pass backbone=")
-        _refuse_another_target(heads_dir, spec, name, trust_remote_code)
+        target = _refuse_another_target(heads_dir, spec, name, trust_remote_code)
+        # The heads read whole before the backbone's weights: tensors their config does not imply, refused first.
+        read = read_heads(heads_dir, target) if _checkable(target) else None
         dev = parse_device(device or "cpu")
         dt = parse_dtype(dtype or torch.float32)
         apply = apply_adapter if apply_adapter is not None else backbone is None
@@ -233,7 +248,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
             merge_lora(model, Path(heads_dir) / spec.backbone_adapter, adapter)
             adapter_applied = True
     else:
-        model = backbone
+        model, read = backbone, None
         if not hasattr(model, "get_output_embeddings"):
             raise UserError(f"backbone must be a name, a path or a transformers causal LM, got {type(model).__name__}")
         p = next(model.parameters())
@@ -245,8 +260,12 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     if spec.backbone_adapter and apply_adapter and not adapter_applied:
         merge_lora(model, Path(heads_dir) / spec.backbone_adapter)
         adapter_applied = True
-    heads = load_heads(heads_dir, backbone_config=model.config, lm_head_weight=lm_w, device=dev, dtype=dt,
-                       input_embeddings=emb.weight if emb is not None else None)
+    if read is None:
+        read = read_heads(heads_dir, model.config, lm_w)
+    else:
+        check_compatible(read[0].spec, model.config, where=f"heads in {heads_dir}")
+    heads = attach_backbone(read[0], heads_dir, read[1] if read[1] is not None else lm_w,
+                            emb.weight if emb is not None else None, dev, dt)
     if draft_weights == "float16":  # before routing: the half linears are not routed
         half_draft_weights(heads, model)
     m = apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
@@ -254,17 +273,18 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     return apply_graphs(m, graphs, graph_buckets)
 
 
-def _refuse_another_target(heads_dir, spec: HeadsSpec, name: str, trust_remote_code: bool) -> None:
-    """Heads made for another target, refused from that target's config before its weights load (the
-    load checks again, on the model's own config). A config that cannot be read here is left to
-    ``load_backbone``, which says why in one line; a spec without a vocabulary (TGI v2) takes the target's."""
+def _refuse_another_target(heads_dir, spec: HeadsSpec, name: str, trust_remote_code: bool):
+    """The target's config (not its weights; None where it cannot be read here: ``load_backbone`` says why in one
+    line), heads made for another target refused from it before its weights load (the load checks again, on the
+    model's own config); a spec without a vocabulary (TGI v2) takes the target's."""
     try:
         config = load_backbone_config(name, trust_remote_code=trust_remote_code)
     except UserError:
-        return
+        return None
     check_backbone_config(config, name)   # a backbone the tree decoder cannot decode, before its weights
     if spec.vocab_size and _checkable(config):
         check_compatible(spec, config, where=f"heads in {heads_dir}")
+    return config
 
 
 def kernel_plans_path() -> Optional[Path]:

@@ -18,7 +18,7 @@ so. Writers are told apart by process id on this host: a directory shared by sev
 keeps another host's leftovers rather than risk removing a live writer's.
 
 Foreign layouts (reference Medusa, TGI, vLLM) are not known here: ``inference.loading`` asks the
-format importers first and falls back to ``read_native_spec`` / ``load_native``.
+format importers first and falls back to ``read_native_spec`` / ``read_native``.
 """
 
 from __future__ import annotations
@@ -220,11 +220,11 @@ def read_native_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
         raise UserError(f"{d / CONFIG_FILE} is not a heads config ({e})") from None
 
 
-def load_native(heads_dir: str | os.PathLike, backbone_config=None,
-                lm_head_weight: Optional[torch.Tensor] = None,
-                device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
-                input_embeddings: Optional[torch.Tensor] = None) -> ProjectedHeads:
-    """Load a native export strictly; with ``backbone_config``, refuse heads made for another model."""
+def read_native(heads_dir: str | os.PathLike, backbone_config=None) -> ProjectedHeads:
+    """A native export's heads, strictly (every tensor named and shaped as the config implies), on the CPU as
+    stored and not yet given the backbone tensors they borrow (``inference.loading.attach_backbone``); with
+    ``backbone_config``, heads made for another model refused. It needs no backbone weights, so a loader reads it
+    before them."""
     d = Path(heads_dir)
     spec = read_native_spec(d)
     if backbone_config is not None:
@@ -240,12 +240,7 @@ def load_native(heads_dir: str | os.PathLike, backbone_config=None,
     if missing or extra:
         raise UserError(f"{d / WEIGHTS_FILE} does not match its config: missing {missing[:4]}, unexpected {extra[:4]}")
     load_state_checked(heads, tensors, d / WEIGHTS_FILE)
-    if heads.needs_lm_head and lm_head_weight is None:
-        raise UserError(f"heads in {d} share the backbone lm_head: pass the backbone to load them")
-    if heads.needs_input_embeddings and input_embeddings is None:
-        raise UserError(f"{spec.kind} heads in {d} read the backbone's input embeddings: pass the backbone to load them")
-    heads.attach_backbone(lm_head_weight, input_embeddings)
-    return place(heads, device, dtype)
+    return heads
 
 
 def check_safetensors(f: str | os.PathLike) -> None:

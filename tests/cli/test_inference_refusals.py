@@ -485,3 +485,60 @@ def test_every_prompt_is_checked_against_the_positions_before_any_is_decoded(mon
     with pytest.raises(UserError, match="prompt 'long'"):
         batch_eval.evaluate_batched(m, prompts, methods=["autoregressive"], batch_sizes=[1], max_new_tokens=4,
                                     progress=False, log=lambda line: None)
+
+
+def _rewrite_weights(folder: Path, change) -> None:
+    """``folder``'s single safetensors file rewritten with ``change(tensors)`` applied (a sound header)."""
+    from safetensors.torch import load_file, save_file
+
+    f = next(folder.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    change(tensors)
+    save_file(tensors, str(f))
+
+
+def _widen_first(tensors: dict) -> None:
+    name = sorted(k for k, t in tensors.items() if t.dim() == 2)[0]
+    tensors[name] = torch.zeros(tensors[name].shape[0] + 1, tensors[name].shape[1])
+
+
+@pytest.mark.parametrize("source, change, phrase", [
+    ("heads3", _widen_first, "has shape (65, 64), config implies (64, 64)"),
+    ("heads3", lambda t: t.pop(sorted(t)[0]), "does not match its config: missing"),
+    ("heads3", lambda t: t.update(extra=torch.zeros(2)), "unexpected ['extra']"),
+    ("e3", _widen_first, "config implies"),
+    ("vllm_e3", lambda t: t.pop("fc.weight"), "fc.weight"),
+])
+def test_heads_that_do_not_match_their_config_are_refused_before_the_backbone_loads(source, change, phrase, setup,
+                                                                                    monkeypatch, capsys):
+    """Guards against heads whose tensors are not the ones their config implies (one mis-shaped, missing or extra
+    tensor; a native Medusa or EAGLE-3 export, and an EAGLE-3 drafter in the engines' layout) refused only after the
+    backbone's weights had loaded (minutes into an 8B model): ``load_medusa`` now reads the heads whole, from the
+    target's config alone, before the backbone. Only the backbone's loader is replaced here."""
+    import inference.backbone
+    import inference.cli_run  # noqa: F401  (imported before the patches, as no_loading)
+    import inference.loading
+    from inference.cli import generate_main
+    from inference.formats.export import export_heads
+    from inference.loading import load_heads
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the backbone was loaded before the refusal")
+
+    if source == "vllm_e3":   # the engines' EAGLE-3 layout, exported from the native one
+        e3 = load_heads(setup / "e3", input_embeddings=torch.zeros(320, 64))
+        export_heads(e3, "eagle3", setup / "vllm_e3")
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=64).save_pretrained(setup / "bb4")   # deep enough for aux layers 1, 2, 3
+    shutil.copytree(setup / "bbtok", setup / "bb4", dirs_exist_ok=True, ignore=shutil.ignore_patterns("config.json"))
+    folder = setup / f"bad_{source}"
+    shutil.copytree(setup / source, folder)
+    _rewrite_weights(folder, change)
+    for module in (inference.loading, inference.backbone):
+        monkeypatch.setattr(module, "load_backbone", loaded)
+    line = _one_line_refusal(generate_main, [f"heads={folder}", f"backbone={setup / 'bb4'}", "prompt=hi",
+                                             "max_new_tokens=8", "choice=fixed"], setup, capsys)
+    assert line.startswith("medusa-generate: error: "), line
+    assert phrase in line, (phrase, line)
