@@ -91,7 +91,7 @@ def check_options_fit(options: dict, spec, cfg) -> None:
     for opts in options.values():
         check = getattr(opts, "check_backbone", None)
         if check is not None:
-            check(config)
+            check(config, backbone_name(cfg, spec))
 
 
 def backbone_name(cfg, spec) -> Optional[str]:

@@ -12,7 +12,8 @@ Draft-model speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batc
      (token-identical to plain greedy decoding). sample: accept x_i with probability
      min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the next token from
      normalize(max(0, p_i - q_i)) and stop; if all K are accepted draw a bonus from p_{K+1}.
-     Every emitted token then follows p exactly, whatever the draft (``accept_drafts``).
+     Every emitted token then follows p exactly, whatever the draft (``accept_drafts``; decoding verifies with
+     ``verify``'s "sampled" rule, the same rule on a chain, at batch 1 as in batches);
      typical: Medusa's lossy rule on the chain (``verify.verify``);
   5. both KV caches roll back to prompt + accepted tokens (``TreeKVCache.truncate``). The draft
      never ran x_K, so after a fully accepted step it first catches up on x_K and the new root,
@@ -99,9 +100,11 @@ def _forward_chain(m: MedusaModel, tokens: list[int] | torch.Tensor, past: int, 
     return m.hidden(ids, (buf.position_offsets + past)[None], cache, buf.additive_mask(past, m.dtype))[0]
 
 def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int] | torch.Tensor, cfg: SamplingConfig,
-                 gen: Optional[torch.Generator]) -> tuple[list[int], int]:
-    """Score root + a fixed proposal (a list, or a device tensor [k]) in one target forward, keep the accepted prefix
-    in ``cache``; one host read (the verdict, which brings the accepted tokens).
+                 gen: Optional[torch.Generator], draft_probs: Optional[torch.Tensor] = None) -> tuple[list[int], int]:
+    """Score root + a proposal (a list, or a device tensor [k]) in one target forward, keep the accepted prefix
+    in ``cache``; one host read (the verdict, which brings the accepted tokens). A fixed proposal is verified as a
+    point mass (``chain_sampling``); one drawn from ``draft_probs`` [k, V] (sample mode) by the "sampled" rule, which on
+    a chain is speculative sampling, as the batched draft model verifies.
 
     Returns (accepted proposal tokens, bonus token); afterwards ``cache`` holds
     ``past + 1 + len(accepted)`` entries (prefix, root, accepted tokens).
@@ -111,7 +114,8 @@ def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int
     tokens = torch.cat([torch.tensor([root], device=m.device), proposal])
     h = _forward_chain(m, tokens, past, cache)
     buf = chain_buffers(tokens.numel(), m.device)
-    verdict = verify(buf, tokens, m.logits(h), chain_sampling(cfg), None, gen)
+    rule = chain_sampling(cfg) if draft_probs is None else dataclasses.replace(cfg, draft="sampled")
+    verdict = verify(buf, tokens, m.logits(h), rule, draft_probs, gen)
     n = len(verdict.path) - 1
     cache.truncate(past + 1 + n)
     return verdict.accepted_tokens(tokens), verdict.bonus
@@ -137,16 +141,17 @@ class DraftSettings:
         parse_self_draft(self.draft)  # a malformed self:N fails before any model is loaded
         check_chain_schedule(self.schedule, self.k, "draft_k")
 
-    def check_backbone(self, config) -> None:
+    def check_backbone(self, config, name: Optional[str] = None) -> None:
         """Refuse, from the backbone's config alone (before its weights load), a self:N deeper than it, and a draft
-        checkpoint (``check_draft_checkpoint``) that cannot load or has another vocabulary."""
+        checkpoint (``check_draft_checkpoint``) that cannot load or has another vocabulary, or (the backbone's
+        ``name`` given) another tokenizer."""
         layers = parse_self_draft(self.draft)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         total = getattr(text, "num_hidden_layers", None)
         if layers and isinstance(total, int) and layers > total:
             raise UserError(f"a self-draft takes 1..{total} of the backbone's layers, got {self.draft!r}")
         if layers is None and isinstance(self.draft, str):
-            check_draft_checkpoint(self.draft, getattr(text, "vocab_size", None), self.trust_remote_code)
+            check_draft_checkpoint(self.draft, getattr(text, "vocab_size", None), self.trust_remote_code, name)
 
     @property
     def k_max(self) -> int:
@@ -192,11 +197,13 @@ def self_draft(target: MedusaModel, num_layers: int) -> MedusaModel:
     draft.self_draft_layers = num_layers
     return draft
 
-def check_draft_checkpoint(name: str, target_vocab: Optional[int], trust_remote_code: bool = False) -> None:
+def check_draft_checkpoint(name: str, target_vocab: Optional[int], trust_remote_code: bool = False,
+                           target: Optional[str] = None) -> None:
     """A draft checkpoint (a path or hub id) refused, before any weights load, where ``load_draft`` would only
     refuse it after the target's: one it cannot find or read the config of (``backbone.load_backbone_config``'s
     refusals), a vocabulary other than the target's (``target_vocab``; ``check_vocabulary``), a tokenizer it
-    cannot load. The configs and the tokenizer alone are read."""
+    cannot load, or (``target``: the target's name) one that is not the target's (``check_same_tokenizer``: same
+    size, other ids). The configs and the tokenizers alone are read."""
     try:
         config = backbones.load_backbone_config(name, trust_remote_code=trust_remote_code)
         check_backbone_config(config, name)   # the draft decodes on the same runtime as the target
@@ -206,10 +213,16 @@ def check_draft_checkpoint(name: str, target_vocab: Optional[int], trust_remote_
     if isinstance(target_vocab, int) and isinstance(getattr(text, "vocab_size", None), int):
         check_vocabulary(target_vocab, text.vocab_size)
     try:
-        backbones.load_tokenizer(name, trust_remote_code=trust_remote_code)
+        tokenizer = backbones.load_tokenizer(name, trust_remote_code=trust_remote_code)
     except (UserError, OSError, ValueError) as e:   # transformers' own words span lines: one line here
         words = " ".join(str(e).split()) or type(e).__name__
         raise UserError(f"draft={name}: its tokenizer cannot be loaded ({words})") from None
+    if target is not None:
+        try:
+            own = backbones.load_tokenizer(target, trust_remote_code=trust_remote_code)
+        except (UserError, OSError, ValueError):
+            return   # the target's own load says why, in its words
+        check_same_tokenizer(own, tokenizer)
 
 
 def check_vocabulary(target: int, draft: int) -> None:
@@ -222,7 +235,12 @@ def check_vocabulary(target: int, draft: int) -> None:
 def check_draft_compatible(target: MedusaModel, draft: MedusaModel) -> None:
     """Refuse a draft that does not speak the target's tokens (one line, ``UserError``)."""
     check_vocabulary(target.vocab_size, draft.vocab_size)
-    tt, dt = target.tokenizer, draft.tokenizer
+    check_same_tokenizer(target.tokenizer, draft.tokenizer)
+
+
+def check_same_tokenizer(tt, dt) -> None:
+    """The draft's tokenizer ``dt`` maps tokens to the target's (``tt``) ids, with its special tokens (one line
+    otherwise); nothing to check where either is unknown."""
     if tt is None or dt is None or tt is dt:
         return
     if tt.get_vocab() != dt.get_vocab():
@@ -236,6 +254,7 @@ def check_draft_compatible(target: MedusaModel, draft: MedusaModel) -> None:
     if sorted(tt.all_special_ids) != sorted(dt.all_special_ids):
         raise UserError("the draft model's tokenizer has other special tokens than the target's: "
                         "a draft must use the target's tokenizer")
+
 
 def parse_self_draft(spec) -> Optional[int]:
     """The layer count of a ``self:N`` spec (0 for bare ``self``: a quarter of the layers), None
@@ -357,16 +376,10 @@ class DraftDecoder:
     def step(self) -> tuple[list[int], int]:
         k, past, root = self.k, self.past, self.seq[-1]
         drafts, q = self._propose(k)
-        if q is None:                                  # greedy / typical: verify the fixed chain
-            accepted, bonus = verify_chain(self.m, self.cache, past, root, drafts, self.cfg, self.gen)
-            n = len(accepted)
-        else:
-            h = _forward_chain(self.m, torch.cat([drafts.new_tensor([root]), drafts]), past, self.cache)
-            p = target_probs(self.m.logits(h), self.cfg)
-            n_t, nxt = accept_drafts(drafts[None], p[None], q[None], self.gen)
-            n, bonus, *chain = torch.cat([n_t, nxt, drafts]).tolist()     # one read: the verdict and the drafts
-            accepted = chain[:n]
-            self.cache.truncate(past + 1 + n)
+        # greedy / typical: the fixed chain; sample: speculative sampling with the drafts' q, by the rule and the
+        # draws of the batched draft model, so generate and generate_batch of one prompt sample alike from one seed
+        accepted, bonus = verify_chain(self.m, self.cache, past, root, drafts, self.cfg, self.gen, q)
+        n = len(accepted)
         new = accepted + [bonus]
         self.dcache.truncate(min(self.dcache.length, past + 1 + n))   # drop rejected draft entries
         self.seq += new

@@ -147,6 +147,8 @@ REFUSED = [
     (EVAL, ["draft=no-such-org/no-such-draft"] + DRAFT, "draft=no-such-org/no-such-draft: cannot load backbone"),
     (EVAL, ["draft={tmp}/bb400"] + DRAFT, "the draft model's vocabulary has 400 entries, the target's 320"),
     (EVAL, ["draft={tmp}/bb"] + DRAFT, "draft={tmp}/bb: its tokenizer cannot be loaded"),
+    (EVAL, ["draft={tmp}/bbeos"] + DRAFT, "the draft model's tokenizer has another eos_token_id (256 vs 258)"),
+    (EVAL, ["draft={tmp}/bbswapped"] + DRAFT, "the draft model's tokenizer maps tokens to other ids than the target's"),
     (EVAL, ["methods=[hf_generate]", PROMPTS, "backbone={tmp}/bbtok", "mode=sample", "max_new_tokens=8"],
      "hf_generate is measured in greedy mode only"),
     (EVAL, ["methods=[autoregressive]", "prompts={tmp}/long.jsonl", "backbone={tmp}/bbtok", "max_new_tokens=8"],
@@ -227,6 +229,20 @@ def setup(tmp_path) -> Path:
     tokenizer_config = json.loads((tmp_path / "bbnochat" / "tokenizer_config.json").read_text())
     tokenizer_config.pop("chat_template", None)
     (tmp_path / "bbnochat" / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    for name in ("bbeos", "bbswapped"):   # drafts of the target's vocabulary size, with another tokenizer
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "bbtok" / "config.json", tmp_path / name / "config.json")
+    other_eos = byte_tokenizer()
+    other_eos.eos_token = "<|endoftext|>"
+    other_eos.save_pretrained(tmp_path / "bbeos")
+    swapped = json.loads((tmp_path / "bbtok" / "tokenizer.json").read_text())
+    vocab = swapped["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "bbswapped" / "tokenizer.json").write_text(json.dumps(swapped))
+    for f in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tmp_path / "bbtok" / f).is_file():
+            shutil.copy(tmp_path / "bbtok" / f, tmp_path / "bbswapped" / f)
     nosys = byte_tokenizer()   # a chat template that refuses a system prompt, as Gemma's
     nosys.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
                            "supported') }}{% endif %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
@@ -291,7 +307,8 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
     without a chat template (medusa-eval); a backbone without a tokenizer and a chat template refusing system=
     were tracebacks. Review 5: a backbone with sliding-window layers (Qwen2 with use_sliding_window) refused by
     ``MedusaModel`` only once its weights had loaded; a request past a Mistral-7B-v0.1-style window (every layer
-    within it)."""
+    within it). Review 6: a draft of the target's vocabulary size whose tokenizer maps tokens to other ids, or has
+    another EOS, refused only once both models had loaded."""
     from inference.cli import eval_main, generate_main
     from inference.export_cli import export_main
 
