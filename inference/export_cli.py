@@ -8,7 +8,8 @@
 
 Keys:
   heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 dir (re-export)
-  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM and SGLang)
+  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM and SGLang);
+                    MLP speculators: vllm (its V0 engine) or tgi
   out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true, and even then
                     unless it is a previous export (an engine layout's config.json and only the files
                     exports write, no subfolders); never

@@ -28,6 +28,9 @@ tensor names, shapes and dtypes, and what it silently ignores. Each returns a li
   vLLM mlp_speculator  vllm/model_executor/models/mlp_speculator.py and
                   vllm/transformers_utils/configs/mlp_speculator.py (v0.8-v0.10, read through the
                   stored index; the MLPSpeculator class there: emb/proj/ln/head, tie_weights, scale_input)
+  TGI mlp_speculator  server/text_generation_server/layers/mlp.py (MLPSpeculatorModel / ModelTied / Head) and
+                  layers/speculative.py, models/__init__.py (get_model: model_type mlp_speculator)
+                  commit 09a1de5cd112a7ff940a2de7ebce7077af5b937c
 
   EAGLE-3       vLLM vllm/model_executor/models/llama_eagle3.py     commit 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190
                   (LlamaDecoderLayer.forward, LlamaModel.load_weights, Eagle3LlamaForCausalLM.load_weights /
@@ -458,6 +461,84 @@ def check_vllm_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> lis
     if extra:
         problems.append(f"names vLLM would silently skip: {extra[:4]}")
     return problems + _dtype_problems(tensors)
+
+
+# -- TGI mlp_speculator ------------------------------------------------------------------------
+def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
+    """TGI's ``get_model`` + ``SpeculativeHead.load`` + ``MLPSpeculatorHead.load`` against a directory.
+
+    ``get_model``: model_type ``mlp_speculator`` -> a speculator dir; the backbone is ``base_model_name_or_path``
+    (a KeyError without it); ``n_predict`` bounds ``--speculate``; every ``.safetensors`` file of the dir is routed.
+    ``SpeculativeHead.load``: ``architectures[0] == "MLPSpeculatorPreTrainedModel"`` or no speculator at all (and
+    a KeyError without ``architectures`` sends it to the Medusa loaders). ``MLPSpeculatorModel`` reads
+    ``speculator.emb.{i}.weight``, ``speculator.proj.{i}.weight`` (no bias), ``speculator.head.{i}.weight``,
+    ``speculator.ln.{i}.weight`` / ``.bias`` with ``weights.get_tensor`` (a missing name fails the load); tied:
+    emb.0, proj.0, proj.1, head.0, ln.0. ``inner_dim`` from the config (0 would zero the embedding term); the
+    output size is the backbone's vocab_size."""
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        return ["missing config.json"]
+    cfg = json.loads(cfg_path.read_text())
+    problems = []
+    if cfg.get("model_type") != "mlp_speculator":
+        problems.append(f"model_type must be mlp_speculator, got {cfg.get('model_type')!r}")
+    if (cfg.get("architectures") or [None])[0] != "MLPSpeculatorPreTrainedModel":
+        problems.append("architectures[0] must be MLPSpeculatorPreTrainedModel (else TGI runs no speculator)")
+    for key in ("base_model_name_or_path", "n_predict", "inner_dim"):
+        if not cfg.get(key):
+            problems.append(f"config lacks a non-empty {key}")
+    if cfg.get("scale_input"):
+        problems.append("scale_input is set: TGI does not apply it")
+    if problems:
+        return problems
+    n, inner, tie = cfg["n_predict"], cfg["inner_dim"], bool(cfg.get("tie_weights"))
+    expected = {}
+    for i in range(1 if tie else n):
+        expected[f"speculator.emb.{i}.weight"] = (vocab_size, inner)
+        expected[f"speculator.head.{i}.weight"] = (vocab_size, inner)
+        expected[f"speculator.ln.{i}.weight"] = (inner,)
+        expected[f"speculator.ln.{i}.bias"] = (inner,)
+    for i in range(2 if tie else n):
+        expected[f"speculator.proj.{i}.weight"] = (inner, hidden_size if i == 0 else inner)
+    tensors = {}
+    for f in d.iterdir():
+        if f.suffix == ".safetensors":
+            tensors.update(_tensors(f))
+    for name, shape in expected.items():
+        if name not in tensors:
+            problems.append(f"missing {name} (get_tensor fails)")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, TGI needs {shape}")
+    return problems + _dtype_problems(tensors)
+
+
+def tgi_mlp_speculator_probs(d: Path, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """TGI's ``MLPSpeculatorModel.forward`` (top-1 per head, as ``top_k_tokens_per_head = [1] * n``) restated in
+    fp32: [b, n_predict, vocab] probabilities from the backbone's last hidden states [b, H] and its greedy tokens
+    [b]."""
+    cfg = json.loads((d / "config.json").read_text())
+    t = {}
+    for f in d.iterdir():
+        if f.suffix == ".safetensors":
+            t.update({k: v.float() for k, v in _tensors(f).items()})
+    n, inner, tie = cfg["n_predict"], cfg["inner_dim"], bool(cfg.get("tie_weights"))
+    state_weight = 0.5 ** (0.5 / n)
+    emb_weight = math.sqrt(1 - state_weight ** 2)
+
+    def ln(x, i):   # MLPSpeculatorLayerNorm, eps 1e-6
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return t[f"speculator.ln.{i}.weight"] * x + t[f"speculator.ln.{i}.bias"]
+
+    state, ind, probs = hidden.float(), input_ids, []
+    for i in range(n):
+        e, h, p = (0, 0, min(i, 1)) if tie else (i, i, i)
+        z = torch.nn.functional.embedding(ind, t[f"speculator.emb.{e}.weight"]) * (emb_weight * math.sqrt(inner / 2))
+        state = state @ t[f"speculator.proj.{p}.weight"].T * state_weight + z
+        state = torch.nn.functional.gelu(ln(state, e))
+        step = torch.log_softmax(state @ t[f"speculator.head.{h}.weight"].T, dim=-1)
+        probs.append(step.exp())
+        ind = step.argmax(-1)
+    return torch.stack(probs, dim=1)
 
 
 # -- EAGLE-3 (vLLM and SGLang) ---------------------------------------------------------------------

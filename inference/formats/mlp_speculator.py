@@ -1,4 +1,4 @@
-"""vLLM's ``mlp_speculator`` directory: export our ``MLPSpeculatorHeads`` to it, import it back.
+"""vLLM's and TGI's ``mlp_speculator`` directory: export our ``MLPSpeculatorHeads`` to it, import it back.
 
 Read from vLLM's loader (vllm/model_executor/models/mlp_speculator.py ``MLPSpeculator.__init__``
 / ``load_weights``, and vllm/transformers_utils/configs/mlp_speculator.py ``MLPSpeculatorConfig``;
@@ -21,6 +21,19 @@ for anything else, and the model registry (vllm/model_executor/models/registry.p
 registry lists models dropped with the V0 engine as last supported in 0.10.2. So this export serves on
 vLLM 0.10.x or older with the V0 engine (``VLLM_USE_V1=0``), and ``medusa-export`` says so.
 
+TGI serves the same directory (``format=tgi``), read from its loader (huggingface/text-generation-inference
+server/text_generation_server/models/__init__.py ``get_model``, layers/speculative.py, layers/mlp.py, commit
+09a1de5cd112a7ff940a2de7ebce7077af5b937c): a config.json with ``model_type: mlp_speculator`` is a speculator dir,
+the backbone is its ``base_model_name_or_path``, ``--speculate`` defaults to ``n_predict`` and may not exceed it;
+``SpeculativeHead.load`` needs ``architectures[0] == "MLPSpeculatorPreTrainedModel"`` (otherwise it runs with no
+speculator), reads ``inner_dim`` (0 would scale the embeddings by 0) and ``tie_weights``, and every
+``.safetensors`` file of the dir under the names ``speculator.emb.{k}`` / ``proj`` / ``ln`` / ``head`` (no name
+stripping). Its MLPSpeculatorModel computes ``state = proj_k(state) * w_s + emb_k(tok) * w_e sqrt(inner/2)``, then
+``gelu(ln_k(state))`` — vLLM's step times ``w_s`` before a scale-invariant norm, equal up to its epsilon — and has
+no ``scale_input``: heads trained with it are refused. As for TGI's Medusa dirs, the launcher reads this config for
+its attention choice and the router takes the tokenizer and chat template from this dir
+(``reference.tgi_launcher_keys`` / ``tgi_tokenizer_files``).
+
 The head is a full-vocabulary matrix: ``projection=own`` exports as is; ``shared`` and
 ``truncated`` only with ``materialize=true`` (as for Medusa heads, see ``full_projection``).
 
@@ -42,7 +55,7 @@ from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
 from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter
 from .importers import register_importer
-from .reference import load_pickle_weights
+from .reference import load_pickle_weights, tgi_launcher_keys, tgi_tokenizer_files
 
 MODEL_TYPE = "mlp_speculator"
 WEIGHTS = "model.safetensors"
@@ -51,9 +64,45 @@ PICKLE = "pytorch_model.bin"  # what IBM's fms-extras checkpoints hold; read wit
 
 @register_exporter("vllm", "mlp_speculator", files=(WEIGHTS,))
 def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
+    plan = _plan(heads, options, "vLLM")
+    spec = heads.spec
+    plan.notes.append(f"serve with: --speculative-config '{{\"model\": \"<this dir>\", \"num_speculative_tokens\": "
+                      f"{spec.num_heads}}}' (vLLM reads model_type {MODEL_TYPE})")
+    plan.notes.append(f"note: only vLLM versions with the V0 engine serve {MODEL_TYPE} (0.10.x or older, with "
+                      "VLLM_USE_V1=0); vLLM's V1 engine refuses it (\"Unknown speculative decoding method\"); "
+                      "format=tgi writes it for TGI")
+    return plan
+
+
+@register_exporter("tgi", "mlp_speculator", files=(WEIGHTS,))
+def export_tgi_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
+    """The same directory for TGI (module docstring): tensors under ``speculator.``, the launcher's head-size keys
+    and the backbone's tokenizer files beside them; heads trained with ``scale_input`` refused (TGI feeds the
+    backbone state unscaled: they would draft other tokens there)."""
+    spec = heads.spec
+    if spec.settings.scale_input:
+        raise UserError("TGI's mlp_speculator feeds the backbone state to the first projection unscaled (it has no "
+                        "scale_input): these heads were trained with heads.scale_input=true and would draft other "
+                        "tokens there; export format=vllm, or train with heads.scale_input=false")
+    plan = _plan(heads, options, "TGI")
+    plan.tensors = {f"speculator.{k}": t for k, t in plan.tensors.items()}
+    reader = options.backbone_config
+    keys, note = tgi_launcher_keys(reader() if reader is not None else None, spec)
+    plan.config.update(keys)
+    if note:
+        plan.notes.append(note)
+    plan.extra_files.update(tgi_tokenizer_files(options, plan.notes))
+    plan.notes.append(f"serve: text-generation-launcher --model-id <this dir> (--speculate 1..{spec.num_heads}; "
+                      "TGI reads the backbone from base_model_name_or_path)")
+    return plan
+
+
+def _plan(heads, options: ExportOptions, engine: str) -> ExportPlan:
+    """vLLM's and TGI's common directory: config.json and the tensors under the names both loaders give them
+    (TGI adds the ``speculator.`` prefix vLLM strips)."""
     spec = heads.spec
     if spec.projection != "own" and not options.materialize:
-        raise UserError(f"vLLM's mlp_speculator needs a full-vocabulary head.{{k}}; these heads use a "
+        raise UserError(f"{engine}'s mlp_speculator needs a full-vocabulary head.{{k}}; these heads use a "
                         f"{spec.projection} projection: pass materialize=true to expand it")
     tensors: dict[str, torch.Tensor] = {}
     for name, t in heads.state_dict().items():
@@ -70,7 +119,7 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
             after += w.numel() * w.element_size()
         tensors[f"head.{k}.weight"] = w
     if after:
-        notes.append(materialise_note(heads, "vllm mlp_speculator", before, after))
+        notes.append(materialise_note(heads, f"{engine} mlp_speculator", before, after))
     inner = spec.settings.inner_dim or spec.hidden_size
     config = {
         "architectures": ["MLPSpeculatorPreTrainedModel"],
@@ -86,10 +135,6 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
         "base_model_name_or_path": options.base_model or spec.base_model,
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
     }
-    notes.append(f"serve with: --speculative-config '{{\"model\": \"<this dir>\", \"num_speculative_tokens\": "
-                 f"{spec.num_heads}}}' (vLLM reads model_type {MODEL_TYPE})")
-    notes.append(f"note: only vLLM versions with the V0 engine serve {MODEL_TYPE} (0.10.x or older, with "
-                 "VLLM_USE_V1=0); vLLM's V1 engine refuses it (\"Unknown speculative decoding method\")")
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
 
 

@@ -393,3 +393,46 @@ def test_truncated_mlp_speculator_needs_materialize_and_hydra_has_no_vllm_layout
     assert any("materialised" in n for n in result.notes)
     with pytest.raises(UserError, match="kind 'hydra'"):
         export_heads(dependent_heads(model, "hydra"), "vllm", tmp_path / "c")
+
+
+@pytest.mark.parametrize("extra", [{}, {"tie_weights": True}], ids=["untied", "tied"])
+def test_mlp_speculator_exports_to_tgi_and_drafts_there_what_it_drafts_here(model, extra, tmp_path):
+    """Guards against MLP speculators that no maintained engine serves (vLLM's V1 engine refuses them): the TGI
+    export must load in TGI's loader (``speculator.``-prefixed names it reads with get_tensor, its architectures
+    and inner_dim keys) and TGI's MLPSpeculatorModel must draft, head by head, the distribution this runtime drafts;
+    the directory imports back bit-identically."""
+    from engine_specs import check_tgi_mlp_speculator, tgi_mlp_speculator_probs
+    from inference.formats.export import ExportOptions, export_heads
+    from inference.loading import import_heads
+
+    heads = dependent_heads(model, "mlp_speculator", **extra)
+    d = export_heads(heads, "tgi", tmp_path / "tgi", options=ExportOptions(base_model="org/backbone")).path
+    assert check_tgi_mlp_speculator(d, H, V) == []
+    g = torch.Generator().manual_seed(6)
+    hidden, greedy = torch.randn(4, H, generator=g), torch.randint(0, V, (4,), generator=g)
+    tgi = tgi_mlp_speculator_probs(d, hidden, greedy)
+    future = torch.cat([greedy[:, None], tgi.argmax(-1)[:, :-1]], dim=1)   # TGI's own top-1 chain
+    for k in range(heads.spec.num_heads):
+        ours = torch.softmax(heads.teacher_forced_logits(hidden, future, k), dim=-1)
+        torch.testing.assert_close(ours, tgi[:, k], atol=1e-5, rtol=1e-4)
+    back = import_heads(d, model.config)
+    for k in range(heads.spec.num_heads):
+        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
+                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+
+
+def test_tgi_refuses_mlp_speculators_trained_with_scale_input(model, tmp_path):
+    """Guards against a TGI export of heads trained with scale_input (vLLM's ln0 on the backbone state), which TGI's
+    MLPSpeculatorModel never applies: they would draft other tokens there without a word. Truncated heads need
+    materialize=true, as for vLLM."""
+    from engine_specs import check_tgi_mlp_speculator
+    from inference.formats.export import ExportOptions, export_heads
+
+    with pytest.raises(UserError, match="TGI's mlp_speculator .* has no scale_input"):
+        export_heads(dependent_heads(model, "mlp_speculator", scale_input=True), "tgi", tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    truncated = dependent_heads(model, "mlp_speculator", projection="truncated")
+    with pytest.raises(UserError, match="materialize=true"):
+        export_heads(truncated, "tgi", tmp_path / "b")
+    export_heads(truncated, "tgi", tmp_path / "b", options=ExportOptions(materialize=True, base_model="org/backbone"))
+    assert check_tgi_mlp_speculator(tmp_path / "b", H, V) == []
