@@ -30,6 +30,7 @@ from .loading import kernel_plans_path, load_medusa
 from .methods.choice_file import write_choice
 from .methods.registry import PLAIN_METHOD, batched_names, check_greedy_only, get, methods_for_heads
 from .runtime.batch_decode import check_batch_size
+from .runtime.decode import stream_text
 from .runtime.draft_weights import check_draft_weights
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 from .runtime.race import auto_threads
@@ -191,13 +192,9 @@ def run_generate(cfg) -> None:
         return
     stream = decoding.stream(m, ids[0], method, options=options, max_new_tokens=cfg.max_new_tokens,
                              sampling=sampling, seed=cfg.seed)
-    shown, tokens = "", []
-    for chunk in stream:  # decode the whole answer each time: multi-byte characters span tokens
-        tokens += chunk
-        text = m.tokenizer.decode(tokens, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown):])
+    for piece in stream_text(m.tokenizer, stream):   # multi-byte characters span tokens: printed once whole
+        sys.stdout.write(piece)
         sys.stdout.flush()
-        shown = text
     out = stream.result
     graphs = ""
     if m.static is not None and (m.static.captures or m.static.calls.captures):

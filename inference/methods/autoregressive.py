@@ -15,7 +15,7 @@ import torch
 from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import prefill_token, seeded_generator
 from ..runtime.model import MedusaModel
-from ..runtime.verify import SamplingConfig, choose_token
+from ..runtime.verify import SamplingConfig, plain_token
 from .registry import Method, register
 
 
@@ -43,7 +43,7 @@ class AutoregressiveDecoder:
         self._input.fill_(self.tok)
         pos = torch.full((1, 1), self.past, dtype=torch.long, device=m.device)
         h = m.hidden(self._input, pos, self.cache)[0, -1]
-        self.tok = int(choose_token(m.logits(h), self.cfg, self.gen))
+        self.tok = int(plain_token(m.logits(h), self.cfg, self.gen))   # as the batched loop draws: one seed, one output
         self.past += 1
         return [self.tok], 0
 

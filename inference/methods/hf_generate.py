@@ -46,7 +46,7 @@ def hf_generate(m: MedusaModel, prompt_ids: list[int], max_new_tokens: int, samp
                 options=None, eos_token_ids=None) -> GenerationOutput:
     ids = torch.tensor([prompt_ids], device=m.device)
     new, dt = _generate(m, ids, torch.ones_like(ids), max_new_tokens, eos=eos_token_ids)
-    g = _output(new[0], len(prompt_ids))
+    g = _output(new[0], len(prompt_ids), eos_set(m, eos_token_ids))
     g.decode_s = dt
     return g
 
@@ -109,8 +109,11 @@ def _generate(m: MedusaModel, ids: torch.Tensor, mask: torch.Tensor, max_new_tok
     return rows, dt
 
 
-def _output(new: list[int], prompt_tokens: int) -> GenerationOutput:
-    g = GenerationOutput(tokens=new, prompt_tokens=prompt_tokens, finish_reason="hf")
+def _output(new: list[int], prompt_tokens: int, eos: set[int]) -> GenerationOutput:
+    """``GenerationOutput`` of one row's new tokens, cut after its first EOS (one of ``eos``): its finish reason as
+    the runtime's (``eos``, else ``length``: generate stops early only at an EOS)."""
+    finish = "eos" if new and new[-1] in eos else "length"
+    g = GenerationOutput(tokens=new, prompt_tokens=prompt_tokens, finish_reason=finish)
     g.accept_lengths = [1] * max(len(new) - 1, 0)
     return g
 
@@ -123,7 +126,7 @@ def hf_generate_batch(m: MedusaModel, prompts: list[list[int]], max_new_tokens: 
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=m.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=m.device)
     rows, dt = _generate(m, ids, mask, max_new_tokens)
-    outs = [_output(new, len(p)) for new, p in zip(rows, prompts)]
+    outs = [_output(new, len(p), eos_set(m, None)) for new, p in zip(rows, prompts)]
     for g in outs:
         g.decode_s = dt
     return BatchOutput(outs, decode_s=dt)
@@ -169,7 +172,7 @@ def hf_generate_static(m: MedusaModel, prompt_ids: list[int], max_new_tokens: in
         _generate(m, ids, torch.ones_like(ids), n, min_new_tokens=n, **static)
         warm.add(length)
     new, dt = _generate(m, ids, torch.ones_like(ids), max_new_tokens, eos=eos_token_ids, **static)
-    g = _output(new[0], len(prompt_ids))
+    g = _output(new[0], len(prompt_ids), eos_set(m, eos_token_ids))
     g.decode_s = dt
     return g
 

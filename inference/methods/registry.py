@@ -314,7 +314,10 @@ def generate_batch(m, prompts, method: str = "medusa", *, options=None, max_new_
                    ragged: str = "compact", **option_fields) -> BatchOutput:
     """Decode a batch of prompts (a list of id lists, any lengths) together with ``method``; returns a
     ``BatchOutput`` (a ``GenerationOutput`` per prompt). Arguments as ``generate``; ``ragged`` picks
-    the cache layout (``batch_cache``). Greedy rows are token-identical to ``generate`` of each prompt."""
+    the cache layout (``batch_cache``). Greedy rows are token-identical to ``generate`` of each prompt. Sampled
+    (``seed``): a batch of one prompt draws what ``generate`` of it draws with that seed (``draft_adaptive`` aside:
+    batches keep k fixed); the rows of a larger batch share one generator, so each follows the same law with other
+    draws than its prompt alone."""
     spec = get(method)
     if spec.batch_decoder is None:
         raise UserError(f"method {method} decodes one prompt at a time; batched methods: {', '.join(batched_names())}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Protocol, Sequence
+from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -80,6 +80,28 @@ class TokenStream:
 
     def __iter__(self):
         self.result = yield from self._gen
+
+
+# an incomplete multi-byte character (its last byte in a later token) decodes to this until that byte comes
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def stream_text(tokenizer, chunks: Iterable[Sequence[int]], skip_special_tokens: bool = True) -> Iterator[str]:
+    """The text of streamed token chunks (a ``TokenStream``), piece by piece: the pieces join to
+    ``tokenizer.decode`` of all the tokens. The tokens so far are decoded whole each time, and a trailing U+FFFD is
+    held back until a later token completes its character: decoding each chunk alone, or printing what a partial
+    character decodes to, shows U+FFFD in place of every character whose bytes span two tokens."""
+    tokens: list[int] = []
+    shown = ""
+    for chunk in chunks:
+        tokens += chunk
+        text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens).rstrip(REPLACEMENT_CHARACTER)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+    text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)   # what stayed incomplete, as decoded
+    if len(text) > len(shown):
+        yield text[len(shown):]
 
 
 # -- shared plumbing ----------------------------------------------------------------------

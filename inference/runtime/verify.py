@@ -147,6 +147,16 @@ def choose_token(logits: torch.Tensor, cfg: SamplingConfig, generator: Optional[
     return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).reshape(p.shape[:-1])
 
 
+def plain_token(logits: torch.Tensor, cfg: SamplingConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """The next token of plain decoding from logits [V]: ``choose_token``, but in sample mode drawn as the verification
+    of a one-node tree draws it (``verify_sample``: a step's uniforms, the bonus from the first), so plain decoding of
+    one prompt and the plain batched loop with one row emit the same tokens from one seed. The same law."""
+    if cfg.mode != "sample" or cfg.is_greedy:
+        return choose_token(logits, cfg, generator)
+    uniforms = torch.rand(1, UNIFORMS, generator=generator, device=logits.device)
+    return draw(target_probs(logits[None], cfg).float(), uniforms[:, 0])[0]
+
+
 # -- proposals ----------------------------------------------------------------------------
 def propose(buf: TreeBuffers, head_logits: list[torch.Tensor], to_vocab, cfg: SamplingConfig,
             generator: Optional[torch.Generator], vocab_size: int):
