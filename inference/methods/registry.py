@@ -23,7 +23,8 @@ import torch
 
 from ..cli_support import enum_value
 from ..errors import UserError
-from ..runtime.decode import Decoder, GenerationOutput, TokenStream, as_medusa_model, run_decoder
+from ..runtime.decode import (Decoder, GenerationOutput, TokenStream, as_medusa_model, check_budget,
+                              prompt_tensor, run_decoder)
 from ..runtime.batch_decode import BatchOutput, run_batch
 from ..runtime.model import MedusaModel, kv_bytes_per_token
 from ..runtime.verify import SamplingConfig
@@ -262,7 +263,16 @@ def options_report(options) -> dict:
 
 
 # -- one generate / stream for every method ---------------------------------------------------
-def _runner_steps(out: GenerationOutput):
+def _runner_steps(runner, m, input_ids, max_new_tokens: int, max_steps: Optional[int], *args, **kwargs):
+    """A runner's whole generation as one streamed chunk, checked and run when the stream is first iterated, as
+    ``run_decoder`` runs a decoder. One token a step: ``max_steps`` (after the prefill's token) bounds the tokens,
+    and an answer it cut ends for "steps"."""
+    ids = prompt_tensor(m, input_ids)[0].tolist()
+    check_budget(m, len(ids), max_new_tokens)
+    n = max_new_tokens if max_steps is None else max(1, min(max_new_tokens, max_steps + 1))
+    out = runner(m, ids, n, *args, **kwargs)
+    if n < max_new_tokens and out.finish_reason == "length":
+        out.finish_reason = "steps"
     yield list(out.tokens)
     return out
 
@@ -288,9 +298,8 @@ def stream(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens
     eos_token_ids: None = the model's, ``()`` = never stop early."""
     spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields)
     if spec.runner is not None:
-        ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
-        return TokenStream(_runner_steps(spec.runner(m, ids, max_new_tokens, sampling, seed, opts,
-                                                     eos_token_ids=eos_token_ids)))
+        return TokenStream(_runner_steps(spec.runner, m, input_ids, max_new_tokens, max_steps, sampling, seed, opts,
+                                         eos_token_ids=eos_token_ids))
     decoder = spec.decoder(m, opts, sampling, seed)
     return TokenStream(run_decoder(decoder, m, input_ids, max_new_tokens, eos_token_ids, max_steps))
 

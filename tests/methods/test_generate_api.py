@@ -127,3 +127,22 @@ def test_a_batch_of_one_samples_as_generate_with_the_same_seed(backbone, mode):
         if name == "draft" and mode == "sample":      # the rule ran both ways: drafts kept and rejected
             assert any(a > 1 for a in alone.accepted) and any(a < 4 for a in alone.accepted)
 
+
+
+def test_hf_generate_keeps_the_apis_budget_and_step_rules():
+    """Guards against method hf_generate (transformers' generate behind the same API) ignoring ``max_steps`` (the
+    whole budget decoded), skipping the prompt checks every other method makes (a prompt past the backbone's
+    positions reached transformers), and running in full when ``stream`` was called rather than when iterated."""
+    from inference.errors import UserError
+
+    m = wrap(tiny_llama(vocab=96, seed=0), None)
+    plain = generate(m, PROMPT, "autoregressive", max_new_tokens=12, eos_token_ids=(), max_steps=3)
+    out = generate(m, PROMPT, "hf_generate", max_new_tokens=12, eos_token_ids=(), max_steps=3)
+    assert out.tokens == plain.tokens and len(out.tokens) == 4
+    assert out.finish_reason == plain.finish_reason == "steps"
+    too_long = [1] * (m.max_positions - 4)
+    s = stream(m, too_long, "hf_generate", max_new_tokens=8)     # nothing runs yet
+    with pytest.raises(UserError, match="exceeds the backbone's"):
+        next(iter(s))
+    with pytest.raises(UserError, match="prompt is empty"):
+        generate(m, [], "hf_generate", max_new_tokens=8)
