@@ -48,6 +48,10 @@ tensor names, shapes and dtypes, and what it silently ignores. Each returns a li
                   (LlamaDecoderLayer.forward, LlamaModel.forward, LlamaForCausalLMEagle3.load_weights: d2t ->
                   hot_token_id), python/sglang/srt/models/llama.py commit 00239548f1cd1a06ca145a5447a86738090a48f1
                   (set_eagle3_layers_to_capture: eagle_config ids + 1), model_runner (eagle_config only)
+                TensorRT-LLM tensorrt_llm/_torch/models/modeling_speculative.py
+                  commit 00679c66c3e38f6d2651ad0a5bef0f94d862e36c (Eagle3DraftModel, Eagle3ForCausalLM), with
+                  _torch/speculative/eagle3.py, utils.py, llmapi/llm_args.py, models/modeling_llama.py and
+                  modules/attention.py at the commits listed above ``check_trtllm_eagle3``
 
 If an engine changes its loader, update the matching function here and the exporter with it.
 """
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -911,3 +916,193 @@ def sglang_eagle3_logits(params: dict, cfg: dict, normed: torch.Tensor) -> torch
     out = logits.new_full((logits.shape[0], cfg["vocab_size"]), float("-inf"))
     out[:, hot] = logits
     return out
+
+
+# -- EAGLE-3 (TensorRT-LLM) ------------------------------------------------------------------------
+# TensorRT-LLM's PyTorch backend (NVIDIA/TensorRT-LLM, read through the stored index):
+#   tensorrt_llm/_torch/models/modeling_speculative.py  commit 00679c66c3e38f6d2651ad0a5bef0f94d862e36c
+#     (Eagle3Attention, Eagle3DecoderLayer, Eagle3DraftModel, Eagle3ForCausalLM.load_weights / apply_eagle3_fc,
+#     _build_eagle3_one_model_draft, SpecDecOneEngineForCausalLM: draft config from speculative_model's config.json)
+#   tensorrt_llm/_torch/speculative/eagle3.py           commit 001e67005b4f64b69b0045456870be48ab7b2cf0
+#     (Eagle3OneModelSpecMetadata: default capture, maybe_capture_hidden_states; Eagle3OneModelWorker: drafter
+#     inputs, positions, draft_decoder's d2t)
+#   tensorrt_llm/_torch/speculative/utils.py            commit 011d0933dcb5e592f5fa2626beaf42a96324c578
+#     (get_spec_metadata: layers_to_capture = EagleDecodingConfig.eagle3_layers_to_capture)
+#   tensorrt_llm/llmapi/llm_args.py                     commit 0004396720054fd8e205cbf616f21f0b57c6b412
+#     (EagleDecodingConfig: eagle3_layers_to_capture default {1, N//2-1, N-4}, eagle3_one_model forced true,
+#     speculative_model alias speculative_model_dir, max_draft_len)
+#   tensorrt_llm/_torch/models/modeling_llama.py        commit 3a5901cd0d77bed18baaf402d1d12fab468d44a9
+#     (LlamaDecoderLayer.forward: capture after the MLP; the same at 012cf9099ed6935c6b42a7b4c91356cbfa81b442)
+#   tensorrt_llm/_torch/modules/attention.py            commit c6d3bb2aae305e0b5ac1b97b7954dcf87d653322
+#     (head_dim from the config, else hidden // heads), modeling_utils.py _load_weights_impl (stored index)
+# Restated for one-layer Llama drafters (eagle3_model_arch "llama3", no MLA, no eh_proj), plain RoPE only.
+TRTLLM_STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def trtllm_eagle3_aux_ids(layers_to_capture, num_layers: int) -> tuple:
+    """The transformers hidden_states ids TensorRT-LLM feeds fc, in fc's order: ``eagle3_layers_to_capture`` (or,
+    unset, (1, N//2-1, N-4), refused on N <= 5), sorted; LlamaDecoderLayer captures hidden + residual *after*
+    decoder layer j, i.e. hidden_states[j + 1]. The embeddings cannot be named; -1 (the final post-norm state)
+    is no decoder layer's output and is refused here."""
+    if layers_to_capture is None:
+        if num_layers <= 5:
+            raise ValueError("Not enough hidden layers for default EAGLE3 capture")
+        layers_to_capture = (1, num_layers // 2 - 1, num_layers - 4)
+    ids = sorted(set(int(j) for j in layers_to_capture))
+    if any(not 0 <= j < num_layers for j in ids):
+        raise ValueError(f"layers {ids} are not decoder layers 0..{num_layers - 1} of the target")
+    return tuple(j + 1 for j in ids)
+
+
+def trtllm_eagle3_flags(cfg: dict) -> dict:
+    """The drafter flags as Eagle3DraftModel reads them: norm_before_fc from ``eagle_config`` only, fc_norm from the
+    top level, the post-norm state fed back with eagle_config's return_hidden_post_norm or top-level norm_output;
+    apply_eagle3_fc runs fc_norm *or* input_norm (fc_norm first), never both."""
+    eagle = cfg.get("eagle_config") or {}
+    fc_norm = bool(cfg.get("fc_norm", False))
+    return {"norm_before_fc": bool(eagle.get("norm_before_fc", False)), "fc_norm": fc_norm,
+            "post_norm": bool(eagle.get("return_hidden_post_norm", False) or cfg.get("norm_output", False))}
+
+
+def _trtllm_config_problems(cfg: dict, hidden_size: int, vocab_size: int) -> list[str]:
+    problems = []
+    eagle = cfg.get("eagle_config") or {}
+    if cfg.get("model_type") != "llama":
+        problems.append("model_type must be llama (ModelConfig.from_pretrained builds a LlamaConfig)")
+    if cfg.get("num_hidden_layers") != 1:
+        problems.append("num_hidden_layers must be 1: more builds midlayer.{i}, which midlayer.* does not fill")
+    if cfg.get("hidden_size") != hidden_size or cfg.get("vocab_size") != vocab_size:
+        problems.append(f"sizes ({cfg.get('hidden_size')}, {cfg.get('vocab_size')}) differ from the target's "
+                        f"({hidden_size}, {vocab_size})")
+    if cfg.get("draft_vocab_size") is None:
+        problems.append("no draft_vocab_size: TensorRT-LLM takes vocab_size (with a warning)")
+    if cfg.get("kv_lora_rank"):
+        problems.append("kv_lora_rank: TensorRT-LLM builds an MLA (DeepSeek-V3 style) draft layer")
+    if eagle.get("eh_proj_before_attn"):
+        problems.append("eagle_config.eh_proj_before_attn: TensorRT-LLM adds enorm / eh_proj and drops input_layernorm")
+    if cfg.get("target_hidden_size") not in (None, cfg.get("hidden_size")):
+        problems.append("target_hidden_size != hidden_size: TensorRT-LLM then needs the drafter's own embed_tokens")
+    if cfg.get("tie_word_embeddings", False):
+        problems.append("tie_word_embeddings: TensorRT-LLM skips lm_head.weight")
+    for key in ("attention_bias", "mlp_bias", "bias"):
+        if cfg.get(key):
+            problems.append(f"{key}: the drafter weights have no bias")
+    if cfg.get("rope_scaling"):
+        problems.append("rope_scaling: TensorRT-LLM's RopeParams are not restated here (plain RoPE only)")
+    # flags vLLM honours that TensorRT-LLM computes otherwise
+    flags = trtllm_eagle3_flags(cfg)
+    if cfg.get("norm_before_residual"):
+        problems.append("norm_before_residual: TensorRT-LLM's decoder layer keeps the un-normed state as residual")
+    if cfg.get("logit_scale", 1.0) != 1.0:
+        problems.append("logit_scale: TensorRT-LLM does not scale the draft logits")
+    if cfg.get("norm_before_fc") and not flags["norm_before_fc"]:
+        problems.append("norm_before_fc at the top level only: TensorRT-LLM reads it from eagle_config, no input_norm")
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        problems.append("norm_before_fc with fc_norm: TensorRT-LLM applies fc_norm only")
+    return problems
+
+
+def check_trtllm_eagle3(d: Path, hidden_size: int, vocab_size: int, num_capture_layers: int = 3):
+    """``Eagle3ForCausalLM`` (one-model, eagle3_model_arch llama3) built from the dir's config.json and its
+    ``load_weights``: ``layers.0.`` -> ``midlayer.``, ``model.`` before every name but lm_head (a checkpoint's own
+    lm_head replaces the target's), q/k/v and gate/up fused; each module copies its own parameters from the
+    names under it, so a parameter without a tensor is an AssertionError (d2t, the norms) or left unloaded (the
+    linears), and a tensor without a parameter is silently ignored (t2d, a shared embed_tokens). fc is
+    [H, num_capture_layers x H] (``num_capture_layers``: len(eagle3_layers_to_capture), else 3); d2t is an int32
+    parameter only when draft_vocab_size != vocab_size. Returns (params, config, problems)."""
+    cfg = json.loads((d / "config.json").read_text())
+    tensors = _tensors(d / "model.safetensors")
+    problems = _trtllm_config_problems(cfg, hidden_size, vocab_size)
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") if isinstance(cfg.get("head_dim"), int) else h // heads  # modules/attention.py
+    inner, draft_vocab = cfg["intermediate_size"], cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    flags, mid = trtllm_eagle3_flags(cfg), "model.midlayer."
+    expect = {f"{mid}self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, 2 * h),
+              f"{mid}self_attn.o_proj.weight": (h, heads * hd),
+              f"{mid}mlp.gate_up_proj.weight": (2 * inner, h), f"{mid}mlp.down_proj.weight": (h, inner),
+              **{f"{mid}{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+              "model.norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+    if num_capture_layers > 1:
+        expect["model.fc.weight"] = (h, num_capture_layers * h)
+    if flags["norm_before_fc"]:
+        expect["model.input_norm.weight"] = (num_capture_layers * h,)
+    if flags["fc_norm"]:
+        expect.update({f"model.fc_norm.{i}.weight": (h,) for i in range(num_capture_layers)})
+    if draft_vocab != cfg["vocab_size"]:
+        expect["model.d2t"] = (draft_vocab,)
+    renamed = {}
+    for name, t in tensors.items():
+        name = re.sub(r"^layers\.0\.", "midlayer.", name)
+        renamed[name if "lm_head" in name else "model." + name] = t
+    params, shards = {}, {}
+    for name, t in renamed.items():
+        fused = next(((f, parts.index(p)) for f, parts in TRTLLM_STACKED.items() for p in parts
+                      if name.endswith(f".{p}.weight")), None)
+        if fused:
+            key = name.rsplit(".", 2)[0] + f".{fused[0]}.weight"
+            shards.setdefault(key, {})[fused[1]] = t
+        elif name in expect:
+            params[name] = t.to(torch.int32) if name == "model.d2t" else t
+        elif name not in ("model.t2d", "model.embed_tokens.weight"):
+            problems.append(f"{name} is silently ignored by TensorRT-LLM (no such parameter)")
+    for name, parts in shards.items():
+        params[name] = torch.cat([parts[i] for i in sorted(parts)], 0)
+    for name, shape in expect.items():
+        if name not in params:
+            problems.append(f"{name} is never loaded: TensorRT-LLM fails (AssertionError) or keeps it uninitialised")
+        elif tuple(params[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(params[name].shape)}, TensorRT-LLM allocates {shape}")
+    if "d2t" in tensors and tensors["d2t"].is_floating_point():
+        problems.append("d2t must be integers (TensorRT-LLM copies it into an int32 parameter)")
+    problems += _dtype_problems({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")})
+    return params, cfg, problems
+
+
+def trtllm_eagle3_fc(params: dict, cfg: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """``apply_eagle3_fc``: when the input is not H wide, fc_norm per captured layer if set, else input_norm over
+    the concat if eagle_config sets norm_before_fc, then fc."""
+    flags, eps = trtllm_eagle3_flags(cfg), cfg.get("rms_norm_eps", 1e-6)
+    if flags["fc_norm"]:
+        n = params["model.fc.weight"].shape[1] // cfg["hidden_size"]
+        hidden = torch.cat([_rms(b, params[f"model.fc_norm.{i}.weight"], eps)
+                            for i, b in enumerate(hidden.chunk(n, -1))], -1)
+    elif flags["norm_before_fc"]:
+        hidden = _rms(hidden, params["model.input_norm.weight"], eps)
+    return hidden @ params["model.fc.weight"].T
+
+
+def trtllm_eagle3_forward(params: dict, cfg: dict, embed: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+                          positions: torch.Tensor, past=None):
+    """One Eagle3DraftModel pass (the same arguments as ``eagle3_engine_forward``): fc first when ``hidden`` is the
+    captured concat; Eagle3DecoderLayer: residual = hidden, [input_layernorm(embeds); hidden_norm(hidden)] -> qkv
+    -> neox RoPE -> attention -> o_proj, fused add + post_attention_layernorm, MLP, fused add + norm (no
+    norm_before_residual); the state fed to the next step is the pre-norm sum unless the post-norm flag is set.
+    Returns (normed, next state, (k, v))."""
+    if cfg.get("rope_scaling"):
+        raise NotImplementedError("TensorRT-LLM's scaled RoPE is not restated")
+    if hidden.shape[-1] != cfg["hidden_size"]:
+        hidden = trtllm_eagle3_fc(params, cfg, hidden)
+    # the layer's math is the midlayer one restated above, with none of vLLM's flags
+    plain = {k: v for k, v in cfg.items() if k not in ("norm_before_residual", "norm_output")}
+    normed, prenorm, kv = eagle3_engine_forward(params, plain, "model.midlayer.", embed, tokens, hidden, positions,
+                                                past)
+    return normed, normed if trtllm_eagle3_flags(cfg)["post_norm"] else prenorm, kv
+
+
+def trtllm_eagle3_logits(params: dict, cfg: dict, normed: torch.Tensor) -> torch.Tensor:
+    """The draft logits (lm_head, unscaled) put at the target ids draft_decoder maps them to (i + d2t[i]; no d2t:
+    the same ids), -inf at every other target id."""
+    logits = normed @ params["lm_head.weight"].T
+    d2t = params.get("model.d2t")
+    targets = torch.arange(logits.shape[-1]) + (d2t.long() if d2t is not None else 0)
+    out = logits.new_full((logits.shape[0], cfg["vocab_size"]), float("-inf"))
+    out[:, targets] = logits
+    return out
+
+
+def trtllm_eagle3_draft_tokens(params: dict, normed: torch.Tensor) -> torch.Tensor:
+    """``draft_decoder``: argmax over the draft vocabulary, then d2t[i] + i (int32 target ids)."""
+    ids = (normed @ params["lm_head.weight"].T).argmax(-1)
+    d2t = params.get("model.d2t")
+    return (ids + d2t[ids] if d2t is not None else ids).to(torch.int32)

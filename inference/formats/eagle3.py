@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter directory vLLM and SGLang both serve: export our ``Eagle3Drafter``, import one.
+"""The EAGLE-3 drafter directory vLLM, SGLang and TensorRT-LLM serve: export our ``Eagle3Drafter``, import one.
 
 Read from the engines' own loaders:
   vLLM    vllm-project/vllm
@@ -31,6 +31,16 @@ runs their forward on an export):
     bool [vocab] (both engines skip it). No ``embed_tokens``: both then use the target's, as we do.
   * a ``medusa_train`` key (engines keep unknown keys as config attributes and never read it) records
     the TTT depth, the target's layer count and fingerprint, so an export re-imports as the same spec.
+
+TensorRT-LLM's PyTorch backend (NVIDIA/TensorRT-LLM ``_torch/models/modeling_speculative.py`` at ``TRTLLM_COMMIT``,
+the other files it reads in ``tests/engine_specs.py``) loads the same directory through ``EagleDecodingConfig``
+(one-model ``Eagle3ForCausalLM``): ``midlayer.*`` kept, ``model.`` prefixed, the checkpoint's lm_head and d2t (an
+int32 parameter, needed when draft_vocab_size != vocab_size) loaded, t2d ignored, the target's embeddings shared.
+It differs in three ways the export answers: it never reads the aux ids from config.json but captures
+``eagle3_layers_to_capture`` (decoder-layer *outputs*, = ``eagle_config``'s ids; default {1, N//2-1, N-4}), so the
+printed commands name them; it reads ``norm_before_fc`` from ``eagle_config`` only, so a set one is written there
+too (vLLM reads it there first); and it computes no ``norm_before_residual``, no ``logit_scale`` and, with both
+norms on fc's input, only ``fc_norm``: such drafters get a note to serve them with vLLM.
 
 The importer reads that layout as SpecForge, the EAGLE repo and vLLM / SGLang users publish it
 (``model.safetensors`` or ``pytorch_model.bin`` with ``torch.load(weights_only=True)``; the EAGLE
@@ -157,11 +167,53 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         f"--speculative-draft-model-path <this dir> --speculative-num-steps {k} --speculative-eagle-topk 1 "
         f"--speculative-num-draft-tokens {k + 1}",
     ]
+    notes += _trtllm_notes(base, k, sorted(read))
     flags = _set_flags(spec.settings.draft_layer)
     if flags:
         notes.append(f"note: this drafter computes {', '.join(f'{f}={v}' for f, v in flags.items())}, which vLLM "
                      "honours and SGLang does not: serve it with vLLM")
+    trtllm_off = trtllm_unhonoured(spec.settings.draft_layer)
+    if trtllm_off:
+        notes.append(f"note: TensorRT-LLM ({TRTLLM_COMMIT[:10]}) would compute other drafts: {'; '.join(trtllm_off)}; "
+                     "serve this drafter with vLLM")
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
+
+
+# TensorRT-LLM's PyTorch backend (module docstring) at the commit its EAGLE-3 drafter was read.
+TRTLLM_COMMIT = "00679c66c3e38f6d2651ad0a5bef0f94d862e36c"
+
+
+def trtllm_layers_to_capture(aux) -> list[int]:
+    """``eagle3_layers_to_capture`` for our aux ids: TensorRT-LLM captures the *output* of decoder layer j
+    (hidden_states[j + 1] here) and never reads the ids from the draft's config.json, so they go in the serve
+    command, one lower (the ids ``eagle_config`` holds for SGLang)."""
+    return [int(i) - 1 for i in sorted(aux)]
+
+
+def _trtllm_notes(base: str, k: int, aux: list[int]) -> list[str]:
+    """The TensorRT-LLM serve commands: the layers to capture are always named (its default {1, N//2-1, N-4} is
+    ours only for drafters trained on EAGLE-3's default ids)."""
+    target, ids = base or "<base model>", trtllm_layers_to_capture(aux)
+    return [
+        f"serve: TensorRT-LLM LLM API: LLM(\"{target}\", speculative_config=EagleDecodingConfig(max_draft_len={k}, "
+        f"speculative_model_dir=\"<this dir>\", eagle3_one_model=True, "
+        f"eagle3_layers_to_capture={{{', '.join(map(str, ids))}}}))",
+        f"serve: trtllm-serve {target} --extra_llm_api_options eagle3.yaml, eagle3.yaml holding: speculative_config: "
+        f"{{decoding_type: Eagle3, max_draft_len: {k}, speculative_model_dir: <this dir>, eagle3_one_model: true, "
+        f"eagle3_layers_to_capture: {ids}}}",
+    ]
+
+
+def trtllm_unhonoured(layer: dict) -> list[str]:
+    """What of ``layer``'s engine flags TensorRT-LLM's Eagle3 drafter computes otherwise than we (and vLLM) do."""
+    out = []
+    if layer.get("norm_before_residual", False):
+        out.append("norm_before_residual=true (its decoder layer keeps the un-normed state as residual)")
+    if layer.get("logit_scale", 1.0) != 1.0:
+        out.append(f"logit_scale={layer['logit_scale']} (it does not scale the draft logits)")
+    if layer.get("norm_before_fc", False) and layer.get("fc_norm", False):
+        out.append("norm_before_fc with fc_norm (it applies fc_norm only, not input_norm before it)")
+    return out
 
 
 def _set_flags(layer: dict) -> dict:
@@ -193,8 +245,10 @@ def _export_config(spec: HeadsSpec, aux: list[int], dtype: torch.dtype, base: st
         "norm_before_residual": bool(layer.get("norm_before_residual", False)),  # written always (SGLang: false)
         **{f: v for f, v in _set_flags(layer).items() if f != "norm_before_residual"},
         "eagle_aux_hidden_state_layer_ids": aux,
+        # TensorRT-LLM reads norm_before_fc from eagle_config only, vLLM from there first: say it there too
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],
-                         "use_aux_hidden_state": True},
+                         "use_aux_hidden_state": True,
+                         **({"norm_before_fc": True} if layer.get("norm_before_fc") else {})},
         "torch_dtype": str(dtype).removeprefix("torch."),
         "base_model_name_or_path": base,
         META: {"num_heads": spec.num_heads, "target_layers": layer["target_layers"],
