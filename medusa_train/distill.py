@@ -158,15 +158,19 @@ class Replay:
             self.done = True
             return None
         pending = []
-        while self.cursor < len(self.source) and self.source[self.cursor]["role"] != "assistant":
-            pending.append(self.source[self.cursor])
-            self.cursor += 1
-        if self.cursor >= len(self.source):
-            self.done = True
-            return None
-        self.cursor += 1  # the assistant turn we replace
-        if not any(m["role"] == "user" for m in self.messages + pending):
-            return self.next_prompt(max_turns)  # a reply to no user turn: nothing to regenerate from
+        while True:
+            while self.cursor < len(self.source) and self.source[self.cursor]["role"] != "assistant":
+                pending.append(self.source[self.cursor])
+                self.cursor += 1
+            if self.cursor >= len(self.source):
+                self.done = True
+                return None
+            self.cursor += 1  # the assistant turn we replace
+            if any(m["role"] == "user" for m in self.messages + pending):
+                break
+            # A reply to no user turn (a greeting after the system prompt): nothing to regenerate it from, so it
+            # is dropped, but the turns before it stay: the next reply must be generated under the system prompt
+            # training will show it with (the reader re-inserts data.system_prompt where it is missing).
         self.pending = pending
         return self.messages + pending
 

@@ -29,6 +29,7 @@ from transformers import GenerationConfig
 from inference.backbone import eos_token_ids
 from inference.errors import UserError
 from inference.methods import generate_batch
+from inference.methods.hf_generate import model_defaults_off
 from inference.runtime.model import MedusaModel
 from inference.runtime.verify import SamplingConfig
 
@@ -76,8 +77,10 @@ class Generator:
         if max_new_tokens is not None and max_new_tokens != config.max_new_tokens:
             config = copy.deepcopy(config)
             config.max_new_tokens = max_new_tokens
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=config)
+        # only this config's settings: a checkpoint's repetition_penalty, min_p, ... would change the replies
+        with model_defaults_off(self.model):
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=config)
         return [self._split(row) for row in out[:, width:].tolist()]
 
     def _split(self, row: list[int]) -> tuple[list[int], bool]:

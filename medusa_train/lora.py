@@ -35,11 +35,12 @@ from torch import nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from inference.backbone import decoder_body, lm_head_weight
+from inference.backbone import decoder_body, lm_head_weight, scale_logits
 from inference.errors import UserError
 from inference.heads.registry import family, setting_names
 from inference.loading import load_heads
 
+from .backbone_inputs import logit_scaling
 from .checkpoint import full_fp32
 from .data.masks import attention_mask, block_causal_mask
 from .data.tokenize import IGNORE
@@ -95,9 +96,12 @@ class JointWithLoss(nn.Module):
     """
 
     def __init__(self, peft_model, body, lm_head: nn.Module, heads, weights: list[float], inv_map,
-                 lcfg, teacher_weight: float = 0.0, feature_noise: float = 0.0):
+                 lcfg, teacher_weight: float = 0.0, feature_noise: float = 0.0, scaling: tuple = (None, None)):
         super().__init__()
         self.feature_noise = feature_noise
+        # The backbone's logit scale / soft-cap after its lm_head (``backbone_inputs.logit_scaling``): the KL / CE
+        # must be on the distribution the tuned model samples from, not on the raw lm_head product.
+        self.scaling = scaling
         self.peft_model = peft_model
         self.heads = heads
         self.weights = weights
@@ -121,19 +125,20 @@ class JointWithLoss(nn.Module):
         same = torch.zeros_like(labels, dtype=torch.bool)
         same[:, :-1] = (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
         where = (nxt != IGNORE) & same
-        student = self.lm_head(hidden[where]).float()
+        student = scale_logits(self.lm_head(hidden[where]).float(), *self.scaling)
         if self.lcfg.backbone_loss == "kl":
             with torch.no_grad(), self.peft_model.disable_adapter():
                 t_hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                      use_cache=False).last_hidden_state
-                teacher = torch.log_softmax(self.lm_head(t_hidden[where]).float(), dim=-1)
+                teacher = torch.log_softmax(scale_logits(self.lm_head(t_hidden[where]).float(), *self.scaling), dim=-1)
             backbone = F.kl_div(torch.log_softmax(student, dim=-1), teacher, log_target=True,
                                 reduction="batchmean") if student.shape[0] else student.sum() * 0.0
         else:
             backbone = F.cross_entropy(student, nxt[where]) if student.shape[0] else student.sum() * 0.0
         heads = heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
                            input_ids=input_ids, teacher_weight=self.teacher_weight,
-                           lm_head_weight=self.lm_head.weight, feature_noise=self.feature_noise)
+                           lm_head_weight=self.lm_head.weight, feature_noise=self.feature_noise,
+                           logit_scaling=self.scaling)
         c = heads_coefficient(self.step, self.lcfg)
         self.last_parts = {"backbone_loss": float(backbone.detach()), "heads_loss": float(heads.detach()),
                            "heads_coefficient": c}
@@ -183,8 +188,9 @@ def save_merged(peft_model, tokenizer, out_dir: Path) -> Path:
 
 
 @torch.no_grad()
-def drift(peft_model, body, lm_head, batches, device) -> dict:
-    """Held-out perplexity with and without the adapter, and how often their argmax agrees."""
+def drift(peft_model, body, lm_head, batches, device, scaling: tuple = (None, None)) -> dict:
+    """Held-out perplexity with and without the adapter, and how often their argmax agrees (``scaling``: the
+    backbone's logit scale / soft-cap, ``JointWithLoss``)."""
     sums = {"nll_tuned": 0.0, "nll_base": 0.0, "agree": 0, "n": 0}
     was_training = peft_model.training
     peft_model.eval()
@@ -200,6 +206,7 @@ def drift(peft_model, body, lm_head, batches, device) -> dict:
         tuned = lm_head(body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[where]).float()
         with peft_model.disable_adapter():
             base = lm_head(body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[where]).float()
+        tuned, base = scale_logits(tuned, *scaling), scale_logits(base, *scaling)
         tgt = nxt[where]
         sums["nll_tuned"] += float(F.cross_entropy(tuned, tgt, reduction="sum"))
         sums["nll_base"] += float(F.cross_entropy(base, tgt, reduction="sum"))
@@ -229,7 +236,7 @@ class JointSource:
         init_heads_from(heads, self.cfg.lora.init_heads, lm_head_weight(model), model.get_input_embeddings().weight)
         self.module = JointWithLoss(self.peft_model, self.body, model.get_output_embeddings(), heads, weights,
                                     inv_map, self.cfg.lora, self.cfg.heads.teacher_weight,
-                                    self.cfg.heads.feature_noise)
+                                    self.cfg.heads.feature_noise, logit_scaling(model))
         return self.module
 
     def param_groups(self, lr: float) -> list[dict]:
@@ -268,7 +275,7 @@ class JointSource:
         """How far the backbone drifted (held-out perplexity with / without the adapter) and, with
         ``lora.merge=true``, the merged backbone."""
         report = drift(self.peft_model, self.body, self.backbone.model.get_output_embeddings(),
-                       self.eval_batches(), self.device)
+                       self.eval_batches(), self.device, logit_scaling(self.backbone.model))
         (output_dir / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
         print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
               f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from inference.backbone import scale_logits
 from inference.heads.registry import family
 
 from .data.masks import block_causal_mask
@@ -192,14 +193,15 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
                metrics: HeadMetrics | None = None, input_ids: torch.Tensor | None = None,
                teacher_weight: float = 0.0, lm_head_weight: torch.Tensor | None = None,
                aux: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-               feature_noise: float = 0.0) -> torch.Tensor:
+               feature_noise: float = 0.0, logit_scaling: tuple = (None, None)) -> torch.Tensor:
     """sum_k lambda_k * loss_k over positions with a target; fills ``metrics`` if given.
 
     For truncated heads, targets outside the head's vocabulary are excluded from the CE
     (they cannot be predicted) but counted as misses in the accuracy. ``input_ids`` is
     needed by heads fed the path tokens; ``lm_head_weight`` by the teacher term; ``aux`` and ``position_ids``
     by heads that read aux layers and positions (their family's declared inputs, module docstring);
-    ``feature_noise`` perturbs what the heads read while they train.
+    ``feature_noise`` perturbs what the heads read while they train; ``logit_scaling`` is the backbone's
+    (logit_scale, final soft-cap) after its lm_head (``backbone_inputs.logit_scaling``), for the teacher term.
     """
     total = hidden.new_zeros(())
     noise = feature_noise if heads.training else 0.0  # held-out batches run in eval mode: clean
@@ -235,7 +237,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
             loss = ce
             if teacher_weight > 0:
                 loss = (1 - teacher_weight) * ce + teacher_weight * _teacher_ce(
-                    logits, hidden, mask, k, lm_head_weight, token_map)
+                    logits, hidden, mask, k, lm_head_weight, token_map, logit_scaling)
             total = total + weights[k] * loss
         else:
             ce = logits.sum() * 0.0  # nothing learnable here; keeps the graph connected
@@ -251,13 +253,17 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
 
 
 def _teacher_ce(logits: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, k: int,
-                lm_head_weight: torch.Tensor | None, token_map: torch.Tensor | None) -> torch.Tensor:
+                lm_head_weight: torch.Tensor | None, token_map: torch.Tensor | None,
+                logit_scaling: tuple = (None, None)) -> torch.Tensor:
     """CE of head k's logits against the backbone's distribution at t+k+1 (the position whose
-    next token head k guesses from t)."""
+    next token head k guesses from t). That distribution is the one the backbone samples from: its
+    logit scale / soft-cap (Cohere, Gemma-2) applied after the lm_head, as ``backbone_logits`` does; the
+    raw lm_head product would be a sharper (or flatter) teacher than the model verification runs."""
     if lm_head_weight is None:
         raise ValueError("the teacher loss needs the backbone's lm_head weight")
     rows, cols = mask.nonzero(as_tuple=True)
     with torch.no_grad():
         w = lm_head_weight if token_map is None else lm_head_weight[token_map]
-        teacher = torch.softmax(F.linear(hidden[rows, cols + k + 1], w.to(hidden.dtype)).float(), dim=-1)
+        raw = F.linear(hidden[rows, cols + k + 1], w.to(hidden.dtype)).float()
+        teacher = torch.softmax(scale_logits(raw, *logit_scaling), dim=-1)  # elementwise: a token map commutes
     return -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1).mean()

@@ -29,7 +29,7 @@ from inference.heads.inputs import BackboneInputs
 from inference.heads.registry import family
 
 from . import features
-from .backbone_inputs import FrozenFeatures
+from .backbone_inputs import FrozenFeatures, logit_scaling
 from .families import backbone_layers
 from .data.readers import ReadStats
 from .data.stream import RankData, StreamStats
@@ -63,9 +63,11 @@ class HeadsWithLoss(nn.Module):
     """What the DeepSpeed engine wraps for frozen features: the heads, and their loss as ``forward``."""
 
     def __init__(self, heads, weights: list[float], inv_map, teacher_weight: float = 0.0,
-                 lm_head_weight: Optional[torch.Tensor] = None, feature_noise: float = 0.0):
+                 lm_head_weight: Optional[torch.Tensor] = None, feature_noise: float = 0.0,
+                 logit_scaling: tuple = (None, None)):
         super().__init__()
         self.feature_noise = feature_noise
+        self.logit_scaling = logit_scaling  # the backbone's own, for the teacher term's distribution
         self.heads = heads
         self.weights = weights
         self.inv_map = inv_map
@@ -80,7 +82,7 @@ class HeadsWithLoss(nn.Module):
         return heads_loss(self.heads, hidden, labels, doc_ids, self.weights, self.inv_map, self.metrics,
                           input_ids=input_ids, teacher_weight=self.teacher_weight,
                           lm_head_weight=self.lm_head_weight, aux=aux, position_ids=position_ids,
-                          feature_noise=self.feature_noise)
+                          feature_noise=self.feature_noise, logit_scaling=self.logit_scaling)
 
 
 class _FrozenHeads:
@@ -96,8 +98,9 @@ class _FrozenHeads:
     def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
         self.inputs = family(spec.kind).inputs
         self.aux_layers = list(self.inputs.layers(spec.settings)) or None
-        self.module = HeadsWithLoss(heads, weights, inv_map, self.cfg.heads.teacher_weight,
-                                    lm_head_weight(self.backbone.model), self.cfg.heads.feature_noise)
+        model = self.backbone.model
+        self.module = HeadsWithLoss(heads, weights, inv_map, self.cfg.heads.teacher_weight, lm_head_weight(model),
+                                    self.cfg.heads.feature_noise, logit_scaling(model))
         return self.module
 
     def param_groups(self, lr: float) -> list:

@@ -80,8 +80,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         upto = _render(tokenizer, messages[: i + 1])
         if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
             start, end = len(before), len(upto)
-        else:  # not prefix-stable: find the reply text itself
-            start = text.find(msg["content"], cursor)
+        else:  # not prefix-stable: find the reply text itself, after the turn it answers
+            start = text.find(msg["content"], _past_prompt(text, messages[i - 1], cursor))
             if start < 0:
                 continue
             end = start + len(msg["content"])
@@ -94,6 +94,15 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _past_prompt(text: str, turn: dict, cursor: int) -> int:
+    """Where the reply to ``turn`` (the user / system turn before it) can begin in ``text``: past that turn's
+    content, found from ``cursor`` (the end of the previous reply); ``cursor`` if the template rewrote it. A short
+    reply is often quoted by the turn it answers ("Say yes" -> "yes"): searched from the previous reply's end
+    alone, the user's words would be labelled instead of the reply."""
+    at = text.find(turn["content"], cursor) if turn["role"] != "assistant" else -1
+    return at + len(turn["content"]) if at >= 0 else cursor
 
 
 def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Optional[Encoded]:

@@ -197,6 +197,28 @@ def test_labels_only_on_assistant_replies_multi_turn(tok):
     assert n_labelled == reply_tokens
 
 
+# Qwen3-style: only the last reply gets a think block, so earlier replies are not prefix-stable (located by text).
+LAST_TURN_THINKS = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+    "{% if message['role'] == 'assistant' and loop.last %}{{'<think></think>'}}{% endif %}"
+    "{{message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_reply_quoted_by_its_prompt_is_labelled_in_the_reply_not_the_prompt():
+    """Guards against: with a template that is not prefix-stable (Qwen3's think block on the last reply only), an
+    earlier reply located by searching its text from the previous reply's end, so a short reply the user's turn
+    quotes ("Say yes" -> "yes") labels the user's words and leaves the real reply untrained."""
+    tok = byte_tokenizer()
+    tok.chat_template = LAST_TURN_THINKS
+    messages = [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "yes"},
+                {"role": "user", "content": "Now say yes again, loud"}, {"role": "assistant", "content": "YES"}]
+    enc = encode_conversation(tok, messages, 1024)
+    assert labelled_runs(tok, enc) == ["yes<|im_end|>", "<think></think>YES<|im_end|>"]
+    first = [i for i, l in enumerate(enc.labels) if l != IGNORE][0]
+    assert tok.decode(enc.input_ids[:first]).endswith("<|im_start|>assistant\n")  # the reply, not "Say yes"
+
+
 def test_truncation_keeps_partial_reply_and_flags_it(tok):
     """Guards against: an over-long conversation not being truncated to max_length, or not being counted as truncated."""
     messages = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "x" * 300}]

@@ -73,6 +73,50 @@ def test_greedy_replies_are_the_backbones_own_output_turn_by_turn(compose_tiny, 
     assert manifest["counts"]["tokens_per_s_per_process"] > 0 and manifest["last_run"]["tokens_per_s"] > 0
 
 
+def test_generate_engine_ignores_the_checkpoints_generation_defaults(compose_tiny, varied_backbone):
+    """Guards against: transformers filling what the engine's GenerationConfig leaves unset from the checkpoint's
+    generation_config.json (a hub model's repetition_penalty, no_repeat_ngram_size, suppress_tokens), so the
+    distilled "greedy" replies are not the backbone's greedy output, differ from the runtime engines' and depend
+    on which engine was measured faster. The model's own generation config must come back untouched."""
+    from medusa_train.distill_engines import Generator
+
+    model, tok = varied_backbone.model, varied_backbone.tokenizer
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0", "distill.max_new_tokens=12")
+    gen = Generator(model, tok, cfg, torch.device("cpu"))
+    prompt = gen.encode([{"role": "user", "content": "hello there, how are you today?"}])
+    eos = eos_token_ids(model, tok)
+    want = [t for t in generate(model, prompt, "autoregressive", max_new_tokens=12, eos_token_ids=eos).tokens
+            if t not in eos]
+    assert len(set(want)) > 3  # a varied reply: a penalty on repeats would change it
+    saved = model.generation_config
+    hub = saved.__class__(**saved.to_dict())
+    hub.update(repetition_penalty=3.0, no_repeat_ngram_size=2, suppress_tokens=[want[0]])
+    model.generation_config = hub
+    try:
+        (got, _), = gen.generate([prompt])
+        assert model.generation_config is hub and hub.repetition_penalty == 3.0
+    finally:
+        model.generation_config = saved
+    assert got == want
+
+
+def test_a_greeting_before_any_user_turn_keeps_the_system_prompt():
+    """Guards against: a conversation whose first reply answers no user turn (system prompt, then an assistant
+    greeting; ``data.system_prompt`` produces it from ShareGPT records opening with a "gpt" turn) losing its
+    system prompt with the skipped greeting, so its replies are generated without the system prompt that
+    training (which re-inserts data.system_prompt) shows them with."""
+    source = [{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hi! Ask me."},
+              {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+              {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}]
+    rep = distill.Replay(0, source)
+    assert rep.next_prompt(None) == [source[0], source[2]]
+    rep.accept("Four.", 2, True)
+    assert rep.next_prompt(None) == [source[0], source[2], {"role": "assistant", "content": "Four."}, source[4]]
+    rep.accept("Six.", 2, True)
+    assert rep.next_prompt(None) is None
+    assert [m for m in rep.record()["messages"] if m["role"] != "assistant"] == [source[0], source[2], source[4]]
+
+
 def test_output_is_read_by_the_trainers_readers(compose_tiny, out_dir):
     """Guards against: output the trainer cannot read as it is (wrong form, dropped records), or the manifest
     and progress files being picked up as conversations by the folder reader."""
