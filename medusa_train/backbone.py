@@ -22,7 +22,7 @@ import torch
 from inference import backbone as runtime_backbone
 from inference.backbone import parse_dtype
 from inference.errors import UserError
-from inference.heads.native import make_temp_dir, release_temp_dir
+from inference.heads.native import make_temp_dir, open_permissions, release_temp_dir
 from inference.heads.spec import backbone_fingerprint
 
 CHATML_TEMPLATE = (
@@ -151,6 +151,7 @@ def keep_random_backbone(backbone: Backbone, folder: Path, write: bool = True) -
         try:
             backbone.model.save_pretrained(tmp, safe_serialization=True)
             backbone.tokenizer.save_pretrained(tmp)
+            open_permissions(tmp)
             folder.mkdir(exist_ok=True)
             for f in sorted(tmp.iterdir()):
                 os.replace(f, folder / f.name)

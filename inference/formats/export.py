@@ -18,7 +18,7 @@ import safetensors.torch   # safetensors.torch.save_file looked up when writing 
 import torch
 
 from ..errors import UserError
-from ..heads.native import make_temp_dir, release_temp_dir, swap_dir_into_place
+from ..heads.native import make_temp_dir, open_permissions, release_temp_dir, swap_dir_into_place
 from . import FORMATS, load_builtin_formats
 from .importers import detect_layout
 
@@ -228,13 +228,7 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
             if "/" in name or name in ("config.json", plan.weights_file):
                 raise ValueError(f"extra file name {name!r} must be a plain name other than the plan's own files")
             (tmp / name).write_text(text, encoding="utf-8")
-        # mkdtemp makes the dir 0700 (and safetensors its file 0600): an engine running as another
-        # user (a container) must read them, so give them the permissions a plain mkdir would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
+        open_permissions(tmp)   # an engine running as another user (a container) must read them
         swap_dir_into_place(tmp, out)
     finally:
         release_temp_dir(tmp)

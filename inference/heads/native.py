@@ -68,6 +68,7 @@ def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
         (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
         if extra is not None:
             extra(tmp)
+        open_permissions(tmp)
         swap_dir_into_place(tmp, out)
     finally:
         release_temp_dir(tmp)
@@ -81,6 +82,17 @@ def make_temp_dir(out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     _ACTIVE.add(tmp)
     return tmp
+
+
+def open_permissions(tmp: Path) -> None:
+    """Give ``tmp`` (``make_temp_dir``) and everything in it the permissions a plain ``mkdir`` / ``open`` would:
+    ``mkdtemp`` makes the folder 0700 and safetensors its files 0600, so an engine, a container or a colleague
+    running as another user could not read what was written (the umask still applies)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [tmp, *tmp.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def release_temp_dir(tmp: Path) -> None:

@@ -101,6 +101,25 @@ def test_spec_validation():
 
 
 # -- export round trip ------------------------------------------------------------------------------
+def test_saved_heads_are_readable_by_other_users(tmp_path):
+    """Guards against a heads export only its owner can read (``heads/`` 0700, its weights and an adapter's 0600,
+    from mkdtemp and safetensors): an engine in a container, a colleague or a job running as another user could not
+    load it. Every file and folder gets what a plain mkdir / open gives under the umask."""
+    old = os.umask(0o022)
+    try:
+        def adapter(tmp):   # a Medusa-2 adapter folder written inside the same atomic save
+            (tmp / "adapter").mkdir()
+            from safetensors.torch import save_file
+            save_file({"w": torch.zeros(2)}, str(tmp / "adapter" / "adapter_model.safetensors"))
+
+        out = save_heads(_trained_heads("own"), tmp_path / "heads", extra=adapter)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert modes == {"heads": 0o755, "heads/config.json": 0o644, "heads/model.safetensors": 0o644,
+                     "heads/adapter": 0o755, "heads/adapter/adapter_model.safetensors": 0o644}, modes
+
+
 @pytest.mark.parametrize("projection", ["own", "shared", "truncated"])
 def test_save_load_round_trip_gives_identical_logits(projection, tmp_path):
     """Guards against: an export that reloads with different weights, a lost token map, or a layout
