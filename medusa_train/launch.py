@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf, open_dict
 
 from inference.cli_support import config_error_line, enum_value, non_boolean_override
 from inference.errors import UserError
+from .backbone import RANDOM_BACKBONE_DIR
 from .config import register_configs, validate
 from .families import stray_key_line
 from .manifest import write_text_atomic
@@ -29,6 +31,8 @@ from .overrides import INTERRUPTED_BEFORE_RUN, RECIPE_PACKAGE, override_key, rec
 from .preflight import preflight
 
 RECORD_DIR = ".hydra"
+# What a run's setup writes before training (its record, a random backbone): a refused new run takes them back.
+SETUP_WRITES = frozenset({RECORD_DIR, RANDOM_BACKBONE_DIR})
 _PRECHECKED = False
 _TASK_STARTED = False  # a task ran (which stops on a Ctrl-C / SIGTERM in its own line)
 _CREATED: list[Path] = []  # the folders create_output_dir made, deepest first (remove_created_dirs)
@@ -129,10 +133,19 @@ def create_output_dir(output_dir) -> None:
 
 def remove_created_dirs() -> None:
     """Remove again the folders ``create_output_dir`` made for a run its task then refused (data it found no
-    training conversation in) while they are still empty: a refused command leaves no folder behind. A folder
-    the run wrote into is kept, and with it every folder above it."""
+    training conversation in, a feature cache built for another run) or a Ctrl-C stopped during its setup: a
+    refused command leaves no folder behind. What setup alone writes into the new folder (the run's record and a
+    random backbone, both rewritten by a rerun) goes with it; a folder holding anything else (a feature cache's
+    shards, a checkpoint) is kept, and with it every folder above it."""
     if int(os.environ.get("RANK", "0") or 0) != 0:  # one process decides, as for the record
         return
+    run = _CREATED[0] if _CREATED else None
+    if run is not None and run.is_dir() and {e.name for e in run.iterdir()} <= SETUP_WRITES:
+        for entry in run.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     for folder in _CREATED:
         try:
             folder.rmdir()

@@ -306,3 +306,17 @@ def test_distillation_past_the_backbones_positions_is_refused_before_loading(com
     proc = medusa_train(tmp_path, "task=distill", "data.max_length=512", "distill.max_new_tokens=24")
     assert_one_line_refusal(proc, "exceeds the 512 positions of the backbone")
     assert snapshot(tmp_path) == before, "a refused command wrote files"
+
+
+def test_a_run_refused_after_its_setup_wrote_takes_its_writes_back(tmp_path):
+    """Guards against a new run refused once its setup had written into its new folder (a feature cache built for
+    another run, found after the run's record and its random backbone were written) leaving ``.hydra/`` and
+    ``backbone/`` behind: a refused command writes nothing. The cache named is left as it was."""
+    cache = tmp_path / "cache"
+    built = medusa_train(tmp_path, "features.mode=build", f"features.cache_dir={cache}", f"output_dir={tmp_path / 'a'}")
+    assert built.returncode == 0, built.stderr[-2000:]
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, "features.mode=train", f"features.cache_dir={cache}", "data.max_length=128",
+                        f"output_dir={tmp_path / 'b'}")
+    assert_one_line_refusal(proc, "data.max_length")
+    assert snapshot(tmp_path) == before and not (tmp_path / "b").exists()
