@@ -48,7 +48,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .cli_keys import GENERATE_DEFAULTS, EvalKeys, GenerateKeys, keys_help, replaced_key, schema
+from .cli_keys import (GENERATE_DEFAULTS, EvalKeys, GenerateKeys, command_keys_help, keys_help, replaced_key,
+                       schema)
 from .cli_support import run_cli
 
 _SCHEMAS: dict = {}
@@ -70,8 +71,17 @@ def eval_help() -> str:
     runtime)."""
     from .methods.registry import describe   # lazy: the registry imports the runtime, only for --help's method list
 
-    return (__doc__.strip() + "\n\nmedusa-eval methods ([their keys]):\n" + describe()
+    return (__doc__.strip() + "\n\nmedusa-eval keys:\n" + command_keys_help(EvalKeys)
+            + "\n\nmedusa-eval methods ([their keys]):\n" + describe()
             + "\n\nmethod keys (unset: the method's default):\n" + keys_help() + "\n")
+
+
+def generate_help() -> str:
+    """``medusa-generate --help``: the module docstring and the command's own keys (no runtime import: the method
+    keys' list needs the registry, so it is medusa-eval --help's)."""
+    changed = ", ".join(f"{k}={v}" for k, v in GENERATE_DEFAULTS.items())
+    return (__doc__.strip() + "\n\nmedusa-generate keys:\n" + command_keys_help(GenerateKeys)
+            + f"\n\nmethod keys: as medusa-eval --help lists them, except here {changed}\n")
 
 
 def _command(name: str):
@@ -87,5 +97,5 @@ def eval_main(argv: Optional[list[str]] = None) -> None:
 
 
 def generate_main(argv: Optional[list[str]] = None) -> None:
-    run_cli("medusa-generate", __doc__, lambda: __getattr__("GenerateConfig"),
+    run_cli("medusa-generate", generate_help, lambda: __getattr__("GenerateConfig"),
             lambda cfg: _command("run_generate")(cfg), argv, refuse=replaced_key)

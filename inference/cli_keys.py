@@ -28,72 +28,79 @@ TREE_AUTO = ("tree=auto is gone: give choice=auto (the tree measured on this mac
              "(tree8, a tree file, calibrated:N)")
 
 
+def _key(default: Any = None, help: str = "", *, factory: Any = None, removed: bool = False) -> Any:
+    """A command key's one declaration: its default and its ``--help`` line (``command_keys_help``) together,
+    so the help cannot drift from the schema. ``removed``: still read (to refuse it with a pointer), not listed."""
+    meta = {"help": help, "removed": removed}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
 @dataclass
 class CommandKeys:
     """The keys both commands share (not a method's)."""
 
-    heads: str = "???"  # a heads export directory (required)
-    backbone: Optional[str] = None  # default: the base model recorded in the heads' config.json
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    # what each method speculates with: auto (measured on the calibration prompts and this machine: Medusa's
-    # tree, EAGLE-3's setting, a chain's length per batch size) | fixed (the method keys as given) | a
-    # <method>_choice.json medusa-eval wrote (decode with its method and choice)
-    choice: str = "auto"
-    mode: str = "greedy"  # greedy (lossless) | typical (lossy) | sample (exact)
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
-    max_new_tokens: int = 128
-    seed: int = 0
-    threads: int = 0  # torch CPU threads (0 = auto: one per core not kept busy by other processes)
-    # auto: skinny CPU products take the faster formulation (linear_kernels), chosen by timing them once per
-    # machine (kept in ~/.cache/medusa-train/kernel_plans.json) | measure: time them afresh | stock: transformers'
-    kernels: str = "auto"
-    # float: heads as trained | float16: fp32 heads' own linears in float16 (runtime/draft_weights.py; drafting
-    # reads half the bytes; the backbone verifies, so greedy outputs and sampling's distribution are unchanged)
-    draft_weights: str = "float"
-    # auto: the backbone's steps (one prompt or a batch) and the drafters' forwards as CUDA graphs over static
-    # shapes on CUDA (off elsewhere) | on (CUDA only) | off (dynamic shapes, no capture) | uncaptured (the
-    # static-shape steps without capture, any device: what "on" computes). runtime/static_steps.py,
-    # captured_calls.py; report.json's "graphs" records the captures
-    graphs: str = "auto"
-    # the row counts a captured step is padded up to (strictly increasing); larger steps run uncaptured
-    graph_buckets: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    trust_remote_code: bool = False
-    # Medusa-2 heads (trained with a LoRA adapter): merge it into the backbone. Default: when the
-    # backbone is the one the heads record (no backbone= given); set false for a merged model.
-    apply_adapter: Optional[bool] = None
+    heads: str = _key("???", "a heads export directory")
+    backbone: Optional[str] = _key(None, "the backbone (unset: the base model recorded in the heads' config.json)")
+    device: str = _key("auto", "auto | cpu | cuda")
+    dtype: str = _key("float32", "float32 | bfloat16 | float16")
+    choice: str = _key("auto", "what each method speculates with: auto (measured on the calibration prompts and this "
+                       "machine: Medusa's tree, EAGLE-3's setting, a chain's length per batch size) | fixed (the "
+                       "method keys as given) | a <method>_choice.json medusa-eval wrote (its method and choice)")
+    mode: str = _key("greedy", "greedy (lossless) | typical (lossy) | sample (exact)")
+    temperature: float = _key(0.7, "sampling temperature (mode=typical / sample)")
+    top_p: float = _key(1.0, "nucleus sampling's mass (1.0: off)")
+    top_k: int = _key(0, "sample among the k likeliest tokens (0: off)")
+    typical_epsilon: float = _key(0.09, "mode=typical: the acceptance threshold's cap, "
+                                  "min(epsilon, delta * exp(-entropy))")
+    typical_delta: float = _key(0.3, "mode=typical: the entropy-scaled part of that threshold")
+    max_new_tokens: int = _key(128, "tokens generated per prompt (per turn)")
+    seed: int = _key(0, "random seed (sampling, random draws)")
+    threads: int = _key(0, "torch CPU threads (0 = auto: one per core not kept busy by other processes)")
+    # the plans are kept in ~/.cache/medusa-train/kernel_plans.json (runtime/linear_kernels.py)
+    kernels: str = _key("auto", "auto: skinny CPU products take the faster formulation, timed once per machine | "
+                        "measure: time them afresh | stock: transformers'")
+    # runtime/draft_weights.py; drafting reads half the bytes, the backbone verifies, so greedy outputs and
+    # sampling's distribution are unchanged
+    draft_weights: str = _key("float", "float: heads as trained | float16: fp32 heads' own linears in float16")
+    # runtime/static_steps.py, captured_calls.py; report.json's "graphs" records the captures
+    graphs: str = _key("auto", "auto: the backbone's steps and the drafters' forwards as CUDA graphs on CUDA (off "
+                       "elsewhere) | on (CUDA only) | off (dynamic shapes, no capture) | uncaptured (the static-shape "
+                       "steps without capture, any device)")
+    graph_buckets: List[int] = _key(help="the row counts a captured step is padded up to (strictly increasing); "
+                                    "larger steps run uncaptured", factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    trust_remote_code: bool = _key(False, "run the backbone's (or draft checkpoint's) own modelling code")
+    apply_adapter: Optional[bool] = _key(None, "Medusa-2 heads (trained with a LoRA adapter): merge it into the "
+                                         "backbone; unset: when the backbone is the one the heads record (no "
+                                         "backbone= given); false for a merged model")
 
 
 @dataclass
 class EvalKeys(CommandKeys):
-    heads: Optional[str] = None  # a heads export directory; needed only by the methods that use heads
-    prompts: str = "embedded:mtbench"  # embedded:mtbench | code | a JSONL of prompts
-    num_prompts: Optional[int] = None  # first N prompts (choice=auto calibrates on the set's last, never evaluated)
-    turns: str = "first"  # first | both
-    method: Any = None  # removed: refused with a pointer to methods=
-    methods: Optional[List[str]] = None  # the methods to measure (default: medusa); the baselines are added
-    compare: bool = False  # run every available method, write compare.md + compare.png
-    calibration_prompts: int = 8
-    calibration_tokens: int = 48
-    tree_budgets: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
-    out: Optional[str] = None  # default: <heads>/../eval
-    progress_bar: bool = True
-    # 1: one prompt at a time (the evaluation above) | B | [1,2,4,...]: batched evaluation (batch_eval)
-    batch_size: Any = 1
-    batch_rounds: int = 1  # batched evaluation: each batch decoded this many times per method, interleaved
+    heads: Optional[str] = _key(None, "a heads export directory; needed only by the methods that use heads")
+    prompts: str = _key("embedded:mtbench", "embedded:mtbench | code | a JSONL of prompts")
+    num_prompts: Optional[int] = _key(None, "first N prompts (unset: all; choice=auto calibrates on the set's "
+                                      "last, never evaluated)")
+    turns: str = _key("first", "first | both")
+    method: Any = _key(None, removed=True)  # refused with a pointer to methods=
+    methods: Optional[List[str]] = _key(None, "the methods to measure (unset: medusa); the baselines are added")
+    compare: bool = _key(False, "run every available method, write compare.md + compare.png")
+    calibration_prompts: int = _key(8, "prompts held out (the set's last) to measure choice=auto on")
+    calibration_tokens: int = _key(48, "tokens generated per calibration prompt")
+    tree_budgets: List[int] = _key(help="the tree sizes (nodes) choice=auto measures for Medusa",
+                                   factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    out: Optional[str] = _key(None, "the report folder (unset: <heads>/../eval)")
+    progress_bar: bool = _key(True, "show progress bars")
+    batch_size: Any = _key(1, "1: one prompt at a time | B | [1,2,4,...]: batched evaluation (batch_eval)")
+    batch_rounds: int = _key(1, "batched evaluation: each batch decoded this many times per method, interleaved")
 
 
 @dataclass
 class GenerateKeys(CommandKeys):
-    choice: str = "fixed"   # fixed | a <method>_choice.json medusa-eval wrote (auto is an evaluation's to make)
-    prompt: Any = None  # a prompt, or a list of prompts decoded together: prompt=["...", "..."]
-    prompts_file: Optional[str] = None  # several prompts: a JSONL (forms as medusa-eval prompts=) | code
-    batch_size: Any = None  # several prompts: how many decode together (default: all of them)
-    system: Optional[str] = None
+    choice: str = _key("fixed", "fixed | a <method>_choice.json medusa-eval wrote (auto is an evaluation's to make)")
+    prompt: Any = _key(None, "a prompt, or a list of prompts decoded together: prompt=[\"...\", \"...\"]")
+    prompts_file: Optional[str] = _key(None, "several prompts: a JSONL (forms as medusa-eval prompts=) | code")
+    batch_size: Any = _key(None, "several prompts: how many decode together (unset: all of them)")
+    system: Optional[str] = _key(None, "a system message for the chat template")
 
 
 # medusa-generate decodes one prompt at a time by default: a smaller tree than the library's (tree8) pays there
@@ -138,6 +145,31 @@ def schema(name: str, base: type, defaults: Optional[dict] = None) -> type:
     extra = [(key, _optional(kind), field(default=(defaults or {}).get(key)))
              for key, (kind, _, _, _) in method_keys().items() if key not in own]
     return dataclasses.make_dataclass(name, extra, bases=(base,))
+
+
+def _shown(default: Any) -> str:
+    """A default as it is typed on the command line."""
+    if default is None:
+        return "unset"
+    if default == "???":
+        return "required"
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, list):
+        return "[" + ",".join(map(str, default)) + "]"
+    return str(default)
+
+
+def command_keys_help(keys: type) -> str:
+    """``--help``'s list of a command's own keys (``EvalKeys`` / ``GenerateKeys``): each with its default and
+    its help, read from the one declaration (``_key``). Imports nothing: medusa-generate --help stays instant."""
+    lines = []
+    for f in dataclasses.fields(keys):
+        if f.metadata.get("removed"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} (default {_shown(default)}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)
 
 
 def keys_help() -> str:

@@ -10,6 +10,7 @@ keeps the lines that say what is wrong.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from typing import Any, Callable, NoReturn, Optional
 
@@ -57,7 +58,7 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     try:
         cfg = OmegaConf.merge(structured, OmegaConf.from_dotlist(argv))
     except Exception as e:  # unknown key / wrong type
-        fail(prog, f"{config_error_line(e)} (see {prog} --help)")
+        fail(prog, f"{unknown_key_line(structured, e) or config_error_line(e)} (see {prog} --help)")
     # A required key ("???" in the schema) left unset would otherwise surface as OmegaConf's
     # MissingMandatoryValue traceback the first time the code reads it.
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -65,6 +66,27 @@ def parse_overrides(prog: str, schema, argv: list[str]):
         fail(prog, f"{' and '.join(k + '=' for k in missing)} {'is' if len(missing) == 1 else 'are'} required "
                    f"(see {prog} --help)")
     return cfg
+
+
+def unknown_key_line(structured, e: BaseException) -> Optional[str]:
+    """For a key the schema ``structured`` lacks, one line naming it and the closest keys beside it (difflib), so
+    a typo (num_promts) says what was meant; None for any other error."""
+    from omegaconf import DictConfig
+    from omegaconf.errors import ConfigKeyError
+
+    key = str(getattr(e, "full_key", "") or "")
+    if not isinstance(e, ConfigKeyError) or not key:
+        return None
+    parent, _, name = key.rpartition(".")
+    try:
+        node = structured.select(parent) if parent else structured
+    except Exception:   # noqa: BLE001 (a parent that is itself no key: the plain line says so)
+        return None
+    known = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    prefix = f"{parent}." if parent else ""
+    hint = f": did you mean {' or '.join(prefix + k for k in close)}?" if close else ""
+    return f"unknown key {key!r}{hint}"
 
 
 def non_boolean_override(structured, argv: list[str]) -> Optional[tuple[str, str]]:

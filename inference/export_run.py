@@ -22,6 +22,8 @@ from .formats.export import (TOKENIZER_FILES, ExportOptions, FormatWarning, chec
 from .heads.spec import check_compatible
 from .loading import export_target, load_heads
 
+PLACEHOLDER_DIR = "<this dir>"   # how the exporters' plans (formats/*.py) name the folder they write
+
 
 def run_export(cfg) -> None:
     """Export the heads of ``cfg`` (an ``export_cli.ExportConfig`` whose keys ``check_keys`` accepted)."""
@@ -79,8 +81,8 @@ def run_export(cfg) -> None:
                             base_model=base_model, dtype=dtype,
                             backbone_config=backbone_config, tokenizer_files=tokenizer_files)
     result = export_heads(heads, cfg.format, out, overwrite=cfg.overwrite, options=options)
-    for note in result.notes:
-        print(note)
+    for note in result.notes:   # the plans name the folder "<this dir>": the user wants a command to paste
+        print(note.replace(PLACEHOLDER_DIR, str(result.path)))
     base = base_model or spec.base_model
     if not base or ":" in base.split("/")[0]:
         print(f"note: the config records base model {base!r}, which engines cannot load: "

@@ -23,7 +23,9 @@ A key of another family (``heads.inner_dim`` with medusa heads) is refused in on
 
 from __future__ import annotations
 
+import re
 import sys
+import textwrap
 from importlib import resources
 
 from inference.errors import UserError
@@ -35,20 +37,31 @@ def available_recipes() -> list[str]:
 
 
 def recipe_summary(name: str) -> str:
-    """The first header line of a recipe file (its purpose)."""
+    """The first sentence of a recipe file's header paragraph (its purpose), whole: a paragraph's first line
+    alone cut descriptions mid-sentence ("one Llama decoder layer over")."""
     text = resources.files(RECIPE_PACKAGE).joinpath(f"{name}.yaml").read_text()
+    paragraph: list[str] = []
     for line in text.splitlines():
-        line = line.lstrip("# ").strip()
-        if line:
-            return line
-    return ""
+        if not line.startswith("#"):
+            break
+        words = line.lstrip("#").strip()
+        if not words and paragraph:
+            break
+        if words:
+            paragraph.append(words)
+    joined = " ".join(paragraph)
+    # a sentence ends at ". " before a capital (not inside "e.g. x" or "runs/a.b"), or at the paragraph's end
+    end = re.search(r"[.!?](?=\s+[A-Z(])", joined)
+    return joined[:end.end()] if end else joined
 
 
 def usage() -> str:
     lines = [__doc__.strip().splitlines()[0], "", "usage: medusa-train <recipe> [key=value ...] [hydra flags]", "",
              "recipes:"]
+    width, indent = 120, " " * 27   # a summary wraps under itself, whole
     for name in available_recipes():
-        lines.append(f"  {name:<24} {recipe_summary(name)}")
+        lines += textwrap.wrap(recipe_summary(name), width, initial_indent=f"  {name:<24} ", subsequent_indent=indent,
+                               break_on_hyphens=False, break_long_words=False)
     lines += ["", "Hydra flags: --cfg job (print config), -m/--multirun (sweeps), --help (this text).",
               "Every recipe has output_dir=... and trainer.max_steps=...; see README.md."]
     return "\n".join(lines)

@@ -87,16 +87,19 @@ def select_prompts(prompts: list[Prompt], num_prompts: Optional[int], calibratio
 
 def prompt_record(evaluated: list[Prompt], calibration: list[Prompt], asked: Optional[int]) -> dict:
     """report.json's ``evaluated_prompt_ids`` / ``calibration_prompt_ids``, and ``prompts_note`` (also printed on
-    stderr) when ``num_prompts`` asked for more prompts than remained after the calibration ones were held out.
+    stderr) when ``num_prompts`` asked for more prompts than remained (after the calibration ones, if any, were
+    held out).
     Refuses calibration prompts that are also evaluated (a caller's slip)."""
     shared = sorted({p.id for p in evaluated} & {p.id for p in calibration})
     if shared:
         raise UserError(f"calibration prompts {', '.join(shared)} are also evaluated: hold them out")
     out: dict = {"evaluated_prompt_ids": [p.id for p in evaluated],
                  "calibration_prompt_ids": [p.id for p in calibration]}
-    if calibration and isinstance(asked, int) and asked > len(evaluated):
-        out["prompts_note"] = (f"num_prompts={asked} asked for more prompts than the {len(evaluated)} left once the "
-                               f"{len(calibration)} calibration prompts were held out: evaluating {len(evaluated)}")
+    # said whether or not calibration held prompts out: choice=fixed on a 3-prompt file once evaluated 3 of 10 silently
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > len(evaluated):
+        left = (f"the {len(evaluated)} left once the {len(calibration)} calibration prompts were held out"
+                if calibration else f"the {len(evaluated)} of the set")
+        out["prompts_note"] = f"num_prompts={asked} asked for more prompts than {left}: evaluating {len(evaluated)}"
         print(f"note: {out['prompts_note']}", file=sys.stderr)
     return out
 

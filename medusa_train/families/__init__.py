@@ -18,6 +18,7 @@ Free of torch: the config schema imports this before anything heavy loads.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 from dataclasses import dataclass
 from enum import Enum
@@ -157,7 +158,8 @@ def family_keys(kind) -> tuple[str, ...]:
 
 
 def stray_key_line(kind, key: str) -> str:
-    """One line for ``heads.<key>``, which ``kind``'s group does not have: whose key it is, what to write."""
+    """One line for ``heads.<key>``, which ``kind``'s group does not have: whose key it is, what to write; a key
+    of no family is unknown, with the closest of ``kind``'s keys (common and its own)."""
     owners = [k for k in family_kinds() if key in family_keys(k)]
     own = [k for k in family_keys(kind) if k not in {f.name for f in dataclasses.fields(HeadsConfig)}]
     theirs = f"its own keys: {', '.join(own)}" if own else "no keys of its own"
@@ -165,7 +167,11 @@ def stray_key_line(kind, key: str) -> str:
         article = "an" if owners[0][0] in "aeiou" else "a"
         return (f"heads.{key} is {article} {' and '.join(owners)} setting, not heads.kind={kind}'s ({theirs}): "
                 f"set heads.kind={owners[0]} or remove it")
-    return f"heads.{key} is not a heads key of heads.kind={kind} ({theirs})"
+    # no family's key: most likely a typo, so say it is unknown and name the closest keys this family takes
+    close = difflib.get_close_matches(key, family_keys(kind), n=3, cutoff=0.6)
+    if close:
+        return f"unknown key heads.{key}: did you mean {' or '.join('heads.' + k for k in close)}?"
+    return f"unknown key heads.{key}: heads.kind={kind} takes {', '.join(family_keys(kind))}"
 
 
 def check_family_keys(h) -> None:

@@ -30,6 +30,9 @@ BAD_INPUT = [
     (TRAIN, ["debug_tiny", "--cfg"], 2, "--cfg takes job, hydra or all"),
     (TRAIN, ["nope"], 2, "unknown recipe 'nope'"),
     (TRAIN, ["debug_tiny", "trainer.nope=1"], 2, "trainer.nope"),
+    # a heads key of no family is a typo: unknown, with the closest keys (not "no keys of its own")
+    (TRAIN, ["debug_tiny", "heads.num_head=3"], 2, "unknown key heads.num_head: did you mean heads.num_heads?"),
+    (TRAIN, ["debug_tiny", "heads=eagle3", "heads.ttt_step=3"], 2, "did you mean heads.ttt_steps?"),
     (TRAIN, ["debug_tiny", "trainer.max_steps=3", "trainer.max_steps=4"], 2, "trainer.max_steps is given twice"),
     # -- optimizer values (defect 7) ---------------------------------------------------------------------------
     (TRAIN, ["debug_tiny", "optim.lr=-1"], 2, "optim.lr must be > 0"),

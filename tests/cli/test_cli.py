@@ -62,6 +62,31 @@ def test_help_lists_every_recipe(subprocess_env, tmp_path):
             assert name in proc.stdout
 
 
+def test_help_shows_recipe_descriptions_whole():
+    """Guards against: --help cutting a recipe's description mid-sentence ("eagle3_smollm2 ... one Llama decoder
+    layer over", "hydra_smollm2 ... but") by showing only its header's first line: each description, wrapped,
+    reads as the header paragraph's whole first sentence."""
+    from importlib import resources
+
+    from medusa_train.cli import RECIPE_PACKAGE, available_recipes, usage
+
+    text = usage()
+    assert max(map(len, text.splitlines())) <= 120
+    entries: dict[str, str] = {}
+    name = None
+    for line in text.split("recipes:\n", 1)[1].split("\n\n", 1)[0].splitlines():
+        if not line.startswith("   "):   # "  <name> <words>" starts a recipe; deeper lines continue it
+            name, _, line = line.strip().partition(" ")
+        entries[name] = (entries.get(name, "") + " " + line.strip()).strip()
+    assert sorted(entries) == available_recipes()
+    for name, shown in entries.items():
+        header = resources.files(RECIPE_PACKAGE).joinpath(f"{name}.yaml").read_text().split("\n#\n", 1)[0]
+        paragraph = " ".join(l.lstrip("#").strip() for l in header.splitlines())
+        assert shown.endswith(".") and paragraph.startswith(shown), (name, shown)
+    assert entries["eagle3_smollm2"].endswith("for the 60-minute budget on 2 CPU cores and for decoding on a CPU.")
+    assert entries["hydra_smollm2"].endswith("the embeddings of the tokens it extends (inference/heads/hydra.py).")
+
+
 def test_help_does_not_import_heavy_modules():
     """Guards against: --help becoming slow because torch / DeepSpeed / transformers load at import."""
     code = ("import sys; from medusa_train import cli; cli.main(['--help']); "

@@ -76,3 +76,39 @@ def test_generate_help_loads_no_runtime():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout and "choice" in proc.stdout
+
+
+@pytest.mark.parametrize("main, keys", [(cli.eval_main, EvalKeys), (cli.generate_main, GenerateKeys)])
+def test_help_lists_every_command_key_with_default_and_help(capsys, main, keys):
+    """Guards against --help listing the method keys but not the command's own (num_prompts, max_new_tokens,
+    out, prompts_file, ...) while a typo's error points the user at --help: every key of the command, its
+    default and its one-line help, read from the key's one declaration (no second hand-written list)."""
+    main(["--help"])
+    text = capsys.readouterr().out
+    method_only = set(method_keys()) - {f.name for f in dataclasses.fields(keys)}
+    schema = cli.EvalConfig if keys is EvalKeys else cli.GenerateConfig
+    own = [f for f in dataclasses.fields(schema) if f.name not in method_only and not f.metadata.get("removed")]
+    named = {"max_new_tokens", "mode", "temperature", "threads", "kernels", "graphs", "draft_weights", "seed"} | (
+        {"num_prompts", "out", "prompts", "turns", "calibration_prompts", "progress_bar", "batch_rounds"}
+        if keys is EvalKeys else {"prompts_file", "prompt", "system"})
+    assert named <= {f.name for f in own}
+    for f in own:
+        help_line = f.metadata.get("help")
+        assert help_line and "\n" not in help_line, f.name
+        line = next((l for l in text.splitlines() if l.startswith(f"  {f.name} (default ")), None)
+        assert line is not None and line.endswith(help_line), (f.name, line)
+
+
+@pytest.mark.parametrize("main, args, words", [
+    (cli.eval_main, ["num_promts=10"], "unknown key 'num_promts': did you mean num_prompts"),
+    (cli.generate_main, ["heads=h", "prompt=hi", "max_new_token=3"], "did you mean max_new_tokens?"),
+    (cli.eval_main, ["tempreature=0.5"], "did you mean temperature?"),
+])
+def test_mistyped_key_suggests_the_closest_keys_in_one_line(capsys, main, args, words):
+    """Guards against a typo answered only with "Key 'num_promts' not in 'EvalConfig'", leaving the user to
+    search the keys: the one error line names the closest valid key(s), before anything loads."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0], lines

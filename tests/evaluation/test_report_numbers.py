@@ -70,6 +70,16 @@ def test_too_few_prompts_are_refused_and_asking_too_many_is_said(capsys):
         prompt_record(got + calib[:1], calib, None)
 
 
+def test_asking_too_many_is_said_without_calibration_too(capsys):
+    """Guards against choice=fixed (nothing held out to calibrate on) evaluating the 3 prompts of a file asked
+    for num_prompts=10 without a word, where a calibrating run said so: the same note in every case."""
+    got = _prompts(3)[:10]
+    record = prompt_record(got, [], 10)
+    assert record["prompts_note"] == "num_prompts=10 asked for more prompts than the 3 of the set: evaluating 3"
+    assert capsys.readouterr().err == f"note: {record['prompts_note']}\n"
+    assert "prompts_note" not in prompt_record(got, [], 3) and "prompts_note" not in prompt_record(got, [], None)
+
+
 def test_cli_refuses_a_set_calibration_would_empty_before_loading(tmp_path, monkeypatch, capsys):
     """Guards against medusa-eval loading the backbone (minutes on a large model) before finding that the
     calibration prompts would leave nothing to evaluate: one line, exit 2, nothing loaded."""

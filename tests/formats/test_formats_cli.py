@@ -280,8 +280,24 @@ def test_medusa_v1_export_prints_how_to_pass_its_tree(backbone_dir, tmp_path, ca
     src = heads_dir(tmp_path, model)
     code, out, err = run([f"heads={src}", "format=medusa_v1", f"out={tmp_path / 'm'}"], capsys)
     assert code == 0, err
-    assert "medusa_choices=json.load(open('<this dir>/medusa_choices.json'))" in out and "no deeper than 3" in out
+    assert f"medusa_choices=json.load(open('{tmp_path / 'm'}/medusa_choices.json'))" in out
+    assert "no deeper than 3" in out
     assert check_reference_medusa(tmp_path / "m", HIDDEN, VOCAB) == []
+
+
+def test_serve_commands_name_the_out_dir_not_a_placeholder(backbone_dir, tmp_path, capsys):
+    """Guards against: the printed serve commands naming the export folder "<this dir>" (e.g. ``"model": "<this
+    dir>"``), which a user pastes and the engine cannot find: each names the out= folder itself."""
+    bdir, model = backbone_dir
+    src = heads_dir(tmp_path, model, base_model=str(bdir))
+    for fmt in ("vllm", "tgi", "tensorrt_llm", "medusa_v1"):
+        out_dir = tmp_path / f"served-{fmt}"
+        code, out, err = run([f"heads={src}", f"format={fmt}", f"out={out_dir}"], capsys)
+        assert code == 0, err
+        assert "<this dir>" not in out, (fmt, out)
+        assert any(str(out_dir) in line for line in out.splitlines() if not line.startswith("wrote ")), (fmt, out)
+    code, out, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v2'}"], capsys)
+    assert f'"model": "{tmp_path / "v2"}"' in out, out
 
 
 def test_tgi_export_reads_only_the_backbone_config_for_the_launcher(backbone_dir, tmp_path, capsys):
