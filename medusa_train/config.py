@@ -121,7 +121,7 @@ class TrainerConfig:
     global_batch_size: Optional[int] = None  # rows per optimizer step; default micro * world
     grad_clip: float = 1.0  # max gradient norm (0 = no clipping, DeepSpeed's gradient_clipping)
     precision: Precision = Precision.fp32  # bf16/fp16 need zero_stage >= 1 (fp32 masters live there)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0..3 (heads only: the frozen backbone stays whole)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0..3 (frozen backbone whole; Medusa-2 partitions it too)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     log_every: int = 5

@@ -178,13 +178,71 @@ def save_adapter(peft_model, tensors: dict[str, torch.Tensor], out_dir: Path, ba
     return out_dir
 
 
-def save_merged(peft_model, tokenizer, out_dir: Path) -> Path:
-    """The backbone with the adapter merged in, as a full transformers model directory."""
-    merged = copy.deepcopy(peft_model).merge_and_unload()
+def save_merged(peft_model, tokenizer, out_dir: Path, write: bool = True) -> Optional[Path]:
+    """The backbone with the adapter merged in, as a full-precision transformers model directory.
+
+    Collective under ZeRO-3 (every rank calls it: its parameters are gathered whole); ``write`` is false off the
+    main process, which then writes nothing and gets None."""
+    if any(hasattr(p, "ds_id") for p in peft_model.parameters()):
+        # ZeRO-3 leaves each parameter an empty shard whose data DeepSpeed's hooks fetch: a deep copy would merge
+        # and save those empty shards, so the merge runs on an unpartitioned replica of the gathered weights.
+        merged = _gathered_replica(peft_model, keep=write)
+    else:
+        merged = copy.deepcopy(peft_model) if write else None  # the live model keeps its adapter unmerged
+    if merged is None:
+        return None
+    merged = merged.merge_and_unload()
+    _drop_gguf_marking(merged)
     merged.save_pretrained(str(out_dir), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return out_dir
+
+
+def _gathered_replica(peft_model, keep: bool):
+    """A CPU copy of ``peft_model`` (base model and LoRA layers) holding every parameter whole, built from its
+    ZeRO-3 partitions one parameter at a time (collective: every rank gathers; None where ``keep`` is false)."""
+    import deepspeed   # lazy: deepspeed takes 0.5 s to import, and only a ZeRO-3 merge gathers
+    from peft import get_peft_model   # lazy: as in apply_lora
+    from transformers.initialization import no_init_weights   # lazy: transformers takes 1.3 s to import
+
+    state, seen = {}, {}
+    # Every rank walks the parameters in the same order: each gather is a collective. Tied weights (one
+    # parameter under two names) are gathered once and keep sharing one tensor.
+    for name, p in peft_model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                seen[id(p)] = p.detach().cpu().clone() if keep else None
+        state[name] = seen[id(p)]
+    if not keep:
+        return None
+    for name, b in peft_model.state_dict().items():  # buffers: never partitioned
+        state.setdefault(name, b.detach().cpu().clone())
+    base = peft_model.get_base_model()
+    with no_init_weights():  # every weight is assigned from the gathered state right after
+        replica = type(base)(copy.deepcopy(base.config))
+    replica = get_peft_model(replica, copy.deepcopy(peft_model.peft_config["default"]))
+    # assign: the replica takes the gathered tensors themselves (their dtype, no second copy in memory)
+    replica.load_state_dict(state, strict=True, assign=True)
+    replica.get_base_model().tie_weights()
+    return replica.eval()
+
+
+def _drop_gguf_marking(model) -> None:
+    """Forget a GGUF origin whose weights are plain floats (the ``embedded:`` backbone's cached conversion keeps
+    ``quantization_config: gguf`` in its config.json): transformers would refuse to save the merged model, or
+    write a config that claims a quantization its dequantized weights do not have."""
+    qcfg = getattr(model.config, "quantization_config", None)
+    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else getattr(qcfg, "quant_method", None)
+    if str(getattr(method, "value", method)) != "gguf":
+        return
+    if not all(p.dtype.is_floating_point for p in model.parameters()):
+        return  # still in GGUF blocks: transformers' own refusal to save stands
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)  # its attributes on the model, and the config's entry
+    elif hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 @torch.no_grad()
@@ -271,18 +329,22 @@ class JointSource:
 
         return write
 
-    def after_export(self, output_dir: Path) -> None:
+    def after_export(self, output_dir: Path, write: bool = True) -> None:
         """How far the backbone drifted (held-out perplexity with / without the adapter) and, with
-        ``lora.merge=true``, the merged backbone."""
+        ``lora.merge=true``, the merged backbone. Every rank calls this: under ZeRO-3 the forward passes and the
+        merge gather partitioned parameters (collectives; the held-out batches are the same on every rank);
+        files and messages come from the ``write`` rank only."""
         report = drift(self.peft_model, self.body, self.backbone.model.get_output_embeddings(),
                        self.eval_batches(), self.device, logit_scaling(self.backbone.model))
-        (output_dir / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
-              f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
-              f"{report['argmax_agreement']:.1%}", flush=True)
+        if write:
+            (output_dir / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
+            print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
+                  f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
+                  f"{report['argmax_agreement']:.1%}", flush=True)
         if self.cfg.lora.merge:
-            merged = save_merged(self.peft_model, self.backbone.tokenizer, output_dir / "merged")
-            print(f"merged backbone: {merged}", flush=True)
+            merged = save_merged(self.peft_model, self.backbone.tokenizer, output_dir / "merged", write=write)
+            if write:
+                print(f"merged backbone: {merged}", flush=True)
 
 
 def init_heads_from(heads, heads_dir: Optional[str], lm_head_weight=None, input_embeddings=None) -> None:

@@ -56,7 +56,9 @@ class BatchSource(Protocol):
 
     def export_extra(self, engine) -> Optional[Callable]: ...  # collective; a writer for save_heads' ``extra``
 
-    def after_export(self, output_dir) -> None: ...  # main rank, after the heads are saved
+    # Every rank, after the heads are saved (collective under ZeRO-3: Medusa-2's drift forwards and merge gather
+    # partitioned parameters); files and messages from the ``write`` rank only.
+    def after_export(self, output_dir, write: bool = True) -> None: ...
 
 
 class HeadsWithLoss(nn.Module):
@@ -130,7 +132,7 @@ class _FrozenHeads:
     def export_extra(self, engine) -> Optional[Callable]:
         return None
 
-    def after_export(self, output_dir) -> None:
+    def after_export(self, output_dir, write: bool = True) -> None:
         return None
 
 

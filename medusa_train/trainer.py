@@ -414,10 +414,11 @@ class MedusaTrainer:
     def export(self) -> Path | None:
         state = self.full_state_dict()  # collective under ZeRO-3: every rank takes part
         extra = self.source.export_extra(self.engine)  # collective too (Medusa-2's adapter)
-        if not self.is_main:
-            return None
-        heads_dir = save_heads(self.engine.module.heads, self.output_dir / "heads", state_dict=state, extra=extra)
-        self.source.after_export(self.output_dir)
+        heads_dir = None
+        if self.is_main:
+            heads_dir = save_heads(self.engine.module.heads, self.output_dir / "heads", state_dict=state, extra=extra)
+        # Every rank: Medusa-2's drift forwards and merge gather ZeRO-3 partitions (collectives); main writes.
+        self.source.after_export(self.output_dir, write=self.is_main)
         return heads_dir
 
     def cleanup(self, plot: bool = True) -> Path | None:

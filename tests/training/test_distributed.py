@@ -31,14 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: Path, data: Path, *overrides: str) -> subprocess.CompletedProcess:
+def launch(out: Path, data: Path, *overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = clean_env()
     cmd = [console_script("deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()),
            console_script("medusa-train"), "debug_tiny", f"output_dir={out}", f"data.source={data}",
            "logger.wandb=disabled", "trainer.progress_bar=false", "logger.plot=false", "trainer.log_every=1",
            "trainer.threads=1",
            *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out.parent, timeout=400)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out.parent, timeout=timeout)
 
 
 def uneven_data(path: Path) -> Path:
@@ -91,6 +91,14 @@ def zero3_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3") / "run"
     return out, launch(out, TINY_DATA, "trainer.zero_stage=3", "trainer.max_steps=4", "trainer.save_every=2",
                        "trainer.keep_last=5")
+
+
+@pytest.fixture(scope="module")
+def zero3_medusa2_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero3_medusa2") / "run"
+    # A hang (ranks waiting on each other's collectives) fails in 200 s rather than the default 400.
+    return out, launch(out, TINY_DATA, "trainer.zero_stage=3", "trainer.max_steps=2", "trainer.save_every=0",
+                       "lora.enabled=true", "lora.merge=true", timeout=200)
 
 
 def _check_run(out: Path, proc, steps: list[int], tiny_backbone):
@@ -147,3 +155,29 @@ def test_two_rank_resume_continues_every_ranks_data(zero2_resumed):
     assert_clean_exit(proc)
     a, resumed = train_losses(b.parent / "a"), train_losses(b)
     assert [resumed[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]
+
+
+def test_zero3_two_ranks_medusa2_merges_the_gathered_backbone(zero3_medusa2_run, tiny_backbone):
+    """Guards against: Medusa-2 under 2-rank ZeRO-3 hanging at export (the drift report's forward passes and the
+    merge gather partitioned parameters, collectives that ran on the main rank alone), writing ``merged/`` from
+    the empty local shards (zero-size tensors: from_pretrained failed with a size mismatch), and the drift report
+    or merged model written by more than one rank."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from inference.runtime.adapter import merge_lora
+
+    out, proc = zero3_medusa2_run
+    assert_clean_exit(proc)
+    assert "world 2" in proc.stdout
+    assert proc.stdout.count("backbone drift on") == 1 and proc.stdout.count("merged backbone:") == 1
+    drift = json.loads((out / "drift.json").read_text())
+    assert drift["heldout_tokens"] > 0
+    expected = copy.deepcopy(tiny_backbone.model)
+    assert merge_lora(expected, out / "heads" / "adapter") > 0
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", attn_implementation="sdpa")  # strict shapes
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(expected(input_ids=ids).logits, tiny_backbone.model(input_ids=ids).logits)

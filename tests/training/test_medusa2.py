@@ -72,12 +72,17 @@ def test_heads_learn_faster_than_the_adapter_and_the_coefficient_warms_up(compos
     trainer.cleanup(plot=False)
 
 
-def test_export_with_adapter_decodes_losslessly_on_the_merged_backbone(compose_tiny, out_dir, tiny_backbone):
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_export_with_adapter_decodes_losslessly_on_the_merged_backbone(compose_tiny, out_dir, tiny_backbone,
+                                                                       zero_stage):
     """Guards against an adapter export the runtime cannot apply, or applies differently from
-    peft (merged weights must reproduce the tuned model), and against lossy decoding on it."""
+    peft (merged weights must reproduce the tuned model), and against lossy decoding on it. With ZeRO-3
+    (every parameter of the engine's module partitioned, the frozen backbone's too) against a ``merged/`` of
+    the empty local shards (zero-size tensors: from_pretrained failed with a size mismatch)."""
     import copy
 
-    summary = T.run(compose_tiny(*LORA, "trainer.max_steps=3", "lora.merge=true"))
+    summary = T.run(compose_tiny(*LORA, "trainer.max_steps=3", "lora.merge=true",
+                                 f"trainer.zero_stage={zero_stage}"))
     assert summary["step"] == 3
     heads_dir = out_dir / "heads"
     spec = json.loads((heads_dir / "config.json").read_text())
@@ -98,6 +103,57 @@ def test_export_with_adapter_decodes_losslessly_on_the_merged_backbone(compose_t
     m = load_medusa(heads_dir, backbone=model)
     ref = generate(m, [1, 2, 3, 4], "autoregressive", max_new_tokens=20, eos_token_ids=()).tokens
     assert generate(m, [1, 2, 3, 4], tree=[[0], [1], [0, 0]], max_new_tokens=20, eos_token_ids=()).tokens == ref
+
+
+def test_merge_of_a_gguf_converted_backbone_saves_a_full_precision_model(compose_tiny, tiny_backbone, tmp_path):
+    """Guards against ``lora.merge=true`` crashing on the default ``embedded:`` backbone: its cached GGUF
+    conversion (inference/assets.py ``converted_gguf_dir``) holds dequantized float weights under a config.json
+    that still says ``quantization_config: gguf``, and save_merged raised "The model is quantized with gguf
+    and is not serializable". The merged model must be a plain full-precision one (no quantization_config)
+    that transformers and the runtime's loader read back with the tuned model's logits."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import GgufConfig
+
+    from inference.backbone import load_backbone
+
+    # What converted_gguf_dir writes: a model rebuilt from the GGUF-loaded config (its quantization_config
+    # included), given the dequantized state dict, saved with save_pretrained.
+    config = copy.deepcopy(tiny_backbone.model.config)
+    config.quantization_config = GgufConfig(gguf_file="tiny.Q4_1.gguf")
+    converted = AutoModelForCausalLM.from_config(config)
+    converted.load_state_dict(tiny_backbone.model.state_dict(), strict=True)
+    src = tmp_path / "converted"
+    converted.save_pretrained(src)
+    tiny_backbone.tokenizer.save_pretrained(src)
+    assert json.loads((src / "config.json").read_text())["quantization_config"]["quant_method"] == "gguf"
+
+    model, tokenizer, _ = load_backbone(str(src))  # as the trainer loads the cached conversion
+    peft_model = lora.apply_lora(model, compose_tiny(*LORA).lora, torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:  # a fresh adapter is the identity (B = 0): give it something to merge
+                p.normal_(std=0.05)
+    peft_model.eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        tuned = peft_model(input_ids=ids).logits
+        assert not torch.allclose(tuned, tiny_backbone.model(input_ids=ids).logits)
+
+    out = lora.save_merged(peft_model, tokenizer, tmp_path / "merged")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    runtime, _, _ = load_backbone(str(out))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, tuned, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runtime(input_ids=ids).logits, tuned, atol=1e-5, rtol=1e-5)
+    assert not getattr(merged, "hf_quantizer", None)
+    # the live model keeps its adapter (unmerged) and its own config
+    assert peft_model.get_base_model().config.quantization_config is not None
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, tuned, atol=0, rtol=0)
 
 
 def test_two_stage_recipe_starts_from_stage_one_heads(compose_tiny, tmp_path):
