@@ -233,6 +233,9 @@ class MedusaTrainer:
         if n > vocab_size:
             key = training_family(self.cfg.heads.kind).vocabulary_keys(self.cfg.heads)[0]
             raise UserError(f"{key}={n} exceeds the backbone vocabulary ({vocab_size})")
+        if self.rank == 0:   # a pass over the data before anything else is printed: say what it is
+            print(f"[medusa-train] truncated vocabulary: counting the assistant tokens of up to "
+                  f"{d.vocab_scan_conversations} conversations ...", flush=True)
         scan = ConversationStream(d, self.backbone.tokenizer, seed=self.cfg.trainer.seed)
         counts = token_frequencies(scan, vocab_size, d.vocab_scan_conversations)
         eos = self.backbone.tokenizer.eos_token_id
@@ -548,6 +551,9 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
         try:
             if interrupts.requested is not None:  # arrived while the last checkpoint was being written
                 raise KeyboardInterrupt
+            if trainer.is_main:   # minutes on a large backbone: not a silent, finished-looking progress bar
+                trainer._write(f"[medusa-train] final evaluation on {len(trainer.eval_set)} held-out batch(es), "
+                               "then the export ...")
             summary = trainer.evaluate()
             heads_dir = trainer.export()
         except KeyboardInterrupt:
