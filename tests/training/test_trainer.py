@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -460,3 +461,15 @@ def test_logged_grad_norm_is_a_real_number(extra, compose_tiny, out_dir):
                        *extra))
     norms = [r["grad_norm"] for r in read_metrics(out_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert len(norms) == 2 and all(math.isfinite(n) and n > 0 for n in norms), norms
+
+
+def test_the_long_quiet_phases_say_what_they_do(compose_tiny, capsys):
+    """Guards against a run silent for minutes where a user waits: the truncated vocabulary's pass over the data
+    before anything else is printed, and the final evaluation and export after a progress bar that already reads
+    100% (51 s of nothing for SmolLM2 on 2 cores): a line announces each before it starts."""
+    T.run(compose_tiny("trainer.max_steps=1", "trainer.save_every=0", "logger.plot=false"))
+    printed = capsys.readouterr()
+    out = printed.out + printed.err   # the tracker writes beside its progress bar
+    scan = out.index("truncated vocabulary: counting the assistant tokens of up to")
+    assert scan < out.index("truncated vocabulary: top")
+    assert re.search(r"final evaluation on \d+ held-out batch\(es\), then the export \.\.\.", out), out
