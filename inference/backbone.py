@@ -260,11 +260,16 @@ def scale_logits(logits: torch.Tensor, logit_scale: Optional[float], softcap: Op
     return logits
 
 
+def logit_scaling(model) -> tuple:
+    """(logit_scale, final soft-cap) the backbone applies after its lm_head (``scale_logits``; (None, None) for
+    most): whatever reads its distribution through the lm_head applies them."""
+    cfg = text_config(model)
+    return getattr(cfg, "logit_scale", None), getattr(cfg, "final_logit_softcapping", None)
+
+
 def backbone_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The backbone's next-token logits at ``hidden`` (lm_head, then its own scaling)."""
-    cfg = text_config(model)
-    return scale_logits(model.get_output_embeddings()(hidden), getattr(cfg, "logit_scale", None),
-                        getattr(cfg, "final_logit_softcapping", None))
+    return scale_logits(model.get_output_embeddings()(hidden), *logit_scaling(model))
 
 
 class HiddenStateTap:

@@ -71,7 +71,7 @@ def parse_overrides(prog: str, schema, argv: list[str]):
 def unknown_key_line(structured, e: BaseException) -> Optional[str]:
     """For a key the schema ``structured`` lacks, one line naming it and the closest keys beside it (difflib), so
     a typo (num_promts) says what was meant; None for any other error."""
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig   # lazy: only a refused command line reads the schema's keys
     from omegaconf.errors import ConfigKeyError
 
     key = str(getattr(e, "full_key", "") or "")

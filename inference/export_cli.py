@@ -8,14 +8,15 @@
 
 Keys:
   heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 dir (re-export)
-  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM and SGLang);
-                    MLP speculators: vllm (its V0 engine) or tgi
+  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM, SGLang and
+                    TensorRT-LLM); MLP speculators: vllm (its V0 engine) or tgi
   out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true, and even then
                     unless it is a previous export (an engine layout's config.json and only the files
                     exports write, no subfolders); never
                     the heads= folder, a folder holding it or one inside it
   materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
-                    that need them (tensorrt_llm, medusa_v1, tgi with >1 layer); prints the size cost
+                    that need them (tensorrt_llm, medusa_v1, tgi with >1 layer, MLP speculators); prints
+                    the size cost
   backbone=NAME     the target the heads are checked against before anything is written (its config:
                     hidden size, vocabulary, fingerprint, EAGLE-3 aux layers), where the lm_head of
                     shared heads is read, and for tgi the attention head size its launcher needs

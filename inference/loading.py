@@ -137,14 +137,15 @@ def load_heads(heads_dir: str | os.PathLike, backbone_config=None,
                input_embeddings: Optional[torch.Tensor] = None):
     """Load heads strictly; with ``backbone_config``, refuse heads made for another model."""
     heads, own_lm_head = read_heads(heads_dir, backbone_config, lm_head_weight)
-    return attach_backbone(heads, heads_dir, own_lm_head if own_lm_head is not None else lm_head_weight,
+    return attach_and_place(heads, heads_dir, own_lm_head if own_lm_head is not None else lm_head_weight,
                            input_embeddings, device, dtype)
 
 
 def read_heads(heads_dir: str | os.PathLike, backbone_config=None, lm_head_weight: Optional[torch.Tensor] = None):
     """(heads, the directory's own copy of a shared lm_head or None) of any layout, strictly checked (every tensor
-    named and shaped as the config implies; with ``backbone_config``, made for that model) and in the form their
-    family serves, but not yet given the backbone tensors they borrow (``attach_backbone``): it reads no backbone
+    the config implies present and so shaped, and in a native export no other; with ``backbone_config``, made for
+    that model) and in the form their
+    family serves, but not yet given the backbone tensors they borrow (``attach_and_place``): it reads no backbone
     weights, so ``load_medusa`` reads the heads before them and refuses mismatched ones first."""
     d = Path(heads_dir)
     if detect_layout(d) is not None:
@@ -155,10 +156,11 @@ def read_heads(heads_dir: str | os.PathLike, backbone_config=None, lm_head_weigh
     return _canonicalize(heads, f"heads in {d}"), own_lm_head
 
 
-def attach_backbone(heads, heads_dir, lm_head_weight: Optional[torch.Tensor], input_embeddings: Optional[torch.Tensor],
-                    device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None):
-    """Read heads (``read_heads``) given the backbone tensors they borrow (a shared lm_head, the input embeddings;
-    one line where one is needed and missing), cast and placed, in eval mode."""
+def attach_and_place(heads, heads_dir, lm_head_weight: Optional[torch.Tensor],
+                     input_embeddings: Optional[torch.Tensor], device: str | torch.device = "cpu",
+                     dtype: Optional[torch.dtype] = None):
+    """Heads ``read_heads`` returned, given the backbone tensors they borrow (a shared lm_head, the input
+    embeddings; one line where one is needed and missing), then cast and placed, in eval mode."""
     if heads.needs_lm_head and lm_head_weight is None:
         raise UserError(f"heads in {heads_dir} share the backbone lm_head: pass the backbone to load them")
     if heads.needs_input_embeddings and input_embeddings is None:
@@ -264,7 +266,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         read = read_heads(heads_dir, model.config, lm_w)
     else:
         check_compatible(read[0].spec, model.config, where=f"heads in {heads_dir}")
-    heads = attach_backbone(read[0], heads_dir, read[1] if read[1] is not None else lm_w,
+    heads = attach_and_place(read[0], heads_dir, read[1] if read[1] is not None else lm_w,
                             emb.weight if emb is not None else None, dev, dt)
     if draft_weights == "float16":  # before routing: the half linears are not routed
         half_draft_weights(heads, model)

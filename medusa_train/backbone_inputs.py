@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from inference.backbone import HiddenStateTap, backbone_logits, decoder_body, text_config
+from inference.backbone import HiddenStateTap, backbone_logits, decoder_body
 
 from .data.masks import attention_mask
 from .data.tokenize import IGNORE
 from .losses import greedy_positions
 
 GREEDY_CHUNK = 1024  # rows per backbone lm_head product for greedy targets: bounds the [rows, vocab] logits
-
-
-def logit_scaling(model) -> tuple:
-    """(logit_scale, final soft-cap) the backbone applies after its lm_head (``inference.backbone.scale_logits``;
-    (None, None) for most): every loss that reads the backbone's distribution through its lm_head applies them,
-    so it trains against the distribution the model samples from and verification accepts."""
-    cfg = text_config(model)
-    return getattr(cfg, "logit_scale", None), getattr(cfg, "final_logit_softcapping", None)
 
 
 class FrozenFeatures:

@@ -35,12 +35,11 @@ from torch import nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from inference.backbone import decoder_body, lm_head_weight, scale_logits
+from inference.backbone import decoder_body, lm_head_weight, logit_scaling, scale_logits
 from inference.errors import UserError
 from inference.heads.registry import family, setting_names
 from inference.loading import load_heads
 
-from .backbone_inputs import logit_scaling
 from .checkpoint import full_fp32
 from .data.masks import attention_mask, block_causal_mask
 from .data.tokenize import IGNORE
@@ -204,7 +203,10 @@ def _gathered_replica(peft_model, keep: bool):
     ZeRO-3 partitions one parameter at a time (collective: every rank gathers; None where ``keep`` is false)."""
     import deepspeed   # lazy: deepspeed takes 0.5 s to import, and only a ZeRO-3 merge gathers
     from peft import get_peft_model   # lazy: as in apply_lora
-    from transformers.initialization import no_init_weights   # lazy: transformers takes 1.3 s to import
+    try:   # lazy: transformers takes 1.3 s to import; the module moved in transformers 5
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
 
     state, seen = {}, {}
     # Every rank walks the parameters in the same order: each gather is a collective. Tied weights (one
@@ -334,6 +336,8 @@ class JointSource:
         ``lora.merge=true``, the merged backbone. Every rank calls this: under ZeRO-3 the forward passes and the
         merge gather partitioned parameters (collectives; the held-out batches are the same on every rank);
         files and messages come from the ``write`` rank only."""
+        if not write and not any(hasattr(p, "ds_id") for p in self.peft_model.parameters()):
+            return   # only ZeRO-3's partitioned forwards and merge need every rank (collectives)
         report = drift(self.peft_model, self.body, self.backbone.model.get_output_embeddings(),
                        self.eval_batches(), self.device, logit_scaling(self.backbone.model))
         if write:

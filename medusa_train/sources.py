@@ -24,12 +24,12 @@ from typing import Callable, Iterable, Optional, Protocol
 import torch
 from torch import nn
 
-from inference.backbone import lm_head_weight
+from inference.backbone import lm_head_weight, logit_scaling
 from inference.heads.inputs import BackboneInputs
 from inference.heads.registry import family
 
 from . import features
-from .backbone_inputs import FrozenFeatures, logit_scaling
+from .backbone_inputs import FrozenFeatures
 from .families import backbone_layers
 from .data.readers import ReadStats
 from .data.stream import RankData, StreamStats

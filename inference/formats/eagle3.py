@@ -183,17 +183,17 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
 TRTLLM_COMMIT = "00679c66c3e38f6d2651ad0a5bef0f94d862e36c"
 
 
-def trtllm_layers_to_capture(aux) -> list[int]:
-    """``eagle3_layers_to_capture`` for our aux ids: TensorRT-LLM captures the *output* of decoder layer j
-    (hidden_states[j + 1] here) and never reads the ids from the draft's config.json, so they go in the serve
-    command, one lower (the ids ``eagle_config`` holds for SGLang)."""
+def layer_output_ids(aux) -> list[int]:
+    """Our aux ids (hidden_states[i]: i = 0 the embeddings) as the decoder-layer outputs they are, one lower: the
+    ids SGLang reads from ``eagle_config`` and TensorRT-LLM's ``eagle3_layers_to_capture`` (which it never reads
+    from the draft's config.json, so they go in its serve command)."""
     return [int(i) - 1 for i in sorted(aux)]
 
 
 def _trtllm_notes(base: str, k: int, aux: list[int]) -> list[str]:
     """The TensorRT-LLM serve commands: the layers to capture are always named (its default {1, N//2-1, N-4} is
     ours only for drafters trained on EAGLE-3's default ids)."""
-    target, ids = base or "<base model>", trtllm_layers_to_capture(aux)
+    target, ids = base or "<base model>", layer_output_ids(aux)
     return [
         f"serve: TensorRT-LLM LLM API: LLM(\"{target}\", speculative_config=EagleDecodingConfig(max_draft_len={k}, "
         f"speculative_model_dir=\"<this dir>\", eagle3_one_model=True, "
@@ -246,7 +246,7 @@ def _export_config(spec: HeadsSpec, aux: list[int], dtype: torch.dtype, base: st
         **{f: v for f, v in _set_flags(layer).items() if f != "norm_before_residual"},
         "eagle_aux_hidden_state_layer_ids": aux,
         # TensorRT-LLM reads norm_before_fc from eagle_config only, vLLM from there first: say it there too
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_output_ids(aux),
                          "use_aux_hidden_state": True,
                          **({"norm_before_fc": True} if layer.get("norm_before_fc") else {})},
         "torch_dtype": str(dtype).removeprefix("torch."),

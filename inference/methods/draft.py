@@ -12,8 +12,8 @@ Draft-model speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batc
      (token-identical to plain greedy decoding). sample: accept x_i with probability
      min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the next token from
      normalize(max(0, p_i - q_i)) and stop; if all K are accepted draw a bonus from p_{K+1}.
-     Every emitted token then follows p exactly, whatever the draft (``accept_drafts``; decoding verifies with
-     ``verify``'s "sampled" rule, the same rule on a chain, at batch 1 as in batches);
+     Every emitted token then follows p exactly, whatever the draft (decoding verifies with ``verify``'s
+     "sampled" rule, this rule on a chain, at batch 1 as in batches);
      typical: Medusa's lossy rule on the chain (``verify.verify``);
   5. both KV caches roll back to prompt + accepted tokens (``TreeKVCache.truncate``). The draft
      never ran x_K, so after a fully accepted step it first catches up on x_K and the new root,
@@ -301,32 +301,6 @@ def _static_like(target: MedusaModel, draft: MedusaModel, key=None) -> MedusaMod
         siblings = target.static.siblings
         draft.static = siblings.setdefault(key, target.static.sibling(draft)) if key else target.static.sibling(draft)
     return draft
-
-def accept_drafts(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                  gen: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling's accept/resample rule for B independent trials.
-
-    drafts [B, K] with x_i ~ q[:, i]; p [B, K+1, V] the target at root, x_1, .., x_K; q [B, K, V].
-    Returns (accepted [B], next token [B]): x_i is kept with probability min(1, p_i/q_i) until
-    the first rejection, whose replacement is drawn from normalize(max(0, p_n - q_n)); when all
-    K are kept the next token is a bonus draw from p_{K+1}. Exact: P(emit y) = min(p, q)(y) +
-    (1 - sum min(p, q)) * (p - q)+(y) / sum (p - q)+ = p(y), one position at a time.
-    """
-    B, K = drafts.shape
-    rows = torch.arange(B, device=drafts.device)
-    px = p[:, :K].gather(-1, drafts[..., None])[..., 0]
-    qx = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(B, K, generator=gen, device=drafts.device)
-    keep = u * qx < px                                    # u < p/q, without dividing by q
-    n = keep.int().cumprod(1).sum(1)                      # accepted before the first rejection
-    p_n = p[rows, n].float()
-    q_n = torch.where((n < K)[:, None], q[rows, n.clamp(max=K - 1)].float(), torch.zeros_like(p_n))
-    resid = (p_n - q_n).clamp(min=0)
-    mass = resid.sum(-1, keepdim=True)
-    # mass == 0 only when p_n == q_n, where a rejection has probability 0: p_n is then correct
-    dist = torch.where(mass > 0, resid / mass.clamp(min=1e-30), p_n)
-    nxt = torch.multinomial(dist, 1, generator=gen)[:, 0]
-    return n, nxt
 
 class DraftDecoder:
     """Speculative decoding state for one sequence (target + draft caches); see module docstring."""

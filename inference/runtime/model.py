@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..backbone import HiddenStateTap, eos_token_ids, scale_logits, text_config
+from ..backbone import HiddenStateTap, eos_token_ids, logit_scaling, scale_logits, text_config
 from .attention import NAME as DECODING_ATTENTION, use_decoding_attention
 from .batch_cache import RaggedKVCache
 from .cache import TreeKVCache
@@ -66,8 +66,7 @@ class MedusaModel:
         self.body, self.lm_head = base, self.model.get_output_embeddings()
         self.config = cfg = text_config(self.model)
         check_backbone_config(cfg)   # a model object passed in (the commands check the config before loading)
-        self._softcap = getattr(cfg, "final_logit_softcapping", None)
-        self._logit_scale = getattr(cfg, "logit_scale", None)
+        self._logit_scale, self._softcap = logit_scaling(self.model)
         # transformers 5.x calls the cache argument ``cache``; 4.x called it ``past_key_values``.
         params = inspect.signature(self.body.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"

@@ -82,6 +82,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             start, end = len(before), len(upto)
         else:  # not prefix-stable: find the reply text itself, after the turn it answers
             start = text.find(msg["content"], _past_prompt(text, messages[i - 1], cursor))
+            if start < 0:   # the turn's words found only inside the reply (the template rewrote the turn)
+                start = text.find(msg["content"], cursor)
             if start < 0:
                 continue
             end = start + len(msg["content"])

@@ -2,12 +2,14 @@
 models, greedy identity and cache roll-back on tiny random Llamas, the self-draft, bad input,
 and exactness of the sampler by chi-square (with broken rules that must fail the same test)."""
 
+from typing import Optional
+
 import pytest
 import torch
 
 from inference.errors import UserError
 from inference.methods import generate, stream
-from inference.methods.draft import (DraftDecoder, DraftSettings, accept_drafts, check_draft_compatible, load_draft,
+from inference.methods.draft import (DraftDecoder, DraftSettings, check_draft_compatible, load_draft,
                                      self_draft)
 from inference.methods.registry import extra_parameters
 from inference.runtime.model import MedusaModel
@@ -204,6 +206,34 @@ def _ctx(tokens: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+def exact_rule(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                  gen: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's accept/resample rule for B independent trials, vectorised: the reference the chi-square
+    harness must accept while it rejects the broken rules (``_broken``); decoding's own rule is tested end to end.
+
+    drafts [B, K] with x_i ~ q[:, i]; p [B, K+1, V] the target at root, x_1, .., x_K; q [B, K, V].
+    Returns (accepted [B], next token [B]): x_i is kept with probability min(1, p_i/q_i) until
+    the first rejection, whose replacement is drawn from normalize(max(0, p_n - q_n)); when all
+    K are kept the next token is a bonus draw from p_{K+1}. Exact: P(emit y) = min(p, q)(y) +
+    (1 - sum min(p, q)) * (p - q)+(y) / sum (p - q)+ = p(y), one position at a time.
+    """
+    B, K = drafts.shape
+    rows = torch.arange(B, device=drafts.device)
+    px = p[:, :K].gather(-1, drafts[..., None])[..., 0]
+    qx = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(B, K, generator=gen, device=drafts.device)
+    keep = u * qx < px                                    # u < p/q, without dividing by q
+    n = keep.int().cumprod(1).sum(1)                      # accepted before the first rejection
+    p_n = p[rows, n].float()
+    q_n = torch.where((n < K)[:, None], q[rows, n.clamp(max=K - 1)].float(), torch.zeros_like(p_n))
+    resid = (p_n - q_n).clamp(min=0)
+    mass = resid.sum(-1, keepdim=True)
+    # mass == 0 only when p_n == q_n, where a rejection has probability 0: p_n is then correct
+    dist = torch.where(mass > 0, resid / mass.clamp(min=1e-30), p_n)
+    nxt = torch.multinomial(dist, 1, generator=gen)[:, 0]
+    return n, nxt
+
+
 def _broken(rule):
     def resample_from_p(drafts, p, q, gen):     # the classic bug: on rejection, draw from p, not (p - q)+
         B, k = drafts.shape
@@ -217,7 +247,7 @@ def _broken(rule):
         n = torch.full((B,), k)
         return n, torch.multinomial(p[:, k], 1, generator=gen)[:, 0]
 
-    return {"exact": accept_drafts, "resample_from_p": resample_from_p, "accept_all": accept_all}[rule]
+    return {"exact": exact_rule, "resample_from_p": resample_from_p, "accept_all": accept_all}[rule]
 
 
 def _simulate(tables, cfg, n, seed, rule="exact", k=2):
@@ -295,11 +325,14 @@ def test_broken_rules_fail_the_same_test(tables, rule):
     assert _pvalue(tables, SamplingConfig(mode="sample", temperature=1.0), rule=rule) < 1e-6
 
 
-def test_decoding_loop_samples_exactly_end_to_end(tables):
-    """Guards against bugs in the real loop (draft cache catch-up, positions, q rows, roll-back)
-    biasing samples: (y2, y3) from speculative_generate must follow the target's law."""
+@pytest.mark.parametrize("cfg", [SamplingConfig(mode="sample", temperature=1.0),
+                                 SamplingConfig(mode="sample", temperature=0.8, top_k=7, top_p=0.9)],
+                         ids=["T1", "filtered"])
+def test_decoding_loop_samples_exactly_end_to_end(tables, cfg):
+    """Guards against bugs in the real loop (draft cache catch-up, positions, q rows, roll-back) or in the
+    verification it runs (``verify``'s sampled rule on the chain: accept, resample, bonus; with temperature, top-k
+    and top-p filters) biasing samples: (y2, y3) from the draft method must follow the target's law."""
     target, draft = tables["models"]
-    cfg = SamplingConfig(mode="sample", temperature=1.0)
     law = _law(tables, cfg).reshape(SV, SV, SV).sum(0).reshape(-1)
     counts = torch.zeros(SV * SV, dtype=torch.long)
     tm, dm = bare(target), bare(draft)

@@ -461,3 +461,15 @@ def test_eval_batches_keep_every_held_out_conversation(tok):
     batches = eval_batches(ConversationStream(d, tok, eval_split=True), 3, tok.pad_token_id)
     assert sum(int(b["input_ids"].shape[0]) for b in batches) == 8
     assert all(int(b["doc_ids"].max()) == 1 for b in batches)  # one conversation per row
+
+
+def test_a_reply_quoting_a_rewritten_prompt_is_still_labelled():
+    """Guards against the search past the prompt's words (above) landing inside the reply: a template that trims
+    the user's turn leaves the untrimmed words nowhere but in a reply quoting them verbatim, the search for the
+    reply then started past its beginning and the reply went untrained."""
+    tok = byte_tokenizer()
+    tok.chat_template = LAST_TURN_THINKS.replace("message['content'] +", "message['content'] | trim +")
+    messages = [{"role": "user", "content": "repeat: abc "}, {"role": "assistant", "content": "repeat: abc ok"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "fine"}]
+    enc = encode_conversation(tok, messages, 1024)
+    assert labelled_runs(tok, enc)[0].startswith("repeat: abc ok")
