@@ -74,6 +74,17 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+def _unloaded(params: dict, expect: dict, engine: str, consequence: str) -> list[str]:
+    """What an engine allocates (``expect``: name -> shape) that its load left unfilled or filled mis-shaped."""
+    problems = []
+    for name, shape in expect.items():
+        if name not in params:
+            problems.append(f"{name} is never loaded: {consequence}")
+        elif tuple(params[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(params[name].shape)}, {engine} allocates {shape}")
+    return problems
+
+
 def _dtype_problems(tensors: dict[str, torch.Tensor], integer_names=()) -> list[str]:
     out = []
     for name, t in tensors.items():
@@ -732,11 +743,7 @@ def sglang_eagle3_load(d: Path, hidden_size: int, vocab_size: int) -> tuple[dict
     for name, shards in stacked.items():
         full = name if name in expect else f"model.{name}"
         params[full] = torch.cat([shards[i] for i in sorted(shards)], 0)
-    for name, shape in expect.items():
-        if name not in params:
-            problems.append(f"{name} is never loaded: SGLang keeps its random init")
-        elif tuple(params[name].shape) != shape:
-            problems.append(f"{name} has shape {tuple(params[name].shape)}, SGLang allocates {shape}")
+    problems += _unloaded(params, expect, "SGLang", "SGLang keeps its random init")
     return params, cfg, problems
 
 
@@ -1048,11 +1055,8 @@ def check_trtllm_eagle3(d: Path, hidden_size: int, vocab_size: int, num_capture_
             problems.append(f"{name} is silently ignored by TensorRT-LLM (no such parameter)")
     for name, parts in shards.items():
         params[name] = torch.cat([parts[i] for i in sorted(parts)], 0)
-    for name, shape in expect.items():
-        if name not in params:
-            problems.append(f"{name} is never loaded: TensorRT-LLM fails (AssertionError) or keeps it uninitialised")
-        elif tuple(params[name].shape) != shape:
-            problems.append(f"{name} has shape {tuple(params[name].shape)}, TensorRT-LLM allocates {shape}")
+    problems += _unloaded(params, expect, "TensorRT-LLM",
+                          "TensorRT-LLM fails (AssertionError) or keeps it uninitialised")
     if "d2t" in tensors and tensors["d2t"].is_floating_point():
         problems.append("d2t must be integers (TensorRT-LLM copies it into an int32 parameter)")
     problems += _dtype_problems({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")})

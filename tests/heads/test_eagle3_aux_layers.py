@@ -38,7 +38,12 @@ def drafter(backbone, aux, seed=0) -> Eagle3Drafter:
     spec = HeadsSpec(num_heads=2, num_layers=1, hidden_size=HIDDEN, vocab_size=VOCAB, base_model="org/tiny",
                      base_model_fingerprint=backbone_fingerprint(cfg), kind="eagle3", aux_layers=list(aux),
                      draft_layer=draft_layer_config(cfg))
-    d = Eagle3Drafter(spec)
+    return randomized(Eagle3Drafter(spec), backbone, seed)
+
+
+def randomized(d: Eagle3Drafter, backbone, seed=0) -> Eagle3Drafter:
+    """``d`` with every weight random (norm weights around 1: ones would hide which block a norm scales), given
+    the backbone's input embeddings, in eval mode."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in d.parameters():

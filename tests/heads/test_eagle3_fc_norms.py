@@ -11,6 +11,7 @@ import torch
 from inference.heads.eagle3 import Eagle3Drafter, draft_layer_config
 from inference.heads.spec import HeadsSpec
 from runtime_support import one_thread, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
+from test_eagle3_aux_layers import randomized
 
 VOCAB, HIDDEN, LAYERS = 96, 64, 8
 FLAGS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_fc": True, "fc_norm": True}]
@@ -25,13 +26,7 @@ def drafter(backbone, flags: dict, aux=(1, 2, 4), seed=0) -> Eagle3Drafter:
     """Every weight random, the norms' weights around 1 (a norm of ones would hide which block it scales)."""
     spec = HeadsSpec(num_heads=2, num_layers=1, hidden_size=HIDDEN, vocab_size=VOCAB, base_model="org/tiny",
                      kind="eagle3", aux_layers=list(aux), draft_layer={**draft_layer_config(backbone.config), **flags})
-    d = Eagle3Drafter(spec)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5 + (1.0 if p.dim() == 1 else 0.0))
-    d.attach_backbone(None, backbone.get_input_embeddings().weight)
-    return d.eval()
+    return randomized(Eagle3Drafter(spec), backbone, seed)
 
 
 def restated_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
