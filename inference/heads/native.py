@@ -41,6 +41,9 @@ from .registry import build_heads
 from .spec import FORMAT_VERSION, HeadsSpec, check_compatible
 
 CONFIG_FILE = "config.json"
+# what to do about weights that are not the ones their config.json describes
+MISMATCH_FIX = ("the weights and config.json come from different exports: re-export the heads, or keep each pair "
+                "together")
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
@@ -250,7 +253,8 @@ def read_native(heads_dir: str | os.PathLike, backbone_config=None) -> Projected
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
-        raise UserError(f"{d / WEIGHTS_FILE} does not match its config: missing {missing[:4]}, unexpected {extra[:4]}")
+        raise UserError(f"{d / WEIGHTS_FILE} does not match its config: missing {missing[:4]}, unexpected "
+                        f"{extra[:4]}; {MISMATCH_FIX}")
     load_state_checked(heads, tensors, d / WEIGHTS_FILE)
     return heads
 
@@ -284,7 +288,8 @@ def load_state_checked(heads: ProjectedHeads, state: dict[str, torch.Tensor], wh
     expected = heads.state_dict()
     for name, t in state.items():
         if name in expected and tuple(t.shape) != tuple(expected[name].shape):
-            raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, config implies {tuple(expected[name].shape)}")
+            raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, config implies "
+                            f"{tuple(expected[name].shape)}; {MISMATCH_FIX}")
     heads.load_state_dict(state, strict=True)
 
 
