@@ -37,7 +37,9 @@ whose template refuses every conversation is refused in one line before anything
 Output (``output_dir``)::
 
     distill.json                 manifest: settings, backbone + weight fingerprint, source, counts, tokens/s
-    data/shard-000000.jsonl      {"messages": [{role, content}...], "source_index": i, ...} per line
+    data/shard-000000.jsonl      {"messages": [{role, content}...], "source_index": i, ...} per line; a reply cut
+                                 at distill.max_new_tokens is marked "unfinished": true (training learns its
+                                 words, not the end-of-turn marker the template puts after them)
     progress/shard-000000.json   per-shard counts and timing, written just before its shard
 
 Train on it with ``data.source=<output_dir>/data`` (the manifest and progress files live
@@ -72,12 +74,12 @@ from inference.errors import UserError
 from . import backbone as frozen   # frozen.load_backbone looked up when called (tests replace it)
 from .config import validate
 from .data.readers import ReadStats, iter_conversations
-from .data.tokenize import TemplateRefused
+from .data.tokenize import UNFINISHED, TemplateRefused
 from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
 from .distributed import resolve_device, stop_on_signals
 from .manifest import claim, read_manifest, write_json_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: replies cut at max_new_tokens marked unfinished (1 trained an end after them)
 MANIFEST = "distill.json"
 DATA_DIR = "data"
 PROGRESS_DIR = "progress"
@@ -179,7 +181,10 @@ class Replay:
         if not reply.strip():  # an empty turn would merge the user turns around it; stop here
             self.done, self.ended_by = True, "empty reply"
             return
-        self.messages = self.messages + self.pending + [{"role": "assistant", "content": reply}]
+        turn = {"role": "assistant", "content": reply}
+        if not hit_eos:   # cut at max_new_tokens: the backbone had not ended it, so training must not either
+            turn[UNFINISHED] = True
+        self.messages = self.messages + self.pending + [turn]
         self.turns += 1
         self.truncated_turns += int(not hit_eos)
         self.pending = []

@@ -6,6 +6,9 @@ OpenAI form (``messages``: role/content). Everything is read lazily, record by r
 a corpus larger than memory streams. A JSON array is decoded item by item, which also
 recovers every complete record of a file cut off mid-way (the embedded ShareGPT file is);
 what could not be used is counted in ``ReadStats`` and reported, never a crash.
+
+An assistant turn marked ``"unfinished": true`` (a reply cut at a length limit, as self-distillation writes
+it) keeps the mark: its words are trained on, the end-of-turn marker the template puts after it is not.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Iterator, Optional
 
 from inference.errors import UserError
 from inference import assets
+from .tokenize import UNFINISHED
 
 ROLE_MAP = {
     "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -199,8 +203,11 @@ def normalize(record, system_prompt: Optional[str] = None) -> tuple[Optional[lis
             continue
         if messages and messages[-1]["role"] == role:  # merge consecutive same-role turns
             messages[-1]["content"] += "\n\n" + content
+            messages[-1].pop(UNFINISHED, None)   # only the merged turn's last part decides where it ends
         else:
             messages.append({"role": role, "content": content})
+        if role == "assistant" and turn.get(UNFINISHED) is True:
+            messages[-1][UNFINISHED] = True
     if not any(m["role"] == "assistant" for m in messages):
         return None, "no assistant turn"
     while messages and messages[-1]["role"] != "assistant":

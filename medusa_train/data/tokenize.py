@@ -3,7 +3,8 @@
 The reference Medusa trainer labels user turns too, so its heads learn to predict the
 user's words. Here a token is labelled only if it lies inside an assistant reply (its
 content and the end-of-turn marker the template puts after it); system prompt, user turns
-and the template's role headers are ``IGNORE`` (-100).
+and the template's role headers are ``IGNORE`` (-100). A reply marked ``"unfinished": true`` (cut at a length
+limit) is labelled without its end-of-turn marker.
 
 Assistant spans are found by rendering the template on growing prefixes of the
 conversation: the reply of message i is what ``messages[:i+1]`` adds after
@@ -22,6 +23,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 IGNORE = -100
+# An assistant turn's mark: its reply was cut before its end (self-distillation at max_new_tokens). Its words are
+# labelled, the end-of-turn marker the template puts after them is not: the drafter must not learn to end a reply
+# wherever a length limit fell.
+UNFINISHED = "unfinished"
 
 
 @dataclass
@@ -90,12 +95,24 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             eos = getattr(tokenizer, "eos_token", None)
             if eos and text.startswith(eos, end):
                 end += len(eos)
+        if msg.get(UNFINISHED) is True:
+            end = _content_end(text, msg["content"], start, end)
         # keep the end-of-turn marker but not the newline the template adds after it
         while end > start and text[end - 1].isspace():
             end -= 1
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _content_end(text: str, content: str, start: int, end: int) -> int:
+    """Where the reply's own words end inside its span [start, end) (the end-of-turn marker after them is not
+    theirs); a template that trims the reply is matched by its trimmed words; ``end`` if neither is there."""
+    for words in (content, content.strip()):
+        at = text.rfind(words, start, end) if words else -1
+        if at >= 0:
+            return at + len(words)
+    return end
 
 
 def _past_prompt(text: str, turn: dict, cursor: int) -> int:

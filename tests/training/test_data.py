@@ -229,6 +229,54 @@ def test_truncation_keeps_partial_reply_and_flags_it(tok):
     assert not encode_conversation(tok, messages, 1024).truncated
 
 
+# Llama-3-style: every turn's content is trimmed, so a reply's words do not end where its raw text does.
+TRIMS_REPLIES = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] | trim}}"
+    "{{'<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", [None, LAST_TURN_THINKS, TRIMS_REPLIES], ids=["prefix-stable", "located",
+                                                                                    "trimmed"])
+def test_an_unfinished_reply_is_labelled_without_its_end_of_turn_marker(template, tok):
+    """Guards against: a reply cut at a length limit (self-distillation at max_new_tokens) trained with the
+    end-of-turn marker the template puts after it, teaching the drafter to end replies mid-sentence wherever a
+    limit fell; or the mark also taking the end away from the finished replies beside it, or its words."""
+    if template is not None:
+        tok = byte_tokenizer()
+        tok.chat_template = template
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1 2 3 4 "},
+                {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes."}]
+    finished = labelled_runs(tok, encode_conversation(tok, messages, 1024))
+    messages[1] = {**messages[1], "unfinished": True}
+    got = labelled_runs(tok, encode_conversation(tok, messages, 1024))
+    assert finished[0].endswith("<|im_end|>") and got[0] == finished[0][:-len("<|im_end|>")].rstrip()
+    assert got[0].rstrip().endswith("1 2 3 4") and got[1:] == finished[1:]
+    messages[1], messages[3] = {k: v for k, v in messages[1].items() if k != "unfinished"}, {**messages[3],
+                                                                                            "unfinished": True}
+    got = labelled_runs(tok, encode_conversation(tok, messages, 1024))
+    assert got[0] == finished[0] and got[-1] == finished[-1][:-len("<|im_end|>")].rstrip()
+    assert got[-1].endswith("Yes.")
+
+
+def test_the_unfinished_mark_is_read_with_the_turn_it_marks():
+    """Guards against: the reader dropping an assistant turn's ``unfinished`` mark (distilled replies cut at
+    max_new_tokens would be trained with an end again), keeping it on a user turn, or keeping it on a merged
+    reply whose last part was finished."""
+    record = {"messages": [{"role": "user", "content": "a", "unfinished": True},
+                           {"role": "assistant", "content": "b", "unfinished": True},
+                           {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "unfinished": True},
+                           {"role": "assistant", "content": "e"}]}
+    messages, why = normalize(record)
+    assert why == "" and messages == [{"role": "user", "content": "a"},
+                                      {"role": "assistant", "content": "b", "unfinished": True},
+                                      {"role": "user", "content": "c"}, {"role": "assistant", "content": "d\n\ne"}]
+    sharegpt = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b", "unfinished": True}]}
+    assert normalize(sharegpt)[0][-1] == {"role": "assistant", "content": "b", "unfinished": True}
+    assert "unfinished" not in normalize({"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
+                                          "content": "b", "unfinished": "yes"}]})[0][-1]
+
+
 def test_none_when_no_assistant_token_survives_truncation(tok):
     """Guards against: conversations whose replies are cut off entirely entering training with no target."""
     messages = [{"role": "user", "content": "y" * 200}, {"role": "assistant", "content": "answer"}]

@@ -67,7 +67,11 @@ def test_greedy_replies_are_the_backbones_own_output_turn_by_turn(compose_tiny, 
             tokens = [t for t in out.tokens if t not in eos]
             assert msgs[i]["content"] == tok.decode(tokens, skip_special_tokens=True), (row["source_index"], i)
             assert msgs[i]["content"] != src[i]["content"]
+            # a reply cut at max_new_tokens is marked, so training learns no end-of-turn after it
+            assert msgs[i].get("unfinished", False) is (len(tokens) == len(out.tokens)), (row["source_index"], i)
     assert multi_turn >= 2  # the tiny chats have multi-turn conversations: they were replayed
+    cut = sum(m.get("unfinished", False) for r in rows for m in r["messages"])
+    assert 0 < cut < manifest["counts"]["turns"] and manifest["counts"]["truncated_turns"] == cut
     assert manifest["counts"]["turns"] == sum(len([m for m in r["messages"] if m["role"] == "assistant"])
                                               for r in rows)
     assert manifest["counts"]["tokens_per_s_per_process"] > 0 and manifest["last_run"]["tokens_per_s"] > 0
@@ -118,13 +122,16 @@ def test_a_greeting_before_any_user_turn_keeps_the_system_prompt():
 
 
 def test_output_is_read_by_the_trainers_readers(compose_tiny, out_dir):
-    """Guards against: output the trainer cannot read as it is (wrong form, dropped records), or the manifest
-    and progress files being picked up as conversations by the folder reader."""
+    """Guards against: output the trainer cannot read as it is (wrong form, dropped records, the marks of
+    replies cut at max_new_tokens lost), or the manifest and progress files being picked up as conversations by
+    the folder reader."""
     distill.run(compose_tiny(*DISTILL, "distill.max_conversations=6", "distill.max_turns=1"))
     stats = ReadStats()
     convs = list(iter_conversations(str(out_dir / distill.DATA_DIR), stats=stats))
     assert len(convs) == 6 and stats.dropped_total == 0
     assert all(sum(m["role"] == "assistant" for m in c) == 1 for c in convs)  # max_turns=1
+    cut = [m for r in records(out_dir) for m in r["messages"] if m.get("unfinished")]
+    assert cut and [m for c in convs for m in c if m.get("unfinished")] == cut  # the marks reach training
 
 
 class Boom(RuntimeError):
