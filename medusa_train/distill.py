@@ -178,6 +178,8 @@ class Replay:
 
     def accept(self, reply: str, n_tokens: int, hit_eos: bool) -> None:
         self.tokens += n_tokens
+        if not hit_eos and reply.endswith("\ufffd"):   # cut inside a character: its first bytes decode to one
+            reply = reply[:-1]                           # U+FFFD, not a word to train on
         if not reply.strip():  # an empty turn would merge the user turns around it; stop here
             self.done, self.ended_by = True, "empty reply"
             return

@@ -565,10 +565,7 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
             else:
                 trainer.tracker.write(f"\nno held-out accuracy: {empty_eval_reason(cfg.data)}")
             stats = trainer.source.stats
-            trainer.tracker.write(
-                f"data: {trainer.source.read_stats.summary()}; this run tokenized {stats.conversations} "
-                f"conversations ({stats.truncated} truncated to {cfg.data.max_length} tokens), "
-                f"padding {stats.padding_fraction:.1%} of batch tokens")
+            trainer.tracker.write(f"data: {trainer.source.read_stats.summary()}; {tokenized_line(stats, cfg.data)}")
             trainer.tracker.write(f"heads exported to {heads_dir}")
     finally:
         interrupts.restore()
@@ -582,6 +579,17 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
     _leave_process_group(trainer.world_size)
     summary["step"] = trainer.step
     return summary
+
+
+def tokenized_line(stats, data) -> str:
+    """What tokenising the training conversations kept and lost, for the run's summary line."""
+    lost = [f"{stats.truncated} truncated to {data.max_length} tokens"]
+    if stats.no_labels:   # gone from training: a prompt that fills max_length, or a reply the template rewrote
+        lost.append(f"{stats.no_labels} more dropped: no reply token within {data.max_length} tokens")
+    if stats.unlocated_replies:
+        lost.append(f"{stats.unlocated_replies} replies left unlabelled: the chat template rewrote them")
+    return (f"this run tokenized {stats.conversations} conversations ({'; '.join(lost)}), "
+            f"padding {stats.padding_fraction:.1%} of batch tokens")
 
 
 def _leave_process_group(world_size: int) -> None:

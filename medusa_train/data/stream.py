@@ -32,7 +32,8 @@ from .tokenize import IGNORE, Encoded, TemplateRefused, encode_conversation
 class StreamStats:
     conversations: int = 0
     truncated: int = 0
-    no_labels: int = 0
+    no_labels: int = 0   # dropped: no reply token within max_length (or none located in the rendering)
+    unlocated_replies: int = 0   # replies left unlabelled: the template rewrote them past recognition
     tokens: int = 0  # real tokens in batches
     padding: int = 0  # padding tokens in batches
     label_tokens: int = 0
@@ -109,11 +110,13 @@ class ConversationStream:
             stop = None if d.max_conversations is None else n_eval + d.max_conversations
         gen = functools.partial(_conversation_records, d.source, d.split, d.system_prompt, start, stop, stats)
         ds = datasets.IterableDataset.from_generator(gen)
-        if not self.eval_split and d.shuffle_buffer > 1:
+        shuffled = not self.eval_split and d.shuffle_buffer > 1
+        if shuffled:
             ds = ds.shuffle(seed=self.seed, buffer_size=d.shuffle_buffer)
-            ds.set_epoch(epoch)
         if self.world_size > 1:
             ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
+        if shuffled:   # after the split: the split dataset does not keep an epoch set before it (datasets 5.x)
+            ds.set_epoch(epoch)
         return ds
 
     def encoded(self, epoch: int = 0) -> Iterator[Encoded]:
@@ -134,6 +137,7 @@ class ConversationStream:
                 continue
             self.stats.conversations += 1
             self.stats.truncated += int(enc.truncated)
+            self.stats.unlocated_replies += enc.unlocated
             yield enc
         if seen == 0 and stats is self.read_stats:
             what = "evaluation" if self.eval_split else "training"

@@ -34,6 +34,7 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     truncated: bool
+    unlocated: int = 0   # replies left unlabelled: not found in the template's rendering (``assistant_spans``)
 
 
 class TemplateRefused(Exception):
@@ -73,28 +74,28 @@ def _render(tokenizer, messages, add_generation_prompt=False) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans of assistant replies."""
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]], int]:
+    """The rendered conversation, the [start, end) character spans of assistant replies, and how many replies
+    were not found in the rendering (left unlabelled: counted, so a template that rewrites replies is seen)."""
     text = _render(tokenizer, messages)
     spans: list[tuple[int, int]] = []
-    cursor = 0
+    cursor, unlocated = 0, 0
     for i, msg in enumerate(messages):
-        if msg["role"] != "assistant" or i == 0:
+        # a reply that answers no user turn (a greeting after the system prompt) has nothing to be learned from,
+        # as self-distillation also treats it
+        if msg["role"] != "assistant" or not any(m["role"] == "user" for m in messages[:i]):
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
         upto = _render(tokenizer, messages[: i + 1])
         if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
             start, end = len(before), len(upto)
         else:  # not prefix-stable: find the reply text itself, after the turn it answers
-            start = text.find(msg["content"], _past_prompt(text, messages[i - 1], cursor))
-            if start < 0:   # the turn's words found only inside the reply (the template rewrote the turn)
-                start = text.find(msg["content"], cursor)
-            if start < 0:
+            found = _locate_reply(text, tokenizer, msg["content"], _past_prompt(text, messages[i - 1], cursor),
+                                  cursor)
+            if found is None:
+                unlocated += 1
                 continue
-            end = start + len(msg["content"])
-            eos = getattr(tokenizer, "eos_token", None)
-            if eos and text.startswith(eos, end):
-                end += len(eos)
+            start, end = found
         if msg.get(UNFINISHED) is True:
             end = _content_end(text, msg["content"], start, end)
         # keep the end-of-turn marker but not the newline the template adds after it
@@ -102,7 +103,32 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             end -= 1
         spans.append((start, end))
         cursor = end
-    return text, spans
+    return text, spans, unlocated
+
+
+def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: int) -> Optional[tuple[int, int]]:
+    """The [start, end) of a reply found by its words in a rendering that is not prefix-stable, or None. The words
+    are tried as written, trimmed (templates that trim), then without a reasoning block (Qwen3-style templates
+    drop ``<think>...</think>`` from earlier replies); first past the turn the reply answers, else past the
+    previous reply (the template rewrote that turn). The span takes the spaces before the words (a SentencePiece
+    token "▁Hello" starts at its space: a span from the "H" would leave the reply's first token unlabelled) and
+    the end-of-sequence marker right after them."""
+    candidates = [content, content.strip()]
+    if "</think>" in content:
+        candidates.append(content.split("</think>")[-1].strip())
+    for floor in (past_prompt, cursor):
+        for words in candidates:
+            start = text.find(words, floor) if words else -1
+            if start < 0:
+                continue
+            end = start + len(words)
+            while start > floor and text[start - 1] == " ":
+                start -= 1
+            eos = getattr(tokenizer, "eos_token", None)
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+            return start, end
+    return None
 
 
 def _content_end(text: str, content: str, start: int, end: int) -> int:
@@ -127,7 +153,7 @@ def _past_prompt(text: str, turn: dict, cursor: int) -> int:
 def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Optional[Encoded]:
     """Token ids and assistant-only labels, truncated to ``max_length``; None if nothing to learn;
     ``TemplateRefused`` if the chat template raises on this conversation."""
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans, unlocated = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     labels = [IGNORE] * len(ids)
@@ -141,4 +167,4 @@ def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Opt
     ids, labels = ids[:max_length], labels[:max_length]
     if all(l == IGNORE for l in labels[1:]):  # position 0 is never a target
         return None
-    return Encoded(ids, labels, truncated)
+    return Encoded(ids, labels, truncated, unlocated)

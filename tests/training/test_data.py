@@ -285,11 +285,77 @@ def test_none_when_no_assistant_token_survives_truncation(tok):
 
 
 def test_leading_assistant_turn_is_not_labelled(tok):
-    """Guards against: a reply with no prompt before it (ShareGPT has some) being trained as if it had context."""
+    """Guards against: a reply with no prompt before it (ShareGPT has some) being trained as if it had context;
+    with a system prompt before it (``data.system_prompt`` inserts one) it was trained, while self-distillation
+    drops such a greeting."""
     messages = [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "ok"},
                 {"role": "assistant", "content": "Then me."}]
     enc = encode_conversation(tok, messages, 1024)
     assert labelled_runs(tok, enc) == ["Then me.<|im_end|>"]
+    enc = encode_conversation(tok, [{"role": "system", "content": "Be kind."}] + messages, 1024)
+    assert labelled_runs(tok, enc) == ["Then me.<|im_end|>"]
+
+
+# Qwen3's handling of reasoning: an earlier reply is rendered without its <think> block, the last one with it.
+DROPS_EARLIER_THINKING = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{{content + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_replies_whose_reasoning_the_template_drops_are_still_labelled():
+    """Guards against: with a Qwen3-style template (earlier replies rendered without their <think> block), every
+    reply but the last being searched for with its reasoning, not found, and silently left untrained."""
+    tok = byte_tokenizer()
+    tok.chat_template = DROPS_EARLIER_THINKING
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello."},
+                {"role": "user", "content": "More?"}, {"role": "assistant", "content": "<think>\nOk.\n</think>\n\nSure."}]
+    enc = encode_conversation(tok, messages, 1024)
+    assert labelled_runs(tok, enc) == ["Hello.<|im_end|>", "<think>\nOk.\n</think>\n\nSure.<|im_end|>"]
+    assert enc.unlocated == 0
+
+
+def test_a_reply_the_template_rewrites_past_recognition_is_counted():
+    """Guards against: a reply the template rewrote (so neither its words nor their trimmed form appear) being
+    left untrained without a count: the run's summary must say how many replies went unlabelled."""
+    tok = byte_tokenizer()
+    tok.chat_template = LAST_TURN_THINKS.replace("message['content'] +", "message['content'] | upper +")
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "first"},
+                {"role": "user", "content": "b"}, {"role": "assistant", "content": "second"}]
+    enc = encode_conversation(tok, messages, 1024)
+    assert enc.unlocated == 1 and labelled_runs(tok, enc) == ["<think></think>SECOND<|im_end|>"]
+
+
+def test_a_located_reply_keeps_its_first_sentencepiece_token():
+    """Guards against: a reply found by its words (a template that is not prefix-stable, e.g. Mistral's moving the
+    system prompt into the last user turn) starting its span at the first letter, so a SentencePiece token
+    "▁Hello" (whose offsets start at its space) was left unlabelled: every reply lost its first token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["▁Hello", "▁there.", "▁Sure", "▁thing.", "▁hi", "▁more", "</s>", "[INST]", "[/INST]", "▁sys", "<unk>"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]"]})
+    # Mistral v0.3's shape: the system prompt goes into the last user turn only, so renderings are not prefixes
+    tok.chat_template = (
+        "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+        "{% set loop_messages = messages[1:] if sys else messages %}{% set last_user = namespace(i=-1) %}"
+        "{% for m in loop_messages %}{% if m['role'] == 'user' %}{% set last_user.i = loop.index0 %}{% endif %}"
+        "{% endfor %}{% for m in loop_messages %}{% if m['role'] == 'user' %}{{'[INST]'}}"
+        "{% if loop.index0 == last_user.i and sys %}{{' ' + sys}}{% endif %}{{' ' + m['content'] + '[/INST]'}}"
+        "{% else %}{{' ' + m['content'] + '</s>'}}{% endif %}{% endfor %}")
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "Sure thing."}]
+    enc = encode_conversation(tok, messages, 1024)
+    labelled = [tok.convert_ids_to_tokens(t) for t in enc.labels if t != IGNORE]
+    assert labelled == ["▁Hello", "▁there.", "</s>", "▁Sure", "▁thing.", "</s>"]
 
 
 # -- stream --------------------------------------------------------------------------------------
@@ -329,6 +395,19 @@ def test_shuffle_is_seeded_and_changes_per_epoch(tok):
     assert a == _texts(tok, ConversationStream(d, tok, seed=3), epoch=0)
     assert sorted(a) == sorted(_texts(tok, ConversationStream(d, tok, seed=3), epoch=1))
     assert a != _texts(tok, ConversationStream(d, tok, seed=3), epoch=1)
+
+
+def test_each_rank_reshuffles_its_shard_every_epoch(tok):
+    """Guards against: with 2+ ranks the epoch set on the shuffled stream before it is split by rank being lost,
+    so every rank saw the same conversations in the same order every epoch (a single process reshuffled)."""
+    d = _data_cfg()
+    every = sorted(_texts(tok, ConversationStream(d, tok)))
+    shards = [[_texts(tok, ConversationStream(d, tok, seed=3, rank=r, world_size=2), epoch=e) for r in range(2)]
+              for e in (0, 1)]
+    for e in (0, 1):   # each epoch: the ranks' shards disjoint, together every conversation once
+        assert not set(shards[e][0]) & set(shards[e][1]) and sorted(shards[e][0] + shards[e][1]) == every
+    assert shards[0][0] != shards[1][0] and shards[0][1] != shards[1][1]
+    assert shards[0][0] == _texts(tok, ConversationStream(d, tok, seed=3, rank=0, world_size=2), epoch=0)
 
 
 def test_max_conversations_limits_training(tok):
@@ -416,6 +495,21 @@ def test_summary_line_after_resuming_past_the_first_epoch(compose_tiny, out_dir,
     T.run(compose_tiny(*run, "trainer.max_steps=18"))
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("data: "))
     assert "0 conversations usable" not in line and "no conversation read by this process" in line, line
+
+
+def test_the_summary_line_counts_conversations_dropped_without_a_reply_token(compose_tiny, tmp_path, capsys):
+    """Guards against: conversations whose prompt fills data.max_length (no reply token left) vanishing from
+    training while the run's last 'data:' line said nothing was dropped or truncated."""
+    from medusa_train import trainer as T
+
+    path = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": ("long " * 80 if i % 2 else f"q{i}")},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(24)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    T.run(compose_tiny(f"data.source={path}", "data.max_length=128", "data.eval_conversations=4",
+                       "trainer.max_steps=2", "logger.plot=false"))
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("data: "))
+    assert "more dropped: no reply token within 128 tokens" in line, line
 
 
 def test_token_frequencies_count_only_assistant_tokens(tok, tmp_path):
