@@ -42,7 +42,7 @@ shard size, dtype); the trainer reads the result through ``sources.CachedSource`
 
 Layout::
 
-    features.json                 manifest: backbone fingerprint (config + weights), data settings, shards
+    features.json                 manifest: backbone fingerprint (config + weights), data settings and content, shards
     eval.safetensors              held-out batches ({j}.hidden, {j}.greedy, {j}.input_ids, ...)
     train-000000.safetensors      micro-batches 0..S-1 of the stream (metadata: first, count)
 
@@ -52,7 +52,9 @@ shard is written under a temporary name and renamed when complete, so a full dis
 a crash mid-write never leaves a shard that looks complete (the error says how many are
 kept; the same command continues; the temporary files of builds killed mid-write are removed by the next
 build, ``FeatureCache.remove_dead_writers``). A cache built for another backbone (weights or
-architecture), other data settings, seed or micro-batch size is refused, naming what differs.
+architecture), other data settings, seed or micro-batch size is refused, naming what differs; so is one
+built from other content at the same local ``data.source`` (a file overwritten, a folder re-distilled:
+``data_fingerprint``, sizes and a hash of each file's ends, no mtimes; caches that predate it get it recorded).
 
 Aux layers: heads whose family declares them as inputs (``inference.heads.inputs``; EAGLE-3 reads three
 backbone layers) need them cached too. A cache records the layers it stores (``aux_layers`` in its
@@ -73,6 +75,7 @@ manifest is ``manifest.py``'s, shared with distillation.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -86,6 +89,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from inference import assets
 from inference.backbone import parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
@@ -94,7 +98,7 @@ from inference.heads.native import pid_alive
 from .backbone import backbone_identity, load_backbone
 from .backbone_inputs import FrozenFeatures
 from .config import derived_batch, validate
-from .data.readers import ReadStats
+from .data.readers import ReadStats, data_files
 from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
 from .distributed import barrier, start_process, stop_on_signals
 from .families import backbone_layers
@@ -106,6 +110,7 @@ EVAL_FILE = "eval.safetensors"
 KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
 _STARTED = time.time()  # leftovers older than this process cannot be from a writer of this run
 _OTHER_HOSTS_MARGIN_S = 900
+_FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of a data file
 
 
 def enabled(cfg) -> bool:
@@ -132,6 +137,36 @@ def cache_identity(cfg, backbone) -> dict:
     }
 
 
+def data_fingerprint(source: str) -> Optional[str]:
+    """What a local ``data.source`` holds, cheaply: size and a hash of each data file's first and last MiB (a
+    folder: over its data files, in reading order, with their names). The cache's identity names the source
+    by path only, and overwriting the file must not hand its old hidden states to a run on the new data.
+    Never mtimes: a reinstall of the embedded package (same file) must keep its cache. None for a hub id."""
+    if source.startswith("embedded:"):
+        if source not in assets.EMBEDDED_DATA:
+            return None  # the reader refuses it in one line
+        files, root = [assets.sharegpt_json_path()], None
+    else:
+        root = Path(source).expanduser()
+        if root.is_file():
+            files, root = [root], None
+        elif root.is_dir():
+            files = data_files(root)
+        else:
+            return None
+    digest, total = hashlib.sha256(), 0
+    for path in files:
+        size = path.stat().st_size
+        total += size
+        digest.update(f"{path.relative_to(root) if root else ''}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_FINGERPRINT_SPAN))
+            if size > _FINGERPRINT_SPAN:
+                f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
+                digest.update(f.read())
+    return f"{len(files)} file{'s' if len(files) != 1 else ''}, {total} bytes, sha256 {digest.hexdigest()[:16]}"
+
+
 # -- the cache on disk ---------------------------------------------------------------------------------------
 class FeatureCache:
     def __init__(self, root: Path):
@@ -146,8 +181,10 @@ class FeatureCache:
     def manifest(self) -> dict:
         return read_manifest(self.manifest_path, self.root)
 
-    def claim(self, identity: dict, shard_batches: int, aux_layers=(), greedy_everywhere: bool = False) -> dict:
-        """Create the manifest, or check the existing cache was built for this backbone and data."""
+    def claim(self, identity: dict, shard_batches: int, aux_layers=(), greedy_everywhere: bool = False,
+              data_fingerprint: Optional[str] = None) -> dict:
+        """Create the manifest, or check the existing cache was built for this backbone and data (and, where
+        ``data_fingerprint`` is given, the data's content)."""
         root = self.root
 
         def ours(manifest: dict) -> Optional[str]:
@@ -165,10 +202,12 @@ class FeatureCache:
             return None
 
         fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
-                 "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere}
+                 "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere,
+                 "data_fingerprint": data_fingerprint}
         manifest = claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
                          mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
                                   "use another features.cache_dir or delete it")
+        manifest = self._check_data(manifest, identity, data_fingerprint)
         stored = list(manifest.get("aux_layers") or [])
         if aux_layers and stored != list(aux_layers):
             manifest = self._decide(manifest, "aux_layers", list(aux_layers), (
@@ -180,6 +219,22 @@ class FeatureCache:
             manifest = self._decide(manifest, "greedy_everywhere", True, (
                 f"features cache {root} stores the backbone's greedy tokens on the replies only; "
                 "heads.train_on=all needs them at every position: use another features.cache_dir"))
+        return manifest
+
+    def _check_data(self, manifest: dict, identity: dict, fingerprint: Optional[str]) -> dict:
+        """Refuse a cache of other content at the same ``data.source``. The fingerprint is kept beside the identity,
+        not in it: caches built before it was recorded have none, are taken, and get it now (as distillation's
+        ``claim_output`` records a missing backbone fingerprint)."""
+        old = manifest.get("data_fingerprint")
+        if fingerprint is None or old == fingerprint:
+            return manifest
+        if old is not None:
+            source = identity.get("data", {}).get("source")
+            raise UserError(f"features cache {self.root} was built from other content of data.source {source} "
+                            f"({old} there, {fingerprint} now: the data was rewritten); use another "
+                            "features.cache_dir or delete it")
+        manifest = {**manifest, "data_fingerprint": fingerprint}
+        write_json_atomic(self.manifest_path, manifest)  # every rank may: same content, atomic rename
         return manifest
 
     def _decide(self, manifest: dict, key: str, value, refusal: str) -> dict:
@@ -374,6 +429,8 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
                     "eval": True, "positions": sum(b * w for b, w in shapes), "hidden_size": hidden_size,
                     "bytes_per_position": per_pos,
                     "stream": {"conversations": stream.stats.conversations, "truncated": stream.stats.truncated,
+                               "no_labels": stream.stats.no_labels,
+                               "unlocated_replies": stream.stats.unlocated_replies,
                                "recovered": stream.read_stats.recovered,
                                "dropped": dict(stream.read_stats.dropped)}}
         write_json_atomic(cache.manifest_path, manifest)
@@ -454,7 +511,8 @@ class CachedBatches:
 def stream_stats(manifest: dict) -> tuple[StreamStats, ReadStats]:
     """What tokenising the cached batches saw (for the run's summary line), as the online stream counts it."""
     counts = manifest.get("stream", {})
-    stats = StreamStats(conversations=counts.get("conversations", 0), truncated=counts.get("truncated", 0))
+    stats = StreamStats(**{k: counts.get(k, 0) for k in ("conversations", "truncated", "no_labels",
+                                                         "unlocated_replies")})
     read = ReadStats(read=True)  # the build read them
     read.recovered = counts.get("recovered", 0)
     read.dropped.update(counts.get("dropped", {}))
@@ -465,7 +523,8 @@ def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
                eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
     """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
     cache = FeatureCache(cache_dir(cfg))
-    manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers, plan.greedy_everywhere)
+    manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers, plan.greedy_everywhere,
+                           data_fingerprint(cfg.data.source))
     cache.read_aux = bool(plan.aux_layers)
 
     def open_stream() -> ConversationStream:

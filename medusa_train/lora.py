@@ -312,6 +312,9 @@ class JointSource:
     def eval_batches(self) -> list[dict]:
         return self.data.eval_batches()
 
+    def data_counts(self):
+        return self.data.run_counts()
+
     def loss(self, engine, batch: dict, step: int) -> torch.Tensor:
         dev = self.device
         ids, labels, doc = batch["input_ids"].to(dev), batch["labels"].to(dev), batch["doc_ids"].to(dev)

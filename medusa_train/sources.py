@@ -52,6 +52,8 @@ class BatchSource(Protocol):
 
     def eval_batches(self) -> list[dict]: ...
 
+    def data_counts(self) -> tuple[ReadStats, StreamStats]: ...  # collective; the run's data, all ranks together
+
     def loss(self, engine, batch: dict, step: int) -> torch.Tensor: ...
 
     def export_extra(self, engine) -> Optional[Callable]: ...  # collective; a writer for save_heads' ``extra``
@@ -151,6 +153,9 @@ class OnlineSource(_FrozenHeads):
     def eval_batches(self) -> list[dict]:
         return self.data.eval_batches()
 
+    def data_counts(self) -> tuple[ReadStats, StreamStats]:
+        return self.data.run_counts()
+
     def features(self, batch: dict) -> dict:
         # Held-out batches read the replies' greedy ids only (``loss``): the lm_head runs on no other position.
         return self.frozen.features(batch, greedy=self.backbone_targets, aux_layers=self.aux_layers,
@@ -175,6 +180,9 @@ class CachedSource(_FrozenHeads):
 
     def eval_batches(self) -> list[dict]:
         return self.cache.eval_batches(self.device, self.compute_dtype)
+
+    def data_counts(self) -> tuple[ReadStats, StreamStats]:
+        return self.read_stats, self.stats   # what the build counted, in the cache's manifest
 
     def features(self, batch: dict) -> dict:
         return batch

@@ -556,6 +556,7 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
                                "then the export ...")
             summary = trainer.evaluate()
             heads_dir = trainer.export()
+            read, stats = trainer.source.data_counts()   # collective with 2+ ranks: every rank is here
         except KeyboardInterrupt:
             raise UserError(f"interrupted after training, during the final evaluation or export (checkpoint "
                             f"{_last_checkpoint(trainer)}); run the same command again to finish them") from None
@@ -564,8 +565,7 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
                 trainer.tracker.write("\n" + format_accuracy_table(summary, trainer.spec.num_heads))
             else:
                 trainer.tracker.write(f"\nno held-out accuracy: {empty_eval_reason(cfg.data)}")
-            stats = trainer.source.stats
-            trainer.tracker.write(f"data: {trainer.source.read_stats.summary()}; {tokenized_line(stats, cfg.data)}")
+            trainer.tracker.write(f"data: {read.summary()}; {tokenized_line(stats, cfg.data)}")
             trainer.tracker.write(f"heads exported to {heads_dir}")
     finally:
         interrupts.restore()

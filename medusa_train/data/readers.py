@@ -14,6 +14,7 @@ it) keeps the mark: its words are trained on, the end-of-turn marker the templat
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ ROLE_MAP = {
     "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system",
 }
 _CHUNK = 1 << 20
+_MAX_RECORD = 64 << 20  # characters: an array element still open after this is no conversation
 
 
 @dataclass
@@ -64,33 +66,127 @@ class ReadStats:
 
 def iter_json_array(path: Path, stats: ReadStats) -> Iterator[dict]:
     """Yield the items of a (possibly truncated) top-level JSON array, reading 1 MiB at a time."""
-    decoder = json.JSONDecoder()
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        buf, pos, eof = f.read(_CHUNK), 0, False
-        pos = _skip(buf, pos, "[")
+    with open(path, "r", encoding="utf-8-sig", errors="replace") as f:
+        text = _Text(f)
+        pos = _skip(text.buf, 0, "[")
         if pos is None:
             raise UserError(f"{path} is not a JSON array of conversations")
-        while True:
-            pos = _skip(buf, pos, ",")
-            if pos < len(buf) and buf[pos] == "]":
+        yield from _elements(text, pos, stats)
+
+
+def _iter_json_values(path: Path, stats: ReadStats) -> Iterator[dict]:
+    """Yield JSON values written one after another (pretty-printed records), as the items of an array."""
+    with open(path, "r", encoding="utf-8-sig", errors="replace") as f:
+        yield from _elements(_Text(f), 0, stats)
+
+
+class _Text:
+    """The part of a file still to be read, one ``_CHUNK`` at a time."""
+
+    def __init__(self, f):
+        self.f, self.buf, self.eof = f, f.read(_CHUNK), False
+
+    def refill(self, pos: int) -> None:
+        """Drop what lies before ``pos`` and read one more chunk."""
+        more = self.f.read(_CHUNK)
+        self.eof = not more
+        self.buf = self.buf[pos:] + more
+
+
+_SKIPPED, _END = object(), object()
+
+
+def _elements(text: _Text, pos: int, stats: ReadStats) -> Iterator[dict]:
+    """The elements from ``pos`` on (commas between them optional) up to a closing ']' or the end of the file."""
+    decoder = json.JSONDecoder()
+    while True:
+        pos = _skip(text.buf, pos, ",")
+        if pos < len(text.buf) and text.buf[pos] == "]":
+            return
+        try:
+            item, pos = decoder.raw_decode(text.buf, pos)
+        except json.JSONDecodeError:
+            item, pos = _complete(text, pos, decoder, stats)
+            if item is _END:
                 return
-            try:
-                item, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    if buf[pos:].strip():
-                        stats.dropped["cut off at end of file"] += 1
-                    return
-                more = f.read(_CHUNK)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
+            if item is _SKIPPED:
                 continue
-            pos = end
-            if len(buf) - pos < _CHUNK // 4 and not eof:  # keep the buffer from growing without bound
-                more = f.read(_CHUNK)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
-            yield item
+        if len(text.buf) - pos < _CHUNK // 4 and not text.eof:  # keep the buffer from growing without bound
+            text.refill(pos)
+            pos = 0
+        yield item
+
+
+def _complete(text: _Text, pos: int, decoder: json.JSONDecoder, stats: ReadStats) -> tuple[object, int]:
+    """The element at ``pos`` did not decode: it is cut by the buffer's end, or invalid. Read on until its end is
+    in the buffer (found by brackets and strings alone, ``_Scan``), then decode it again or skip it, counted, so
+    one bad record costs only itself. An element still open after ``_MAX_RECORD`` characters is no record: it is
+    skipped as it streams by, never held whole. (item or _SKIPPED or _END, position after it)."""
+    scan, streamed_by = _Scan(pos), False
+    while True:
+        end = scan.end(text.buf)
+        if end is not None:
+            break
+        if text.eof:
+            if streamed_by or text.buf[pos:].strip():
+                stats.dropped["cut off at end of file"] += 1
+            return _END, 0
+        if len(text.buf) - pos > _MAX_RECORD:
+            pos, streamed_by = len(text.buf), True
+        scan.at -= pos
+        text.refill(pos)
+        pos = 0
+    if not streamed_by:
+        if not text.buf[pos:end].strip():
+            return _SKIPPED, end  # no element here: the closing ']' (or a stray ',')
+        try:
+            return decoder.raw_decode(text.buf, pos)
+        except json.JSONDecodeError:
+            pass
+    stats.dropped["invalid JSON record"] += 1
+    return _SKIPPED, end
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # json pairs escaped surrogates; any one left is alone
+_OUTSIDE = re.compile(r'["{}\[\],]')
+_INSIDE = re.compile(r'["\\]')
+
+
+class _Scan:
+    """Where one element of a JSON array (or one of several values) ends, from its strings and brackets only, so
+    an element that is not valid JSON (a raw tab in a string) still has an end to skip to. Resumable: call ``end``
+    again once more text is in the buffer (``at`` shifted to the buffer's new start)."""
+
+    def __init__(self, at: int):
+        self.at, self.depth, self.in_string, self.escaped = at, 0, False, False
+
+    def end(self, buf: str) -> Optional[int]:
+        """The position just after the element: after the bracket that closes it, or at the ',' or ']' that
+        follows an element that is not an object or array; None while that is beyond ``buf``."""
+        i, n = self.at, len(buf)
+        while i < n:
+            if self.escaped:
+                i, self.escaped = i + 1, False
+                continue
+            m = (_INSIDE if self.in_string else _OUTSIDE).search(buf, i)
+            if m is None:
+                break
+            c, i = m.group(), m.end()
+            if self.in_string:
+                self.escaped, self.in_string = c == "\\", c == "\\"
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif self.depth:
+                if c != ",":
+                    self.depth -= 1
+                    if not self.depth:
+                        return i
+            else:
+                return i if c == "}" else m.start()  # a stray '}' is part of the bad element; ',' / ']' end it
+        self.at = n
+        return None
 
 
 def _skip(buf: str, pos: int, sep: str) -> Optional[int]:
@@ -108,7 +204,7 @@ def _skip(buf: str, pos: int, sep: str) -> Optional[int]:
 
 
 def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[dict]:
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
+    with open(path, "r", encoding="utf-8-sig", errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
@@ -130,21 +226,79 @@ def iter_parquet(path: Path, stats: ReadStats) -> Iterator[dict]:
         raise UserError(f"{path} is not a readable parquet file ({first})") from None
 
 
-def _file_records(path: Path, stats: ReadStats) -> Iterator[dict]:
+def _file_records(path: Path, stats: ReadStats, in_folder: bool = False) -> Iterator[dict]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         yield from iter_jsonl(path, stats)
     elif suffix == ".json":
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
-            head = f.read(4096).lstrip()
-        if head.startswith("["):
+        try:
+            layout = _json_layout(path)
+        except _JsonObject as e:
+            if not in_folder:
+                raise UserError(str(e)) from None
+            # a folder's metadata beside its shards (a saved dataset's dataset_info.json): that file only
+            stats.dropped["file holding one JSON object, not conversations"] += 1
+            return
+        if layout == "array":
             yield from iter_json_array(path, stats)
+        elif layout == "values":
+            yield from _iter_json_values(path, stats)  # pretty-printed records, one after another
         else:
             yield from iter_jsonl(path, stats)  # JSON lines saved as .json
     elif suffix == ".parquet":
         yield from iter_parquet(path, stats)
     else:
         raise UserError(f"unsupported data file {path} (use .json, .jsonl or .parquet)")
+
+
+def _is_record(value) -> bool:
+    return isinstance(value, dict) and any(isinstance(value.get(k), list) for k in ("conversations", "messages"))
+
+
+def _json_layout(path: Path) -> str:
+    """How a .json file holds its records: "array", "lines" (JSON lines saved as .json) or "values" (records
+    pretty-printed one after another). One JSON object that is no conversation record (``{"data": [...]}``) is
+    refused: read line by line it would only be counted as N invalid lines, which says nothing of the cause."""
+    with open(path, "r", encoding="utf-8-sig", errors="replace") as f:
+        text = _Text(f)
+        start = len(text.buf) - len(text.buf.lstrip())
+        if text.buf.startswith("[", start):
+            return "array"
+        if not text.buf.startswith("{", start):
+            return "lines"
+        scan, keys = _Scan(start), ""
+        while (end := scan.end(text.buf)) is None:
+            if text.eof:
+                return "lines"  # a first line cut off or invalid: counted as JSON lines always were
+            if len(text.buf) > _MAX_RECORD:
+                break  # a first object larger than any conversation record
+            text.refill(0)
+        else:
+            first = text.buf[start:end]
+            try:
+                value = json.loads(first)
+            except json.JSONDecodeError:
+                return "lines"
+            one_line = "\n" not in first
+            if _is_record(value):
+                return "lines" if one_line else "values"
+            if one_line:  # a JSON line: JSON lines, unless it is all the file holds
+                text.refill(end)
+                if text.buf.strip():
+                    return "lines"
+            keys = f" (keys: {', '.join(list(map(str, value))[:5])})" if value else ""
+    raise _JsonObject(f"{path} holds one JSON object{keys}, not an array of conversations or JSON lines; put the "
+                      "conversations in a top-level JSON array, or one per line in a .jsonl file")
+
+
+class _JsonObject(Exception):
+    """A .json file holding one JSON object that is no conversation record: refused as a source, skipped and
+    counted inside a folder."""
+
+
+def data_files(folder: Path) -> list[Path]:
+    """The data files of a folder source, in the order they are read."""
+    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in (".json", ".jsonl", ".parquet"))
 
 
 def iter_records(source: str, split: str, stats: ReadStats) -> Iterator[dict]:
@@ -159,11 +313,11 @@ def iter_records(source: str, split: str, stats: ReadStats) -> Iterator[dict]:
         yield from _file_records(path, stats)
         return
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in (".json", ".jsonl", ".parquet"))
+        files = data_files(path)
         if not files:
             raise UserError(f"no .json/.jsonl/.parquet files in {path}")
         for f in files:
-            yield from _file_records(f, stats)
+            yield from _file_records(f, stats, in_folder=True)
         return
     if source.startswith((".", "/", "~")) or source.endswith((".json", ".jsonl", ".parquet")):
         raise UserError(f"data file not found: {source}")
@@ -199,6 +353,8 @@ def normalize(record, system_prompt: Optional[str] = None) -> tuple[Optional[lis
         content = turn.get(ck, turn.get("content"))
         if role is None or not isinstance(content, str):
             return None, "unknown role or non-text turn"
+        if _SURROGATE.search(content):  # "\ud83d" alone is valid JSON, but no tokenizer encodes it (TypeError)
+            return None, "invalid unicode (lone surrogate)"
         if not content.strip():
             continue
         if messages and messages[-1]["role"] == role:  # merge consecutive same-role turns

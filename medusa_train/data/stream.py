@@ -17,7 +17,9 @@ stream and skips the micro-batches already consumed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -45,6 +47,10 @@ class StreamStats:
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "padding_fraction": round(self.padding_fraction, 4)}
+
+    def as_counts(self) -> dict:
+        """Every counter, as numbers that add up over ranks."""
+        return dict(self.__dict__)
 
     # What ``count`` adds up: a checkpoint saves them and a resume restores them, so the padding fraction
     # is over the whole run (the resumed stream replays the skipped batches without counting them).
@@ -91,6 +97,9 @@ class ConversationStream:
     # Where conversations the chat template refuses are counted, if not in this stream's own ``read_stats``: the
     # held-out stream counts them with the training stream's, the counts the run's summary reports.
     refusals: Optional[ReadStats] = None
+    # This rank's own share of those refusals (its shard of the training split; every rank reads the whole source
+    # and the whole held-out split): what the run's summary adds up over ranks (``RankData.run_counts``)
+    shard_refusals: Counter = field(default_factory=Counter)
 
     def _read_stats(self, epoch: int) -> ReadStats:
         if self.counted_epoch is None:
@@ -127,6 +136,8 @@ class ConversationStream:
                 enc = encode_conversation(self.tokenizer, record["messages"], self.data.max_length)
             except TemplateRefused as e:  # this conversation only: dropped and counted like an unusable record
                 (self.refusals if self.refusals is not None else stats).refuse(e.reason)
+                if stats is self.read_stats and not self.eval_split:
+                    self.shard_refusals[e.reason] += 1
                 # Held-out ones refused leave a smaller evaluation set (as those without a label do); a training
                 # split refused whole is refused with the reason below.
                 seen += int(self.eval_split)
@@ -267,6 +278,27 @@ class RankData:
             self.read_stats.resumed_at = (epoch, index)
         return MicroBatches(self.train_stream, self.micro, self.pad_id, buffer=self.data.bucket_buffer,
                             epoch=epoch, index=index)
+
+    def run_counts(self) -> tuple[ReadStats, StreamStats]:
+        """The source's and the tokenisation's counts for the run's summary, over every rank (collective with 2+
+        ranks): each rank reads the whole source but tokenises, and meets the template's refusals in, its shard
+        only, so rank 0's own counts would report a fraction of the refusals and of the conversations."""
+        world = self.train_stream.world_size
+        if world == 1 or not torch.distributed.is_initialized():
+            return self.read_stats, self.stats
+        mine = (dict(self.train_stream.shard_refusals), self.stats.as_counts())
+        every = [None] * world
+        torch.distributed.all_gather_object(every, mine)
+        read = dataclasses.replace(self.read_stats, dropped=Counter(self.read_stats.dropped))
+        stats = StreamStats()
+        for rank, (refused, counts) in enumerate(every):
+            for why, n in refused.items():
+                if rank != self.train_stream.rank:   # this rank's own are in its read stats already
+                    read.recovered -= n
+                    read.dropped[why] += n
+            for key, n in counts.items():
+                setattr(stats, key, getattr(stats, key) + n)
+        return read, stats
 
     def eval_batches(self) -> list[dict]:
         if self._eval is None:  # tokenised once, on first use (a complete feature cache never needs it)

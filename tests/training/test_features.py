@@ -218,3 +218,44 @@ def test_a_rerun_removes_what_killed_builds_left(compose_tiny, out_dir):
         live_proc.kill()
         live_proc.wait()
     assert features.FeatureCache(root).remove_dead_writers() == [live]  # its writer is gone now
+
+
+def test_cache_of_overwritten_data_is_refused(compose_tiny, tiny_data, tmp_path):
+    """Guards against: a cache keyed on the data.source path only, so overwriting the data file (or re-distilling
+    into the same folder) trains on the hidden states of the OLD data without a word; the run must be refused in
+    one line naming the source, and the same content again accepted."""
+    data, cache = tmp_path / "chats.jsonl", tmp_path / "cache"
+    original = tiny_data.read_text()
+    data.write_text(original)
+    common = [*RUN, f"data.source={data}", f"features.cache_dir={cache}"]
+    features.run_build(compose_tiny(*common, "features.mode=build", out=tmp_path / "a"))
+    before = shard_files(cache)
+
+    data.write_text(original.replace("yak", "cat"))  # other conversations, the same size
+    with pytest.raises(UserError) as err:
+        T.run(compose_tiny(*common, "features.mode=train", out=tmp_path / "b"))
+    msg = str(err.value)
+    assert str(data) in msg and str(cache) in msg and "\n" not in msg, msg
+    assert shard_files(cache) == before
+
+    data.write_text(original)  # rewritten with the same content (a new mtime): still its cache
+    T.run(compose_tiny(*common, "features.mode=train", out=tmp_path / "c"))
+    assert len(losses(tmp_path / "c", "train")) == 4
+
+
+def test_cache_built_before_data_fingerprints_is_accepted_and_gets_one(compose_tiny, tiny_data, tmp_path):
+    """Guards against: every cache built before data fingerprints were recorded being refused (their manifests have
+    none): such a cache is taken as it is, and its fingerprint recorded so a later change of the data is seen."""
+    data, cache = tmp_path / "chats.jsonl", tmp_path / "cache"
+    data.write_text(tiny_data.read_text())
+    common = [*RUN, f"data.source={data}", f"features.cache_dir={cache}"]
+    features.run_build(compose_tiny(*common, "features.mode=build", out=tmp_path / "a"))
+    path = cache / features.MANIFEST
+    manifest = json.loads(path.read_text())
+    recorded = manifest.pop("data_fingerprint", None)
+    assert recorded, "the build records the data's fingerprint"
+    path.write_text(json.dumps(manifest))  # as an older version wrote it
+
+    T.run(compose_tiny(*common, "features.mode=train", out=tmp_path / "b"))
+    assert len(losses(tmp_path / "b", "train")) == 4
+    assert json.loads(path.read_text())["data_fingerprint"] == recorded
