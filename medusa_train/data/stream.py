@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -349,9 +350,8 @@ def check_training_data(data, tokenizer=None) -> None:
 def token_frequencies(stream: ConversationStream, vocab_size: int, max_conversations: int) -> torch.Tensor:
     """Counts of assistant (label) tokens over the first conversations of the training stream."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i, enc in enumerate(stream.encoded(0)):
-        if i >= max_conversations:
-            break
+    # islice: the stream counts a conversation as it yields it, so one read past the limit would be reported
+    for enc in itertools.islice(stream.encoded(0), max_conversations):
         lab = torch.tensor([t for t in enc.labels if t != IGNORE], dtype=torch.long)
         counts += torch.bincount(lab, minlength=vocab_size)[:vocab_size]
     return counts

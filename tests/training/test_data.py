@@ -526,6 +526,14 @@ def test_token_frequencies_count_only_assistant_tokens(tok, tmp_path):
     assert int(counts.sum()) == 4
 
 
+def test_token_frequencies_read_and_report_exactly_the_conversations_counted(tok):
+    """Guards against: the vocabulary scan reading one conversation past its limit, so its line said 'in 3001
+    conversations' for a scan of up to 3,000."""
+    stream = ConversationStream(_data_cfg(), tok)
+    counts = token_frequencies(stream, len(tok), 5)
+    assert stream.stats.conversations == 5 and int(counts.sum()) > 0
+
+
 # -- packing ---------------------------------------------------------------------------------------
 def _doc(n: int, start: int = 0) -> Encoded:
     ids = [(start + i) % 200 + 1 for i in range(n)]
