@@ -104,7 +104,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer   # lazy: as load_backbone's
 
     path, kwargs = _source(name_or_path)
-    with _loading_errors(name_or_path, path):
+    with _loading_errors(name_or_path, path, part="the tokenizer of "):
         return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code, **kwargs)
 
 
@@ -167,13 +167,19 @@ def _check_local(name_or_path: str, path: str) -> None:
         raise UserError(f"cannot load backbone {name_or_path!r}: it is a file, give the model's folder")
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
         raise UserError(f"cannot load backbone {name_or_path!r}: path not found ({path})")
+    # transformers reads a folder before the hub: one without config.json was a ValueError traceback (its tokenizer
+    # "Couldn't instantiate the backend tokenizer", or "Unrecognized model") once the heads had loaded
+    if os.path.isdir(os.path.expanduser(path)) and not os.path.isfile(os.path.join(os.path.expanduser(path),
+                                                                                  "config.json")):
+        raise UserError(f"cannot load backbone {name_or_path!r}: the folder holds no config.json (not a model folder)")
 
 
 @contextlib.contextmanager
 def _loading_errors(name_or_path: str, path: Optional[str] = None, config_only: bool = False,
-                    attn_implementation: str = "sdpa"):
+                    attn_implementation: str = "sdpa", part: str = ""):
     """transformers' loading errors that a user causes as one ``UserError`` line saying what to do (``path``: where
-    it is read from; a local folder, and the hub is not to blame); any other error keeps its traceback (a bug)."""
+    it is read from; a local folder, and the hub is not to blame; ``part``: what of the backbone is loaded, "" for
+    all of it); any other error keeps its traceback (a bug)."""
     from safetensors import SafetensorError   # lazy: as transformers'
 
     try:
@@ -192,9 +198,14 @@ def _loading_errors(name_or_path: str, path: Optional[str] = None, config_only: 
         if config_only:
             raise UserError(f"cannot read the config of backbone {name_or_path!r}: {_first_line(e)}") from None
         known = _model_class_refusal(str(e), attn_implementation)
+        if known is None and path is not None and os.path.isdir(os.path.expanduser(str(path))):
+            # a local folder's files are the user's to mend (a config.json without model_type, tokenizer files
+            # transformers cannot build from), never this code's: a traceback there read as a bug. transformers'
+            # words span lines (the tokenizer's cause is on its last): all of them, on one
+            known = " ".join(str(e).split()) or type(e).__name__
         if known is None:
             raise
-        raise UserError(f"cannot load backbone {name_or_path!r}: {known}") from None
+        raise UserError(f"cannot load {part}backbone {name_or_path!r}: {known}") from None
 
 
 def _model_class_refusal(text: str, attn_implementation: str) -> Optional[str]:

@@ -14,6 +14,7 @@ imports it, and ``cli.py`` imports that only once a command runs, so ``--help`` 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -33,6 +34,7 @@ from .methods.registry import check_methods, methods_for_heads, options_from_key
 from .methods.shape import keyed_fields, method_mode
 from .runtime.decode import check_budget, check_positions
 from .runtime.model import chat_ids, check_backbone_config, position_limit
+from .runtime.speculation import SpeculationSchedule
 from .runtime.static_steps import check_graphs, graphs_mode
 from .runtime.verify import SamplingConfig
 
@@ -109,7 +111,11 @@ def backbone_config(cfg, spec):
         return None
     try:
         return load_backbone_config(name, trust_remote_code=cfg.trust_remote_code)
-    except (UserError, OSError, ValueError):
+    except UserError:
+        if os.path.isdir(os.path.expanduser(name)):   # a local folder's config said why: now, not after the heads
+            raise
+        return None
+    except (OSError, ValueError):
         return None
 
 
@@ -135,6 +141,8 @@ def tokenizer_model(cfg, spec):
         config = load_backbone_config(name, trust_remote_code=cfg.trust_remote_code)
         tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
     except UserError:
+        if os.path.isdir(os.path.expanduser(name)):   # a local folder's files said why: now, before the weights
+            raise
         return None
     except ValueError as e:   # transformers' words span lines
         raise UserError(f"cannot load the tokenizer of backbone {name!r}: {' '.join(str(e).split())}") from None
@@ -203,12 +211,25 @@ def check_fixed_choices(options: dict, modes: dict, spec) -> None:
             shape.check_spec(choice, spec)
 
 
-def read_choice_file(cfg, spec, usable: list[str]):
+def read_choice_file(cfg, spec, usable: list[str], defaults: Optional[dict] = None):
     """The ``SavedChoice`` of ``choice=<file>`` (None for auto / fixed), read against the heads of ``spec``
-    with the command line's other keys (``choice_file.read_choice``)."""
+    with the command line's other keys (``choice_file.read_choice``). A key the file sets also given on the command
+    line (differing from the command's default: None, or ``defaults[key]``) is refused: the file's value won
+    silently (tree=chain1 beside a Medusa choice file decoded the file's tree, and report.json said chain1)."""
     if not is_choice_file(cfg.choice):
         return None
-    return read_choice(cfg.choice, spec, usable, lambda method: method_options(cfg, method, spec))
+    saved = read_choice(cfg.choice, spec, usable, lambda method: method_options(cfg, method, spec))
+    shape, options = get(saved.method).shape, method_options(cfg, saved.method, spec)
+    choices = [c for c in saved.schedule.choices.values() if c is not None]
+    keys = {key for c in choices for key in shape.encode(c, options)}
+    if len(choices) < len(saved.schedule.choices):   # plain decoding at a batch size: the keys decoding plainly sets
+        plain = shape.apply(options, SpeculationSchedule({1: None}), False)
+        keys |= {key for name, key in keyed_fields(options).items() if getattr(plain, name) != getattr(options, name)}
+    for key in sorted(keys):
+        value = getattr(cfg, key, None)
+        if value is not None and value != (defaults or {}).get(key):
+            raise UserError(f"{key}= and choice={cfg.choice} both set {saved.method}'s {shape.noun}: give one")
+    return saved
 
 
 def check_eval_keys(cfg):
@@ -303,9 +324,13 @@ def generate_prompts(cfg) -> tuple[list[str], bool]:
         if not (given or "").strip():
             raise UserError('prompt="..." is required and must not be empty')
         return [given], cfg.batch_size is not None
+    if isinstance(given, bool):   # prompt=true: a word the command line reads as a boolean, not a ": " to quote
+        word = str(given).lower()
+        raise UserError(f"prompt must be text, got the boolean {word}: quote it, e.g. 'prompt=\"{word}\"'")
     if not hasattr(given, "__iter__") or hasattr(given, "keys"):
-        raise UserError('prompt must be text or a list of texts (quote a prompt holding ": ", e.g. '
-                        'prompt="\"Write: a poem\"")')
+        # the shell's quotes go first: 'prompt="Write: a poem"' reaches the parser quoted, prompt=""..."" does not
+        raise UserError("prompt must be text or a list of texts (quote a prompt holding \": \" for the shell and the "
+                        "command line both, e.g. 'prompt=\"Write: a poem\"')")
     texts = list(given)
     if not texts:
         raise UserError('prompt="..." is required and must not be empty')

@@ -88,7 +88,8 @@ class EvalKeys(CommandKeys):
     calibration_tokens: int = _key(48, "tokens generated per calibration prompt")
     tree_budgets: List[int] = _key(help="the tree sizes (nodes) choice=auto measures for Medusa",
                                    factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
-    out: Optional[str] = _key(None, "the report folder (unset: <heads>/../eval)")
+    out: Optional[str] = _key(None, "the report folder, new or an earlier evaluation's (unset: <heads>/../eval, "
+                              "<heads>/../compare with compare=true; runs/eval or runs/compare without heads)")
     progress_bar: bool = _key(True, "show progress bars")
     batch_size: Any = _key(1, "1: one prompt at a time | B | [1,2,4,...]: batched evaluation (batch_eval)")
     batch_rounds: int = _key(1, "batched evaluation: each batch decoded this many times per method, interleaved")

@@ -6,6 +6,8 @@ its top: ``cli.py`` imports it only once a command runs, so ``--help`` stays fas
 """
 from __future__ import annotations
 
+import dataclasses
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +21,7 @@ from .cli_checks import (check_decoding_keys, check_eval_keys, check_eval_prompt
                          check_keys_used, check_options_fit, check_prompts_fit, choice_modes, encode_prompts,
                          eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec, method_options,
                          read_choice_file)
-from .cli_keys import GENERATE_DEFAULTS
+from .cli_keys import GENERATE_DEFAULTS, GenerateKeys
 from .errors import UserError
 from .evaluation.batch_eval import check_batchable, evaluate_batched
 from .evaluation.batch_reports import print_batched
@@ -139,9 +141,21 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
     print("report: " + ", ".join(str(p) for p in paths))
     if stale:
         print(f"removed what an earlier evaluation left in {out}: {', '.join(stale)}")
-    batches = " prompts_file=<prompts.jsonl> batch_size=<B>" if batched else ""
     for method, path in files.items():
-        print(f"decode with {method}'s choice: medusa-generate heads={cfg.heads}{batches} choice={path}")
+        print(f"decode with {method}'s choice: {generate_command(cfg, path, batched)}")
+
+
+def generate_command(cfg, path: Path, batched: bool) -> str:
+    """The medusa-generate command line that decodes as the evaluation measured ``path``'s choice: the heads, and
+    the backbone, dtype, device and trust_remote_code the evaluation was given (pasted without them, heads naming
+    an unreachable base model failed, and a bfloat16 evaluation's choice decoded in float32)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateKeys)}
+    given = [f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+             for key in ("backbone", "dtype", "device", "trust_remote_code")
+             if (value := getattr(cfg, key)) is not None and value != defaults[key]]
+    batches = ["prompts_file=<prompts.jsonl>", "batch_size=<B>"] if batched else []
+    words = [shlex.quote(w) for w in (f"heads={cfg.heads}", *given)] + batches + [shlex.quote(f"choice={path}")]
+    return "medusa-generate " + " ".join(words)
 
 
 def generate_options(cfg, spec, several: bool, size: Optional[int]):
@@ -152,7 +166,7 @@ def generate_options(cfg, spec, several: bool, size: Optional[int]):
                         "file it writes: choice=<eval dir>/<method>_choice.json")
     spec = spec if spec is not None else heads_spec(cfg, strict=True)   # unreadable heads: one line, before loading
     usable = methods_for_heads(spec)
-    saved = read_choice_file(cfg, spec, usable)
+    saved = read_choice_file(cfg, spec, usable, GENERATE_DEFAULTS)
     method = saved.method if saved is not None else usable[0]
     batching = get(method).batch_decoder is not None
     if size is not None and size > 1 and not batching:

@@ -43,25 +43,32 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
         path = assets.mtbench_questions_path()
     else:
         path = PROMPT_SETS.get(source) or Path(source).expanduser()
+    if Path(path).is_dir():
+        raise UserError(f"{source} is a folder, not a prompts file: give a JSONL file of prompts")
     if not Path(path).is_file():
         raise UserError(f"prompts file not found: {source}")
-    prompts: list[Prompt] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{source}:{n} is not valid JSON") from None
-            turns = _turns(rec)
-            if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
-                raise UserError(f"{source}:{n} has an empty or missing prompt")
-            pid = str(rec.get("question_id", rec.get("id", n))) if isinstance(rec, dict) else str(n)
-            prompts.append(Prompt(pid, turns, rec.get("category", "") if isinstance(rec, dict) else ""))
+    try:   # a byte that is no UTF-8 (a UTF-16 or Latin-1 file) was a UnicodeDecodeError traceback
+        with open(path, encoding="utf-8") as f:
+            prompts = [_prompt(line, source, n) for n, line in enumerate(f, start=1) if line.strip()]
+    except UnicodeDecodeError as e:
+        raise UserError(f"{source}: not UTF-8 text ({e.reason} 0x{e.object[e.start]:02x}): save it as UTF-8") \
+            from None
     if not prompts:
         raise UserError(f"no prompts in {source}")
     return prompts[:limit] if limit else prompts
+
+
+def _prompt(line: str, source: str, n: int) -> Prompt:
+    """Line ``n`` of a prompts file as a ``Prompt``, or one line naming what is wrong with it."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        raise UserError(f"{source}:{n} is not valid JSON") from None
+    turns = _turns(rec)
+    if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
+        raise UserError(f"{source}:{n} has an empty or missing prompt")
+    pid = str(rec.get("question_id", rec.get("id", n))) if isinstance(rec, dict) else str(n)
+    return Prompt(pid, turns, rec.get("category", "") if isinstance(rec, dict) else "")
 
 
 def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[list[Prompt], list[Prompt]]:

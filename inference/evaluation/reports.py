@@ -24,6 +24,7 @@ def check_report_dir(out_dir: Path) -> None:
     removed again (with the parents made for it), so a refused or failed evaluation leaves nothing."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out={out_dir} is a file, not a folder")
+    check_report_owner(out_dir)
     existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"out={out_dir} cannot be created: {existing} is "
@@ -40,6 +41,28 @@ def check_report_dir(out_dir: Path) -> None:
                 p.rmdir()
             except OSError:
                 pass
+
+
+REPORT_KEYS = {"settings", "machine", "num_samples", "methods"}   # in every report.json (evaluate's, batch_eval's)
+
+
+def check_report_owner(out_dir: Path) -> None:
+    """Refuse, in one line, a report folder that holds files but is no earlier evaluation's (no report.json with
+    ``REPORT_KEYS``), or that holds heads or a model: the evaluation writes report.md, plots and choice files into
+    it and deletes what an earlier one wrote (``remove_stale_reports``), so out=<heads folder> or a folder of the
+    user's own with a report.md lost files. A rerun into an earlier evaluation's folder is taken."""
+    if not out_dir.is_dir() or not any(not p.name.startswith(".") for p in out_dir.iterdir()):
+        return
+    if (out_dir / "config.json").exists() or any(out_dir.glob("*.safetensors")):
+        raise UserError(f"out={out_dir} holds heads or a model (config.json, *.safetensors): give the report a "
+                        "folder of its own")
+    try:
+        record = json.loads((out_dir / "report.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        record = None
+    if not (isinstance(record, dict) and REPORT_KEYS <= record.keys()):
+        raise UserError(f"out={out_dir} holds files but no earlier evaluation's report.json (an evaluation writes "
+                        "and removes report files there): give a new or empty folder")
 
 
 HISTOGRAM_PLOT, HEAD_ACCURACY_PLOT = "acceptance_histogram.png", "head_accuracy.png"

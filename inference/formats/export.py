@@ -279,6 +279,13 @@ def full_projection(heads, k: int, options: ExportOptions) -> tuple[torch.Tensor
     return full, True
 
 
+def written_bytes(t: torch.Tensor, options: ExportOptions) -> int:
+    """The bytes ``t`` takes in the written file: cast to ``options.dtype`` when set and ``t`` is floating
+    (``plan_export`` casts after the exporter planned; a size note in the source dtype was off by 2x)."""
+    cast = options.dtype is not None and t.is_floating_point()
+    return t.numel() * (torch.finfo(options.dtype).bits // 8 if cast else t.element_size())
+
+
 def materialise_note(heads, fmt: str, bytes_before: int, bytes_after: int) -> str:
     spec = heads.spec
     what = {"shared": "the shared backbone lm_head copied into every head",

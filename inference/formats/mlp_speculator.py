@@ -53,7 +53,7 @@ from ..errors import UserError
 from ..heads.native import load_state_checked
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
-from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter
+from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter, written_bytes
 from .importers import register_importer
 from .reference import load_pickle_weights, tgi_launcher_keys, tgi_tokenizer_files
 
@@ -115,8 +115,8 @@ def _plan(heads, options: ExportOptions, engine: str) -> ExportPlan:
         w, materialised = full_projection(heads, k, options)
         if materialised:
             local = heads.projections_list[k].weight if heads.projections_list is not None else None
-            before += 0 if local is None else local.numel() * local.element_size()
-            after += w.numel() * w.element_size()
+            before += 0 if local is None else written_bytes(local, options)   # in the dtype written (dtype=)
+            after += written_bytes(w, options)
         tensors[f"head.{k}.weight"] = w
     if after:
         notes.append(materialise_note(heads, f"{engine} mlp_speculator", before, after))

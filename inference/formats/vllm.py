@@ -37,7 +37,7 @@ from ..heads.medusa import MedusaHeads
 from ..heads.native import check_safetensors, load_state_checked
 from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, megabytes, refuse_unless_kind,
-                     register_exporter)
+                     register_exporter, written_bytes)
 from .importers import register_importer
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
@@ -63,7 +63,7 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
         lm = options.backbone_lm_head(heads)
         tensors["lm_heads.0.weight"] = lm
         original_lm_head = True
-        notes.append(f"vLLM needs its own copy of the backbone lm_head ({megabytes(lm.numel() * lm.element_size())})")
+        notes.append(f"vLLM needs its own copy of the backbone lm_head ({megabytes(written_bytes(lm, options))})")
     elif spec.projection == "truncated" and spec.truncated_vocab_size < spec.vocab_size:
         truncated_vocab = spec.truncated_vocab_size
         tensors["token_map"] = heads.token_map.detach().to(torch.int64)

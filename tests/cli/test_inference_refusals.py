@@ -7,7 +7,8 @@ test with "the backbone was loaded". Every refusal must be one ``<prog>: error: 
 leave the test's folder as it was. ``{tmp}`` in an argument is the test's folder (``setup``): a Medusa
 export and an EAGLE-3 export whose recorded backbone does not exist, three prompts, a plain file, a tree
 file holding ``[]`` and a heads dir whose config.json is a JSON list; exports whose weights (or LoRA adapter)
-are cut short or empty, backbone configs without weights (with and without a tokenizer, another vocabulary).
+are cut short or empty, backbone configs without weights (with and without a tokenizer, another vocabulary);
+``_review7_files``' prompts, backbone folders, choice files and out= folders.
 """
 
 from __future__ import annotations
@@ -169,6 +170,35 @@ REFUSED = [
      "max_new_tokens=16 does not fit the backbone's 16-token sliding window (decoded exactly only within it)"),
     (GEN, [MEDUSA, "prompt=" + "x" * 20, "backbone={tmp}/bbwindow", "max_new_tokens=8"],
      "exceeds the backbone's 16-token sliding window"),
+    # -- review 7: tracebacks, a choice file silently winning over keys, out= folders that are not the report's -----
+    (EVAL, [MEDUSA, "prompts={tmp}/utf16.jsonl"], "{tmp}/utf16.jsonl: not UTF-8 text (invalid start byte 0xff)"),
+    (GEN, [MEDUSA, "prompts_file={tmp}/utf16.jsonl"], "{tmp}/utf16.jsonl: not UTF-8 text"),
+    (EVAL, [MEDUSA, "prompts={tmp}/heads3"], "{tmp}/heads3 is a folder, not a prompts file"),
+    (GEN, [MEDUSA, "prompts_file={tmp}/heads3"], "{tmp}/heads3 is a folder, not a prompts file"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/emptydir"],
+     "cannot load backbone '{tmp}/emptydir': the folder holds no config.json"),
+    (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/emptydir"], "the folder holds no config.json"),
+    (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bbnotype"],
+     "cannot read the config of backbone '{tmp}/bbnotype': Unrecognized model in {tmp}/bbnotype"),
+    (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bbnotype"], "Should have a `model_type` key"),
+    (EVAL, [MEDUSA, PROMPTS, "choice={tmp}/medusa_choice.json", "tree=chain1"],
+     "tree= and choice={tmp}/medusa_choice.json both set medusa's tree: give one"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/medusa_choice.json", "tree=chain1"],
+     "tree= and choice={tmp}/medusa_choice.json both set medusa's tree: give one"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/plain_choice.json", "tree=tree8"],   # plain decoding: no tree at all
+     "tree= and choice={tmp}/plain_choice.json both set medusa's tree: give one"),
+    (GEN, [EAGLE, "prompt=hi", "choice={tmp}/eagle3_choice.json", "eagle_nodes=0"],
+     "eagle_nodes= and choice={tmp}/eagle3_choice.json both set eagle3's tree: give one"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "choice={tmp}/eagle3_choice.json", "eagle_topk=3"],
+     "eagle_topk= and choice={tmp}/eagle3_choice.json both set eagle3's tree: give one"),
+    (GEN, [MEDUSA, "prompt=true"], "prompt must be text, got the boolean true: quote it, e.g. 'prompt=\"true\"'"),
+    (GEN, [MEDUSA, "prompt=Write: a poem"], "e.g. 'prompt=\"Write: a poem\"'"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out={tmp}/heads3"], "out={tmp}/heads3 holds heads or a model"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out={tmp}/model"], "out={tmp}/model holds heads or a model"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out={tmp}/mine"],
+     "out={tmp}/mine holds files but no earlier evaluation's report.json"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out={tmp}/notours"],
+     "out={tmp}/notours holds files but no earlier evaluation's report.json"),
 ]
 
 
@@ -259,7 +289,30 @@ def setup(tmp_path) -> Path:
     MistralConfig(**shapes).save_pretrained(tmp_path / "bbwindow")   # every layer within the window
     for name in ("bbsliding", "bbwindow"):
         byte_tokenizer().save_pretrained(tmp_path / name)
+    _review7_files(tmp_path)
     return tmp_path
+
+
+MEDUSA_CHOICE = {"format": "medusa-train speculation choice", "version": 2, "method": "medusa",
+                 "schedule": {"choices": {"1": {"tree": {"name": "chain2", "choices": [[0], [0, 0]]}}}}}
+EAGLE3_CHOICE = {"format": "medusa-train speculation choice", "version": 2, "method": "eagle3",
+                 "schedule": {"choices": {"1": {"eagle_nodes": 4, "eagle_depth": 2, "eagle_topk": 2}}}}
+
+
+def _review7_files(tmp_path: Path) -> None:
+    """A UTF-16 prompts file, backbone folders without config.json / without model_type, a choice file per head
+    kind, a folder of the user's own holding a report.md, one whose report.json is no evaluation's."""
+    (tmp_path / "utf16.jsonl").write_bytes(b'\xff\xfe{"prompt":"x"}\n')
+    (tmp_path / "emptydir").mkdir()
+    shutil.copytree(tmp_path / "bbtok", tmp_path / "bbnotype")
+    (tmp_path / "bbnotype" / "config.json").write_text("{}")
+    (tmp_path / "medusa_choice.json").write_text(json.dumps(MEDUSA_CHOICE))
+    (tmp_path / "eagle3_choice.json").write_text(json.dumps(EAGLE3_CHOICE))
+    (tmp_path / "plain_choice.json").write_text(json.dumps({**MEDUSA_CHOICE, "schedule": {"choices": {"1": None}}}))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "report.md").write_text("my own notes\n")
+    (tmp_path / "notours").mkdir()
+    (tmp_path / "notours" / "report.json").write_text(json.dumps({"accuracy": 0.9}))
 
 
 @pytest.fixture
@@ -308,7 +361,12 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
     were tracebacks. Review 5: a backbone with sliding-window layers (Qwen2 with use_sliding_window) refused by
     ``MedusaModel`` only once its weights had loaded; a request past a Mistral-7B-v0.1-style window (every layer
     within it). Review 6: a draft of the target's vocabulary size whose tokenizer maps tokens to other ids, or has
-    another EOS, refused only once both models had loaded."""
+    another EOS, refused only once both models had loaded. Review 7: a prompts file that is no UTF-8 a
+    UnicodeDecodeError traceback, a folder given as one "not found"; a backbone folder without config.json (or one
+    without model_type) a ValueError traceback once the heads had loaded; a key a choice= file also sets (tree=,
+    eagle_nodes=) silently overridden by the file (report.json still naming the key's value); prompt=true given the
+    ": " hint, which printed prompt=""Write: a poem"" (it fails when pasted into a shell); out= naming heads, an
+    export or a folder of the user's (report.md there deleted as an earlier evaluation's leftover)."""
     from inference.cli import eval_main, generate_main
     from inference.export_cli import export_main
 
@@ -559,3 +617,94 @@ def test_heads_that_do_not_match_their_config_are_refused_before_the_backbone_lo
                                              "max_new_tokens=8", "choice=fixed"], setup, capsys)
     assert line.startswith("medusa-generate: error: "), line
     assert phrase in line, (phrase, line)
+
+
+def test_a_choice_file_without_a_key_of_its_own_given_still_decodes(setup, no_loading, monkeypatch):
+    """Guards against the refusal of a key a choice file also sets refusing what it does not set: a choice file
+    alone (medusa-generate's own default tree=tree4 is no key the user gave), or beside a key of another part of
+    the options, must pass every check and reach the load."""
+    from inference.cli import eval_main, generate_main
+
+    monkeypatch.chdir(setup)
+    for main, argv in ((generate_main, [MEDUSA, "prompt=hi", "choice={tmp}/medusa_choice.json"]),
+                       (eval_main, [MEDUSA, PROMPTS, "choice={tmp}/medusa_choice.json", "prompt_lookup_tokens=3",
+                                    "methods=[medusa,medusa_lookup]"]),
+                       (generate_main, [EAGLE, "prompt=hi", "choice={tmp}/eagle3_choice.json"])):
+        with pytest.raises(AssertionError, match="the backbone was loaded"):
+            main([a.replace("{tmp}", str(setup)) for a in argv])
+
+
+def test_a_local_backbone_folder_transformers_cannot_read_is_one_line(setup):
+    """Guards against a local backbone folder whose config.json has no model_type (with weights beside it) ending
+    in transformers' ValueError traceback ("Unrecognized model ... model_type") from ``load_backbone``: the files are
+    the user's to mend, so the line names the backbone and the first line of the cause."""
+    from safetensors.torch import save_file
+
+    from inference.backbone import load_backbone
+    from inference.errors import UserError
+
+    save_file({"w": torch.zeros(2)}, str(setup / "bbnotype" / "model.safetensors"))
+    with pytest.raises(UserError) as refused:
+        load_backbone(str(setup / "bbnotype"))
+    text = str(refused.value)
+    assert text.startswith(f"cannot load backbone '{setup / 'bbnotype'}': Unrecognized model") and "\n" not in text
+
+
+def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_path, monkeypatch, capsys):
+    """Guards against medusa-eval's "decode with <method>'s choice: medusa-generate ..." line dropping backbone=,
+    dtype=, device= and trust_remote_code=: pasted, heads whose recorded base model is unreachable failed, and a
+    bfloat16 evaluation's choice decoded in float32. The line is read back as medusa-generate reads its argv."""
+    import shlex
+    import types
+
+    import inference.cli as cli
+    from inference import cli_run
+    from inference.cli_support import parse_overrides
+
+    monkeypatch.setattr(cli_run, "write_report", lambda out, report: [out / "report.json"])
+    monkeypatch.setattr(cli_run, "print_per_method", lambda report: None)
+    monkeypatch.setattr(cli_run, "write_choice", lambda out, method, *a: out / f"{method}_choice.json")
+    chosen = {"medusa": types.SimpleNamespace(measured=True, options=None)}
+    out = tmp_path / "my eval"   # a space: the line must still paste as one argument
+    out.mkdir()
+    for given, expected in (
+            (dict(backbone="/models/my bb", dtype="bfloat16", device="cpu", trust_remote_code=True),
+             dict(backbone="/models/my bb", dtype="bfloat16", device="cpu", trust_remote_code=True)),
+            ({}, dict(backbone=None, dtype="float32", device="auto", trust_remote_code=False))):
+        cfg = cli.EvalConfig(heads="runs/a/heads", out=str(out), **given)
+        cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), out, {}, chosen, batched=False)
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode with medusa's choice: "))
+        argv = shlex.split(line.split(": ", 1)[1])
+        assert argv[0] == "medusa-generate", line
+        read = parse_overrides("medusa-generate", cli.GenerateConfig, argv[1:])
+        assert read.heads == "runs/a/heads" and read.choice == str(out / "medusa_choice.json"), line
+        assert {k: getattr(read, k) for k in expected} == expected, line
+        assert given or argv[1:] == ["heads=runs/a/heads", f"choice={out / 'medusa_choice.json'}"], line
+
+
+def test_the_prompt_quoting_hint_works_when_pasted_into_a_shell(capsys):
+    """Guards against medusa-generate's hint for a prompt holding ": " printing prompt=""Write: a poem"", which a
+    shell turns back into the unquoted prompt that was refused: the example it prints, split as a shell splits it,
+    must be read as that text."""
+    import shlex
+
+    import inference.cli as cli
+    from inference.cli_checks import generate_prompts
+    from inference.cli_support import parse_overrides
+    from inference.errors import UserError
+
+    refused = parse_overrides("medusa-generate", cli.GenerateConfig, ["heads=h", "prompt=Write: a poem"])
+    with pytest.raises(UserError) as e:
+        generate_prompts(refused)
+    example = str(e.value).split("e.g. ", 1)[1].rstrip(")")
+    cfg = parse_overrides("medusa-generate", cli.GenerateConfig, ["heads=h", *shlex.split(example)])
+    assert generate_prompts(cfg) == (["Write: a poem"], False)
+
+
+def test_eval_help_gives_outs_default_with_compare():
+    """Guards against medusa-eval --help saying out's default is <heads>/../eval also with compare=true, where the
+    report goes to <heads>/../compare (``cli_checks.eval_out_dir``)."""
+    from inference.cli import eval_help
+
+    line = next(x for x in eval_help().splitlines() if x.startswith("  out (default"))
+    assert "<heads>/../eval" in line and "<heads>/../compare with compare=true" in line, line

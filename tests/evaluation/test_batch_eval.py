@@ -15,7 +15,7 @@ from inference.evaluation import batch_eval
 from inference.evaluation.batch_eval import evaluate_batched, parse_batch_sizes, stops_paying
 from inference.evaluation.batch_reports import THROUGHPUT_PLOT
 from inference.evaluation.prompts import Prompt
-from inference.evaluation.reports import write_report
+from inference.evaluation.reports import check_report_dir, write_report
 from inference.heads.drafting import IndependentDrafting
 from inference.methods import generate, generate_batch
 from inference.methods.hf_generate import hf_generate_batch
@@ -269,6 +269,7 @@ def test_cli_batched_eval_writes_the_batched_report(heads_dir, tmp_path, capsys)
     assert b["greedy_identical"]["medusa"] is True and "per_method" not in report
     assert (out / THROUGHPUT_PLOT).is_file() and (out / "report.md").is_file()
     assert "batch   2 | medusa " in stdout and "medusa: every row identical to greedy: True" in stdout
+    check_report_dir(out)   # a batched evaluation's folder is one a rerun may write into
     single = tmp_path / "single"
     code, _, err = call_main(eval_main, common + [f"out={single}", "methods=[medusa,autoregressive]"], capsys)
     assert code == 0, err[-3000:]

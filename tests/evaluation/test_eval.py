@@ -13,7 +13,7 @@ from inference.runtime.decode import GenerationOutput
 from inference.errors import UserError
 from inference.evaluation.evaluate import Sample, evaluate, summarize
 from inference.evaluation.prompts import Prompt, load_prompts
-from inference.evaluation.reports import write_report
+from inference.evaluation.reports import check_report_dir, write_report
 from inference.runtime.model import MedusaModel
 from runtime_support import one_thread, random_heads  # noqa: F401  (fixture)
 
@@ -114,6 +114,28 @@ def test_end_to_end_evaluation_on_a_tiny_model(tiny_medusa, tmp_path):
     paths = write_report(tmp_path, report)
     assert {p.name for p in paths} >= {"report.json", "report.md", "head_accuracy.png"}
     assert json.loads((tmp_path / "report.json").read_text())["per_method"]["medusa"]["tau"] == medusa["tau"]
+    check_report_dir(tmp_path)   # an earlier evaluation's folder: a rerun into it is taken
+
+
+def test_an_out_folder_that_is_no_evaluations_is_refused_and_left_as_it_was(tmp_path):
+    """Guards against: medusa-eval out=<a heads folder, an export or a folder of the user's> writing its report
+    there and deleting files with the evaluation's names (a user's own report.md, a choice file) as an earlier
+    evaluation's leftovers (``remove_stale_reports``): refused before anything loads; a new or empty folder and
+    one holding an earlier evaluation's report.json (its keys: ``REPORT_KEYS``) are taken."""
+    (tmp_path / "heads").mkdir()
+    (tmp_path / "heads" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "report.md").write_text("my notes")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "report.json").write_text('{"settings": {}}')
+    for name, words in (("heads", "holds heads or a model"), ("mine", "no earlier evaluation's report.json"),
+                        ("other", "no earlier evaluation's report.json")):
+        with pytest.raises(UserError, match=words):
+            check_report_dir(tmp_path / name)
+    assert (tmp_path / "mine" / "report.md").read_text() == "my notes"
+    (tmp_path / "empty").mkdir()
+    for name in ("empty", "new"):
+        check_report_dir(tmp_path / name)
 
 
 def test_fixed_tree_and_sampling_mode_run(tiny_medusa):

@@ -289,6 +289,38 @@ def test_materialising_prints_the_size_cost(backbone, tmp_path):
     assert f"+{export_mod.megabytes(3 * VOCAB * HIDDEN * 4)}" in note
 
 
+@pytest.mark.parametrize("fmt, kind, projection, names", [
+    ("tensorrt_llm", "medusa", "truncated", r"\d\.1\.weight"),
+    ("medusa_v1", "medusa", "shared", r"\d\.1\.weight"),
+    ("vllm", "mlp_speculator", "truncated", r"head\.\d\.weight"),
+    ("vllm", "medusa", "shared", r"lm_heads\.0\.weight"),
+])
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_size_notes_count_the_bytes_written(backbone, tmp_path, fmt, kind, projection, names, dtype):
+    """Guards against: materialize=true dtype=float16 printing the projections' size in the heads' own float32 (2x
+    what was written: the note was computed before ``plan_export`` casts), and vLLM's lm_head copy note alike."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from inference.heads.registry import build_heads
+    from inference.heads.spec import HeadsSpec
+
+    if kind == "mlp_speculator":
+        spec = HeadsSpec(num_heads=2, num_layers=0, hidden_size=HIDDEN, vocab_size=VOCAB, kind=kind,
+                         projection=projection, truncated_vocab_size=TRUNC, base_model="org/base")
+        heads = build_heads(spec)
+        heads.token_map.copy_(torch.randperm(VOCAB)[:TRUNC])
+    else:
+        heads = make_heads(backbone, projection)
+    r = export(heads, fmt, tmp_path / "x", backbone, materialize=True, dtype=dtype)
+    written = {k: t for f in r.path.glob("*.safetensors") for k, t in load_file(str(f)).items()}
+    size = sum(t.numel() * t.element_size() for k, t in written.items() if re.fullmatch(names, k))
+    assert size and all(t.dtype == (dtype or torch.float32) for k, t in written.items() if re.fullmatch(names, k))
+    note = next(n for n in r.notes if n.startswith(("materialised", "vLLM needs its own copy")))
+    assert f"-> {export_mod.megabytes(size)} " in note or f"lm_head ({export_mod.megabytes(size)})" in note, note
+
+
 def test_non_empty_out_is_refused_unless_overwrite(backbone, tmp_path):
     """Guards against: an export silently replacing a directory the user still needs, and overwrite=True
     deleting a folder that is no previous export (files without a config.json, subfolders)."""
