@@ -197,6 +197,13 @@ def test_labels_only_on_assistant_replies_multi_turn(tok):
     assert n_labelled == reply_tokens
 
 
+def templated(template: str):
+    """The byte tokenizer with ``template`` as its chat template."""
+    tok = byte_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
 # Qwen3-style: only the last reply gets a think block, so earlier replies are not prefix-stable (located by text).
 LAST_TURN_THINKS = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
@@ -209,8 +216,7 @@ def test_a_reply_quoted_by_its_prompt_is_labelled_in_the_reply_not_the_prompt():
     """Guards against: with a template that is not prefix-stable (Qwen3's think block on the last reply only), an
     earlier reply located by searching its text from the previous reply's end, so a short reply the user's turn
     quotes ("Say yes" -> "yes") labels the user's words and leaves the real reply untrained."""
-    tok = byte_tokenizer()
-    tok.chat_template = LAST_TURN_THINKS
+    tok = templated(LAST_TURN_THINKS)
     messages = [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "yes"},
                 {"role": "user", "content": "Now say yes again, loud"}, {"role": "assistant", "content": "YES"}]
     enc = encode_conversation(tok, messages, 1024)
@@ -243,8 +249,7 @@ def test_an_unfinished_reply_is_labelled_without_its_end_of_turn_marker(template
     end-of-turn marker the template puts after it, teaching the drafter to end replies mid-sentence wherever a
     limit fell; or the mark also taking the end away from the finished replies beside it, or its words."""
     if template is not None:
-        tok = byte_tokenizer()
-        tok.chat_template = template
+        tok = templated(template)
     messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1 2 3 4 "},
                 {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes."}]
     finished = labelled_runs(tok, encode_conversation(tok, messages, 1024))
@@ -309,8 +314,7 @@ DROPS_EARLIER_THINKING = (
 def test_replies_whose_reasoning_the_template_drops_are_still_labelled():
     """Guards against: with a Qwen3-style template (earlier replies rendered without their <think> block), every
     reply but the last being searched for with its reasoning, not found, and silently left untrained."""
-    tok = byte_tokenizer()
-    tok.chat_template = DROPS_EARLIER_THINKING
+    tok = templated(DROPS_EARLIER_THINKING)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello."},
                 {"role": "user", "content": "More?"}, {"role": "assistant", "content": "<think>\nOk.\n</think>\n\nSure."}]
     enc = encode_conversation(tok, messages, 1024)
@@ -321,8 +325,7 @@ def test_replies_whose_reasoning_the_template_drops_are_still_labelled():
 def test_a_reply_the_template_rewrites_past_recognition_is_counted():
     """Guards against: a reply the template rewrote (so neither its words nor their trimmed form appear) being
     left untrained without a count: the run's summary must say how many replies went unlabelled."""
-    tok = byte_tokenizer()
-    tok.chat_template = LAST_TURN_THINKS.replace("message['content'] +", "message['content'] | upper +")
+    tok = templated(LAST_TURN_THINKS.replace("message['content'] +", "message['content'] | upper +"))
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "first"},
                 {"role": "user", "content": "b"}, {"role": "assistant", "content": "second"}]
     enc = encode_conversation(tok, messages, 1024)
@@ -617,8 +620,7 @@ def test_a_reply_quoting_a_rewritten_prompt_is_still_labelled():
     """Guards against the search past the prompt's words (above) landing inside the reply: a template that trims
     the user's turn leaves the untrimmed words nowhere but in a reply quoting them verbatim, the search for the
     reply then started past its beginning and the reply went untrained."""
-    tok = byte_tokenizer()
-    tok.chat_template = LAST_TURN_THINKS.replace("message['content'] +", "message['content'] | trim +")
+    tok = templated(LAST_TURN_THINKS.replace("message['content'] +", "message['content'] | trim +"))
     messages = [{"role": "user", "content": "repeat: abc "}, {"role": "assistant", "content": "repeat: abc ok"},
                 {"role": "user", "content": "again"}, {"role": "assistant", "content": "fine"}]
     enc = encode_conversation(tok, messages, 1024)
