@@ -145,14 +145,20 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
         print(f"decode with {method}'s choice: {generate_command(cfg, path, batched)}")
 
 
+# What a measured choice depends on beyond the heads: the model decoded (backbone, adapter, dtype, device, its own
+# code) and how (a choice measured sampling is pasted as sampling; with backbone= printed, apply_adapter's unset
+# default would flip to off)
+_MEASURED_AS = ("backbone", "apply_adapter", "dtype", "device", "trust_remote_code", "mode", "temperature", "top_p",
+                "top_k", "typical_epsilon", "typical_delta")
+
+
 def generate_command(cfg, path: Path, batched: bool) -> str:
     """The medusa-generate command line that decodes as the evaluation measured ``path``'s choice: the heads, and
-    the backbone, dtype, device and trust_remote_code the evaluation was given (pasted without them, heads naming
-    an unreachable base model failed, and a bfloat16 evaluation's choice decoded in float32)."""
+    the keys of ``_MEASURED_AS`` the evaluation was given (pasted without them, heads naming an unreachable base
+    model failed, and a bfloat16 evaluation's choice decoded in float32)."""
     defaults = {f.name: f.default for f in dataclasses.fields(GenerateKeys)}
     given = [f"{key}={str(value).lower() if isinstance(value, bool) else value}"
-             for key in ("backbone", "dtype", "device", "trust_remote_code")
-             if (value := getattr(cfg, key)) is not None and value != defaults[key]]
+             for key in _MEASURED_AS if (value := getattr(cfg, key)) is not None and value != defaults[key]]
     batches = ["prompts_file=<prompts.jsonl>", "batch_size=<B>"] if batched else []
     words = [shlex.quote(w) for w in (f"heads={cfg.heads}", *given)] + batches + [shlex.quote(f"choice={path}")]
     return "medusa-generate " + " ".join(words)

@@ -107,6 +107,10 @@ def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, 
     data = out / DATA_DIR
 
     def ours(manifest: dict) -> Optional[str]:
+        if manifest.get("task") == "distill" and manifest.get("format") == 1:
+            return (f"{out} holds format-1 distillation data (from before replies cut at distill.max_new_tokens were "
+                    "marked unfinished): it still trains as it is, but is not continued with format-2 shards; "
+                    "distil into another output_dir")
         if manifest.get("task") != "distill" or manifest.get("format") != FORMAT_VERSION:
             return (f"{out} holds something other than distillation data of this version ({MANIFEST}); "
                     "use another output_dir")

@@ -584,8 +584,9 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
 def tokenized_line(stats, data) -> str:
     """What tokenising the training conversations kept and lost, for the run's summary line."""
     lost = [f"{stats.truncated} truncated to {data.max_length} tokens"]
-    if stats.no_labels:   # gone from training: a prompt that fills max_length, or a reply the template rewrote
-        lost.append(f"{stats.no_labels} more dropped: no reply token within {data.max_length} tokens")
+    if stats.no_labels:   # gone from training: a prompt that fills max_length, or no reply to learn from
+        lost.append(f"{stats.no_labels} more dropped with no reply token to train on (a prompt filling "
+                    f"{data.max_length} tokens, a reply to no user turn, or one the template rewrote)")
     if stats.unlocated_replies:
         lost.append(f"{stats.unlocated_replies} replies left unlabelled: the chat template rewrote them")
     return (f"this run tokenized {stats.conversations} conversations ({'; '.join(lost)}), "

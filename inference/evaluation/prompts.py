@@ -48,7 +48,7 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
     if not Path(path).is_file():
         raise UserError(f"prompts file not found: {source}")
     try:   # a byte that is no UTF-8 (a UTF-16 or Latin-1 file) was a UnicodeDecodeError traceback
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:   # -sig: a byte-order mark (Windows editors) is no JSON
             prompts = [_prompt(line, source, n) for n, line in enumerate(f, start=1) if line.strip()]
     except UnicodeDecodeError as e:
         raise UserError(f"{source}: not UTF-8 text ({e.reason} 0x{e.object[e.start]:02x}): save it as UTF-8") \

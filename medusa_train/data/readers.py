@@ -30,6 +30,7 @@ ROLE_MAP = {
 }
 _CHUNK = 1 << 20
 _MAX_RECORD = 64 << 20  # characters: an array element still open after this is no conversation
+_LAYOUT_PROBE = 4 * _CHUNK  # characters read at most to tell how a .json file holds its records
 
 
 @dataclass
@@ -158,7 +159,8 @@ class _Scan:
     again once more text is in the buffer (``at`` shifted to the buffer's new start)."""
 
     def __init__(self, at: int):
-        self.at, self.depth, self.in_string, self.escaped = at, 0, False, False
+        self.at, self.in_string, self.escaped = at, False, False
+        self.closers: list[str] = []   # what each open bracket awaits, innermost last
 
     def end(self, buf: str) -> Optional[int]:
         """The position just after the element: after the bracket that closes it, or at the ',' or ']' that
@@ -177,11 +179,14 @@ class _Scan:
             elif c == '"':
                 self.in_string = True
             elif c in "{[":
-                self.depth += 1
-            elif self.depth:
-                if c != ",":
-                    self.depth -= 1
-                    if not self.depth:
+                self.closers.append("}" if c == "{" else "]")
+            elif self.closers:
+                # a closer closes its own bracket and any left open inside it ({"a": [1, 2} ends at its '}', not
+                # with the records after it); one that closes nothing open is part of the bad element
+                if c != "," and c in self.closers:
+                    while self.closers.pop() != c:
+                        pass
+                    if not self.closers:
                         return i
             else:
                 return i if c == "}" else m.start()  # a stray '}' is part of the bad element; ',' / ']' end it
@@ -237,7 +242,7 @@ def _file_records(path: Path, stats: ReadStats, in_folder: bool = False) -> Iter
             if not in_folder:
                 raise UserError(str(e)) from None
             # a folder's metadata beside its shards (a saved dataset's dataset_info.json): that file only
-            stats.dropped["file holding one JSON object, not conversations"] += 1
+            stats.dropped["file of JSON that is no conversation record"] += 1
             return
         if layout == "array":
             yield from iter_json_array(path, stats)
@@ -266,33 +271,33 @@ def _json_layout(path: Path) -> str:
             return "array"
         if not text.buf.startswith("{", start):
             return "lines"
-        scan, keys = _Scan(start), ""
+        scan = _Scan(start)
         while (end := scan.end(text.buf)) is None:
-            if text.eof:
-                return "lines"  # a first line cut off or invalid: counted as JSON lines always were
-            if len(text.buf) > _MAX_RECORD:
-                break  # a first object larger than any conversation record
-            text.refill(0)
-        else:
-            first = text.buf[start:end]
-            try:
-                value = json.loads(first)
-            except json.JSONDecodeError:
+            # a first line cut off or invalid never closes (JSON lines, counted as they always were); nor does a
+            # first object past a few chunks: read as lines too, never buffered further just to tell the layout
+            if text.eof or len(text.buf) > _LAYOUT_PROBE:
                 return "lines"
-            one_line = "\n" not in first
-            if _is_record(value):
-                return "lines" if one_line else "values"
-            if one_line:  # a JSON line: JSON lines, unless it is all the file holds
-                text.refill(end)
-                if text.buf.strip():
-                    return "lines"
-            keys = f" (keys: {', '.join(list(map(str, value))[:5])})" if value else ""
-    raise _JsonObject(f"{path} holds one JSON object{keys}, not an array of conversations or JSON lines; put the "
-                      "conversations in a top-level JSON array, or one per line in a .jsonl file")
+            text.refill(0)
+        first = text.buf[start:end]
+        try:
+            value = json.loads(first)
+        except json.JSONDecodeError:
+            return "lines"
+        one_line = "\n" not in first
+        if _is_record(value):
+            return "lines" if one_line else "values"
+        if one_line:  # a JSON line: JSON lines, unless it is all the file holds
+            text.refill(end)
+            if text.buf.strip():
+                return "lines"
+        keys = f" (keys: {', '.join(list(map(str, value))[:5])})" if value else ""
+    raise _JsonObject(f"{path} holds JSON that is no conversation record, starting with an object{keys}: not an "
+                      "array of conversations or JSON lines; put the conversations in a top-level JSON array, or one "
+                      "per line in a .jsonl file")
 
 
 class _JsonObject(Exception):
-    """A .json file holding one JSON object that is no conversation record: refused as a source, skipped and
+    """A .json file of JSON objects that are no conversation records: refused as a source, skipped and
     counted inside a folder."""
 
 

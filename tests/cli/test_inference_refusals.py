@@ -652,8 +652,9 @@ def test_a_local_backbone_folder_transformers_cannot_read_is_one_line(setup):
 
 def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_path, monkeypatch, capsys):
     """Guards against medusa-eval's "decode with <method>'s choice: medusa-generate ..." line dropping backbone=,
-    dtype=, device= and trust_remote_code=: pasted, heads whose recorded base model is unreachable failed, and a
-    bfloat16 evaluation's choice decoded in float32. The line is read back as medusa-generate reads its argv."""
+    dtype=, device=, trust_remote_code=, apply_adapter= and the sampling keys: pasted, heads whose recorded base
+    model is unreachable failed, a bfloat16 evaluation's choice decoded in float32, Medusa-2 heads decoded without
+    their adapter, a sampled one greedily. The line is read back as medusa-generate reads its argv."""
     import shlex
     import types
 
@@ -670,7 +671,12 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
     for given, expected in (
             (dict(backbone="/models/my bb", dtype="bfloat16", device="cpu", trust_remote_code=True),
              dict(backbone="/models/my bb", dtype="bfloat16", device="cpu", trust_remote_code=True)),
-            ({}, dict(backbone=None, dtype="float32", device="auto", trust_remote_code=False))):
+            # Medusa-2 heads measured on a named base with the adapter merged: printed with backbone=, the unset
+            # apply_adapter would mean off; a choice measured sampling stays sampling
+            (dict(backbone="/models/base", apply_adapter=True, mode="sample", temperature=0.5, top_k=20),
+             dict(backbone="/models/base", apply_adapter=True, mode="sample", temperature=0.5, top_k=20)),
+            ({}, dict(backbone=None, dtype="float32", device="auto", trust_remote_code=False, apply_adapter=None,
+                      mode="greedy"))):
         cfg = cli.EvalConfig(heads="runs/a/heads", out=str(out), **given)
         cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), out, {}, chosen, batched=False)
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode with medusa's choice: "))

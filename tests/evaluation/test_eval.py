@@ -209,3 +209,11 @@ def test_sample_mode_reports_no_greedy_identity(tiny_medusa, tmp_path):
                  progress=False, log=lambda s: None, settings={"mode": "greedy"})
     assert g["per_method"]["medusa"]["greedy_identical_fraction"] == 1.0
     assert "output identical to plain greedy: 1.0" in markdown(g)
+
+
+def test_a_prompts_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Guards against: a UTF-8 prompts file saved with a byte-order mark (Windows editors) refused as "line 1 is
+    not valid JSON" (the training data readers take them)."""
+    f = tmp_path / "bom.jsonl"
+    f.write_text('{"prompt": "Hi there"}\n{"prompt": "Bye"}\n', encoding="utf-8-sig")
+    assert [p.turns for p in load_prompts(str(f))] == [["Hi there"], ["Bye"]]

@@ -315,8 +315,10 @@ def test_replies_whose_reasoning_the_template_drops_are_still_labelled():
     """Guards against: with a Qwen3-style template (earlier replies rendered without their <think> block), every
     reply but the last being searched for with its reasoning, not found, and silently left untrained."""
     tok = templated(DROPS_EARLIER_THINKING)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello."},
-                {"role": "user", "content": "More?"}, {"role": "assistant", "content": "<think>\nOk.\n</think>\n\nSure."}]
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello."},
+                {"role": "user", "content": "More?"},
+                {"role": "assistant", "content": "<think>\nOk.\n</think>\n\nSure."}]
     enc = encode_conversation(tok, messages, 1024)
     assert labelled_runs(tok, enc) == ["Hello.<|im_end|>", "<think>\nOk.\n</think>\n\nSure.<|im_end|>"]
     assert enc.unlocated == 0
@@ -339,7 +341,8 @@ def test_a_located_reply_keeps_its_first_sentencepiece_token():
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
-    words = ["▁Hello", "▁there.", "▁Sure", "▁thing.", "▁hi", "▁more", "</s>", "[INST]", "[/INST]", "▁sys", "<unk>"]
+    words = ["▁Hello", "▁there.", "▁Sure", "▁thing.", "▁hi", "▁more", "</s>", "[INST]", "[/INST]", "▁sys",
+             "<unk>"]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
     core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
@@ -512,7 +515,7 @@ def test_the_summary_line_counts_conversations_dropped_without_a_reply_token(com
     T.run(compose_tiny(f"data.source={path}", "data.max_length=128", "data.eval_conversations=4",
                        "trainer.max_steps=2", "logger.plot=false"))
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("data: "))
-    assert "more dropped: no reply token within 128 tokens" in line, line
+    assert "10 more dropped with no reply token to train on (a prompt filling 128 tokens" in line, line
 
 
 def test_token_frequencies_count_only_assistant_tokens(tok, tmp_path):

@@ -41,7 +41,7 @@ def bad_sources(root: Path) -> dict[str, Path]:
 REFUSED_DATA = [
     (["data.source={empty}"], "gave no training conversations (0 conversations usable"),
     (["data.source={malformed}"], "2 invalid JSON line"),
-    (["data.source={not_chats}"], "1 file holding one JSON object, not conversations, 1 no conversations/messages"),
+    (["data.source={not_chats}"], "1 file of JSON that is no conversation record, 1 no conversations/messages"),
     (["data.eval_conversations=40"], "data.eval_conversations=40 holds out the first 40"),
     # Judged only with the backbone's tokenizer, by the trainer (and the cache build) before their first write.
     (["data.max_length=8"], "no training conversation with an assistant token within data.max_length=8"),

@@ -249,6 +249,18 @@ def test_a_folder_of_other_files_is_refused(compose_tiny, out_dir):
         distill.run(compose_tiny(*DISTILL))
 
 
+def test_format_1_data_is_not_continued_with_format_2_shards(compose_tiny, out_dir):
+    """Guards against: a distillation folder written before replies cut at max_new_tokens were marked (format 1)
+    continued with marked shards (one dataset, two labellings), or refused as "something other than distillation
+    data", which read as if the data were unusable."""
+    cfg = compose_tiny(*DISTILL, "distill.max_conversations=4")
+    distill.run(cfg)
+    manifest = json.loads((out_dir / distill.MANIFEST).read_text())
+    (out_dir / distill.MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(UserError, match="format-1 distillation data .* it still trains as it is"):
+        distill.run(cfg)
+
+
 def test_recipe_dispatch():
     """Guards against: ``medusa-train distill_smollm2`` training heads instead of distilling (the task key
     ignored), or ``features.mode=build`` training."""

@@ -132,7 +132,8 @@ def test_json_object_that_is_not_conversations_is_refused(indent, tmp_path):
     with pytest.raises(UserError) as err:
         list(iter_conversations(str(path)))
     msg = str(err.value)
-    assert str(path) in msg and "JSON object" in msg and "\n" not in msg, msg
+    assert str(path) in msg and "\n" not in msg, msg
+    assert "no conversation record, starting with an object (keys: data, version)" in msg, msg
 
 
 @pytest.mark.parametrize("indent", [2, None], ids=["pretty", "one-line"])
@@ -153,4 +154,29 @@ def test_json_lines_saved_as_json_keep_their_line_counts(tmp_path):
     path.write_text("{not json\n" + "\n".join(json.dumps(_sharegpt(i)) for i in range(3)) + "\n")
     stats = ReadStats()
     assert _answers(iter_conversations(str(path), stats=stats)) == ["answer 0.", "answer 1.", "answer 2."]
+    assert stats.dropped == {"invalid JSON line": 1}
+
+
+def test_a_record_with_mismatched_brackets_skips_only_itself(tmp_path):
+    """Guards against: a record whose brackets do not match (``{"a": [1, 2}``) counted closed by depth alone, so
+    its end was sought past the records after it, which were swallowed into one "invalid JSON record"."""
+    items = [json.dumps(_sharegpt(0)), '{"conversations": [1, 2}', json.dumps(_sharegpt(1)), json.dumps(_sharegpt(2))]
+    path = tmp_path / "brackets.json"
+    path.write_text("[\n" + ",\n".join(items) + "\n]\n")
+    stats = ReadStats()
+    assert _answers(list(iter_conversations(str(path), stats=stats))) == ["answer 0.", "answer 1.", "answer 2."]
+    assert stats.dropped == {"invalid JSON record": 1}
+
+
+def test_large_json_lines_with_a_cut_first_line_are_read_as_lines(tmp_path, monkeypatch):
+    """Guards against: JSON lines saved as .json whose first line never closes (cut or unbalanced) refused as
+    "one JSON object" once the file outgrew the layout probe (a small one was read), and up to 64 MiB buffered
+    just to tell the file's layout."""
+    monkeypatch.setattr(readers, "_CHUNK", 1 << 10)
+    monkeypatch.setattr(readers, "_LAYOUT_PROBE", 1 << 12)
+    lines = ['{"conversations": [{"from": "human", "value": "cut'] + [json.dumps(_sharegpt(i)) for i in range(200)]
+    path = tmp_path / "lines.json"
+    path.write_text("\n".join(lines) + "\n")
+    stats = ReadStats()
+    assert len(list(iter_conversations(str(path), stats=stats))) == 200
     assert stats.dropped == {"invalid JSON line": 1}
