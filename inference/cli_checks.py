@@ -226,8 +226,7 @@ def read_choice_file(cfg, spec, usable: list[str], defaults: Optional[dict] = No
         plain = shape.apply(options, SpeculationSchedule({1: None}), False)
         keys |= {key for name, key in keyed_fields(options).items() if getattr(plain, name) != getattr(options, name)}
     for key in sorted(keys):
-        value = getattr(cfg, key, None)
-        if value is not None and value != (defaults or {}).get(key):
+        if given_key(cfg, key, defaults):
             raise UserError(f"{key}= and choice={cfg.choice} both set {saved.method}'s {shape.noun}: give one")
     return saved
 
@@ -340,6 +339,13 @@ def generate_prompts(cfg) -> tuple[list[str], bool]:
     return texts, True
 
 
+def given_key(cfg, key: str, defaults: Optional[dict] = None) -> bool:
+    """Whether a method key was given on the command line: it differs from the command's schema default (None, or
+    ``defaults[key]``)."""
+    value = getattr(cfg, key, None)
+    return value is not None and value != (defaults or {}).get(key)
+
+
 def check_keys_used(cfg, methods: list[str], defaults: Optional[dict] = None) -> None:
     """Refuse a method key given on the command line that none of ``methods`` (what this command decodes with)
     takes: ``eagle_nodes=4`` beside Medusa heads was silently ignored, the run measuring something else than asked.
@@ -348,8 +354,7 @@ def check_keys_used(cfg, methods: list[str], defaults: Optional[dict] = None) ->
 
     own = {f.name for f in dataclasses.fields(CommandKeys)}
     for key, (_, _, _, takers) in sorted(method_keys().items()):
-        value = getattr(cfg, key, None)
-        if key in own or value is None or value == (defaults or {}).get(key) or set(takers) & set(methods):
+        if key in own or not given_key(cfg, key, defaults) or set(takers) & set(methods):
             continue
         raise UserError(f"{key}= is a key of {', '.join(takers)}, and none of the methods decoding here "
                         f"({', '.join(methods)}) takes it: drop it, or name such a method")

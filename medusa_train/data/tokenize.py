@@ -113,6 +113,7 @@ def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: 
     previous reply (the template rewrote that turn). The span takes the spaces before the words (a SentencePiece
     token "▁Hello" starts at its space: a span from the "H" would leave the reply's first token unlabelled) and
     the end-of-sequence marker right after them."""
+    eos = getattr(tokenizer, "eos_token", None)
     candidates = [content, content.strip()]
     if "</think>" in content:
         candidates.append(content.split("</think>")[-1].strip())
@@ -124,7 +125,6 @@ def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: 
             end = start + len(words)
             while start > floor and text[start - 1] == " ":
                 start -= 1
-            eos = getattr(tokenizer, "eos_token", None)
             if eos and text.startswith(eos, end):
                 end += len(eos)
             return start, end
