@@ -186,6 +186,11 @@ def generate_options(cfg, spec, several: bool, size: Optional[int]):
             return PLAIN_METHOD, None, together
         return method, get(method).shape.apply(options, saved.schedule, together), together
     shape = get(method).shape
+    if shape is not None and shape.calibrates(options, "fixed", together):   # tree=calibrated:N: prompts to measure
+        given = " ".join(f"{key}={getattr(options, key)}" for key in shape.fixed_by)
+        raise UserError(f"{given} is grown from measurements on calibration prompts, which medusa-generate does not "
+                        f"take: 'medusa-eval heads={cfg.heads} {given} out=<dir>' measures it and writes "
+                        f"<dir>/{method}_choice.json; decode with choice=<dir>/{method}_choice.json")
     if shape is not None:
         check_fixed_choices({method: options}, {method: "fixed"}, spec)   # before the backbone loads
     if together and shape is not None:

@@ -98,7 +98,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
     repeated id would leave fc 2H wide at serve time). Ascending, the order the engines capture them."""
     if num_layers < MIN_TARGET_LAYERS:
         raise UserError(f"eagle3 drafters read three distinct layers 1..N-1 of their target (what vLLM and SGLang "
-                        f"can capture); this one has {num_layers} layer(s): use heads.kind=hydra or medusa")
+                        f"can capture); this one has {num_layers} layer(s): use heads.kind=hydra or medusa, or a "
+                        f"target of {MIN_TARGET_LAYERS}+ layers (a random debug backbone: "
+                        f"backbone.random_init.num_hidden_layers={MIN_TARGET_LAYERS})")
     eagle = engine_default_aux_layers(num_layers)
     if len(set(eagle)) == NUM_AUX and min(eagle) >= 1:
         return sorted(eagle)

@@ -149,7 +149,10 @@ class DraftSettings:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         total = getattr(text, "num_hidden_layers", None)
         if layers and isinstance(total, int) and layers > total:
-            raise UserError(f"a self-draft takes 1..{total} of the backbone's layers, got {self.draft!r}")
+            # the default self:4 meets a shallow (debug) backbone under compare=true, where draft= was never given
+            default = " (the default)" if self.draft == DraftSettings.draft else ""
+            raise UserError(f"draft={self.draft}{default} takes more layers than the backbone's {total}: give "
+                            f"draft=self:N with N in 1..{total}, or a draft checkpoint")
         if layers is None and isinstance(self.draft, str):
             check_draft_checkpoint(self.draft, getattr(text, "vocab_size", None), self.trust_remote_code, name)
 

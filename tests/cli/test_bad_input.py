@@ -62,7 +62,8 @@ BAD_INPUT = [
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.aux_layers=[0,1,5]"], 2, "heads.aux_layers [5] are out of range"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.aux_layers=[0,1]"], 2, "must name 3 backbone layers"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "backbone.random_init.num_hidden_layers=1"], 2,
-     "this one has 1 layer(s): use heads.kind=hydra or medusa"),
+     "this one has 1 layer(s): use heads.kind=hydra or medusa, or a target of 4+ layers (a random debug backbone: "
+     "backbone.random_init.num_hidden_layers=4)"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.draft_vocab_size=999"], 2,
      "heads.draft_vocab_size=999 exceeds the backbone vocabulary (320)"),
     (TRAIN, ["debug_tiny", "heads.ttt_steps=2"], 2, "heads.ttt_steps is an eagle3 setting"),

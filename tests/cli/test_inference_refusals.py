@@ -103,7 +103,13 @@ REFUSED = [
     (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bb", "max_new_tokens=1000000000"],
      "max_new_tokens=1000000000 does not fit the backbone's 64 positions"),
     (EVAL, ["methods=[draft]", PROMPTS, "backbone={tmp}/bb", "draft=self:100", "max_new_tokens=8"],
-     "a self-draft takes 1..2 of the backbone's layers, got 'self:100'"),
+     "draft=self:100 takes more layers than the backbone's 2: give draft=self:N with N in 1..2, or a draft checkpoint"),
+    # compare=true on a shallow (debug) backbone: the draft= the user never gave is named as the default
+    (EVAL, ["compare=true", PROMPTS, "backbone={tmp}/bb", "max_new_tokens=8"],
+     "draft=self:4 (the default) takes more layers than the backbone's 2"),
+    # tree=calibrated:N needs calibration prompts: medusa-generate said "unknown tree" after the backbone loaded
+    (GEN, [MEDUSA, "prompt=hi", "tree=calibrated:4"],
+     "tree=calibrated:4 is grown from measurements on calibration prompts, which medusa-generate does not take"),
     (EVAL, [MEDUSA, PROMPTS, "tree=tree99999999"], "tree tree99999999 has more than 256 nodes"),
     (EVAL, [MEDUSA, PROMPTS, "tree=tree9999"], "tree tree9999 has more than 256 nodes"),
     (GEN, [MEDUSA, "prompt=hi", "tree=tree99999999"], "tree tree99999999 has more than 256 nodes"),
