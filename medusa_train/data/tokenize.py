@@ -4,7 +4,9 @@ The reference Medusa trainer labels user turns too, so its heads learn to predic
 user's words. Here a token is labelled only if it lies inside an assistant reply (its
 content and the end-of-turn marker the template puts after it); system prompt, user turns
 and the template's role headers are ``IGNORE`` (-100). A reply marked ``"unfinished": true`` (cut at a length
-limit) is labelled without its end-of-turn marker.
+limit) is labelled without its end-of-turn marker; the last one is kept as the backbone wrote it, its words
+right after the generation prompt, where a template would dress it (Qwen3 puts an empty think block before a
+reply cut inside its reasoning).
 
 Assistant spans are found by rendering the template on growing prefixes of the
 conversation: the reply of message i is what ``messages[:i+1]`` adds after
@@ -87,6 +89,14 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
         upto = _render(tokenizer, messages[: i + 1])
+        if _dressed_last_cut(text, before, msg, i == len(messages) - 1, cursor):
+            # the backbone wrote these words right after the generation prompt (self-distillation): the template's
+            # dress (Qwen3: an empty think block before a reply cut inside its reasoning) was never in its context
+            text = before + msg["content"]
+            end = len(before) + len(msg["content"].rstrip())
+            if end > len(before):
+                spans.append((len(before), end))
+            break
         if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
             start, end = len(before), len(upto)
         else:  # not prefix-stable: find the reply text itself, after the turn it answers
@@ -104,6 +114,14 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         spans.append((start, end))
         cursor = end
     return text, spans, unlocated
+
+
+def _dressed_last_cut(text: str, before: str, msg: dict, last: bool, cursor: int) -> bool:
+    """Whether ``msg`` is a last reply cut at a length limit that the template renders other than as its words
+    right after the generation prompt ``before``, with the earlier replies' spans (up to ``cursor``) inside
+    ``before``."""
+    return (last and msg.get(UNFINISHED) is True and text.startswith(before) and len(before) >= cursor
+            and not text.startswith(before + msg["content"]))
 
 
 def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: int) -> Optional[tuple[int, int]]:

@@ -260,8 +260,40 @@ def test_an_unfinished_reply_is_labelled_without_its_end_of_turn_marker(template
     messages[1], messages[3] = {k: v for k, v in messages[1].items() if k != "unfinished"}, {**messages[3],
                                                                                             "unfinished": True}
     got = labelled_runs(tok, encode_conversation(tok, messages, 1024))
-    assert got[0] == finished[0] and got[-1] == finished[-1][:-len("<|im_end|>")].rstrip()
+    dress = len("<think></think>") if template == LAST_TURN_THINKS else 0   # a last cut reply: as it was written
+    assert got[0] == finished[0] and got[-1] == finished[-1][dress:-len("<|im_end|>")].rstrip()
     assert got[-1].endswith("Yes.")
+
+
+# Qwen3's own handling of the reply after the last user turn (its chat template, cut to that part): the reasoning
+# split off at </think> and put back in a think block, an empty one when the reply has no </think>.
+QWEN3_LAST_REPLY = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and loop.last %}{% set reasoning = '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{{'<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content}}"
+    "{% else %}{{'<|im_start|>' + message['role'] + '\n' + content}}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_last_reply_cut_inside_its_reasoning_is_trained_as_the_backbone_wrote_it():
+    """Guards against: a distilled reply cut at max_new_tokens inside its <think> block rendered by a Qwen3
+    template with an empty think block before it ("<think>\n\n</think>\n\n<think>\nLet me..."), a context the
+    backbone never wrote its words in, so the drafter learnt them after a prefix it will never see; the finished
+    reply and an earlier cut one kept as the template renders them."""
+    tok = templated(QWEN3_LAST_REPLY)
+    cut = "<think>\nLet me count: 1 2 3"
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": cut, "unfinished": True}]
+    enc = encode_conversation(tok, messages, 1024)
+    assert tok.decode(enc.input_ids) == "<|im_start|>user\nCount.<|im_end|>\n<|im_start|>assistant\n" + cut
+    assert labelled_runs(tok, enc) == [cut]
+    done = "<think>\nCounted.\n</think>\n\n1 2 3"
+    messages[1] = {"role": "assistant", "content": done}
+    assert labelled_runs(tok, encode_conversation(tok, messages, 1024)) == [done + "<|im_end|>"]
+    messages = [messages[0], {"role": "assistant", "content": cut, "unfinished": True},
+                {"role": "user", "content": "Go on."}, {"role": "assistant", "content": done}]
+    assert labelled_runs(tok, encode_conversation(tok, messages, 1024)) == [cut, done + "<|im_end|>"]
 
 
 def test_the_unfinished_mark_is_read_with_the_turn_it_marks():
