@@ -28,11 +28,14 @@ TREE_AUTO = ("tree=auto is gone: give choice=auto (the tree measured on this mac
              "(tree8, a tree file, calibrated:N)")
 
 
-def _key(default: Any = None, help: str = "", *, factory: Any = None, removed: bool = False) -> Any:
+def declared_key(default: Any = None, help: str = "", *, factory: Any = None, removed: bool = False) -> Any:
     """A command key's one declaration: its default and its ``--help`` line (``command_keys_help``) together,
     so the help cannot drift from the schema. ``removed``: still read (to refuse it with a pointer), not listed."""
     meta = {"help": help, "removed": removed}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+_key = declared_key   # short, for the many declarations below
 
 
 @dataclass

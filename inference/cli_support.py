@@ -63,7 +63,9 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     # MissingMandatoryValue traceback the first time the code reads it.
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        fail(prog, f"{' and '.join(k + '=' for k in missing)} {'is' if len(missing) == 1 else 'are'} required "
+        named = [k + "=" for k in missing]
+        fail(prog, f"{', '.join(named[:-1]) + ' and ' if len(named) > 1 else ''}{named[-1]} "
+                   f"{'is' if len(missing) == 1 else 'are'} required "
                    f"(see {prog} --help)")
     return cfg
 
@@ -120,13 +122,13 @@ def enum_value(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
-def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]], help_when_empty: bool = False,
+def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
             refuse: Optional[Callable[[list[str]], Optional[str]]] = None) -> None:
-    """``--help`` (or no argument at all, with ``help_when_empty``) prints ``doc`` (a callable: its text, built
-    only then); otherwise parse ``argv`` onto ``schema`` (a callable: built only then) and run ``task(cfg)``,
-    turning a ``UserError`` into one line and exit 2. ``refuse(argv)``: a line refusing replaced keys, or None."""
+    """``--help`` prints ``doc`` (a callable: its text, built only then); otherwise parse ``argv`` onto ``schema``
+    (a callable: built only then) and run ``task(cfg)``, turning a ``UserError`` into one line and exit 2.
+    ``refuse(argv)``: a line refusing replaced keys, or None."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if (not argv and help_when_empty) or (argv and argv[0] in ("-h", "--help", "help")):
+    if argv and argv[0] in ("-h", "--help", "help"):
         print((doc() if callable(doc) else doc).strip())
         return
     refused = refuse(argv) if refuse is not None else None

@@ -6,35 +6,18 @@
     medusa-export heads=downloaded/medusa-vicuna-7b-v1.3 format=vllm out=vicuna-medusa-vllm overwrite=true
     medusa-export heads=runs/e/heads format=eagle3 out=runs/e/eagle3 base_model=meta-llama/Llama-3.1-8B-Instruct
 
-Keys:
-  heads=DIR         a heads export, or a reference-Medusa / TGI / vLLM Medusa / EAGLE-3 dir (re-export)
-  format=NAME       vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM, SGLang and
-                    TensorRT-LLM); MLP speculators: vllm (its V0 engine) or tgi
-  out=DIR           written atomically; a non-empty DIR is refused unless overwrite=true, and even then
-                    unless it is a previous export (an engine layout's config.json and only the files
-                    exports write, no subfolders); never
-                    the heads= folder, a folder holding it or one inside it
-  materialize=BOOL  expand shared / truncated projections into full per-head ones for formats
-                    that need them (tensorrt_llm, medusa_v1, tgi with >1 layer, MLP speculators); prints
-                    the size cost
-  backbone=NAME     the target the heads are checked against before anything is written (its config:
-                    hidden size, vocabulary, fingerprint, EAGLE-3 aux layers), where the lm_head of
-                    shared heads is read, and for tgi the attention head size its launcher needs
-                    (default: the heads' base model, checked when its config can be read)
-  base_model=NAME   the base model written into the engine config (default: the heads' own; for heads
-                    trained with a LoRA adapter on the backbone, <run>/merged, else required);
-                    use a hub id or path the engine can load
-  dtype=NAME        keep (default) | float16 | bfloat16 | float32
-
-User mistakes print one line and exit 2, like the other commands; the keys alone are checked here, before torch
-loads (the export itself: export_run.py).
+User mistakes print one line and exit 2, like the other commands (no argument at all too: --help lists the
+keys); the keys alone are checked here, before torch loads (the export itself: export_run.py). Each key is declared
+once below (``cli_keys.declared_key``: its default and its help), and --help lists them from there.
 """
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
+from .cli_keys import command_keys_help, declared_key as _key
 from .cli_support import run_cli
 from .errors import UserError
 from .formats import FORMATS
@@ -44,15 +27,38 @@ DTYPES = ("keep", "float32", "float16", "bfloat16")
 
 @dataclass
 class ExportConfig:
-    heads: str = "???"
-    format: str = "???"
-    out: str = "???"
-    overwrite: bool = False
-    materialize: bool = False
-    backbone: Optional[str] = None
-    base_model: Optional[str] = None
-    dtype: str = "keep"
-    trust_remote_code: bool = False
+    """The command's keys, each declared once with its default and its --help line (``export_help``)."""
+
+    heads: str = _key("???", "a heads export, or a reference-Medusa / TGI / vLLM Medusa / mlp_speculator / EAGLE-3 "
+                      "dir (re-export)")
+    format: str = _key("???", "vllm | tensorrt_llm | tgi | medusa_v1 | eagle3 (EAGLE-3 drafters, for vLLM, SGLang "
+                       "and TensorRT-LLM); MLP speculators: vllm (its V0 engine) or tgi")
+    out: str = _key("???", "the folder written, atomically; never the heads= folder, a folder holding it or one "
+                    "inside it")
+    overwrite: bool = _key(False, "replace a non-empty out=, and only if it is a previous export (an engine "
+                           "layout's config.json and only the files exports write, no subfolders)")
+    materialize: bool = _key(False, "expand shared / truncated projections into full per-head ones for formats "
+                             "that need them (tensorrt_llm, medusa_v1, tgi with >1 layer, MLP speculators); "
+                             "prints the size cost")
+    backbone: Optional[str] = _key(None, "the target the heads are checked against before anything is written "
+                                   "(its config: hidden size, vocabulary, fingerprint, EAGLE-3 aux layers), where "
+                                   "the lm_head of shared heads is read, and for tgi the attention head size its "
+                                   "launcher needs (unset: the heads' base model, checked when its config can be "
+                                   "read)")
+    base_model: Optional[str] = _key(None, "the base model written into the engine config, a hub id or path the "
+                                     "engine can load (unset: the heads' own; for heads trained with a LoRA adapter "
+                                     "on the backbone, <run>/merged, else required)")
+    dtype: str = _key("keep", "keep | float16 | bfloat16 | float32")
+    trust_remote_code: bool = _key(False, "run the backbone's own modelling code (reading its config, tokenizer "
+                                   "or lm_head)")
+
+
+def export_help() -> str:
+    """``medusa-export --help``: the module docstring and every key with its default (``command_keys_help``,
+    read from ``ExportConfig``), each wrapped to 120 columns."""
+    lines = [textwrap.fill(line, 120, subsequent_indent=" " * 6) for line in
+             command_keys_help(ExportConfig).splitlines()]
+    return __doc__.strip() + "\n\nmedusa-export keys:\n" + "\n".join(lines) + "\n"
 
 
 def check_keys(cfg) -> None:
@@ -74,4 +80,5 @@ def _export(cfg) -> None:
 
 
 def export_main(argv: Optional[list[str]] = None) -> None:
-    run_cli("medusa-export", __doc__, ExportConfig, _export, argv, help_when_empty=True)
+    # no argument is a mistake like any missing key (one line, exit 2), as in medusa-eval / medusa-generate
+    run_cli("medusa-export", export_help, ExportConfig, _export, argv)

@@ -16,11 +16,11 @@ import torch
 
 from .assets import resolve_backbone_path
 from .backbone import load_backbone, load_tokenizer
-from .errors import UserError
-from .formats.export import (TOKENIZER_FILES, ExportOptions, FormatWarning, check_out_dir, export_heads, exporter_for,
-                             megabytes)
+from .errors import NeedsBackboneConfig, UserError
+from .formats.export import (TOKENIZER_FILES, ExportOptions, FormatWarning, check_adapter, check_out_dir, export_heads,
+                             exporter_for, megabytes)
 from .heads.spec import check_compatible
-from .loading import export_target, load_heads
+from .loading import export_target, load_heads, read_heads_spec
 
 PLACEHOLDER_DIR = "<this dir>"   # how the exporters' plans (formats/*.py) name the folder they write
 
@@ -34,11 +34,16 @@ def run_export(cfg) -> None:
     with warnings.catch_warnings(record=True) as caught:  # one line each, not Python's two-line warnings
         warnings.simplefilter("always", FormatWarning)
         # The native loader's errors for a dir that is no heads at all, then the registry's for a
-        # kind this format has no exporter for, before anything is loaded; the target's config (from
-        # backbone= or the heads' own base model) so heads made for another target are refused.
+        # kind this format has no exporter for and a LoRA adapter no engine can apply, from the heads'
+        # config alone (``_spec_from_config``); then the target's config (from backbone= or the heads'
+        # own base model, possibly a hub download) so heads made for another target are refused.
+        early, base_model = _spec_from_config(src), cfg.base_model or ""
+        if early is not None:
+            exporter_for(cfg.format, early.kind)
+            base_model = _engine_base_model(cfg.base_model, early, src)
+            check_adapter(early, base_model)
         first, target = export_target(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
         exporter_for(cfg.format, first.kind)
-        base_model = _engine_base_model(cfg.base_model, first, src)
         # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
         # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
         # Likewise an empty input-embedding table for drafters that borrow the backbone's (EAGLE-3):
@@ -88,6 +93,19 @@ def run_export(cfg) -> None:
         print(f"note: the config records base model {base!r}, which engines cannot load: "
               "pass base_model=<hub id or path>")
     print(f"wrote {result.path} ({', '.join(result.files)}; weights {megabytes(result.weight_bytes)})")
+
+
+def _spec_from_config(src: Path):
+    """The heads' spec from their own config, so that what it alone decides is refused before ``export_target``
+    reads the target's config: that read can be a hub download (offline: half a minute of retries and their log
+    lines before the refusal). None for a dir whose spec needs the target (``NeedsBackboneConfig``: an EAGLE-3
+    one naming no aux ids, which has no backbone adapter); its kind is checked once the target is read."""
+    try:
+        with warnings.catch_warnings():   # the load below gives the layout's notes once
+            warnings.simplefilter("ignore", FormatWarning)
+            return read_heads_spec(src)
+    except NeedsBackboneConfig:
+        return None
 
 
 def _engine_base_model(given: Optional[str], spec, src: Path) -> str:

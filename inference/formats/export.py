@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import safetensors.torch   # safetensors.torch.save_file looked up when writing (tests make it fail)
 import torch
+from safetensors import SafetensorError
 
 from ..errors import UserError
 from ..heads.native import make_temp_dir, open_permissions, release_temp_dir, swap_dir_into_place
@@ -27,6 +28,11 @@ _EXPORTERS: dict[tuple[str, str], Callable] = {}
 
 class FormatWarning(UserWarning):
     """Something in a foreign checkpoint or an export the user should know, that is not an error."""
+
+
+class ExportWriteError(UserError, OSError):
+    """``write_plan`` could not write ``out`` (a full disk, a quota, a file system gone read-only) and left it as it
+    was: a ``UserError``, so ``medusa-export`` says so in one line (it was a traceback), and still an ``OSError``."""
 
 
 @dataclasses.dataclass
@@ -145,9 +151,9 @@ def export_heads(heads, format_name: str, out, *, overwrite: bool = False,
 
 def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> None:
     """Refuse, in one line, an ``out`` the export must not write: ``source`` itself, a folder holding it
-    or one inside it (replacing it would delete the heads being read), a file, a non-empty folder without
-    ``overwrite``, and, even with ``overwrite``, a non-empty folder that is not an export (``_is_export``:
-    a training run, a home folder), or a place that cannot be created."""
+    or one inside it (replacing it would delete the heads being read), a file, a symbolic link, a non-empty
+    folder without ``overwrite``, and, even with ``overwrite``, a non-empty folder that is not an export
+    (``_is_export``: a training run, a home folder), or a place that cannot be created."""
     if source is not None:
         src, dst = Path(source).resolve(), out.resolve()   # symlinks followed: the folders actually touched
         if dst == src:
@@ -157,6 +163,9 @@ def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> 
                             "give out= a folder of its own")
         if src in dst.parents:
             raise UserError(f"out={out} is inside heads={source}: give out= a folder outside the heads")
+    if out.is_symlink():   # the swap renames out= itself: a link (dangling or not) cannot be replaced by a folder
+        raise UserError(f"out={out} is a symbolic link (to {os.readlink(out)}): give out= the folder itself, "
+                        "or a new one")
     if out.exists() and not out.is_dir():
         raise UserError(f"out={out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
@@ -230,6 +239,9 @@ def write_plan(plan: ExportPlan, out: Path) -> None:
             (tmp / name).write_text(text, encoding="utf-8")
         open_permissions(tmp)   # an engine running as another user (a container) must read them
         swap_dir_into_place(tmp, out)
+    except (OSError, SafetensorError) as e:   # safetensors reports its I/O errors (a full disk) as SafetensorError
+        reason = (e.strerror if isinstance(e, OSError) else None) or str(e)
+        raise ExportWriteError(f"out={out} could not be written ({reason}): nothing was changed there") from e
     finally:
         release_temp_dir(tmp)
 

@@ -24,15 +24,18 @@ vLLM 0.10.x or older with the V0 engine (``VLLM_USE_V1=0``), and ``medusa-export
 TGI serves the same directory (``format=tgi``), read from its loader (huggingface/text-generation-inference
 server/text_generation_server/models/__init__.py ``get_model``, layers/speculative.py, layers/mlp.py, commit
 09a1de5cd112a7ff940a2de7ebce7077af5b937c): a config.json with ``model_type: mlp_speculator`` is a speculator dir,
-the backbone is its ``base_model_name_or_path``, ``--speculate`` defaults to ``n_predict`` and may not exceed it;
+the backbone is its ``base_model_name_or_path``, ``--speculate`` defaults to ``n_predict`` and may not exceed it
+(and must not be lower: MLPSpeculatorModel computes ``state_weight = 0.5 ** (0.5 / get_speculate())``, the
+``--speculate`` value, where vLLM and training use ``n_predict``; the same at commit db931fcf);
 ``SpeculativeHead.load`` needs ``architectures[0] == "MLPSpeculatorPreTrainedModel"`` (otherwise it runs with no
 speculator), reads ``inner_dim`` (0 would scale the embeddings by 0) and ``tie_weights``, and every
 ``.safetensors`` file of the dir under the names ``speculator.emb.{k}`` / ``proj`` / ``ln`` / ``head`` (no name
 stripping). Its MLPSpeculatorModel computes ``state = proj_k(state) * w_s + emb_k(tok) * w_e sqrt(inner/2)``, then
 ``gelu(ln_k(state))`` — vLLM's step times ``w_s`` before a scale-invariant norm, equal up to its epsilon — and has
-no ``scale_input``: heads trained with it are refused. As for TGI's Medusa dirs, the launcher reads this config for
-its attention choice and the router takes the tokenizer and chat template from this dir
-(``reference.tgi_launcher_keys`` / ``tgi_tokenizer_files``).
+no ``scale_input`` at 09a1de5c: heads trained with it are refused (TGI v2.3.0 on, from commit d9fbbaaf, applies it
+as vLLM does, ``rms_norm(h) / sqrt 2`` in ``MLPSpeculatorHead.forward``; older versions ignore it). As for TGI's
+Medusa dirs, the launcher reads this config for its attention choice and the router takes the tokenizer and chat
+template from this dir (``reference.tgi_launcher_keys`` / ``tgi_tokenizer_files``).
 
 The head is a full-vocabulary matrix: ``projection=own`` exports as is; ``shared`` and
 ``truncated`` only with ``materialize=true`` (as for Medusa heads, see ``full_projection``).
@@ -92,8 +95,11 @@ def export_tgi_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
     if note:
         plan.notes.append(note)
     plan.extra_files.update(tgi_tokenizer_files(options, plan.notes))
-    plan.notes.append(f"serve: text-generation-launcher --model-id <this dir> (--speculate 1..{spec.num_heads}; "
-                      "TGI reads the backbone from base_model_name_or_path)")
+    # Not "--speculate 1..n": TGI's MLPSpeculatorModel takes its state / embedding weights from --speculate
+    # (get_speculate()), not from n_predict as vLLM and training do, so fewer steps change every step's drafts.
+    plan.notes.append(f"serve: text-generation-launcher --model-id <this dir> (TGI reads the backbone from "
+                      f"base_model_name_or_path; leave --speculate unset or give {spec.num_heads}: with fewer, TGI "
+                      f"weighs every step for that count, not the {spec.num_heads} these heads were trained for)")
     return plan
 
 

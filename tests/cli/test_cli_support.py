@@ -61,8 +61,6 @@ def test_help_and_values(capsys):
 
     run_cli("prog", "the doc", Schema, lambda cfg: pytest.fail("ran"), ["--help"])
     assert capsys.readouterr().out.strip() == "the doc"
-    run_cli("prog", "the doc", Schema, lambda cfg: pytest.fail("ran"), [], help_when_empty=True)
-    assert capsys.readouterr().out.strip() == "the doc"
     cfg = parse_overrides("prog", Schema, ["heads=a", "out=b", "steps=5"])
     assert (cfg.heads, cfg.out, cfg.steps) == ("a", "b", 5)
 
