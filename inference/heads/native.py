@@ -215,6 +215,9 @@ def read_native_spec(heads_dir: str | os.PathLike) -> HeadsSpec:
         if old and not d.exists():
             raise UserError(f"heads directory not found: {d}, but {old[-1]} holds the previous export left by an "
                             f"interrupted save: rerun the save/export, or rename it to {d.name}")
+        if d.exists():   # a file: its own words, not "not found" for a path that is plainly there
+            raise UserError(f"heads={d} is a file, not a heads directory: give the folder holding config.json and "
+                            "the weights")
         raise UserError(f"heads directory not found: {d}")
     missing = [f for f in EXPORT_FILES if not (d / f).is_file()]
     if missing:

@@ -189,3 +189,5 @@ def test_dir_of_no_known_layout_keeps_the_native_error(tmp_path):
         read_heads_spec(tmp_path)
     with pytest.raises(UserError, match="heads directory not found"):
         read_heads_spec(tmp_path / "nope")
+    with pytest.raises(UserError, match="is a file, not a heads directory"):   # it was "not found" too
+        read_heads_spec(tmp_path / "config.json")
