@@ -241,7 +241,8 @@ def batch_steps(m: MedusaModel, batches: list[int], nodes: list[int], steps: int
                 times = []
                 for i in range(steps + 2):
                     t0 = time.perf_counter()
-                    dec.step()
+                    with m.stepping():   # as run_batch steps (a LongRoPE backbone's per-position rule)
+                        dec.step()
                     sync(m.device)
                     if i >= 2:
                         times.append(time.perf_counter() - t0)

@@ -62,7 +62,10 @@ class _BatchTimer:
         times = []
         for i in range(warmup + steps):
             t = time.perf_counter()
-            self.dec.step()
+            # as run_batch steps: a captured step freezes the LongRoPE switch's rule (rope_switch), and these timed
+            # steps capture the buckets later generations replay; outside ``stepping`` they froze the prompts' rule
+            with self.m.stepping():
+                self.dec.step()
             _sync(self.m.device)
             if i >= warmup:
                 times.append(time.perf_counter() - t)

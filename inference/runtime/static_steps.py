@@ -38,6 +38,7 @@ replay on new inputs disagrees with the same step run eagerly runs uncaptured (e
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -184,6 +185,8 @@ class StaticSteps:
         self.calls = CapturedCalls(self)   # the drafter's own forwards, captured beside the steps
         self.kept: dict = {}   # buffers a method's captured calls read (a drafter's cache): as long-lived as the calls
         self.siblings: dict = {}   # key -> the static steps of a model decoding beside this one (a self-draft)
+        # every draft model's static steps made here, while its model lives: report.json counts their captures too
+        self.drafts = weakref.WeakSet()
 
     def check_current(self, generation: int) -> None:
         """Refuse a step through a view of an older generation (a newer one took the buffer over)."""
@@ -194,7 +197,9 @@ class StaticSteps:
     def sibling(self, other) -> "StaticSteps":
         """Static steps for another model decoding beside this one (a draft model): the same buckets and
         capture, its own buffer."""
-        return StaticSteps(other, self.buckets, self.capture, self.fixed_capacity, self.log)
+        steps = StaticSteps(other, self.buckets, self.capture, self.fixed_capacity, self.log)
+        self.drafts.add(steps)
+        return steps
 
     # -- the buffer ----------------------------------------------------------------------------------
     def cache(self, need: int) -> Optional[StaticKV]:
@@ -271,7 +276,8 @@ class StaticSteps:
         self.kv = torch.zeros(layers, 2, batch, kv_heads, capacity, head_dim, dtype=self._dtype(),
                               device=self.m.device)
         self.body_cache = Cache(layers=[_StaticLayer(self, i) for i in range(layers)])
-        self._buckets, self.captures = {}, {}
+        # the graphs went with the old buffer: their memory with them (capture_s keeps every capture's time)
+        self._buckets, self.captures, self.graph_bytes = {}, {}, 0
         self._pool = torch.cuda.graph_pool_handle() if self.capture is cuda_capture else None
 
     def _dtype(self) -> torch.dtype:
@@ -431,7 +437,7 @@ class StaticSteps:
                 "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
                 "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed,
                 "checked_replays": self.checked, "disagreeing_replays": self.disagreed,
-                "drafter_calls": self.calls.summary()}
+                "drafter_calls": self.calls.summary(), "draft_models": [s.summary() for s in self.drafts]}
 
 
 def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,

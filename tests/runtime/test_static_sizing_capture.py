@@ -1,0 +1,57 @@
+"""Batch sizing's timed steps capture the buckets later generations replay: under the rule they will replay with."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from inference.methods import generate_batch
+from inference.methods.medusa import HeadsDrafter
+from inference.runtime.sizing import size_speculation
+from inference.runtime.static_steps import StaticSteps
+from inference.runtime.tree import resolve_tree
+from runtime_support import one_thread, random_heads, wrap  # noqa: F401 (autouse fixture)
+from test_position_limits import phi3_longrope
+
+
+def freezing(switch):
+    """A CPU stand-in for ``cuda_capture`` that also freezes what a CUDA graph freezes of the LongRoPE switch: the
+    Python branch (``per_position``) taken at capture, whichever rule is in force at a replay."""
+    def capture(fn, pool):
+        frozen = switch.per_position
+        outs = fn()
+
+        def replay():
+            live, switch.per_position = switch.per_position, frozen
+            try:
+                new = fn()
+            finally:
+                switch.per_position = live
+            for o, n in zip(outs, new):
+                o.copy_(n)
+        return replay, outs
+    return capture
+
+
+def test_batch_sizing_captures_steps_under_the_per_position_longrope_rule():
+    """Guards against per-batch sizing (``choice=auto`` batched, ``runtime.sizing._BatchTimer``) stepping outside
+    ``MedusaModel.stepping``: its timed steps are the first to capture the (batch, rows) buckets, so the graphs froze
+    LongRoPE's prompt rule (a step straddling the switch rotated whole with the long factors), and every later
+    generation replaying them decoded other tokens than graphs=off (6 of 6 seeds on a Phi-3-shaped backbone)."""
+    tree = resolve_tree("chain3", 3)
+    for seed in range(2):
+        model = phi3_longrope(seed)                       # switch at position 24
+        m = wrap(model, random_heads(model, num_heads=3, seed=1))
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(96) for _ in range(rng.randrange(15, 22))] for _ in range(2)]
+        ref = [r.tokens for r in generate_batch(m, prompts, "medusa", tree=tree, max_new_tokens=20,
+                                                eos_token_ids=()).rows]
+        m.static = StaticSteps(m, capture=freezing(m._rope_switch), log=lambda line: None)
+        with torch.inference_mode():
+            size_speculation(m, {"chain3": (tree, 2.0)}, lambda t: HeadsDrafter(m, t), prompts, [2], what="trees",
+                             latency_steps=3, warmup=1, min_rounds=1, max_rounds=1, log=lambda line: None)
+        assert m.static.captures.get("2x4") == 1          # the tree's bucket was captured by the timed steps
+        out = generate_batch(m, prompts, "medusa", tree=tree, max_new_tokens=20, eos_token_ids=()).rows
+        assert [r.tokens for r in out] == ref
+        m.static = None
