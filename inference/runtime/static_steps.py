@@ -303,7 +303,7 @@ class StaticSteps:
         self._fill(b, ids, pos, mask, slots, view.length if mask is None else None)
         key = None if tap is None else tuple(tap.ids)
         step = self._step_fn(b, tap)
-        if rows is not None and self.capture is not None and not first:   # prompts: see the module docstring
+        if rows is not None and self.capture is not None and not first and self._rule_is_stepping():
             with on_device(self.kv.device):
                 outs = self._replayed(b, key, step, batch, n)
         else:
@@ -312,6 +312,13 @@ class StaticSteps:
         if b.ids.shape == (batch, n):
             return tuple(o.clone() for o in outs)            # a later replay overwrites the fixed outputs
         return tuple(o[:batch, :n].clone() for o in outs)
+
+    def _rule_is_stepping(self) -> bool:
+        """Whether a graph may be captured or replayed here: prompts never are (module docstring), and on a LongRoPE
+        backbone only steps inside ``MedusaModel.stepping``, whose per-position rule a graph freezes (a step
+        outside it, a caller timing ``step()`` bare, would capture the prompt rule for every later replay)."""
+        switch = getattr(self.m, "_rope_switch", None)
+        return switch is None or switch.per_position
 
     def _step_fn(self, b: _Bucket, tap) -> Callable[[], tuple]:
         def step():

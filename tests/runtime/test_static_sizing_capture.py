@@ -55,3 +55,28 @@ def test_batch_sizing_captures_steps_under_the_per_position_longrope_rule():
         out = generate_batch(m, prompts, "medusa", tree=tree, max_new_tokens=20, eos_token_ids=()).rows
         assert [r.tokens for r in out] == ref
         m.static = None
+
+
+def test_a_step_outside_stepping_is_never_captured_on_a_longrope_backbone():
+    """Guards against any caller that times ``BatchTreeDecoder.step`` bare (outside ``MedusaModel.stepping``, as the
+    GPU check's batch timing did) capturing a bucket under LongRoPE's prompt rule: every later replay of that bucket
+    would rotate a step straddling the switch with the long factors. Such a step runs uncaptured; the same step
+    inside ``stepping`` is captured and replayed as before."""
+    from inference.runtime.batch_decode import BatchTreeDecoder
+
+    tree = resolve_tree("chain3", 3)
+    model = phi3_longrope(0)
+    m = wrap(model, random_heads(model, num_heads=3, seed=1))
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
+    ref = [r.tokens for r in generate_batch(m, prompts, "medusa", tree=tree, max_new_tokens=20,
+                                            eos_token_ids=()).rows]
+    m.static = StaticSteps(m, capture=freezing(m._rope_switch), log=lambda line: None)
+    with torch.inference_mode():
+        dec = BatchTreeDecoder(m, HeadsDrafter(m, tree))
+        dec.prefill(prompts, 20)
+        for _ in range(3):
+            dec.step()
+    assert m.static.captures == {}
+    out = generate_batch(m, prompts, "medusa", tree=tree, max_new_tokens=20, eos_token_ids=()).rows
+    assert [r.tokens for r in out] == ref and m.static.captures.get("2x4") == 1
+    m.static = None
