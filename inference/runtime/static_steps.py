@@ -232,7 +232,8 @@ class StaticSteps:
         if self.fixed_capacity is not None and slots > self.fixed_capacity:
             return None, f"{slots} KV slots, beyond the fixed capacity {self.fixed_capacity}"
         rows = next((b for b in self.buckets if b >= batch), None)
-        return rows, "" if rows is not None else f"a batch of {batch}, beyond the largest graph bucket {self.buckets[-1]}"
+        beyond = f"a batch of {batch}, beyond the largest graph bucket {self.buckets[-1]}"
+        return rows, "" if rows is not None else beyond
 
     def _dims(self, slots: int, rows: int) -> tuple[int, int]:
         """(capacity, batch rows) of a new buffer for ``slots`` x ``rows``: the request's own size (capacity in
@@ -288,7 +289,8 @@ class StaticSteps:
         """(layers, kv_heads, head_dim) of the model's KV cache."""
         cfg = self.m.config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return cfg.num_hidden_layers, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers, kv_heads, head_dim
 
     # -- a step ----------------------------------------------------------------------------------------
     def forward(self, view, ids: torch.Tensor, pos: torch.Tensor, mask: Optional[torch.Tensor],
