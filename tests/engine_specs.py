@@ -490,7 +490,8 @@ def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list
     ``speculator.emb.{i}.weight``, ``speculator.proj.{i}.weight`` (no bias), ``speculator.head.{i}.weight``,
     ``speculator.ln.{i}.weight`` / ``.bias`` with ``weights.get_tensor`` (a missing name fails the load); tied:
     emb.0, proj.0, proj.1, head.0, ln.0. ``inner_dim`` from the config (0 would zero the embedding term); the
-    output size is the backbone's vocab_size."""
+    output size is the backbone's vocab_size. ``scale_input`` is read from the same config.json (TGI v2.3.0 on,
+    ``tgi_mlp_speculator_probs``)."""
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         return ["missing config.json"]
@@ -503,8 +504,6 @@ def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list
     for key in ("base_model_name_or_path", "n_predict", "inner_dim"):
         if not cfg.get(key):
             problems.append(f"config lacks a non-empty {key}")
-    if cfg.get("scale_input"):
-        problems.append("scale_input is set: TGI does not apply it")
     if problems:
         return problems
     n, inner, tie = cfg["n_predict"], cfg["inner_dim"], bool(cfg.get("tie_weights"))
@@ -531,7 +530,8 @@ def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list
 def tgi_mlp_speculator_probs(d: Path, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """TGI's ``MLPSpeculatorModel.forward`` (top-1 per head, as ``top_k_tokens_per_head = [1] * n``) restated in
     fp32: [b, n_predict, vocab] probabilities from the backbone's last hidden states [b, H] and its greedy tokens
-    [b]."""
+    [b]. With ``scale_input`` in the config, ``MLPSpeculatorHead.forward`` first (TGI v2.3.0 on, commit d9fbbaaf):
+    ``simple_norm``, an RMS norm with eps 1e-6 and no weight, times 1/sqrt 2."""
     cfg = json.loads((d / "config.json").read_text())
     t = {}
     for f in d.iterdir():
@@ -546,6 +546,8 @@ def tgi_mlp_speculator_probs(d: Path, hidden: torch.Tensor, input_ids: torch.Ten
         return t[f"speculator.ln.{i}.weight"] * x + t[f"speculator.ln.{i}.bias"]
 
     state, ind, probs = hidden.float(), input_ids, []
+    if cfg.get("scale_input"):
+        state = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + 1e-6) * 2 ** -0.5
     for i in range(n):
         e, h, p = (0, 0, min(i, 1)) if tie else (i, i, i)
         z = torch.nn.functional.embedding(ind, t[f"speculator.emb.{e}.weight"]) * (emb_weight * math.sqrt(inner / 2))

@@ -32,8 +32,9 @@ speculator), reads ``inner_dim`` (0 would scale the embeddings by 0) and ``tie_w
 ``.safetensors`` file of the dir under the names ``speculator.emb.{k}`` / ``proj`` / ``ln`` / ``head`` (no name
 stripping). Its MLPSpeculatorModel computes ``state = proj_k(state) * w_s + emb_k(tok) * w_e sqrt(inner/2)``, then
 ``gelu(ln_k(state))`` — vLLM's step times ``w_s`` before a scale-invariant norm, equal up to its epsilon — and has
-no ``scale_input`` at 09a1de5c: heads trained with it are refused (TGI v2.3.0 on, from commit d9fbbaaf, applies it
-as vLLM does, ``rms_norm(h) / sqrt 2`` in ``MLPSpeculatorHead.forward``; older versions ignore it). As for TGI's
+no ``scale_input`` at 09a1de5c; TGI v2.3.0 on (from commit d9fbbaaf) applies it as vLLM does, ``rms_norm(h) / sqrt 2``
+in ``MLPSpeculatorHead.forward``, read from this dir's config.json (``SpeculativeHead.load``): heads trained with it
+export with a note for older versions. As for TGI's
 Medusa dirs, the launcher reads this config for its attention choice and the router takes the tokenizer and chat
 template from this dir (``reference.tgi_launcher_keys`` / ``tgi_tokenizer_files``).
 
@@ -80,14 +81,14 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
 @register_exporter("tgi", "mlp_speculator", files=(WEIGHTS,))
 def export_tgi_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
     """The same directory for TGI (module docstring): tensors under ``speculator.``, the launcher's head-size keys
-    and the backbone's tokenizer files beside them; heads trained with ``scale_input`` refused (TGI feeds the
-    backbone state unscaled: they would draft other tokens there)."""
+    and the backbone's tokenizer files beside them; heads trained with ``scale_input`` get a note (TGI applies it
+    from v2.3.0 on; older versions draft from the unscaled state)."""
     spec = heads.spec
-    if spec.settings.scale_input:
-        raise UserError("TGI's mlp_speculator feeds the backbone state to the first projection unscaled (it has no "
-                        "scale_input): these heads were trained with heads.scale_input=true and would draft other "
-                        "tokens there; export format=vllm, or train with heads.scale_input=false")
     plan = _plan(heads, options, "TGI")
+    if spec.settings.scale_input:
+        plan.notes.append("these heads were trained with heads.scale_input=true: TGI applies it from v2.3.0 on "
+                          "(MLPSpeculatorHead, read from this config.json); an older TGI drafts from the unscaled "
+                          "backbone state, so fewer drafts are accepted (the output is the same)")
     plan.tensors = {f"speculator.{k}": t for k, t in plan.tensors.items()}
     reader = options.backbone_config
     keys, note = tgi_launcher_keys(reader() if reader is not None else None, spec)

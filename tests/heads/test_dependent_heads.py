@@ -395,12 +395,15 @@ def test_truncated_mlp_speculator_needs_materialize_and_hydra_has_no_vllm_layout
         export_heads(dependent_heads(model, "hydra"), "vllm", tmp_path / "c")
 
 
-@pytest.mark.parametrize("extra", [{}, {"tie_weights": True}], ids=["untied", "tied"])
+@pytest.mark.parametrize("extra", [{}, {"tie_weights": True}, {"scale_input": True}, {"tie_weights": True,
+                                                                                    "scale_input": True}],
+                         ids=["untied", "tied", "scaled", "tied-scaled"])
 def test_mlp_speculator_exports_to_tgi_and_drafts_there_what_it_drafts_here(model, extra, tmp_path):
     """Guards against MLP speculators that no maintained engine serves (vLLM's V1 engine refuses them): the TGI
     export must load in TGI's loader (``speculator.``-prefixed names it reads with get_tensor, its architectures
     and inner_dim keys) and TGI's MLPSpeculatorModel must draft, head by head, the distribution this runtime drafts;
-    the directory imports back bit-identically."""
+    the directory imports back bit-identically. Heads trained with scale_input (refused before, though TGI v2.3.0
+    on applies it) draft the same there too."""
     from engine_specs import check_tgi_mlp_speculator, tgi_mlp_speculator_probs
     from inference.formats.export import ExportOptions, export_heads
     from inference.loading import import_heads
@@ -421,16 +424,19 @@ def test_mlp_speculator_exports_to_tgi_and_drafts_there_what_it_drafts_here(mode
                                    heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
 
 
-def test_tgi_refuses_mlp_speculators_trained_with_scale_input(model, tmp_path):
-    """Guards against a TGI export of heads trained with scale_input (vLLM's ln0 on the backbone state), which TGI's
-    MLPSpeculatorModel never applies: they would draft other tokens there without a word. Truncated heads need
-    materialize=true, as for vLLM."""
+def test_tgi_exports_of_scale_input_heads_say_which_tgi_applies_it(model, tmp_path):
+    """Guards against a TGI export of heads trained with scale_input (vLLM's ln0 on the backbone state) written
+    without a word: a TGI older than v2.3.0 drafts from the unscaled state (fewer drafts accepted). Truncated heads
+    need materialize=true, as for vLLM."""
     from engine_specs import check_tgi_mlp_speculator
     from inference.formats.export import ExportOptions, export_heads
 
-    with pytest.raises(UserError, match="TGI's mlp_speculator .* has no scale_input"):
-        export_heads(dependent_heads(model, "mlp_speculator", scale_input=True), "tgi", tmp_path / "a")
-    assert not (tmp_path / "a").exists()
+    scaled = export_heads(dependent_heads(model, "mlp_speculator", scale_input=True), "tgi", tmp_path / "a",
+                          options=ExportOptions(base_model="org/backbone"))
+    assert any("scale_input=true: TGI applies it from v2.3.0 on" in note for note in scaled.notes)
+    plain = export_heads(dependent_heads(model, "mlp_speculator"), "tgi", tmp_path / "c",
+                         options=ExportOptions(base_model="org/backbone"))
+    assert not any("scale_input" in note for note in plain.notes)
     truncated = dependent_heads(model, "mlp_speculator", projection="truncated")
     with pytest.raises(UserError, match="materialize=true"):
         export_heads(truncated, "tgi", tmp_path / "b")
