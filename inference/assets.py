@@ -13,11 +13,15 @@ runtime never imports the trainer.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
 
 from .errors import UserError
 
@@ -134,3 +138,22 @@ def resolve_backbone_path(name_or_path: str, gguf_file: str | None = None) -> tu
         return name_or_path, name_or_path
     name = name_or_path if name_or_path.startswith("embedded:") else f"{name_or_path}/{gguf_file}"
     return str(converted_gguf_dir(gguf)), name
+
+
+# A proxy reaches the hub where a direct connection may not: with one set, the hub client is left to find out.
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_unreachable() -> Optional[str]:
+    """The hub's host name when this machine cannot open a connection to it within 3 s, else None (reachable,
+    ``HF_HUB_OFFLINE`` already set, or a proxy set)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no") or \
+            any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
+    except OSError:
+        return endpoint.hostname
+    return None

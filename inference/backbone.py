@@ -8,6 +8,10 @@ inside it), or a hub id.
 
 Attention defaults to SDPA: tree verification passes custom 4D masks, which sdpa and eager
 apply and flash-attention kernels ignore.
+
+A hub id on a machine that cannot reach the hub (no network, no DNS: ``assets.hub_unreachable``, one connection tried
+once per process) is read from the local cache alone: the hub client would retry for two minutes, printing a line per
+retry, before the same refusal.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ def parse_device(device) -> torch.device:
     return dev
 
 
+def _cache_only(path: str) -> dict:
+    """``from_pretrained``'s keywords for ``path``: the local cache alone for a hub id the hub cannot serve here."""
+    local = os.path.isdir(os.path.expanduser(path))
+    return {"local_files_only": True} if not local and assets.hub_unreachable() else {}
+
+
 def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_remote_code: bool = False,
                   revision: Optional[str] = None, gguf_file: Optional[str] = None,
                   attn_implementation: str = "sdpa"):
@@ -75,7 +85,7 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     _check_local(name_or_path, path)
     path = os.path.expanduser(path)   # as _check_local read it (transformers would take ~/model for a hub id)
     check_weight_files(name_or_path, path)   # before transformers reads anything: no weights, a file cut short
-    kwargs = dict(trust_remote_code=trust_remote_code, revision=revision)
+    kwargs = dict(trust_remote_code=trust_remote_code, revision=revision, **_cache_only(path))
     torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
     with _loading_errors(name_or_path, path, attn_implementation=attn_implementation):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -105,7 +115,8 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
 
     path, kwargs = _source(name_or_path)
     with _loading_errors(name_or_path, path, part="the tokenizer of "):
-        return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code, **kwargs)
+        return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code,
+                                             **kwargs, **_cache_only(path))
 
 
 def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, trust_remote_code: bool = False,
@@ -117,7 +128,7 @@ def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, 
     path, kwargs = _source(name_or_path, gguf_file)
     with _loading_errors(name_or_path, path, config_only=True):
         return AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code,
-                                          revision=revision, **kwargs)
+                                          revision=revision, **kwargs, **_cache_only(path))
 
 
 def check_backbone_name(name_or_path: Optional[str]) -> None:
@@ -186,6 +197,11 @@ def _loading_errors(name_or_path: str, path: Optional[str] = None, config_only: 
         yield
     except OSError as e:
         local = path is not None and os.path.isdir(os.path.expanduser(str(path)))
+        if not local and assets.hub_unreachable():
+            raise UserError(f"cannot load backbone {name_or_path!r}: it is not a local model folder, "
+                            f"{assets.hub_unreachable()} cannot be reached from this machine, and the hub's cache "
+                            "here does not hold it (give a local model folder, or download the model where the hub "
+                            "is reachable)") from None
         where = "" if local else " (not a local model folder, and the hub has no such model or cannot be reached)"
         raise UserError(f"cannot load backbone {name_or_path!r}{where}: {_first_line(e)}") from None
     except SafetensorError as e:   # a file the checks before could not open (a hub download cut short)

@@ -14,8 +14,7 @@ from typing import Optional
 
 import torch
 
-from .assets import resolve_backbone_path
-from .backbone import load_backbone, load_tokenizer
+from .backbone import load_backbone, load_backbone_config, load_tokenizer
 from .errors import NeedsBackboneConfig, UserError
 from .formats.export import (TOKENIZER_FILES, ExportOptions, FormatWarning, check_adapter, check_out_dir, export_heads,
                              exporter_for, megabytes)
@@ -155,10 +154,7 @@ def _read_backbone_config(name: Optional[str], trust_remote_code: bool):
     """A transformers config for ``name`` (local dir, hub id or ``embedded:``), or None."""
     if not name or name.startswith("random:"):
         return None
-    try:
-        from transformers import AutoConfig   # lazy: 0.4 s to import, not for the refusals before this read
-
-        path, _ = resolve_backbone_path(name)
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:   # the backbone's one config reader (a hub the machine cannot reach: its cache alone, at once)
+        return load_backbone_config(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, UserError):
         return None

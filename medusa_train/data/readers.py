@@ -332,11 +332,16 @@ def iter_records(source: str, split: str, stats: ReadStats) -> Iterator[dict]:
 def _hub_records(name: str, split: str) -> Iterator[dict]:
     import datasets   # lazy: 1.1 s to import, hub datasets only
 
+    host = assets.hub_unreachable()
+    if host:   # its cache alone, at once: the hub client would retry for half a minute, a line per retry
+        datasets.config.HF_HUB_OFFLINE = True
     try:
         ds = datasets.load_dataset(name, split=split, streaming=True)
     except Exception as e:  # datasets raises many types for "not found / offline"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"cannot open dataset {name!r} (split {split!r}): {first}") from None
+        why = f"{host} cannot be reached from this machine and the datasets cache here does not hold it" if host \
+            else first
+        raise UserError(f"cannot open dataset {name!r} (split {split!r}): {why}") from None
     yield from ds
 
 
