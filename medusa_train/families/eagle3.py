@@ -95,6 +95,9 @@ class Eagle3Training(TrainingFamily):
         if bad:
             raise UserError(f"heads.aux_layers {bad} are out of range: the backbone has hidden states 0..{n - 1} "
                             f"(0 = embeddings, i = layer i's input; {n} layers)")
+        if 0 in [int(i) for i in aux]:   # refused here, not after training: the export refuses it (formats/eagle3)
+            raise UserError("heads.aux_layers cannot name 0, the embeddings: vLLM and SGLang capture hidden_states + "
+                            f"residual before each layer and there is no residual before layer 0; use ids 1..{n - 1}")
         refuse_repeated_aux_layers(aux, "heads.aux_layers")
         # Ascending, the order vLLM and SGLang capture them (walking the layers): a fresh fc learns its columns
         # in that order, so the spec, the features cache and the export all say the layers actually read.

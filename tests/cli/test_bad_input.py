@@ -60,6 +60,9 @@ BAD_INPUT = [
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "backbone.name_or_path={tmp}/gpt2"], 2,
      "cannot build an EAGLE-3 decoder layer for gpt2"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.aux_layers=[0,1,5]"], 2, "heads.aux_layers [5] are out of range"),
+    # id 0 trained fully, then the export refused it (engines capture no residual before layer 0)
+    (TRAIN, ["debug_tiny", "heads.kind=eagle3", "backbone.random_init.num_hidden_layers=4", "heads.aux_layers=[0,1,2]"],
+     2, "heads.aux_layers cannot name 0, the embeddings"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.aux_layers=[0,1]"], 2, "must name 3 backbone layers"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "backbone.random_init.num_hidden_layers=1"], 2,
      "this one has 1 layer(s): use heads.kind=hydra or medusa, or a target of 4+ layers (a random debug backbone: "
