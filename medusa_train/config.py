@@ -426,6 +426,9 @@ def check_data_source(source: str) -> None:
 def _validate_lora(cfg) -> None:
     lo = cfg.lora
     if not lo.enabled:
+        if lo.init_heads:   # only the joint source loads them: heads trained from scratch would be saved instead
+            raise UserError("lora.init_heads starts Medusa-2's second stage from stage-1 heads and needs "
+                            "lora.enabled=true")
         return
     checks = [
         (lo.r >= 1 and lo.alpha > 0, f"lora.r must be >= 1 and lora.alpha > 0, got {lo.r}, {lo.alpha}"),

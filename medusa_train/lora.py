@@ -43,7 +43,7 @@ from inference.loading import load_heads
 from .checkpoint import full_fp32
 from .data.masks import attention_mask, block_causal_mask
 from .data.tokenize import IGNORE
-from .losses import heads_loss
+from .losses import heads_loss, vocab_to_local
 
 ADAPTER_DIR = "adapter"
 
@@ -294,6 +294,10 @@ class JointSource:
         model = self.backbone.model
         spec.backbone_adapter = ADAPTER_DIR
         init_heads_from(heads, self.cfg.lora.init_heads, lm_head_weight(model), model.get_input_embeddings().weight)
+        if self.cfg.lora.init_heads and getattr(heads, "token_map", None) is not None:
+            # Stage 1's heads bring their own token map: this run's scan (other data, another max_length) may order
+            # the top-N differently, and targets mapped through its inverse would train each head on wrong tokens.
+            inv_map = vocab_to_local(heads.token_map, spec.vocab_size)
         self.module = JointWithLoss(self.peft_model, self.body, model.get_output_embeddings(), heads, weights,
                                     inv_map, self.cfg.lora, self.cfg.heads.teacher_weight,
                                     self.cfg.heads.feature_noise, logit_scaling(model))

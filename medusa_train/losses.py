@@ -23,7 +23,7 @@ projection and metric trains on / reports against what greedy verification will 
 
 Optional teacher term (``teacher_weight`` w): head k's loss becomes
 (1 - w) CE(label) + w CE(p_backbone), where p_backbone is the frozen backbone's own
-distribution of the same token, lm_head(h_{t+k+1}) — restricted to the token map for
+distribution of the same token, lm_head(h_{t+k}) — restricted to the token map for
 truncated heads. Hydra++ found this best: the heads learn what the backbone will verify.
 
 Optional feature noise (``feature_noise`` s, training batches only, ``add_feature_noise``): the
@@ -255,7 +255,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
 def _teacher_ce(logits: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, k: int,
                 lm_head_weight: torch.Tensor | None, token_map: torch.Tensor | None,
                 logit_scaling: tuple = (None, None)) -> torch.Tensor:
-    """CE of head k's logits against the backbone's distribution at t+k+1 (the position whose
+    """CE of head k's logits (0-based k) against the backbone's distribution at t+k+1 (the position whose
     next token head k guesses from t). That distribution is the one the backbone samples from: its
     logit scale / soft-cap (Cohere, Gemma-2) applied after the lm_head, as ``backbone_logits`` does; the
     raw lm_head product would be a sharper (or flatter) teacher than the model verification runs."""

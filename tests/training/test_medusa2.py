@@ -156,10 +156,15 @@ def test_merge_of_a_gguf_converted_backbone_saves_a_full_precision_model(compose
         torch.testing.assert_close(peft_model(input_ids=ids).logits, tuned, atol=0, rtol=0)
 
 
-def test_two_stage_recipe_starts_from_stage_one_heads(compose_tiny, tmp_path):
-    """Guards against stage 2 silently starting from fresh heads, or from heads of another shape."""
+def test_two_stage_recipe_starts_from_stage_one_heads(compose_tiny, tmp_path, monkeypatch):
+    """Guards against stage 2 silently starting from fresh heads, or from heads of another shape; against it
+    scanning the data for a truncated vocabulary it then discards for stage 1's (minutes on a real data set); and
+    against lora.init_heads being ignored without lora.enabled=true (fresh heads saved as if continued)."""
     T.run(compose_tiny("trainer.max_steps=2", "trainer.save_every=0", "logger.plot=false", out=tmp_path / "s1"))
     stage1 = tmp_path / "s1" / "heads"
+    with pytest.raises(UserError, match="lora.init_heads .* needs lora.enabled=true"):
+        make_trainer(compose_tiny("trainer.max_steps=1", f"lora.init_heads={stage1}", out=tmp_path / "s0"))
+    monkeypatch.setattr(T.MedusaTrainer, "_token_map", lambda *a: pytest.fail("stage 2 scanned the data"))
     trainer = make_trainer(compose_tiny(*LORA, "trainer.max_steps=1", f"lora.init_heads={stage1}",
                                         out=tmp_path / "s2"))
     from inference.loading import load_heads
