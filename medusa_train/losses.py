@@ -127,7 +127,8 @@ def vocab_to_local(token_map: torch.Tensor | None, vocab_size: int) -> torch.Ten
 
 @dataclass
 class HeadMetrics:
-    """Running sums for one logging window: per head loss, top-1..top-5 hits, target count."""
+    """Running sums for one logging window: per head loss (the one trained: with a teacher term, its mix with the
+    label's CE), top-1..top-5 hits, target count."""
 
     num_heads: int
     loss_sum: list = field(default_factory=list)
@@ -240,7 +241,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
                     logits, hidden, mask, k, lm_head_weight, token_map, logit_scaling)
             total = total + weights[k] * loss
         else:
-            ce = logits.sum() * 0.0  # nothing learnable here; keeps the graph connected
+            ce = loss = logits.sum() * 0.0  # nothing learnable here; keeps the graph connected
             total = total + ce
         if metrics is not None and n:
             with torch.no_grad():
@@ -248,7 +249,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
                 eq = (top == local.unsqueeze(-1)) & valid.unsqueeze(-1)
                 cum = eq.cumsum(-1).clamp(max=1).sum(0).tolist()
                 cum += [cum[-1]] * (TOPK - len(cum))
-                metrics.add(k, float(ce), [int(c) for c in cum], n)
+                metrics.add(k, float(loss), [int(c) for c in cum], n)
     return total
 
 

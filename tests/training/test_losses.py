@@ -180,3 +180,21 @@ def test_feature_noise_only_while_training_and_never_on_the_teacher(monkeypatch)
     heads_loss(heads, hidden, labels, DOCS, [0.8, 0.64], None, teacher_weight=0.5,
                lm_head_weight=torch.randn(10, 8), feature_noise=0.5)
     assert seen and all(h is hidden for h in seen)
+
+
+def test_the_logged_head_loss_is_the_one_trained():
+    """Guards against ``head{k}/loss`` logging the label's CE while a teacher term (``heads.teacher_weight``) is
+    what trains the heads: with teacher_weight=1 the curve showed a loss nothing minimised, and its fall or rise
+    said nothing of training."""
+    heads = _heads()
+    hidden = torch.randn(1, 11, 8)
+    labels = torch.tensor([[I, I, 2, 3, 4, 5, I, 7, 8, I, I]])
+    lm_head = torch.randn(10, 8)
+    logged = {}
+    for w in (0.0, 1.0):
+        metrics = HeadMetrics(2)
+        total = heads_loss(heads, hidden, labels, DOCS, [1.0, 0.0], None, metrics, teacher_weight=w,
+                           lm_head_weight=lm_head)
+        logged[w] = metrics.summary()["head1/loss"]
+        assert logged[w] == pytest.approx(float(total), rel=1e-6)   # head 2 weighs 0: the total is head 1's
+    assert logged[0.0] != pytest.approx(logged[1.0])
