@@ -53,7 +53,13 @@ other than the target's) and, with a backbone, a target it was not made for. The
 drafter computes are read into its ``draft_layer`` (``heads/eagle3.py`` ``ENGINE_FLAGS``): ``norm_before_residual``,
 ``norm_output`` (EAGLE-3.1), ``logit_scale``, ``norm_before_fc`` (``input_norm.weight`` [3H]) and ``fc_norm``
 (``fc_norm.{i}.weight`` [H]); an export writes them back (SGLang, read at the commit above, computes none of them:
-the export says so). vLLM's ``llama_eagle3.py`` (after vllm-project/vllm#38111, #42143 and #42764, read through the
+the export says so). ``norm_output`` is read as vLLM reads it (``llama_eagle3.py`` LlamaModel.forward: the post-norm
+state fed back, lm_head on the post-norm state either way; absent = false), also for SpecForge's dirs, although
+SpecForge (sgl-project/SpecForge ``specforge/modeling/draft/llama3_eagle.py`` compute_logits, ``algorithms/eagle3/
+model.py`` TTT loop, HEAD a6b6b0230009d15ec2a97a57384e6f53f0f96946) trains the key as "norm before lm_head" (default
+true) and always feeds the pre-norm state back: its EAGLE-3.1 configs' ``"norm_output": true`` is served by vLLM
+with post-norm feedback, so we draft that, not what SpecForge trained (the two agree at the first depth only).
+vLLM's ``llama_eagle3.py`` (after vllm-project/vllm#38111, #42143 and #42764, read through the
 stored index) reads ``norm_before_fc`` from ``eagle_config`` first, then the top level (NVIDIA's checkpoints put it
 there), and ``fc_norm`` from the top level; speculators' converter reads either from either place. Here either
 place sets them; the two saying different things is refused in one line. A set flag whose weights the checkpoint

@@ -27,7 +27,10 @@ This importer builds the same config, renames ``layers.0.`` to the ``midlayer.``
 (``eagle3.py``), and leaves the rest to it: the aux ids (none named: the target's default layers, with the
 backbone, as for any EAGLE-3 dir), its refusals in one line, the flags it computes (``norm_before_residual``,
 ``norm_output``, ``logit_scale``, ``norm_before_fc`` with ``input_norm.weight``, ``fc_norm`` with
-``fc_norm.{i}.weight``; its trainer now defaults eagle3 to ``norm_before_fc`` and ``norm_output``),
+``fc_norm.{i}.weight``; its trainer now defaults eagle3 to ``norm_before_fc`` and ``norm_output``; top-level
+``norm_output`` means what speculators' ``Eagle3DraftModel`` trains (core.py: norm(r') fed to the next TTT step, lm_head
+on norm(r') either way) and vLLM serves (``update_eagle3`` copies it, absent = false; ``llama_eagle3.py`` feeds the
+post-norm state back), not SpecForge's norm-before-lm_head reading: ``heads/eagle3.py``),
 ``tie_word_embeddings`` with an own ``lm_head``, ``embed_tokens`` ignored. The base model is
 ``speculators_config.verifier.name_or_path``.
 

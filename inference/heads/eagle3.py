@@ -12,7 +12,12 @@ The drafter (arXiv 2503.01840; the math vLLM's and SGLang's ``llama_eagle3.py`` 
 Five config flags vLLM honours change that math; imported drafters may carry them (``ENGINE_FLAGS``,
 optional keys of ``draft_layer``, absent = the defaults above; our trainer sets none):
   norm_before_residual  r = hidden_norm(g) + o_proj(...)   (vLLM's ``_norm_before_residual``)
-  norm_output           norm(r') is fed back instead of r'  (EAGLE-3.1: the next depth reads the post-norm state)
+  norm_output           norm(r') is fed back instead of r'  (EAGLE-3.1: the next depth reads the post-norm state;
+                        lm_head reads norm(r') either way: vLLM's llama_eagle3.py LlamaModel.forward returns
+                        (norm(r'), norm(r') if norm_output else r'), the proposer computes logits from the first and
+                        feeds the second back; speculators' Eagle3DraftModel trains it so. SpecForge's llama3_eagle.py
+                        reads the same key otherwise: norm before lm_head (default true), r' always fed back, so its
+                        EAGLE-3.1 configs' "norm_output": true is served, by vLLM and here, as post-norm feedback)
   logit_scale           lm_head(out) * logit_scale           (vLLM's ``LogitsProcessor(scale=logit_scale)``)
   norm_before_fc        g = fc(input_norm([a^low; a^mid; a^high]))    one RMSNorm over the 3H concat (gpt-oss style;
                         ``input_norm.weight`` [3H])
@@ -251,7 +256,8 @@ class DraftAttention(nn.Module):
 
     def __init__(self, hidden: int, layer: dict):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
+        self.heads, self.kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
+        self.head_dim = layer["head_dim"]
         self.q_proj = nn.Linear(2 * hidden, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
@@ -508,6 +514,8 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
         r = residual + attn_out
         r = r + layer.mlp(layer.post_attention_layernorm(r))
         normed = self.norm(r)
+        # As vLLM's llama_eagle3.py LlamaModel.forward: `aux_output = hidden_states if self.norm_output else
+        # hidden_prenorm`; the flag never moves the norm off lm_head's input (not SpecForge's meaning: module docstring)
         return normed, (normed if self.norm_output else r)
 
     def forward_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
