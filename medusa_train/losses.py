@@ -135,6 +135,9 @@ class HeadMetrics:
     hits: list = field(default_factory=list)
     count: list = field(default_factory=list)
     batches: int = 0
+    # chain_tau: positions where heads 1..k were all right (top-1), of the positions head 1 has a target
+    chain: list = field(default_factory=list)
+    roots: int = 0
 
     def __post_init__(self):
         self.reset()
@@ -143,7 +146,8 @@ class HeadMetrics:
         self.loss_sum = [0.0] * self.num_heads
         self.hits = [[0] * TOPK for _ in range(self.num_heads)]
         self.count = [0] * self.num_heads
-        self.batches = 0
+        self.chain = [0] * self.num_heads
+        self.batches = self.roots = 0
 
     def add(self, k: int, loss: float, hits_topk: list[int], n: int):
         self.loss_sum[k] += loss
@@ -162,13 +166,27 @@ class HeadMetrics:
                 out[f"head{k + 1}/top{j + 1}"] = self.hits[k][j] / n
             top1.append(self.hits[k][0] / n)
         out["sim_tau"] = simulated_tau(top1)
+        if self.roots:
+            out["chain_tau"] = 1 + sum(self.chain) / self.roots
         return out
+
+    def add_chain(self, right: list[torch.Tensor], roots: int) -> None:
+        """Per head (in order), a [B, T] mask of the positions where its top-1 was right (False where it had no
+        target), and how many positions head 1 has a target at: adds the positions whose heads 1..k were all
+        right, for ``chain_tau``."""
+        alive = None
+        self.roots += roots
+        for k, r in enumerate(right):
+            alive = r if alive is None else alive & r
+            self.chain[k] += int(alive.sum())
 
 
 def simulated_tau(top1: list[float]) -> float:
     """Expected accepted tokens per step of a top-1 chain: 1 + sum_k prod_{j<=k} acc_j.
 
-    Assumes head k is right independently of heads < k (what SpecForge / ModelOpt log).
+    Assumes head k is right independently of heads < k (what SpecForge / ModelOpt log). ``chain_tau`` counts
+    the heads right in a row at each position instead (what a top-1 chain accepts there, teacher-forced, as
+    speculators logs its conditional accuracy): the heads' errors are correlated, so the two differ.
     """
     tau, p = 1.0, 1.0
     for a in top1:
@@ -222,6 +240,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
     elif inputs.path_tokens:
         feats = heads.teacher_forced_features(head_in, future_tokens(input_ids, len(weights)))
     token_map = getattr(heads, "token_map", None)
+    right, roots = [], 0   # per head, where its top-1 was right: for the metrics' chain_tau
     for k in range(len(weights)):
         tgt = head_targets(labels, doc_ids, k + 1)
         mask = tgt != IGNORE
@@ -243,13 +262,20 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
         else:
             ce = loss = logits.sum() * 0.0  # nothing learnable here; keeps the graph connected
             total = total + ce
-        if metrics is not None and n:
-            with torch.no_grad():
-                top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices
-                eq = (top == local.unsqueeze(-1)) & valid.unsqueeze(-1)
-                cum = eq.cumsum(-1).clamp(max=1).sum(0).tolist()
-                cum += [cum[-1]] * (TOPK - len(cum))
-                metrics.add(k, float(loss), [int(c) for c in cum], n)
+        if metrics is not None:
+            hit = torch.zeros_like(mask)   # where this head's top-1 was right
+            if n:
+                with torch.no_grad():
+                    top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices
+                    eq = (top == local.unsqueeze(-1)) & valid.unsqueeze(-1)
+                    cum = eq.cumsum(-1).clamp(max=1).sum(0).tolist()
+                    cum += [cum[-1]] * (TOPK - len(cum))
+                    metrics.add(k, float(loss), [int(c) for c in cum], n)
+                    hit[mask] = eq[:, 0]
+            right.append(hit)
+            roots = roots if k else n
+    if metrics is not None:
+        metrics.add_chain(right, roots)
     return total
 
 

@@ -508,6 +508,8 @@ def format_accuracy_table(summary: dict, num_heads: int) -> str:
         accs = "  ".join(f"{summary[f'head{k}/top{j}']:.3f}" for j in range(1, 6))
         lines.append(f"{k:>4}  {accs}  {summary[f'head{k}/loss']:.3f}")
     lines.append(f"simulated chain tau (1 + sum of products of top-1): {summary['sim_tau']:.3f}")
+    if "chain_tau" in summary:   # what a top-1 chain accepts, position by position (the heads' errors correlate)
+        lines.append(f"chain tau (1 + top-1 heads right in a row, per position): {summary['chain_tau']:.3f}")
     return "\n".join(lines)
 
 

@@ -198,3 +198,29 @@ def test_the_logged_head_loss_is_the_one_trained():
         logged[w] = metrics.summary()["head1/loss"]
         assert logged[w] == pytest.approx(float(total), rel=1e-6)   # head 2 weighs 0: the total is head 1's
     assert logged[0.0] != pytest.approx(logged[1.0])
+
+
+def test_chain_tau_counts_the_heads_right_in_a_row_at_each_position():
+    """Guards against the only tau the trainer logged assuming every head is right independently of the ones
+    before it (``sim_tau``): heads whose errors fall on the same positions accept less than that product says, and
+    heads right on disjoint positions accept only the first. ``chain_tau`` counts, at each position, how many heads
+    were right in a row from head 1, which is what a top-1 chain accepts there."""
+    heads = _heads()
+    labels = torch.tensor([[I, 1, 2, 3, 4, 5, 6, 7, 8, 9, I]])
+    hidden = torch.randn(1, 11, 8)
+    metrics = HeadMetrics(2)
+    heads_loss(heads, hidden, labels, torch.ones(1, 11, dtype=torch.long), [0.8, 0.64], None, metrics)   # one doc
+    metrics.batches = 1
+    s = metrics.summary()
+    with torch.no_grad():   # the same by hand: head k (0-based) at t is right when its top-1 is labels[t + k + 2]
+        rows = [heads.head_logits(hidden[0], k).argmax(-1) for k in range(2)]
+    right = [[bool(rows[k][t] == labels[0, t + k + 2]) and labels[0, t + k + 2] != I for t in range(11 - k - 2)]
+             for k in range(2)]
+    roots = sum(labels[0, t + 2] != I for t in range(9))
+    chain = sum(right[0]) + sum(right[0][t] and right[1][t] for t in range(len(right[1])))
+    assert s["chain_tau"] == pytest.approx(1 + chain / roots)
+    m = HeadMetrics(2)   # head 1 right at 1 of 2 positions, head 2 at the other one: no chain of two
+    m.add_chain([torch.tensor([True, False]), torch.tensor([False, True])], 2)
+    m.add(0, 0.0, [1] * 5, 2)
+    m.add(1, 0.0, [1] * 5, 2)
+    assert m.summary()["chain_tau"] == pytest.approx(1.5) and m.summary()["sim_tau"] == pytest.approx(1.75)
