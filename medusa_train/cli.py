@@ -6,7 +6,7 @@ Examples::
     medusa-train medusa1_smollm2 heads.num_heads=3 trainer.max_steps=200 output_dir=runs/a
     medusa-train debug_tiny --cfg job                             # print the composed config
     medusa-train debug_tiny -m heads.num_layers=1,2               # Hydra multirun
-    deepspeed --num_gpus 2 -m medusa_train.cli debug_tiny trainer.zero_stage=2   # N processes
+    deepspeed --num_gpus 2 --module medusa_train.cli debug_tiny trainer.zero_stage=2   # N processes
 
 User mistakes (unknown recipe or key, wrong type, missing file, a word that is neither a
 ``key=value`` override nor a supported Hydra flag, a ``data.max_length`` the backbone cannot take
