@@ -423,7 +423,8 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
         raise UserError(f"data source {cfg.data.source!r} gave no conversations to distill ({read_stats.summary()})")
     wall = time.perf_counter() - started
     this_run = {"shards_written": done_here, "shards_found_done": skipped, "world_size": world,
-                "batch_size": g.batch_size, "engine": gen.name, "device": str(device), "generated_tokens": rate["tokens"],
+                "batch_size": g.batch_size, "engine": gen.name, "device": str(device),
+                "generated_tokens": rate["tokens"],
                 "tokens_per_s": round(rate["tokens"] / max(rate["s"], 1e-9), 1), "wall_s": round(wall, 1)}
     print(f"[distill] rank {rank}: {done_here} shard(s) written ({skipped} already done), "
           f"{rate['tokens']} tokens at {this_run['tokens_per_s']} tok/s", flush=True)
@@ -492,7 +493,7 @@ def pick_engine(cfg, out: Path, backbone, device, probe: Generator) -> Generator
     """The engine of this output directory: the one recorded in ``distill.json`` (a resumed run keeps
     it), else ``distill.engine``, else (``auto``) the fastest measured on the run's first prompts,
     then recorded (``probe``, the plain ``generate`` engine, encodes its prompts). With several processes, the first
-    record written wins for every later run."""
+    record written wins for every later run, and for the processes that measured beside it."""
     g = cfg.distill
     make = lambda name: make_engine(name, backbone.model, backbone.tokenizer, cfg, device)  # noqa: E731
     recorded = (read_manifest(out / MANIFEST, out) or {}).get("engine") or {}
@@ -508,9 +509,12 @@ def pick_engine(cfg, out: Path, backbone, device, probe: Generator) -> Generator
             gen, record = choose_engine({name: (lambda n=name: make(n)) for name in ENGINES}, prompts,
                                         min(CALIBRATION_TOKENS, g.max_new_tokens))
     manifest = read_manifest(out / MANIFEST, out) or {}
-    if not (manifest.get("engine") or {}).get("chosen"):
+    chosen = (manifest.get("engine") or {}).get("chosen")
+    if not chosen:
         manifest["engine"] = record
         write_json_atomic(out / MANIFEST, manifest)
+    elif chosen != gen.name:   # another rank measured at the same time and recorded first: its engine writes every
+        gen = make(chosen)     # shard (one engine's samples, the one the manifest names and a resumed run uses)
     return gen
 
 

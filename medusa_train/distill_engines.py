@@ -20,6 +20,7 @@ resumed run continues with the same one and writes the shards the uninterrupted 
 from __future__ import annotations
 
 import copy
+import re
 import time
 from typing import Callable, Optional
 
@@ -52,6 +53,9 @@ class Generator:
             raise UserError("the backbone's tokenizer and config name no end-of-sequence token; cannot end a reply")
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
         self.max_new_tokens = g.max_new_tokens
+        # text a reply is decoded after (``_text``), and what it decodes to alone
+        self.lead = tokenizer("a", add_special_tokens=False)["input_ids"]
+        self.lead_text = tokenizer.decode(self.lead, skip_special_tokens=True)
         sample = g.temperature > 0
         self.temperature, self.top_p = g.temperature, g.top_p
         self.config = GenerationConfig(
@@ -88,7 +92,40 @@ class Generator:
         return (row[:ends[0]], True) if ends else (row, False)
 
     def decode(self, tokens: list[int]) -> str:
+        """The reply's text; a character cut at its end (max_new_tokens) reads as one U+FFFD, which
+        ``Replay.accept`` drops. Byte-level BPE decodes the cut bytes so; a byte-fallback tokenizer (Llama 2, Mistral,
+        Gemma) turns every byte of the group of ``<0xNN>`` tokens holding them into a U+FFFD, the complete characters
+        before them in the group too: those are decoded without the cut bytes."""
+        text = self._text(tokens)
+        cut = self._cut_bytes(tokens)
+        if cut and text.endswith("\ufffd"):
+            text = self._text(tokens[:-cut]) + "\ufffd"
+        return text
+
+    def _text(self, tokens: list[int]) -> str:
+        """The text ``tokens`` add after the prompt. Decoded alone, a SentencePiece decoder (Llama 2, Mistral) strips
+        the space their first token (``▁Hello``) starts with, one the backbone wrote (Mistral's ``[/INST]`` is
+        followed by it): without it, the reply trains and prompts the next turn as other tokens than were generated."""
+        text = self.tokenizer.decode(self.lead + tokens, skip_special_tokens=True)
+        if self.lead_text and text.startswith(self.lead_text):
+            return text[len(self.lead_text):]
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _cut_bytes(self, tokens: list[int]) -> int:
+        """How many byte-fallback tokens (``<0xF0>``) end ``tokens`` with the first bytes of a character (0: none)."""
+        tail = []
+        for piece in reversed(self.tokenizer.convert_ids_to_tokens(tokens[-3:])):   # a cut character: <= 3 bytes
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece or "")
+            if byte is None:
+                break
+            tail.insert(0, int(byte.group(1), 16))
+        for n in range(1, len(tail) + 1):
+            lead = tail[-n]
+            if lead & 0xC0 == 0x80:   # a continuation byte: its lead is further back
+                continue
+            size = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4 if lead & 0xF8 == 0xF0 else 1
+            return n if n < size else 0
+        return 0
 
 
 class RuntimeGenerator(Generator):

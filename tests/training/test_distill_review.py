@@ -1,0 +1,108 @@
+"""Self-distillation, reviewed: what the engines write is the backbone's reply, with tokenizers other than the tiny
+byte-level one (byte fallback), and one engine per output directory when launch ranks measure at once."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from medusa_train import distill
+from medusa_train.distill_engines import Generator
+
+from test_distill import DISTILL, records, varied_backbone  # noqa: F401  (a fixture)
+
+
+def byte_fallback_tokenizer():
+    """A Llama-2 / Mistral / Gemma-like tokenizer: a few characters of its own, every other byte as a ``<0xNN>`` token
+    (byte fallback), ChatML specials at the byte tokenizer's ids, so the tiny random backbone can run with it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from medusa_train.backbone import CHATML_TEMPLATE
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {s: 256 + i for i, s in enumerate(specials)}
+    for ch in "HSabehiy \n":
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def test_a_reply_cut_inside_a_character_by_a_byte_fallback_tokenizer_keeps_no_replacement_character(
+        compose_tiny, varied_backbone):  # noqa: F811
+    """Guards against: a reply cut at max_new_tokens inside a character that a byte-fallback tokenizer (Llama 2,
+    Mistral, Gemma) spells as ``<0xNN>`` tokens keeping U+FFFDs: that decoder turns each byte of a group of byte
+    tokens holding an unfinished character into a U+FFFD (the complete characters before it in the group too), where
+    byte-level BPE gives one, the only one ``Replay.accept`` drops; training then learns replacement characters."""
+    tok = byte_fallback_tokenizer()
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0")
+    gen = Generator(varied_backbone.model, tok, cfg, torch.device("cpu"))
+    full = tok("Hi \u00e9\U0001F600", add_special_tokens=False)["input_ids"]
+    assert tok.decode(full) == "Hi \u00e9\U0001F600" and tok.convert_ids_to_tokens(full[-4:])[0] == "<0xF0>"
+    cut = {n: full[:-n] for n in (1, 2, 3)}   # 3, 2 and 1 of the emoji's 4 bytes generated
+    source = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    for n, tokens in cut.items():
+        gen.generate = lambda prompts, max_new_tokens=None, t=tokens: [(t, False) for _ in prompts]
+        (row,) = distill.distill_shard(gen, [(0, source)], cfg).records
+        assert row["messages"][-1] == {"role": "assistant", "content": "Hi \u00e9", "unfinished": True}, n
+    # a finished reply is kept as decoded
+    gen.generate = lambda prompts, max_new_tokens=None: [(full, True) for _ in prompts]
+    (row,) = distill.distill_shard(gen, [(0, source)], cfg).records
+    assert row["messages"][-1] == {"role": "assistant", "content": "Hi \u00e9\U0001F600"}
+
+
+def test_a_process_writes_with_the_engine_another_process_recorded_while_it_measured(compose_tiny, out_dir,
+                                                                                     monkeypatch):
+    """Guards against: launch ranks that measure the engines at once (distill.engine=auto) each keeping its own
+    fastest, though the first to finish recorded its choice in distill.json for all: the dataset mixes two engines'
+    samples, the manifest names one engine for all of them, and a resumed shard is sampled by another engine than
+    the one the uninterrupted run wrote it with."""
+    cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=4",
+                       "distill.temperature=0.7")
+
+    def other_rank_recorded_first(engines, prompts, max_new_tokens, log=print):
+        # while this process measured (and found lookup fastest), rank 0 finished and recorded runtime
+        manifest = json.loads((out_dir / distill.MANIFEST).read_text())
+        distill.write_json_atomic(out_dir / distill.MANIFEST, {**manifest, "engine": {"chosen": "runtime"}})
+        return engines["lookup"](), {"chosen": "lookup", "calibration": None}
+
+    monkeypatch.setattr(distill, "choose_engine", other_rank_recorded_first)
+    manifest = distill.run(cfg)
+    assert manifest["engine"]["chosen"] == "runtime" and manifest["last_run"]["engine"] == "runtime"
+    assert len(records(out_dir)) == 4
+
+
+MISTRAL_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] "
+                    "+ ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_reply_keeps_the_space_its_first_token_starts_with(compose_tiny, varied_backbone):  # noqa: F811
+    """Guards against: a SentencePiece tokenizer's decoder (Llama 2, Mistral: it strips one leading space of what it
+    decodes) dropping the space that the reply's first token (``▁Hello``, a lone ``▁``) starts with, so a reply the
+    backbone wrote after Mistral's ``[/INST]`` as `` Hello`` is written, trained on and put in the next turn's prompt
+    as ``[/INST]Hello``: other tokens than the backbone generated. The reply must be the text its tokens add to the
+    prompt."""
+    from transformers import LlamaTokenizer
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"<unk>": 256, "<s>": 257, "</s>": 258}
+    for piece in ["\u2581Hello", "\u2581there", "\u2581", *"[]/INSTayhi"]:
+        vocab[piece] = len(vocab)
+    tok = LlamaTokenizer(vocab=vocab, merges=[])
+    tok.chat_template = MISTRAL_TEMPLATE
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0")
+    gen = Generator(varied_backbone.model, tok, cfg, torch.device("cpu"))
+    source = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    prompt = gen.encode(source[:1])
+    emoji = list("\U0001F600".encode())
+    for new, want in [([vocab["\u2581Hello"], vocab["\u2581there"]], " Hello there"),
+                      ([vocab["\u2581"], *emoji], " \U0001F600"), ([*emoji, vocab["\u2581there"]], "\U0001F600 there")]:
+        assert tok.decode(prompt + new)[len(tok.decode(prompt)):] == want   # the text the tokens add to the prompt
+        gen.generate = lambda prompts, max_new_tokens=None, t=new: [(t, True) for _ in prompts]
+        (row,) = distill.distill_shard(gen, [(0, source)], cfg).records
+        assert row["messages"][-1] == {"role": "assistant", "content": want}, new
