@@ -88,7 +88,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         if msg["role"] != "assistant" or not any(m["role"] == "user" for m in messages[:i]):
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: i + 1])
+        upto = _without_closing_eos(tokenizer, messages[:i], before, _render(tokenizer, messages[: i + 1]), text)
         if _dressed_last_cut(text, before, msg, i == len(messages) - 1, cursor):
             # the backbone wrote these words right after the generation prompt (self-distillation): the template's
             # dress (Qwen3: an empty think block before a reply cut inside its reasoning) was never in its context
@@ -97,8 +97,12 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             if end > len(before):
                 spans.append((len(before), end))
             break
-        if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
+        stable = upto.startswith(before) and len(before) >= cursor
+        swapped = _swapped_end(text, upto, tokenizer) if stable and not text.startswith(upto) else None
+        if stable and text.startswith(upto):
             start, end = len(before), len(upto)
+        elif swapped is not None:
+            start, end = len(before), swapped
         else:  # not prefix-stable: find the reply text itself, after the turn it answers
             found = _locate_reply(text, tokenizer, msg["content"], _past_prompt(text, messages[i - 1], cursor),
                                   cursor)
@@ -120,23 +124,48 @@ def _dressed_last_cut(text: str, before: str, msg: dict, last: bool, cursor: int
     """Whether ``msg`` is a last reply cut at a length limit that the template renders other than as its words
     right after the generation prompt ``before``, with the earlier replies' spans (up to ``cursor``) inside
     ``before``."""
-    return (last and msg.get(UNFINISHED) is True and text.startswith(before) and len(before) >= cursor
+    # ``before`` need only agree with ``text`` up to ``cursor``: DeepSeek-R1's generation prompt ends in "<think>\n",
+    # which its rendering of the reply (reasoning dropped) does not have
+    return (last and msg.get(UNFINISHED) is True and len(before) >= cursor and text[:cursor] == before[:cursor]
             and not text.startswith(before + msg["content"]))
+
+
+def _without_closing_eos(tokenizer, earlier: list[dict], before: str, upto: str, text: str) -> str:
+    """``upto`` (the rendering up to a reply) without the end-of-sequence token a template puts after the last turn
+    only when no generation prompt follows (Phi-3: ``{% else %}{{ eos_token }}``): it is not the reply's. Left on,
+    no reply's ``upto`` but the last was a prefix of the conversation, so each was located by its words and lost
+    its end-of-turn marker ``<|end|>``, and the last one was labelled with the template's newline and that token."""
+    eos = getattr(tokenizer, "eos_token", None)
+    # a reply that ends in eos inside the conversation (Mistral's "</s>") ends there: no need to render again
+    if not eos or not upto.endswith(eos) or (text.startswith(upto) and len(upto) < len(text)):
+        return upto
+    bare = _render(tokenizer, earlier)   # the turns before the reply, closed as a whole conversation
+    return upto[: -len(eos)] if bare.endswith(eos) and not before.startswith(bare) else upto
+
+
+def _swapped_end(text: str, upto: str, tokenizer) -> Optional[int]:
+    """Where a reply ends in ``text`` when the template ends a last reply with the end-of-sequence token and the
+    same reply followed by more turns with another special token (gpt-oss: ``<|return|>``, else ``<|end|>``):
+    ``upto`` but that token is a prefix of ``text``, which has a special token there; else None. Located by its
+    words instead, the reply lost the channel header before them and the end-of-turn marker after them."""
+    eos = getattr(tokenizer, "eos_token", None)
+    if not eos or not upto.endswith(eos) or not text.startswith(upto[: -len(eos)]):
+        return None
+    at = len(upto) - len(eos)
+    specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+    mark = next((m for m in specials if text.startswith(m, at)), None)
+    return at + len(mark) if mark else None
 
 
 def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: int) -> Optional[tuple[int, int]]:
     """The [start, end) of a reply found by its words in a rendering that is not prefix-stable, or None. The words
-    are tried as written, trimmed (templates that trim), then without a reasoning block (Qwen3-style templates
-    drop ``<think>...</think>`` from earlier replies); first past the turn the reply answers, else past the
-    previous reply (the template rewrote that turn). The span takes the spaces before the words (a SentencePiece
-    token "▁Hello" starts at its space: a span from the "H" would leave the reply's first token unlabelled) and
-    the end-of-sequence marker right after them."""
+    are tried in the forms ``_reply_words`` gives (Qwen3-style templates drop ``<think>...</think>`` from earlier
+    replies); first past the turn the reply answers, else past the previous reply (the template rewrote that
+    turn). The span takes the spaces before the words (a SentencePiece token "▁Hello" starts at its space: a span
+    from the "H" would leave the reply's first token unlabelled) and the end-of-sequence marker right after them."""
     eos = getattr(tokenizer, "eos_token", None)
-    candidates = [content, content.strip()]
-    if "</think>" in content:
-        candidates.append(content.split("</think>")[-1].strip())
     for floor in (past_prompt, cursor):
-        for words in candidates:
+        for words in _reply_words(content):
             start = text.find(words, floor) if words else -1
             if start < 0:
                 continue
@@ -149,10 +178,21 @@ def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: 
     return None
 
 
+def _reply_words(content: str) -> list[str]:
+    """The forms a reply's words take in a rendering: as written, trimmed, and without a reasoning block as the
+    template leaves them (DeepSeek-R1 keeps the newlines after ``</think>``, Qwen3 strips them) then trimmed."""
+    words = [content, content.strip()]
+    if "</think>" in content:
+        after = content.split("</think>")[-1]
+        words += [after, after.strip()]
+    return words
+
+
 def _content_end(text: str, content: str, start: int, end: int) -> int:
     """Where the reply's own words end inside its span [start, end) (the end-of-turn marker after them is not
-    theirs); a template that trims the reply is matched by its trimmed words; ``end`` if neither is there."""
-    for words in (content, content.strip()):
+    theirs), matched in any form ``_reply_words`` gives (a cut reply whose reasoning the template dropped kept its
+    end-of-turn marker); ``end`` if none is there."""
+    for words in _reply_words(content):
         at = text.rfind(words, start, end) if words else -1
         if at >= 0:
             return at + len(words)
