@@ -26,7 +26,7 @@ from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
 from .evaluation.choosing import calibrating
 from .evaluation.evaluate import check_settings
-from .evaluation.prompts import encode_checked, load_prompts, select_prompts
+from .prompts import encode_checked, load_prompts, select_prompts
 from .evaluation.reports import check_report_dir
 from .methods import get, names
 from .methods.choice_file import is_choice_file, read_choice
@@ -131,7 +131,7 @@ def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
 def tokenizer_model(cfg, spec):
     """The backbone the command loads (``backbone_name``) as far as its prompts see it, its tokenizer and config
     alone (no weights): ``encode_chat`` and ``max_positions`` as a loaded model has them, so that the prompt checks
-    made once it has loaded (``encode_prompts``, ``evaluation.prompts.encode_checked``) run before. None where the
+    made once it has loaded (``encode_prompts``, ``prompts.encode_checked``) run before. None where the
     config or tokenizer cannot be read here (the load says why, before the weights); a tokenizer transformers
     cannot build (no tokenizer files: a traceback from the load) is refused in one line."""
     name = backbone_name(cfg, spec)
@@ -167,13 +167,14 @@ def check_prompts_fit(cfg, texts: list[str], spec) -> None:
 
 
 def check_eval_prompts_fit(cfg, prompts: list, calibration: Optional[list], spec) -> None:
-    """The evaluation's own prompt checks (``encode_checked``: each first turn within the backbone's positions with
-    max_new_tokens, each calibration prompt with calibration_tokens; a tokenizer without a chat template) made
-    before the weights load (``tokenizer_model``), where the evaluation makes them only once they have."""
+    """The evaluation's own prompt checks (``encode_checked``: each first turn (second too with turns=both) within the
+    backbone's positions with max_new_tokens, each calibration prompt with calibration_tokens; a tokenizer without a
+    chat template) made before the weights load (``tokenizer_model``), where the evaluation makes them only once they
+    have."""
     model = tokenizer_model(cfg, spec)
     if model is None:
         return
-    encode_checked(model, prompts, cfg.max_new_tokens)
+    encode_checked(model, prompts, cfg.max_new_tokens, getattr(cfg, "turns", "first"))   # second turns too
     if calibration:
         encode_checked(model, calibration, cfg.calibration_tokens)
 

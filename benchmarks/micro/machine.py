@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from benchmarks.options import Parser, nonnegative_int, positive_int
 from benchmarks.timing import plain_loop_vs_generate as compare_plain_loop, verification_step
 from inference.backbone import load_backbone
-from inference.evaluation.prompts import load_prompts
+from inference.prompts import load_prompts
 from inference.runtime.linear_kernels import route_linear_kernels, routing_summary, stock_kernels
 from inference.runtime.model import MedusaModel
 from inference.runtime.race import machine_load

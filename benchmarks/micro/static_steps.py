@@ -25,7 +25,7 @@ import torch
 from benchmarks.gpu_models import eagle3_model
 from benchmarks.options import Parser, positive_int
 from inference.backbone import load_backbone
-from inference.evaluation.prompts import load_prompts
+from inference.prompts import load_prompts
 from inference.heads.registry import init_heads
 from inference.heads.spec import HeadsSpec
 from inference.loading import attach_heads, kernel_plans_path

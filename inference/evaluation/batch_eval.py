@@ -50,7 +50,7 @@ from ..runtime.speculation import tree_label
 from ..runtime.verify import SamplingConfig
 from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
 from .evaluate import check_settings, machine, warm_tokens, warn_mismatches
-from .prompts import Prompt, encode_checked, prompt_record, split_calibration
+from ..prompts import Prompt, encode_checked, prompt_record, split_calibration
 
 PLAIN, HF = "autoregressive", "hf_generate"
 # the baselines a batched evaluation measures; hf_generate_static is not among them: it decodes one prompt per

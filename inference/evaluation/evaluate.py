@@ -65,7 +65,7 @@ from ..runtime.verify import SamplingConfig
 from ..methods import registry
 from ..methods.shape import DEFAULT_BUDGETS, ChoiceContext
 from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
-from .prompts import Prompt, encode_checked, prompt_record, split_calibration
+from ..prompts import Prompt, encode_checked, encode_turn, prompt_record, split_calibration
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
 
@@ -209,16 +209,16 @@ def check_settings(*, max_new_tokens: int, turns: str = "first", calibration_pro
 def decode_interleaved(m: MedusaModel, prompts: list[Prompt], methods: Sequence[str], opts: Mapping[str, Any], *,
                        max_new_tokens: int, sampling: SamplingConfig, turns: str, seed: int,
                        progress: bool) -> list[Sample]:
-    """Every method on every prompt (and second turn with ``turns="both"``, continuing from the plain
-    answer), the methods' order rotated from prompt to prompt (module docstring)."""
+    """Every method on every prompt (and second turn with ``turns="both"``, continuing from the reply the prompt
+    gives, else the plain answer: the same chat for every method), the methods' order rotated from prompt to prompt
+    (module docstring)."""
     samples: list[Sample] = []
     bar = progress_bar(progress, len(prompts) * (2 if turns == "both" else 1), "eval", unit="prompt", leave=True,
                        dynamic_ncols=False)
     for i, p in enumerate(prompts):
-        history: list[dict] = []
-        for turn, text in enumerate(p.turns[: 2 if turns == "both" else 1]):
-            msgs = history + [{"role": "user", "content": text}]
-            ids = m.encode_chat(msgs)
+        answers: list[str] = []
+        for turn in range(min(len(p.turns), 2 if turns == "both" else 1)):
+            ids = encode_turn(m, p, turn, answers)
             sample = Sample(p.id, turn + 1)
             order = list(methods[i % len(methods):]) + list(methods[: i % len(methods)])
             for meth in order:
@@ -227,9 +227,10 @@ def decode_interleaved(m: MedusaModel, prompts: list[Prompt], methods: Sequence[
                 sample.outputs[meth] = g
                 sample.tokens[meth] = list(g.tokens)
             samples.append(sample)
-            ref = sample.tokens.get("autoregressive") or next(iter(sample.tokens.values()))
-            answer = m.tokenizer.decode(ref, skip_special_tokens=True) if m.tokenizer is not None else ""
-            history = msgs + [{"role": "assistant", "content": answer}]
+            # the plain answer (else methods[0]'s: the first of this prompt's rotated order once gave each prompt's
+            # second turn another method's answer), even an empty one, for every method alike
+            ref = sample.tokens["autoregressive" if "autoregressive" in sample.tokens else methods[0]]
+            answers.append(m.tokenizer.decode(ref, skip_special_tokens=True) if m.tokenizer is not None else "")
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -291,7 +292,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
         calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
     held = prompt_record(prompts, calib_src, (settings or {}).get("num_prompts"))
     calib = encode_checked(m, calib_src, calibration_tokens)
-    ids = encode_checked(m, prompts, max_new_tokens)   # every first turn fits before anything is decoded
+    ids = encode_checked(m, prompts, max_new_tokens, turns)   # every turn fits before anything is decoded
     made = choose_all(ChoiceContext(m, calib, calib[:1], calibration_tokens, budgets, log, progress), opts, modes)
     opts.update({meth: c.options for meth, c in made.items()})
     if chosen is not None:

@@ -548,7 +548,7 @@ def test_every_prompt_is_checked_against_the_positions_before_any_is_decoded(mon
 
     from inference.errors import UserError
     from inference.evaluation import batch_eval, evaluate as evaluate_module
-    from inference.evaluation.prompts import Prompt
+    from inference.prompts import Prompt
     from inference.methods import registry
     from inference.runtime.model import MedusaModel
     from runtime_support import tiny_llama

@@ -14,7 +14,7 @@ from inference.errors import UserError
 from inference.evaluation import batch_eval
 from inference.evaluation.batch_eval import evaluate_batched, parse_batch_sizes, stops_paying
 from inference.evaluation.batch_reports import THROUGHPUT_PLOT
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.evaluation.reports import check_report_dir, write_report
 from inference.heads.drafting import IndependentDrafting
 from inference.methods import generate, generate_batch

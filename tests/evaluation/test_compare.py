@@ -13,7 +13,7 @@ import pytest
 
 from inference.errors import UserError
 from inference.evaluation.evaluate import evaluate
-from inference.evaluation.prompts import Prompt, load_prompts
+from inference.prompts import Prompt, load_prompts
 from inference.evaluation.reports import COMPARE_FILES, write_compare, write_report
 from inference.methods import get, names
 from inference.methods.medusa_lookup import MedusaLookupOptions

@@ -12,7 +12,7 @@ import pytest
 from inference.runtime.decode import GenerationOutput
 from inference.errors import UserError
 from inference.evaluation.evaluate import Sample, evaluate, summarize
-from inference.evaluation.prompts import Prompt, load_prompts
+from inference.prompts import Prompt, load_prompts
 from inference.evaluation.reports import check_report_dir, write_report
 from inference.runtime.model import MedusaModel
 from runtime_support import one_thread, random_heads  # noqa: F401  (fixture)

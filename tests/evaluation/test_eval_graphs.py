@@ -9,7 +9,7 @@ from inference.cli import EvalConfig
 from inference.cli_checks import check_decoding_keys
 from inference.errors import UserError
 from inference.evaluation import evaluate as ev
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.runtime.model import MedusaModel
 from inference.runtime.static_steps import StaticSteps
 from runtime_support import one_thread  # noqa: F401 (autouse fixture)

@@ -14,7 +14,7 @@ from inference.errors import UserError
 from inference.evaluation import batch_eval
 from inference.evaluation import evaluate as ev
 from inference.evaluation.evaluate import Sample, evaluate, sample_records, summarize, warn_mismatches
-from inference.evaluation.prompts import Prompt, prompt_record, select_prompts, split_calibration
+from inference.prompts import Prompt, prompt_record, select_prompts, split_calibration
 from inference.evaluation.reports import compare_markdown, markdown, print_per_method
 from inference.methods import registry
 from inference.runtime.decode import GenerationOutput

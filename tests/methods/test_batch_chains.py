@@ -16,7 +16,7 @@ from inference.errors import UserError
 from inference.methods import chain_choice as batch_sizing
 from inference.runtime import sizing as runtime_sizing
 from inference.evaluation.batch_eval import evaluate_batched
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.runtime.race import PLAIN
 from inference.methods import generate, generate_batch
 from inference.runtime.speculation import SpeculationSchedule

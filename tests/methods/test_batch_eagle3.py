@@ -426,7 +426,7 @@ def test_batched_eval_sizes_eagle3_when_its_tree_is_auto(models, prompts, greedy
     everywhere), the calibration prompts not held out, or the sized schedule not being the one the
     batches decode with and the report records."""
     from inference.evaluation import batch_eval
-    from inference.evaluation.prompts import Prompt
+    from inference.prompts import Prompt
     from inference.methods import eagle3_choice
     from inference.runtime.sizing import BatchSizing
 

@@ -207,7 +207,7 @@ def test_batch_sizing_races_the_shapes_with_the_branch_and_the_eval_decodes_them
     batched medusa-eval that refuses choice=auto for it or records another schedule than the
     one its batches decode with, or a choice file that does not give that schedule back."""
     from inference.evaluation import batch_eval
-    from inference.evaluation.prompts import Prompt
+    from inference.prompts import Prompt
     from inference.methods import eagle3_choice as batch_sizing
     from inference.methods.eagle3_choice import measure_eagle3_tau
     from inference.runtime.speculation import tree_label

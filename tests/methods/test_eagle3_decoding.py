@@ -428,7 +428,7 @@ def test_evaluate_records_the_eagle3_choice(monkeypatch, tmp_path):
     report.md's line) or an evaluation that then decodes differently from plain greedy."""
     from medusa_train.backbone import random_backbone
     from inference.evaluation.evaluate import evaluate
-    from inference.evaluation.prompts import Prompt
+    from inference.prompts import Prompt
     from inference.evaluation.reports import markdown
 
     bb = random_backbone({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,

@@ -194,7 +194,7 @@ def test_auto_races_the_hybrid_with_its_branch_and_the_report_shows_it(monkeypat
     the looked-up branch), or a choice the report does not show."""
     from medusa_train.backbone import random_backbone
     from inference.evaluation.evaluate import evaluate
-    from inference.evaluation.prompts import Prompt
+    from inference.prompts import Prompt
     from inference.evaluation.reports import markdown
 
     bb = random_backbone({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,

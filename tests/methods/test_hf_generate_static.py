@@ -11,7 +11,7 @@ from inference.cli import EvalConfig
 from inference.cli_run import eval_methods
 from inference.errors import UserError
 from inference.evaluation.evaluate import evaluate
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.evaluation.reports import compare_markdown, markdown
 from inference.methods import generate, get
 from inference.methods import hf_generate as hf

@@ -14,7 +14,7 @@ from inference.cli import EvalConfig
 from inference.cli_run import eval_methods
 from inference.errors import UserError
 from inference.evaluation.evaluate import evaluate
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.methods import generate, names, stream
 from inference.methods.registry import kv_bytes_per_token, unregister
 from inference.runtime.model import MedusaModel

@@ -13,7 +13,7 @@ import pytest
 from inference.cli_keys import EvalKeys, keys_help, schema
 from inference.cli_support import parse_overrides
 from inference.evaluation.batch_eval import evaluate_batched
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.methods import generate, generate_batch
 from inference.methods import chain_choice
 from inference.methods.chain_choice import ChainShape

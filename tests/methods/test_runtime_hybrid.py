@@ -16,7 +16,7 @@ from inference.methods.medusa import TreeDecoder
 from inference.methods import generate
 from inference.errors import UserError
 from inference.evaluation.evaluate import evaluate
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.methods import get, names
 from inference.methods.registry import kv_bytes_per_token
 from inference.heads.registry import init_heads

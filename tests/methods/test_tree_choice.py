@@ -14,7 +14,7 @@ import torch
 from inference.methods import medusa_choice as tc
 from inference.runtime import race
 from inference.evaluation.evaluate import evaluate
-from inference.evaluation.prompts import Prompt
+from inference.prompts import Prompt
 from inference.evaluation.reports import markdown, write_report
 from inference.runtime.model import MedusaModel
 from runtime_support import one_thread, random_heads  # noqa: F401  (fixture)

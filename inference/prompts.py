@@ -1,18 +1,18 @@
-"""Prompt sets for evaluation: MT-Bench, the bundled code / structured-output set, or a JSONL file."""
+"""Prompt sets for medusa-eval and medusa-generate: MT-Bench, the bundled code prompts, or a JSONL file."""
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .. import assets
-from ..errors import UserError
-from ..runtime.decode import check_budget
+from . import assets
+from .errors import UserError
+from .runtime.decode import check_budget
 
-CODE_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "code_prompts.jsonl"
+CODE_PROMPTS = Path(__file__).resolve().parent / "data" / "code_prompts.jsonl"
 PROMPT_SETS = {"code": CODE_PROMPTS, "embedded:code": CODE_PROMPTS}
 
 
@@ -21,14 +21,40 @@ class Prompt:
     id: str
     turns: list[str]
     category: str = ""
+    system: str = ""   # the record's system message ("": none), given to the chat template with every turn
+    replies: list = field(default_factory=list)   # the assistant reply the record gives after turn k (None: none)
 
 
-def encode_checked(m, prompts: list[Prompt], max_new_tokens: int) -> list[list[int]]:
+def turn_messages(p: Prompt, turn: int, answers: list[str]) -> list[dict]:
+    """The chat of ``p``'s turn ``turn`` (0-based): each earlier user turn followed by the reply the record gives
+    after it, else ``answers[k]`` (what the evaluation decoded for it), then the turn's own question."""
+    msgs: list[dict] = []
+    for k in range(turn):
+        given = p.replies[k] if k < len(p.replies) else None
+        msgs += [{"role": "user", "content": p.turns[k]}, {"role": "assistant", "content": given
+                                                           if given is not None else answers[k]}]
+    return msgs + [{"role": "user", "content": p.turns[turn]}]
+
+
+def encode_turn(m, p: Prompt, turn: int = 0, answers: Optional[list[str]] = None) -> list[int]:
+    """``turn_messages`` encoded for ``m``, with the record's system message (a ``system`` field or message was
+    once dropped: the prompt was decoded without it)."""
+    return m.encode_chat(turn_messages(p, turn, answers or []), system=p.system or None)
+
+
+def encode_checked(m, prompts: list[Prompt], max_new_tokens: int, turns: str = "first") -> list[list[int]]:
     """The first turns of ``prompts`` encoded for ``m``, every one checked to fit the backbone's positions with
-    ``max_new_tokens`` before any is decoded (an evaluation refused mid-run has wasted what it decoded)."""
-    ids = [m.encode_chat(p.turns[0]) for p in prompts]
+    ``max_new_tokens`` before any is decoded (an evaluation refused mid-run has wasted what it decoded); with
+    ``turns="both"`` the second turns too, the first answer (not decoded yet) counted at its longest,
+    ``max_new_tokens`` (a long second turn was refused only once every first turn had been decoded)."""
+    ids = [encode_turn(m, p) for p in prompts]
     for p, row in zip(prompts, ids):
         check_budget(m, len(row), max_new_tokens, what=f"prompt {p.id!r}")
+    for p in (x for x in prompts if turns == "both" and len(x.turns) > 1):
+        given = bool(p.replies) and p.replies[0] is not None   # the record's own reply: its length is known
+        n = len(encode_turn(m, p, 1, [""])) + (0 if given else max_new_tokens)
+        check_budget(m, n, max_new_tokens, what=f"turn 2 of prompt {p.id!r}" + ("" if given else
+                                                                                 " with a max_new_tokens answer"))
     return ids
 
 
@@ -37,7 +63,9 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
     JSONL file of prompts.
 
     A JSONL line may be ``{"prompt": str}``, ``{"text": str}``, ``{"turns": [str, ...]}``
-    (MT-Bench's form) or ``{"messages": [{"role": "user", "content": str}, ...]}``.
+    (MT-Bench's form) or ``{"messages": [{"role": "user", "content": str}, ...]}``; a ``system`` field (or a
+    system message) is given to the chat template, and an assistant message after a user turn is that turn's
+    reply in the next turn's chat (``turn_messages``).
     """
     if source in ("embedded:mtbench", "mtbench"):
         path = assets.mtbench_questions_path()
@@ -67,8 +95,12 @@ def _prompt(line: str, source: str, n: int) -> Prompt:
     turns = _turns(rec)
     if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
         raise UserError(f"{source}:{n} has an empty or missing prompt")
-    pid = str(rec.get("question_id", rec.get("id", n))) if isinstance(rec, dict) else str(n)
-    return Prompt(pid, turns, rec.get("category", "") if isinstance(rec, dict) else "")
+    if not isinstance(rec, dict):
+        return Prompt(str(n), turns)
+    system, replies = _context(rec)
+    if not isinstance(system, str) or any(r is not None and not isinstance(r, str) for r in replies):
+        raise UserError(f"{source}:{n} has a system message or reply that is not text")
+    return Prompt(str(rec.get("question_id", rec.get("id", n))), turns, rec.get("category", ""), system, replies)
 
 
 def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[list[Prompt], list[Prompt]]:
@@ -124,3 +156,22 @@ def _turns(rec) -> list:
     if isinstance(rec.get("messages"), list):
         return [m.get("content") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"]
     return []
+
+
+def _context(rec: dict) -> tuple:
+    """(the system message, the reply given after each user turn: None where none is) of a record whose turns
+    ``_turns`` read: a ``system`` field, or the system / assistant messages of a ``messages`` record that ``_turns``
+    reads (both were once dropped: the turns were encoded without the system message, the model's own answer
+    standing in for the reply the record gives)."""
+    system, replies = rec.get("system") if rec.get("system") is not None else "", []
+    if isinstance(rec.get("turns"), list) or any(isinstance(rec.get(k), str) for k in ("prompt", "text", "question")):
+        return system, replies
+    for msg in rec.get("messages") or []:
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role == "system" and not system:
+            system = msg.get("content")
+        elif role == "user":
+            replies.append(None)
+        elif role == "assistant" and replies and replies[-1] is None:
+            replies[-1] = msg.get("content")
+    return system, replies

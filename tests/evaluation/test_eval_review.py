@@ -1,0 +1,102 @@
+"""Evaluation review: what each prompt's turns are encoded from (a record's system message and given replies, the
+second turn's history, its fit within the positions), at unit level with a recording model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from inference.errors import UserError
+from inference.evaluation import evaluate as evaluation
+from inference.prompts import Prompt, encode_checked, load_prompts
+from inference.runtime.decode import GenerationOutput
+from inference.runtime.verify import SamplingConfig
+
+
+class Recorder:
+    """encode_chat's calls recorded (the chat, the system message); one token per word of the chat."""
+
+    def __init__(self, max_positions=None):
+        self.calls, self.max_positions, self.config, self.static = [], max_positions, None, None
+        self.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+
+    def encode_chat(self, prompt, system=None):
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        self.calls.append((msgs, system))
+        return [1] * sum(len(x["content"].split()) + 1 for x in msgs)
+
+
+@dataclass
+class NoOptions:
+    pass
+
+
+def _decode(m, prompts, methods, monkeypatch, turns="both"):
+    """decode_interleaved with each method emitting one token of its own (its index + 1)."""
+    def fake(m, ids, meth, **kw):
+        return GenerationOutput(tokens=[methods.index(meth) + 1], prompt_tokens=len(ids), finish_reason="length")
+
+    monkeypatch.setattr(evaluation.registry, "generate", fake)
+    return evaluation.decode_interleaved(m, prompts, methods, {x: None for x in methods}, max_new_tokens=4,
+                                         sampling=SamplingConfig(), turns=turns, seed=0, progress=False)
+
+
+def test_a_system_field_or_message_reaches_the_chat_template(tmp_path):
+    """Guards against: a prompts file's ``system`` field, or a ``messages`` record's system message, silently
+    dropped: every prompt encoded (and decoded, calibrated on) without the system message the user gave."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in [
+        {"system": "Be brief.", "prompt": "hi"},
+        {"messages": [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "hello"}]},
+        {"prompt": "plain"},
+    ]) + "\n")
+    m = Recorder()
+    encode_checked(m, load_prompts(str(f)), 4)
+    assert [(msgs[-1]["content"], system) for msgs, system in m.calls] == [
+        ("hi", "Be brief."), ("hello", "Answer in French."), ("plain", None)]
+
+
+def test_a_reply_the_record_gives_is_the_second_turns_history(tmp_path, monkeypatch):
+    """Guards against: a ``messages`` record's own assistant reply replaced, in the second turn's chat, by the
+    plain answer decoded (the user's conversation was not the one evaluated)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+                                          {"role": "user", "content": "q2"}]}) + "\n")
+    prompts = load_prompts(str(f))
+    assert prompts[0].turns == ["q1", "q2"]
+    m = Recorder()
+    _decode(m, prompts, ["autoregressive"], monkeypatch)
+    assert m.calls[-1][0] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+                              {"role": "user", "content": "q2"}]
+
+
+def test_the_second_turn_continues_from_one_methods_answer_on_every_prompt(monkeypatch):
+    """Guards against: without the autoregressive baseline, each prompt's second turn continuing from the answer of
+    the first method of that prompt's rotated order: methods' second turns measured on chats that change with the
+    rotation (prompt 1 after method a's answer, prompt 2 after b's)."""
+    prompts = [Prompt(str(i), [f"q{i}", "again?"]) for i in range(2)]
+    m = Recorder()
+    _decode(m, prompts, ["a", "b"], monkeypatch)
+    answers = [msgs[1]["content"] for msgs, _ in m.calls if len(msgs) > 1]
+    assert answers == ["1", "1"]   # method a's answer (its token 1) on both prompts
+
+
+def test_a_second_turn_past_the_positions_is_refused_before_anything_is_decoded(monkeypatch):
+    """Guards against: turns=both checking the first turns alone, so a second turn past the backbone's positions
+    was refused only after every first turn had been decoded (the run's work lost)."""
+    prompts = [Prompt("1", ["short question", " ".join(["word"] * 80)])]
+    m = Recorder(max_positions=100)
+    monkeypatch.setattr(evaluation.registry, "check_methods", lambda methods, m: list(methods))
+    monkeypatch.setattr(evaluation.registry, "check_greedy_only", lambda methods, sampling: None)
+    monkeypatch.setattr(evaluation.registry, "get", lambda x: SimpleNamespace(shape=None, prepare=None, options=None))
+    monkeypatch.setattr(evaluation, "method_options", lambda *a: {"autoregressive": NoOptions()})
+    monkeypatch.setattr(evaluation.registry, "generate", lambda *a, **k: pytest.fail("decoded before the refusal"))
+    with pytest.raises(UserError, match="turn 2"):
+        evaluation.evaluate(m, prompts, methods=["autoregressive"], choice="fixed", max_new_tokens=8, turns="both",
+                            progress=False)
+    encode_checked(m, prompts, 8)   # the first turn fits; the second does not, with an 8-token answer before it
+    with pytest.raises(UserError, match="turn 2 of prompt '1' with a max_new_tokens answer"):
+        encode_checked(m, prompts, 8, "both")
