@@ -20,6 +20,7 @@ alternate): ``TemplateRefused`` says so, and every caller drops that one convers
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -98,7 +99,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
                 spans.append((len(before), end))
             break
         stable = upto.startswith(before) and len(before) >= cursor
-        swapped = _swapped_end(text, upto, tokenizer) if stable and not text.startswith(upto) else None
+        swapped = _swapped_end(text, upto, tokenizer, _prompt_tail(tokenizer, messages[:i], before)) \
+            if stable and not text.startswith(upto) else None
         if stable and text.startswith(upto):
             start, end = len(before), len(upto)
         elif swapped is not None:
@@ -121,13 +123,19 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 
 
 def _dressed_last_cut(text: str, before: str, msg: dict, last: bool, cursor: int) -> bool:
-    """Whether ``msg`` is a last reply cut at a length limit that the template renders other than as its words
-    right after the generation prompt ``before``, with the earlier replies' spans (up to ``cursor``) inside
-    ``before``."""
-    # ``before`` need only agree with ``text`` up to ``cursor``: DeepSeek-R1's generation prompt ends in "<think>\n",
-    # which its rendering of the reply (reasoning dropped) does not have
-    return (last and msg.get(UNFINISHED) is True and len(before) >= cursor and text[:cursor] == before[:cursor]
-            and not text.startswith(before + msg["content"]))
+    """Whether ``msg`` is a last reply cut at a length limit that the template dresses in reasoning markup the
+    backbone never wrote there (Qwen3: an empty think block before a reply cut inside its reasoning; DeepSeek-R1:
+    its generation prompt's "<think>\n" dropped from the reply's rendering), with the earlier replies' spans (up to
+    ``cursor``) inside ``before``. What else a template puts there, the backbone writes too (Mistral's space after
+    ``[/INST]``, gpt-oss's channel header): that rendering is kept."""
+    if not (last and msg.get(UNFINISHED) is True and len(before) >= cursor and text[:cursor] == before[:cursor]):
+        return False
+    if text.startswith(before + msg["content"]):
+        return False
+    common = len(os.path.commonprefix([text, before]))
+    at = next((i for w in _reply_words(msg["content"]) if w and (i := text.find(w, common)) >= 0), common)
+    differs = before[common:] + text[common:at]   # the generation prompt's own tail, the template's insert
+    return "<think>" in differs or "</think>" in differs
 
 
 def _without_closing_eos(tokenizer, earlier: list[dict], before: str, upto: str, text: str) -> str:
@@ -143,18 +151,25 @@ def _without_closing_eos(tokenizer, earlier: list[dict], before: str, upto: str,
     return upto[: -len(eos)] if bare.endswith(eos) and not before.startswith(bare) else upto
 
 
-def _swapped_end(text: str, upto: str, tokenizer) -> Optional[int]:
+def _prompt_tail(tokenizer, earlier: list[dict], before: str) -> str:
+    """The generation prompt's own text: ``before`` past the rendering of the turns before it."""
+    return before[len(os.path.commonprefix([before, _render(tokenizer, earlier)])):]
+
+
+def _swapped_end(text: str, upto: str, tokenizer, prompt_tail: str) -> Optional[int]:
     """Where a reply ends in ``text`` when the template ends a last reply with the end-of-sequence token and the
     same reply followed by more turns with another special token (gpt-oss: ``<|return|>``, else ``<|end|>``):
-    ``upto`` but that token is a prefix of ``text``, which has a special token there; else None. Located by its
-    words instead, the reply lost the channel header before them and the end-of-turn marker after them."""
+    ``upto`` but that token is a prefix of ``text``, which has a special token there that opens no turn (none of
+    the generation prompt's ``prompt_tail``: a template that puts nothing between turns has the next turn's opener
+    there); else None. Located by its words instead, the reply lost the channel header before them and the
+    end-of-turn marker after them."""
     eos = getattr(tokenizer, "eos_token", None)
     if not eos or not upto.endswith(eos) or not text.startswith(upto[: -len(eos)]):
         return None
     at = len(upto) - len(eos)
     specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
     mark = next((m for m in specials if text.startswith(m, at)), None)
-    return at + len(mark) if mark else None
+    return at + len(mark) if mark and mark not in prompt_tail else None
 
 
 def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: int) -> Optional[tuple[int, int]]:

@@ -155,17 +155,23 @@ CONVERSATIONS = {
 
 def expected_runs(name: str, messages: list[dict]) -> list[str]:
     """Each reply that answers a user turn as the template renders it, a cut one without its end-of-turn marker
-    (the last cut one as written: the backbone's words right after the generation prompt)."""
+    (a last cut one that the template dresses in reasoning markup as written: the backbone's words right after the
+    generation prompt; anything else the template puts before them, Mistral's space or gpt-oss's channel header, the
+    backbone writes too)."""
     reply, end = TEMPLATES[name][4], TEMPLATES[name][5]
     runs = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or not any(x["role"] == "user" for x in messages[:i]):
             continue
         text = reply(messages, i)
-        if m.get("unfinished") and i == len(messages) - 1:
-            text = m["content"]
-        elif m.get("unfinished"):
-            text = text[: -len(end or "<|end|>")].rstrip()
+        if m.get("unfinished"):
+            mark = next(e for e in (end, "<|return|>", "<|end|>") if e and text.endswith(e))
+            text = text[: -len(mark)].rstrip()
+            # reasoning markup the template dresses a cut last reply in (Qwen3's empty think block; DeepSeek-R1's
+            # generation prompt ends in "<think>\n", which its rendering drops): as written
+            dressed = ("<think>" in text and "<think>" not in m["content"]) or name.startswith("deepseek")
+            if i == len(messages) - 1 and dressed:
+                text = m["content"]
         runs.append(text)
     return runs
 
@@ -252,3 +258,19 @@ def test_gpt_oss_earlier_replies_keep_their_channel_and_end():
                                        "<|channel|>final<|message|>a3 answer<|return|>"]
     enc = encode_conversation(tok, _cut(THREE, 2), 4096)
     assert labelled_runs(tok, enc)[0] == "<|channel|>final<|message|>a1 answer"
+
+
+# A template that closes only the last reply with eos and puts nothing between turns (no such model is known; the
+# shape gpt-oss's <|return|> / <|end|> rule must not be mistaken for)
+CLOSES_LAST_ONLY = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                    "{% if loop.last and m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_an_earlier_reply_never_takes_the_next_turns_opener_as_its_end():
+    """Guards against the rule for gpt-oss (an earlier reply ends with another special token where the last one
+    ends with eos) taking any special token at that place: under a template that puts nothing between turns, the
+    earlier reply's span swallowed the next turn's opening <|im_start|>."""
+    tok = real(CLOSES_LAST_ONLY, ["<|endoftext|>"], eos="<|endoftext|>")
+    messages = _conv((U, "Say yes"), (A, "yes sir"), (U, "Again"), (A, "YES"))
+    assert labelled_runs(tok, encode_conversation(tok, messages, 1024)) == ["yes sir", "YES<|endoftext|>"]
