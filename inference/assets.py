@@ -13,12 +13,12 @@ runtime never imports the trainer.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -141,19 +141,27 @@ def resolve_backbone_path(name_or_path: str, gguf_file: str | None = None) -> tu
 
 
 # A proxy reaches the hub where a direct connection may not: with one set, the hub client is left to find out.
-PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+HUB_PROBE_TTL_S = 60.0   # a network that comes back (a notebook, a service) is seen again after this
+_hub_probe: dict = {}    # (endpoint, when) -> answer of the last probe
 
 
-@functools.lru_cache(maxsize=1)
 def hub_unreachable() -> Optional[str]:
-    """The hub's host name when this machine cannot open a connection to it within 3 s, else None (reachable,
-    ``HF_HUB_OFFLINE`` already set, or a proxy set)."""
+    """The hub's host name when this machine cannot open a connection to it within 3 s (after the name lookup, which
+    the system bounds), else None (reachable, ``HF_HUB_OFFLINE`` already set, or a proxy set). One probe a minute
+    per endpoint: a command asks it for every load."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no") or \
             any(os.environ.get(v) for v in PROXY_VARIABLES):
         return None
     endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    key, now = (endpoint.hostname, port), time.monotonic()
+    if key in _hub_probe and now - _hub_probe[key][0] < HUB_PROBE_TTL_S:
+        return _hub_probe[key][1]
     try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
+        socket.create_connection(key, timeout=3).close()
+        answer = None
     except OSError:
-        return endpoint.hostname
-    return None
+        answer = endpoint.hostname
+    _hub_probe[key] = (now, answer)
+    return answer

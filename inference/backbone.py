@@ -10,7 +10,7 @@ Attention defaults to SDPA: tree verification passes custom 4D masks, which sdpa
 apply and flash-attention kernels ignore.
 
 A hub id on a machine that cannot reach the hub (no network, no DNS: ``assets.hub_unreachable``, one connection tried
-once per process) is read from the local cache alone: the hub client would retry for two minutes, printing a line per
+once a minute) is read from the local cache alone: the hub client would retry for two minutes, printing a line per
 retry, before the same refusal.
 """
 
@@ -200,8 +200,8 @@ def _loading_errors(name_or_path: str, path: Optional[str] = None, config_only: 
         if not local and assets.hub_unreachable():
             raise UserError(f"cannot load backbone {name_or_path!r}: it is not a local model folder, "
                             f"{assets.hub_unreachable()} cannot be reached from this machine, and the hub's cache "
-                            "here does not hold it (give a local model folder, or download the model where the hub "
-                            "is reachable)") from None
+                            "here does not hold it whole (give a local model folder, or download the model where the "
+                            "hub is reachable)") from None
         where = "" if local else " (not a local model folder, and the hub has no such model or cannot be reached)"
         raise UserError(f"cannot load backbone {name_or_path!r}{where}: {_first_line(e)}") from None
     except SafetensorError as e:   # a file the checks before could not open (a hub download cut short)

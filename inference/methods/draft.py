@@ -302,7 +302,9 @@ def _static_like(target: MedusaModel, draft: MedusaModel, key=None) -> MedusaMod
     ``generate``, keeps the same steps (buffer and captures) across calls: the same layers compute the same."""
     if target.static is not None and draft.static is None:
         siblings = target.static.siblings
-        draft.static = siblings.setdefault(key, target.static.sibling(draft)) if key else target.static.sibling(draft)
+        if key and key not in siblings:   # made once: a sibling made and dropped would still be counted until GC
+            siblings[key] = target.static.sibling(draft)
+        draft.static = siblings[key] if key else target.static.sibling(draft)
     return draft
 
 class DraftDecoder:

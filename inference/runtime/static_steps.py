@@ -186,7 +186,7 @@ class StaticSteps:
         self.kept: dict = {}   # buffers a method's captured calls read (a drafter's cache): as long-lived as the calls
         self.siblings: dict = {}   # key -> the static steps of a model decoding beside this one (a self-draft)
         # every draft model's static steps made here, while its model lives: report.json counts their captures too
-        self.drafts = weakref.WeakSet()
+        self.drafts: list = []   # weak references, in the order made
 
     def check_current(self, generation: int) -> None:
         """Refuse a step through a view of an older generation (a newer one took the buffer over)."""
@@ -198,7 +198,7 @@ class StaticSteps:
         """Static steps for another model decoding beside this one (a draft model): the same buckets and
         capture, its own buffer."""
         steps = StaticSteps(other, self.buckets, self.capture, self.fixed_capacity, self.log)
-        self.drafts.add(steps)
+        self.drafts = [r for r in self.drafts if r() is not None] + [weakref.ref(steps)]
         return steps
 
     # -- the buffer ----------------------------------------------------------------------------------
@@ -446,7 +446,7 @@ class StaticSteps:
                 "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
                 "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed,
                 "checked_replays": self.checked, "disagreeing_replays": self.disagreed,
-                "drafter_calls": self.calls.summary(), "draft_models": [s.summary() for s in self.drafts]}
+                "drafter_calls": self.calls.summary(), "draft_models": [s.summary() for r in self.drafts if (s := r()) is not None]}
 
 
 def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,

@@ -333,6 +333,7 @@ def _hub_records(name: str, split: str) -> Iterator[dict]:
     import datasets   # lazy: 1.1 s to import, hub datasets only
 
     host = assets.hub_unreachable()
+    offline = datasets.config.HF_HUB_OFFLINE
     if host:   # its cache alone, at once: the hub client would retry for half a minute, a line per retry
         datasets.config.HF_HUB_OFFLINE = True
     try:
@@ -342,6 +343,8 @@ def _hub_records(name: str, split: str) -> Iterator[dict]:
         why = f"{host} cannot be reached from this machine and the datasets cache here does not hold it" if host \
             else first
         raise UserError(f"cannot open dataset {name!r} (split {split!r}): {why}") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline   # this process's setting, for whatever reads the hub next
     yield from ds
 
 

@@ -26,23 +26,29 @@ def probe(monkeypatch):
         raise OSError("Name or service not known")
 
     monkeypatch.setattr(socket, "create_connection", refuse)
-    assets.hub_unreachable.cache_clear()
+    monkeypatch.setattr(assets, "_hub_probe", {})
     yield tried
-    assets.hub_unreachable.cache_clear()
 
 
 def test_the_hub_is_probed_once_and_not_where_the_user_said_how_to_reach_it(probe, monkeypatch):
     """Guards against a probe that takes longer than the hub client's own failure (no timeout), that runs for every
-    load, or that overrides what the user set: HF_HUB_OFFLINE (the client is offline already), a proxy (a direct
-    connection may fail where the proxy works) and HF_ENDPOINT (a mirror is the host to reach)."""
+    load, that keeps its answer for good (a network back in a notebook), or that overrides what the user set:
+    HF_HUB_OFFLINE (the client is offline already), a proxy (a direct connection may fail where the proxy works) and
+    HF_ENDPOINT (a mirror is the host to reach, on port 80 for plain http)."""
+    clock = [1000.0]
+    monkeypatch.setattr(assets.time, "monotonic", lambda: clock[0])
     assert assets.hub_unreachable() == "huggingface.co" and assets.hub_unreachable() == "huggingface.co"
     assert probe == [(("huggingface.co", 443), 3)]
-    assets.hub_unreachable.cache_clear()
-    monkeypatch.setenv("HF_ENDPOINT", "https://hub.mirror.example:8443")
-    assert assets.hub_unreachable() == "hub.mirror.example" and probe[-1][0] == ("hub.mirror.example", 8443)
-    for var, value in (("HF_HUB_OFFLINE", "1"), ("HTTPS_PROXY", "http://proxy:3128")):
-        assets.hub_unreachable.cache_clear()
+    clock[0] += assets.HUB_PROBE_TTL_S + 1
+    assets.hub_unreachable()
+    assert len(probe) == 2   # asked again once the answer is a minute old
+    for endpoint, host, port in (("https://hub.mirror.example:8443", "hub.mirror.example", 8443),
+                                 ("http://mirror.lan", "mirror.lan", 80)):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        assert assets.hub_unreachable() == host and probe[-1][0] == (host, port)
+    for var, value in (("HF_HUB_OFFLINE", "1"), ("HTTPS_PROXY", "http://proxy:3128"), ("http_proxy", "http://p:1")):
         with monkeypatch.context() as m:
+            m.setattr(assets, "_hub_probe", {})
             m.setenv(var, value)
             count = len(probe)
             assert assets.hub_unreachable() is None and len(probe) == count
@@ -81,8 +87,15 @@ def test_a_hub_dataset_the_hub_cannot_serve_here_is_refused_at_once(probe, monke
 
     from medusa_train.data import readers
 
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)   # restored after
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)   # as on a machine the tests did not set offline
+    seen = []
+
+    def load_dataset(name, **kwargs):
+        seen.append(datasets.config.HF_HUB_OFFLINE)
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     with pytest.raises(UserError, match="'someone/chats' .*huggingface.co cannot be reached from this machine and "
                                         "the datasets cache here does not hold it"):
         next(readers._hub_records("someone/chats", "train"))
-    assert datasets.config.HF_HUB_OFFLINE is True
+    assert seen == [True] and datasets.config.HF_HUB_OFFLINE is False   # the cache alone, then the process's own

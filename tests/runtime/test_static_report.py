@@ -11,11 +11,13 @@ from test_static_steps import REPEATING, replaying
 def test_the_report_counts_a_draft_models_captures():
     """Guards against report.json's ``graphs`` leaving out the draft model's static steps (method ``draft``): its
     own buffer's steps and their capture time and memory were captured beside the target's and reported nowhere,
-    so the record said fewer graphs, less capture time and less graph memory than the run made."""
+    so the record said fewer graphs, less capture time and less graph memory than the run made; and against a
+    self-draft's steps made anew (and dropped) at every generate being listed until garbage collection."""
     model = tiny_llama(vocab=96, seed=0)
     m = wrap(model, random_heads(model, num_heads=3, seed=1))
     m.static = StaticSteps(m, capture=replaying, log=lambda line: None)
-    generate(m, REPEATING, "draft", draft="self:1", k=3, max_new_tokens=20, eos_token_ids=())
+    for _ in range(4):   # one self-draft, rebuilt at every generate, on the same steps
+        generate(m, REPEATING, "draft", draft="self:1", k=3, max_new_tokens=20, eos_token_ids=())
     (draft,) = m.static.summary()["draft_models"]
     assert draft["captures"].get("1") == 1 and draft["capture_s"] > 0 and draft["failed_captures"] == 0
     apply_graphs(m, "uncaptured")                          # on CPU: a static buffer, nothing captured, said so
