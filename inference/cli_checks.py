@@ -174,7 +174,7 @@ def check_eval_prompts_fit(cfg, prompts: list, calibration: Optional[list], spec
     model = tokenizer_model(cfg, spec)
     if model is None:
         return
-    encode_checked(model, prompts, cfg.max_new_tokens, getattr(cfg, "turns", "first"))   # second turns too
+    encode_checked(model, prompts, cfg.max_new_tokens, cfg.turns)
     if calibration:
         encode_checked(model, calibration, cfg.calibration_tokens)
 

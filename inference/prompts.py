@@ -22,7 +22,7 @@ class Prompt:
     turns: list[str]
     category: str = ""
     system: str = ""   # the record's system message ("": none), given to the chat template with every turn
-    replies: list = field(default_factory=list)   # the assistant reply the record gives after turn k (None: none)
+    replies: list[Optional[str]] = field(default_factory=list)   # the assistant reply the record gives after turn k (None: none)
 
 
 def turn_messages(p: Prompt, turn: int, answers: list[str]) -> list[dict]:

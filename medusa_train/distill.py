@@ -493,7 +493,8 @@ def pick_engine(cfg, out: Path, backbone, device, probe: Generator) -> Generator
     """The engine of this output directory: the one recorded in ``distill.json`` (a resumed run keeps
     it), else ``distill.engine``, else (``auto``) the fastest measured on the run's first prompts,
     then recorded (``probe``, the plain ``generate`` engine, encodes its prompts). With several processes, the first
-    record written wins for every later run, and for the processes that measured beside it."""
+    record written wins for every later run, and for a process that measured beside it and read that record
+    before writing its own (two writing at the same instant can still each keep their own: not locked)."""
     g = cfg.distill
     make = lambda name: make_engine(name, backbone.model, backbone.tokenizer, cfg, device)  # noqa: E731
     recorded = (read_manifest(out / MANIFEST, out) or {}).get("engine") or {}

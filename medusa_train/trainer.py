@@ -219,7 +219,8 @@ class MedusaTrainer:
         projection, vocab_n = draft_vocabulary(cfg.heads, hf_cfg.vocab_size)
         token_map = None
         if projection == "truncated":   # stage 2 loads stage 1's heads and their token map: no scan for another
-            token_map = torch.arange(vocab_n) if cfg.lora.enabled and cfg.lora.init_heads else \
+            # a placeholder: lora.JointSource.wrap loads stage 1's heads strictly, their token_map buffer too
+            token_map = torch.arange(vocab_n) if cfg.lora.init_heads else \
                 self._token_map(hf_cfg.vocab_size, vocab_n)
         spec = HeadsSpec(
             num_heads=draft_depth(cfg.heads), num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,

@@ -305,7 +305,7 @@ class StaticSteps:
         self._fill(b, ids, pos, mask, slots, view.length if mask is None else None)
         key = None if tap is None else tuple(tap.ids)
         step = self._step_fn(b, tap)
-        if rows is not None and self.capture is not None and not first and self._rule_is_stepping():
+        if rows is not None and self.capture is not None and not first and self._may_capture():
             with on_device(self.kv.device):
                 outs = self._replayed(b, key, step, batch, n)
         else:
@@ -315,7 +315,7 @@ class StaticSteps:
             return tuple(o.clone() for o in outs)            # a later replay overwrites the fixed outputs
         return tuple(o[:batch, :n].clone() for o in outs)
 
-    def _rule_is_stepping(self) -> bool:
+    def _may_capture(self) -> bool:
         """Whether a graph may be captured or replayed here: prompts never are (module docstring), and on a LongRoPE
         backbone only steps inside ``MedusaModel.stepping``, whose per-position rule a graph freezes (a step
         outside it, a caller timing ``step()`` bare, would capture the prompt rule for every later replay)."""

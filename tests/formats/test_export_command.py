@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -85,8 +86,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_export(fails, heads, tmp
     safetensors reports its I/O errors as SafetensorError, the config's write as OSError. One line naming out=,
     exit 2, the previous export as it was and no temp folder left (exporting straight to format_export's
     ``export_heads`` still raises an OSError)."""
-    import safetensors
-    from pathlib import Path
+    import safetensors   # its save_file is what a full disk fails
 
     out = tmp_path / "v"
     assert run([f"heads={heads}", "format=vllm", f"out={out}"], capsys)[0] == 0
