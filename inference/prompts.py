@@ -39,7 +39,9 @@ def turn_messages(p: Prompt, turn: int, answers: list[str]) -> list[dict]:
 def encode_turn(m, p: Prompt, turn: int = 0, answers: Optional[list[str]] = None) -> list[int]:
     """``turn_messages`` encoded for ``m``, with the record's system message (a ``system`` field or message was
     once dropped: the prompt was decoded without it)."""
-    return m.encode_chat(turn_messages(p, turn, answers or []), system=p.system or None)
+    if p.system:
+        return m.encode_chat(turn_messages(p, turn, answers or []), system=p.system)
+    return m.encode_chat(turn_messages(p, turn, answers or []) if turn else p.turns[0])   # a first turn: its text
 
 
 def encode_checked(m, prompts: list[Prompt], max_new_tokens: int, turns: str = "first") -> list[list[int]]:

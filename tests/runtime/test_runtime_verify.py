@@ -205,12 +205,14 @@ def test_sampled_verification_writes_no_python_scalar_through_an_index():
         def __init__(self):
             super().__init__()
             self.lifted, self.writes = set(), 0
+            self.kept = []   # the lifted tensors kept alive: a freed one's id can be a later tensor's
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = str(func)
             if name.startswith("aten.lift_fresh"):
                 self.lifted.add(id(out))
+                self.kept.append(out)
             elif name.startswith(("aten.index_put", "aten._index_put_impl")):
                 vals = args[2] if len(args) > 2 else (kwargs or {}).get("values")
                 self.writes += id(vals) in self.lifted
