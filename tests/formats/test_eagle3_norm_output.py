@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime_support import one_thread, tiny_llama  # noqa: F401  (one_thread: autouse fixture)
 from test_eagle3_format import HIDDEN, LAYERS, VOCAB, drafter, inputs, load_with, max_diff, write_foreign
+from test_eagle3_rope import our_logits as drafted   # the two depths as decoding runs them
 from test_speculators_import import write_speculators
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*embed_tokens.weight ignored")  # the speculators dirs ship a copy
@@ -68,16 +69,6 @@ def by_hand(d, tokens, aux, positions, nxt, *, feed_back: str):
             return [first, d.lm_head(d.norm(pre2))[0]]
     finally:
         d.norm_output = saved
-
-
-def drafted(d, tokens, aux, positions, nxt):
-    """The same two depths as decoding runs them (forward_step's own state fed back, ``project``), draft vocab."""
-    with torch.no_grad():
-        normed, state, kv = d.forward_step(tokens[None], d.combine(aux)[None], positions[None])
-        first = d.lm_head(normed)[0]
-        at = positions[-1] + 1 + torch.arange(2)
-        normed, _, _ = d.forward_step(nxt[None], state[:, -1:].expand(1, 2, HIDDEN), at[None], past=kv)
-        return [first, d.lm_head(normed)[0]]
 
 
 def test_a_specforge_31_dir_drafts_as_vllm_serves_it_not_as_specforge_trained_it(backbone, tmp_path):
