@@ -20,10 +20,11 @@ alternate): ``TemplateRefused`` says so, and every caller drops that one convers
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 IGNORE = -100
 # An assistant turn's mark: its reply was cut before its end (self-distillation at max_new_tokens). Its words are
@@ -89,7 +90,9 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         if msg["role"] != "assistant" or not any(m["role"] == "user" for m in messages[:i]):
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = _without_closing_eos(tokenizer, messages[:i], before, _render(tokenizer, messages[: i + 1]), text)
+        # the turns before the reply rendered as a whole conversation: read by both rules below, rendered once
+        closed = functools.cache(lambda: _render(tokenizer, messages[:i]))
+        upto = _without_closing_eos(tokenizer, closed, before, _render(tokenizer, messages[: i + 1]), text)
         if _dressed_last_cut(text, before, msg, i == len(messages) - 1, cursor):
             # the backbone wrote these words right after the generation prompt (self-distillation): the template's
             # dress (Qwen3: an empty think block before a reply cut inside its reasoning) was never in its context
@@ -99,7 +102,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
                 spans.append((len(before), end))
             break
         stable = upto.startswith(before) and len(before) >= cursor
-        swapped = _swapped_end(text, upto, tokenizer, _prompt_tail(tokenizer, messages[:i], before)) \
+        swapped = _swapped_end(text, upto, tokenizer, _prompt_tail(closed, before)) \
             if stable and not text.startswith(upto) else None
         if stable and text.startswith(upto):
             start, end = len(before), len(upto)
@@ -138,7 +141,7 @@ def _dressed_last_cut(text: str, before: str, msg: dict, last: bool, cursor: int
     return "<think>" in differs or "</think>" in differs
 
 
-def _without_closing_eos(tokenizer, earlier: list[dict], before: str, upto: str, text: str) -> str:
+def _without_closing_eos(tokenizer, closed: Callable[[], str], before: str, upto: str, text: str) -> str:
     """``upto`` (the rendering up to a reply) without the end-of-sequence token a template puts after the last turn
     only when no generation prompt follows (Phi-3: ``{% else %}{{ eos_token }}``): it is not the reply's. Left on,
     no reply's ``upto`` but the last was a prefix of the conversation, so each was located by its words and lost
@@ -147,13 +150,13 @@ def _without_closing_eos(tokenizer, earlier: list[dict], before: str, upto: str,
     # a reply that ends in eos inside the conversation (Mistral's "</s>") ends there: no need to render again
     if not eos or not upto.endswith(eos) or (text.startswith(upto) and len(upto) < len(text)):
         return upto
-    bare = _render(tokenizer, earlier)   # the turns before the reply, closed as a whole conversation
+    bare = closed()   # the turns before the reply, closed as a whole conversation
     return upto[: -len(eos)] if bare.endswith(eos) and not before.startswith(bare) else upto
 
 
-def _prompt_tail(tokenizer, earlier: list[dict], before: str) -> str:
-    """The generation prompt's own text: ``before`` past the rendering of the turns before it."""
-    return before[len(os.path.commonprefix([before, _render(tokenizer, earlier)])):]
+def _prompt_tail(closed: Callable[[], str], before: str) -> str:
+    """The generation prompt's own text: ``before`` past the rendering of the turns before it (``closed``)."""
+    return before[len(os.path.commonprefix([before, closed()])):]
 
 
 def _swapped_end(text: str, upto: str, tokenizer, prompt_tail: str) -> Optional[int]:
