@@ -27,7 +27,9 @@ special tokens must equal the target's, or it is refused), or a self-draft
 The self-draft is a shallow copy of the target's module objects that shares every weight
 tensor, so it costs no download and no parameter memory, only its own (n-layer) KV cache. It
 is untrained for the job (early-exit hidden states are not what the final norm/lm_head
-expect), so its acceptance is low unless n is close to the full depth.
+expect), so its acceptance is low unless n is close to the full depth. A draft's forwards after its prompt run in
+its own ``stepping()``: a LongRoPE draft checkpoint then rotates per position and captures its steps as the target
+does (its steps ran under the prompt rule, never captured).
 
 ``verify_chain`` (one forward over root + proposal, verification through ``verify.verify`` with
 a chain tree, cache roll-back) is how prompt lookup checks its guesses; ``chain_sampling`` is the
@@ -340,7 +342,8 @@ class DraftDecoder:
         feed = self.seq[self.dcache.length:]          # the root, after a full acceptance x_K first
         drafts, qs = [], []
         for _ in range(k):
-            h = _forward_chain(d, feed, self.dcache.length, self.dcache)[-1]
+            with d.stepping():   # a LongRoPE draft's own steps: per position, and captured (module docstring)
+                h = _forward_chain(d, feed, self.dcache.length, self.dcache)[-1]
             logits = d.logits(h)
             if sample:
                 q = target_probs(logits, self.cfg)
@@ -422,6 +425,10 @@ class BatchDraftDrafter:
         if self.dcache is None:
             self._start(dec)
         sample = cfg.mode == "sample" and not cfg.is_greedy
+        with d.stepping():   # a LongRoPE draft's own steps: per position, and captured (module docstring)
+            return self._draft_chains(dec, d, cfg, k, sample)
+
+    def _draft_chains(self, dec: BatchTreeDecoder, d: MedusaModel, cfg, k: int, sample: bool):
         h = self._catch_up(dec)
         tokens, qs = [], []
         one = torch.ones(1, 1, dtype=torch.bool, device=d.device)

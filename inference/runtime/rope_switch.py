@@ -78,11 +78,13 @@ class PerPositionLongRope:
 
     @contextmanager
     def stepping(self):
-        self.per_position = True
+        # re-entrant: a self-draft shares this wrapper, and its steps run inside the target's; leaving the inner one
+        # must not turn the target's verification forward back to the prompt rule
+        was, self.per_position = self.per_position, True
         try:
             yield
         finally:
-            self.per_position = False
+            self.per_position = was
 
 
 def per_position_longrope(body) -> Optional[PerPositionLongRope]:

@@ -187,6 +187,7 @@ class StaticSteps:
         self.siblings: dict = {}   # key -> the static steps of a model decoding beside this one (a self-draft)
         # every draft model's static steps made here, while its model lives: report.json counts their captures too
         self.drafts: list = []   # weak references, in the order made
+        self.whose = "this request"   # what a fallback warning names ("the draft model", in a sibling's)
 
     def check_current(self, generation: int) -> None:
         """Refuse a step through a view of an older generation (a newer one took the buffer over)."""
@@ -198,6 +199,7 @@ class StaticSteps:
         """Static steps for another model decoding beside this one (a draft model): the same buckets and
         capture, its own buffer."""
         steps = StaticSteps(other, self.buckets, self.capture, self.fixed_capacity, self.log)
+        steps.whose = "the draft model"   # the target warns for the request; the draft's own line says it is its own
         self.drafts = [r for r in self.drafts if r() is not None] + [weakref.ref(steps)]
         return steps
 
@@ -253,7 +255,7 @@ class StaticSteps:
         rows, beyond = self._limit(slots, batch)
         if rows is None:
             self.fallbacks += 1
-            warnings.warn(f"graphs: this request needs {beyond}: it decodes uncaptured on the dynamic cache",
+            warnings.warn(f"graphs: {self.whose} needs {beyond}: it decodes uncaptured on the dynamic cache",
                           stacklevel=4)
             return False
         if self.kv is None or slots > self.kv.shape[4] or rows > self.kv.shape[2]:
@@ -262,7 +264,7 @@ class StaticSteps:
             except torch.OutOfMemoryError:
                 self.kv, self.fallbacks = None, self.fallbacks + 1
                 self.generation += 1      # a view of the freed buffer is refused, not read
-                warnings.warn(f"graphs: no memory for a static KV buffer of {rows} x {slots} slots: this request "
+                warnings.warn(f"graphs: no memory for a static KV buffer of {rows} x {slots} slots: {self.whose} "
                               "decodes uncaptured on the dynamic cache", stacklevel=4)
                 return False
         return True

@@ -80,3 +80,43 @@ def test_a_step_outside_stepping_is_never_captured_on_a_longrope_backbone():
     out = generate_batch(m, prompts, "medusa", tree=tree, max_new_tokens=20, eos_token_ids=()).rows
     assert [r.tokens for r in out] == ref and m.static.captures.get("2x4") == 1
     m.static = None
+
+
+def test_a_longrope_draft_model_captures_its_own_steps():
+    """Guards against a separate LongRoPE draft checkpoint (not a self-draft) stepping outside its own
+    ``MedusaModel.stepping``: the decode loops enter the target's alone, so every draft step ran under the prompt rule
+    and, on a GPU, uncaptured (and uncounted). Its steps now capture, at batch 1 and batched, with the tokens of
+    graphs off; the self-draft, which shares the target's switch, still leaves the target's rule in force after its
+    steps (``stepping`` is re-entrant)."""
+    from inference.methods import generate
+
+    model = phi3_longrope(0)
+    m = wrap(model, None)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
+    for batched in (False, True):
+        def run(draft):
+            if batched:
+                return [r.tokens for r in generate_batch(m, prompts, "draft", draft=draft, k=3, max_new_tokens=16,
+                                                         eos_token_ids=()).rows]
+            return generate(m, prompts[0], "draft", draft=draft, k=3, max_new_tokens=16, eos_token_ids=()).tokens
+        draft = wrap(phi3_longrope(1), None)
+        ref = run(draft)
+        m.static = StaticSteps(m, capture=freezing(m._rope_switch), log=lambda line: None)
+        draft.static = StaticSteps(draft, capture=freezing(draft._rope_switch), log=lambda line: None)
+        assert run(draft) == ref and draft.static.captures, batched
+        m.static = draft.static = None
+
+
+def test_stepping_is_reentrant_for_a_self_draft_sharing_the_switch():
+    """Guards against a self-draft (the target's first layers, the same rotary module and switch) entering
+    ``stepping`` inside the target's: leaving it reset the shared switch to the prompt rule, so the target's
+    verification forward that followed rotated a step straddling the switch whole with the long factors and, on a
+    GPU, ran uncaptured."""
+    model = phi3_longrope(0)
+    m = wrap(model, None)
+    switch = m._rope_switch
+    with m.stepping():
+        with m.stepping():
+            assert switch.per_position
+        assert switch.per_position
+    assert not switch.per_position

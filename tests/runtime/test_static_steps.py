@@ -164,6 +164,24 @@ def test_request_beyond_a_fixed_capacity_decodes_uncaptured_with_a_warning(medus
     m.static = None
 
 
+def test_a_draft_request_beyond_a_fixed_capacity_names_whose_steps_fall_back(medusa):
+    """Guards against the two identical-looking warnings a draft-model request beyond a fixed capacity gave (the
+    target's and the draft's, one slot apart), as if one request had been refused twice: the draft model's line
+    now says it is the draft's, and the tokens are graphs off's."""
+    import warnings
+
+    with_steps(medusa, "off")
+    ref = generate(medusa, REPEATING * 10, "draft", draft="self:1", k=3, max_new_tokens=20, eos_token_ids=()).tokens
+    m = with_steps(medusa, "replayed", capacity=64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = generate(m, REPEATING * 10, "draft", draft="self:1", k=3, max_new_tokens=20, eos_token_ids=())
+    lines = sorted(str(w.message) for w in seen if "beyond the fixed capacity" in str(w.message))
+    assert out.tokens == ref and len(lines) == 2
+    assert lines[0].startswith("graphs: the draft model needs") and lines[1].startswith("graphs: this request needs")
+    m.static = None
+
+
 def test_padding_rows_never_reach_the_output(medusa):
     """Guards against padded nodes being visible: a 3-row step in the 4-row bucket returns 3 rows equal to the
     dynamic path's, and the padding rows wrote only to the reserved last slot."""
