@@ -13,8 +13,9 @@ whether the turn ended)]``):
 
 ``distill.engine=auto`` (default) times every engine on one calibration batch of the run's own
 first prompts (outputs discarded, so the shards' seeded sampling is untouched) and keeps the
-fastest by tokens/s. Which engine ran is fixed in ``distill.json`` at the first choice, so a
-resumed run continues with the same one and writes the shards the uninterrupted run would have.
+fastest by tokens/s. Which engine ran is fixed at the first choice (``engine.json``, created once, so of
+processes choosing at once exactly one wins; recorded in ``distill.json``), so every process and a
+resumed run continue with the same one and write the shards the uninterrupted run would have.
 """
 
 from __future__ import annotations

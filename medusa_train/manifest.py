@@ -9,13 +9,16 @@ refused in one line naming what differs; no manifest -> the directory is created
 
 The manifest is always written beside its final name and renamed into place, so a kill, a full
 disk or a crash mid-write leaves the previous manifest (never half a file), and every rank may
-write the same content at once.
+write the same content at once. A choice the processes must share but may make differently (distillation's
+engine) is created once instead (``claim_once``): the first to create it wins, the others take its record.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -87,3 +90,52 @@ def claim(root: Path, name: str, identity: dict, fresh: dict, *, ours: Callable[
     manifest = {**fresh, "identity": identity}
     write_json_atomic(path, manifest)  # every rank may: same content, atomic rename
     return manifest
+
+
+def claim_once(path: Path, record: dict, valid: Callable[[dict], bool], wait_s: float = 30.0) -> Optional[dict]:
+    """Create ``path`` holding ``record`` unless it exists; return what it holds then (ours or an earlier claim's;
+    None if it stays unreadable or not ``valid`` for ``wait_s``).
+
+    The record is written whole to a file of this process's own, then hard-linked to ``path``: ``link`` fails when
+    the name exists and is atomic on POSIX filesystems and NFS, so of processes claiming at the same instant exactly
+    one wins, and no reader sees half a record. Without hard links: exclusive create, readers waiting out the write."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")   # unique across the hosts sharing the filesystem
+    text = json.dumps(record, indent=2, default=str) + "\n"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass   # another process claimed first: its record wins
+        except OSError:   # a filesystem without hard links
+            _create_exclusive(path, text)
+    finally:
+        tmp.unlink(missing_ok=True)
+    deadline = time.monotonic() + wait_s
+    while not valid(claimed := read_once(path)):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)   # the exclusive-create fallback only: its creator is still writing the record
+    return claimed
+
+
+def _create_exclusive(path: Path, text: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_once(path: Path) -> dict:
+    """What a ``claim_once`` file holds; {} when there is none yet, or half of one (being written)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}

@@ -190,6 +190,27 @@ def test_resume_after_a_kill_loses_and_duplicates_nothing(how, compose_tiny, tmp
     assert not [p for p in (cut / distill.DATA_DIR).iterdir() if ".tmp" in p.name]
 
 
+@pytest.mark.parametrize("temperature", [0.7, 0])
+def test_a_resume_at_another_batch_size_is_recorded_and_said_when_sampling(temperature, compose_tiny, out_dir, capsys):
+    """Guards against: a resume with another distill.batch_size (a run out of memory continues with smaller batches)
+    taken silently: sampled replies depend on the batch size (the draws per batch), so a dataset whose manifest does
+    not say which shards were drawn at which batch size cannot be regenerated from it. Greedy replies do not depend on
+    it (the greedy test above batches them), so nothing is said then; the batch sizes are recorded either way."""
+    args = [*DISTILL, f"distill.temperature={temperature}", "distill.max_conversations=8"]
+    distill.run(compose_tiny(*args))   # 2 shards at batch size 3
+    (out_dir / distill.DATA_DIR / "shard-000001.jsonl").unlink()   # as if killed before shard 1
+    capsys.readouterr()
+    manifest = distill.run(compose_tiny(*args, "distill.batch_size=2"))
+    said = [line for line in capsys.readouterr().out.splitlines() if "batch size" in line]
+    assert manifest["batch_sizes"] == [{"from_shard": 0, "batch_size": 3}, {"from_shard": 1, "batch_size": 2}]
+    assert manifest["last_run"]["batch_size"] == 2
+    if temperature:
+        assert said == ["[distill] shards on disk were sampled at distill.batch_size=3; replies from here on are "
+                        "drawn at batch size 2 (distill.json records the batch size of every shard)"]
+    else:
+        assert said == []
+
+
 def test_processes_split_the_shards_and_together_cover_every_conversation(compose_tiny, out_dir, monkeypatch):
     """Guards against: launcher ranks generating the same conversations twice (or none), and the manifest
     being finalised before every rank's shards exist."""

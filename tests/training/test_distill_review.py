@@ -106,3 +106,81 @@ def test_a_reply_keeps_the_space_its_first_token_starts_with(compose_tiny, varie
         gen.generate = lambda prompts, max_new_tokens=None, t=new: [(t, True) for _ in prompts]
         (row,) = distill.distill_shard(gen, [(0, source)], cfg).records
         assert row["messages"][-1] == {"role": "assistant", "content": want}, new
+
+
+def test_two_processes_choosing_the_engine_at_the_same_instant_end_with_one_engine(compose_tiny, out_dir, monkeypatch,
+                                                                                    varied_backbone):  # noqa: F811
+    """Guards against: two launch ranks (distill.engine=auto) that finish measuring together each reading "no engine
+    recorded" in distill.json, then each recording and keeping its own fastest: one dataset sampled by two engines,
+    and a manifest that names only one of them."""
+    import threading
+
+    cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=4",
+                       "distill.temperature=0.7")
+    distill.claim_output(out_dir, distill.run_identity(cfg))
+    device = torch.device("cpu")
+    probe = Generator(varied_backbone.model, varied_backbone.tokenizer, cfg, device)
+    measured = threading.Barrier(2, timeout=60)
+    fastest = {"rank0": "runtime", "rank1": "lookup"}   # each rank measures another engine fastest
+
+    def measure(engines, prompts, max_new_tokens, log=print):
+        measured.wait()   # both ranks are done measuring before either records its choice
+        name = fastest[threading.current_thread().name]
+        return engines[name](), {"chosen": name, "calibration": None}
+
+    # Hold every write of distill.json until the other rank writes too (or 3 s pass: it may have nothing to write),
+    # so both ranks have read the manifest before either record lands: the interleaving that lost the race.
+    real_write, arrived, both = distill.write_json_atomic, [], threading.Event()
+
+    def write_together(path, obj):
+        arrived.append(threading.current_thread().name)
+        if len(set(arrived)) == 2:
+            both.set()
+        both.wait(3)
+        real_write(path, obj)
+
+    monkeypatch.setattr(distill, "choose_engine", measure)
+    monkeypatch.setattr(distill, "write_json_atomic", write_together)
+    got, errors = {}, []
+
+    def rank(name):
+        try:
+            got[name] = distill.pick_engine(cfg, out_dir, varied_backbone, device, probe).name
+        except BaseException as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(n,), name=n) for n in fastest]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got["rank0"] == got["rank1"], got
+    manifest = json.loads((out_dir / distill.MANIFEST).read_text())
+    assert manifest["engine"]["chosen"] == got["rank0"]
+    # a later process (a resumed run, a late rank) takes the same engine without measuring
+    monkeypatch.setattr(distill, "choose_engine", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    assert distill.pick_engine(cfg, out_dir, varied_backbone, device, probe).name == got["rank0"]
+
+
+def test_an_engine_claim_is_created_once(tmp_path):
+    """Guards against: a second claim replacing the first (the rank that claimed first already writes with it)."""
+    first = distill.claim_engine(tmp_path, {"chosen": "runtime", "calibration": None})
+    second = distill.claim_engine(tmp_path, {"chosen": "lookup", "calibration": None})
+    assert first == second == {"chosen": "runtime", "calibration": None}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [distill.ENGINE_CLAIM]   # no temporary file left
+
+
+def test_an_engine_claim_left_without_its_manifest_is_not_followed(compose_tiny, out_dir,
+                                                                   varied_backbone):  # noqa: F811
+    """Guards against a new run in a folder whose distill.json was deleted (its data/ empty, so the folder is taken)
+    following the engine.json left there: an explicit distill.engine=generate was silently replaced by the old
+    run's measured engine."""
+    (out_dir / distill.ENGINE_CLAIM).parent.mkdir(parents=True, exist_ok=True)
+    (out_dir / distill.ENGINE_CLAIM).write_text(json.dumps({"chosen": "lookup", "calibration": None}))
+    cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.engine=generate")
+    distill.claim_output(out_dir, distill.run_identity(cfg))
+    device = torch.device("cpu")
+    probe = Generator(varied_backbone.model, varied_backbone.tokenizer, cfg, device)
+    assert distill.pick_engine(cfg, out_dir, varied_backbone, device, probe).name == "generate"
+    assert json.loads((out_dir / distill.ENGINE_CLAIM).read_text())["chosen"] == "generate"
