@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -26,7 +27,7 @@ from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
 from .evaluation.choosing import calibrating
 from .evaluation.evaluate import check_settings
-from .prompts import encode_checked, load_prompts, select_prompts
+from .prompts import Prompt, encode_checked, encode_turn, load_prompts, select_prompts
 from .evaluation.reports import check_report_dir
 from .methods import get, names
 from .methods.choice_file import is_choice_file, read_choice
@@ -119,10 +120,10 @@ def backbone_config(cfg, spec):
         return None
 
 
-def encode_prompts(m, texts: list[str], cfg) -> list[list[int]]:
-    """medusa-generate's prompts encoded, every one checked to fit the backbone's positions with max_new_tokens
-    before any is decoded."""
-    ids = [m.encode_chat(t, system=cfg.system) for t in texts]
+def encode_prompts(m, prompts: list[Prompt], cfg) -> list[list[int]]:
+    """medusa-generate's prompts (``generate_prompts``) encoded, each with its system message (``encode_turn``),
+    every one checked to fit the backbone's positions with max_new_tokens before any is decoded."""
+    ids = [encode_turn(m, p) for p in prompts]
     for i, row in enumerate(ids, start=1):
         check_budget(m, len(row), cfg.max_new_tokens, what=f"prompt {i} of {len(ids)}" if len(ids) > 1 else "prompt")
     return ids
@@ -157,13 +158,13 @@ def tokenizer_model(cfg, spec):
     return SimpleNamespace(max_positions=position_limit(config), config=config, encode_chat=encode_chat)
 
 
-def check_prompts_fit(cfg, texts: list[str], spec) -> None:
+def check_prompts_fit(cfg, prompts: list[Prompt], spec) -> None:
     """``encode_prompts``' check before the weights load (``tokenizer_model``): each prompt encoded with the
     backbone's tokenizer alone and checked against its positions (a 4,800-token prompt refused after an 8B model
     had loaded)."""
     model = tokenizer_model(cfg, spec)
     if model is not None:
-        encode_prompts(model, texts, cfg)
+        encode_prompts(model, prompts, cfg)
 
 
 def check_eval_prompts_fit(cfg, prompts: list, calibration: Optional[list], spec) -> None:
@@ -311,13 +312,26 @@ def eval_out_dir(cfg) -> Path:
     return out
 
 
-def generate_prompts(cfg) -> tuple[list[str], bool]:
-    """(the prompts, whether several were asked for: prompt=[...], prompts_file= or batch_size=)."""
-    given = cfg.prompt
+def generate_prompts(cfg) -> tuple[list[Prompt], bool]:
+    """(the prompts, whether several were asked for: prompt=[...], prompts_file= or batch_size=). A prompts_file
+    record's system message is its own (as medusa-eval encodes it), ``system=`` that of the records without one
+    and of prompt= (the records' were once dropped: every prompt was encoded with system= alone)."""
+    given, system = cfg.prompt, "" if cfg.system is None else str(cfg.system)
     if cfg.prompts_file is not None:
         if given is not None:
             raise UserError("give one of prompt= or prompts_file=")
-        return [p.turns[0] for p in load_prompts(cfg.prompts_file)], True
+        prompts = load_prompts(cfg.prompts_file)
+        own = sum(bool(p.system) for p in prompts)
+        if own and system:   # a file mixing both is fine, but which message a record gets must not be a guess
+            print(f"note: {own} of the {len(prompts)} records of {cfg.prompts_file} give their own system message, "
+                  "used instead of system=", file=sys.stderr)
+        return [p if p.system else dataclasses.replace(p, system=system) for p in prompts], True
+    texts, several = _generate_texts(given, cfg)
+    return [Prompt(str(i), [t], system=system) for i, t in enumerate(texts, start=1)], several
+
+
+def _generate_texts(given, cfg) -> tuple[list[str], bool]:
+    """prompt='s texts (one, or a list) and whether several were asked for, or one line saying what is wrong."""
     if isinstance(given, (int, float)) and not isinstance(given, bool):
         given = str(given)
     if isinstance(given, str) or given is None:

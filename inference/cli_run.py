@@ -31,6 +31,7 @@ from .evaluation.reports import print_per_method, remove_stale_reports, write_co
 from .loading import kernel_plans_path, load_medusa
 from .methods.choice_file import write_choice
 from .methods.registry import PLAIN_METHOD, batched_names, check_greedy_only, get, methods_for_heads
+from .prompts import Prompt, encode_turn
 from .runtime.batch_decode import check_batch_size
 from .runtime.decode import stream_text
 from .runtime.draft_weights import check_draft_weights
@@ -115,7 +116,7 @@ def backbone_drift(cfg, m, prompts, report: dict) -> None:
         return
     original, _, _ = load_backbone(cfg.backbone or spec.base_model, device=m.device, dtype=cfg.dtype,
                                    trust_remote_code=cfg.trust_remote_code)
-    ids = [m.encode_chat(p.turns[0]) for p in prompts[:8]]
+    ids = [encode_turn(m, p) for p in prompts[:8]]   # as the evaluation encodes them: a record's system message too
     report["backbone_drift"] = greedy_drift(m, MedusaModel(model=original, tokenizer=None, heads=None), ids,
                                             cfg.max_new_tokens)
     print(f"backbone drift vs the original ({len(ids)} prompts): greedy token agreement "
@@ -201,7 +202,7 @@ def generate_options(cfg, spec, several: bool, size: Optional[int]):
 
 
 def run_generate(cfg) -> None:
-    texts, several = generate_prompts(cfg)
+    prompts, several = generate_prompts(cfg)   # each with its system message: the record's, else system=
     sampling = check_decoding_keys(cfg)   # before anything loads, as every check below
     size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None
     if cfg.heads in ("???", ""):
@@ -209,11 +210,11 @@ def run_generate(cfg) -> None:
     spec = heads_spec(cfg)   # None when unreadable here: the load below says why
     method, options, together = generate_options(cfg, spec, several, size)
     check_keys_used(cfg, [method], GENERATE_DEFAULTS)
-    check_prompts_fit(cfg, texts, spec)   # the tokenizer alone: a prompt too long refused before weights
+    check_prompts_fit(cfg, prompts, spec)   # the tokenizer alone: a prompt too long refused before weights
     m = _load(cfg)
-    ids = encode_prompts(m, texts, cfg)   # every prompt fits the backbone's positions before any is decoded
+    ids = encode_prompts(m, prompts, cfg)   # every prompt fits the backbone's positions before any is decoded
     if several:
-        generate_several(m, texts, ids, method, size or len(ids), together, options, sampling, cfg)
+        generate_several(m, prompts, ids, method, size or len(ids), together, options, sampling, cfg)
         return
     stream = decoding.stream(m, ids[0], method, options=options, max_new_tokens=cfg.max_new_tokens,
                              sampling=sampling, seed=cfg.seed)
@@ -229,8 +230,8 @@ def run_generate(cfg) -> None:
           f"finish: {out.finish_reason}]", file=sys.stderr)
 
 
-def generate_several(m, texts: list[str], ids: list[list[int]], method: str, size: int, batching: bool, options,
-                     sampling, cfg) -> None:
+def generate_several(m, prompts: list[Prompt], ids: list[list[int]], method: str, size: int, batching: bool,
+                     options, sampling, cfg) -> None:
     """Decode several prompts, ``size`` at a time with ``generate_batch`` when the method batches (one at
     a time otherwise); print each answer under its prompt's number, and each batch's numbers on stderr."""
     for start in range(0, len(ids), size if batching else 1):
@@ -244,7 +245,7 @@ def generate_several(m, texts: list[str], ids: list[list[int]], method: str, siz
                                   sampling=sampling, seed=cfg.seed)
             outs, secs, tau = [g], g.prefill_s + g.decode_s, g.tau
         for i, g in enumerate(outs, start=start + 1):
-            head = " ".join(texts[i - 1].split())
+            head = " ".join(prompts[i - 1].turns[0].split())
             print(f"=== [{i}/{len(ids)}] {head[:70] + ('...' if len(head) > 70 else '')}")
             print(m.tokenizer.decode(g.tokens, skip_special_tokens=True))
             print(f"[{len(g.tokens)} tokens, tau {g.tau:.2f}, finish: {g.finish_reason}]\n", flush=True)

@@ -67,7 +67,8 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
     A JSONL line may be ``{"prompt": str}``, ``{"text": str}``, ``{"turns": [str, ...]}``
     (MT-Bench's form) or ``{"messages": [{"role": "user", "content": str}, ...]}``; a ``system`` field (or a
     system message) is given to the chat template, and an assistant message after a user turn is that turn's
-    reply in the next turn's chat (``turn_messages``).
+    reply in the next turn's chat (``turn_messages``). A prompt's id is its ``question_id``, else its ``id``, else
+    its line number, each prompt's own (two with one id: refused, naming both lines).
     """
     if source in ("embedded:mtbench", "mtbench"):
         path = assets.mtbench_questions_path()
@@ -77,9 +78,13 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
         raise UserError(f"{source} is a folder, not a prompts file: give a JSONL file of prompts")
     if not Path(path).is_file():
         raise UserError(f"prompts file not found: {source}")
+    prompts, lines = [], {}   # lines: the line of each id read
     try:   # a byte that is no UTF-8 (a UTF-16 or Latin-1 file) was a UnicodeDecodeError traceback
         with open(path, encoding="utf-8-sig") as f:   # -sig: a byte-order mark (Windows editors) is no JSON
-            prompts = [_prompt(line, source, n) for n, line in enumerate(f, start=1) if line.strip()]
+            for n, line in enumerate(f, start=1):
+                if line.strip():
+                    prompts.append(_prompt(line, source, n))
+                    _check_new_id(prompts[-1].id, n, lines, source)
     except UnicodeDecodeError as e:
         raise UserError(f"{source}: not UTF-8 text ({e.reason} 0x{e.object[e.start]:02x}): save it as UTF-8") \
             from None
@@ -103,6 +108,17 @@ def _prompt(line: str, source: str, n: int) -> Prompt:
     if not isinstance(system, str) or any(r is not None and not isinstance(r, str) for r in replies):
         raise UserError(f"{source}:{n} has a system message or reply that is not text")
     return Prompt(str(rec.get("question_id", rec.get("id", n))), turns, rec.get("category", ""), system, replies)
+
+
+def _check_new_id(pid: str, n: int, lines: dict, source: str) -> None:
+    """Refuse line ``n``'s id where an earlier line has it (``lines``: id -> line), else record it. An explicit id
+    and the line number a record without one is given, or ``question_id`` 81 and ``"81"``, were once two prompts
+    under one id: report.json's evaluated_prompt_ids named both, and ``prompt_record`` refused a calibration
+    prompt as "also evaluated" that was another prompt."""
+    if pid in lines:
+        raise UserError(f"{source}:{n} repeats the id {pid!r} of line {lines[pid]} (a prompt without question_id or "
+                        "id is numbered by its line): give each prompt its own id")
+    lines[pid] = n
 
 
 def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[list[Prompt], list[Prompt]]:

@@ -710,7 +710,8 @@ def test_the_prompt_quoting_hint_works_when_pasted_into_a_shell(capsys):
         generate_prompts(refused)
     example = str(e.value).split("e.g. ", 1)[1].rstrip(")")
     cfg = parse_overrides("medusa-generate", cli.GenerateConfig, ["heads=h", *shlex.split(example)])
-    assert generate_prompts(cfg) == (["Write: a poem"], False)
+    prompts, several = generate_prompts(cfg)
+    assert [p.turns for p in prompts] == [["Write: a poem"]] and not several
 
 
 def test_eval_help_gives_outs_default_with_compare():

@@ -85,6 +85,31 @@ def test_prompt_forms_and_bad_prompt_files(tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 
+def test_two_prompts_sharing_an_id_are_refused_naming_both_lines(tmp_path):
+    """Guards against: two prompts of one file given the same id (an ``"id": "5"`` and line 5 without one, which is
+    numbered by its line; one id twice; ``question_id`` 81 and ``"81"``, both read as "81"): report.json's
+    ``evaluated_prompt_ids`` named two prompts at once, and ``prompt_record`` refused a calibration prompt that is
+    not an evaluated one as "also evaluated"."""
+    f = tmp_path / "prompts.jsonl"
+    cases = {"line number": ([{"prompt": f"q{i}"} for i in range(1, 5)] + [{"prompt": "q5"}, {"prompt": "q6"},
+                                                                            {"id": "5", "prompt": "q7"}], 7, "5", 5),
+             "same id": ([{"id": "a", "prompt": "x"}, {"prompt": "y"}, {"id": "a", "prompt": "z"}], 3, "a", 1),
+             "number and text": ([{"question_id": 81, "turns": ["x"]}, {"question_id": "81", "turns": ["y"]}], 2,
+                                 "81", 1)}
+    for name, (records, line, pid, first) in cases.items():
+        f.write_text("\n".join(json.dumps(x) for x in records) + "\n")
+        with pytest.raises(UserError) as e:
+            load_prompts(str(f))
+        assert str(e.value).startswith(f"{f}:{line} repeats the id {pid!r} of line {first}"), (name, str(e.value))
+        assert str(e.value).endswith("give each prompt its own id") and "\n" not in str(e.value), name
+    distinct = [{"id": "x", "prompt": "a"}, {"prompt": "b"}, {"id": 1, "prompt": "c"}, {"prompt": "d"}]
+    f.write_text("\n".join(json.dumps(x) for x in distinct) + "\n")
+    assert [p.id for p in load_prompts(str(f))] == ["x", "2", "1", "4"]   # different ids: read as before
+    for bundled in ("embedded:mtbench", "code"):   # the sets shipped with the package give each prompt its own id
+        ids = [p.id for p in load_prompts(bundled)]
+        assert len(set(ids)) == len(ids), bundled
+
+
 @pytest.fixture(scope="module")
 def tiny_medusa():
     from medusa_train.backbone import random_backbone

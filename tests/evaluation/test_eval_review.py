@@ -1,5 +1,6 @@
 """Evaluation review: what each prompt's turns are encoded from (a record's system message and given replies, the
-second turn's history, its fit within the positions), at unit level with a recording model."""
+second turn's history, its fit within the positions), at unit level with a recording model; so are medusa-generate's
+prompts and the backbone drift check's."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+import inference.cli_run as cli_run
 from inference.errors import UserError
 from inference.evaluation import evaluate as evaluation
-from inference.prompts import Prompt, encode_checked, load_prompts
+from inference.prompts import Prompt, encode_checked, encode_turn, load_prompts
 from inference.runtime.decode import GenerationOutput
 from inference.runtime.verify import SamplingConfig
 
@@ -100,3 +102,74 @@ def test_a_second_turn_past_the_positions_is_refused_before_anything_is_decoded(
     encode_checked(m, prompts, 8)   # the first turn fits; the second does not, with an 8-token answer before it
     with pytest.raises(UserError, match="turn 2 of prompt '1' with a max_new_tokens answer"):
         encode_checked(m, prompts, 8, "both")
+
+
+SYSTEM_RECORDS = [{"system": "Be brief.", "prompt": "hi"},
+                  {"messages": [{"role": "system", "content": "Answer in French."},
+                                {"role": "user", "content": "hello"}]},
+                  {"prompt": "plain"}]
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["one-by-one", "batched"])
+def test_generate_gives_each_records_system_message_to_the_chat_template(tmp_path, generate_calls, monkeypatch,
+                                                                         capsys, batch):
+    """Guards against: medusa-generate prompts_file= encoding every record's first turn with the command's own
+    ``system=`` alone, a record's ``system`` field or system message dropped (the answers were not to the prompts
+    the file gives, nor the ones medusa-eval measured on it); the same in batches (batch_size=). ``system=`` is
+    the system message of the records without one, and of prompt= (one prompt or several)."""
+    import inference.cli as cli
+    import inference.cli_checks as checks
+    from conftest import DecodeCalled
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in SYSTEM_RECORDS) + "\n")
+    generate_calls["spec"] = None
+    monkeypatch.setattr(cli_run, "generate_options", lambda cfg, spec, several, size: ("autoregressive", None,
+                                                                                       size is not None))
+
+    def systems(**keys):
+        before, loaded = Recorder(), Recorder()   # the check before the weights load, and the loaded model
+        monkeypatch.setattr(checks, "tokenizer_model", lambda cfg, spec: before)
+        monkeypatch.setattr(cli_run, "_load", lambda cfg: loaded)
+        with pytest.raises(DecodeCalled):
+            cli_run.run_generate(cli.GenerateConfig(heads="h", batch_size=batch, **keys))
+        assert before.calls == loaded.calls
+        return [(msgs[-1]["content"], system) for msgs, system in loaded.calls]
+
+    assert systems(prompts_file=str(f)) == [("hi", "Be brief."), ("hello", "Answer in French."), ("plain", None)]
+    assert "note:" not in capsys.readouterr().err
+    args = generate_calls["args"]
+    assert [p.turns for p in args[1]] == [["hi"], ["hello"], ["plain"]] and len(args[2]) == 3
+    assert (args[4], args[5]) == ((2, True) if batch else (3, False))
+    assert systems(prompts_file=str(f), system="Default.") == [("hi", "Be brief."), ("hello", "Answer in French."),
+                                                               ("plain", "Default.")]
+    assert "2 of the 3 records of" in capsys.readouterr().err   # which system message wins: said
+    assert systems(prompt=["a", "b"], system="Default.") == [("a", "Default."), ("b", "Default.")]
+    if batch is None:
+        assert systems(prompt="one", system="Default.") == [("one", "Default.")]
+        assert systems(prompt="one") == [("one", None)]
+
+
+def test_backbone_drift_encodes_each_prompt_with_its_system_message(monkeypatch, capsys):
+    """Guards against: the drift check of Medusa-2 heads (the adapted backbone against the original) encoding each
+    prompt's first turn without the record's system message, where the evaluation it reports on encodes it with
+    (``encode_turn``): the drift was measured on other prompts than the evaluation's."""
+    prompts = [Prompt("1", ["hi"], system="Be brief."), Prompt("2", ["plain"])]
+    m = Recorder()
+    m.heads, m.adapter_applied, m.device = SimpleNamespace(spec=SimpleNamespace(backbone_adapter=True,
+                                                                                  base_model="b")), True, "cpu"
+    seen = {}
+
+    def drift(adapted, original, ids, max_new_tokens):
+        seen["ids"] = ids
+        return {"greedy_token_agreement": 1.0, "identical_answers": 1.0}
+
+    monkeypatch.setattr(cli_run, "load_backbone", lambda *a, **k: (object(), None, None))
+    monkeypatch.setattr(cli_run, "MedusaModel", lambda **kw: None)
+    monkeypatch.setattr(cli_run, "greedy_drift", drift)
+    cfg = SimpleNamespace(backbone=None, dtype="float32", trust_remote_code=False, max_new_tokens=4)
+    report: dict = {}
+    cli_run.backbone_drift(cfg, m, prompts, report)
+    assert [(msgs[-1]["content"], system) for msgs, system in m.calls] == [("hi", "Be brief."), ("plain", None)]
+    expected = Recorder()
+    assert seen["ids"] == [encode_turn(expected, p) for p in prompts] and report["backbone_drift"]["identical_answers"]
