@@ -57,11 +57,12 @@ class SavedChoice:
 def write_choice(out: Path, method: str, chosen, options, base_model_fingerprint: str = "") -> Path:
     """``<out>/<method>_choice.json`` for a measured ``shape.Chosen`` of ``method`` (``options``: its options,
     which name the choice's keys)."""
-    shape = registry.get(method).shape
+    shape, grafted = registry.get(method).shape, registry.get(method).grafted
     record = {"format": FORMAT, "version": VERSION, "method": method, "name": chosen.name, "reason": chosen.reason,
               "base_model_fingerprint": base_model_fingerprint,
               "schedule": schedule_record(chosen.schedule, lambda c: shape.encode(c, options)),
-              "static_shapes": {str(b): list(s) for b, s in shape.static_shapes(chosen.schedule).items()}}
+              "static_shapes": {str(b): list(s) for b, s in shape.static_shapes(
+                  chosen.schedule, grafted(options) if grafted else 0).items()}}
     path = out / f"{method}{SUFFIX}"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")

@@ -210,4 +210,4 @@ register(Method(
     decoder=lambda m, o, sampling, seed: (HybridDecoder(m, o.tree, o, sampling, seed) if o.tree is not None
                                           else PromptLookupDecoder(m, o, sampling, seed)),
     costs=lambda m, o, run_length: heads_costs(m, (tree_nodes(m, o.tree) if o.tree is not None else 1) + o.num_tokens),
-    needs_heads=True, shape=MEDUSA_TREE, refuses=static_tree_refusal))
+    needs_heads=True, shape=MEDUSA_TREE, refuses=static_tree_refusal, grafted=lambda o: o.num_tokens))

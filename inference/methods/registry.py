@@ -105,6 +105,9 @@ class Method:
     devices: tuple[str, ...] = ()
     greedy_only: bool = False
     refuses: Optional[Callable[[Any], Optional[str]]] = None
+    # (options) -> rows a step verifies beyond its shape's choice, at most as many levels deeper (medusa_lookup's
+    # looked-up chain grafted under the tree): a choice file's ``static_shapes`` counts them
+    grafted: Optional[Callable[[Any], int]] = None
     # among the methods that decode the same heads, the higher one is the default (medusa-eval without
     # methods=, medusa-generate); equal ones keep the registration order
     default_priority: int = 0

@@ -138,9 +138,11 @@ class SpeculationShape(ABC):
         verifies, so a captured step of that size holds every step it makes."""
         return draft_tokens(choice) + 1, choice_depth(choice)
 
-    def static_shapes(self, schedule: SpeculationSchedule) -> dict[int, tuple[int, int]]:
-        """Batch size -> ``step_shape`` of the choice in force there: the buckets a captured step needs."""
-        return {b: self.step_shape(c) if c is not None else (1, 0) for b, c in sorted(schedule.choices.items())}
+    def static_shapes(self, schedule: SpeculationSchedule, grafted: int = 0) -> dict[int, tuple[int, int]]:
+        """Batch size -> ``step_shape`` of the choice in force there: the buckets a captured step needs (with
+        ``grafted`` rows, as many levels deeper, that a method adds to every speculating step)."""
+        return {b: tuple(x + grafted for x in self.step_shape(c)) if c is not None else (1, 0)
+                for b, c in sorted(schedule.choices.items())}
 
     def given(self, options, sizes: Sequence[int] = (1,), how: str = "fixed") -> Chosen:
         """``mode=fixed``: the options as given at every batch size (``how="fixed"``), or the schedule they

@@ -64,6 +64,18 @@ def _medusa_options(method):
     return make_options(method)
 
 
+def test_a_medusa_lookup_file_counts_the_grafted_chain_in_its_static_shapes(tmp_path):
+    """Guards against a medusa_lookup choice file listing the tree's shape alone: its steps verify the looked-up chain
+    grafted under the tree too (up to prompt_lookup_tokens more rows, as many levels deeper), the buckets a captured
+    step of it fills."""
+    from inference.methods.medusa_lookup import MedusaLookupOptions
+
+    chosen = _medusa_chosen()
+    options = MedusaLookupOptions(tree=chosen.schedule, num_tokens=5)
+    record = json.loads(write_choice(tmp_path, "medusa_lookup", chosen, options, "abc").read_text())
+    assert record["static_shapes"] == {"1": [9, 7], "2": [7, 6], "8": [1, 0]}
+
+
 def test_medusa_round_trip_keeps_every_tree_and_the_hysteresis(tmp_path):
     """Guards against medusa-generate decoding batches with other trees than the batched evaluation chose:
     each batch size's tree (paths and name), the plain ones, the rates and switch gain its hysteresis uses;
