@@ -22,7 +22,7 @@ from typing import Optional
 
 from . import loading   # loading.read_heads_spec_for looked up when called (tests replace it)
 from .backbone import check_backbone_name, load_backbone_config, load_tokenizer, parse_device
-from .cli_support import enum_value
+from .cli_support import enum_value, keys_given
 from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
 from .evaluation.choosing import calibrating
@@ -216,7 +216,7 @@ def check_fixed_choices(options: dict, modes: dict, spec) -> None:
 def read_choice_file(cfg, spec, usable: list[str], defaults: Optional[dict] = None):
     """The ``SavedChoice`` of ``choice=<file>`` (None for auto / fixed), read against the heads of ``spec``
     with the command line's other keys (``choice_file.read_choice``). A key the file sets also given on the command
-    line (differing from the command's default: None, or ``defaults[key]``) is refused: the file's value won
+    line (written there, even as the command's default: ``given_key``) is refused: the file's value won
     silently (tree=chain1 beside a Medusa choice file decoded the file's tree, and report.json said chain1)."""
     if not is_choice_file(cfg.choice):
         return None
@@ -355,16 +355,22 @@ def _generate_texts(given, cfg) -> tuple[list[str], bool]:
 
 
 def given_key(cfg, key: str, defaults: Optional[dict] = None) -> bool:
-    """Whether a method key was given on the command line: it differs from the command's schema default (None, or
+    """Whether a method key was given on the command line: written there (``cli_support.keys_given``), whatever its
+    value, and not null (unset). Comparing values missed a key written equal to the default (medusa-generate's
+    tree=tree4 beside a choice file, or beside EAGLE-3 heads, was ignored). A config no command line made (a
+    library caller's) falls back to the values: given where it differs from the schema default (None, or
     ``defaults[key]``)."""
     value = getattr(cfg, key, None)
+    written = keys_given(cfg)
+    if written is not None:
+        return key in written and value is not None
     return value is not None and value != (defaults or {}).get(key)
 
 
 def check_keys_used(cfg, methods: list[str], defaults: Optional[dict] = None) -> None:
     """Refuse a method key given on the command line that none of ``methods`` (what this command decodes with)
     takes: ``eagle_nodes=4`` beside Medusa heads was silently ignored, the run measuring something else than asked.
-    A key is given when it differs from the command's schema default (None, or ``defaults[key]``)."""
+    A key is given when it was written on the command line (``given_key``)."""
     from .cli_keys import CommandKeys, method_keys   # lazy, as cli_keys' own registry import
 
     own = {f.name for f in dataclasses.fields(CommandKeys)}

@@ -69,8 +69,10 @@ class CommandKeys:
     graphs: str = _key("auto", "auto: the backbone's steps and the drafters' forwards as CUDA graphs on CUDA (off "
                        "elsewhere) | on (CUDA only) | off (dynamic shapes, no capture) | uncaptured (the static-shape "
                        "steps without capture, any device)")
-    graph_buckets: List[int] = _key(help="the row counts a captured step is padded up to (strictly increasing); "
-                                    "larger steps run uncaptured", factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    # the bound: static_steps.MAX_BUCKET (not imported: --help imports no runtime; a test ties the two)
+    graph_buckets: List[int] = _key(help="the row counts (and batch sizes) a captured step is padded up to (strictly "
+                                    "increasing, at most 2048); larger steps run uncaptured",
+                                    factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     trust_remote_code: bool = _key(False, "run the backbone's (or draft checkpoint's) own modelling code")
     apply_adapter: Optional[bool] = _key(None, "Medusa-2 heads (trained with a LoRA adapter): merge it into the "
                                          "backbone; unset: when the backbone is the one the heads record (no "

@@ -29,7 +29,7 @@ from .evaluation.drift import greedy_drift
 from .evaluation.evaluate import evaluate
 from .evaluation.reports import print_per_method, remove_stale_reports, write_compare, write_report
 from .loading import kernel_plans_path, load_medusa
-from .methods.choice_file import write_choice
+from .methods.choice_file import is_choice_file, write_choice
 from .methods.registry import PLAIN_METHOD, batched_names, check_greedy_only, get, methods_for_heads
 from .prompts import Prompt, encode_turn
 from .runtime.batch_decode import check_batch_size
@@ -194,11 +194,17 @@ def generate_options(cfg, spec, several: bool, size: Optional[int]):
                         f"<dir>/{method}_choice.json; decode with choice=<dir>/{method}_choice.json")
     if shape is not None:
         check_fixed_choices({method: options}, {method: "fixed"}, spec)   # before the backbone loads
-    if together and shape is not None:
+    return method, options, together
+
+
+def batching_note(cfg, method: str, together: bool) -> None:
+    """Say that batches speculate as one prompt would, where prompts decode in batches with a shaped method and no
+    choice file sized it per batch size. Printed once every check has passed (``run_generate``): a refusal comes
+    first and alone (the note once came before a prompt's "exceeds the backbone's positions")."""
+    if together and get(method).shape is not None and not is_choice_file(cfg.choice):
         print(f"note: every batch speculates as one prompt would; on a CPU that stops paying from 2-4 rows "
               f"(BENCHMARKS.md): medusa-eval heads={cfg.heads} batch_size=[1,2,4,...] measures it per batch size "
               f"and writes the file to decode batches with (choice=<file>)", file=sys.stderr)
-    return method, options, together
 
 
 def run_generate(cfg) -> None:
@@ -211,6 +217,7 @@ def run_generate(cfg) -> None:
     method, options, together = generate_options(cfg, spec, several, size)
     check_keys_used(cfg, [method], GENERATE_DEFAULTS)
     check_prompts_fit(cfg, prompts, spec)   # the tokenizer alone: a prompt too long refused before weights
+    batching_note(cfg, method, together)   # after the checks: a refusal is the one line printed
     m = _load(cfg)
     ids = encode_prompts(m, prompts, cfg)   # every prompt fits the backbone's positions before any is decoded
     if several:

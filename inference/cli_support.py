@@ -17,6 +17,9 @@ from typing import Any, Callable, NoReturn, Optional
 from .errors import UserError
 
 EXIT_USER_ERROR = 2
+# where ``parse_overrides`` keeps the keys written on the command line (``keys_given``): an attribute outside the
+# config's keys, so no key can shadow it and no copy of the values (to_container, report.json) carries it
+_GIVEN = "_keys_given"
 # What a boolean key takes (any case). OmegaConf alone would also take any integer (materialize=3 -> true)
 # and words such as "Y"; a value outside these is more likely a slip than a yes.
 BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
@@ -67,7 +70,22 @@ def parse_overrides(prog: str, schema, argv: list[str]):
         fail(prog, f"{', '.join(named[:-1]) + ' and ' if len(named) > 1 else ''}{named[-1]} "
                    f"{'is' if len(missing) == 1 else 'are'} required "
                    f"(see {prog} --help)")
+    mark_given(cfg, keys)
     return cfg
+
+
+def mark_given(cfg, keys) -> Any:
+    """``cfg`` with ``keys`` recorded as the ones written on its command line (``keys_given``); a dotted key
+    (``backbone.random_init.x``) or a +/~ one counts as its top-level key. Returns ``cfg``."""
+    object.__setattr__(cfg, _GIVEN, frozenset(str(k).lstrip("+~").split(".")[0] for k in keys))
+    return cfg
+
+
+def keys_given(cfg) -> Optional[frozenset]:
+    """The keys written on ``cfg``'s command line (``parse_overrides``), whatever their values: a key written
+    equal to its default is given all the same, a default the schema (or the command's own code) set is not.
+    None for a config no command line made (a library caller's dataclass): the caller judges by the values."""
+    return getattr(cfg, "__dict__", {}).get(_GIVEN)
 
 
 def unknown_key_line(structured, e: BaseException) -> Optional[str]:

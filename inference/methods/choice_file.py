@@ -88,6 +88,10 @@ def _json(value: Any) -> Any:
 
 def _record(path: str) -> dict:
     """The file's record, or one line naming what it is instead."""
+    if Path(path).is_dir():   # an evaluation's out= folder, most likely: name the files in it to give instead
+        held = sorted(str(p) for p in Path(path).glob(f"*{SUFFIX}"))
+        inside = f"give choice={held[0]}" if len(held) == 1 else f"give one of {', '.join(held)}" if held else RERUN
+        raise UserError(f"choice={path} is a folder, not a choice file: {inside}")
     if not Path(path).is_file():
         raise UserError(f"choice={path}: no such file ({RERUN})")
     record = _json(path)

@@ -53,6 +53,14 @@ from .static_batch import StaticRaggedKV
 GRAPH_MODES = ("auto", "on", "off", "uncaptured")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CAPACITY = 256
+# The largest step any method's bounds allow: lookahead's 1 + (N-1)(W+G) rows at N=16, W=G=64 (methods/lookahead.py;
+# Medusa trees hold at most 256 nodes, EAGLE-3's 256 + 1 + 64 lookup tokens, a draft chain 65).
+MAX_STEP_ROWS = 1 + (16 - 1) * (64 + 64)
+# The largest graph bucket: the power of two holding that step (2048). A bucket is both a row count (a step's rows,
+# the prompt's first forward's too, padded up to it) and a batch size (the batch padded up to it), so a larger one
+# only allocates [bucket, capacity] masks and buffers (graph_buckets=[1,2,10**8]: 100 GB) for nothing; a batch above
+# the largest bucket decodes on the dynamic cache (module docstring).
+MAX_BUCKET = 1 << (MAX_STEP_ROWS - 1).bit_length()
 
 
 def graphs_mode(mode) -> str:
@@ -70,6 +78,10 @@ def check_graphs(mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, device: Op
             or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
             or any(a >= b for a, b in zip(buckets, buckets[1:]))):
         raise UserError(f"graph_buckets must be a strictly increasing list of row counts >= 1, got {buckets!r}")
+    if buckets[-1] > MAX_BUCKET:
+        raise UserError(f"graph_buckets must be at most {MAX_BUCKET} (rows per step and batch sizes are padded up "
+                        f"to their bucket; the largest step any method verifies is {MAX_STEP_ROWS} rows), "
+                        f"got {buckets[-1]}")
     if mode == "on" and device is not None and not str(device).startswith("cuda"):
         raise UserError(f"graphs=on captures CUDA graphs: it needs device=cuda (this run decodes on {device}); "
                         "give graphs=uncaptured for the same static-shape steps without capture")

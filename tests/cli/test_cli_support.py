@@ -7,7 +7,8 @@ from typing import Optional
 
 import pytest
 
-from inference.cli_support import EXIT_USER_ERROR, config_error_line, enum_value, parse_overrides, run_cli
+from inference.cli_support import (EXIT_USER_ERROR, config_error_line, enum_value, keys_given, parse_overrides,
+                                   run_cli)
 from inference.errors import UserError
 
 
@@ -69,3 +70,16 @@ def test_help_and_values(capsys):
 
     assert enum_value(Color.red) == "red" and enum_value("blue") == "blue"
     assert config_error_line(ValueError("first\n    full_key: x\n    object_type=Schema")) == "first"
+
+
+def test_the_keys_written_on_the_command_line_are_kept_whatever_their_values():
+    """Guards against a key written equal to its default counting as not given (medusa-generate's tree=tree4 was
+    ignored beside a choice file): the config keeps the keys written, not those the schema's defaults set, and no
+    copy of its values (report.json's settings) carries them."""
+    from omegaconf import OmegaConf
+
+    cfg = parse_overrides("prog", Schema, ["heads=x", "out=y", "steps=3"])   # steps=3 is the default
+    assert keys_given(cfg) == {"heads", "out", "steps"}
+    assert cfg.steps == 3 and "name" not in keys_given(cfg)
+    assert OmegaConf.to_container(cfg) == {"heads": "x", "out": "y", "steps": 3, "name": None}
+    assert keys_given(Schema(heads="x")) is None   # no command line made it: callers judge by the values

@@ -205,6 +205,23 @@ REFUSED = [
      "out={tmp}/mine holds files but no earlier evaluation's report.json"),
     (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out={tmp}/notours"],
      "out={tmp}/notours holds files but no earlier evaluation's report.json"),
+    # -- review 8: an unbounded bucket, a key equal to its default ignored, a note before a refusal, a folder ------
+    (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=4", "graphs=uncaptured", "graph_buckets=[1,2,100000000]"],
+     "graph_buckets must be at most 2048"),
+    (EVAL, [MEDUSA, PROMPTS, "graphs=uncaptured", "graph_buckets=[1,2,100000000]"],
+     "graph_buckets must be at most 2048"),
+    # tree4 is medusa-generate's own default: written on the command line, it is given all the same
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/medusa_choice.json", "tree=tree4"],
+     "tree= and choice={tmp}/medusa_choice.json both set medusa's tree: give one"),
+    (GEN, [EAGLE, "prompt=hi", "tree=tree4"], "tree= is a key of medusa, medusa_lookup, and none of the methods"),
+    (EVAL, [MEDUSA, PROMPTS, "choice={tmp}/medusa_choice.json", "tree=tree8"],   # tree8: the library's default
+     "tree= and choice={tmp}/medusa_choice.json both set medusa's tree: give one"),
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "tree=tree8"], "tree= is a key of medusa, medusa_lookup"),
+    # several prompts decode in batches: the batching note must not come before the refusal
+    (GEN, [MEDUSA, "prompts_file={tmp}/long.jsonl", "backbone={tmp}/bbtok", "max_new_tokens=8"],
+     "exceeds the backbone's 64 positions"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/emptydir"], "choice={tmp}/emptydir is a folder, not a choice file"),
+    (EVAL, [MEDUSA, PROMPTS, "choice={tmp}/emptydir"], "choice={tmp}/emptydir is a folder, not a choice file"),
 ]
 
 
@@ -372,7 +389,11 @@ def test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loadin
     without model_type) a ValueError traceback once the heads had loaded; a key a choice= file also sets (tree=,
     eagle_nodes=) silently overridden by the file (report.json still naming the key's value); prompt=true given the
     ": " hint, which printed prompt=""Write: a poem"" (it fails when pasted into a shell); out= naming heads, an
-    export or a folder of the user's (report.md there deleted as an earlier evaluation's leftover)."""
+    export or a folder of the user's (report.md there deleted as an earlier evaluation's leftover). Review 8:
+    graph_buckets=[1,2,100000000] accepted, then a 100 GB allocation traceback once loaded (steps are padded up to
+    their bucket); a key written equal to its default (medusa-generate's tree=tree4) ignored beside a choice file or
+    heads whose method does not take it; a prompts file's batching note printed before a prompt's refusal; a folder
+    given as choice= called "no such file"."""
     from inference.cli import eval_main, generate_main
     from inference.export_cli import export_main
 
@@ -628,14 +649,19 @@ def test_heads_that_do_not_match_their_config_are_refused_before_the_backbone_lo
 def test_a_choice_file_without_a_key_of_its_own_given_still_decodes(setup, no_loading, monkeypatch):
     """Guards against the refusal of a key a choice file also sets refusing what it does not set: a choice file
     alone (medusa-generate's own default tree=tree4 is no key the user gave), or beside a key of another part of
-    the options, must pass every check and reach the load."""
+    the options, must pass every check and reach the load; so must EAGLE-3 heads, which that default tree=tree4 does
+    not concern (review 8: a key is given when written, so a default must never count as written)."""
     from inference.cli import eval_main, generate_main
 
     monkeypatch.chdir(setup)
     for main, argv in ((generate_main, [MEDUSA, "prompt=hi", "choice={tmp}/medusa_choice.json"]),
                        (eval_main, [MEDUSA, PROMPTS, "choice={tmp}/medusa_choice.json", "prompt_lookup_tokens=3",
                                     "methods=[medusa,medusa_lookup]"]),
-                       (generate_main, [EAGLE, "prompt=hi", "choice={tmp}/eagle3_choice.json"])):
+                       (generate_main, [EAGLE, "prompt=hi", "choice={tmp}/eagle3_choice.json"]),
+                       # tree=tree4, medusa-generate's own default, is no key of these EAGLE-3 heads' user
+                       (generate_main, [EAGLE, "prompt=hi", "max_new_tokens=4"]),
+                       (generate_main, [MEDUSA, "prompt=hi", "choice={tmp}/medusa_choice.json", "max_new_tokens=4",
+                                        "mode=greedy"])):
         with pytest.raises(AssertionError, match="the backbone was loaded"):
             main([a.replace("{tmp}", str(setup)) for a in argv])
 

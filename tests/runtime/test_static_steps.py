@@ -8,6 +8,8 @@ without a GPU. The CUDA capture itself is in the gpu tier (tests/runtime/test_st
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -232,6 +234,30 @@ def test_bad_graph_settings_are_refused_in_one_line(mode, buckets, device, match
     with pytest.raises(UserError, match=match) as err:
         check_graphs(mode, buckets, device)
     assert "\n" not in str(err.value)
+
+
+def test_graph_buckets_are_bounded_by_the_largest_step_any_method_takes():
+    """Guards against graph_buckets=[1,2,100000000] passing the checks, then a 100 GB allocation traceback once
+    the model had loaded (a step's rows and a batch are padded up to their bucket): the bound holds the largest step
+    the methods' own bounds allow (lookahead's), no more than the power of two above it, and --help names it."""
+    from inference.cli_keys import CommandKeys
+    from inference.methods.eagle3 import EAGLE_BOUNDS
+    from inference.methods.lookahead import LookaheadSettings
+    from inference.methods.prompt_lookup import MAX_LOOKUP_TOKENS
+    from inference.runtime.static_steps import MAX_BUCKET, MAX_STEP_ROWS
+    from inference.runtime.tree import MAX_TREE_NODES
+
+    bounds = LookaheadSettings.BOUNDS   # a step verifies 1 + (N-1)(W+G) rows
+    assert MAX_STEP_ROWS == 1 + (bounds["ngram"][1] - 1) * (bounds["window"][1] + bounds["guesses"][1])
+    assert MAX_STEP_ROWS >= max(MAX_TREE_NODES, EAGLE_BOUNDS["nodes"][1] + 1) + MAX_LOOKUP_TOKENS
+    assert MAX_STEP_ROWS <= MAX_BUCKET < 2 * MAX_STEP_ROWS
+    check_graphs("uncaptured", [1, 2, MAX_BUCKET])
+    for buckets in ([1, 2, 100_000_000], [MAX_BUCKET + 1]):
+        with pytest.raises(UserError, match=f"graph_buckets must be at most {MAX_BUCKET} ") as err:
+            check_graphs("uncaptured", buckets)
+        assert "\n" not in str(err.value)
+    help_text = [f for f in dataclasses.fields(CommandKeys) if f.name == "graph_buckets"][0].metadata["help"]
+    assert f"at most {MAX_BUCKET}" in help_text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
