@@ -9,6 +9,7 @@ each family checking its own keys (``TrainingFamily.validate``).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -424,19 +425,32 @@ def check_data_source(source: str) -> None:
 
 
 def _validate_lora(cfg) -> None:
+    """``lora.*``: the values' ranges whether or not the adapter is on (a typo must not wait, silent, for the day
+    ``lora.enabled=true`` is set), then what an enabled adapter needs of the rest of the run."""
     lo = cfg.lora
+    finite = all(math.isfinite(v) for v in (lo.alpha, lo.dropout, lo.backbone_weight, lo.heads_coefficient,
+                                            lo.heads_lr_multiplier))
+    checks = [
+        (lo.r >= 1 and lo.alpha > 0, f"lora.r must be >= 1 and lora.alpha > 0, got {lo.r}, {lo.alpha}"),
+        (0.0 <= lo.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lo.dropout}"),
+        (lo.load_in_bits in (0, 4, 8), f"lora.load_in_bits must be 0, 4 or 8, got {lo.load_in_bits}"),
+        (lo.backbone_loss in ("kl", "ce"), f"lora.backbone_loss must be kl or ce, got {lo.backbone_loss!r}"),
+        (lo.heads_coefficient >= 0 and lo.backbone_weight >= 0 and lo.heads_lr_multiplier > 0 and finite,
+         "lora.heads_coefficient, lora.backbone_weight must be >= 0 and lora.heads_lr_multiplier > 0 (all finite), "
+         f"got {lo.heads_coefficient}, {lo.backbone_weight}, {lo.heads_lr_multiplier}"),
+        (lo.heads_warmup_steps >= 0, f"lora.heads_warmup_steps must be >= 0 (0 = no warm-up), "
+                                     f"got {lo.heads_warmup_steps}"),
+        (bool(lo.target_modules), "lora.target_modules must name at least one linear layer (e.g. q_proj)"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
     if not lo.enabled:
         if lo.init_heads:   # only the joint source loads them: heads trained from scratch would be saved instead
             raise UserError("lora.init_heads starts Medusa-2's second stage from stage-1 heads and needs "
                             "lora.enabled=true")
         return
     checks = [
-        (lo.r >= 1 and lo.alpha > 0, f"lora.r must be >= 1 and lora.alpha > 0, got {lo.r}, {lo.alpha}"),
-        (0.0 <= lo.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lo.dropout}"),
-        (lo.backbone_loss in ("kl", "ce"), f"lora.backbone_loss must be kl or ce, got {lo.backbone_loss!r}"),
-        (lo.heads_coefficient >= 0 and lo.backbone_weight >= 0 and lo.heads_lr_multiplier > 0,
-         "lora.heads_coefficient, lora.backbone_weight must be >= 0 and lora.heads_lr_multiplier > 0"),
-        (bool(lo.target_modules), "lora.target_modules must name at least one linear layer (e.g. q_proj)"),
         (enum_value(cfg.features.mode) == "off",
          "lora.enabled=true trains the backbone, so cached features cannot stand in for it: use features.mode=off"),
         (enum_value(cfg.task) == "train", "lora.enabled=true needs task=train"),

@@ -125,6 +125,15 @@ def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, 
         if data.is_dir() and any(data.iterdir()):
             return (f"{data} holds files but {out} has no {MANIFEST}: not a distillation run of this tool; "
                     "use another output_dir")
+        # What a distillation writes itself, and the run's record (launch.RECORD_DIR), written before the claim;
+        # ".<name>.tmp-<id>": a manifest or engine claim being (or killed while being) written. Anything else (a
+        # finished training run's heads/, checkpoints/, ...) is another run's folder, which data would be added to.
+        own = {DATA_DIR, PROGRESS_DIR, MANIFEST, ENGINE_CLAIM, ".hydra"}
+        other = sorted(e.name for e in out.iterdir() if e.name not in own
+                       and not (e.name.startswith(".") and ".tmp-" in e.name)) if out.is_dir() else []
+        if other:
+            return (f"{out} holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''} but no {MANIFEST}: "
+                    "not a distillation run of this tool; use another output_dir")
         return None
 
     if not create and not (out / MANIFEST).is_file():

@@ -78,6 +78,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import pid_alive
 
-from .backbone import backbone_identity, load_backbone
+from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone
 from .backbone_inputs import FrozenFeatures
 from .config import derived_batch, validate
 from .data.readers import ReadStats, data_files
@@ -168,9 +169,58 @@ def data_fingerprint(source: str) -> Optional[str]:
 
 
 # -- the cache on disk ---------------------------------------------------------------------------------------
+RUN_SETUP = (".hydra", RANDOM_BACKBONE_DIR)  # what a run writes into output_dir before it claims a cache there
+
+
+def _cache_own(name: str) -> bool:
+    """Whether an entry of a cache folder is one the cache writes itself: its manifest, eval file and shards,
+    and the temporary names they are written under (``.<name>.tmp-<pid>``)."""
+    return (name in (MANIFEST, EVAL_FILE) or re.fullmatch(r"train-\d{6}\.safetensors", name) is not None
+            or (name.startswith(".") and ".tmp-" in name))
+
+
+def foreign_cache(root: Path, run_dir: Optional[Path] = None) -> Optional[str]:
+    """Why ``root``, which has no manifest, must not become a feature cache (None: it may): a file (or a path
+    under one), shards without their manifest, or a folder holding anything a cache does not write itself (a
+    finished training run, a data folder: a cache would be written into it). Entries a run writes before the
+    claim (``RUN_SETUP``) pass where ``root`` is that run's own ``run_dir``. Reads names only, writes nothing."""
+    root = Path(root)
+    probe = root
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is a file, not a folder" if probe == root else f"cannot be created: {probe} is a file"
+        return f"features.cache_dir={root} {where}; use another features.cache_dir"
+    if not root.is_dir():
+        return None
+    names = [e.name for e in root.iterdir()]
+    if any(n.endswith(".safetensors") for n in names):
+        return (f"{root} holds .safetensors files but no {MANIFEST}; not a features cache of this tool: "
+                "use another features.cache_dir")
+    same_run = run_dir is not None and Path(run_dir).resolve() == root.resolve()
+    if any(not _cache_own(n) and not (same_run and n in RUN_SETUP) for n in names):
+        return f"{root} holds files but no {MANIFEST}: not a feature cache; use another features.cache_dir"
+    return None
+
+
+def check_cache_dir(cfg) -> None:
+    """Preflight of a run that uses the cache (``features.mode`` build or train): refuse a ``cache_dir`` that
+    cannot become one (``foreign_cache``) before the backbone loads, as the claim would after it. A folder with a
+    manifest is left to the claim: whether it was built for this backbone needs the backbone's weights."""
+    if not enabled(cfg) or enum_value(cfg.task) != "train":
+        return
+    root = cache_dir(cfg)
+    if (root / MANIFEST).is_file():
+        return
+    wrong = foreign_cache(root, Path(cfg.output_dir))
+    if wrong:
+        raise UserError(wrong)
+
+
 class FeatureCache:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, run_dir: Optional[Path] = None):
         self.root = Path(root)
+        self.run_dir = run_dir  # the run's output_dir: its setup's own entries may share a cache_dir naming it
         self._open: tuple[Optional[str], object, set] = (None, None, set())
         self.read_aux = False  # also hand out each batch's ``aux`` (heads that read aux layers)
 
@@ -196,10 +246,7 @@ class FeatureCache:
             return None
 
         def foreign() -> Optional[str]:
-            if root.is_dir() and any(root.glob("*.safetensors")):
-                return (f"{root} holds .safetensors files but no {MANIFEST}; not a features cache of this tool: "
-                        "use another features.cache_dir")
-            return None
+            return foreign_cache(root, self.run_dir)
 
         fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
                  "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere,
@@ -522,7 +569,7 @@ def stream_stats(manifest: dict) -> tuple[StreamStats, ReadStats]:
 def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
                eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
     """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
-    cache = FeatureCache(cache_dir(cfg))
+    cache = FeatureCache(cache_dir(cfg), Path(cfg.output_dir))
     manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers, plan.greedy_everywhere,
                            data_fingerprint(cfg.data.source))
     cache.read_aux = bool(plan.aux_layers)

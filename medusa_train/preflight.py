@@ -7,7 +7,9 @@ distillation, with ``distill.max_new_tokens`` added: ``check_distill_positions``
 run within this machine's memory (``check_fits``: the frozen forward, the weights, the heads' parameters with
 their gradients and optimizer state, and what the family's training adds, ``TrainingFamily.unroll_bytes``),
 the family's settings on this backbone (``check_family``), and for a training of heads the vocabulary, the
-device for the precision and a resumable checkpoint trained under this configuration; last, a local data
+device for the precision, the stage-1 heads ``lora.init_heads`` names (``check_init_heads``: their config.json
+alone) and a resumable checkpoint trained under this configuration; a ``features.cache_dir`` that can become a
+feature cache (``features.check_cache_dir``: not a file, not another run's folder); last, a local data
 source that gives the task a conversation (``check_data_usable``, reading no more than its first ones).
 """
 
@@ -20,8 +22,8 @@ import torch
 from inference.backbone import parse_dtype, text_config
 from inference.cli_support import enum_value
 from inference.errors import UserError
-from inference.heads.registry import build_heads
-from inference.heads.spec import HeadsSpec
+from inference.heads.registry import build_heads, family, setting_names
+from inference.heads.spec import HeadsSpec, check_compatible
 
 from .backbone import backbone_config
 from .checkpoint import resume_point
@@ -29,6 +31,7 @@ from .config import check_data_source, derived_batch, launch_world_size
 from .data.readers import ReadStats, iter_conversations
 from .data.stream import check_training_data
 from .distributed import resolve_device
+from .features import check_cache_dir
 from .families import draft_depth, draft_vocabulary, training_family
 
 
@@ -91,16 +94,22 @@ def _backbone_dtype_bytes(backbone_cfg, hf_config) -> int:
     return torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
 
 
-def head_parameter_count(heads_cfg, hf_config) -> int:
-    """Parameters of the heads ``heads.*`` describes on this backbone, asked of their family: the module
-    ``inference.heads.build_heads`` would build from the spec the trainer writes, built on the meta device."""
+def recipe_heads_spec(heads_cfg, hf_config) -> HeadsSpec:
+    """The spec of the heads ``heads.*`` describes on this backbone (the trainer's ``_new_heads``), from the
+    backbone's config alone: what the memory estimate builds and what ``lora.init_heads`` must match."""
     text = text_config(hf_config)
     vocab = int(text.vocab_size)
     projection, size = draft_vocabulary(heads_cfg, vocab)
-    spec = HeadsSpec(num_heads=draft_depth(heads_cfg), num_layers=int(heads_cfg.num_layers),
+    return HeadsSpec(num_heads=draft_depth(heads_cfg), num_layers=int(heads_cfg.num_layers),
                      hidden_size=int(text.hidden_size), vocab_size=vocab, projection=projection,
                      truncated_vocab_size=min(size, vocab) if size else None, kind=str(heads_cfg.kind),
                      settings=training_family(heads_cfg.kind).spec_settings(heads_cfg, hf_config))
+
+
+def head_parameter_count(heads_cfg, hf_config) -> int:
+    """Parameters of the heads ``heads.*`` describes on this backbone, asked of their family: the module
+    ``inference.heads.build_heads`` would build from the spec the trainer writes, built on the meta device."""
+    spec = recipe_heads_spec(heads_cfg, hf_config)
     with torch.device("meta"):
         heads = build_heads(spec)
     return sum(p.numel() for p in heads.parameters())
@@ -232,6 +241,45 @@ def check_draft_vocabulary(cfg) -> None:
                         f"{vocab} (or heads.projection=own for all of it)")
 
 
+def check_init_heads(cfg) -> None:
+    """Refuse a ``lora.init_heads`` that Medusa-2's second stage could not start from, reading the heads folder's
+    config.json alone (no weights) and the backbone's config: a missing path, a file, a folder that is no heads
+    export, heads of another family (``kind``), of another shape (what ``lora.init_heads_from`` compares) or made
+    for another backbone (hidden size, vocabulary, config fingerprint). Found only once the backbone had loaded
+    otherwise, and heads of another family then failed on the embeddings' shape without naming the key."""
+    path = cfg.lora.init_heads
+    if not (cfg.lora.enabled and path):
+        return
+    from inference.loading import read_heads_spec   # lazy: the importers' registry, for stage-2 runs only
+
+    where = f"lora.init_heads={path}"
+    if os.path.isfile(path):   # the reader would name it heads=, medusa-eval's key
+        raise UserError(f"{where} is a file, not a heads folder: give the folder holding config.json and "
+                        "model.safetensors (<stage-1 run>/heads)")
+    hf_config = text_config(backbone_config(cfg.backbone))
+    try:
+        spec = read_heads_spec(path, hf_config)
+    except UserError as e:   # the reader's own words (not found, a file, not a heads export), naming the key
+        raise UserError(f"{where}: {e}") from None
+    kind = str(cfg.heads.kind)
+    if spec.kind != kind:   # checked first: the shapes of another family say nothing useful
+        raise UserError(f"{where} holds {spec.kind} heads, this recipe trains heads.kind={kind}: start stage 2 "
+                        f"from a {kind} heads export (or set heads.kind={spec.kind})")
+    try:
+        check_compatible(spec, hf_config, where=f"the heads in {where}")
+    except UserError as e:   # made for another backbone: its hidden size, vocabulary or config fingerprint
+        raise UserError(f"{e}; give stage-1 heads trained on this backbone") from None
+    mine = recipe_heads_spec(cfg.heads, hf_config)
+    # the very keys lora.init_heads_from compares once the backbone has loaded, so both say the same
+    keys = ("num_heads", "num_layers", "hidden_size", "vocab_size", "projection", "truncated_vocab_size",
+            *setting_names(family(kind)))
+    a, b = spec.to_dict(), mine.to_dict()
+    diff = [k for k in keys if a.get(k) != b.get(k)]
+    if diff:
+        raise UserError(f"{where} holds heads that differ from this recipe's in "
+                        + ", ".join(f"{k} ({a.get(k)} vs {b.get(k)})" for k in diff))
+
+
 def check_precision_device(trainer) -> None:
     """fp16 trains only on a GPU (DeepSpeed's loss scaling); refused before anything loads."""
     if enum_value(trainer.precision) == "fp16" and resolve_device(trainer.device).type != "cuda":
@@ -263,7 +311,8 @@ def check_data_usable(cfg) -> None:
 def preflight(cfg, resume: bool = True) -> None:
     """What a run needs from disk, checked before any weight or data loads: a readable local data source,
     a ``data.max_length`` the backbone has positions (and this machine memory) for, the heads family on this
-    backbone, and for a training of heads: a truncated vocabulary the backbone has tokens for, a device for
+    backbone, a feature cache folder that is one (or can become one), and for a training of heads: a truncated
+    vocabulary the backbone has tokens for, stage-1 heads that fit it (``lora.init_heads``), a device for
     the precision, and a checkpoint to resume that was trained under this configuration (not with
     ``resume=False``: a sweep's jobs resume from folders Hydra names only when each runs), and data that gives
     the task a conversation to read."""
@@ -271,8 +320,10 @@ def preflight(cfg, resume: bool = True) -> None:
     check_attn_implementation(cfg.backbone)
     check_fits(cfg)
     check_family(cfg)
+    check_cache_dir(cfg)
     if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
         check_draft_vocabulary(cfg)
+        check_init_heads(cfg)
         check_precision_device(cfg.trainer)
         if resume:
             check_resume(cfg)

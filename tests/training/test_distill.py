@@ -270,6 +270,38 @@ def test_a_folder_of_other_files_is_refused(compose_tiny, out_dir):
         distill.run(compose_tiny(*DISTILL))
 
 
+def test_a_finished_training_run_is_not_distilled_into(compose_tiny, out_dir, monkeypatch):
+    """Guards against: distilling into an output_dir that is a finished training run (heads/, checkpoints/,
+    metrics.jsonl, no data/): the claim looked at data/ only, so data/, progress/, distill.json and engine.json
+    were added beside the run's files (exit 0). Refused before the backbone loads, writing nothing."""
+    (out_dir / "heads").mkdir(parents=True)
+    (out_dir / "heads" / "config.json").write_text("{}")
+    (out_dir / "metrics.jsonl").write_text("{}\n")
+    before = sorted(p.relative_to(out_dir) for p in out_dir.rglob("*"))
+    # the refusal must come before the backbone loads: a load here fails the test
+    monkeypatch.setattr(distill.frozen, "load_backbone", lambda *a, **k: pytest.fail("backbone loaded"))
+    with pytest.raises(UserError, match=r"holds heads, metrics.jsonl but no distill.json: not a distillation run"):
+        distill.run(compose_tiny(*DISTILL, "distill.max_conversations=4"))
+    assert sorted(p.relative_to(out_dir) for p in out_dir.rglob("*")) == before
+    with pytest.raises(UserError, match="no distill.json"):   # the claim that creates the manifest says the same
+        distill.claim_output(out_dir, {"any": 1})
+    assert not (out_dir / distill.MANIFEST).exists()
+
+
+def test_an_empty_folder_or_the_runs_own_record_is_distilled_into(compose_tiny, out_dir):
+    """Guards against: the refusal of a foreign output_dir taking an empty existing folder, or the run record
+    (.hydra/) the CLI writes before the claim, or a half-done distillation's own files, for another run's."""
+    cfg = compose_tiny(*DISTILL, "distill.max_conversations=4")
+    (out_dir / ".hydra").mkdir(parents=True)
+    (out_dir / ".hydra" / "config.yaml").write_text("x: 1\n")
+    distill.claim_output(out_dir, distill.run_identity(cfg), create=False)
+    distill.run(cfg)
+    shard = distill.shard_path(out_dir, 0)
+    shard.unlink()   # a half-done run (manifest kept): resumed, not refused
+    distill.run(cfg)
+    assert shard.is_file()
+
+
 def test_format_1_data_is_not_continued_with_format_2_shards(compose_tiny, out_dir):
     """Guards against: a distillation folder written before replies cut at max_new_tokens were marked (format 1)
     continued with marked shards (one dataset, two labellings), or refused as "something other than distillation

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,48 @@ def test_cache_grows_when_more_steps_are_asked(compose_tiny, out_dir):
     features.run_build(compose_tiny("trainer.max_steps=4", "features.mode=build", "features.shard_batches=2"))
     assert json.loads((root / features.MANIFEST).read_text())["batches"] == 4
     assert first.stat().st_mtime_ns == stamp
+
+
+def test_a_cache_dir_that_is_a_file_or_another_folder_is_refused_before_the_backbone_loads(compose_tiny, tmp_path):
+    """Guards against: features.cache_dir naming a file ending in a 27-line FileExistsError traceback after the
+    backbone was built (output_dir/.hydra and backbone/ left behind), and naming a folder of something else (a
+    finished training run) being taken as a cache and written into, as the claim looked for *.safetensors only.
+    Both are refused in preflight (before anything loads) and by the claim itself, in one line."""
+    from medusa_train.preflight import preflight
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    run = tmp_path / "finished"
+    (run / "heads").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    refused = [(afile, "is a file, not a folder"), (afile / "sub", f"cannot be created: {afile} is a file"),
+               (run, "holds files but no features.json: not a feature cache; use another features.cache_dir")]
+    for root, words in refused:
+        for mode in ("train", "build"):
+            with pytest.raises(UserError, match=re.escape(words)):
+                preflight(compose_tiny(f"features.mode={mode}", f"features.cache_dir={root}"), resume=False)
+        with pytest.raises(UserError, match=re.escape(words)):
+            features.FeatureCache(root).claim({"backbone": "tiny"}, 1)
+    assert afile.read_text() == "x" and sorted(p.name for p in run.iterdir()) == ["heads", "metrics.jsonl"]
+    # features.mode=off never touches the cache: nothing to refuse
+    preflight(compose_tiny(f"features.cache_dir={run}"), resume=False)
+
+
+def test_a_cache_dir_that_is_empty_or_the_runs_own_folder_is_taken(compose_tiny, tmp_path, out_dir):
+    """Guards against: the foreign-folder refusal taking an empty folder, a cache's own leftovers, or the entries
+    a run writes before it claims a cache in its own output_dir (.hydra/, backbone/) for another folder."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert features.foreign_cache(empty) is None and features.foreign_cache(tmp_path / "new") is None
+    (empty / ".features.json.tmp-123").write_text("")   # a killed writer's temporary file
+    assert features.foreign_cache(empty) is None
+    run = out_dir   # the run's own output_dir, as the cache_dir too
+    for entry in features.RUN_SETUP:
+        (run / entry).mkdir(parents=True)
+    assert features.foreign_cache(run, run) is None
+    assert "not a feature cache" in features.foreign_cache(run)   # another run's setup is not this one's
+    features.check_cache_dir(compose_tiny("features.mode=train", f"features.cache_dir={run}"))
+    assert features.FeatureCache(run, run).claim({"backbone": "tiny"}, 1)["batches"] == 0
 
 
 @pytest.mark.parametrize("first_aux", [(2, 4, 6), ()])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import types
 
 import pytest
@@ -175,6 +176,96 @@ def test_two_stage_recipe_starts_from_stage_one_heads(compose_tiny, tmp_path, mo
     trainer.cleanup(plot=False)
     with pytest.raises(UserError, match="num_heads"):
         make_trainer(compose_tiny(*LORA, "heads.num_heads=2", f"lora.init_heads={stage1}", out=tmp_path / "s3"))
+
+
+def _heads_folder(folder, cfg, **changes):
+    """A heads export's config.json for ``cfg``'s heads on its backbone, with ``changes``, beside an empty weights
+    file: the early check reads the config alone, never the weights."""
+    from inference.heads.spec import backbone_fingerprint
+    from medusa_train.backbone import random_config
+    from medusa_train.preflight import recipe_heads_spec
+
+    hf = random_config(dict(cfg.backbone.random_init))
+    spec = {**recipe_heads_spec(cfg.heads, hf).to_dict(), "base_model": "tiny",
+            "base_model_fingerprint": backbone_fingerprint(hf), **changes}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(spec))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+STAGE1_REFUSED = [
+    ("missing", {}, r"lora.init_heads=\S*missing: heads directory not found"),
+    ("file", {}, r"lora.init_heads=\S*file is a file, not a heads folder"),
+    ("run", {}, r"lora.init_heads=\S*run: \S*run is not a heads export"),
+    ("eagle3", {}, r"lora.init_heads=\S* holds eagle3 heads, this recipe trains heads.kind=medusa"),
+    ("heads", {"num_heads": 2}, r"differ from this recipe's in num_heads \(2 vs 3\)"),
+    ("heads", {"num_layers": 2}, r"differ from this recipe's in num_layers \(2 vs 1\)"),
+    ("heads", {"projection": "own", "truncated_vocab_size": None}, r"in projection \(own vs truncated\)"),
+    ("heads", {"truncated_vocab_size": 100}, r"in truncated_vocab_size \(100 vs 128\)"),
+    ("heads", {"hidden_size": 128}, r"lora.init_heads=\S* were trained for hidden size 128, the backbone has 64"),
+    ("heads", {"vocab_size": 640}, r"were trained for vocab size 640, the backbone has 320"),
+    ("heads", {"base_model_fingerprint": "0123456789abcdef"}, r"config fingerprint 0123456789abcdef \(tiny\)"),
+]
+
+
+@pytest.mark.parametrize("what, changes, words", STAGE1_REFUSED, ids=[f"{w}{c or ''}" for w, c, _ in STAGE1_REFUSED])
+def test_stage_one_heads_are_checked_before_the_backbone_loads(what, changes, words, compose_tiny, tmp_path):
+    """Guards against: lora.init_heads checked only once the backbone had loaded (lora.init_heads_from): a missing
+    path, a file, a folder that is no heads export, heads of another family, shape or backbone refused after
+    seconds to minutes of loading, eagle3 heads for a medusa recipe with a line about embedding shapes that never
+    named lora.init_heads, and heads of another backbone of the same sizes (config fingerprint) not at all."""
+    from medusa_train.preflight import check_init_heads, preflight
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    if what == "eagle3":   # another family's export: its config names kind eagle3
+        _heads_folder(tmp_path / what, compose_tiny("heads.kind=eagle3", "backbone.random_init.num_hidden_layers=8"))
+    elif what == "heads":
+        _heads_folder(tmp_path / what, compose_tiny(), **changes)
+    cfg = compose_tiny(*LORA, f"lora.init_heads={tmp_path / what}")
+    with pytest.raises(UserError, match=words) as e:
+        check_init_heads(cfg)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=words):   # the preflight medusa-train runs before anything loads
+        preflight(cfg, resume=False)
+
+
+def test_stage_one_heads_of_this_recipe_pass_the_early_check(compose_tiny, tmp_path):
+    """Guards against: the early check refusing the heads stage 2 is meant to start from (same family, shape and
+    backbone: the fingerprint preflight computes from the recipe's config is the one the export recorded)."""
+    from medusa_train.preflight import check_init_heads
+
+    check_init_heads(compose_tiny(*LORA, f"lora.init_heads={_heads_folder(tmp_path / 'h', compose_tiny())}"))
+    T.run(compose_tiny("trainer.max_steps=1", "trainer.save_every=0", "logger.plot=false", out=tmp_path / "s1"))
+    check_init_heads(compose_tiny(*LORA, f"lora.init_heads={tmp_path / 's1' / 'heads'}"))
+
+
+LORA_OFF_REFUSED = [
+    ("lora.r=0", "lora.r must be >= 1"),
+    ("lora.alpha=0", "lora.alpha > 0"),
+    ("lora.dropout=nan", "lora.dropout must be in [0, 1)"),
+    ("lora.dropout=1.0", "lora.dropout must be in [0, 1)"),
+    ("lora.load_in_bits=3", "lora.load_in_bits must be 0, 4 or 8"),
+    ("lora.backbone_loss=mse", "lora.backbone_loss must be kl or ce"),
+    ("lora.heads_coefficient=-1", "lora.heads_coefficient"),
+    ("lora.backbone_weight=inf", "lora.backbone_weight"),
+    ("lora.heads_lr_multiplier=0", "lora.heads_lr_multiplier > 0"),
+    ("lora.heads_warmup_steps=-1", "lora.heads_warmup_steps must be >= 0"),
+    ("lora.target_modules=[]", "lora.target_modules must name at least one"),
+]
+
+
+@pytest.mark.parametrize("value, words", LORA_OFF_REFUSED, ids=[v for v, _ in LORA_OFF_REFUSED])
+def test_lora_values_are_checked_with_the_adapter_off(value, words, compose_tiny):
+    """Guards against: a bad lora.* value (lora.r=0, a NaN dropout) accepted silently while lora.enabled=false,
+    to bite only the day the adapter is switched on (distill.temperature=nan is refused in any run)."""
+    from medusa_train.config import validate
+
+    for enabled in ("false", "true"):
+        with pytest.raises(UserError, match=re.escape(words)):
+            validate(compose_tiny(f"lora.enabled={enabled}", value))
 
 
 @pytest.mark.parametrize("extra, fragment", [

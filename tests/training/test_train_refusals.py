@@ -23,6 +23,9 @@ REFUSED = [
     (["heads.kind=eagle3", "backbone.random_init.num_hidden_layers=8", "heads.ttt_steps=100000"],
      "heads.ttt_steps must be in 1..32"),
     (["heads.kind=eagle3", "backbone.random_init.num_hidden_layers=8", "heads.num_heads=100000"], "heads.num_heads"),
+    # stage 2 from heads that are not there: refused in preflight, no longer after the backbone loaded
+    (["lora.enabled=true", "lora.init_heads={tmp}/nonexist"], "/nonexist: heads directory not found"),
+    (["features.mode=train", "features.cache_dir={tmp}/.."], "holds files but no features.json: not a feature cache"),
 ]
 
 
