@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from typing import Optional
+
 import torch
 
 from inference.backbone import parse_dtype, text_config
@@ -286,10 +288,11 @@ def check_precision_device(trainer) -> None:
         raise UserError("trainer.precision=fp16 needs a GPU; on CPU use fp32 (or bf16)")
 
 
-def check_resume(cfg) -> None:
+def check_resume(cfg) -> Optional[dict]:
     """The checkpoint ``trainer.resume`` names (or ``auto`` finds) exists and was trained under this configuration
-    (``checkpoint.resume_point``): refused here, before the run's record is written over."""
-    resume_point(cfg, derived_batch(cfg.trainer, launch_world_size()).global_batch_size)
+    (``checkpoint.resume_point``): refused here, before the run's record is written over. Returns its state (None:
+    a fresh run)."""
+    return resume_point(cfg, derived_batch(cfg.trainer, launch_world_size()).global_batch_size)[1]
 
 
 def check_data_usable(cfg) -> None:
@@ -323,8 +326,8 @@ def preflight(cfg, resume: bool = True) -> None:
     check_cache_dir(cfg)
     if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
         check_draft_vocabulary(cfg)
-        check_init_heads(cfg)
         check_precision_device(cfg.trainer)
-        if resume:
-            check_resume(cfg)
+        state = check_resume(cfg) if resume else None
+        if not (state and int(state.get("step", 0)) >= cfg.trainer.max_steps):
+            check_init_heads(cfg)   # a finished run's rerun has nothing to do: stage 1's heads may be gone by then
     check_data_usable(cfg)  # last: the only check that reads the data

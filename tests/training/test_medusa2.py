@@ -242,6 +242,20 @@ def test_stage_one_heads_of_this_recipe_pass_the_early_check(compose_tiny, tmp_p
     check_init_heads(compose_tiny(*LORA, f"lora.init_heads={tmp_path / 's1' / 'heads'}"))
 
 
+def test_a_finished_stage_two_rerun_does_not_need_its_stage_one_heads(compose_tiny, tmp_path, monkeypatch):
+    """Guards against the early lora.init_heads check refusing the rerun of a finished Medusa-2 run whose stage-1
+    heads were deleted since: that rerun has nothing to do (``trainer._already_exported``) and never reads them.
+    An unfinished run's resume still needs them (its joint source loads them) and is still refused early."""
+    import medusa_train.preflight as pf
+
+    cfg = compose_tiny(*LORA, f"lora.init_heads={tmp_path / 'gone'}", "trainer.max_steps=3")
+    monkeypatch.setattr(pf, "check_resume", lambda cfg: {"step": 3})
+    pf.preflight(cfg)
+    monkeypatch.setattr(pf, "check_resume", lambda cfg: {"step": 2})
+    with pytest.raises(UserError, match="lora.init_heads="):
+        pf.preflight(cfg)
+
+
 LORA_OFF_REFUSED = [
     ("lora.r=0", "lora.r must be >= 1"),
     ("lora.alpha=0", "lora.alpha > 0"),
