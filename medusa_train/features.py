@@ -87,7 +87,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from inference.safetensors_file import save_file   # metadata in sorted order: runs write the same bytes
 from tqdm.auto import tqdm
 
 from inference import assets

@@ -30,12 +30,12 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-import safetensors.torch   # safetensors.torch.save_file looked up when writing (tests make it fail)
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..errors import UserError
+from ..safetensors_file import save_file
 from .projection import ProjectedHeads
 from .registry import build_heads
 from .spec import FORMAT_VERSION, HeadsSpec, check_compatible
@@ -66,8 +66,7 @@ def save_heads(heads: ProjectedHeads, out_dir: str | os.PathLike,
     tensors = state_dict if state_dict is not None else heads_state_dict(heads)
     tmp = make_temp_dir(out)
     try:
-        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE),
-                                    metadata={"format": "pt", "kind": heads.spec.kind})
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "kind": heads.spec.kind})   # cmp-able
         (tmp / CONFIG_FILE).write_text(json.dumps(heads.spec.to_dict(), indent=2) + "\n")
         if extra is not None:
             extra(tmp)

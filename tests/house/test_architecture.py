@@ -126,9 +126,10 @@ def test_inference_never_imports_the_trainer():
 def test_the_heads_package_stays_at_the_bottom():
     """Guards against ``inference.heads`` importing what sits above it (formats, loading, the
     backbone wrapper, methods, evaluation), which is how import circle 1 started."""
-    # Leaves that import only torch: errors, tree/verify math, the decoding-attention backend switch.
+    # Leaves that import only torch / safetensors: errors, tree/verify math, the decoding-attention backend switch,
+    # the safetensors writer.
     allowed = ("inference.heads", "inference.errors", "inference.runtime.tree", "inference.runtime.verify",
-               "inference.attention_backends")
+               "inference.attention_backends", "inference.safetensors_file")
     graph = _graph()
     bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("inference.heads")
                  for t in targets if not t.startswith(allowed))
