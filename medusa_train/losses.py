@@ -149,6 +149,16 @@ class HeadMetrics:
         self.chain = [0] * self.num_heads
         self.batches = self.roots = 0
 
+    def state(self) -> dict:
+        """The window's sums, as JSON (a checkpoint keeps them: a run resumed mid-window logs what the
+        uninterrupted run logs)."""
+        return {"loss_sum": list(self.loss_sum), "hits": [list(h) for h in self.hits], "count": list(self.count),
+                "batches": self.batches, "chain": list(self.chain), "roots": self.roots}
+
+    def restore(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
     def add(self, k: int, loss: float, hits_topk: list[int], n: int):
         self.loss_sum[k] += loss
         self.count[k] += n

@@ -71,6 +71,7 @@ class MedusaTrainer:
         self.finished: Path | None = None  # set by setup: the heads of a run already complete
         self.interrupts = Interrupts()  # ``run`` installs its signal handlers; ``train`` reads its request
         self.checkpointed: tuple[int, Path] | None = None  # (step, path) of the last checkpoint saved or resumed
+        self.window_loss, self.resumed_window = 0.0, None   # the logging window's loss sum; a checkpoint's window
         self.eval_empty_warned = False
         self.stopped_together = False  # set when every rank stopped at the same step on a Ctrl-C / SIGTERM
         self.phase = "starting"  # what ``setup`` is doing: named by the line a Ctrl-C / SIGTERM there ends with
@@ -183,6 +184,8 @@ class MedusaTrainer:
                   "restarts its data shard at the saved epoch position of rank 0", flush=True)
         if counts:  # checkpoints written before the counters were saved: they restart (as they did)
             self.source.stats.restore_batch_counts(counts[self.rank] if len(counts) == self.world_size else counts[0])
+        windows = state.get("log_window_per_rank")   # under another world size (or an older checkpoint): restarts
+        self.resumed_window = windows[self.rank] if windows and len(windows) == self.world_size else None
         return data_state
 
     def _already_exported(self, state: dict) -> bool:
@@ -274,9 +277,12 @@ class MedusaTrainer:
     def train(self) -> None:
         t = self.cfg.trainer
         metrics = HeadMetrics(self.spec.num_heads)
-        self.module.metrics = metrics
+        self.module.metrics, self.window_loss = metrics, 0.0
+        if self.resumed_window:   # the checkpoint's logging window: the next record spans it as it would have
+            metrics.restore(self.resumed_window["metrics"])
+            self.window_loss = self.resumed_window["loss_sum"]
         it = iter(self.batches)
-        window_tokens, window_start, loss_sum = 0, time.perf_counter(), 0.0
+        window_tokens, window_start = 0, time.perf_counter()
         self.engine.train()
         while self.step < t.max_steps:
             # Here, between complete steps, the step counter, data position and engine agree: the only place a
@@ -301,19 +307,19 @@ class MedusaTrainer:
             self.step += 1
             self.data_state = self.batches.state()
             self.batch_counts = self.source.stats.batch_counts()
-            loss_sum += step_loss
+            self.window_loss += step_loss
             if self.tracker:
                 self.tracker.advance()
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 elapsed = time.perf_counter() - window_start
                 n_steps = metrics.batches / self.plan.grad_accum
-                record = {"loss": loss_sum / max(n_steps, 1), **metrics.summary(),
+                record = {"loss": self.window_loss / max(n_steps, 1), **metrics.summary(),
                           "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                           "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                           "padding_fraction": self.source.stats.padding_fraction, **self.module.last_parts}
                 self.tracker.log(self.step, record)
                 metrics.reset()
-                window_tokens, window_start, loss_sum = 0, time.perf_counter(), 0.0
+                window_tokens, window_start, self.window_loss = 0, time.perf_counter(), 0.0
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                 paused = time.perf_counter()
                 self.evaluate()
@@ -394,14 +400,17 @@ class MedusaTrainer:
         # Each rank reads its own shard, so each has its own data position; an interrupted
         # step's micro-batches are not counted (the resumed run redoes that step whole), in the data
         # position nor in the padding fraction's counters.
-        mine = (self.data_state, self.batch_counts)
+        metrics = getattr(self.module, "metrics", None)
+        window = {"loss_sum": self.window_loss, "metrics": metrics.state()} if metrics is not None else None
+        mine = (self.data_state, self.batch_counts, window)
         per_rank = [mine]
         if self.world_size > 1:
             per_rank = [None] * self.world_size
             dist.all_gather_object(per_rank, mine)
-        data_per_rank = [data for data, _ in per_rank]
+        data_per_rank = [data for data, _, _ in per_rank]
         state = {"step": self.step, "data": data_per_rank[0], "data_per_rank": data_per_rank,
-                 "batch_counts_per_rank": [counts for _, counts in per_rank], "heads": self.spec.to_dict(),
+                 "batch_counts_per_rank": [counts for _, counts, _ in per_rank], "heads": self.spec.to_dict(),
+                 "log_window_per_rank": [window for _, _, window in per_rank],
                  "world_size": self.world_size, "global_batch_size": self.plan.global_batch_size,
                  "config": self.run_config}  # compared with the next run's on resume (checkpoint docstring)
         path = checkpoint.save(self.engine, self.output_dir, self.step, state, self.cfg.trainer.keep_last, self.rank)

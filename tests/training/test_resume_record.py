@@ -60,6 +60,31 @@ def test_padding_fraction_continues_after_resume(compose_tiny, tmp_path, monkeyp
     assert [r["loss"] for r in train_records(tmp_path / "b")] == [r["loss"] for r in train_records(tmp_path / "a")]
 
 
+def test_a_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(compose_tiny, tmp_path, monkeypatch):
+    """Guards against the first record after a resume averaging only the steps run since the resume: with
+    log_every=3 and a checkpoint at step 2, the resumed run logged step 3's loss, accuracies and chain_tau over
+    step 3 alone (6.70 where the uninterrupted run logged 6.51), so metrics.jsonl differed from it. The window's
+    sums are kept in the checkpoint: every record is the same, to the last bit."""
+    original = T.MedusaTrainer.save_checkpoint
+    window = ["trainer.log_every=3", "trainer.max_steps=6", "trainer.save_every=2", "logger.plot=false"]
+    T.run(compose_tiny(*window, out=tmp_path / "a"))
+
+    def save_then_die(self):
+        path = original(self)
+        if self.step == 2:
+            raise RuntimeError("killed after the step-2 checkpoint")
+        return path
+
+    monkeypatch.setattr(T.MedusaTrainer, "save_checkpoint", save_then_die)
+    with pytest.raises(RuntimeError, match="killed"):
+        T.run(compose_tiny(*window, out=tmp_path / "b"))
+    monkeypatch.undo()
+    T.run(compose_tiny(*window, out=tmp_path / "b"))
+    drop = ("tokens_per_s", "time", "elapsed_s", "timestamp")   # wall-clock figures differ between any two runs
+    a, b = ([{k: v for k, v in r.items() if k not in drop} for r in train_records(tmp_path / x)] for x in "ab")
+    assert [r["step"] for r in a] == [3, 6] and a == b
+
+
 # What every run recorded under ``heads`` before the heads keys were split by family: every family's keys, the
 # ones its own family does not read at their unset values.
 LEGACY_HEADS_KEYS = {"inner_dim": 0, "tie_weights": False, "scale_input": False, "aux_layers": None,
