@@ -436,9 +436,7 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
     gen = pick_engine(cfg, out, backbone, device, probe)
     progress["phase"] = ""
     main = rank == 0
-    note = note_batch_size_change(cfg, out) if main else None
-    if note:
-        print(note, flush=True)
+    note = note_batch_size_change(cfg, out) if main else None   # said before the first shard drawn here, if any
 
     bar = None
     if t.progress_bar and main:
@@ -468,6 +466,9 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
             _remove_leftovers(out, k)
             # The shard's samples do not depend on what ran before; modulo 2**64, what torch takes.
             torch.manual_seed((t.seed * 1_000_003 + k) % 2**64)
+            if note:
+                print(note, flush=True)
+                note = None
             result = distill_shard(gen, members, cfg, on_batch)
             write_shard(out, k, result)
             done_here += 1

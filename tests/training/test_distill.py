@@ -209,6 +209,8 @@ def test_a_resume_at_another_batch_size_is_recorded_and_said_when_sampling(tempe
                         "drawn at batch size 2 (distill.json records the batch size of every shard)"]
     else:
         assert said == []
+    distill.run(compose_tiny(*args))   # nothing left to draw: nothing to say (it was said at every rerun)
+    assert [line for line in capsys.readouterr().out.splitlines() if "batch size" in line] == []
 
 
 def test_processes_split_the_shards_and_together_cover_every_conversation(compose_tiny, out_dir, monkeypatch):
