@@ -38,8 +38,8 @@ def forbid_loading(monkeypatch) -> None:
     monkeypatch.setattr(checkpoint, "load", boom)
 
 
-def interrupted_run(compose_tiny, out: Path, monkeypatch, *extra: str) -> None:
-    """A 4-step run killed right after its step-2 checkpoint (so it is resumable, not finished)."""
+def interrupted_run(compose_tiny, out: Path, monkeypatch, *extra: str, run: list = RUN) -> None:
+    """A 4-step run (``run``'s keys) killed right after its step-2 checkpoint (so it is resumable, not finished)."""
     original = T.MedusaTrainer.save_checkpoint
 
     def save_then_die(self):
@@ -50,7 +50,7 @@ def interrupted_run(compose_tiny, out: Path, monkeypatch, *extra: str) -> None:
 
     monkeypatch.setattr(T.MedusaTrainer, "save_checkpoint", save_then_die)
     with pytest.raises(RuntimeError, match="killed"):
-        T.run(compose_tiny(*RUN, *extra, out=out))
+        T.run(compose_tiny(*run, *extra, out=out))
     monkeypatch.undo()
 
 

@@ -65,20 +65,9 @@ def test_a_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(c
     log_every=3 and a checkpoint at step 2, the resumed run logged step 3's loss, accuracies and chain_tau over
     step 3 alone (6.70 where the uninterrupted run logged 6.51), so metrics.jsonl differed from it. The window's
     sums are kept in the checkpoint: every record is the same, to the last bit."""
-    original = T.MedusaTrainer.save_checkpoint
     window = ["trainer.log_every=3", "trainer.max_steps=6", "trainer.save_every=2", "logger.plot=false"]
     T.run(compose_tiny(*window, out=tmp_path / "a"))
-
-    def save_then_die(self):
-        path = original(self)
-        if self.step == 2:
-            raise RuntimeError("killed after the step-2 checkpoint")
-        return path
-
-    monkeypatch.setattr(T.MedusaTrainer, "save_checkpoint", save_then_die)
-    with pytest.raises(RuntimeError, match="killed"):
-        T.run(compose_tiny(*window, out=tmp_path / "b"))
-    monkeypatch.undo()
+    interrupted_run(compose_tiny, tmp_path / "b", monkeypatch, run=window)
     T.run(compose_tiny(*window, out=tmp_path / "b"))
     drop = ("tokens_per_s", "time", "elapsed_s", "timestamp")   # wall-clock figures differ between any two runs
     a, b = ([{k: v for k, v in r.items() if k not in drop} for r in train_records(tmp_path / x)] for x in "ab")
