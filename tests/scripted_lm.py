@@ -10,6 +10,7 @@ compaction. ``calls`` records the number of tokens of every forward.
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -32,6 +33,9 @@ class ScriptedLM:
 
     def new_cache(self, capacity: int) -> TreeKVCache:
         return TreeKVCache(1, capacity)
+
+    def stepping(self):
+        return contextlib.nullcontext()   # MedusaModel's decoding-step context: no LongRoPE switch to make here
 
     def hidden(self, input_ids, position_ids, cache, attention_mask=None):
         k = input_ids.float()[:, None, :, None]                  # [1, 1, n, 1]: the token ids
