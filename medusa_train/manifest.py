@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -41,7 +42,9 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write beside the target, then rename: a reader (or the next run) never sees half a file, and a Ctrl-C
     mid-write leaves the file as it was, and no temporary file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # the writer's own name: processes, and threads of one (two writing one manifest at once shared a name, and
+    # the second rename found the file gone)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
