@@ -81,7 +81,7 @@ from .data.readers import ReadStats, iter_conversations
 from .data.tokenize import UNFINISHED, TemplateRefused
 from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
 from .distributed import resolve_device, stop_on_signals
-from .manifest import claim, claim_once, read_manifest, read_once, write_json_atomic
+from .manifest import claim, claim_once, is_temp_name, read_manifest, read_once, write_json_atomic
 
 FORMAT_VERSION = 2   # 2: replies cut at max_new_tokens marked unfinished (1 trained an end after them)
 MANIFEST = "distill.json"
@@ -130,7 +130,7 @@ def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, 
         # finished training run's heads/, checkpoints/, ...) is another run's folder, which data would be added to.
         own = {DATA_DIR, PROGRESS_DIR, MANIFEST, ENGINE_CLAIM, ".hydra"}
         other = sorted(e.name for e in out.iterdir() if e.name not in own
-                       and not (e.name.startswith(".") and ".tmp-" in e.name)) if out.is_dir() else []
+                       and not is_temp_name(e.name)) if out.is_dir() else []
         if other:
             return (f"{out} holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''} but no {MANIFEST}: "
                     "not a distillation run of this tool; use another output_dir")

@@ -103,7 +103,7 @@ from .data.readers import ReadStats, data_files
 from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
 from .distributed import barrier, start_process, stop_on_signals
 from .families import backbone_layers
-from .manifest import claim, read_manifest, write_json_atomic
+from .manifest import claim, is_temp_name, read_manifest, write_json_atomic
 
 FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy); 1 is refused
 MANIFEST = "features.json"
@@ -176,7 +176,7 @@ def _cache_own(name: str) -> bool:
     """Whether an entry of a cache folder is one the cache writes itself: its manifest, eval file and shards,
     and the temporary names they are written under (``.<name>.tmp-<pid>``)."""
     return (name in (MANIFEST, EVAL_FILE) or re.fullmatch(r"train-\d{6}\.safetensors", name) is not None
-            or (name.startswith(".") and ".tmp-" in name))
+            or is_temp_name(name))
 
 
 def foreign_cache(root: Path, run_dir: Optional[Path] = None) -> Optional[str]:

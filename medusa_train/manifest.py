@@ -106,9 +106,7 @@ def claim_once(path: Path, record: dict, valid: Callable[[dict], bool], wait_s: 
     text = json.dumps(record, indent=2, default=str) + "\n"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            _write_synced(f, text)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -131,9 +129,19 @@ def _create_exclusive(path: Path, text: str) -> None:
     except FileExistsError:
         return
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        _write_synced(f, text)
+
+
+def _write_synced(f, text: str) -> None:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether a folder entry is a writer's temporary ``.<name>.tmp-<id>`` (being written, or left by a kill):
+    part of the folder's own content, never another run's."""
+    return name.startswith(".") and ".tmp-" in name
 
 
 def read_once(path: Path) -> dict:
