@@ -87,7 +87,8 @@ class EvalKeys(CommandKeys):
                                       "last, never evaluated)")
     turns: str = _key("first", "first | both")
     method: Any = _key(None, removed=True)  # refused with a pointer to methods=
-    methods: Optional[List[str]] = _key(None, "the methods to measure (unset: medusa); the baselines are added")
+    methods: Optional[List[str]] = _key(None, "the methods to measure (unset: the heads family's default method); "
+                                        "the baselines are added")
     compare: bool = _key(False, "run every available method, write compare.md + compare.png")
     calibration_prompts: int = _key(8, "prompts held out (the set's last) to measure choice=auto on")
     calibration_tokens: int = _key(48, "tokens generated per calibration prompt")

@@ -55,6 +55,8 @@ BAD_INPUT = [
     # -- backbone named twice (defect 5: an explicit name_or_path alone clears random_init) -----------------------
     (TRAIN, ["debug_tiny", "backbone.name_or_path={tmp}/gpt2", "backbone.random_init.hidden_size=32"], 2,
      "both name a backbone"),
+    (TRAIN, ["debug_tiny", "backbone.name_or_path=embedded:smollm2", "backbone.random_init.hidden_size=64"], 2,
+     "both name a backbone"),  # the default's name: trained the random backbone
     (TRAIN, ["debug_tiny", "backbone.name_or_path={tmp}/missing"], 2, "path not found"),
     # -- eagle3 drafters that cannot fit the backbone, refused from its config alone ---------------------------------
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "backbone.name_or_path={tmp}/gpt2"], 2,

@@ -144,11 +144,19 @@ def test_local_data_source_checked_before_loading(source, words, tmp_path):
 
 def test_named_backbone_clears_the_recipes_random_init():
     """Guards against: `medusa-train debug_tiny backbone.name_or_path=<dir>` silently training the recipe's
-    random backbone; naming random_init too keeps it (and validate then refuses the conflict)."""
+    random backbone; naming random_init too on the command line is refused, also when the name given is the
+    default's (`embedded:smollm2`, which the config's own check cannot tell from no name: it trained the random
+    backbone); a config with both is refused by validate."""
     assert compose_recipe("debug_tiny", ["backbone.name_or_path=/m"]).backbone.random_init is None
     assert compose_recipe("debug_tiny", ["++backbone.name_or_path=/m"]).backbone.random_init is None
-    both = compose_recipe("debug_tiny", ["backbone.name_or_path=/m", "backbone.random_init.hidden_size=32"])
-    assert both.backbone.random_init["hidden_size"] == 32
+    for name in ("/m", "embedded:smollm2"):
+        for random in ("backbone.random_init.hidden_size=32", "+backbone.random_init={hidden_size: 32}"):
+            with pytest.raises(UserError, match="both name a backbone"):
+                compose_recipe("debug_tiny", [f"backbone.name_or_path={name}", random])
+    cleared = compose_recipe("debug_tiny", ["backbone.name_or_path=/m", "backbone.random_init=null"])
+    assert cleared.backbone.random_init is None
+    both = compose_recipe("debug_tiny", ["backbone.random_init.hidden_size=32"])
+    both.backbone.name_or_path = "/m"
     with pytest.raises(UserError, match="both name a backbone"):
         validate(both)
     assert compose_recipe("debug_tiny", []).backbone.random_init  # the recipe alone keeps its random backbone
