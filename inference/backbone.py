@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -87,7 +88,7 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     check_weight_files(name_or_path, path)   # before transformers reads anything: no weights, a file cut short
     kwargs = dict(trust_remote_code=trust_remote_code, revision=revision, **_cache_only(path))
     torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
-    with _loading_errors(name_or_path, path, attn_implementation=attn_implementation):
+    with loading_errors(name_or_path, path, attn_implementation=attn_implementation):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation, **kwargs)
@@ -114,7 +115,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer   # lazy: as load_backbone's
 
     path, kwargs = _source(name_or_path)
-    with _loading_errors(name_or_path, path, part="the tokenizer of "):
+    with loading_errors(name_or_path, path, part="the tokenizer of "):
         return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code,
                                              **kwargs, **_cache_only(path))
 
@@ -126,7 +127,7 @@ def load_backbone_config(name_or_path: str, *, gguf_file: Optional[str] = None, 
     from transformers import AutoConfig   # lazy: as load_backbone's
 
     path, kwargs = _source(name_or_path, gguf_file)
-    with _loading_errors(name_or_path, path, config_only=True):
+    with loading_errors(name_or_path, path, config_only=True):
         return AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code,
                                           revision=revision, **kwargs, **_cache_only(path))
 
@@ -186,7 +187,7 @@ def _check_local(name_or_path: str, path: str) -> None:
 
 
 @contextlib.contextmanager
-def _loading_errors(name_or_path: str, path: Optional[str] = None, config_only: bool = False,
+def loading_errors(name_or_path: str, path: Optional[str] = None, config_only: bool = False,
                     attn_implementation: str = "sdpa", part: str = ""):
     """transformers' loading errors that a user causes as one ``UserError`` line saying what to do (``path``: where
     it is read from; a local folder, and the hub is not to blame; ``part``: what of the backbone is loaded, "" for
@@ -287,11 +288,30 @@ def scale_logits(logits: torch.Tensor, logit_scale: Optional[float], softcap: Op
     return logits
 
 
+# ``logits_scaling`` means opposite things in transformers' forwards: Granite's (and its MoE / SWA variants')
+# divide the logits by it, MiniCPM3's divide the hidden state before the lm_head (the same), HyperCLOVA X's multiply.
+_DIVIDES_BY_LOGITS_SCALING = ("granite", "minicpm3")   # model_type prefixes
+_MULTIPLIES_BY_LOGITS_SCALING = ("hyperclovax",)
+
+
 def logit_scaling(model) -> tuple:
-    """(logit_scale, final soft-cap) the backbone applies after its lm_head (``scale_logits``; (None, None) for
-    most): whatever reads its distribution through the lm_head applies them."""
+    """(logit scale, final soft-cap) the backbone applies after its lm_head (``scale_logits``; (None, None) for
+    most): whatever reads its distribution through the lm_head applies them. The scale is Cohere's
+    ``logit_scale`` or a ``logits_scaling`` read as the model type's forward reads it; greedy tokens never depend
+    on it, sampled ones and the trainer's teacher terms do."""
     cfg = text_config(model)
-    return getattr(cfg, "logit_scale", None), getattr(cfg, "final_logit_softcapping", None)
+    scale = getattr(cfg, "logit_scale", None)
+    by = getattr(cfg, "logits_scaling", None)
+    if isinstance(by, (int, float)) and by not in (0, 1):
+        kind = str(getattr(cfg, "model_type", ""))
+        if kind.startswith(_DIVIDES_BY_LOGITS_SCALING):
+            scale = (scale or 1.0) / by
+        elif kind.startswith(_MULTIPLIES_BY_LOGITS_SCALING):
+            scale = (scale or 1.0) * by
+        else:
+            warnings.warn(f"the backbone's config ({kind}) has logits_scaling={by}, which no known forward of this "
+                          "model type reads: it is not applied (sampled tokens may differ from the model's)")
+    return scale, getattr(cfg, "final_logit_softcapping", None)
 
 
 def backbone_logits(model, hidden: torch.Tensor) -> torch.Tensor:

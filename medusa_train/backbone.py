@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from omegaconf import OmegaConf
 
 from inference import backbone as runtime_backbone
 from inference.backbone import parse_dtype
@@ -64,7 +65,8 @@ def random_config(config: dict):
     """The transformers config of a ``backbone.random_init`` dict (no weights)."""
     from transformers import AutoConfig   # lazy: not for preflight's imports (docstring)
 
-    cfg = dict(config)
+    # nested values (rope_scaling, layer_types) as plain dicts and lists: transformers validates their types
+    cfg = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else dict(config)
     model_type = cfg.pop("model_type", "llama")
     cfg.setdefault("vocab_size", BYTE_TOKENIZER_SIZE)
     if cfg["vocab_size"] < BYTE_TOKENIZER_SIZE:
@@ -72,7 +74,7 @@ def random_config(config: dict):
     try:
         hf_config = AutoConfig.for_model(model_type, **cfg)
     except Exception as e:  # ValueError/TypeError, or huggingface_hub's strict-dataclass validation wrapping one
-        cause = e.__cause__ if e.__cause__ is not None and "validation error" in str(e) else e
+        cause = e.__cause__ if e.__cause__ is not None and "validation error" in str(e).lower() else e
         raise UserError(f"backbone.random_init: {(str(cause).strip().splitlines() or [type(cause).__name__])[0]}"
                         ) from None
     # transformers leaves this to the first forward (a RuntimeError there, after the run's files are written).
@@ -84,7 +86,7 @@ def random_config(config: dict):
     return hf_config
 
 
-def random_backbone(config: dict, seed: int = 0) -> Backbone:
+def random_backbone(config: dict, seed: int = 0, attn_implementation: str = "sdpa") -> Backbone:
     from transformers import AutoModelForCausalLM   # lazy: not for preflight's imports (docstring)
 
     tokenizer = byte_tokenizer()
@@ -93,9 +95,10 @@ def random_backbone(config: dict, seed: int = 0) -> Backbone:
     model_type = hf_config.model_type
     hf_config.eos_token_id = tokenizer.eos_token_id
     hf_config.pad_token_id = tokenizer.pad_token_id
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), runtime_backbone.loading_errors(f"random:{model_type}",
+                                                                  attn_implementation=attn_implementation):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
     return Backbone(model, tokenizer, f"random:{model_type}")
 
 
@@ -112,7 +115,8 @@ def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0, run_di
     runtime (``medusa-eval heads=<run_dir>/heads``) rebuilds exactly it. ``before_write`` is given the
     tokenizer before that save (whether or not there is one to make): the trainer checks its data with it,
     so data it refuses leaves the run's folder as it was."""
-    backbone = random_backbone(dict(cfg.random_init), seed=seed) if cfg.random_init else _load_pretrained(cfg)
+    backbone = (random_backbone(cfg.random_init, seed=seed, attn_implementation=cfg.attn_implementation)
+                if cfg.random_init else _load_pretrained(cfg))
     if backbone.tokenizer.pad_token is None:
         backbone.tokenizer.pad_token = backbone.tokenizer.eos_token
     if not backbone.tokenizer.chat_template:
@@ -194,6 +198,6 @@ def backbone_identity(backbone: Backbone) -> dict:
 def backbone_config(cfg):
     """The backbone's transformers config, read without its weights (``AutoConfig`` or ``random_init``)."""
     if cfg.random_init:
-        return random_config(dict(cfg.random_init))
+        return random_config(cfg.random_init)
     return runtime_backbone.load_backbone_config(cfg.name_or_path, gguf_file=cfg.gguf_file,
                                                  trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)

@@ -16,6 +16,7 @@ source that gives the task a conversation (``check_data_usable``, reading no mor
 from __future__ import annotations
 
 import os
+import sys
 
 from typing import Optional
 
@@ -232,6 +233,13 @@ def check_family(cfg) -> None:
     hf_config = text_config(backbone_config(cfg.backbone))
     fam.vocabulary(cfg.heads, int(hf_config.vocab_size))
     fam.spec_settings(cfg.heads, hf_config)
+    if enum_value(cfg.task) == "train":
+        from inference.runtime.model import check_backbone_config   # lazy: transformers is read by now, not at --help
+        try:
+            check_backbone_config(hf_config, cfg.backbone.name_or_path if not cfg.backbone.random_init else None)
+        except UserError as e:   # heads for engines that serve such backbones still train
+            print(f"note: {e}: medusa-eval and medusa-generate will refuse these heads; serving engines decode "
+                  "them (medusa-export)", file=sys.stderr)
 
 
 def check_draft_vocabulary(cfg) -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..errors import UserError
 from .captured_calls import CapturedCalls
@@ -200,6 +200,7 @@ class StaticSteps:
         # every draft model's static steps made here, while its model lives: report.json counts their captures too
         self.drafts: list = []   # weak references, in the order made
         self.whose = "this request"   # what a fallback warning names ("the draft model", in a sibling's)
+        self.unfit: Optional[str] = None   # "" once the backbone's cache is seen to fit the buffer, else what it holds
 
     def check_current(self, generation: int) -> None:
         """Refuse a step through a view of an older generation (a newer one took the buffer over)."""
@@ -233,7 +234,7 @@ class StaticSteps:
         holds it, -1 where it would decode on the dynamic cache (the caller counts that), else the new buffer's."""
         slots = need + 1
         rows, _ = self._limit(slots, batch)
-        if rows is None:
+        if rows is None or not self._fits():
             return -1
         if self.kv is not None and slots <= self.kv.shape[4] and rows <= self.kv.shape[2]:
             return 0
@@ -265,6 +266,9 @@ class StaticSteps:
     def _reserve(self, slots: int, batch: int) -> bool:
         """A buffer of at least ``slots`` entries (+ the padding slot) for ``batch`` rows, grown if need be."""
         rows, beyond = self._limit(slots, batch)
+        if not self._fits():
+            self.fallbacks += 1
+            return False
         if rows is None:
             self.fallbacks += 1
             warnings.warn(f"graphs: {self.whose} needs {beyond}: it decodes uncaptured on the dynamic cache",
@@ -294,6 +298,34 @@ class StaticSteps:
         # the graphs went with the old buffer: their memory with them (capture_s keeps every capture's time)
         self._buckets, self.captures, self.graph_bytes = {}, {}, 0
         self._pool = torch.cuda.graph_pool_handle() if self.capture is cuda_capture else None
+
+    def _fits(self) -> bool:
+        """Whether the backbone's own cache has the buffer's layout (``_cache_layout_differs``, read once; a model
+        whose cache does not decodes on the dynamic cache, said in one line)."""
+        if self.unfit is None:
+            self.unfit = self._cache_layout_differs()
+            if self.unfit:
+                warnings.warn(f"graphs: the backbone's KV cache holds {self.unfit}, not the [kv_heads, head_dim] keys "
+                              "and values in every layer that the static buffer holds: it decodes uncaptured on the "
+                              "dynamic cache", stacklevel=5)
+        return not self.unfit
+
+    def _cache_layout_differs(self) -> str:
+        """"" where one 1-token forward on transformers' own cache leaves keys and values of ``_layout``'s shape in
+        every layer, else what it leaves. Read once per model, from the model itself: a config does not say it
+        for every architecture (DeepSeek-V3's multi-head latent attention caches one latent and one rotary part,
+        of other widths than its heads; a graph would write them into the wrong shapes)."""
+        layers, kv_heads, head_dim = self._layout()
+        cache = DynamicCache()
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.m.device)
+        with torch.no_grad():
+            self.m.body_hidden(ids, torch.zeros_like(ids), cache)
+        seen = [(tuple(getattr(layer, "keys", torch.empty(0, 0, 0)).shape[1::2]),
+                 tuple(getattr(layer, "values", torch.empty(0, 0, 0)).shape[1::2])) for layer in cache.layers]
+        if len(seen) == layers and all(k == v == (kv_heads, head_dim) for k, v in seen):
+            return ""
+        widths = sorted({f"keys {k[0]} x {k[1]} / values {v[0]} x {v[1]}" for k, v in seen})
+        return f"{len(seen)} layers of {', '.join(widths)} (heads x width)"
 
     def _dtype(self) -> torch.dtype:
         """The backbone body's dtype (its keys and values), which the lm_head's need not be."""

@@ -306,3 +306,46 @@ def test_heads_state_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch
     with pytest.raises(UserError, match=r"heads.kind=mlp_speculator .* parameters.*lower heads.num_heads, "
                                         r"heads.num_layers, heads.inner_dim or heads.truncated_vocab_size"):
         P.check_fits(big)
+
+
+def test_random_init_takes_nested_values_and_says_why_it_refuses(compose_tiny):
+    """Guards against: a nested ``backbone.random_init`` value (a rope_scaling dict, a layer_types list) reaching
+    transformers as an OmegaConf node, refused with an empty reason ("Validation error for field 'rope_parameters':"
+    and nothing after it: the cause line was dropped by a case-sensitive match)."""
+    from medusa_train.backbone import random_config
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    cfg = compose_tiny("+backbone.random_init.rope_scaling=" + str(rope).replace("'", "").replace(" ", ""),
+                       "+backbone.random_init.layer_types=[full_attention,full_attention]")
+    built = random_config(cfg.backbone.random_init)
+    assert built.rope_parameters["rope_type"] == "llama3" and built.layer_types == ["full_attention"] * 2
+    with pytest.raises(UserError) as e:
+        random_config({"layer_types": "full_attention"})
+    assert not str(e.value).rstrip().endswith(":") and "\n" not in str(e.value)
+
+
+def test_random_backbone_takes_the_runs_attention_implementation(tmp_path, capsys):
+    """Guards against: a random Gemma-2 backbone (transformers refuses it sdpa) ending in a ValueError traceback,
+    and ``backbone.attn_implementation=eager``, which the pretrained path honours, being ignored for it."""
+    from medusa_train.backbone import random_backbone
+
+    tiny = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    with pytest.raises(UserError, match=r"Gemma2ForCausalLM does not support attn_implementation='sdpa'") as e:
+        random_backbone(tiny)
+    assert "\n" not in str(e.value)
+    assert random_backbone(tiny, attn_implementation="eager").model.config._attn_implementation == "eager"
+
+
+def test_a_backbone_the_runtime_cannot_decode_trains_with_a_note(compose_tiny, capsys):
+    """Guards against: heads trained for a backbone with sliding-window layers (Gemma-3's default) without a word,
+    and refused only afterwards by medusa-eval / medusa-generate: the run says so before it starts (the heads still
+    serve in engines), and says nothing for a full-attention backbone."""
+    from medusa_train.preflight import check_family
+
+    check_family(compose_tiny())
+    assert "note:" not in capsys.readouterr().err
+    check_family(compose_tiny("backbone.random_init.model_type=gemma3_text", "+backbone.random_init.head_dim=16"))
+    err = capsys.readouterr().err
+    assert "sliding_attention layers" in err and "medusa-eval and medusa-generate will refuse" in err
