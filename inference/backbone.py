@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -336,24 +337,28 @@ class HiddenStateTap:
         if bad:
             raise UserError(f"aux layer ids {bad} are out of range: the backbone has hidden states 0..{len(layers) - 1}")
         self._modules = [body.get_input_embeddings() if i == 0 else layers[i - 1] for i in self.ids]
-        self._out: dict[int, torch.Tensor] = {}
-        self._handles: list = []
+        # Per thread: the hooks sit on modules every thread's forward runs through, so a tap keeps only the states
+        # of forwards run by the thread that opened it (another thread's decoding read its features otherwise).
+        self._local = threading.local()
 
     def __enter__(self):
-        self._out.clear()
-        for slot, mod in enumerate(self._modules):
-            self._handles.append(mod.register_forward_hook(self._hook(slot)))
+        me = threading.get_ident()
+        self._local.out = {}
+        self._local.handles = [mod.register_forward_hook(self._hook(slot, me, self._local.out))
+                               for slot, mod in enumerate(self._modules)]
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
+        for h in self._local.handles:
             h.remove()
-        self._handles.clear()
+        self._local.handles = []
 
-    def _hook(self, slot: int):
+    @staticmethod
+    def _hook(slot: int, thread: int, out: dict):
         def grab(module, args, output):
-            self._out[slot] = output[0] if isinstance(output, (tuple, list)) else output
+            if threading.get_ident() == thread:
+                out[slot] = output[0] if isinstance(output, (tuple, list)) else output
         return grab
 
     def features(self) -> torch.Tensor:
-        return torch.cat([self._out[s] for s in range(len(self.ids))], dim=-1)
+        return torch.cat([self._local.out[s] for s in range(len(self.ids))], dim=-1)

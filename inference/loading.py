@@ -238,7 +238,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
         target = _refuse_another_target(heads_dir, spec, name, trust_remote_code)
         # The heads read whole before the backbone's weights: tensors their config does not imply, refused first.
         read = read_heads(heads_dir, target) if _checkable(target) else None
-        dev = parse_device(device or "cpu")
+        dev = parse_device("cpu" if device is None else device)
         dt = parse_dtype(dtype or torch.float32)
         apply = apply_adapter if apply_adapter is not None else backbone is None
         adapter = None

@@ -228,7 +228,7 @@ class Eagle3Decoder:
         self.cache = m.new_cache(n + max_new_tokens + o.nodes + 1 + self.extra_nodes)
         # committed entries (<= n + max_new_tokens + the deepest tree) plus one step's draft entries
         need = n + max_new_tokens + o.depth + 1 + self.extra_nodes + (o.depth - 1) * o.topk
-        if m.static is not None:     # the drafter's calls go through captured calls (eagle3_static)
+        if m.on_static(self.cache):     # the drafter's calls go through captured calls (eagle3_static)
             self.dkv = draft_cache(m, 1, need)
             self.claimed = self.dkv.claim()
         else:

@@ -156,7 +156,7 @@ class Eagle3BatchDrafter:
     # -- the cache: prompt, then every step's accepted positions ------------------------------------
     def prefilled(self, dec: BatchTreeDecoder, paths: list[list[int]], aux: torch.Tensor) -> None:
         need = self._capacity(dec.prompt_lengths, dec.max_new_tokens)
-        if self.m.static is not None:     # the drafter's calls go through captured calls (eagle3_static)
+        if self.m.on_static(dec.cache):     # the drafter's calls go through captured calls (eagle3_static)
             self.dkv = StaticRowDraftKV(self.m, dec.batch, need)
         else:
             self.dkv = RowDraftKV(dec.batch, need, self.m.device)

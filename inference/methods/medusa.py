@@ -41,8 +41,9 @@ from .registry import Method, heads_costs, option, register
 @dataclass
 class MedusaOptions:
     tree: Any = option("tree8", "tree", "the Medusa tree: a default name (tree4, tree8, chain3, ...), a tree JSON path, "
-                       "calibrated:N (the best N-node tree for these heads, grown from their accuracy measured on the "
-                       "calibration prompts and kept whatever its speed: compare heads at one budget) or choices; "
+                       "calibrated:N (medusa-eval: the best N-node tree for these heads, grown from their accuracy "
+                       "measured on the calibration prompts and kept whatever its speed: compare heads at one budget) "
+                       "or choices; "
                        "given, choice=auto leaves it as named")
 
 

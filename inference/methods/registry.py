@@ -23,7 +23,7 @@ import torch
 
 from ..cli_support import enum_value
 from ..errors import UserError
-from ..runtime.decode import (Decoder, GenerationOutput, TokenStream, as_medusa_model, check_budget,
+from ..runtime.decode import (Decoder, GenerationOutput, TokenStream, as_medusa_model, check_budget, check_call,
                               prompt_tensor, run_decoder)
 from ..runtime.batch_decode import BatchOutput, run_batch
 from ..runtime.model import MedusaModel, kv_bytes_per_token
@@ -280,9 +280,11 @@ def _runner_steps(runner, m, input_ids, max_new_tokens: int, max_steps: Optional
     return out
 
 
-def _prepare(m, method: str, options, sampling: Optional[SamplingConfig], option_fields: dict):
-    """(the method, its options, the model as a ``MedusaModel``, the sampling config), checked."""
+def _prepare(m, method: str, options, sampling: Optional[SamplingConfig], option_fields: dict, call: tuple):
+    """(the method, its options, the model as a ``MedusaModel``, the sampling config), checked; ``call``: the
+    call's (max_new_tokens, seed, eos_token_ids, max_steps)."""
     spec = get(method)
+    check_call(*call, sampling)
     m = as_medusa_model(m)
     opts = fitted_options(m, method, make_options(method, options, **option_fields))
     sampling = sampling or SamplingConfig()
@@ -299,7 +301,10 @@ def stream(m, input_ids, method: str = "medusa", *, options=None, max_new_tokens
     ``m``: a ``MedusaModel`` (or a bare causal LM for methods without heads). ``options``: the
     method's options object; ``option_fields`` set its fields by name (``tree="tree4"``).
     eos_token_ids: None = the model's, ``()`` = never stop early."""
-    spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields)
+    spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields,
+                                       (max_new_tokens, seed, eos_token_ids, max_steps))
+    input_ids = prompt_tensor(m, input_ids)   # checked now, not at the first iteration (and read once)
+    check_budget(m, input_ids.shape[1], max_new_tokens)
     if spec.runner is not None:
         return TokenStream(_runner_steps(spec.runner, m, input_ids, max_new_tokens, max_steps, sampling, seed, opts,
                                          eos_token_ids=eos_token_ids))
@@ -333,7 +338,8 @@ def generate_batch(m, prompts, method: str = "medusa", *, options=None, max_new_
     spec = get(method)
     if spec.batch_decoder is None:
         raise UserError(f"method {method} decodes one prompt at a time; batched methods: {', '.join(batched_names())}")
-    spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields)
+    spec, opts, m, sampling = _prepare(m, method, options, sampling, option_fields,
+                                       (max_new_tokens, seed, eos_token_ids, max_steps))
     decoder = spec.batch_decoder(m, opts, sampling, seed, ragged)
     with torch.inference_mode():
         return run_batch(decoder, m, prompts, max_new_tokens, eos_token_ids, max_steps)

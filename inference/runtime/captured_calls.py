@@ -25,6 +25,7 @@ returned: the next replay overwrites them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -56,11 +57,17 @@ class CapturedCalls:
         self.failed = self.checked = self.disagreed = 0
         self._calls: dict[tuple, _Call] = {}
         self._pool = None
+        # one call at a time: two threads' replays of one graph would each read the other's fixed inputs or outputs
+        self._lock = threading.RLock()
 
     def run(self, name: str, fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
             rows: Optional[int] = None, keep: object = None) -> tuple[torch.Tensor, ...]:
         """``fn(*inputs)`` (a tuple of tensors), captured under ``name`` and the inputs' shapes once it has run
         eagerly once; ``rows``: the real batch in the inputs' (and outputs') leading dimension."""
+        with self._lock:
+            return self._run(name, fn, inputs, rows, keep)
+
+    def _run(self, name, fn, inputs, rows, keep) -> tuple[torch.Tensor, ...]:
         capture = self.owner.capture
         if capture is None:
             return tuple(fn(*inputs))

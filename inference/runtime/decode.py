@@ -13,6 +13,7 @@ A ``TokenStream`` yields the new token ids of each step; after iteration ``.resu
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Protocol, Sequence
@@ -79,7 +80,9 @@ class TokenStream:
         self.result: Optional[GenerationOutput] = None
 
     def __iter__(self):
-        self.result = yield from self._gen
+        result = yield from self._gen
+        if result is not None:   # iterated again: the spent generator returns None, the result stays
+            self.result = result
 
 
 # an incomplete multi-byte character (its last byte in a later token) decodes to this until that byte comes
@@ -116,11 +119,20 @@ def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
             raise UserError(f"batch size {input_ids.shape[0]} is not supported: decode one sequence at a time")
         if input_ids.dim() not in (1, 2):
             raise UserError("input_ids must be a list of ids or a [1, L] / [L] tensor")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise UserError(f"input_ids must be integer token ids, got a {input_ids.dtype} tensor")
         ids = input_ids.reshape(-1).tolist()
     elif isinstance(input_ids, str):
         raise UserError("input_ids must be token ids; encode text first (e.g. MedusaModel.encode_chat)")
     else:
-        ids = [int(i) for i in input_ids]
+        try:
+            ids = list(input_ids)
+        except TypeError:
+            raise UserError(f"input_ids must be a list of token ids, got {type(input_ids).__name__}") from None
+        bad = next((i for i in ids if not is_integer(i)), None)
+        if bad is not None:   # int() would truncate 5.9 to 5 and take a nested list's error for a bug's
+            raise UserError(f"input_ids must be integer token ids, got {bad!r}")
+        ids = [int(i) for i in ids]
     if not ids:
         raise UserError("the prompt is empty: give at least one token")
     v = m.vocab_size
@@ -129,10 +141,37 @@ def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long, device=m.device)
 
 
+def is_integer(x) -> bool:
+    """An int (numpy's too, a 0-d integer tensor), not a bool and not an integral float."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_call(max_new_tokens, seed, eos_token_ids, max_steps, sampling) -> None:
+    """A decoding call's own arguments, each refused in one line naming it: a float budget failed deep in a cache's
+    allocation (or was rounded), NaN never stopped transformers' ``generate``, a string of EOS ids stopped on its
+    digits, a seed beyond torch's range or a sampling dict failed with a traceback."""
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if max_steps is not None and (not is_integer(max_steps) or max_steps < 1):
+        raise UserError(f"max_steps must be None or an integer >= 1, got {max_steps!r}")
+    if seed is not None and (not is_integer(seed) or not -2 ** 63 <= seed < 2 ** 64):
+        raise UserError(f"seed must be None or an integer in [-2**63, 2**64), got {seed!r}")
+    if eos_token_ids is not None and not is_integer(eos_token_ids):
+        entries = list(eos_token_ids) if isinstance(eos_token_ids, Iterable) and not isinstance(
+            eos_token_ids, (str, bytes)) else None
+        if entries is None or not all(is_integer(e) for e in entries):
+            raise UserError("eos_token_ids must be a token id or a list of them (None: the model's; (): never stop "
+                            f"early), got {eos_token_ids!r}")
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise UserError(f"sampling must be a SamplingConfig (inference.runtime.verify), got {type(sampling).__name__}")
+
+
 def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
     """Refuse a prompt (``what`` names it) whose tokens + ``max_new_tokens`` exceed the backbone's positions."""
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     limit = getattr(m, "max_positions", None)   # None: no positional limit known
     if limit and prompt_len + max_new_tokens > limit:
         named = positions_named(m.config) if getattr(m, "config", None) is not None else f"{limit} positions"
@@ -159,7 +198,9 @@ def seeded_generator(device: torch.device, seed: Optional[int]) -> torch.Generat
 
 
 def eos_set(m: MedusaModel, eos_token_ids) -> set[int]:
-    return set(m.eos_token_ids) if eos_token_ids is None else {int(e) for e in eos_token_ids}
+    if eos_token_ids is None:
+        return set(m.eos_token_ids)
+    return {int(eos_token_ids)} if is_integer(eos_token_ids) else {int(e) for e in eos_token_ids}
 
 
 class _Emitter:
@@ -239,4 +280,7 @@ def as_medusa_model(model) -> MedusaModel:
     """A ``MedusaModel``, or a bare transformers causal LM (sdpa/eager) wrapped without heads."""
     if isinstance(model, MedusaModel):
         return model
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"the model must be a MedusaModel (inference.load_medusa) or a transformers causal LM, got "
+                        f"{type(model).__name__}")
     return MedusaModel(model=model, tokenizer=None, heads=None)

@@ -107,6 +107,11 @@ class MedusaModel:
         return view if view is not None else RaggedKVCache(self.config.num_hidden_layers, batch, capacity,
                                                            self.device, ragged)
 
+    def on_static(self, cache) -> bool:
+        """Whether ``cache`` is a view of the static buffer, not a dynamic cache a request fell back to (beyond a
+        fixed capacity, or while another thread holds the buffer): a drafter's own static cache goes with it."""
+        return isinstance(cache, (StaticKV, StaticRaggedKV))
+
     def stepping(self):
         """The context of a decoding step (after the prompt): LongRoPE backbones switch to their long factors per
         position there, as one-token decoding does (``rope_switch``); nothing changes for other backbones."""

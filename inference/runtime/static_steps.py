@@ -37,6 +37,7 @@ replay on new inputs disagrees with the same step run eagerly runs uncaptured (e
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -201,6 +202,11 @@ class StaticSteps:
         self.drafts: list = []   # weak references, in the order made
         self.whose = "this request"   # what a fallback warning names ("the draft model", in a sibling's)
         self.unfit: Optional[str] = None   # "" once the backbone's cache is seen to fit the buffer, else what it holds
+        # The buffer's current generation: its view (weakly: a finished generation's view is gone) and its thread.
+        # Another thread's request meanwhile decodes on the dynamic cache: a takeover between two of the first
+        # one's steps would hand each the other's entries (a step's check and its writes are not one operation).
+        self._holder: Optional[tuple] = None
+        self._holding = threading.Lock()
 
     def check_current(self, generation: int) -> None:
         """Refuse a step through a view of an older generation (a newer one took the buffer over)."""
@@ -218,16 +224,30 @@ class StaticSteps:
 
     # -- the buffer ----------------------------------------------------------------------------------
     def cache(self, need: int) -> Optional[StaticKV]:
-        """A view for a generation of at most ``need`` entries, or None where a fixed capacity is too small."""
-        if not self._reserve(need + 1, 1):
-            return None
-        return StaticKV(self, need, self._next())
+        """A view for a generation of at most ``need`` entries, or None where a fixed capacity is too small (or
+        another thread's generation holds the buffer)."""
+        return self._take(lambda: StaticKV(self, need, self._next()), need + 1, 1)
 
     def batch_cache(self, batch: int, need: int):
-        """A ``RaggedKVCache`` (compact) over the buffer's first ``batch`` rows, or None beyond its limits."""
-        if not self._reserve(need + 1, batch):
-            return None
-        return StaticRaggedKV(self, batch, need, self._next())
+        """A ``RaggedKVCache`` (compact) over the buffer's first ``batch`` rows, or None beyond its limits (or
+        another thread's generation holds the buffer)."""
+        return self._take(lambda: StaticRaggedKV(self, batch, need, self._next()), need + 1, batch)
+
+    def _take(self, view: Callable, slots: int, batch: int):
+        """The buffer for a new generation made by ``view()``, or None: it decodes on the dynamic cache. The same
+        thread takes it over from its own older generation (an abandoned stream: a step through that one is then
+        refused); another thread's live generation keeps it."""
+        with self._holding:
+            if self._holder is not None and self._holder[1] != threading.get_ident() and self._holder[0]() is not None:
+                self.fallbacks += 1
+                warnings.warn(f"graphs: another thread is decoding on this model's static KV buffer: {self.whose} "
+                              "decodes uncaptured on the dynamic cache", stacklevel=4)
+                return None
+            if not self._reserve(slots, batch):
+                return None
+            made = view()
+            self._holder = (weakref.ref(made), threading.get_ident())
+            return made
 
     def bytes_needed(self, batch: int, need: int) -> int:
         """Bytes a batch of ``batch`` rows of ``need`` entries would allocate here: 0 where the buffer already
@@ -272,7 +292,7 @@ class StaticSteps:
         if rows is None:
             self.fallbacks += 1
             warnings.warn(f"graphs: {self.whose} needs {beyond}: it decodes uncaptured on the dynamic cache",
-                          stacklevel=4)
+                          stacklevel=5)
             return False
         if self.kv is None or slots > self.kv.shape[4] or rows > self.kv.shape[2]:
             try:
@@ -281,7 +301,7 @@ class StaticSteps:
                 self.kv, self.fallbacks = None, self.fallbacks + 1
                 self.generation += 1      # a view of the freed buffer is refused, not read
                 warnings.warn(f"graphs: no memory for a static KV buffer of {rows} x {slots} slots: {self.whose} "
-                              "decodes uncaptured on the dynamic cache", stacklevel=4)
+                              "decodes uncaptured on the dynamic cache", stacklevel=5)
                 return False
         return True
 
@@ -307,7 +327,7 @@ class StaticSteps:
             if self.unfit:
                 warnings.warn(f"graphs: the backbone's KV cache holds {self.unfit}, not the [kv_heads, head_dim] keys "
                               "and values in every layer that the static buffer holds: it decodes uncaptured on the "
-                              "dynamic cache", stacklevel=5)
+                              "dynamic cache", stacklevel=6)
         return not self.unfit
 
     def _cache_layout_differs(self) -> str:

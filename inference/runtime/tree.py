@@ -482,6 +482,9 @@ def default_tree(name: str, num_heads: int) -> MedusaTree:
         size = int(name[4:])
         ranks = max(_PRIOR_RANKS, size)  # a single head needs size-1 ranks to fill the tree
         tree, _ = grow_tree(reference_accuracies(num_heads, ranks), size - 1, name=name)
+    elif name.startswith("calibrated:"):   # grown from accuracies measured on calibration prompts: medusa-eval's
+        raise UserError(f"tree {name} is measured by medusa-eval on its calibration prompts; with the Python API "
+                        "give the tree it chose (its choice file's tree, or its JSON) or a named tree")
     else:
         raise UserError(f"unknown tree {name!r}; use one of {', '.join(DEFAULT_TREE_NAMES)}, "
                         "chainN, treeN, a tree JSON file or a choices list")

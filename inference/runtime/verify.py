@@ -49,6 +49,7 @@ run 10^5 samples; decoding calls it with B = 1.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -76,6 +77,12 @@ class SamplingConfig:
     draft: str = "topk"     # sample mode only: "topk" or "sampled" (see module docstring)
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "typical_epsilon", "typical_delta"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise UserError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool):
+            raise UserError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.mode not in MODES:
             raise UserError(f"decoding mode must be one of {MODES}, got {self.mode!r}")
         if self.draft not in DRAFTS:
@@ -88,7 +95,7 @@ class SamplingConfig:
             raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.typical_epsilon > 0 and self.typical_delta > 0):
+        if not (0 < self.typical_epsilon < math.inf and 0 < self.typical_delta < math.inf):
             raise UserError("typical_epsilon and typical_delta must be > 0")
 
     @property

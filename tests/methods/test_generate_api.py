@@ -132,7 +132,8 @@ def test_a_batch_of_one_samples_as_generate_with_the_same_seed(backbone, mode):
 def test_hf_generate_keeps_the_apis_budget_and_step_rules():
     """Guards against method hf_generate (transformers' generate behind the same API) ignoring ``max_steps`` (the
     whole budget decoded), skipping the prompt checks every other method makes (a prompt past the backbone's
-    positions reached transformers), and running in full when ``stream`` was called rather than when iterated."""
+    positions reached transformers), and running in full when ``stream`` was called rather than when iterated (a
+    prompt it refuses is refused by ``stream`` itself, before anything runs)."""
     from inference.errors import UserError
 
     m = wrap(tiny_llama(vocab=96, seed=0), None)
@@ -141,8 +142,10 @@ def test_hf_generate_keeps_the_apis_budget_and_step_rules():
     assert out.tokens == plain.tokens and len(out.tokens) == 4
     assert out.finish_reason == plain.finish_reason == "steps"
     too_long = [1] * (m.max_positions - 4)
-    s = stream(m, too_long, "hf_generate", max_new_tokens=8)     # nothing runs yet
     with pytest.raises(UserError, match="exceeds the backbone's"):
-        next(iter(s))
+        stream(m, too_long, "hf_generate", max_new_tokens=8)
+    s = stream(m, PROMPT, "hf_generate", max_new_tokens=4, eos_token_ids=())
+    assert s.result is None                                      # nothing ran yet
+    assert [t for chunk in s for t in chunk] == s.result.tokens
     with pytest.raises(UserError, match="prompt is empty"):
         generate(m, [], "hf_generate", max_new_tokens=8)

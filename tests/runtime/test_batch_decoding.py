@@ -480,7 +480,7 @@ def test_speculation_moves_to_plain_as_rows_finish(m, prompts, refs, eos_case, p
     (lambda m, p: generate_batch(m, [[-1], p[3]], tree="tree8"), r"prompt 0: token ids must lie in 0\.\.95"),
     (lambda m, p: generate_batch(m, [p[3], p[2]], tree="tree8", max_new_tokens=1049),
      r"prompt 1: prompt \(1000 tokens\) \+ max_new_tokens \(1049\) exceeds the backbone's 2048 positions"),
-    (lambda m, p: generate_batch(m, [p[3]], tree="tree8", max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (lambda m, p: generate_batch(m, [p[3]], tree="tree8", max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (lambda m, p: generate_batch(m, [p[3]], tree="tree8", ragged="padded"), "ragged must be one of compact, gaps"),
     (lambda m, p: generate_batch(m, [p[3]], "lookahead"),
      "method lookahead decodes one prompt at a time; batched methods: medusa, draft, prompt_lookup, eagle3, "

@@ -95,9 +95,11 @@ def test_backbone_by_path_and_bad_paths(export, tmp_path):
     (dict(device="cuda:7" if torch.cuda.is_available() else "cuda"), "CUDA|GPU"),
     (dict(device="tpu"), "device"),
     (dict(dtype="int8"), "dtype"),
+    *([(dict(device=0), "device")] if not torch.cuda.is_available() else []),   # 0 was read as "no device": CPU
 ])
 def test_bad_device_or_dtype(export, kwargs, fragment):
-    """Guards against impossible device/dtype requests failing deep inside torch."""
+    """Guards against impossible device/dtype requests failing deep inside torch, and ``device=0`` (falsy) loading
+    silently on the CPU."""
     path, _ = export
     with pytest.raises(UserError, match=fragment):
         load_medusa(path, backbone=tiny_llama(vocab=96, seed=0), **kwargs)
