@@ -160,7 +160,7 @@ def check_call(max_new_tokens, seed, eos_token_ids, max_steps, sampling) -> None
         raise UserError(f"seed must be None or an integer in [-2**63, 2**64), got {seed!r}")
     if eos_token_ids is not None and not is_integer(eos_token_ids):
         entries = list(eos_token_ids) if isinstance(eos_token_ids, Iterable) and not isinstance(
-            eos_token_ids, (str, bytes)) else None
+            eos_token_ids, (str, bytes, Iterator)) else None   # an iterator: this check would have spent it
         if entries is None or not all(is_integer(e) for e in entries):
             raise UserError("eos_token_ids must be a token id or a list of them (None: the model's; (): never stop "
                             f"early), got {eos_token_ids!r}")

@@ -36,6 +36,7 @@ def m():
     (dict(seed=7.9), "seed must be None or an integer"),                                # silently 7
     (dict(eos_token_ids="198"), "eos_token_ids must be a token id or a list"),          # stopped on 1, 9 and 8
     (dict(eos_token_ids=[None]), "eos_token_ids must be a token id or a list"),
+    (dict(eos_token_ids=iter([3])), "eos_token_ids must be a token id or a list"),       # checked = spent
     (dict(sampling={"mode": "sample"}), "sampling must be a SamplingConfig"),           # AttributeError
 ])
 def test_a_bad_call_argument_is_one_line(m, method, kwargs, fragment):
