@@ -219,6 +219,16 @@ def trtllm_unhonoured(layer: dict) -> list[str]:
         out.append(f"logit_scale={layer['logit_scale']} (it does not scale the draft logits)")
     if layer.get("norm_before_fc", False) and layer.get("fc_norm", False):
         out.append("norm_before_fc with fc_norm (it applies fc_norm only, not input_norm before it)")
+    rope = layer.get("rope_scaling") or {}
+    if rope.get("rope_type") == "longrope":
+        # RopeParams.from_config reads no short_mscale / long_mscale / attention_factor / factor: its cos/sin scale is
+        # always derived from max_position_embeddings / original_max_position_embeddings
+        ratio, omax = layer["max_position_embeddings"] / rope["original_max_position_embeddings"], \
+            rope["original_max_position_embeddings"]
+        derived = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(omax))
+        if abs(derived - rope["attention_factor"]) > 1e-6 * max(1.0, derived):
+            out.append(f"LongRoPE's cos/sin scaled by {derived:.6g} (derived from its positions; it ignores "
+                       f"short_mscale / long_mscale / attention_factor), not the drafter's {rope['attention_factor']:.6g}")
     return out
 
 

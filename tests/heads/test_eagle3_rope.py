@@ -288,3 +288,23 @@ def test_importer_refuses_rope_it_would_compute_differently_in_one_line(rope_sca
     with pytest.raises(UserError) as e:
         load_heads(path, backbone_config=model.config, input_embeddings=model.get_input_embeddings().weight)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_trtllm_longrope_scale_it_ignores_is_noted():
+    """Guards against: an EAGLE-3 export for a LongRoPE target whose cos/sin scale is its own (``short_mscale`` /
+    ``long_mscale``, ``attention_factor``, or a ``factor`` other than positions / original: Phi-3.5-MoE's 1.243)
+    served on TensorRT-LLM without a word: its PyTorch backend reads none of those keys and derives
+    sqrt(1 + ln(max_pos / omax) / ln(omax)), so its attention logits differ by the squared ratio. The derived
+    scale (Phi-3-mini-128k's) says nothing."""
+    import math
+
+    from inference.formats.eagle3 import trtllm_unhonoured
+
+    derived = math.sqrt(1 + math.log(512 / 128) / math.log(128))
+    layer = {"max_position_embeddings": 512, "rope_scaling": {
+        "rope_type": "longrope", "long_factor": [1.0] * 8, "original_max_position_embeddings": 128,
+        "attention_factor": derived}}
+    assert trtllm_unhonoured(layer) == []
+    layer["rope_scaling"]["attention_factor"] = 1.243
+    (note,) = trtllm_unhonoured(layer)
+    assert f"scaled by {derived:.6g}" in note and "not the drafter's 1.243" in note
