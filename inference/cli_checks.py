@@ -27,7 +27,7 @@ from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
 from .evaluation.choosing import calibrating
 from .evaluation.evaluate import check_settings
-from .prompts import Prompt, encode_checked, encode_turn, load_prompts, select_prompts
+from .prompts import Prompt, answered_turn, encode_checked, encode_turn, load_prompts, select_prompts
 from .evaluation.reports import check_report_dir
 from .methods import get, names
 from .methods.choice_file import is_choice_file, read_choice
@@ -121,9 +121,11 @@ def backbone_config(cfg, spec):
 
 
 def encode_prompts(m, prompts: list[Prompt], cfg) -> list[list[int]]:
-    """medusa-generate's prompts (``generate_prompts``) encoded, each with its system message (``encode_turn``),
-    every one checked to fit the backbone's positions with max_new_tokens before any is decoded."""
-    ids = [encode_turn(m, p) for p in prompts]
+    """medusa-generate's prompts (``generate_prompts``) encoded, each with its system message (``encode_turn``) at
+    the turn it answers (``answered_turn``: a chat's last question, with the replies the record gives; the first
+    question was answered once, the rest of the chat dropped), every one checked to fit the backbone's positions
+    with max_new_tokens before any is decoded."""
+    ids = [encode_turn(m, p, answered_turn(p)) for p in prompts]
     for i, row in enumerate(ids, start=1):
         check_budget(m, len(row), cfg.max_new_tokens, what=f"prompt {i} of {len(ids)}" if len(ids) > 1 else "prompt")
     return ids
@@ -147,13 +149,8 @@ def tokenizer_model(cfg, spec):
         return None
     except ValueError as e:   # transformers' words span lines
         raise UserError(f"cannot load the tokenizer of backbone {name!r}: {' '.join(str(e).split())}") from None
-    from jinja2 import TemplateError   # lazy: transformers' chat templates run on it
-
     def encode_chat(prompt, system=None) -> list[int]:
-        try:
-            return chat_ids(tokenizer, prompt, system)
-        except TemplateError as e:   # the template's own refusal (raise_exception: "System role not supported")
-            raise UserError(f"the chat template of backbone {name!r} refuses the prompt: {e}") from None
+        return chat_ids(tokenizer, prompt, system, whose=f" of backbone {name!r}")
 
     return SimpleNamespace(max_positions=position_limit(config), config=config, encode_chat=encode_chat)
 
@@ -325,6 +322,11 @@ def generate_prompts(cfg) -> tuple[list[Prompt], bool]:
         if own and system:   # a file mixing both is fine, but which message a record gets must not be a guess
             print(f"note: {own} of the {len(prompts)} records of {cfg.prompts_file} give their own system message, "
                   "used instead of system=", file=sys.stderr)
+        later = sum(answered_turn(p) + 1 < len(p.turns) for p in prompts)
+        if later:   # MT-Bench's turns form: its later questions follow answers this command does not decode
+            print(f"note: {later} of the {len(prompts)} records of {cfg.prompts_file} have later questions without "
+                  "the replies before them: each such record's first is answered (medusa-eval turns=both answers "
+                  "them in order)", file=sys.stderr)
         return [p if p.system else dataclasses.replace(p, system=system) for p in prompts], True
     texts, several = _generate_texts(given, cfg)
     return [Prompt(str(i), [t], system=system) for i, t in enumerate(texts, start=1)], several

@@ -44,6 +44,16 @@ def encode_turn(m, p: Prompt, turn: int = 0, answers: Optional[list[str]] = None
     return m.encode_chat(turn_messages(p, turn, answers or []) if turn else p.turns[0])   # a first turn: its text
 
 
+def answered_turn(p: Prompt) -> int:
+    """The turn a single generation answers: the last one the record gives every earlier reply for (a chat of
+    ``messages`` ending in a user message: its last question), else the first (MT-Bench's ``turns``, whose later
+    turns follow answers not decoded yet: medusa-eval ``turns=both`` answers them in order)."""
+    turn = 0
+    while turn + 1 < len(p.turns) and turn < len(p.replies) and p.replies[turn] is not None:
+        turn += 1
+    return turn
+
+
 def encode_checked(m, prompts: list[Prompt], max_new_tokens: int, turns: str = "first") -> list[list[int]]:
     """The first turns of ``prompts`` encoded for ``m``, every one checked to fit the backbone's positions with
     ``max_new_tokens`` before any is decoded (an evaluation refused mid-run has wasted what it decoded); with

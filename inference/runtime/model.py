@@ -254,14 +254,20 @@ def is_count(value, low: Optional[int] = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
 
 
-def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None) -> list[int]:
-    """``MedusaModel.encode_chat`` with a tokenizer alone (a prompt checked before the weights load)."""
+def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None, whose: str = "") -> list[int]:
+    """``MedusaModel.encode_chat`` with a tokenizer alone (a prompt checked before the weights load; ``whose``: the
+    template's owner, for the message)."""
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system:
         msgs = [{"role": "system", "content": system}] + msgs
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError("the tokenizer has no chat template; pass token ids or plain text instead")
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        raise UserError("the tokenizer has no chat template: pass token ids (tokenizer(text).input_ids) instead")
+    from jinja2 import TemplateError   # lazy: transformers' chat templates run on it, only when one is applied
+
+    try:
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:   # the template's own refusal (Gemma's "System role not supported")
+        raise UserError(f"the chat template{whose} refuses the prompt: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -173,3 +173,45 @@ def test_backbone_drift_encodes_each_prompt_with_its_system_message(monkeypatch,
     assert [(msgs[-1]["content"], system) for msgs, system in m.calls] == [("hi", "Be brief."), ("plain", None)]
     expected = Recorder()
     assert seen["ids"] == [encode_turn(expected, p) for p in prompts] and report["backbone_drift"]["identical_answers"]
+
+
+def test_generate_answers_a_chats_last_question(tmp_path, generate_calls, monkeypatch, capsys):
+    """Guards against: medusa-generate prompts_file= given a chat (``messages``: a question, its reply, a second
+    question) answering the first question, which the record already answers, and dropping the rest without a
+    word. The chat is encoded whole up to its last question; an MT-Bench ``turns`` record, whose second question
+    follows an answer not decoded here, has its first answered, said in one line."""
+    import inference.cli as cli
+    import inference.cli_checks as checks
+    from conftest import DecodeCalled
+
+    chat = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3+3?"}]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in [{"messages": chat}, {"turns": ["one", "two"]}]) + "\n")
+    generate_calls["spec"] = None
+    monkeypatch.setattr(cli_run, "generate_options", lambda cfg, spec, several, size: ("autoregressive", None, False))
+    before, loaded = Recorder(), Recorder()
+    monkeypatch.setattr(checks, "tokenizer_model", lambda cfg, spec: before)
+    monkeypatch.setattr(cli_run, "_load", lambda cfg: loaded)
+    with pytest.raises(DecodeCalled):
+        cli_run.run_generate(cli.GenerateConfig(heads="h", prompts_file=str(f)))
+    assert before.calls == loaded.calls
+    assert [msgs for msgs, _ in loaded.calls] == [chat, [{"role": "user", "content": "one"}]]
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "1 of the 2 records" in err and "turns=both" in err
+
+
+def test_a_templates_refusal_is_one_line_in_the_python_api():
+    """Guards against: ``MedusaModel.encode_chat`` with a system message under a template that refuses one
+    (Gemma's "System role not supported") raising jinja2's TemplateError: a UserError naming the refusal."""
+    from types import SimpleNamespace
+
+    from inference.runtime.model import chat_ids
+
+    def refuse(*a, **k):
+        from jinja2 import TemplateError
+        raise TemplateError("System role not supported")
+
+    tok = SimpleNamespace(chat_template="{{ raise_exception('x') }}", apply_chat_template=refuse)
+    with pytest.raises(UserError, match="^the chat template refuses the prompt: System role not supported$"):
+        chat_ids(tok, "hi", system="Be brief.")
