@@ -72,12 +72,12 @@ def _cache_only(path: str) -> dict:
 
 def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_remote_code: bool = False,
                   revision: Optional[str] = None, gguf_file: Optional[str] = None,
-                  attn_implementation: str = "sdpa"):
+                  attn_implementation: str = "sdpa", attn_advice: str = ""):
     """(model, tokenizer, name): a causal LM and its tokenizer from an ``embedded:`` name, a local
     folder or a hub id; ``name`` is what heads record as their base model. ``dtype="auto"`` keeps
     the checkpoint's own. Any failure a user causes (no such model, no or damaged weights: ``check_weight_files``
     before transformers reads them, a config of no causal LM, a model class without ``attn_implementation``) is one
-    ``UserError`` line."""
+    ``UserError`` line (``attn_advice``: what the caller's user can set when the class lacks the implementation)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer   # lazy: 1.3 s; medusa-train's checks import this
 
     if name_or_path.startswith("random:"):
@@ -89,7 +89,7 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     check_weight_files(name_or_path, path)   # before transformers reads anything: no weights, a file cut short
     kwargs = dict(trust_remote_code=trust_remote_code, revision=revision, **_cache_only(path))
     torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
-    with loading_errors(name_or_path, path, attn_implementation=attn_implementation):
+    with loading_errors(name_or_path, path, attn_implementation=attn_implementation, attn_advice=attn_advice):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation, **kwargs)
@@ -189,7 +189,7 @@ def _check_local(name_or_path: str, path: str) -> None:
 
 @contextlib.contextmanager
 def loading_errors(name_or_path: str, path: Optional[str] = None, config_only: bool = False,
-                    attn_implementation: str = "sdpa", part: str = ""):
+                    attn_implementation: str = "sdpa", part: str = "", attn_advice: str = ""):
     """transformers' loading errors that a user causes as one ``UserError`` line saying what to do (``path``: where
     it is read from; a local folder, and the hub is not to blame; ``part``: what of the backbone is loaded, "" for
     all of it); any other error keeps its traceback (a bug)."""
@@ -215,7 +215,7 @@ def loading_errors(name_or_path: str, path: Optional[str] = None, config_only: b
                             "only if you trust its source") from None
         if config_only:
             raise UserError(f"cannot read the config of backbone {name_or_path!r}: {_first_line(e)}") from None
-        known = _model_class_refusal(str(e), attn_implementation)
+        known = _model_class_refusal(str(e), attn_implementation, attn_advice)
         if known is None and path is not None and os.path.isdir(os.path.expanduser(str(path))):
             # a local folder's files are the user's to mend (a config.json without model_type, tokenizer files
             # transformers cannot build from), never this code's: a traceback there read as a bug. transformers'
@@ -226,7 +226,7 @@ def loading_errors(name_or_path: str, path: Optional[str] = None, config_only: b
         raise UserError(f"cannot load {part}backbone {name_or_path!r}: {known}") from None
 
 
-def _model_class_refusal(text: str, attn_implementation: str) -> Optional[str]:
+def _model_class_refusal(text: str, attn_implementation: str, attn_advice: str = "") -> Optional[str]:
     """transformers' refusal to build a causal LM from a config, both raised before any weight is read, in a
     line: a config of no causal LM (a vision or encoder model's), or a model class without the attention
     implementation it is loaded with; None for any other error."""
@@ -237,7 +237,7 @@ def _model_class_refusal(text: str, attn_implementation: str) -> Optional[str]:
     unsupported = re.match(r"(\w+) does not support an attention implementation through ([\w.]+)", text)
     if unsupported:
         return f"transformers' {unsupported[1]} does not support attn_implementation={attn_implementation!r} " \
-               f"({unsupported[2]}), which it is loaded with"
+               f"({unsupported[2]}), which it is loaded with" + (f": {attn_advice}" if attn_advice else "")
     return None
 
 

@@ -61,6 +61,10 @@ def byte_tokenizer():
 BYTE_TOKENIZER_SIZE = 259
 
 
+# transformers' refusal of a model class without the run's attention implementation, completed with the key to set
+ATTN_ADVICE = "set backbone.attn_implementation=eager"
+
+
 def random_config(config: dict):
     """The transformers config of a ``backbone.random_init`` dict (no weights)."""
     from transformers import AutoConfig   # lazy: not for preflight's imports (docstring)
@@ -95,7 +99,7 @@ def random_backbone(config: dict, seed: int = 0, attn_implementation: str = "sdp
     model_type = hf_config.model_type
     hf_config.eos_token_id = tokenizer.eos_token_id
     hf_config.pad_token_id = tokenizer.pad_token_id
-    with torch.random.fork_rng(), runtime_backbone.loading_errors(f"random:{model_type}",
+    with torch.random.fork_rng(), runtime_backbone.loading_errors(f"random:{model_type}", attn_advice=ATTN_ADVICE,
                                                                   attn_implementation=attn_implementation):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
@@ -169,7 +173,7 @@ def keep_random_backbone(backbone: Backbone, folder: Path, write: bool = True) -
 def _load_pretrained(cfg) -> Backbone:
     model, tokenizer, name = runtime_backbone.load_backbone(
         cfg.name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,
-        gguf_file=cfg.gguf_file, attn_implementation=cfg.attn_implementation)
+        gguf_file=cfg.gguf_file, attn_implementation=cfg.attn_implementation, attn_advice=ATTN_ADVICE)
     return Backbone(model, tokenizer, name)
 
 
