@@ -37,16 +37,16 @@ def backbone_overrides(overrides: list[str]) -> list[str]:
     keys = [override_key(a) for a in overrides]
     if "backbone.name_or_path" not in keys:
         return list(overrides)
+    given = [a for a, k in zip(overrides, keys) if k == "backbone.random_init" or k.startswith("backbone.random_init.")]
+    if not given:
+        return [*overrides, "backbone.random_init=null"]
     # A random backbone given beside a named one (``random_init=null`` / ``~`` only clear it): the config's own
     # check cannot see it when the name is the default's, and the run would train on the random one.
-    random = [a for a, k in zip(overrides, keys)
-              if (k == "backbone.random_init" or k.startswith("backbone.random_init.")) and not a.startswith("~")
-              and a.split("=", 1)[-1].strip().lower() not in ("null", "~", "none")]
+    random = [a for a in given if not a.startswith("~") and a.split("=", 1)[-1].strip().lower() not in
+              ("null", "~", "none")]
     if random:
         name = next(a for a, k in zip(overrides, keys) if k == "backbone.name_or_path")
         raise UserError(f"{name} and {random[0]} both name a backbone: give one")
-    if not any(k == "backbone.random_init" or k.startswith("backbone.random_init.") for k in keys):
-        return [*overrides, "backbone.random_init=null"]
     return list(overrides)
 
 

@@ -148,12 +148,16 @@ def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_max_new_tokens(max_new_tokens) -> None:
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
 def check_call(max_new_tokens, seed, eos_token_ids, max_steps, sampling) -> None:
     """A decoding call's own arguments, each refused in one line naming it: a float budget failed deep in a cache's
     allocation (or was rounded), NaN never stopped transformers' ``generate``, a string of EOS ids stopped on its
     digits, a seed beyond torch's range or a sampling dict failed with a traceback."""
-    if not is_integer(max_new_tokens) or max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     if max_steps is not None and (not is_integer(max_steps) or max_steps < 1):
         raise UserError(f"max_steps must be None or an integer >= 1, got {max_steps!r}")
     if seed is not None and (not is_integer(seed) or not -2 ** 63 <= seed < 2 ** 64):
@@ -170,8 +174,7 @@ def check_call(max_new_tokens, seed, eos_token_ids, max_steps, sampling) -> None
 
 def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
     """Refuse a prompt (``what`` names it) whose tokens + ``max_new_tokens`` exceed the backbone's positions."""
-    if not is_integer(max_new_tokens) or max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     limit = getattr(m, "max_positions", None)   # None: no positional limit known
     if limit and prompt_len + max_new_tokens > limit:
         named = positions_named(m.config) if getattr(m, "config", None) is not None else f"{limit} positions"
