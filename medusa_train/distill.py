@@ -19,7 +19,8 @@ limits                                           distill.max_conversations, dist
                                                  (a turn whose prompt already has that many tokens
                                                  ends the conversation: training would cut it off)
 batched generation with a KV cache               distill.batch_size (prompts grouped by length)
-the fastest of generate / runtime / lookup       distill.engine (auto: measured; distill_engines.py)
+generate / runtime / lookup                      distill.engine (auto: the fastest measured when greedy,
+                                                 the runtime when sampling; distill_engines.py)
 resume unit / output shard size                  distill.shard_size
 device, seed, CPU threads, progress bar          trainer.device, trainer.seed, trainer.threads,
                                                  trainer.progress_bar
@@ -27,7 +28,7 @@ device, seed, CPU threads, progress bar          trainer.device, trainer.seed, t
 Multi-turn conversations are replayed turn by turn: the prompt of turn i holds the original
 user turns and the *regenerated* replies 1..i-1, as in a real chat with the backbone.
 Generation runs on batches (``distill_engines``: transformers' ``generate`` or the runtime's batched
-decoding, whichever is measured faster on this machine); within a shard all conversations' turn-i
+decoding; greedy, whichever is measured faster on this machine); within a shard all conversations' turn-i
 prompts are sorted by length before batching, so a batch wastes little on padding.
 A conversation the chat template refuses (a system turn for Gemma's, roles that do not alternate) ends there,
 its earlier turns kept, counted in ``distill.json``'s ``ended`` as "chat template refused it: <message>"; a run
@@ -563,6 +564,8 @@ def pick_engine(cfg, out: Path, backbone, device, probe: Generator) -> Generator
         gen, record = None, recorded
     elif g.engine != "auto":
         gen, record = make(g.engine), {"chosen": g.engine, "calibration": None}
+    elif g.temperature > 0:
+        gen, record = sampling_engine(make, probe)
     else:
         prompts = calibration_prompts(cfg, probe)
         if not prompts:
@@ -580,6 +583,20 @@ def pick_engine(cfg, out: Path, backbone, device, probe: Generator) -> Generator
         manifest["engine"] = record
         write_json_atomic(out / MANIFEST, manifest)
     return gen
+
+
+def sampling_engine(make: Callable[[str], Generator], probe: Generator) -> tuple[Generator, dict]:
+    """``distill.engine=auto`` when sampling: the runtime's batched loop without timing anything. The engines draw
+    their samples differently, so a choice by speed (within 5% of each other on a CPU) made two fresh runs of one
+    recipe write different data; this one depends on nothing but the backbone. Greedy replies are the same from
+    every engine, so there the fastest is measured and kept."""
+    why = "sampling: auto does not time the engines, so the same command writes the same data"
+    try:
+        gen, chosen = make("runtime"), "runtime"
+    except UserError:   # a backbone the runtime cannot decode: transformers' generate, the only engine left
+        gen, chosen, why = probe, "generate", f"{why}; the runtime cannot decode this backbone"
+    print(f"[distill] engine: {chosen} ({why}; distill.engine=generate|runtime|lookup chooses one)")
+    return gen, {"chosen": chosen, "calibration": None, "why": why}
 
 
 def _recorded_engine(out: Path) -> dict:

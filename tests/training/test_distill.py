@@ -362,10 +362,10 @@ def test_runtime_engines_write_the_same_greedy_data_as_generate(engine, compose_
 
 
 def test_auto_engine_is_measured_recorded_and_kept_on_resume(compose_tiny, tmp_path, monkeypatch):
-    """Guards against: an engine picked without measuring (no rates recorded), and a resumed run measuring
-    again and switching engines half-way, which would mix two engines' samples in one dataset."""
+    """Guards against: a greedy run's engine picked without measuring (no rates recorded), and a resumed run
+    measuring again and switching engines half-way."""
     cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=8",
-                       out=tmp_path / "auto")
+                       "distill.temperature=0", out=tmp_path / "auto")
     manifest = distill.run(cfg)
     record = manifest["engine"]
     assert record["chosen"] in ("generate", "runtime", "lookup")
@@ -387,3 +387,44 @@ def test_unknown_engine_is_refused_in_one_line(compose_tiny):
     with pytest.raises(UserError) as err:
         distill.run(compose_tiny(*DISTILL, "distill.engine=vllm"))
     assert "distill.engine" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sampled_auto_runs_write_the_same_data_whichever_engine_is_faster(compose_tiny, tmp_path, monkeypatch,
+                                                                           capsys):
+    """Guards against: ``distill.engine=auto`` with sampling (the recipe's default, temperature 0.3) choosing by
+    speed. The engines draw their samples differently and measure within 5% of each other on a CPU, so two fresh
+    runs of one command wrote different datasets depending on which engine a busy machine timed faster."""
+    from medusa_train import distill_engines
+
+    def timing(fastest):
+        def time_engine(engine, prompts, max_new_tokens):
+            return {"tokens": 1, "seconds": 1.0, "tokens_per_s": 100.0 if engine.name == fastest else 1.0}
+        return time_engine
+
+    runs = []
+    for fastest in ("generate", "lookup"):
+        monkeypatch.setattr(distill_engines, "time_engine", timing(fastest))
+        cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=8",
+                           "distill.temperature=0.7", out=tmp_path / fastest)
+        manifest = distill.run(cfg)
+        assert manifest["engine"]["chosen"] == "runtime" and manifest["engine"]["calibration"] is None
+        runs.append(records(tmp_path / fastest))
+    assert runs[0] == runs[1]
+    assert "[distill] engine: runtime (sampling" in capsys.readouterr().out
+    assert len(runs[0]) == 8 and all(any(m["role"] == "assistant" for m in r["messages"]) for r in runs[0])
+
+
+def test_sampled_auto_takes_generate_when_the_runtime_cannot_decode_the_backbone(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: the sampling rule of ``distill.engine=auto`` failing a run whose backbone only transformers'
+    generate can decode (the runtime refuses it) instead of writing with generate."""
+    from medusa_train import distill_engines
+
+    class Refused(distill_engines.Generator):
+        def __init__(self, *a, **k):
+            raise UserError("no runtime for this backbone")
+
+    monkeypatch.setattr(distill_engines, "RuntimeGenerator", Refused)
+    cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=4",
+                       out=tmp_path / "g")
+    manifest = distill.run(cfg)
+    assert manifest["engine"]["chosen"] == "generate" and "cannot decode" in manifest["engine"]["why"]
