@@ -14,6 +14,7 @@ runtime never imports the trainer.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -69,14 +70,54 @@ def mtbench_questions_path() -> Path:
     return path
 
 
+CONVERSION_RECORD = "medusa_conversion.json"
+
+
 def _conversion_dir(gguf_path: Path) -> Path:
     return cache_dir() / "backbones" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
 
 
+# The tokens that end a reply in llama.cpp, the GGUF format's own runtime (llama-vocab.cpp, ``special_eog_ids``): the
+# metadata's eos / eot / eom ids and the tokens of these texts. A GGUF names one eos id, while chat models end a turn
+# with another token (Gemma's <end_of_turn>, Phi-3's <|end|>), and transformers reads the eos id alone: a reply would
+# run on past its end. llama.cpp's fill-in-the-middle tokens (code infill, not chat turns) are left out.
+GGUF_END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+                  "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "<|end_of_text|>", "<end_of_utterance>")
+GGUF_END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+CONVERSION_VERSION = 2   # 2: generation_config.json lists every end-of-reply token (gguf_end_ids)
+
+
+def gguf_end_ids(tokens: list[str], metadata_ids: list[int]) -> list[int]:
+    """The ids that end a reply, as llama.cpp decides them for a GGUF with these token texts and end ids."""
+    ends = {int(i) for i in metadata_ids if 0 <= int(i) < len(tokens)}
+    ends |= {i for i, text in enumerate(tokens) if text in GGUF_END_TEXTS}
+    texts = {tokens[i] for i in ends}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= texts:   # gpt-oss: <|end|> closes a message, not the reply
+        ends.discard(tokens.index("<|end|>"))
+    return sorted(ends)
+
+
+def read_gguf_end_ids(gguf_path: Path) -> list[int]:
+    """``gguf_end_ids`` of a GGUF file (its metadata parsed once: seconds for a large vocabulary)."""
+    import gguf   # lazy: only when converting a GGUF
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data] if field is not None else []
+    ids = [int(reader.fields[k].parts[reader.fields[k].data[0]][0]) for k in GGUF_END_KEYS if k in reader.fields]
+    return gguf_end_ids(tokens, ids)
+
+
 def cached_conversion(gguf_path: Path) -> Path | None:
-    """The folder ``converted_gguf_dir`` made for ``gguf_path`` already, or None (nothing converted here)."""
+    """The folder ``converted_gguf_dir`` made for ``gguf_path`` already, or None (nothing converted here, or a
+    conversion of an older ``CONVERSION_VERSION``: made again)."""
     target = _conversion_dir(gguf_path)
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    try:
+        version = json.loads((target / CONVERSION_RECORD).read_text()).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if version == CONVERSION_VERSION and (target / "config.json").is_file() \
+            and (target / "model.safetensors").is_file():
         return target
     return None
 
@@ -102,8 +143,13 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_config(gguf_model.config)
         model.load_state_dict(gguf_model.state_dict(), strict=True)
+        ends = read_gguf_end_ids(gguf_path)
+        if len(ends) > 1:   # transformers kept the GGUF's eos id alone
+            model.generation_config.eos_token_id = ends
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / CONVERSION_RECORD).write_text(json.dumps({"version": CONVERSION_VERSION, "gguf": gguf_path.name,
+                                                         "end_of_reply_ids": ends}) + "\n")
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
