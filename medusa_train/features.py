@@ -80,6 +80,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,8 +207,15 @@ def foreign_cache(root: Path, run_dir: Optional[Path] = None) -> Optional[str]:
 def check_cache_dir(cfg) -> None:
     """Preflight of a run that uses the cache (``features.mode`` build or train): refuse a ``cache_dir`` that
     cannot become one (``foreign_cache``) before the backbone loads, as the claim would after it. A folder with a
-    manifest is left to the claim: whether it was built for this backbone needs the backbone's weights."""
-    if not enabled(cfg) or enum_value(cfg.task) != "train":
+    manifest is left to the claim: whether it was built for this backbone needs the backbone's weights. A
+    ``cache_dir`` beside ``features.mode=off`` gets a note: the run reads no cache (a recipe's shared cache turned off
+    on the command line, or a cache named without the mode that reads it)."""
+    if enum_value(cfg.task) != "train":
+        return
+    if not enabled(cfg):
+        if cfg.features.cache_dir:
+            print(f"note: features.cache_dir={cfg.features.cache_dir} is not read with features.mode=off: the backbone "
+                  "runs on every micro-batch (features.mode=train reads and builds the cache)", file=sys.stderr)
         return
     root = cache_dir(cfg)
     if (root / MANIFEST).is_file():

@@ -302,3 +302,14 @@ def test_cache_built_before_data_fingerprints_is_accepted_and_gets_one(compose_t
     T.run(compose_tiny(*common, "features.mode=train", out=tmp_path / "b"))
     assert len(losses(tmp_path / "b", "train")) == 4
     assert json.loads(path.read_text())["data_fingerprint"] == recorded
+
+
+def test_a_cache_dir_with_the_cache_off_is_said_once(compose_tiny, tmp_path, capsys):
+    """Guards against: ``features.cache_dir=`` given without ``features.mode=train`` (or a recipe's shared cache
+    turned off on the command line) training online in silence, the named cache neither read nor built."""
+    features.check_cache_dir(compose_tiny(f"features.cache_dir={tmp_path / 'shared'}"))
+    err = capsys.readouterr().err
+    assert "features.cache_dir=" in err and "features.mode=off" in err and len(err.strip().splitlines()) == 1
+    features.check_cache_dir(compose_tiny())
+    assert capsys.readouterr().err == ""
+    assert not (tmp_path / "shared").exists()
