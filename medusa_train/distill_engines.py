@@ -15,9 +15,10 @@ whether the turn ended)]``):
 every engine on one calibration batch of the run's own first prompts (outputs discarded, so the shards' seeded
 sampling is untouched) and keeps the fastest by tokens/s. Sampling, the engines draw their samples differently, so
 ``auto`` takes the runtime (``generate`` where the runtime cannot decode the backbone) without timing: the same
-command writes the same data on a busy machine or an idle one. Which engine ran is fixed at the first choice (``engine.json``, created once, so of
-processes choosing at once exactly one wins; recorded in ``distill.json``), so every process and a
-resumed run continue with the same one and write the shards the uninterrupted run would have.
+command writes the same data on a busy machine or an idle one. Which engine ran is fixed at the first choice
+(``engine-<digest>.json``, created once, so of processes choosing at once exactly one wins; recorded in
+``distill.json``), so every process and a resumed run continue with the same one and write the shards the
+uninterrupted run would have.
 """
 
 from __future__ import annotations

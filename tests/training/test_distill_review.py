@@ -110,13 +110,13 @@ def test_a_reply_keeps_the_space_its_first_token_starts_with(compose_tiny, varie
 
 def test_two_processes_choosing_the_engine_at_the_same_instant_end_with_one_engine(compose_tiny, out_dir, monkeypatch,
                                                                                     varied_backbone):  # noqa: F811
-    """Guards against: two launch ranks (distill.engine=auto) that finish measuring together each reading "no engine
-    recorded" in distill.json, then each recording and keeping its own fastest: one dataset sampled by two engines,
-    and a manifest that names only one of them."""
+    """Guards against: two launch ranks (distill.engine=auto, greedy: the engines are measured) that finish measuring
+    together each reading "no engine recorded" in distill.json, then each recording and keeping its own fastest:
+    one dataset written by two engines, and a manifest that names only one of them."""
     import threading
 
     cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=4",
-                       "distill.temperature=0.7")
+                       "distill.temperature=0")
     distill.claim_output(out_dir, distill.run_identity(cfg))
     device = torch.device("cpu")
     probe = Generator(varied_backbone.model, varied_backbone.tokenizer, cfg, device)
@@ -165,22 +165,61 @@ def test_two_processes_choosing_the_engine_at_the_same_instant_end_with_one_engi
 
 def test_an_engine_claim_is_created_once(tmp_path):
     """Guards against: a second claim replacing the first (the rank that claimed first already writes with it)."""
-    first = distill.claim_engine(tmp_path, {"chosen": "runtime", "calibration": None})
-    second = distill.claim_engine(tmp_path, {"chosen": "lookup", "calibration": None})
+    path = tmp_path / distill.ENGINE_CLAIM.format(digest="0123abcd")
+    first = distill.claim_engine(path, {"chosen": "runtime", "calibration": None})
+    second = distill.claim_engine(path, {"chosen": "lookup", "calibration": None})
     assert first == second == {"chosen": "runtime", "calibration": None}
-    assert sorted(p.name for p in tmp_path.iterdir()) == [distill.ENGINE_CLAIM]   # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]   # no temporary file left
 
 
 def test_an_engine_claim_left_without_its_manifest_is_not_followed(compose_tiny, out_dir,
                                                                    varied_backbone):  # noqa: F811
     """Guards against a new run in a folder whose distill.json was deleted (its data/ empty, so the folder is taken)
-    following the engine.json left there: an explicit distill.engine=generate was silently replaced by the old
-    run's measured engine."""
-    (out_dir / distill.ENGINE_CLAIM).parent.mkdir(parents=True, exist_ok=True)
-    (out_dir / distill.ENGINE_CLAIM).write_text(json.dumps({"chosen": "lookup", "calibration": None}))
+    following the engine claim left there by a run of other settings: an explicit distill.engine=generate was
+    silently replaced by the old run's measured engine."""
+    old = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.temperature=0")
+    left = distill.engine_claim(out_dir, distill.run_identity(old))
+    left.parent.mkdir(parents=True, exist_ok=True)
+    left.write_text(json.dumps({"chosen": "lookup", "calibration": None}))
     cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.engine=generate")
     distill.claim_output(out_dir, distill.run_identity(cfg))
     device = torch.device("cpu")
     probe = Generator(varied_backbone.model, varied_backbone.tokenizer, cfg, device)
     assert distill.pick_engine(cfg, out_dir, varied_backbone, device, probe).name == "generate"
-    assert json.loads((out_dir / distill.ENGINE_CLAIM).read_text())["chosen"] == "generate"
+    claim = distill.engine_claim(out_dir, distill.run_identity(cfg))
+    assert claim != left and json.loads(claim.read_text())["chosen"] == "generate"
+
+
+def test_a_process_finding_no_manifest_never_removes_the_claim_another_just_made(compose_tiny, out_dir, monkeypatch,
+                                                                                  varied_backbone):  # noqa: F811
+    """Guards against: a fresh run's process that found no distill.json deleting the engine claim (left, it thought,
+    by a deleted run) after another process of the same run had written the manifest and claimed its engine: the
+    second process then measured and claimed its own, and the two wrote one dataset with two engines."""
+    cfg = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], "distill.max_conversations=4",
+                       "distill.temperature=0")
+    device = torch.device("cpu")
+    probe = Generator(varied_backbone.model, varied_backbone.tokenizer, cfg, device)
+    picks = iter(["lookup", "runtime"])   # the first process measures lookup fastest, the second runtime
+    monkeypatch.setattr(distill, "choose_engine",
+                        lambda engines, *a, **k: (lambda n: (engines[n](), {"chosen": n, "calibration": None}))(
+                            next(picks)))
+    real_claim, real_write, first, held = distill.claim, distill.write_json_atomic, {}, []
+
+    def claim_while_the_other_process_runs(*a, **k):
+        manifest = real_claim(*a, **k)
+        if not first:   # between this process's look for a manifest and its return, the other one claims an engine
+            first["engine"] = "..."
+            distill.claim_output(out_dir, distill.run_identity(cfg))
+            distill.write_json_atomic = lambda path, obj: held.append((path, obj))   # its distill.json write lags
+            try:
+                first["engine"] = distill.pick_engine(cfg, out_dir, varied_backbone, device, probe).name
+            finally:
+                distill.write_json_atomic = real_write
+        return manifest
+
+    monkeypatch.setattr(distill, "claim", claim_while_the_other_process_runs)
+    distill.claim_output(out_dir, distill.run_identity(cfg))
+    second = distill.pick_engine(cfg, out_dir, varied_backbone, device, probe).name
+    for path, obj in held:
+        real_write(path, obj)
+    assert first["engine"] == second == "lookup"
