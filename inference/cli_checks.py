@@ -22,6 +22,7 @@ from typing import Optional
 
 from . import loading   # loading.read_heads_spec_for looked up when called (tests replace it)
 from .backbone import check_backbone_name, load_backbone_config, load_tokenizer, parse_device
+from .chat_template import check_template_args, set_template_args
 from .cli_support import enum_value, keys_given
 from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
@@ -54,6 +55,7 @@ def check_decoding_keys(cfg):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"{key} must be an integer >= {low}{what}, got {value!r}")
     check_backbone_name(cfg.backbone)
+    check_template_args(cfg.chat_template_args)
     seed = getattr(cfg, "seed", 0)
     # torch.Generator.manual_seed takes -2**63 .. 2**64-1; an evaluation adds the prompt's index to it
     if seed is not None and not -2**63 <= seed < 2**63:
@@ -149,6 +151,8 @@ def tokenizer_model(cfg, spec):
         return None
     except ValueError as e:   # transformers' words span lines
         raise UserError(f"cannot load the tokenizer of backbone {name!r}: {' '.join(str(e).split())}") from None
+    set_template_args(tokenizer, cfg.chat_template_args, whose=f" of backbone {name!r}")
+
     def encode_chat(prompt, system=None) -> list[int]:
         return chat_ids(tokenizer, prompt, system, whose=f" of backbone {name!r}")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 # keys that are gone, and what replaced them (one line each, before anything loads)
 REPLACED = {
@@ -73,6 +73,9 @@ class CommandKeys:
     graph_buckets: List[int] = _key(help="the row counts (and batch sizes) a captured step is padded up to (strictly "
                                     "increasing, at most 2048); larger steps run uncaptured",
                                     factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    chat_template_args: Dict[str, Any] = _key(help="variables of the backbone's chat template for every prompt, e.g. "
+                                              "chat_template_args.enable_thinking=false (Qwen3 with thinking off)",
+                                              factory=dict)
     trust_remote_code: bool = _key(False, "run the backbone's (or draft checkpoint's) own modelling code")
     apply_adapter: Optional[bool] = _key(None, "Medusa-2 heads (trained with a LoRA adapter): merge it into the "
                                          "backbone; unset: when the backbone is the one the heads record (no "

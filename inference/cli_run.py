@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from . import methods as decoding   # decoding.stream / generate / generate_batch, looked up when called
 from .backbone import load_backbone
+from .chat_template import set_template_args
 from .cli_checks import (check_decoding_keys, check_eval_keys, check_eval_prompts_fit, check_fixed_choices,
                          check_keys_used, check_options_fit, check_prompts_fit, choice_modes, encode_prompts,
                          eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec, method_options,
@@ -52,7 +53,8 @@ def _load(cfg):
         raise UserError("heads=<export directory> is required")
     return load_medusa(cfg.heads, backbone=cfg.backbone, device=_device(cfg), dtype=cfg.dtype,
                        trust_remote_code=cfg.trust_remote_code, apply_adapter=cfg.apply_adapter, kernels=cfg.kernels,
-                       draft_weights=cfg.draft_weights, graphs=cfg.graphs, graph_buckets=list(cfg.graph_buckets))
+                       draft_weights=cfg.draft_weights, graphs=cfg.graphs, graph_buckets=list(cfg.graph_buckets),
+                       chat_template_args=cfg.chat_template_args)
 
 
 def _load_eval(cfg):
@@ -63,6 +65,7 @@ def _load_eval(cfg):
         return _load(cfg)
     model, tok, _ = load_backbone(cfg.backbone or "embedded:smollm2", device=_device(cfg), dtype=cfg.dtype,
                                   trust_remote_code=cfg.trust_remote_code)
+    set_template_args(tok, cfg.chat_template_args, whose=f" of {cfg.backbone or 'embedded:smollm2'}")
     m = apply_kernels(MedusaModel(model=model, tokenizer=tok, heads=None), cfg.kernels, kernel_plans_path())
     return apply_graphs(m, cfg.graphs, list(cfg.graph_buckets))
 

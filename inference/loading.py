@@ -25,6 +25,7 @@ import torch
 
 from .assets import cache_dir
 from .backbone import load_backbone, load_backbone_config, parse_device, parse_dtype
+from .chat_template import check_template_args, set_template_args
 from .errors import NeedsBackboneConfig, UserError
 from .formats.export import FormatWarning
 from .formats.importers import detect_layout, importer_for
@@ -200,7 +201,8 @@ def _read_imported(d: Path, backbone_config=None, lm_head_weight: Optional[torch
 def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_code: bool = False,
                 tokenizer=None, apply_adapter: Optional[bool] = None, kernels: Optional[str] = None,
                 draft_weights: str = "float", graphs: str = "auto",
-                graph_buckets: Sequence[int] = DEFAULT_BUCKETS) -> MedusaModel:
+                graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+                chat_template_args: Optional[dict] = None) -> MedusaModel:
     """Backbone + tokenizer + heads, checked to belong together.
 
     backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
@@ -217,8 +219,11 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
     outputs and sampling's distribution do not), ``float`` keeps them as trained. graphs: ``auto`` steps
     the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``: ``on``, ``off``,
-    ``uncaptured``), padded up to ``graph_buckets`` rows.
+    ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: variables of the backbone's chat
+    template for every prompt the model encodes (``{"enable_thinking": False}`` for Qwen3 with thinking off;
+    ``chat_template.set_template_args``: set on the tokenizer, a tokenizer passed in included).
     """
+    template = check_template_args(chat_template_args) if chat_template_args is not None else None
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
     check_kernels(kernels)  # before any loading
@@ -270,6 +275,9 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
                             emb.weight if emb is not None else None, dev, dt)
     if draft_weights == "float16":  # before routing: the half linears are not routed
         half_draft_weights(heads, model)
+    if template is not None and tokenizer is not None:
+        owner = getattr(model.config, "_name_or_path", None) or "the backbone"
+        set_template_args(tokenizer, template, whose=f" of {owner}")
     m = apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
                       kernels, kernel_plans_path())
     return apply_graphs(m, graphs, graph_buckets)

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from inference import backbone as runtime_backbone
 from inference.backbone import parse_dtype
+from inference.chat_template import set_template_args
 from inference.errors import UserError
 from inference.heads.native import make_temp_dir, open_permissions, release_temp_dir
 from inference.heads.spec import backbone_fingerprint
@@ -125,6 +126,8 @@ def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0, run_di
         backbone.tokenizer.pad_token = backbone.tokenizer.eos_token
     if not backbone.tokenizer.chat_template:
         raise UserError(f"tokenizer of {backbone.name} has no chat template; use a chat (instruct) model")
+    set_template_args(backbone.tokenizer, getattr(cfg, "chat_template_args", None), "backbone.chat_template_args",
+                      whose=f" of {backbone.name}")
     if before_write is not None:
         before_write(backbone.tokenizer)
     if cfg.random_init and run_dir is not None:  # kept in fp32, before the cast below

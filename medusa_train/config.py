@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from inference import assets
+from inference.chat_template import check_template_args
 from inference.cli_support import enum_value
 from inference.errors import UserError
 
@@ -60,6 +61,8 @@ class BackboneConfig:
     trust_remote_code: bool = False  # runs code from the model repo: only for sources you trust
     revision: Optional[str] = None
     random_init: Optional[dict] = None  # tiny random backbone from a config dict (tests, debug)
+    # variables of the chat template beyond the messages (Qwen3: enable_thinking=false), for every rendering
+    chat_template_args: Dict[str, Any] = field(default_factory=dict)
 
 
 DEFAULT_BACKBONE = BackboneConfig.name_or_path
@@ -204,7 +207,11 @@ def register_configs() -> None:
     ``recipes/heads/<kind>.yaml`` builds on); a family without a packaged yaml gets its schema as its
     group option ``heads/<kind>`` itself, so a family registered at run time is selectable too."""
     cs = ConfigStore.instance()
-    cs.store(name="medusa_schema", node=RecipeConfig)
+    schema = OmegaConf.structured(RecipeConfig)
+    # the chat template's variables are the template's own: any name is taken as written (no "+"), and checked
+    # by check_template_args; every other key stays closed (a misspelt key is refused by Hydra)
+    OmegaConf.set_struct(schema.backbone.chat_template_args, False)
+    cs.store(name="medusa_schema", node=schema)
     packaged = resources.files("recipes").joinpath("heads")
     for kind in family_kinds():
         node = OmegaConf.merge(OmegaConf.structured(training_family(kind).config), {"kind": kind})
@@ -295,6 +302,7 @@ def validate(cfg) -> None:
     derived_batch(t, launch_world_size())
     _validate_optim(cfg.optim)
     _validate_backbone(cfg.backbone)
+    check_template_args(cfg.backbone.chat_template_args, "backbone.chat_template_args")
     check_output_dir(cfg.output_dir)
     _validate_distill_and_features(cfg)
     _validate_lora(cfg)

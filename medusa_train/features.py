@@ -93,6 +93,7 @@ from tqdm.auto import tqdm
 
 from inference import assets
 from inference.backbone import parse_dtype
+from inference.chat_template import template_identity
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import pid_alive
@@ -132,7 +133,7 @@ def cache_identity(cfg, backbone) -> dict:
         "data": {"source": d.source, "split": d.split, "max_length": d.max_length, "packing": d.packing,
                  "bucket_buffer": d.bucket_buffer, "shuffle_buffer": d.shuffle_buffer,
                  "max_conversations": d.max_conversations, "eval_conversations": d.eval_conversations,
-                 "system_prompt": d.system_prompt},
+                 "system_prompt": d.system_prompt, **template_identity(cfg.backbone)},
         "seed": t.seed,
         "micro_batch_size": t.micro_batch_size,
         "dtype": enum_value(cfg.features.dtype),

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from ..backbone import HiddenStateTap, eos_token_ids, logit_scaling, scale_logits, text_config
+from ..chat_template import template_args
 from .attention import NAME as DECODING_ATTENTION, use_decoding_attention
 from .batch_cache import RaggedKVCache
 from .cache import TreeKVCache
@@ -265,7 +266,7 @@ def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None, 
     from jinja2 import TemplateError   # lazy: transformers' chat templates run on it, only when one is applied
 
     try:
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **template_args(tokenizer))
     except TemplateError as e:   # the template's own refusal (Gemma's "System role not supported")
         raise UserError(f"the chat template{whose} refuses the prompt: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

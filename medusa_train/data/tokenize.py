@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from inference.chat_template import template_args
+
 IGNORE = -100
 # An assistant turn's mark: its reply was cut before its end (self-distillation at max_new_tokens). Its words are
 # labelled, the end-of-turn marker the template puts after them is not: the drafter must not learn to end a reply
@@ -75,7 +77,8 @@ def template_refusals():
 
 def _render(tokenizer, messages, add_generation_prompt=False) -> str:
     with template_refusals():
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_args(tokenizer))
 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]], int]:

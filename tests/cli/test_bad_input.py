@@ -80,6 +80,15 @@ BAD_INPUT = [
     (EVAL, [f"heads={HEADS}", "tree=nosuchtree", "prompts={tmp}/prompts.jsonl"], 2, "unknown tree 'nosuchtree'"),
     # -- bad prompt, missing files and required keys (inference/cli_support.py) ---------------------------------
     (GEN, [f"heads={HEADS}", "prompt=   "], 2, 'prompt="..." is required'),
+    # -- chat template arguments: a mapping of template variables, never apply_chat_template's own settings ----
+    (GEN, [f"heads={HEADS}", "prompt=hi", "chat_template_args={enable_thinking:false}"], 2,
+     "'enable_thinking:false' is not a template variable name; write chat_template_args.<name>=<value>"),
+    (GEN, [f"heads={HEADS}", "prompt=hi", "chat_template_args.tokenize=false"], 2,
+     "chat_template_args.tokenize is apply_chat_template's own setting"),
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "chat_template_args.add_generation_prompt=false"], 2,
+     "chat_template_args.add_generation_prompt is apply_chat_template's own setting"),
+    (TRAIN, ["debug_tiny", "backbone.chat_template_args.return_dict=true"], 2,
+     "backbone.chat_template_args.return_dict is apply_chat_template's own setting"),
     (GEN, ["prompt=hi"], 2, "heads= is required"),
     (GEN, ["heads={tmp}/nowhere", "prompt=hi"], 2, "heads directory not found"),
     (GEN, [f"heads={HEADS}", "hello"], 2, "key=value overrides, got 'hello'"),

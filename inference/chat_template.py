@@ -1,0 +1,77 @@
+"""The arguments a backbone's chat template is rendered with (``chat_template_args``): Qwen3's and GLM-4.5's
+``enable_thinking``, a template's ``reasoning_effort``, any variable a template reads beside the messages.
+
+They are set once on the tokenizer (``set_template_args``) and read wherever a chat is rendered: the training data,
+self-distillation's prompts, the inference prompts (``template_args``). So every rendering of one run agrees, and
+a model served with thinking off gets heads trained, distilled and evaluated on prompts rendered that way.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Mapping
+
+from .errors import UserError
+
+ATTRIBUTE = "medusa_chat_template_args"   # on the tokenizer object: it goes wherever the tokenizer goes
+# apply_chat_template's own parameters and the template's messages: as template arguments they would change what
+# apply_chat_template returns, or replace the conversation, instead of reaching the template
+RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                      "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                      "tokenizer_kwargs"})
+
+
+def check_template_args(args: Any, key: str = "chat_template_args") -> dict:
+    """``args`` as a plain dict of template variables, or one line saying what is wrong (``key``: how the user
+    wrote the setting). None is no arguments."""
+    if args is None:
+        return {}
+    if hasattr(args, "_get_node"):   # an OmegaConf node (the commands' key): its plain values
+        from omegaconf import OmegaConf   # lazy: only a command's configuration holds one
+
+        args = OmegaConf.to_container(args, resolve=True)
+    if not isinstance(args, Mapping):
+        raise UserError(f"{key} must map template variables to values (e.g. {key}.enable_thinking=false), "
+                        f"got {args!r}")
+    for name, value in args.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            # {enable_thinking:false} on a command line (no space) reads as the key "enable_thinking:false"
+            raise UserError(f"{key}: {name!r} is not a template variable name; write {key}.<name>=<value> "
+                            f"(e.g. {key}.enable_thinking=false)")
+        if name in RESERVED:
+            raise UserError(f"{key}.{name} is apply_chat_template's own setting, not a template variable; "
+                            "the runtime sets it")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise UserError(f"{key}.{name} must be a JSON value (a number, string, boolean, list or mapping), "
+                            f"got {value!r}") from None
+    return dict(args)
+
+
+def set_template_args(tokenizer, args: Any, key: str = "chat_template_args", whose: str = "") -> None:
+    """Render every later chat of ``tokenizer`` with ``args`` (checked), saying in one line on stderr which of them
+    its template never mentions (``whose``: the backbone, for that line): a variable the template does not read
+    changes nothing, and a misspelt one would otherwise pass in silence."""
+    args = check_template_args(args, key)
+    setattr(tokenizer, ATTRIBUTE, args)
+    template = getattr(tokenizer, "chat_template", None)
+    text = json.dumps(template) if isinstance(template, dict) else str(template or "")
+    unread = [name for name in args if name not in text]
+    if unread and text:
+        print(f"note: the chat template{whose} never mentions {', '.join(unread)}: "
+              f"{key}.{unread[0]} changes nothing", file=sys.stderr)
+
+
+def template_args(tokenizer) -> dict:
+    """The arguments ``set_template_args`` gave ``tokenizer`` ({} when none)."""
+    return dict(getattr(tokenizer, ATTRIBUTE, None) or {})
+
+
+def template_identity(backbone_cfg) -> dict:
+    """What a run's record of its data (a features cache's or distillation's identity) adds for the arguments of
+    ``backbone_cfg``: nothing when unset, so records made before the setting existed still match."""
+    args = check_template_args(getattr(backbone_cfg, "chat_template_args", None), "backbone.chat_template_args")
+    return {"chat_template_args": args} if args else {}
