@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from inference.backbone import lm_head_weight, parse_dtype
+from inference.backbone import eos_token_ids, lm_head_weight, parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import EXPORT_FILES, recover_dir, save_heads
@@ -51,6 +51,7 @@ from .backbone import load_backbone
 from .config import derived_batch, loss_weights, validate
 from .families import draft_depth, draft_vocabulary, training_family
 from .data.stream import ConversationStream, RankData, check_training_data, token_frequencies
+from .data.tokenize import reply_end_ids
 from .deepspeed_config import check_consistent, deepspeed_config
 from .distributed import resolve_device, restore_handlers, start_process, stop_on_signals, swap_handlers
 from .losses import HeadMetrics, vocab_to_local
@@ -235,7 +236,7 @@ class MedusaTrainer:
         return heads.to(self.device), spec
 
     def _token_map(self, vocab_size: int, n: int) -> torch.Tensor:
-        """Top-N assistant tokens of the training data (plus EOS), most frequent first."""
+        """Top-N assistant tokens of the training data, most frequent first, after the tokens that end a reply."""
         d = self.cfg.data
         if n > vocab_size:
             key = training_family(self.cfg.heads.kind).vocabulary_keys(self.cfg.heads)[0]
@@ -245,9 +246,14 @@ class MedusaTrainer:
                   f"{d.vocab_scan_conversations} conversations ...", flush=True)
         scan = ConversationStream(d, self.backbone.tokenizer, seed=self.cfg.trainer.seed)
         counts = token_frequencies(scan, vocab_size, d.vocab_scan_conversations)
-        eos = self.backbone.tokenizer.eos_token_id
-        if eos is not None:
-            counts[eos] = counts.max() + 1  # the end of a reply must always be predictable
+        # The end of a reply must always be predictable: the template's end of turn (what the labels close a reply
+        # with; Llama-3's <|eot_id|>, Gemma's <end_of_turn>, not the tokenizer's eos <|end_of_text|> / <eos>, which
+        # no reply holds) and every id decoding stops at. A small vocabulary on little data left it out.
+        tokenizer = self.backbone.tokenizer
+        ends = set(reply_end_ids(tokenizer)) | set(eos_token_ids(self.backbone.model, tokenizer))
+        top = counts.max() + 1
+        for end in sorted(e for e in ends if 0 <= e < vocab_size):
+            counts[end] = top
         order = torch.argsort(counts, descending=True, stable=True)
         token_map = order[:n].clone()
         coverage = counts[token_map].sum().item() / max(counts.sum().item(), 1)

@@ -247,3 +247,16 @@ def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Opt
     if all(l == IGNORE for l in labels[1:]):  # position 0 is never a target
         return None
     return Encoded(ids, labels, truncated, unlocated)
+
+
+def reply_end_ids(tokenizer) -> list[int]:
+    """The special tokens the chat template closes an assistant reply with, as the labels hold them (ChatML's
+    <|im_end|>, Llama-3's <|eot_id|>, Gemma's <end_of_turn>): read off a one-turn probe conversation. [] where the
+    template refuses the probe."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        enc = encode_conversation(tokenizer, probe, 4096)
+    except TemplateRefused:
+        return []
+    special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    return sorted({t for t in (enc.labels if enc is not None else []) if t != IGNORE and t in special})

@@ -473,3 +473,22 @@ def test_the_long_quiet_phases_say_what_they_do(compose_tiny, capsys):
     scan = out.index("truncated vocabulary: counting the assistant tokens of up to")
     assert scan < out.index("truncated vocabulary: top")
     assert re.search(r"final evaluation on \d+ held-out batch\(es\), then the export \.\.\.", out), out
+
+
+def test_a_truncated_vocabulary_keeps_the_templates_end_of_turn_and_every_stop_id(compose_tiny):
+    """Guards against: the truncated projection (and EAGLE-3's draft vocabulary) forcing only the tokenizer's eos
+    into its map. Where the template ends a reply with another token (Llama-3's <|eot_id|> beside eos
+    <|end_of_text|>, Gemma's <end_of_turn> beside <eos>), a small map on little data left the end of turn out, so
+    the heads could never propose the end of a reply."""
+    trainer = T.MedusaTrainer(compose_tiny("heads.projection=truncated", "heads.truncated_vocab_size=8",
+                                           "trainer.max_steps=1", "logger.plot=false"))
+    trainer.setup()
+    try:
+        tok, model = trainer.backbone.tokenizer, trainer.backbone.model
+        im_end, endoftext = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+        tok.eos_token = "<|endoftext|>"   # eos names a token no reply holds; the template still ends with <|im_end|>
+        model.config.eos_token_id = model.generation_config.eos_token_id = endoftext
+        token_map = trainer._token_map(trainer.spec.vocab_size, 8).tolist()
+        assert {im_end, endoftext} <= set(token_map[:2]) and len(set(token_map)) == 8
+    finally:
+        trainer.cleanup(plot=False)
