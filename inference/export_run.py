@@ -6,6 +6,7 @@ against their target, loaded, and written in the format's layout. Imports torch 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import warnings
@@ -43,6 +44,8 @@ def run_export(cfg) -> None:
             check_adapter(early, base_model)
         first, target = export_target(src, cfg.backbone, trust_remote_code=cfg.trust_remote_code)
         exporter_for(cfg.format, first.kind)
+        if cfg.base_model:
+            base_model = _checked_base_model(cfg.base_model, first, src, cfg.trust_remote_code)
         # Shared heads get an empty placeholder here: the backbone's lm_head is read below only if
         # the chosen format needs it (vLLM copies it, materialisation expands it; TGI v2 does not).
         # Likewise an empty input-embedding table for drafters that borrow the backbone's (EAGLE-3):
@@ -91,6 +94,9 @@ def run_export(cfg) -> None:
     if not base or ":" in base.split("/")[0]:
         print(f"note: the config records base model {base!r}, which engines cannot load: "
               "pass base_model=<hub id or path>")
+    elif target is None and not cfg.backbone and base == spec.base_model and _looks_local(base):
+        print(f"note: the heads' base model {base} is not found here: the export was not checked against it, and "
+              "the engine will not find it either; pass base_model=<hub id or path> (backbone= to check against it)")
     print(f"wrote {result.path} ({', '.join(result.files)}; weights {megabytes(result.weight_bytes)})")
 
 
@@ -105,6 +111,27 @@ def _spec_from_config(src: Path):
             return read_heads_spec(src)
     except NeedsBackboneConfig:
         return None
+
+
+def _looks_local(name: str) -> bool:
+    """A backbone name that can only be a local folder (a hub id has no leading /, . or ~), or one that exists."""
+    return name.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(name))
+
+
+def _checked_base_model(given: str, spec, src: Path, trust_remote_code: bool) -> str:
+    """``base_model=`` as the engine config should name it: a hub id as given (not reachable here to check); a local
+    folder by its absolute path, once its config shows a model these heads fit. A mistyped path or another model's
+    folder was written into the config and the printed serve command with no word (``backbone=`` refuses both)."""
+    if not _looks_local(given):
+        return given
+    local = os.path.expanduser(given)
+    if not os.path.isdir(local):
+        raise UserError(f"base_model={given}: no such folder (a local model for the engine to load; a hub id has no "
+                        "leading /, . or ~)")
+    path = os.path.abspath(local)
+    check_compatible(spec, load_backbone_config(path, trust_remote_code=trust_remote_code),
+                     where=f"heads in {src} on base_model={given}")
+    return path
 
 
 def _engine_base_model(given: Optional[str], spec, src: Path) -> str:

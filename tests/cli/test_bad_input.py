@@ -123,6 +123,13 @@ BAD_INPUT = [
     (GEN, [f"heads={HEADS}", "prompts_file={tmp}/missing.jsonl"], 2, "prompts file not found"),
     (EXPORT, [f"heads={HEADS}"], 2, "format= and out= are required"),
     (EXPORT, ["heads={tmp}/nowhere", "format=vllm", "out={tmp}/o"], 2, "not found"),
+    # a base_model= the engine could not load: written into its config and serve command with no word
+    (EXPORT, [f"heads={HEADS}", "format=vllm", "out={tmp}/o", "base_model={tmp}/missing"], 2,
+     "missing: no such folder"),
+    (EXPORT, [f"heads={HEADS}", "format=tgi", "out={tmp}/o", "base_model=./typo_dir"], 2,
+     "base_model=./typo_dir: no such folder"),
+    (EXPORT, [f"heads={HEADS}", "format=vllm", "out={tmp}/o", "base_model={tmp}/gpt2_wide"], 2,
+     "hidden"),
 ]
 
 
@@ -146,6 +153,9 @@ def setup(tmp_path) -> Path:
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_positions": 2048, "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 320,
         "bos_token_id": 0, "eos_token_id": 0}))
+    (tmp_path / "gpt2_wide").mkdir()   # another model's folder: hidden size 128, the heads' 64
+    (tmp_path / "gpt2_wide" / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_positions": 2048, "n_embd": 128, "n_layer": 2, "n_head": 2, "vocab_size": 320}))
     (tmp_path / "deep_tree.json").write_text(json.dumps([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]))  # Medusa choices
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Say hello."}) + "\n")
     return tmp_path

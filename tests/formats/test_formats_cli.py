@@ -396,3 +396,38 @@ def test_heads_trained_with_a_backbone_adapter_name_the_merged_backbone_or_are_r
     assert code == 0, err
     assert json.loads((tmp_path / "f" / "config.json").read_text())["base_model_name_or_path"] == str(merged.resolve())
     assert "merged backbone" in out
+
+
+def test_a_local_base_model_is_written_by_its_absolute_path(backbone_dir, tmp_path, capsys, monkeypatch):
+    """Guards against: ``base_model=models/x`` written into the engine config and the serve command as typed, which
+    names nothing once the engine runs from another directory."""
+    folder, model = backbone_dir
+    src = heads_dir(tmp_path, model)
+    monkeypatch.chdir(folder.parent)
+    code, out, err = run([f"heads={src}", "format=tgi", f"out={tmp_path / 'g'}", f"base_model=./{folder.name}"],
+                         capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["base_model_name_or_path"] == str(folder)
+
+
+def test_a_recorded_base_model_missing_here_is_said(backbone_dir, tmp_path, capsys):
+    """Guards against: heads whose recorded backbone folder is gone exported with exit 0 and no word, the heads
+    checked against nothing and the engine config naming a folder the engine will not find."""
+    _, model = backbone_dir
+    src = heads_dir(tmp_path, model, base_model=str(tmp_path / "moved_away"))
+    code, out, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
+    assert code == 0, err
+    assert "moved_away is not found here: the export was not checked against it" in out
+
+
+def test_a_backbone_given_by_a_relative_or_home_path_is_recorded_by_its_absolute_path(backbone_dir, monkeypatch):
+    """Guards against: ``backbone.name_or_path=models/x`` (or ``~/x``) recorded as typed as the heads' base model,
+    so the heads, ``medusa-eval heads=`` and the engine configs exported from them worked only from the folder
+    the training ran in."""
+    from inference.backbone import load_backbone
+
+    folder, _ = backbone_dir
+    monkeypatch.chdir(folder.parent)
+    assert load_backbone(f"./{folder.name}")[2] == str(folder)
+    monkeypatch.setenv("HOME", str(folder.parent))
+    assert load_backbone(f"~/{folder.name}")[2] == str(folder)
