@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..errors import UserError
-from ..heads.native import make_temp_dir, open_permissions, release_temp_dir, swap_dir_into_place
+from ..heads.native import make_temp_dir, open_permissions, recover_dir, release_temp_dir, swap_dir_into_place
 from . import FORMATS, load_builtin_formats
 from .importers import detect_layout
 
@@ -153,7 +153,11 @@ def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> 
     """Refuse, in one line, an ``out`` the export must not write: ``source`` itself, a folder holding it
     or one inside it (replacing it would delete the heads being read), a file, a symbolic link, a non-empty
     folder without ``overwrite``, and, even with ``overwrite``, a non-empty folder that is not an export
-    (``_is_export``: a training run, a home folder), or a place that cannot be created."""
+    (``_is_export``: a training run, a home folder), or a place that cannot be created. A save into ``out`` killed
+    between its two renames left ``out`` missing and its previous content beside it: that content is put back first
+    and judged as ``out`` (it was restored and then replaced by the export, without ``overwrite``: a run's trained
+    heads were deleted)."""
+    recover_dir(out)
     if source is not None:
         src, dst = Path(source).resolve(), out.resolve()   # symlinks followed: the folders actually touched
         if dst == src:

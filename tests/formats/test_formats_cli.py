@@ -431,3 +431,16 @@ def test_a_backbone_given_by_a_relative_or_home_path_is_recorded_by_its_absolute
     assert load_backbone(f"./{folder.name}")[2] == str(folder)
     monkeypatch.setenv("HOME", str(folder.parent))
     assert load_backbone(f"~/{folder.name}")[2] == str(folder)
+
+
+def test_an_interrupted_saves_previous_heads_are_not_replaced_without_overwrite(backbone_dir, tmp_path, capsys):
+    """Guards against: an export into a folder whose save was killed between its two renames (out= missing, the
+    previous content in ``.<out>.old-*``) passing the "not empty" check, then putting that content back and
+    replacing it: a run's trained heads deleted without overwrite=true."""
+    _, model = backbone_dir
+    src = heads_dir(tmp_path, model)
+    trained = save_heads(random_heads(model, projection="own"), tmp_path / "run" / "heads")
+    backup = trained.rename(tmp_path / "run" / ".heads.old-99999999-abcdefgh")   # a dead writer's backup
+    code, out, err = run([f"heads={src}", "format=vllm", f"out={trained}"], capsys)
+    assert code == 2 and "is not empty: pass overwrite=true" in err[0], err
+    assert (trained / "model.safetensors").is_file() and not backup.exists()
