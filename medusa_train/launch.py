@@ -26,11 +26,10 @@ from inference.errors import UserError
 from .backbone import RANDOM_BACKBONE_DIR
 from .config import register_configs, validate
 from .families import stray_key_line
-from .manifest import write_text_atomic
+from .manifest import RECORD_DIR, write_text_atomic
 from .overrides import INTERRUPTED_BEFORE_RUN, RECIPE_PACKAGE, override_key, recipe_overrides, refuse
 from .preflight import preflight
 
-RECORD_DIR = ".hydra"
 # What a run's setup writes before training (its record, a random backbone): a refused new run takes them back.
 SETUP_WRITES = frozenset({RECORD_DIR, RANDOM_BACKBONE_DIR})
 _PRECHECKED = False

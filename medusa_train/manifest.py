@@ -26,6 +26,9 @@ from typing import Callable, Optional
 from inference.errors import UserError
 
 
+RECORD_DIR = ".hydra"   # a run's record of its configuration (launch.write_run_record)
+
+
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     """``key=old there, new here`` for every (nested, dotted) setting that differs."""
     out = []

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 import sys
-
+from pathlib import Path
 from typing import Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from inference.backbone import parse_dtype, text_config
 from inference.cli_support import enum_value
@@ -29,12 +30,13 @@ from inference.heads.registry import build_heads, family, setting_names
 from inference.heads.spec import HeadsSpec, check_compatible
 
 from .backbone import backbone_config
-from .checkpoint import resume_point
+from .checkpoint import config_dict, flatten, resume_point, schema_defaults, unsafe_changes
 from .config import check_data_source, derived_batch, launch_world_size
 from .data.readers import ReadStats, iter_conversations
 from .data.stream import check_training_data
 from .distributed import resolve_device
 from .features import check_cache_dir
+from .manifest import RECORD_DIR
 from .families import draft_depth, draft_vocabulary, training_family
 
 
@@ -303,6 +305,43 @@ def check_resume(cfg) -> Optional[dict]:
     return resume_point(cfg, derived_batch(cfg.trainer, launch_world_size()).global_batch_size)[1]
 
 
+# What other commands leave at the top of their folders: a training run writes heads/, checkpoints/ and its record
+# there, so a folder holding one of these is another command's output, which the run would mix its files into.
+FOREIGN_OUTPUTS = (("distill.json", "self-distillation data"), ("features.json", "a features cache"),
+                   ("report.json", "an evaluation report"), ("config.json", "heads or an engine export"),
+                   ("model.safetensors", "heads or an engine export"))
+
+
+def check_run_folder(cfg, resumed: bool) -> None:
+    """A training run's ``output_dir`` holds no other command's output (``FOREIGN_OUTPUTS``) and no finished run of
+    another configuration: a run whose checkpoints were deleted is compared by its record (``.hydra/config.yaml``)
+    as a checkpoint would be (``checkpoint.unsafe_changes``), since training there replaces its heads.
+    ``trainer.resume=never`` starts over in such a folder, as it does beside checkpoints."""
+    out = Path(os.path.expanduser(str(cfg.output_dir)))
+    if not out.is_dir():
+        return
+    names = {e.name for e in out.iterdir()}
+    if cfg.features.cache_dir and Path(os.path.expanduser(str(cfg.features.cache_dir))).resolve() == out.resolve():
+        names.discard("features.json")   # the run's own folder named as its cache: its own features
+    for marker, what in FOREIGN_OUTPUTS:
+        if marker in names:
+            raise UserError(f"output_dir={cfg.output_dir} holds {what} ({marker}), not a training run: give the run "
+                            "a folder of its own")
+    record = out / RECORD_DIR / "config.yaml"
+    if resumed or str(cfg.trainer.resume) == "never" or not (out / "heads").is_dir() or not record.is_file():
+        return
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(record), resolve=True)
+    except Exception:   # noqa: BLE001 (a record this version cannot read: nothing to compare with)
+        return
+    new = config_dict(cfg)
+    diff = unsafe_changes(flatten(saved), flatten(new), schema_defaults(str(new["heads"]["kind"])))
+    if diff:
+        raise UserError(f"output_dir={cfg.output_dir} holds a finished run trained with another configuration "
+                        f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''} differ), whose heads this run "
+                        "would replace: use a new output_dir, or trainer.resume=never to train over it")
+
+
 def check_data_usable(cfg) -> None:
     """A local (or embedded) data source gives what the task reads: a training conversation after the held-out
     ones (``data.stream.check_training_data``), or for ``task: distill`` a conversation at all. The stream would
@@ -336,6 +375,7 @@ def preflight(cfg, resume: bool = True) -> None:
         check_draft_vocabulary(cfg)
         check_precision_device(cfg.trainer)
         state = check_resume(cfg) if resume else None
+        check_run_folder(cfg, resumed=state is not None or not resume)
         if not (state and int(state.get("step", 0)) >= cfg.trainer.max_steps):
             check_init_heads(cfg)   # a finished run's rerun has nothing to do: stage 1's heads may be gone by then
     check_data_usable(cfg)  # last: the only check that reads the data

@@ -350,3 +350,45 @@ def test_a_backbone_the_runtime_cannot_decode_trains_with_a_note(compose_tiny, c
     check_family(compose_tiny("backbone.random_init.model_type=gemma3_text", "+backbone.random_init.head_dim=16"))
     err = capsys.readouterr().err
     assert "sliding_attention layers" in err and "medusa-eval and medusa-generate will refuse" in err
+
+
+@pytest.mark.parametrize("files, words", [
+    (["distill.json", "data/"], "holds self-distillation data (distill.json)"),
+    (["config.json", "model.safetensors"], "holds heads or an engine export (config.json)"),
+    (["report.json", "report.md"], "holds an evaluation report (report.json)"),
+    (["features.json"], "holds a features cache (features.json)"),
+])
+def test_another_commands_output_is_no_training_runs_folder(files, words, tmp_path):
+    """Guards against: ``output_dir=`` naming a distillation's folder, a heads or export folder or an evaluation,
+    which the run wrote its heads/, checkpoints/ and record into (the distillation's record overwritten), exit 0."""
+    out = tmp_path / "other"
+    out.mkdir()
+    for name in files:
+        if name.endswith("/"):
+            (out / name).mkdir()
+        else:
+            (out / name).write_text("{}")
+    before = snapshot(out)
+    proc = medusa_train(tmp_path, "trainer.max_steps=1", out=out)
+    assert proc.returncode == 2 and words in proc.stderr and "not a training run" in proc.stderr, proc.stderr
+    assert snapshot(out) == before
+
+
+def test_a_finished_run_without_checkpoints_is_not_trained_over_by_another_configuration(compose_tiny, tmp_path,
+                                                                                         out_dir):
+    """Guards against: a finished run whose checkpoints/ was deleted (nothing to compare a resume with) trained over
+    by another configuration: its heads replaced in silence (or, killed midway, its old heads beside the new run's
+    record). The same configuration, and trainer.resume=never, still train there."""
+    import shutil
+
+    from medusa_train.preflight import check_run_folder
+
+    assert medusa_train(tmp_path, "trainer.max_steps=1", "logger.plot=false", out=out_dir).returncode == 0
+    shutil.rmtree(out_dir / "checkpoints")
+    before = snapshot(out_dir)
+    proc = medusa_train(tmp_path, "heads=hydra", "trainer.max_steps=1", "logger.plot=false", out=out_dir)
+    assert proc.returncode == 2 and "holds a finished run trained with another configuration (heads.kind" \
+        in proc.stderr, proc.stderr
+    assert snapshot(out_dir) == before
+    check_run_folder(compose_tiny("trainer.max_steps=3"), resumed=False)   # a safe key: the same run, longer
+    check_run_folder(compose_tiny("heads=hydra", "trainer.resume=never"), resumed=False)
