@@ -223,6 +223,9 @@ def _gathered_replica(peft_model, keep: bool):
     base = peft_model.get_base_model()
     with no_init_weights():  # every weight is assigned from the gathered state right after
         replica = type(base)(copy.deepcopy(base.config))
+    # a model built from its config derives a generation config from config.json alone: the checkpoint's own (its
+    # list of end ids, Llama-3's <|eot_id|> among them; its sampling defaults) would not be saved with the merge
+    replica.generation_config = copy.deepcopy(base.generation_config)
     replica = get_peft_model(replica, copy.deepcopy(peft_model.peft_config["default"]))
     # assign: the replica takes the gathered tensors themselves (their dtype, no second copy in memory)
     replica.load_state_dict(state, strict=True, assign=True)

@@ -331,3 +331,21 @@ def test_runtime_applies_the_adapter_from_a_path_and_reports_drift(compose_tiny,
     ids = torch.tensor([prompts[0]])
     with torch.no_grad():
         assert not torch.equal(tuned.model(input_ids=ids).logits, plain.model(input_ids=ids).logits)
+
+
+def test_a_zero3_merge_keeps_the_backbones_generation_config(compose_tiny, tiny_backbone, tmp_path):
+    """Guards against: ``lora.merge=true`` under ZeRO-3 (the merge runs on a replica built from the config) saving
+    a generation config derived from config.json alone: the checkpoint's list of end ids (Llama-3's <|eot_id|>,
+    <|eom_id|>) and its sampling defaults lost, so the merged model, decoded or served, never stopped at the end of
+    a turn (ZeRO 0-2 copy the model and kept them)."""
+    import copy
+
+    model = copy.deepcopy(tiny_backbone.model)
+    model.generation_config.eos_token_id = [1, 4, 5]
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6
+    peft_model = lora.apply_lora(model, compose_tiny(*LORA).lora, torch.device("cpu"))
+    replica = lora._gathered_replica(peft_model, keep=True)   # no partitions here: the gathers return them whole
+    assert replica.get_base_model().generation_config.eos_token_id == [1, 4, 5]
+    out = lora.save_merged(peft_model, tiny_backbone.tokenizer, tmp_path / "merged")
+    saved = json.loads((out / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == [1, 4, 5] and saved["temperature"] == 0.6
