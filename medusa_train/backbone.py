@@ -107,6 +107,16 @@ def random_backbone(config: dict, seed: int = 0, attn_implementation: str = "sdp
     return Backbone(model, tokenizer, f"random:{model_type}")
 
 
+def _stop_token(backbone: Backbone) -> str:
+    """A token to pad batches with when the tokenizer names neither a pad nor an eos token: the first id the model's
+    configs stop at (padding is masked: any token serves); one line when there is none."""
+    ids = runtime_backbone.eos_token_ids(backbone.model, backbone.tokenizer)
+    if not ids:
+        raise UserError(f"the tokenizer of {backbone.name} names no pad or eos token and the model's configs no "
+                        "eos_token_id: batches cannot be padded; set eos_token in its tokenizer_config.json")
+    return backbone.tokenizer.convert_ids_to_tokens(ids[0])
+
+
 RANDOM_BACKBONE_DIR = "backbone"  # <output_dir>/backbone: a random backbone saved with its run
 
 
@@ -123,7 +133,7 @@ def load_backbone(cfg, device: torch.device | str = "cpu", seed: int = 0, run_di
     backbone = (random_backbone(cfg.random_init, seed=seed, attn_implementation=cfg.attn_implementation)
                 if cfg.random_init else _load_pretrained(cfg))
     if backbone.tokenizer.pad_token is None:
-        backbone.tokenizer.pad_token = backbone.tokenizer.eos_token
+        backbone.tokenizer.pad_token = backbone.tokenizer.eos_token or _stop_token(backbone)
     if not backbone.tokenizer.chat_template:
         raise UserError(f"tokenizer of {backbone.name} has no chat template; use a chat (instruct) model")
     set_template_args(backbone.tokenizer, getattr(cfg, "chat_template_args", None), "backbone.chat_template_args",

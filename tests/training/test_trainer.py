@@ -492,3 +492,23 @@ def test_a_truncated_vocabulary_keeps_the_templates_end_of_turn_and_every_stop_i
         assert {im_end, endoftext} <= set(token_map[:2]) and len(set(token_map)) == 8
     finally:
         trainer.cleanup(plot=False)
+
+
+def test_a_tokenizer_without_pad_or_eos_pads_with_the_models_stop_token(compose_tiny, monkeypatch):
+    """Guards against: a tokenizer naming neither a pad nor an eos token (while the model's configs name eos ids)
+    ending training in a TypeError traceback from the batch collation (pad id None)."""
+    from medusa_train import backbone as frozen
+
+    real = frozen.random_backbone
+
+    def no_specials(*a, **k):
+        b = real(*a, **k)
+        b.tokenizer.pad_token, b.tokenizer.eos_token = None, None
+        return b
+
+    monkeypatch.setattr(frozen, "random_backbone", no_specials)
+    loaded = frozen.load_backbone(compose_tiny().backbone, "cpu")
+    assert loaded.tokenizer.pad_token_id == loaded.model.config.eos_token_id
+    loaded.model.config.eos_token_id = loaded.model.generation_config.eos_token_id = None
+    with pytest.raises(UserError, match="names no pad or eos token"):
+        frozen._stop_token(loaded)
