@@ -28,7 +28,8 @@ from .evaluation.batch_eval import check_batchable, evaluate_batched
 from .evaluation.batch_reports import print_batched
 from .evaluation.drift import greedy_drift
 from .evaluation.evaluate import evaluate
-from .evaluation.reports import print_per_method, remove_stale_reports, write_compare, write_report
+from .evaluation.reports import print_per_method, publish_reports, write_compare, write_report
+from .heads.native import make_temp_dir, release_temp_dir
 from .loading import kernel_plans_path, load_medusa
 from .methods.choice_file import is_choice_file, write_choice
 from .methods.registry import PLAIN_METHOD, batched_names, check_greedy_only, get, methods_for_heads
@@ -130,14 +131,21 @@ def backbone_drift(cfg, m, prompts, report: dict) -> None:
 def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
     """report.json / .md / plots, the trade-off matrix with compare=true, and a choice file per measured
     choice (``methods.choice_file``); what was written and how to decode with each choice, printed."""
-    paths = write_report(out, report)
-    if cfg.compare:
-        paths += write_compare(out, report)
-    fingerprint = getattr(getattr(m.heads, "spec", None), "base_model_fingerprint", "") or ""   # the loaded heads'
-    files = {x: write_choice(out, x, c, c.options, fingerprint) for x, c in chosen.items() if c.measured}
-    paths += list(files.values())
-    given = [Path(cfg.choice)] if cfg.choice not in ("auto", "fixed") else []   # the choice= file read: never removed
-    stale = remove_stale_reports(out, paths + given)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = make_temp_dir(out)   # every file written there, then swapped in whole: a kill leaves one evaluation
+    try:
+        paths = write_report(stage, report)
+        if cfg.compare:
+            paths += write_compare(stage, report)
+        fingerprint = getattr(getattr(m.heads, "spec", None), "base_model_fingerprint", "") or ""   # the loaded heads'
+        files = {x: write_choice(stage, x, c, c.options, fingerprint) for x, c in chosen.items() if c.measured}
+        paths += list(files.values())
+        given = [Path(cfg.choice)] if cfg.choice not in ("auto", "fixed") else []   # the choice= file read: kept
+        stale = publish_reports(stage, out, given)
+    finally:
+        release_temp_dir(stage)
+    paths = [out / p.name for p in paths]
+    files = {x: out / p.name for x, p in files.items()}
     print()
     if batched:
         print_batched(report["batched"])

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from ..errors import UserError
+from ..heads.native import open_permissions, swap_dir_into_place
 from ..methods.choice_file import SUFFIX as CHOICE_SUFFIX
 from ..report_plots import plot_compare, plot_head_accuracy, plot_histogram, plot_throughput
 from .batch_reports import THROUGHPUT_PLOT, _fmt, _times, batched_markdown
@@ -49,7 +51,7 @@ REPORT_KEYS = {"settings", "machine", "num_samples", "methods"}   # in every rep
 def check_report_owner(out_dir: Path) -> None:
     """Refuse, in one line, a report folder that holds files but is no earlier evaluation's (no report.json with
     ``REPORT_KEYS``), or that holds heads or a model: the evaluation writes report.md, plots and choice files into
-    it and deletes what an earlier one wrote (``remove_stale_reports``), so out=<heads folder> or a folder of the
+    it and drops what an earlier one wrote (``publish_reports``), so out=<heads folder> or a folder of the
     user's own with a report.md lost files. A rerun into an earlier evaluation's folder is taken."""
     if not out_dir.is_dir() or not any(not p.name.startswith(".") for p in out_dir.iterdir()):
         return
@@ -68,17 +70,39 @@ def check_report_owner(out_dir: Path) -> None:
 HISTOGRAM_PLOT, HEAD_ACCURACY_PLOT = "acceptance_histogram.png", "head_accuracy.png"
 
 
-def remove_stale_reports(out_dir: Path, written: list[Path]) -> list[str]:
-    """Delete what an earlier evaluation into ``out_dir`` wrote and this one (``written``) did not: its plots, its
-    trade-off matrix, its choice files would otherwise sit beside this report as if they were its own (another
-    heads' choice file decodes wrong heads). Only the evaluation's own file names; returns the names removed."""
+def publish_reports(stage: Path, out_dir: Path, keep: list[Path]) -> list[str]:
+    """Make ``stage`` (a folder beside ``out_dir`` holding every file this evaluation wrote) the new ``out_dir`` in one
+    swap, with what ``out_dir`` holds besides an evaluation's files (the user's own, the ``keep`` files: the
+    choice= file read) carried over. What an earlier evaluation wrote and this one did not (its plots, trade-off
+    matrix, choice files: another heads' choice file decodes wrong heads) is left behind; returns those names.
+    Written file by file into ``out_dir``, a kill left a new report.json beside the earlier run's plots and choice
+    files, or a report without its plots (a half-written one among them), which a later run took as an evaluation."""
     ours = {"report.json", "report.md", HISTOGRAM_PLOT, HEAD_ACCURACY_PLOT, THROUGHPUT_PLOT, *COMPARE_FILES}
-    keep = {p.name for p in written}
-    stale = sorted(f.name for f in out_dir.iterdir() if f.is_file() and f.name not in keep
-                   and (f.name in ours or f.name.endswith(CHOICE_SUFFIX)))
-    for name in stale:
-        (out_dir / name).unlink()
+    open_permissions(stage)   # this evaluation's files (before the carried ones: a hard link shares its mode)
+    written, kept = {p.name for p in stage.iterdir()}, {p.resolve() for p in keep}
+    stale = []
+    for entry in sorted(out_dir.iterdir()) if out_dir.is_dir() else []:
+        if entry.name in written:
+            continue
+        if (entry.name in ours or entry.name.endswith(CHOICE_SUFFIX)) and entry.resolve() not in kept:
+            stale.append(entry.name)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, stage / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, stage / entry.name)
+    swap_dir_into_place(stage, out_dir)
     return stale
+
+
+def _link_or_copy(src, dst) -> None:
+    """A file carried into the new folder: a hard link (no bytes copied), a copy where the file system has none."""
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def write_report(out_dir: Path, report: dict) -> list[Path]:

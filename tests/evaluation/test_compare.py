@@ -152,18 +152,50 @@ def test_cli_compare_end_to_end_on_a_local_tiny_backbone(backbone, tmp_path):
 def test_an_evaluation_into_an_earlier_ones_folder_leaves_none_of_its_files(tmp_path):
     """Guards against: two evaluations mixed in one out= folder. The second one's report.json sat beside the
     first one's head_accuracy.png, trade-off matrix and choice files (another heads' choice file, offered to
-    medusa-generate as if it were this report's). Files an evaluation never writes are left alone."""
-    from inference.evaluation.reports import remove_stale_reports
+    medusa-generate as if it were this report's). Files an evaluation never writes are kept."""
+    from inference.evaluation.reports import publish_reports
 
+    out, stage = tmp_path / "eval", tmp_path / ".eval.tmp-1"
+    out.mkdir()
+    stage.mkdir()
     for name in ("report.json", "report.md", "head_accuracy.png", "compare.md", "compare.png",
                  "medusa_choice.json", "throughput_vs_batch.png", "notes.txt", "my_plot.png"):
-        (tmp_path / name).write_text("earlier")
-    # the evaluation's files, and the choice= file it measured again (what README tells users to decode with)
-    written = [tmp_path / "report.json", tmp_path / "report.md", tmp_path / "eagle3_choice.json"]
-    removed = remove_stale_reports(tmp_path, written)
+        (out / name).write_text("earlier")
+    (out / "mine").mkdir()
+    (out / "mine" / "a.txt").write_text("mine")
+    for name in ("report.json", "report.md", "eagle3_choice.json"):   # this evaluation's files
+        (stage / name).write_text("new")
+    removed = publish_reports(stage, out, keep=[])
     assert removed == ["compare.md", "compare.png", "head_accuracy.png", "medusa_choice.json",
                        "throughput_vs_batch.png"]
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["my_plot.png", "notes.txt", "report.json", "report.md"]
+    assert sorted(f.name for f in out.iterdir()) == ["eagle3_choice.json", "mine", "my_plot.png", "notes.txt",
+                                                     "report.json", "report.md"]
+    assert (out / "report.json").read_text() == "new" and (out / "notes.txt").read_text() == "earlier"
+    assert (out / "mine" / "a.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["eval"]
+
+
+def test_an_evaluation_that_fails_while_writing_leaves_the_earlier_one_whole(tmp_path, monkeypatch, capsys):
+    """Guards against: a report folder written file by file, so an evaluation killed or failing halfway left its
+    new report.json beside the earlier run's plots and choice files, or a report without its plots (one cut short),
+    which a later run took as an evaluation. The new files appear together or not at all."""
+    import inference.cli as cli
+    from inference import cli_run
+
+    for name in ("report.json", "report.md", "head_accuracy.png"):
+        (tmp_path / name).write_text("earlier")
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+
+    def fails_halfway(out, report):
+        (out / "compare.md").write_text("new")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cli_run, "write_report", lambda out, report: [out / "report.json"])
+    monkeypatch.setattr(cli_run, "write_compare", fails_halfway)
+    cfg = cli.EvalConfig(heads="h", compare=True, out=str(tmp_path))
+    with pytest.raises(OSError):
+        cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), tmp_path, {}, {}, batched=False)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
+    assert not [p for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}.")]
 
 
 def test_an_evaluation_keeps_the_choice_file_it_measured_again(tmp_path, monkeypatch, capsys):

@@ -145,7 +145,7 @@ def test_end_to_end_evaluation_on_a_tiny_model(tiny_medusa, tmp_path):
 def test_an_out_folder_that_is_no_evaluations_is_refused_and_left_as_it_was(tmp_path):
     """Guards against: medusa-eval out=<a heads folder, an export or a folder of the user's> writing its report
     there and deleting files with the evaluation's names (a user's own report.md, a choice file) as an earlier
-    evaluation's leftovers (``remove_stale_reports``): refused before anything loads; a new or empty folder and
+    evaluation's leftovers (``publish_reports``): refused before anything loads; a new or empty folder and
     one holding an earlier evaluation's report.json (its keys: ``REPORT_KEYS``) are taken."""
     (tmp_path / "heads").mkdir()
     (tmp_path / "heads" / "model.safetensors").write_bytes(b"")
