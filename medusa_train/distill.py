@@ -111,6 +111,24 @@ def run_identity(cfg) -> dict:
     }
 
 
+def distilled_by_another(source, identity: dict) -> Optional[str]:
+    """A one-line note when ``source`` is a distillation's ``data/`` folder written by a backbone of other weights or
+    architecture than ``identity`` (``backbone_identity`` of the run's backbone): its heads would learn that model's
+    replies (a recipe's default data.source kept beside another backbone.name_or_path). None otherwise."""
+    folder = Path(os.path.expanduser(str(source)))
+    if folder.name != DATA_DIR or not (folder.parent / MANIFEST).is_file():
+        return None
+    try:
+        recorded = (read_manifest(folder.parent / MANIFEST, folder.parent) or {}).get("backbone_fingerprint") or {}
+    except UserError:   # not a manifest this version reads: the readers say what they make of the folder
+        return None
+    differs = [k for k in ("config", "weights") if recorded.get(k) and recorded.get(k) != identity.get(k)]
+    if not differs:
+        return None
+    return (f"note: data.source={source} holds replies self-distilled by {recorded.get('name')} (other "
+            f"{' and '.join(differs)} than this run's backbone): the heads learn that model's replies, not its own")
+
+
 def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, create: bool = True) -> dict:
     """Create the manifest, or check that ``out`` holds this very run's data; refuse otherwise. ``create=False``:
     only check, writing nothing (an ``out`` without a manifest is taken unless it holds other files)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -47,7 +48,8 @@ from inference.heads.native import EXPORT_FILES, recover_dir, save_heads
 from inference.heads.registry import family, init_heads
 from inference.heads.spec import HeadsSpec, backbone_fingerprint
 from . import checkpoint, features
-from .backbone import load_backbone
+from .backbone import backbone_identity, load_backbone
+from .distill import distilled_by_another
 from .config import derived_batch, loss_weights, validate
 from .families import draft_depth, draft_vocabulary, training_family
 from .data.stream import ConversationStream, RankData, check_training_data, token_frequencies
@@ -107,6 +109,9 @@ class MedusaTrainer:
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed, run_dir=self.output_dir,
                                       write=self.is_main, before_write=self._accept_data)
         model, tok = self.backbone.model, self.backbone.tokenizer
+        note = distilled_by_another(cfg.data.source, backbone_identity(self.backbone)) if self.is_main else None
+        if note:
+            print(note, file=sys.stderr, flush=True)
         self.pad_id = tok.pad_token_id
         data = RankData(cfg.data, tok, t.seed, self.rank, self.world_size, self.plan.micro_batch_size, self.pad_id)
         cache_plan = features.cache_plan(cfg, self.plan.micro_batch_size, self.plan.grad_accum, self.pad_id,

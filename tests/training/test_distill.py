@@ -428,3 +428,29 @@ def test_sampled_auto_takes_generate_when_the_runtime_cannot_decode_the_backbone
                        out=tmp_path / "g")
     manifest = distill.run(cfg)
     assert manifest["engine"]["chosen"] == "generate" and "cannot decode" in manifest["engine"]["why"]
+
+
+def test_training_on_data_distilled_by_another_backbone_is_said(compose_tiny, tmp_path, capsys):
+    """Guards against: heads trained on self-distilled data written by another backbone in silence (a recipe's
+    default data.source, runs/distill_smollm2/data, kept beside backbone.name_or_path=<your model>): the heads learn
+    the other model's replies. The same backbone's data trains without a word."""
+    import shutil
+
+    from conftest import TINY_DATA
+    from medusa_train import trainer as T
+    from medusa_train.backbone import backbone_identity
+
+    (tmp_path / "d" / distill.DATA_DIR).mkdir(parents=True)
+    shutil.copy(TINY_DATA, tmp_path / "d" / distill.DATA_DIR / "shard-000000.jsonl")
+    manifest = tmp_path / "d" / distill.MANIFEST
+    for weights, said in (("0123456789abcdef", True), (None, False)):
+        trainer = T.MedusaTrainer(compose_tiny(f"data.source={tmp_path / 'd' / distill.DATA_DIR}",
+                                               "trainer.max_steps=1", out=tmp_path / f"run-{said}"))
+        if weights is None:   # the data of this very backbone
+            weights = backbone_identity(load_backbone(trainer.cfg.backbone, "cpu", seed=0))["weights"]
+        manifest.write_text(json.dumps({"task": "distill",
+                                        "backbone_fingerprint": {"name": "other", "weights": weights}}))
+        trainer.setup()
+        trainer.cleanup(plot=False)
+        err = capsys.readouterr().err
+        assert ("self-distilled by other (other weights than this run's backbone)" in err) == said, err
