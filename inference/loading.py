@@ -211,17 +211,15 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     the one their config records (``backbone=None``); a backbone given explicitly is used as
     is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
     when loading, and to the given model's own when a model object is passed. kernels: ``auto``
-    routes skinny CPU products through the fastest formulation (``linear_kernels``; it changes the
-    class of the model's linears in place and may keep prepacked copies of their weights; choices
-    measured by an earlier launch on this machine are reused from ``kernel_plans_path()``), ``measure``
-    measures them afresh, ``stock`` leaves transformers' as they are; default ``auto`` for a backbone
-    loaded here, ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own linears in
+    routes skinny CPU products through the fastest formulation (``linear_kernels``: the model's linears change class
+    in place and may keep prepacked weights; choices an earlier launch on this machine measured are reused from
+    ``kernel_plans_path()``), ``measure`` measures them afresh, ``stock`` leaves transformers'; default ``auto`` for a
+    backbone loaded here, ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own linears in
     float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
     outputs and sampling's distribution do not), ``float`` keeps them as trained. graphs: ``auto`` steps
     the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``: ``on``, ``off``,
-    ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: variables of the backbone's chat
-    template for every prompt the model encodes (``{"enable_thinking": False}`` for Qwen3 with thinking off;
-    ``chat_template.set_template_args``: set on the tokenizer, a tokenizer passed in included).
+    ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: the chat template's variables for every
+    prompt encoded (``{"enable_thinking": False}``: Qwen3, thinking off), set on the tokenizer (``chat_template``).
     """
     template = check_template_args(chat_template_args) if chat_template_args is not None else None
     if kernels is None:
@@ -276,8 +274,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     if draft_weights == "float16":  # before routing: the half linears are not routed
         half_draft_weights(heads, model)
     if template is not None and tokenizer is not None:
-        owner = getattr(model.config, "_name_or_path", None) or "the backbone"
-        set_template_args(tokenizer, template, whose=f" of {owner}")
+        set_template_args(tokenizer, template, whose=f" of {getattr(model.config, '_name_or_path', '') or 'it'}")
     m = apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
                       kernels, kernel_plans_path())
     return apply_graphs(m, graphs, graph_buckets)
