@@ -454,3 +454,14 @@ def test_training_on_data_distilled_by_another_backbone_is_said(compose_tiny, tm
         trainer.cleanup(plot=False)
         err = capsys.readouterr().err
         assert ("self-distilled by other (other weights than this run's backbone)" in err) == said, err
+
+
+def test_a_distillation_that_keeps_no_reply_says_so_and_fails(compose_tiny, out_dir, monkeypatch):
+    """Guards against: a run whose every reply came back empty (a backbone that ends each turn at once) printing
+    "complete: 0 of N conversations ... train on it" and exiting 0, as if it had written a dataset."""
+    from medusa_train import distill_engines
+
+    monkeypatch.setattr(distill_engines.Generator, "generate",
+                        lambda self, prompts, max_new_tokens=None: [([], True) for _ in prompts])
+    with pytest.raises(UserError, match=r"none of the 4 conversations kept a reply \(ended: empty reply: 4\)"):
+        distill.run(compose_tiny(*DISTILL, "distill.max_conversations=4"))
