@@ -131,6 +131,10 @@ class MedusaTrainer:
         if self.resume_from is not None:
             self.phase = "loading the checkpoint"
             state = checkpoint.load(self.engine, self.resume_from, self.rank)  # its config was checked above
+            restored = getattr(self.module.heads, "token_map", None)
+            if restored is not None:   # the checkpoint's map, not this start's scan (a newer version may rank
+                # the tokens otherwise): targets mapped through the scan's inverse trained each head on a neighbour
+                self.module.inv_map = vocab_to_local(restored, self.spec.vocab_size)
             if self.is_main:
                 print(f"[medusa-train] resumed from {self.resume_from} at step {state['step']}", flush=True)
             self.checkpointed = (int(state["step"]), Path(self.resume_from))

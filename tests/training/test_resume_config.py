@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import base_overrides, clean_env, console_script
 from inference.errors import UserError
@@ -212,3 +213,24 @@ def test_resume_never_keeps_its_own_newest_checkpoints(compose_tiny, tmp_path):
     root = out / "checkpoints"
     assert sorted(p.name for p in root.glob("step-*")) == ["step-000002", "step-000004"]
     assert checkpoint.find_resume(out, "auto").name == "step-000004"
+
+
+def test_a_resumed_truncated_run_maps_targets_through_the_checkpoints_token_map(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: a resumed run with a truncated vocabulary mapping its targets through the inverse of the map
+    its own start scanned, while the heads carry the checkpoint's map. Both were the same until a version ranked the
+    tokens otherwise (the end-of-turn ids forced first): every target then trained the neighbouring token's row."""
+    from medusa_train.losses import vocab_to_local
+
+    truncated = ["heads.projection=truncated", "heads.truncated_vocab_size=16"]
+    a = tmp_path / "a"
+    interrupted_run(compose_tiny, a, monkeypatch, *truncated)
+    scanned = T.MedusaTrainer._token_map
+    monkeypatch.setattr(T.MedusaTrainer, "_token_map", lambda self, *a: scanned(self, *a).roll(1))   # another order
+    trainer = T.MedusaTrainer(compose_tiny(*RUN, *truncated, out=a))
+    trainer.setup()
+    try:
+        assert trainer.step == 2
+        heads = trainer.module.heads
+        assert torch.equal(trainer.module.inv_map.cpu(), vocab_to_local(heads.token_map, trainer.spec.vocab_size).cpu())
+    finally:
+        trainer.cleanup(plot=False)
