@@ -187,7 +187,11 @@ def _load_pretrained(cfg) -> Backbone:
     model, tokenizer, name = runtime_backbone.load_backbone(
         cfg.name_or_path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,
         gguf_file=cfg.gguf_file, attn_implementation=cfg.attn_implementation, attn_advice=ATTN_ADVICE)
-    return Backbone(model, tokenizer, name)
+    # The heads record the absolute path of a local folder (``name``); caches and distilled data keep keying on the
+    # setting as written, as they did before names were made absolute, so a run continues its own cache and data.
+    as_written = cfg.name_or_path if not cfg.gguf_file or cfg.name_or_path.startswith("embedded:") \
+        else f"{cfg.name_or_path}/{cfg.gguf_file}"
+    return Backbone(model, tokenizer, name, identity=as_written if as_written != name else None)
 
 
 # -- identity --------------------------------------------------------------------------------------------------
