@@ -27,6 +27,14 @@ def check_report_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out={out_dir} is a file, not a folder")
     check_report_owner(out_dir)
+    real = out_dir.resolve()
+    here = Path.cwd().resolve()
+    if real.exists() and real in (here, *here.parents):
+        raise UserError(f"out={out_dir} holds the current folder, which the report would replace (it is written beside "
+                        "out= and swapped in whole): run medusa-eval from outside it")
+    if real.exists() and not os.access(real.parent, os.W_OK | os.X_OK):
+        raise UserError(f"out={out_dir} cannot be replaced: {real.parent} is not writable (the report is written "
+                        "beside out= and swapped in whole)")
     existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"out={out_dir} cannot be created: {existing} is "

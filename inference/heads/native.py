@@ -120,7 +120,11 @@ def swap_dir_into_place(tmp: Path, out: Path) -> None:
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
             _ACTIVE.add(old)
-            os.replace(out, old)  # onto the empty dir just made: a unique name no other writer holds
+            try:
+                os.replace(out, old)  # onto the empty dir just made: a unique name no other writer holds
+            except BaseException:
+                old.rmdir()   # still empty: nothing moved, nothing left behind
+                raise
         try:
             os.replace(tmp, out)
         except BaseException:

@@ -213,3 +213,31 @@ def test_an_evaluation_keeps_the_choice_file_it_measured_again(tmp_path, monkeyp
     cfg = cli.EvalConfig(heads="h", choice=str(given), out=str(tmp_path))
     cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), tmp_path, {}, {}, batched=False)
     assert given.exists() and not (tmp_path / "eagle3_choice.json").exists()
+
+
+def test_a_report_folder_given_by_a_link_or_as_the_current_folder(tmp_path, monkeypatch, capsys):
+    """Guards against: the report folder swapped in whole failing after the whole evaluation ran, its report lost to
+    a traceback and an empty ``.old-*`` folder left: out= a symbolic link to an earlier evaluation's folder (the
+    link cannot be renamed onto a folder) or out=. from inside it (the folder in use cannot be renamed)."""
+    import inference.cli as cli
+    from inference import cli_run
+    from inference.cli_checks import eval_out_dir
+    from inference.errors import UserError
+
+    real = tmp_path / "eval"
+    real.mkdir()
+    record = json.dumps({"settings": {}, "machine": {}, "num_samples": 0, "methods": ["new"]})
+    (real / "report.json").write_text(record.replace("new", "earlier"))
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    cfg = cli.EvalConfig(heads="h", out=str(link))
+    out = eval_out_dir(cfg)
+    assert out == real
+    monkeypatch.setattr(cli_run, "write_report", lambda o, report: [o / "report.json"]
+                        if (o / "report.json").write_text(record) else [])
+    cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), out, {}, {}, batched=False)
+    assert (link / "report.json").read_text() == record and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "link"]
+    monkeypatch.chdir(real)
+    with pytest.raises(UserError, match="holds the current folder"):
+        eval_out_dir(cli.EvalConfig(heads="h", out="."))

@@ -228,3 +228,15 @@ def test_live_writers_leftovers_are_not_touched(tmp_path):
         live.wait()
     write("save_heads", out, 1)
     assert written("save_heads", out) == 1 and leftovers(tmp_path) == []
+
+
+def test_a_swap_that_cannot_move_out_aside_leaves_no_empty_backup(tmp_path):
+    """Guards against: a swap whose first rename fails (out= a link to a folder: a link cannot be renamed onto a
+    folder) leaving the empty ``.<out>.old-*`` folder it made for it."""
+    real, link, new = tmp_path / "real", tmp_path / "link", tmp_path / "new"
+    real.mkdir()
+    new.mkdir()
+    link.symlink_to(real)
+    with pytest.raises(OSError):
+        native.swap_dir_into_place(new, link)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "new", "real"]
