@@ -21,6 +21,7 @@ RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_te
                       "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
                       "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
                       "tokenizer_kwargs"})
+_NOTED: set = set()   # (template, variables it never mentions) already said in this process
 
 
 def check_template_args(args: Any, key: str = "chat_template_args") -> dict:
@@ -60,7 +61,8 @@ def set_template_args(tokenizer, args: Any, key: str = "chat_template_args", who
     template = getattr(tokenizer, "chat_template", None)
     text = json.dumps(template) if isinstance(template, dict) else str(template or "")
     unread = [name for name in args if name not in text]
-    if unread and text:
+    if unread and text and (text, tuple(unread)) not in _NOTED:   # once: a command's check and its load share it
+        _NOTED.add((text, tuple(unread)))
         print(f"note: the chat template{whose} never mentions {', '.join(unread)}: "
               f"{key}.{unread[0]} changes nothing", file=sys.stderr)
 

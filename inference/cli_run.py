@@ -7,6 +7,7 @@ its top: ``cli.py`` imports it only once a command runs, so ``--help`` stays fas
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 
 from . import methods as decoding   # decoding.stream / generate / generate_batch, looked up when called
 from .backbone import load_backbone
-from .chat_template import set_template_args
+from .chat_template import check_template_args, set_template_args
 from .cli_checks import (check_decoding_keys, check_eval_keys, check_eval_prompts_fit, check_fixed_choices,
                          check_keys_used, check_options_fit, check_prompts_fit, choice_modes, encode_prompts,
                          eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec, method_options,
@@ -161,7 +162,7 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
 # code) and how (a choice measured sampling is pasted as sampling; with backbone= printed, apply_adapter's unset
 # default would flip to off)
 _MEASURED_AS = ("backbone", "apply_adapter", "dtype", "device", "trust_remote_code", "mode", "temperature", "top_p",
-                "top_k", "typical_epsilon", "typical_delta")
+                "top_k", "typical_epsilon", "typical_delta", "chat_template_args")
 
 
 def generate_command(cfg, path: Path, batched: bool) -> str:
@@ -169,11 +170,20 @@ def generate_command(cfg, path: Path, batched: bool) -> str:
     the keys of ``_MEASURED_AS`` the evaluation was given (pasted without them, heads naming an unreachable base
     model failed, and a bfloat16 evaluation's choice decoded in float32)."""
     defaults = {f.name: f.default for f in dataclasses.fields(GenerateKeys)}
-    given = [f"{key}={str(value).lower() if isinstance(value, bool) else value}"
-             for key in _MEASURED_AS if (value := getattr(cfg, key)) is not None and value != defaults[key]]
+    given = [f"{key}={_word(value)}" for key in _MEASURED_AS if key != "chat_template_args"
+             and (value := getattr(cfg, key)) is not None and value != defaults[key]]
+    # the prompts as measured: rendered with the same template variables, one key each
+    given += [f"chat_template_args.{k}={_word(v)}" for k, v in check_template_args(cfg.chat_template_args).items()]
     batches = ["prompts_file=<prompts.jsonl>", "batch_size=<B>"] if batched else []
     words = [shlex.quote(w) for w in (f"heads={cfg.heads}", *given)] + batches + [shlex.quote(f"choice={path}")]
     return "medusa-generate " + " ".join(words)
+
+
+def _word(value) -> str:
+    """A value as a command line reads it back (true / false; a list or mapping as JSON)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def generate_options(cfg, spec, several: bool, size: Optional[int]):

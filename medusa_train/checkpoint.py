@@ -169,6 +169,12 @@ def unsafe_changes(saved: dict, new: dict, defaults: Optional[dict] = None) -> l
         elif hit is None and k in new and defaults is not None and k in defaults:
             if _norm(defaults[k]) != _norm(new[k]):
                 diff.add(k)
+        elif hit is None and k in new and defaults is not None:
+            # an entry under a mapping added later (backbone.chat_template_args.enable_thinking): the version without
+            # the mapping had its default, which holds no such entry
+            base = next((p for p in reversed(parents) if p in defaults and isinstance(defaults[p], dict)), None)
+            if base is not None and not is_safe_key(base):
+                diff.add(base)
     return sorted(diff)
 
 

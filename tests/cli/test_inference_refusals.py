@@ -684,9 +684,9 @@ def test_a_local_backbone_folder_transformers_cannot_read_is_one_line(setup):
 
 def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_path, monkeypatch, capsys):
     """Guards against medusa-eval's "decode with <method>'s choice: medusa-generate ..." line dropping backbone=,
-    dtype=, device=, trust_remote_code=, apply_adapter= and the sampling keys: pasted, heads whose recorded base
-    model is unreachable failed, a bfloat16 evaluation's choice decoded in float32, Medusa-2 heads decoded without
-    their adapter, a sampled one greedily. The line is read back as medusa-generate reads its argv."""
+    dtype=, device=, trust_remote_code=, apply_adapter=, the sampling keys and chat_template_args: pasted, heads
+    whose recorded base model is unreachable failed, a bfloat16 evaluation's choice decoded in float32, Medusa-2
+    heads decoded without their adapter, a sampled one greedily, thinking-off prompts with thinking on. The line is read back as medusa-generate reads its argv."""
     import shlex
     import types
 
@@ -707,6 +707,9 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
             # apply_adapter would mean off; a choice measured sampling stays sampling
             (dict(backbone="/models/base", apply_adapter=True, mode="sample", temperature=0.5, top_k=20),
              dict(backbone="/models/base", apply_adapter=True, mode="sample", temperature=0.5, top_k=20)),
+            # prompts rendered with the template's variables (Qwen3 with thinking off): decoded so too
+            (dict(chat_template_args={"enable_thinking": False, "effort": "low"}),
+             dict(chat_template_args={"enable_thinking": False, "effort": "low"})),
             ({}, dict(backbone=None, dtype="float32", device="auto", trust_remote_code=False, apply_adapter=None,
                       mode="greedy"))):
         cfg = cli.EvalConfig(heads="runs/a/heads", out=str(out), **given)

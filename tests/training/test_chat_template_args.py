@@ -80,9 +80,10 @@ def test_the_arguments_are_part_of_what_a_cache_distillation_or_resume_was_made_
     assert distill.run_identity(off)["backbone"]["chat_template_args"] == {"enable_thinking": False}
     assert "chat_template_args" not in features.cache_identity(plain, tiny_backbone)["data"]
     assert features.cache_identity(off, tiny_backbone)["data"]["chat_template_args"] == {"enable_thinking": False}
-    saved = flatten({"backbone": {"chat_template_args": {}}})
-    assert unsafe_changes(saved, flatten({"backbone": {"chat_template_args": {"enable_thinking": False}}}),
-                          schema_defaults()) == ["backbone.chat_template_args"]
+    off_now = flatten({"backbone": {"name_or_path": "x", "chat_template_args": {"enable_thinking": False}}})
+    for saved in ({"backbone": {"name_or_path": "x", "chat_template_args": {}}},
+                  {"backbone": {"name_or_path": "x"}}):   # a checkpoint from before the setting existed
+        assert unsafe_changes(flatten(saved), off_now, schema_defaults()) == ["backbone.chat_template_args"]
 
 
 def test_load_medusa_renders_the_models_prompts_with_them(tmp_path):
