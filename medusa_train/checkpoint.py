@@ -210,7 +210,7 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
         defaults = schema_defaults(str((config.get("heads") or {}).get("kind", "medusa")))
         diff = unsafe_changes(saved, new, defaults)
         if diff and resolve is not None:
-            diff = _unresolved(diff, state["config"], config, resolve)
+            diff = unresolved_changes(diff, state["config"], config, resolve)
         saved = {**{k: defaults[k] for k in diff if k not in saved and k in defaults}, **saved}
     if "global_batch_size" in state and int(state["global_batch_size"]) != int(effective_batch):
         diff.append(EFFECTIVE_BATCH)
@@ -223,7 +223,7 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
                         "start over here), or rerun with the checkpoint's values")
 
 
-def _unresolved(diff: list[str], saved: dict, new: dict, resolve: Callable[[dict], dict]) -> list[str]:
+def unresolved_changes(diff: list[str], saved: dict, new: dict, resolve: Callable[[dict], dict]) -> list[str]:
     """The keys of ``diff`` that still differ once both configurations' automatic values are resolved
     (``heads.aux_layers=null`` and the layers that default picks are the same drafter)."""
     try:

@@ -30,7 +30,8 @@ from inference.heads.registry import build_heads, family, setting_names
 from inference.heads.spec import HeadsSpec, check_compatible
 
 from .backbone import backbone_config
-from .checkpoint import config_dict, flatten, resume_point, schema_defaults, unsafe_changes
+from .checkpoint import (config_dict, flatten, resolved_settings, resume_point, schema_defaults, unresolved_changes,
+                         unsafe_changes)
 from .config import check_data_source, derived_batch, launch_world_size
 from .data.readers import ReadStats, iter_conversations
 from .data.stream import check_training_data
@@ -336,6 +337,9 @@ def check_run_folder(cfg, resumed: bool) -> None:
         return
     new = config_dict(cfg)
     diff = unsafe_changes(flatten(saved), flatten(new), schema_defaults(str(new["heads"]["kind"])))
+    if diff:   # a key written out at the value the run resolved for it (heads.aux_layers) is no change, as on resume
+        hf_config = backbone_config(cfg.backbone)
+        diff = unresolved_changes(diff, saved, new, lambda config: resolved_settings(config, hf_config))
     if diff:
         raise UserError(f"output_dir={cfg.output_dir} holds a finished run trained with another configuration "
                         f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''} differ), whose heads this run "

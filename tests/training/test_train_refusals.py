@@ -392,3 +392,23 @@ def test_a_finished_run_without_checkpoints_is_not_trained_over_by_another_confi
     assert snapshot(out_dir) == before
     check_run_folder(compose_tiny("trainer.max_steps=3"), resumed=False)   # a safe key: the same run, longer
     check_run_folder(compose_tiny("heads=hydra", "trainer.resume=never"), resumed=False)
+
+
+def test_a_finished_runs_automatic_keys_written_out_at_their_resolved_values_are_the_same_run(compose_tiny, out_dir):
+    """Guards against: the finished-run check refusing a rerun that writes an automatic key out at the value the run
+    resolved (EAGLE-3's heads.aux_layers as the default picks them), which a checkpoint's resume accepts."""
+    from omegaconf import OmegaConf
+
+    from medusa_train.backbone import backbone_config
+    from medusa_train.checkpoint import config_dict, resolved_settings
+    from medusa_train.preflight import check_run_folder
+
+    eagle = ["heads=eagle3", "backbone.random_init.num_hidden_layers=8"]
+    first = compose_tiny(*eagle)
+    (out_dir / "heads").mkdir(parents=True)
+    (out_dir / ".hydra").mkdir()
+    (out_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(first))
+    layers = resolved_settings(config_dict(first), backbone_config(first.backbone))["heads.aux_layers"]
+    check_run_folder(compose_tiny(*eagle, f"heads.aux_layers={list(layers)}"), resumed=False)
+    with pytest.raises(UserError, match="heads.aux_layers"):
+        check_run_folder(compose_tiny(*eagle, f"heads.aux_layers={[1, 2, 3]}"), resumed=False)
