@@ -160,7 +160,7 @@ class DistillConfig:
     max_turns: Optional[int] = None  # assistant turns regenerated per conversation (later ones dropped)
     max_conversations: Optional[int] = None  # source conversations taken, from the first
     batch_size: int = 16  # prompts generated together (grouped by length)
-    engine: str = "auto"  # generate | runtime | lookup | auto (the fastest, measured: medusa_train/distill_engines.py)
+    engine: str = "auto"  # generate | runtime | lookup | auto (greedy: the fastest measured; sampling: runtime)
     shard_size: int = 64  # conversations per output shard = the unit of resume
     # device, seed, CPU threads and the progress bar are trainer.device/seed/threads/progress_bar
 
