@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 from .errors import UserError
 
@@ -77,3 +78,32 @@ def template_identity(backbone_cfg) -> dict:
     ``backbone_cfg``: nothing when unset, so records made before the setting existed still match."""
     args = check_template_args(getattr(backbone_cfg, "chat_template_args", None), "backbone.chat_template_args")
     return {"chat_template_args": args} if args else {}
+
+
+def recorded_template_args(heads_dir) -> dict:
+    """The ``backbone.chat_template_args`` the training run that wrote ``heads_dir`` rendered its data with, read from
+    the run's record beside it (``<run>/.hydra/config.yaml``); {} when none is recorded (or the heads were moved)."""
+    record = Path(heads_dir).expanduser().resolve().parent / ".hydra" / "config.yaml"
+    if not record.is_file():
+        return {}
+    try:
+        from omegaconf import OmegaConf   # lazy: only where a run's record is read
+
+        return check_template_args(OmegaConf.select(OmegaConf.load(record), "backbone.chat_template_args"))
+    except Exception:   # noqa: BLE001 (a record this version cannot read, or one with bad values: nothing adopted)
+        return {}
+
+
+def template_args_for(heads_dir: Optional[str], given: Any, key: str = "chat_template_args") -> dict:
+    """The arguments to render a decoding's prompts with: those given (checked), else the ones the heads were trained
+    with (``recorded_template_args``, said in one line): heads trained on Qwen3 with thinking off, evaluated with the
+    template's default, were measured on prompts they never saw."""
+    args = check_template_args(given, key)
+    if args or not heads_dir:
+        return args
+    recorded = recorded_template_args(heads_dir)
+    if recorded:
+        shown = ", ".join(f"{key}.{k}={json.dumps(v)}" for k, v in recorded.items())
+        print(f"note: prompts are rendered with the chat template variables the heads were trained with ({shown}); "
+              f"give {key}.<name>=<value> to change one", file=sys.stderr)
+    return recorded

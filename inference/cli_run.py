@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from . import methods as decoding   # decoding.stream / generate / generate_batch, looked up when called
 from .backbone import load_backbone
-from .chat_template import check_template_args, set_template_args
+from .chat_template import check_template_args, set_template_args, template_args_for
 from .cli_checks import (check_decoding_keys, check_eval_keys, check_eval_prompts_fit, check_fixed_choices,
                          check_keys_used, check_options_fit, check_prompts_fit, choice_modes, encode_prompts,
                          eval_methods, eval_out_dir, eval_prompts, generate_prompts, heads_spec, method_options,
@@ -87,6 +87,7 @@ def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict]:
 
 def run_eval(cfg) -> dict:
     sampling, sizes = check_eval_keys(cfg)   # everything the config alone decides, before anything loads
+    cfg.chat_template_args = template_args_for(cfg.heads, cfg.chat_template_args)   # given, else the training's
     methods = eval_methods(cfg)
     check_keys_used(cfg, methods)
     check_greedy_only(methods, sampling)
@@ -234,6 +235,7 @@ def run_generate(cfg) -> None:
     size = check_batch_size(cfg.batch_size) if cfg.batch_size is not None else None
     if cfg.heads in ("???", ""):
         raise UserError("heads=<export directory> is required")
+    cfg.chat_template_args = template_args_for(cfg.heads, cfg.chat_template_args)   # given, else the training's
     spec = heads_spec(cfg)   # None when unreadable here: the load below says why
     method, options, together = generate_options(cfg, spec, several, size)
     check_keys_used(cfg, [method], GENERATE_DEFAULTS)

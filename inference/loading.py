@@ -25,7 +25,7 @@ import torch
 
 from .assets import cache_dir
 from .backbone import load_backbone, load_backbone_config, parse_device, parse_dtype
-from .chat_template import check_template_args, set_template_args
+from .chat_template import set_template_args, template_args_for
 from .errors import NeedsBackboneConfig, UserError
 from .formats.export import FormatWarning
 from .formats.importers import detect_layout, importer_for
@@ -221,7 +221,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: the chat template's variables for every
     prompt encoded (``{"enable_thinking": False}``: Qwen3, thinking off), set on the tokenizer (``chat_template``).
     """
-    template = check_template_args(chat_template_args) if chat_template_args is not None else None
+    template = template_args_for(heads_dir, chat_template_args)   # given, else the training run's
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
     check_kernels(kernels)  # before any loading
@@ -273,7 +273,7 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
                             emb.weight if emb is not None else None, dev, dt)
     if draft_weights == "float16":  # before routing: the half linears are not routed
         half_draft_weights(heads, model)
-    if template is not None and tokenizer is not None:
+    if (template or chat_template_args is not None) and tokenizer is not None:
         set_template_args(tokenizer, template, whose=f" of {getattr(model.config, '_name_or_path', '') or 'it'}")
     m = apply_kernels(MedusaModel(model=model, tokenizer=tokenizer, heads=heads, adapter_applied=adapter_applied),
                       kernels, kernel_plans_path())

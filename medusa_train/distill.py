@@ -514,15 +514,20 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
                                                   # the claimed choice, whatever another rank's write left there
                                                   "engine": _recorded_engine(out, engine_claim(out, identity))})
     if manifest is not None:
-        c = manifest["counts"]
-        if not c["conversations"]:   # every replay ended before its first reply: nothing a trainer can learn from
-            ended = ", ".join(f"{why}: {n}" for why, n in sorted(c["ended"].items())) or "none recorded"
-            raise UserError(f"distillation complete, but none of the {c['source_conversations']} conversations kept a "
-                            f"reply (ended: {ended}); nothing to train on in {out / DATA_DIR}")
-        print(f"[distill] complete: {c['conversations']} of {c['source_conversations']} conversations, "
-              f"{c['turns']} turns, {c['generated_tokens']} tokens ({c['tokens_per_s_per_process']} tok/s per process) "
-              f"in {out / DATA_DIR}; train on it with data.source={out / DATA_DIR}", flush=True)
+        say_complete(manifest["counts"], out)
     return manifest or {}
+
+
+def say_complete(c: dict, out: Path) -> None:
+    """The finished run's counts in one line; a run that kept no reply (each replay ended before its first: a
+    backbone ending every turn at once) refused in one, as there is nothing a trainer can learn from."""
+    if not c["conversations"]:
+        ended = ", ".join(f"{why}: {n}" for why, n in sorted(c["ended"].items())) or "none recorded"
+        raise UserError(f"distillation complete, but none of the {c['source_conversations']} conversations kept a "
+                        f"reply (ended: {ended}); nothing to train on in {out / DATA_DIR}")
+    print(f"[distill] complete: {c['conversations']} of {c['source_conversations']} conversations, "
+          f"{c['turns']} turns, {c['generated_tokens']} tokens ({c['tokens_per_s_per_process']} tok/s per process) "
+          f"in {out / DATA_DIR}; train on it with data.source={out / DATA_DIR}", flush=True)
 
 
 def _load_backbone(cfg, local_rank: int):

@@ -101,3 +101,28 @@ def test_load_medusa_renders_the_models_prompts_with_them(tmp_path):
     tok = thinking_tokenizer()
     m = load_medusa(d, backbone=model, tokenizer=tok, kernels="stock", chat_template_args={"enable_thinking": False})
     assert tok.decode(m.encode_chat("Hi")).endswith("</think>\n\n")
+
+
+def test_decoding_adopts_the_arguments_the_heads_were_trained_with(tmp_path, capsys):
+    """Guards against: heads trained with ``backbone.chat_template_args.enable_thinking=false`` evaluated and decoded
+    (medusa-eval / medusa-generate / load_medusa given no chat_template_args) on prompts rendered with the template's
+    default, which they never saw: their run's record is read, said in one line, and a given value still wins."""
+    from inference.chat_template import template_args_for
+    from inference.heads.native import save_heads
+    from inference.loading import load_medusa
+    from omegaconf import OmegaConf
+
+    from runtime_support import random_heads, tiny_llama
+
+    model = tiny_llama(seed=4)
+    heads = save_heads(random_heads(model, projection="own"), tmp_path / "run" / "heads")
+    (tmp_path / "run" / ".hydra").mkdir()
+    OmegaConf.save({"backbone": {"chat_template_args": {"enable_thinking": False}}},
+                   tmp_path / "run" / ".hydra" / "config.yaml")
+    assert template_args_for(str(heads), {}) == {"enable_thinking": False}
+    assert "chat_template_args.enable_thinking=false" in capsys.readouterr().err
+    assert template_args_for(str(heads), {"enable_thinking": True}) == {"enable_thinking": True}
+    assert template_args_for(str(tmp_path / "elsewhere"), None) == {}
+    tok = thinking_tokenizer()
+    m = load_medusa(heads, backbone=model, tokenizer=tok, kernels="stock")
+    assert tok.decode(m.encode_chat("Hi")).endswith("</think>\n\n")
