@@ -310,7 +310,7 @@ def eval_out_dir(cfg) -> Path:
     name = "compare" if cfg.compare else "eval"
     out = Path(cfg.out) if cfg.out else Path(cfg.heads).resolve().parent / name if cfg.heads else Path("runs") / name
     check_report_dir(out)
-    return out.resolve()   # the folder itself (out=. or a link to it): it is replaced whole (publish_reports)
+    return out
 
 
 def generate_prompts(cfg) -> tuple[list[Prompt], bool]:

@@ -133,8 +133,9 @@ def backbone_drift(cfg, m, prompts, report: dict) -> None:
 def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
     """report.json / .md / plots, the trade-off matrix with compare=true, and a choice file per measured
     choice (``methods.choice_file``); what was written and how to decode with each choice, printed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = make_temp_dir(out)   # every file written there, then swapped in whole: a kill leaves one evaluation
+    real = out.resolve()   # the folder itself (a link to it): replaced whole; messages name it as given
+    real.parent.mkdir(parents=True, exist_ok=True)
+    stage = make_temp_dir(real)   # every file written there, then swapped in whole: a kill leaves one evaluation
     try:
         paths = write_report(stage, report)
         if cfg.compare:
@@ -143,7 +144,7 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
         files = {x: write_choice(stage, x, c, c.options, fingerprint) for x, c in chosen.items() if c.measured}
         paths += list(files.values())
         given = [Path(cfg.choice)] if cfg.choice not in ("auto", "fixed") else []   # the choice= file read: kept
-        stale = publish_reports(stage, out, given)
+        stale = publish_reports(stage, real, given)
     finally:
         release_temp_dir(stage)
     paths = [out / p.name for p in paths]
