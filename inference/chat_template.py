@@ -95,15 +95,14 @@ def recorded_template_args(heads_dir) -> dict:
 
 
 def template_args_for(heads_dir: Optional[str], given: Any, key: str = "chat_template_args") -> dict:
-    """The arguments to render a decoding's prompts with: those given (checked), else the ones the heads were trained
-    with (``recorded_template_args``, said in one line): heads trained on Qwen3 with thinking off, evaluated with the
-    template's default, were measured on prompts they never saw."""
+    """The arguments to render a decoding's prompts with: the ones the heads were trained with
+    (``recorded_template_args``, said in one line), each given one taking its place or joining them. Heads trained on
+    Qwen3 with thinking off, evaluated with the template's default, were measured on prompts they never saw."""
     args = check_template_args(given, key)
-    if args or not heads_dir:
-        return args
-    recorded = recorded_template_args(heads_dir)
-    if recorded:
-        shown = ", ".join(f"{key}.{k}={json.dumps(v)}" for k, v in recorded.items())
+    recorded = recorded_template_args(heads_dir) if heads_dir else {}
+    kept = {k: v for k, v in recorded.items() if k not in args}
+    if kept:
+        shown = ", ".join(f"{key}.{k}={json.dumps(v)}" for k, v in kept.items())
         print(f"note: prompts are rendered with the chat template variables the heads were trained with ({shown}); "
               f"give {key}.<name>=<value> to change one", file=sys.stderr)
-    return recorded
+    return {**kept, **args}

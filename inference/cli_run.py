@@ -182,10 +182,15 @@ def generate_command(cfg, path: Path, batched: bool) -> str:
 
 
 def _word(value) -> str:
-    """A value as a command line reads it back (true / false; a list or mapping as JSON)."""
+    """A value as a command line reads it back (true / false; a list or mapping as JSON; a string the command line
+    would read as another value, "true", "1", "a: b", quoted)."""
     if isinstance(value, bool):
         return str(value).lower()
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    if isinstance(value, str) and OmegaConf.from_dotlist([f"v={value}"]).get("v") != value:
+        return json.dumps(value)
+    return str(value)
 
 
 def generate_options(cfg, spec, several: bool, size: Optional[int]):

@@ -218,8 +218,8 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
     outputs and sampling's distribution do not), ``float`` keeps them as trained. graphs: ``auto`` steps
     the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``: ``on``, ``off``,
-    ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: the chat template's variables for every
-    prompt encoded (``{"enable_thinking": False}``: Qwen3, thinking off), set on the tokenizer (``chat_template``).
+    ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: the template's variables for every prompt
+    (``{"enable_thinking": False}``), joining those the heads' run recorded; set on the tokenizer, one passed in too.
     """
     template = template_args_for(heads_dir, chat_template_args)   # given, else the training run's
     if kernels is None:

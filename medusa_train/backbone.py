@@ -38,7 +38,8 @@ class Backbone:
     model: Any  # a transformers *ForCausalLM
     tokenizer: Any
     name: str  # what the export records as base model
-    identity: str | None = None  # what caches and distilled data key on, when not ``name`` (a kept random backbone)
+    identity: str | None = None  # what caches and distilled data key on, when not ``name`` (a kept random backbone;
+    # a local folder recorded by its absolute path, keyed as written)
 
 
 def byte_tokenizer():

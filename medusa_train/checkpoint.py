@@ -152,10 +152,17 @@ def unsafe_changes(saved: dict, new: dict, defaults: Optional[dict] = None) -> l
     otherwise it was added or removed by another version of medusa-train, and the version that did not
     have it behaved as its default: a new key is compared with its default in ``defaults`` (flat; the
     schema's) when given (a checkpoint from before ``heads.train_on`` existed resumes with the default,
-    not with ``all``)."""
+    not with ``all``). A setting whose default is a mapping of free entries (``backbone.chat_template_args``) is
+    compared whole (``mapping_value``): an entry added, changed or dropped, or set beside a checkpoint from before the
+    setting existed (which had its default), is a change of that setting."""
     diff = set()
+    mappings = [p for p, v in (defaults or {}).items() if isinstance(v, dict) and not is_safe_key(p)]
+    for p in mappings:
+        before = mapping_value(saved, p)
+        if _norm(defaults[p] if before is None else before) != _norm(mapping_value(new, p) or {}):
+            diff.add(p)
     for k in set(saved) | set(new):
-        if is_safe_key(k):
+        if is_safe_key(k) or any(k == p or k.startswith(p + ".") for p in mappings):
             continue
         if k in saved and k in new:
             if _norm(saved[k]) != _norm(new[k]):
@@ -169,13 +176,16 @@ def unsafe_changes(saved: dict, new: dict, defaults: Optional[dict] = None) -> l
         elif hit is None and k in new and defaults is not None and k in defaults:
             if _norm(defaults[k]) != _norm(new[k]):
                 diff.add(k)
-        elif hit is None and k in new and defaults is not None:
-            # an entry under a mapping added later (backbone.chat_template_args.enable_thinking): the version without
-            # the mapping had its default, which holds no such entry
-            base = next((p for p in reversed(parents) if p in defaults and isinstance(defaults[p], dict)), None)
-            if base is not None and not is_safe_key(base):
-                diff.add(base)
     return sorted(diff)
+
+
+def mapping_value(flat: dict, key: str):
+    """The value at ``key`` of a flat configuration, a mapping rebuilt from its ``key.<entry>`` keys (``flatten``
+    lays a mapping's entries out, an empty one stays a leaf); None where the configuration has no such key."""
+    entries = {k[len(key) + 1:]: v for k, v in flat.items() if k.startswith(key + ".")}
+    if entries:
+        return {**(flat[key] if isinstance(flat.get(key), dict) else {}), **entries}
+    return flat.get(key)
 
 
 def schema_defaults(kind: str = "medusa") -> dict:
@@ -216,7 +226,8 @@ def check_resume_config(path: Path, state: dict, config: dict, effective_batch: 
         diff.append(EFFECTIVE_BATCH)
         saved, new = {**saved, EFFECTIVE_BATCH: state["global_batch_size"]}, {**new, EFFECTIVE_BATCH: effective_batch}
     if diff:
-        shown = ", ".join(f"{k} ({_short(saved.get(k))} -> {_short(new.get(k))})" for k in diff[:6])
+        shown = ", ".join(f"{k} ({_short(mapping_value(saved, k))} -> {_short(mapping_value(new, k))})"
+                          for k in diff[:6])
         more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
         raise UserError(f"cannot resume {path}: it was trained with a different configuration: {shown}{more}; "
                         "these change what is trained, so use a new output_dir (or trainer.resume=never to "

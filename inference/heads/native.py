@@ -123,7 +123,10 @@ def swap_dir_into_place(tmp: Path, out: Path) -> None:
             try:
                 os.replace(out, old)  # onto the empty dir just made: a unique name no other writer holds
             except BaseException:
-                old.rmdir()   # still empty: nothing moved, nothing left behind
+                try:
+                    old.rmdir()   # still empty when nothing moved: nothing left behind
+                except OSError:   # interrupted after the move: recover_dir puts it back
+                    pass
                 raise
         try:
             os.replace(tmp, out)

@@ -708,8 +708,9 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
             (dict(backbone="/models/base", apply_adapter=True, mode="sample", temperature=0.5, top_k=20),
              dict(backbone="/models/base", apply_adapter=True, mode="sample", temperature=0.5, top_k=20)),
             # prompts rendered with the template's variables (Qwen3 with thinking off): decoded so too
-            (dict(chat_template_args={"enable_thinking": False, "effort": "low"}),
-             dict(chat_template_args={"enable_thinking": False, "effort": "low"})),
+            # (a string the command line would read as another value, "1", quoted)
+            (dict(chat_template_args={"enable_thinking": False, "effort": "low", "level": "1"}),
+             dict(chat_template_args={"enable_thinking": False, "effort": "low", "level": "1"})),
             ({}, dict(backbone=None, dtype="float32", device="auto", trust_remote_code=False, apply_adapter=None,
                       mode="greedy"))):
         cfg = cli.EvalConfig(heads="runs/a/heads", out=str(out), **given)

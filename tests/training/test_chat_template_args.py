@@ -80,10 +80,14 @@ def test_the_arguments_are_part_of_what_a_cache_distillation_or_resume_was_made_
     assert distill.run_identity(off)["backbone"]["chat_template_args"] == {"enable_thinking": False}
     assert "chat_template_args" not in features.cache_identity(plain, tiny_backbone)["data"]
     assert features.cache_identity(off, tiny_backbone)["data"]["chat_template_args"] == {"enable_thinking": False}
-    off_now = flatten({"backbone": {"name_or_path": "x", "chat_template_args": {"enable_thinking": False}}})
-    for saved in ({"backbone": {"name_or_path": "x", "chat_template_args": {}}},
-                  {"backbone": {"name_or_path": "x"}}):   # a checkpoint from before the setting existed
-        assert unsafe_changes(flatten(saved), off_now, schema_defaults()) == ["backbone.chat_template_args"]
+    def run(args):
+        return flatten({"backbone": {"name_or_path": "x", **({} if args is None else {"chat_template_args": args})}})
+
+    for before, after in (({}, {"enable_thinking": False}), (None, {"enable_thinking": False}),   # None: a checkpoint
+                          ({"enable_thinking": False, "effort": "low"}, {"effort": "low"}),      # from before the key
+                          ({"effort": "low"}, {"effort": "high"})):
+        assert unsafe_changes(run(before), run(after), schema_defaults()) == ["backbone.chat_template_args"]
+    assert unsafe_changes(run(None), run({}), schema_defaults()) == []
 
 
 def test_load_medusa_renders_the_models_prompts_with_them(tmp_path):
@@ -122,6 +126,7 @@ def test_decoding_adopts_the_arguments_the_heads_were_trained_with(tmp_path, cap
     assert template_args_for(str(heads), {}) == {"enable_thinking": False}
     assert "chat_template_args.enable_thinking=false" in capsys.readouterr().err
     assert template_args_for(str(heads), {"enable_thinking": True}) == {"enable_thinking": True}
+    assert template_args_for(str(heads), {"effort": "high"}) == {"enable_thinking": False, "effort": "high"}
     assert template_args_for(str(tmp_path / "elsewhere"), None) == {}
     tok = thinking_tokenizer()
     m = load_medusa(heads, backbone=model, tokenizer=tok, kernels="stock")
