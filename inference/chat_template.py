@@ -73,13 +73,6 @@ def template_args(tokenizer) -> dict:
     return dict(getattr(tokenizer, ATTRIBUTE, None) or {})
 
 
-def template_identity(backbone_cfg) -> dict:
-    """What a run's record of its data (a features cache's or distillation's identity) adds for the arguments of
-    ``backbone_cfg``: nothing when unset, so records made before the setting existed still match."""
-    args = check_template_args(getattr(backbone_cfg, "chat_template_args", None), "backbone.chat_template_args")
-    return {"chat_template_args": args} if args else {}
-
-
 def recorded_template_args(heads_dir) -> dict:
     """The ``backbone.chat_template_args`` the training run that wrote ``heads_dir`` rendered its data with, read from
     the run's record beside it (``<run>/.hydra/config.yaml``); {} when none is recorded (or the heads were moved)."""

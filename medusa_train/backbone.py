@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from inference import backbone as runtime_backbone
 from inference.backbone import parse_dtype
-from inference.chat_template import set_template_args
+from inference.chat_template import check_template_args, set_template_args
 from inference.errors import UserError
 from inference.heads.native import make_temp_dir, open_permissions, release_temp_dir
 from inference.heads.spec import backbone_fingerprint
@@ -215,6 +215,14 @@ def backbone_identity(backbone: Backbone) -> dict:
     model = backbone.model
     return {"name": backbone.identity or backbone.name, "config": backbone_fingerprint(model.config),
             "weights": weights_fingerprint(model)}
+
+
+def template_identity(backbone_cfg) -> dict:
+    """What a run's record of its data (a features cache's or distillation's identity, beside ``backbone_identity``)
+    adds for the chat template's arguments of ``backbone_cfg``: nothing when unset, so records made before the
+    setting existed still match."""
+    args = check_template_args(getattr(backbone_cfg, "chat_template_args", None), "backbone.chat_template_args")
+    return {"chat_template_args": args} if args else {}
 
 
 def backbone_config(cfg):

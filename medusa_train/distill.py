@@ -77,7 +77,6 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from inference.chat_template import template_identity
 from inference.errors import UserError
 
 from . import backbone as frozen   # frozen.load_backbone looked up when called (tests replace it)
@@ -102,7 +101,7 @@ def run_identity(cfg) -> dict:
     random_init = OmegaConf.to_container(b.random_init) if OmegaConf.is_config(b.random_init) else b.random_init
     return {
         "backbone": {"name_or_path": b.name_or_path, "gguf_file": b.gguf_file, "revision": b.revision,
-                     "random_init": random_init, "dtype": b.dtype, **template_identity(b)},
+                     "random_init": random_init, "dtype": b.dtype, **frozen.template_identity(b)},
         "data": {"source": d.source, "split": d.split, "system_prompt": d.system_prompt, "max_length": d.max_length},
         "distill": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
                     "max_turns": g.max_turns, "max_conversations": g.max_conversations,

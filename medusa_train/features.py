@@ -93,12 +93,11 @@ from tqdm.auto import tqdm
 
 from inference import assets
 from inference.backbone import parse_dtype
-from inference.chat_template import template_identity
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import pid_alive
 
-from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone
+from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone, template_identity
 from .backbone_inputs import FrozenFeatures
 from .config import derived_batch, validate
 from .data.readers import ReadStats, data_files
