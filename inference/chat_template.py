@@ -74,9 +74,17 @@ def template_args(tokenizer) -> dict:
 
 
 def recorded_template_args(heads_dir) -> dict:
-    """The ``backbone.chat_template_args`` the training run that wrote ``heads_dir`` rendered its data with, read from
-    the run's record beside it (``<run>/.hydra/config.yaml``); {} when none is recorded (or the heads were moved)."""
-    record = Path(heads_dir).expanduser().resolve().parent / ".hydra" / "config.yaml"
+    """The ``backbone.chat_template_args`` the training run that wrote ``heads_dir`` rendered its data with: the
+    heads' own ``config.json`` holds them (wherever the folder was moved); heads exported before it did are read from
+    their run's record beside them (``<run>/.hydra/config.yaml``); {} when neither names any."""
+    heads = Path(heads_dir).expanduser().resolve()
+    try:
+        config = json.loads((heads / "config.json").read_text())
+    except (OSError, ValueError):   # no config.json (a foreign layout's other file) or not JSON: the loader says so
+        config = None
+    if isinstance(config, dict) and "chat_template_args" in config and "format_version" in config:
+        return check_template_args(config["chat_template_args"], f"{heads / 'config.json'}: chat_template_args")
+    record = heads.parent / ".hydra" / "config.yaml"
     if not record.is_file():
         return {}
     try:

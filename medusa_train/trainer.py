@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from inference.backbone import eos_token_ids, lm_head_weight, parse_dtype
+from inference.chat_template import check_template_args
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import EXPORT_FILES, recover_dir, save_heads
@@ -240,7 +241,9 @@ class MedusaTrainer:
             vocab_size=hf_cfg.vocab_size, projection=projection,
             truncated_vocab_size=vocab_n if token_map is not None else None,
             base_model=self.backbone.name, base_model_fingerprint=backbone_fingerprint(hf_cfg),
-            kind=cfg.heads.kind, settings=training_family(cfg.heads.kind).spec_settings(cfg.heads, hf_cfg))
+            kind=cfg.heads.kind, settings=training_family(cfg.heads.kind).spec_settings(cfg.heads, hf_cfg),
+            chat_template_args=check_template_args(getattr(cfg.backbone, "chat_template_args", None),
+                                                   "backbone.chat_template_args"))
         heads = init_heads(spec, lm_head_weight(model).float(), model.get_input_embeddings().weight, token_map)
         return heads.to(self.device), spec
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 from typing import Any, Optional
 
+from ..chat_template import check_template_args
 from ..errors import IncompatibleHeadsError, UserError
 from .registry import HeadFamily, family, setting_names
 
@@ -78,18 +79,22 @@ class HeadsSpec:
     # Common, not a family's: heads of any family trained with a LoRA backbone (Medusa-2) record the
     # adapter folder (relative) the backbone needs.
     backbone_adapter: Optional[str]
+    # Common: the chat template's variables the training data was rendered with (Qwen3's enable_thinking); decoding
+    # renders prompts the same way wherever the folder goes. Written only when set (older readers load the rest).
+    chat_template_args: Optional[dict]
     format_version: int
     settings: Any  # the family's own settings (``family(kind).settings``)
 
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, projection: str = "own",
                  truncated_vocab_size: Optional[int] = None, base_model: str = "", base_model_fingerprint: str = "",
                  kind: str = "medusa", backbone_adapter: Optional[str] = None, format_version: int = FORMAT_VERSION,
-                 settings: Any = None, **family_settings):
+                 settings: Any = None, chat_template_args: Optional[dict] = None, **family_settings):
         self.num_heads, self.num_layers = num_heads, num_layers
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.projection, self.truncated_vocab_size = projection, truncated_vocab_size
         self.base_model, self.base_model_fingerprint, self.kind = base_model, base_model_fingerprint, kind
         self.backbone_adapter, self.format_version = backbone_adapter, format_version
+        self.chat_template_args = check_template_args(chat_template_args, "heads config chat_template_args") or None
         fam = family(kind)  # an unknown kind: one line listing the kinds
         clash = sorted(_COMMON_NAMES.intersection(setting_names(fam)))
         if clash:  # config.json, where they lie flat beside the common fields, could not tell them apart
@@ -125,12 +130,13 @@ class HeadsSpec:
     def to_dict(self) -> dict:
         """config.json: the common fields with the family's settings flat beside them, in format 1's layout."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("backbone_adapter", "format_version", "settings")}  # ends with kind
+               if f.name not in ("backbone_adapter", "chat_template_args", "format_version", "settings")}
         own = dataclasses.asdict(self.settings)
         unset = {**FORMAT1_LAYOUT, "backbone_adapter": self.backbone_adapter}
         for key in FORMAT1_LAYOUT:
             out[key] = own.pop(key) if key in own else unset[key]
-        return {**out, **own, "format_version": self.format_version}
+        template = {"chat_template_args": self.chat_template_args} if self.chat_template_args else {}
+        return {**out, **own, **template, "format_version": self.format_version}
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadsSpec":
