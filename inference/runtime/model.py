@@ -275,12 +275,20 @@ def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None, 
 
 
 def kv_bytes_per_token(m: MedusaModel) -> int:
-    """Bytes of keys + values one token occupies in ``m``'s KV cache (all layers)."""
-    cfg = m.config
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    itemsize = torch.empty((), dtype=m.dtype).element_size()
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+    """Bytes one token occupies in ``m``'s KV cache (all layers), as the backbone's attention really caches it: one
+    token run into a one-entry cache, whose buffers are then summed (once per model). A formula from the config
+    counts keys and values per KV head, which latent attention (DeepSeek's MLA: one compressed latent plus a shared
+    rotary key per layer in transformers 5) does not store: 128 heads x 2 x 64 against 512 + 64 per layer."""
+    measured = getattr(m, "_kv_token_bytes", None)
+    if measured is None:
+        cache = TreeKVCache(m.config.num_hidden_layers, 1)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=m.device)
+        with torch.no_grad():
+            m.body_hidden(ids, ids, cache)
+        measured = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer._k, layer._v)
+                       if t is not None)
+        m._kv_token_bytes = measured
+    return measured
 
 
 def apply_kernels(m: MedusaModel, kernels: str, plan_cache: Optional[Path] = None) -> MedusaModel:

@@ -266,3 +266,21 @@ def test_a_logits_scaling_of_unknown_direction_is_said():
     model = types.SimpleNamespace(config=cfg)
     with pytest.warns(UserWarning, match=r"logits_scaling=4.0, which no known forward of this model type reads"):
         assert logit_scaling(model) == (None, None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "minicpm3"])
+def test_kv_bytes_per_token_is_what_the_cache_holds(arch):
+    """Guards against: the KV bytes per token (batch memory sizing, each method's reported KV cost) counted from
+    the config as keys + values per KV head, which latent attention (DeepSeek-V3, MiniCPM3) does not store: it
+    caches one compressed latent and a shared rotary key per layer, a fraction of that figure."""
+    from inference.runtime.model import kv_bytes_per_token
+
+    m = family(arch)[0]
+    cache = m.new_cache(64)
+    with torch.inference_mode():
+        m.body_hidden(torch.tensor([PROMPTS[2]]), torch.arange(len(PROMPTS[2]))[None], cache)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_bytes_per_token(m) * len(PROMPTS[2]) == held
+    cfg = m.config
+    per_head = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert (kv_bytes_per_token(m) < per_head) == (arch in OWN_CACHE)
