@@ -23,8 +23,8 @@ runs their forward on an export):
     *input* of decoder layer i (= transformers' hidden_states[i], our ids); SGLang reads only
     ``eagle_config`` and adds one (its ids name layer *outputs*). So the top level holds our ids and
     ``eagle_config`` holds ids - 1: both engines then capture the layers the drafter was trained on.
-    Id 0 (the embeddings) is refused: both capture ``hidden_states + residual`` and residual is None
-    before layer 0.
+    Id 0 (the embeddings) is refused: SGLang captures ``hidden_states + residual`` and residual is None
+    before layer 0 (vLLM did too; 0.34.0 takes ``hidden_states`` alone there).
   * weights: ``fc.weight`` [H, 3H], ``midlayer.*`` (vLLM renames it ``layers.0.``, both stack q/k/v and
     gate/up), ``norm.weight``, ``lm_head.weight`` [draft_vocab, H]; with a draft vocabulary ``d2t``
     int64 (target id = i + d2t[i]; rows sorted by target id, as SpecForge writes them) and ``t2d``
@@ -79,6 +79,7 @@ import math
 import pickle
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -91,6 +92,7 @@ from ..heads.native import check_safetensors, indexed_shards, load_state_checked
 from ..heads.rope import engine_rope_scaling, export_rope_scaling
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
+from .eagle3_targets import engines_refusing
 from .export import ExportOptions, ExportPlan, FormatWarning, refuse_unless_kind, register_exporter
 from .importers import register_importer
 from .reference import load_pickle_weights
@@ -145,8 +147,9 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     refuse_unless_kind(heads, "eagle3")
     spec, read = heads.spec, heads.spec.settings.aux_layers
     if 0 in read:
-        raise UserError(f"aux layer 0 (the embeddings) cannot be served: vLLM and SGLang capture hidden_states + "
-                        f"residual before each layer and residual is None before layer 0 (aux {read})")
+        raise UserError(f"aux layer 0 (the embeddings) cannot be served by SGLang: it captures hidden_states + "
+                        f"residual before each layer and residual is None before layer 0 (aux {read}; vLLM 0.34 "
+                        "takes the embeddings there, older releases fail as SGLang does)")
     refuse_repeated_aux_layers(read, "this drafter")
     state = heads.state_dict()
     names = (*LAYER_WEIGHTS, *fc_input_weights(spec.settings.draft_layer, spec.hidden_size))
@@ -166,13 +169,14 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     base = options.base_model or spec.base_model
     config = _export_config(spec, sorted(read), tensors["fc.weight"].dtype, base)
     k, target = spec.num_heads, base or "<base model>"
-    notes = [
-        f"serve: vllm serve {target} --speculative-config "
-        f"'{{\"method\": \"eagle3\", \"model\": \"<this dir>\", \"num_speculative_tokens\": {k}}}'",
-        f"serve: python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-        f"--speculative-draft-model-path <this dir> --speculative-num-steps {k} --speculative-eagle-topk 1 "
-        f"--speculative-num-draft-tokens {k + 1}",
-    ]
+    refusing = engines_refusing(_target_architecture(options))
+    serve = {"vLLM": f"serve: vllm serve {target} --speculative-config "
+                     f"'{{\"method\": \"eagle3\", \"model\": \"<this dir>\", \"num_speculative_tokens\": {k}}}'",
+             "SGLang": f"serve: python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                       f"--speculative-draft-model-path <this dir> --speculative-num-steps {k} "
+                       f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"}
+    notes = [f"note: {refusing[engine]}: it would refuse this drafter's target" if engine in refusing else command
+             for engine, command in serve.items()]
     notes += _trtllm_notes(base, k, sorted(read))
     flags = _set_flags(spec.settings.draft_layer)
     if flags:
@@ -183,6 +187,13 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         notes.append(f"note: TensorRT-LLM ({TRTLLM_COMMIT[:10]}) would compute other drafts: {'; '.join(trtllm_off)}; "
                      "serve this drafter with vLLM")
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
+
+
+def _target_architecture(options: ExportOptions) -> Optional[str]:
+    """The target's transformers architecture (``LlamaForCausalLM``), when its config can be read."""
+    config = options.backbone_config() if options.backbone_config is not None else None
+    names = getattr(config, "architectures", None) or []
+    return names[0] if names else None
 
 
 # TensorRT-LLM's PyTorch backend (module docstring) at the commit its EAGLE-3 drafter was read.

@@ -350,3 +350,21 @@ def test_cli_exports_eagle3_and_refuses_the_wrong_kind(backbone, tmp_path, capsy
         code, _, err = run([f"heads={heads}", f"format={fmt}", f"out={out_dir}"], capsys)
         assert code == 2 and len(err) == 1 and f"heads of kind '{kind}'" in err[0], err
         assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("architecture, refused", [
+    ("LlamaForCausalLM", set()), ("Qwen3ForCausalLM", set()), ("Olmo2ForCausalLM", {"SGLang"}),
+    ("GraniteForCausalLM", {"SGLang"}), ("MixtralForCausalLM", {"vLLM", "SGLang"}), (None, set())])
+def test_serve_commands_only_for_engines_that_run_eagle3_on_the_target(backbone, tmp_path, architecture, refused):
+    """Guards against: an EAGLE-3 export for an OLMo-2 or Granite target printing an SGLang command that stops at
+    start-up (SGLang's class for it cannot capture the aux hidden states: ValueError), or a Mixtral one printing a
+    vLLM command its engine refuses, with nothing said; an unknown architecture (config unreadable) keeps both."""
+    import types
+
+    config = types.SimpleNamespace(architectures=[architecture]) if architecture else None
+    notes = export(drafter(backbone), tmp_path / "e", backbone_config=lambda: config).notes
+    commands = {"vLLM": "vllm serve", "SGLang": "sglang.launch_server"}
+    for engine, command in commands.items():
+        assert any(command in n for n in notes) == (engine not in refused), (engine, notes)
+        said = [n for n in notes if n.startswith("note:") and f"{engine} " in n and "refuse" in n]
+        assert len(said) == (engine in refused) and all(architecture in n for n in said)

@@ -75,6 +75,16 @@ def test_vllm_export_matches_vllm_loader_spec(backbone, tmp_path, projection, nu
     assert cfg["truncated_vocab_size"] == (TRUNC if projection == "truncated" else VOCAB)
 
 
+@pytest.mark.parametrize("projection", ["own", "truncated"])
+def test_vllm_export_names_the_releases_that_serve_it(backbone, tmp_path, projection):
+    """Guards against: a serve command for vLLM with nothing said when every current release refuses it (0.33.0
+    removed Medusa: "Unsupported speculative method"), or per-head truncated heads exported without saying that
+    only releases up to 0.11 load them (0.12.0 made each head's lm_head full-vocabulary: a shape assertion)."""
+    notes = export(make_heads(backbone, projection, 1), "vllm", tmp_path / "v", backbone).notes
+    assert any("vllm<=0.32.0" in n and "0.33.0 removed" in n for n in notes)
+    assert any("vllm<=0.11.0" in n for n in notes) == (projection == "truncated")
+
+
 @pytest.mark.parametrize("projection", ["own", "shared", "truncated"])
 def test_tensorrt_llm_export_matches_its_loader_spec(backbone, tmp_path, projection):
     """Guards against: a layout load_medusa_hf cannot read (it needs {h}.{L}.weight per head), or a
