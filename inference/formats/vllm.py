@@ -20,7 +20,7 @@ What that loader does, and what this module therefore writes:
     random init: that is the "0% acceptance" failure, so names must be exact.
   * the drafter takes each head's argmax (top-1 chains): ``num_speculative_tokens`` = num_heads.
 Releases: 0.33.0 removed Medusa (its ``speculator_config.py`` lists no ``medusa`` method), so these heads
-serve on vLLM <= 0.32.0; per-head truncated heads load only up to 0.11 (the export says both).
+serve on vLLM <= 0.32.0; per-head truncated heads load only up to 0.11.0 (the export says both).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .importers import register_importer
 BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
 LM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
 WEIGHTS = "model.safetensors"   # what vLLM's Medusa loader reads
-# Releases read (their wheels' medusa.py): 0.33.0 has no Medusa; 0.12.0-0.32.0 build per-head lm_heads of
+# Releases read (their wheels' medusa.py): 0.33.0 has no Medusa; 0.11.1-0.32.0 build per-head lm_heads of
 # vocab_size rows (a truncated one fails ParallelLMHead's shape check); up to LAST_WITH_TRUNCATED they had
 # truncated_vocab_size rows, the layout written here.
 LAST_WITH_MEDUSA = "0.32.0"
@@ -109,7 +109,7 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
     notes.append(f"note: vLLM {LAST_WITH_MEDUSA} is the last release with Medusa (0.33.0 removed it): "
                  f"pip install 'vllm<={LAST_WITH_MEDUSA}' to serve these heads")
     if truncated_vocab < spec.vocab_size:
-        notes.append(f"note: vLLM loads per-head truncated heads up to {LAST_WITH_TRUNCATED} (0.12.0 sized each "
+        notes.append(f"note: vLLM loads per-head truncated heads up to {LAST_WITH_TRUNCATED} (0.11.1 sized each "
                      f"head's lm_head to the full vocabulary and refuses them): pip install "
                      f"'vllm<={LAST_WITH_TRUNCATED}', or train heads.projection=own or shared for newer releases")
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)

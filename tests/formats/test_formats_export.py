@@ -79,7 +79,7 @@ def test_vllm_export_matches_vllm_loader_spec(backbone, tmp_path, projection, nu
 def test_vllm_export_names_the_releases_that_serve_it(backbone, tmp_path, projection):
     """Guards against: a serve command for vLLM with nothing said when every current release refuses it (0.33.0
     removed Medusa: "Unsupported speculative method"), or per-head truncated heads exported without saying that
-    only releases up to 0.11 load them (0.12.0 made each head's lm_head full-vocabulary: a shape assertion)."""
+    only releases up to 0.11.0 load them (0.11.1 made each head's lm_head full-vocabulary: a shape assertion)."""
     notes = export(make_heads(backbone, projection, 1), "vllm", tmp_path / "v", backbone).notes
     assert any("vllm<=0.32.0" in n and "0.33.0 removed" in n for n in notes)
     assert any("vllm<=0.11.0" in n for n in notes) == (projection == "truncated")
