@@ -26,11 +26,11 @@ tensor names, shapes and dtypes, and what it silently ignores. Each returns a li
                   (from_pretrained's fallback: medusa_num_heads = 5, strict=False; utils.py TOPK = 10;
                   the same at e2a5d20c048a9b0a4092e6933c34313687422518)
   vLLM mlp_speculator  vllm/model_executor/models/mlp_speculator.py and
-                  vllm/transformers_utils/configs/mlp_speculator.py (v0.8-v0.10, read through the
+                  vllm/transformers_utils/configs/mlp_speculator.py (v0.8-v0.9.2, read through the
                   stored index; the MLPSpeculator class there: emb/proj/ln/head, tie_weights, scale_input)
   TGI mlp_speculator  server/text_generation_server/layers/mlp.py (MLPSpeculatorModel / ModelTied / Head) and
                   layers/speculative.py, models/__init__.py (get_model: model_type mlp_speculator)
-                  commit 09a1de5cd112a7ff940a2de7ebce7077af5b937c
+                  commit 09a1de5cd112a7ff940a2de7ebce7077af5b937c; releases: tags v2.2.0, v2.3.0, v3.3.7, db931fcf
 
   EAGLE-3       vLLM vllm/model_executor/models/llama_eagle3.py     commit 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190
                   (LlamaDecoderLayer.forward, LlamaModel.load_weights, Eagle3LlamaForCausalLM.load_weights /
@@ -480,8 +480,12 @@ def check_vllm_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> lis
 
 
 # -- TGI mlp_speculator ------------------------------------------------------------------------
-def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list[str]:
-    """TGI's ``get_model`` + ``SpeculativeHead.load`` + ``MLPSpeculatorHead.load`` against a directory.
+def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int, release: str = "current") -> list[str]:
+    """TGI's ``get_model`` + ``SpeculativeHead.load`` + ``MLPSpeculatorHead.load`` against a directory, as
+    ``release`` ships them: "current" is v2.3.0 up to v3.3.7 and HEAD db931fcf (tied heads load; the untied
+    ``MLPSpeculatorModel.__init__`` ends with ``self.emb.weight *= self.emb_weight`` on a ``ModuleList``, an
+    AttributeError), "2.2" is v2.2.0 and older (one embedding, projection, norm and head per step, always:
+    tied heads miss ``speculator.emb.1``; ``scale_input`` is not read).
 
     ``get_model``: model_type ``mlp_speculator`` -> a speculator dir; the backbone is ``base_model_name_or_path``
     (a KeyError without it); ``n_predict`` bounds ``--speculate``; every ``.safetensors`` file of the dir is routed.
@@ -507,6 +511,9 @@ def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list
     if problems:
         return problems
     n, inner, tie = cfg["n_predict"], cfg["inner_dim"], bool(cfg.get("tie_weights"))
+    if release == "current" and not tie:
+        return ["untied MLPSpeculatorModel: self.emb.weight *= self.emb_weight on a ModuleList (AttributeError)"]
+    tie = tie and release == "current"   # v2.2.0 reads one module per step whatever the config says
     expected = {}
     for i in range(1 if tie else n):
         expected[f"speculator.emb.{i}.weight"] = (vocab_size, inner)
@@ -527,11 +534,12 @@ def check_tgi_mlp_speculator(d: Path, hidden_size: int, vocab_size: int) -> list
     return problems + _dtype_problems(tensors)
 
 
-def tgi_mlp_speculator_probs(d: Path, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def tgi_mlp_speculator_probs(d: Path, hidden: torch.Tensor, input_ids: torch.Tensor,
+                             release: str = "current") -> torch.Tensor:
     """TGI's ``MLPSpeculatorModel.forward`` (top-1 per head, as ``top_k_tokens_per_head = [1] * n``) restated in
     fp32: [b, n_predict, vocab] probabilities from the backbone's last hidden states [b, H] and its greedy tokens
-    [b]. With ``scale_input`` in the config, ``MLPSpeculatorHead.forward`` first (TGI v2.3.0 on, commit d9fbbaaf):
-    ``simple_norm``, an RMS norm with eps 1e-6 and no weight, times 1/sqrt 2."""
+    [b]. With ``scale_input`` in the config, ``MLPSpeculatorHead.forward`` first (TGI v2.3.0 on, commit d9fbbaaf;
+    not in ``release`` "2.2"): ``simple_norm``, an RMS norm with eps 1e-6 and no weight, times 1/sqrt 2."""
     cfg = json.loads((d / "config.json").read_text())
     t = {}
     for f in d.iterdir():
@@ -546,7 +554,7 @@ def tgi_mlp_speculator_probs(d: Path, hidden: torch.Tensor, input_ids: torch.Ten
         return t[f"speculator.ln.{i}.weight"] * x + t[f"speculator.ln.{i}.bias"]
 
     state, ind, probs = hidden.float(), input_ids, []
-    if cfg.get("scale_input"):
+    if cfg.get("scale_input") and release == "current":
         state = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + 1e-6) * 2 ** -0.5
     for i in range(n):
         e, h, p = (0, 0, min(i, 1)) if tie else (i, i, i)

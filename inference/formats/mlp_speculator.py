@@ -2,7 +2,7 @@
 
 Read from vLLM's loader (vllm/model_executor/models/mlp_speculator.py ``MLPSpeculator.__init__``
 / ``load_weights``, and vllm/transformers_utils/configs/mlp_speculator.py ``MLPSpeculatorConfig``;
-v0.8-v0.10): a ``config.json`` with ``model_type: mlp_speculator``, ``vocab_size``, ``emb_dim``
+v0.8-v0.9.2): a ``config.json`` with ``model_type: mlp_speculator``, ``vocab_size``, ``emb_dim``
 (the backbone width), ``inner_dim``, ``n_predict``, ``top_k_tokens_per_head``, ``n_candidates``,
 ``tie_weights``, ``scale_input``; weights ``emb.{k}.weight`` [vocab, inner],
 ``proj.{k}.weight`` [inner, emb_dim if k == 0 else inner], ``ln.{k}.weight/bias`` [inner],
@@ -18,8 +18,10 @@ draft models and a few MTP kinds and raises ``ValueError("Unknown speculative de
 for anything else, and the model registry (vllm/model_executor/models/registry.py, commit
 0002bff0b6cb36a3c8a17364de3303664463c412) has ``MLPSpeculatorPreTrainedModel`` commented out
 ("Temporarily disabled ... Re-enable this once the MLP Speculator is supported in V1"); the same
-registry lists models dropped with the V0 engine as last supported in 0.10.2. So this export serves on
-vLLM 0.10.x or older with the V0 engine (``VLLM_USE_V1=0``), and ``medusa-export`` says so.
+registry lists models dropped with the V0 engine as last supported in 0.10.2. The released wheels say more:
+0.10.0 has no ``vllm/spec_decode/`` and its ``platforms/cuda.py`` raises "Speculative decoding is not supported on
+vLLM V0", while 0.9.2 still routes this speculator to V0's ``spec_decode`` workers (falling back to V0 for it on
+its own). So this export serves on vLLM 0.9.2 or older, and ``medusa-export`` says so.
 
 TGI serves the same directory (``format=tgi``), read from its loader (huggingface/text-generation-inference
 server/text_generation_server/models/__init__.py ``get_model``, layers/speculative.py, layers/mlp.py, commit
@@ -33,8 +35,12 @@ speculator), reads ``inner_dim`` (0 would scale the embeddings by 0) and ``tie_w
 stripping). Its MLPSpeculatorModel computes ``state = proj_k(state) * w_s + emb_k(tok) * w_e sqrt(inner/2)``, then
 ``gelu(ln_k(state))`` — vLLM's step times ``w_s`` before a scale-invariant norm, equal up to its epsilon — and has
 no ``scale_input`` at 09a1de5c; TGI v2.3.0 on (from commit d9fbbaaf) applies it as vLLM does, ``rms_norm(h) / sqrt 2``
-in ``MLPSpeculatorHead.forward``, read from this dir's config.json (``SpeculativeHead.load``): heads trained with it
-export with a note for older versions. As for TGI's
+in ``MLPSpeculatorHead.forward``, read from this dir's config.json (``SpeculativeHead.load``). Releases (tags
+v2.2.0, v2.3.0, v3.3.7 and HEAD db931fcf read): v2.3.0 added ``MLPSpeculatorModelTied`` and ``scale_input``, and
+its untied ``MLPSpeculatorModel.__init__`` does ``self.emb.weight *= self.emb_weight`` on a ``ModuleList`` (an
+AttributeError at start-up, still at HEAD); v2.2.0 and older build the untied model only and ignore
+``scale_input``. So tied heads serve on v2.3.0 and later, untied ones on v2.2.0 and older (scale_input then
+unapplied: fewer drafts accepted), and the export says which. As for TGI's
 Medusa dirs, the launcher reads this config for its attention choice and the router takes the tokenizer and chat
 template from this dir (``reference.tgi_launcher_keys`` / ``tgi_tokenizer_files``).
 
@@ -62,6 +68,8 @@ from .importers import register_importer
 from .reference import load_pickle_weights, tgi_launcher_keys, tgi_tokenizer_files
 
 MODEL_TYPE = "mlp_speculator"
+VLLM_LAST = "0.9.2"   # the last vLLM release that serves it (0.10.0 removed V0's speculative decoding)
+TGI_TIED = "2.3.0"    # the first TGI release with tied heads and scale_input, and the first that fails untied ones
 WEIGHTS = "model.safetensors"
 PICKLE = "pytorch_model.bin"  # what IBM's fms-extras checkpoints hold; read with torch.load(weights_only=True)
 
@@ -72,9 +80,9 @@ def export_vllm_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
     spec = heads.spec
     plan.notes.append(f"serve with: --speculative-config '{{\"model\": \"<this dir>\", \"num_speculative_tokens\": "
                       f"{spec.num_heads}}}' (vLLM reads model_type {MODEL_TYPE})")
-    plan.notes.append(f"note: only vLLM versions with the V0 engine serve {MODEL_TYPE} (0.10.x or older, with "
-                      "VLLM_USE_V1=0); vLLM's V1 engine refuses it (\"Unknown speculative decoding method\"); "
-                      "format=tgi writes it for TGI")
+    plan.notes.append(f"note: only vLLM {VLLM_LAST} and older serve {MODEL_TYPE} (on their V0 engine; 0.10.0 removed "
+                      "V0's speculative decoding and the V1 engine refuses it: \"Unknown speculative decoding "
+                      "method\"); format=tgi writes it for TGI")
     return plan
 
 
@@ -85,10 +93,17 @@ def export_tgi_mlp_speculator(heads, options: ExportOptions) -> ExportPlan:
     from v2.3.0 on; older versions draft from the unscaled state)."""
     spec = heads.spec
     plan = _plan(heads, options, "TGI")
-    if spec.settings.scale_input:
-        plan.notes.append("these heads were trained with heads.scale_input=true: TGI applies it from v2.3.0 on "
-                          "(MLPSpeculatorHead, read from this config.json); an older TGI drafts from the unscaled "
-                          "backbone state, so fewer drafts are accepted (the output is the same)")
+    if spec.settings.tie_weights:
+        plan.notes.append(f"note: tied heads need TGI {TGI_TIED} or later (older releases read one embedding per "
+                          "step and stop at start-up on the missing speculator.emb.1)")
+    else:
+        plan.notes.append(f"warning: TGI {TGI_TIED} and later fail to start with untied heads (layers/mlp.py "
+                          "multiplies the ModuleList's .weight: AttributeError): serve them with TGI 2.2.0 or older, "
+                          "or train heads.tie_weights=true for a current TGI")
+        if spec.settings.scale_input:
+            plan.notes.append("these heads were trained with heads.scale_input=true, which TGI 2.2.0 and older "
+                              "ignore: they draft from the unscaled backbone state, so fewer drafts are accepted "
+                              "(the output is the same)")
     plan.tensors = {f"speculator.{k}": t for k, t in plan.tensors.items()}
     reader = options.backbone_config
     keys, note = tgi_launcher_keys(reader() if reader is not None else None, spec)

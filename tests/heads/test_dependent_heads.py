@@ -234,7 +234,7 @@ def test_hydra_export_needs_the_backbone_embeddings(model, tmp_path):
 
 def test_mlp_speculator_matches_vllm_arithmetic(model):
     """Guards against drifting from vLLM's mlp_speculator (vllm/model_executor/models/
-    mlp_speculator.py, v0.8-v0.10: MLPSpeculator.generate_proposals, MLPSpeculatorLayerNorm):
+    mlp_speculator.py, v0.8-v0.9.2: MLPSpeculator.generate_proposals, MLPSpeculatorLayerNorm):
     heads exported to vLLM must draft there what they draft here."""
     heads = dependent_heads(model, "mlp_speculator", scale_input=True)
     n = heads.spec.num_heads
@@ -409,15 +409,24 @@ def test_mlp_speculator_exports_to_tgi_and_drafts_there_what_it_drafts_here(mode
     from inference.loading import import_heads
 
     heads = dependent_heads(model, "mlp_speculator", **extra)
-    d = export_heads(heads, "tgi", tmp_path / "tgi", options=ExportOptions(base_model="org/backbone")).path
-    assert check_tgi_mlp_speculator(d, H, V) == []
+    result = export_heads(heads, "tgi", tmp_path / "tgi", options=ExportOptions(base_model="org/backbone"))
+    d, tied = result.path, bool(extra.get("tie_weights"))
+    # the release that serves them: tied heads from v2.3.0 on, untied ones up to v2.2.0 (the export says so)
+    release, other = ("current", "2.2") if tied else ("2.2", "current")
+    assert check_tgi_mlp_speculator(d, H, V, release) == [] and check_tgi_mlp_speculator(d, H, V, other) != []
+    assert any(("need TGI 2.3.0 or later" if tied else "TGI 2.2.0 or older") in n for n in result.notes)
     g = torch.Generator().manual_seed(6)
     hidden, greedy = torch.randn(4, H, generator=g), torch.randint(0, V, (4,), generator=g)
-    tgi = tgi_mlp_speculator_probs(d, hidden, greedy)
+    tgi = tgi_mlp_speculator_probs(d, hidden, greedy, release)
     future = torch.cat([greedy[:, None], tgi.argmax(-1)[:, :-1]], dim=1)   # TGI's own top-1 chain
+    ln0 = heads.ln0
+    if not tied and extra.get("scale_input"):   # v2.2.0 ignores it: the drafts of unscaled heads, as said
+        assert any("TGI 2.2.0 and older ignore" in n for n in result.notes)
+        heads.ln0 = None
     for k in range(heads.spec.num_heads):
         ours = torch.softmax(heads.teacher_forced_logits(hidden, future, k), dim=-1)
         torch.testing.assert_close(ours, tgi[:, k], atol=1e-5, rtol=1e-4)
+    heads.ln0 = ln0
     back = import_heads(d, model.config)
     for k in range(heads.spec.num_heads):
         torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
@@ -426,19 +435,21 @@ def test_mlp_speculator_exports_to_tgi_and_drafts_there_what_it_drafts_here(mode
 
 def test_tgi_exports_of_scale_input_heads_say_which_tgi_applies_it(model, tmp_path):
     """Guards against a TGI export of heads trained with scale_input (vLLM's ln0 on the backbone state) written
-    without a word: a TGI older than v2.3.0 drafts from the unscaled state (fewer drafts accepted). Truncated heads
-    need materialize=true, as for vLLM."""
+    without a word: untied heads serve only on TGI 2.2.0 or older, which drafts from the unscaled state (fewer
+    drafts accepted); tied ones need 2.3.0 or later, which applies it. Truncated heads need materialize=true, as
+    for vLLM."""
     from engine_specs import check_tgi_mlp_speculator
     from inference.formats.export import ExportOptions, export_heads
 
-    scaled = export_heads(dependent_heads(model, "mlp_speculator", scale_input=True), "tgi", tmp_path / "a",
-                          options=ExportOptions(base_model="org/backbone"))
-    assert any("scale_input=true: TGI applies it from v2.3.0 on" in note for note in scaled.notes)
-    plain = export_heads(dependent_heads(model, "mlp_speculator"), "tgi", tmp_path / "c",
-                         options=ExportOptions(base_model="org/backbone"))
-    assert not any("scale_input" in note for note in plain.notes)
+    def notes(out, **extra):
+        return export_heads(dependent_heads(model, "mlp_speculator", **extra), "tgi", tmp_path / out,
+                            options=ExportOptions(base_model="org/backbone")).notes
+
+    assert any("scale_input=true, which TGI 2.2.0 and older ignore" in n for n in notes("a", scale_input=True))
+    assert not any("scale_input" in n for n in notes("c"))
+    assert not any("scale_input" in n for n in notes("d", scale_input=True, tie_weights=True))
     truncated = dependent_heads(model, "mlp_speculator", projection="truncated")
     with pytest.raises(UserError, match="materialize=true"):
         export_heads(truncated, "tgi", tmp_path / "b")
     export_heads(truncated, "tgi", tmp_path / "b", options=ExportOptions(materialize=True, base_model="org/backbone"))
-    assert check_tgi_mlp_speculator(tmp_path / "b", H, V) == []
+    assert check_tgi_mlp_speculator(tmp_path / "b", H, V, release="2.2") == []
