@@ -297,7 +297,10 @@ class StaticSteps:
         if self.kv is None or slots > self.kv.shape[4] or rows > self.kv.shape[2]:
             try:
                 self._allocate(*self._dims(slots, rows))
-            except torch.OutOfMemoryError:
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                # CUDA says OutOfMemoryError; the CPU allocator (graphs=uncaptured) a RuntimeError naming it
+                if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                    raise
                 self.kv, self.fallbacks = None, self.fallbacks + 1
                 self.generation += 1      # a view of the freed buffer is refused, not read
                 warnings.warn(f"graphs: no memory for a static KV buffer of {rows} x {slots} slots: {self.whose} "

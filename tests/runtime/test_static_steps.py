@@ -366,3 +366,31 @@ def test_a_self_draft_keeps_its_static_steps_across_generations(medusa):
     (steps,) = m.static.siblings.values()
     assert steps.captures.get("1") == 1 and steps.regrown == 0
     m.static = None
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 bytes")])
+def test_no_memory_for_the_static_buffer_decodes_on_the_dynamic_cache(medusa, monkeypatch, error):
+    """Guards against a static buffer the device has no memory for ending the request with a traceback: CUDA raises
+    OutOfMemoryError, the CPU allocator (graphs=uncaptured) a RuntimeError; both fall back with one warning and
+    decode the same tokens, and the next request tries the buffer again."""
+    import inference.runtime.static_steps as static_steps
+
+    with_steps(medusa, "off")
+    ref = generate(medusa, REPEATING, "medusa", tree="tree4", max_new_tokens=12, eos_token_ids=()).tokens
+    m = with_steps(medusa, "uncaptured")
+    real = torch.zeros
+
+    def failing(*args, **kw):
+        if len(args) == 6:   # the buffer [layers, 2, batch, kv_heads, capacity, head_dim]
+            raise error
+        return real(*args, **kw)
+
+    monkeypatch.setattr(static_steps.torch, "zeros", failing)
+    with pytest.warns(UserWarning, match="no memory for a static KV buffer"):
+        out = generate(m, REPEATING, "medusa", tree="tree4", max_new_tokens=12, eos_token_ids=())
+    assert out.tokens == ref and m.static.fallbacks == 1
+    monkeypatch.setattr(static_steps.torch, "zeros", real)
+    assert generate(m, REPEATING, "medusa", tree="tree4", max_new_tokens=12, eos_token_ids=()).tokens == ref
+    assert m.static.kv is not None
+    m.static = None
