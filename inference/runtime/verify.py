@@ -271,10 +271,15 @@ def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Te
                  also: Sequence[torch.Tensor] = ()) -> RowVerdicts:
     """Typical acceptance of B rows in one host read (arguments as ``greedy_rows``'): a node is accepted when its
     token's probability at its parent passes the entropy threshold and its parent is accepted; among the longest
-    accepted paths, the one of the highest summed log-probability; the bonus sampled at its last node."""
+    accepted paths, the one of the highest summed log-probability; the bonus sampled at its last node. A token
+    ``top_k`` / ``top_p`` leave out is never accepted: the plain loop could never sample it. The logits are
+    shifted by their maximum first, as ``filter_probs`` does: a tiny temperature then gives the argmax, not NaN."""
     b, n = tokens.shape
-    logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)                 # [B, N, V]
-    entropy = -(logp.exp() * logp).sum(-1)
+    z = logits.float()
+    logp = torch.log_softmax((z - z.amax(-1, keepdim=True)) / cfg.temperature, dim=-1)  # [B, N, V]
+    entropy = torch.special.entr(logp.exp()).sum(-1)                                   # 0 log 0 = 0
+    if cfg.top_k or cfg.top_p < 1.0:
+        logp = logp.masked_fill(target_probs(logits, cfg) == 0, -math.inf)
     threshold = torch.minimum(torch.full_like(entropy, cfg.typical_epsilon), cfg.typical_delta * torch.exp(-entropy))
     par = parents.expand(b, n).clamp(min=0)
     rows = torch.arange(b, device=tokens.device)

@@ -199,6 +199,15 @@ def test_sampling_modes_are_reproducible_and_typical_accepts(m):
     assert generate(m, PROMPT, tree="chain4", max_new_tokens=24, sampling=strict, seed=1).tau == 1.0
 
 
+@pytest.mark.parametrize("method, kw", [("medusa", {"tree": "tree16"}), ("draft", {"draft": "self:1"})])
+def test_typical_mode_with_top_k_1_is_greedy(m, greedy, method, kw):
+    """Guards against typical acceptance ignoring top_k / top_p: with top_k=1 the plain loop can only take the argmax,
+    but a lax typical threshold accepted drafts off it, so speculation emitted tokens of zero probability."""
+    lax = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=1e-6, typical_delta=1e-6, top_k=1)
+    out = generate(m, PROMPT, method, max_new_tokens=24, sampling=lax, seed=3, eos_token_ids=(), **kw)
+    assert out.tokens == generate(m, PROMPT, "autoregressive", max_new_tokens=24, eos_token_ids=()).tokens
+
+
 def test_calibration_counts_and_perfect_heads(m, model):
     """Guards against head/offset mix-ups in calibration (head k must be scored at t+k+2)."""
     seq = PROMPT + generate(m, PROMPT, "autoregressive", max_new_tokens=40).tokens

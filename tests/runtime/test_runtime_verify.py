@@ -242,3 +242,24 @@ def test_a_tiny_temperature_gives_the_argmax_distribution():
         assert torch.isfinite(p).all()
         assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
     assert torch.allclose(filter_probs(logits, 0.7), torch.softmax(logits / 0.7, -1), atol=1e-7)
+
+
+def test_typical_acceptance_keeps_to_top_k_top_p_and_tiny_temperatures():
+    """Guards against typical acceptance reading the unfiltered distribution: with top_k=1 (or a top_p nucleus
+    of one token) a draft the plain loop could never sample was accepted, so speculation emitted tokens of zero
+    probability; and against a tiny temperature (1e-39) turning the log-probabilities into NaN, so no draft was
+    ever accepted (tau 1)."""
+    logits = torch.stack([_dist({12: 0.5, 11: 0.4})] + [_dist({7: 0.999})] * 6)   # node 1 (11) passes typically
+    g = torch.Generator().manual_seed(0)
+    loose = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=0.09, typical_delta=0.3)
+    tree = MedusaTree([[0], [0, 0]])     # one chain: root -> 11 -> 13
+    tokens = torch.tensor([10, 11, 13])
+    chain = torch.stack([logits[0], _dist({13: 0.999}), _dist({7: 0.999})])
+    assert verify_typical(tree.buffers(), tokens, chain, loose, g).path == [0, 1, 2]
+    for kw in ({"top_k": 1}, {"top_p": 0.4}):
+        cfg = SamplingConfig(mode="typical", temperature=1.0, typical_epsilon=0.09, typical_delta=0.3, **kw)
+        v = verify_typical(tree.buffers(), tokens, chain, cfg, g)
+        assert v.path == [0] and v.bonus == 12, kw
+    tiny = SamplingConfig(mode="typical", temperature=1e-39, typical_epsilon=0.09, typical_delta=0.3)
+    peaky = torch.stack([_dist({11: 0.6}), _dist({13: 0.6}), _dist({7: 0.999})])
+    assert verify_typical(tree.buffers(), tokens, peaky, tiny, g).path == [0, 1, 2]
