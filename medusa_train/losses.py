@@ -24,7 +24,9 @@ projection and metric trains on / reports against what greedy verification will 
 Optional teacher term (``teacher_weight`` w): head k's loss becomes
 (1 - w) CE(label) + w CE(p_backbone), where p_backbone is the frozen backbone's own
 distribution of the same token, lm_head(h_{t+k}) — restricted to the token map for
-truncated heads. Hydra++ found this best: the heads learn what the backbone will verify.
+truncated heads, at the positions whose target is in the map (as SpecForge's and EAGLE's
+``t2d[target] * loss_mask``: a target outside it is never accepted). Hydra++ found this best: the
+heads learn what the backbone will verify.
 
 Optional feature noise (``feature_noise`` s, training batches only, ``add_feature_noise``): the
 features the heads read get Gaussian noise of std s x their per-position RMS (per layer for the
@@ -265,9 +267,11 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, doc_ids: torch
         if bool(valid.any()):
             ce = F.cross_entropy(logits[valid], local[valid])
             loss = ce
-            if teacher_weight > 0:
+            if teacher_weight > 0:   # at the rows the CE keeps: a target outside the map is never accepted
+                kept = mask.clone()
+                kept[mask] = valid
                 loss = (1 - teacher_weight) * ce + teacher_weight * _teacher_ce(
-                    logits, hidden, mask, k, lm_head_weight, token_map, logit_scaling)
+                    logits[valid], hidden, kept, k, lm_head_weight, token_map, logit_scaling)
             total = total + weights[k] * loss
         else:
             ce = loss = logits.sum() * 0.0  # nothing learnable here; keeps the graph connected

@@ -142,6 +142,34 @@ def test_soft_target_loss_equals_specforges_kl_up_to_its_normalisation():
             assert torch.allclose(ours * kept / lm.numel(), ref[j], atol=1e-5), j
 
 
+def test_soft_target_loss_with_a_draft_vocabulary_keeps_specforges_positions():
+    """Guards against: the soft-target term scored at positions whose target lies outside the draft vocabulary
+    (SpecForge and EAGLE mask them, ``t2d[target] * loss_mask``: such a target is never accepted), which pushed the
+    drafter toward the target's distribution renormalised over tokens it can never be verified on."""
+    from medusa_train.losses import backbone_labels
+
+    model, d, ids, pos, aux, out = _setup(truncated=30, steps=3, seq=24)
+    d.token_map.copy_(d.token_map.sort().values)   # SpecForge's draft vocabulary is in id order (t2d gathers so)
+    hidden, doc = out.hidden_states[-1], torch.ones_like(ids)
+    labels = backbone_labels(ids, doc, out.logits.argmax(-1))            # targets=backbone: out[s] = greedy[s-1]
+    seq = ids.shape[1]
+    lm = torch.zeros_like(ids)
+    lm[:, :seq - 2] = (labels[:, 2:] != -100).long()
+    t2d = torch.zeros(90, dtype=torch.bool)
+    t2d[d.token_map] = True
+    in_vocab = t2d[_padding(out.logits).argmax(-1)].long() * lm           # SpecForge's first position_mask
+    assert 0 < int(in_vocab.sum()) < int(lm.sum())                        # some targets outside, some in
+    inv = vocab_to_local(d.token_map, 90)
+    with torch.no_grad():
+        ref = specforge_step_losses(specforge_ttt_logits(d, aux, ids, 3), out.logits, t2d, lm)
+        for j in range(3):
+            weights = [1.0 if k == j else 0.0 for k in range(3)]
+            ours = heads_loss(d, hidden, labels, doc, weights, inv, input_ids=ids, teacher_weight=1.0,
+                              lm_head_weight=model.lm_head.weight, aux=aux, position_ids=pos)
+            kept = int(in_vocab[:, j:].sum())
+            assert torch.allclose(ours * kept / lm.numel(), ref[j], atol=1e-5), j
+
+
 def specforge_step_accuracies(logits, target_logits, token_map, loss_mask):
     """``OnlineEagle3Model._acc_and_loss``'s acc: the draft argmax mapped to a target id equals the target's own
     argmax, over the step's (shifted) loss_mask; a target outside the draft vocabulary is a miss, not dropped."""

@@ -152,7 +152,8 @@ def test_ttt_steps_sets_the_trained_depth(compose_tiny, tmp_path):
 def test_teacher_term_scores_every_ttt_step_against_the_backbone_distribution_it_guesses():
     """Guards against: the soft-target term (heads.teacher_weight, SpecForge's EAGLE-3 loss) aligned one token
     off for the unrolled steps (step j at t guesses x_{t+j+2}, so its teacher is lm_head(h_{t+j+1})), the
-    teacher softmax taken over the whole vocabulary instead of the draft vocabulary, or the term dropped for
+    teacher softmax taken over the whole vocabulary instead of the draft vocabulary (or at positions whose target
+    lies outside it, which SpecForge masks), or the term dropped for
     eagle3 drafters (a drafter then trains on hard labels while the recipe says otherwise)."""
     from medusa_train.losses import heads_loss, vocab_to_local
 
@@ -173,7 +174,8 @@ def test_teacher_term_scores_every_ttt_step_against_the_backbone_distribution_it
     feats = d.ttt_features(aux, future_tokens(ids, 3), pos, block_causal_mask(doc, torch.float32))
     want = 0.0
     for j in range(3):
-        ts = [t for t in range(16 - j - 2) if labels[0, t + j + 2] != -100]   # x_{t+j+2} is an assistant token
+        ts = [t for t in range(16 - j - 2)   # x_{t+j+2} is an assistant token in the draft vocabulary
+              if labels[0, t + j + 2] != -100 and inv[labels[0, t + j + 2]] >= 0]
         teacher = torch.softmax(model.lm_head(hidden[0, [t + j + 1 for t in ts]])[:, d.token_map], dim=-1)
         logp = torch.log_softmax(d.project(feats[j][0, ts]), dim=-1)
         want = want + -(teacher * logp).sum(-1).mean()
