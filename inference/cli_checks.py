@@ -28,7 +28,7 @@ from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
 from .evaluation.choosing import calibrating
 from .evaluation.evaluate import check_settings
-from .prompts import Prompt, answered_turn, encode_checked, encode_turn, load_prompts, select_prompts
+from .prompts import Prompt, answered_turn, encode_checked, encode_turn, hold_out, load_prompts, select_prompts
 from .evaluation.reports import check_report_dir
 from .methods import get, names
 from .methods.choice_file import is_choice_file, read_choice
@@ -290,19 +290,30 @@ def eval_methods(cfg) -> list[str]:
     return methods
 
 
-def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]]):
-    """(the prompts evaluated, the calibration prompts or None when no choice calibrates); batch sizes above
-    the prompts evaluated refused (they would be reported as measured, but never were)."""
+def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]], saved=None):
+    """(the prompts evaluated, the calibration prompts or None when no choice calibrates, the prompts held out
+    because the given choice file ``saved`` was chosen on them); batch sizes above the prompts evaluated refused
+    (they would be reported as measured, but never were)."""
     prompts = load_prompts(cfg.prompts)
     wanted = cfg.num_prompts
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1):
         raise UserError(f"num_prompts must be >= 1, got {wanted}")
+    prompts, chose = hold_out(prompts, (saved.chosen_on or ()) if saved is not None else ())
+    if chose:
+        print(f"note: {len(chose)} of the prompts chose {saved.path} (its calibration prompts): held out of the "
+              "evaluation", file=sys.stderr)
+    elif saved is not None and saved.chosen_on is None:
+        print(f"note: {saved.path} does not record the prompts it was chosen on (written before medusa-train "
+              "recorded them): if they are among these, they are scored on their own choice; rerun choice=auto "
+              "to write one that does", file=sys.stderr)
+    if not prompts:
+        raise UserError(f"every prompt of the set chose {saved.path}: evaluate it on other prompts")
     evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) \
         if calibrating(options, modes, sizes is not None) else \
         (prompts[:wanted] if wanted is not None else prompts, None)
     if sizes is not None:
         check_sizes_measured(sizes, len(evaluated))
-    return evaluated, calibration
+    return evaluated, calibration, chose
 
 
 def eval_out_dir(cfg) -> Path:

@@ -11,7 +11,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
@@ -34,7 +34,7 @@ from .heads.native import make_temp_dir, release_temp_dir
 from .loading import kernel_plans_path, load_medusa
 from .methods.choice_file import is_choice_file, write_choice
 from .methods.registry import PLAIN_METHOD, batched_names, check_greedy_only, get, methods_for_heads
-from .prompts import Prompt, encode_turn
+from .prompts import Prompt, encode_turn, prompt_digest
 from .runtime.batch_decode import check_batch_size
 from .runtime.decode import stream_text
 from .runtime.draft_weights import check_draft_weights
@@ -72,9 +72,10 @@ def _load_eval(cfg):
     return apply_graphs(m, cfg.graphs, list(cfg.graph_buckets))
 
 
-def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict]:
-    """(each method's options, each shaped method's choice mode), every key checked against the heads' config
-    before anything loads; ``choice=<file>``'s choice applied to its method (measured again, at fixed)."""
+def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict, Any]:
+    """(each method's options, each shaped method's choice mode, the ``SavedChoice`` of ``choice=<file>`` or None),
+    every key checked against the heads' config before anything loads; the file's choice applied to its method
+    (measured again, at fixed)."""
     options = {x: method_options(cfg, x, spec) for x in methods}
     check_options_fit(options, spec, cfg)   # the heads' config and the backbone's (not its weights)
     modes = choice_modes(cfg, options)
@@ -82,7 +83,7 @@ def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict]:
     if saved is not None:
         options[saved.method] = get(saved.method).shape.apply(options[saved.method], saved.schedule, sizes is not None)
     check_fixed_choices(options, modes, spec)
-    return options, modes
+    return options, modes, saved
 
 
 def run_eval(cfg) -> dict:
@@ -92,10 +93,10 @@ def run_eval(cfg) -> dict:
     check_keys_used(cfg, methods)
     check_greedy_only(methods, sampling)
     spec = heads_spec(cfg, strict=True)   # heads given: readable
-    options, modes = eval_choices(cfg, methods, spec, sizes)
+    options, modes, saved = eval_choices(cfg, methods, spec, sizes)
     if sizes is not None:  # before the backbone loads: methods that cannot decode batches
         check_batchable(methods, sizes)
-    prompts, calibration = eval_prompts(cfg, options, modes, sizes)
+    prompts, calibration, chose = eval_prompts(cfg, options, modes, sizes, saved)
     out = eval_out_dir(cfg)
     check_eval_prompts_fit(cfg, prompts, calibration, spec)   # the tokenizer alone: prompts beyond the positions
     m = _load_eval(cfg)
@@ -110,8 +111,10 @@ def run_eval(cfg) -> dict:
         report = evaluate_batched(m, prompts, batch_sizes=sizes, rounds=cfg.batch_rounds, **common)
     else:
         report = evaluate(m, prompts, turns=cfg.turns, budgets=list(cfg.tree_budgets), **common)
+    if saved is not None:   # the given file's own calibration prompts, held out (eval_prompts)
+        report["choice_calibration_prompt_ids"] = [p.id for p in chose]
     backbone_drift(cfg, m, prompts, report)
-    write_eval(cfg, m, out, report, chosen, sizes is not None)
+    write_eval(cfg, m, out, report, chosen, sizes is not None, [prompt_digest(p) for p in calibration or ()])
     return report
 
 
@@ -130,9 +133,10 @@ def backbone_drift(cfg, m, prompts, report: dict) -> None:
           f"{report['backbone_drift']['identical_answers']:.1%}")
 
 
-def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
+def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool, chosen_on: Sequence[str] = ()) -> None:
     """report.json / .md / plots, the trade-off matrix with compare=true, and a choice file per measured
-    choice (``methods.choice_file``); what was written and how to decode with each choice, printed."""
+    choice (``methods.choice_file``; ``chosen_on``: the calibration prompts' digests); what was written and how
+    to decode with each choice, printed."""
     real = out.resolve()   # the folder itself (a link to it): replaced whole; messages name it as given
     real.parent.mkdir(parents=True, exist_ok=True)
     stage = make_temp_dir(real)   # every file written there, then swapped in whole: a kill leaves one evaluation
@@ -141,7 +145,8 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool) -> None:
         if cfg.compare:
             paths += write_compare(stage, report)
         fingerprint = getattr(getattr(m.heads, "spec", None), "base_model_fingerprint", "") or ""   # the loaded heads'
-        files = {x: write_choice(stage, x, c, c.options, fingerprint) for x, c in chosen.items() if c.measured}
+        files = {x: write_choice(stage, x, c, c.options, fingerprint, chosen_on) for x, c in chosen.items()
+                 if c.measured}
         paths += list(files.values())
         given = [Path(cfg.choice)] if cfg.choice not in ("auto", "fixed") else []   # the choice= file read: kept
         stale = publish_reports(stage, real, given)

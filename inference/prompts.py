@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -139,6 +140,20 @@ def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[
         raise UserError(f"calibration_prompts={calibration_prompts} holds out all {len(prompts)} prompts of the set, "
                         "leaving none to evaluate: give more prompts, a smaller calibration_prompts or choice=fixed")
     return prompts[-calibration_prompts:], prompts[:-calibration_prompts]
+
+
+def prompt_digest(p: Prompt) -> str:
+    """What a prompt asks (its turns, system message and given replies), hashed: the same prompt under another id
+    or in another file is still the same prompt."""
+    text = json.dumps([p.system, p.turns, p.replies], ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def hold_out(prompts: list[Prompt], digests) -> tuple[list[Prompt], list[Prompt]]:
+    """(the prompts left, the prompts held out): those whose ``prompt_digest`` is in ``digests`` (the prompts a
+    given choice file was chosen on) are never evaluated with that choice."""
+    chose = set(digests)
+    return [p for p in prompts if prompt_digest(p) not in chose], [p for p in prompts if prompt_digest(p) in chose]
 
 
 def select_prompts(prompts: list[Prompt], num_prompts: Optional[int], calibration_prompts: int) -> tuple[

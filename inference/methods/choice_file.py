@@ -8,13 +8,15 @@ method's own option keys (its shape's ``encode``), so the same reader serves eve
 
     {"format": "medusa-train speculation choice", "version": 2, "method": "eagle3_lookup",
      "name": "per batch size: 1: n4-d1-k4+t6-m2, 4: plain", "reason": "...", "base_model_fingerprint": "...",
+     "chosen_on_prompts": ["3f2a...", ...],
      "schedule": {"choices": {"1": {"eagle_nodes": 4, "eagle_depth": 1, "eagle_topk": 4, ...}, "4": null},
                   "rates": {"1": {"plain": 9.1, "n4-d1-k4+t6-m2": 11.8}, "4": {...}}, "switch_gain": 0.05},
      "static_shapes": {"1": [11, 7], "4": [1, 0]}}
 
 ``null`` is plain decoding at that batch size; ``rates`` are the expected tokens/s the batched decoder's
 hysteresis compares; ``static_shapes`` the (rows verified per sequence and step, depth) each batch size uses,
-what a captured step buckets on. Reading it (``read_choice``) refuses in one line, before anything loads: a
+what a captured step buckets on; ``chosen_on_prompts`` the digests of the calibration prompts it was measured on
+(``prompts.prompt_digest``): an evaluation given the file holds those out, as it holds out its own. Reading it (``read_choice``) refuses in one line, before anything loads: a
 missing or damaged file, a file of the three formats it replaced (``tree.json`` given as a choice,
 ``tree_schedule.json``, ``eagle3[_lookup]_tree.json``), a method these heads cannot decode with, or a file
 chosen for another backbone's heads.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..errors import UserError
 from ..runtime.speculation import SpeculationSchedule, schedule_from_record, schedule_record
@@ -47,6 +49,7 @@ class SavedChoice:
     method: str
     schedule: SpeculationSchedule
     path: str
+    chosen_on: Optional[tuple] = None   # the prompt digests (prompts.prompt_digest) it was measured on; None: unrecorded
 
     @property
     def plain_alone(self) -> bool:
@@ -54,12 +57,14 @@ class SavedChoice:
         return self.schedule.choices[min(self.schedule.choices)] is None
 
 
-def write_choice(out: Path, method: str, chosen, options, base_model_fingerprint: str = "") -> Path:
+def write_choice(out: Path, method: str, chosen, options, base_model_fingerprint: str = "",
+                 chosen_on: Sequence[str] = ()) -> Path:
     """``<out>/<method>_choice.json`` for a measured ``shape.Chosen`` of ``method`` (``options``: its options,
-    which name the choice's keys)."""
+    which name the choice's keys; ``chosen_on``: the digests of the calibration prompts it was measured on, which
+    an evaluation given the file holds out)."""
     shape, grafted = registry.get(method).shape, registry.get(method).grafted
     record = {"format": FORMAT, "version": VERSION, "method": method, "name": chosen.name, "reason": chosen.reason,
-              "base_model_fingerprint": base_model_fingerprint,
+              "base_model_fingerprint": base_model_fingerprint, "chosen_on_prompts": list(chosen_on),
               "schedule": schedule_record(chosen.schedule, lambda c: shape.encode(c, options)),
               "static_shapes": {str(b): list(s) for b, s in shape.static_shapes(
                   chosen.schedule, grafted(options) if grafted else 0).items()}}
@@ -139,7 +144,10 @@ def read_choice(path: str, spec, usable: list[str], options_of: Callable[[str], 
         for choice in schedule.choices.values():
             if choice is not None:
                 shape.check_spec(choice, spec)
-    return SavedChoice(method, schedule, path)
+    chosen_on = record.get("chosen_on_prompts")   # absent from files written before it was recorded
+    if chosen_on is not None and not (isinstance(chosen_on, list) and all(isinstance(d, str) for d in chosen_on)):
+        raise UserError(f"choice={path}: its chosen_on_prompts is damaged ({RERUN})")
+    return SavedChoice(method, schedule, path, None if chosen_on is None else tuple(chosen_on))
 
 
 def is_choice_file(value: Any) -> bool:

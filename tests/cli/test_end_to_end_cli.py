@@ -17,6 +17,10 @@ def _run(prog, *args, cwd):
     return proc
 
 
+def report_ids(folder) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
 def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
     """Guards against: the debugging recipe's heads recording 'random:llama' as their backbone, so
     `medusa-eval heads=runs/debug_tiny/heads` refuses ("a random test model that cannot be rebuilt"):
@@ -55,11 +59,17 @@ def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
                 "prompts_file=prompts.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",
                 cwd=tmp_path)
     assert "batch of 2:" in proc.stderr and "batch of 1:" in proc.stderr
-    _run("medusa-eval", "heads=runs/debug_tiny/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
-         "kernels=stock", "progress_bar=false", "threads=1", "batch_size=[1,2]", f"choice={path.relative_to(tmp_path)}",
-         "out=runs/debug_tiny/eval_again", cwd=tmp_path)   # the same schedule measured again
-    again = json.loads((run / "eval_again" / "report.json").read_text())["batched"]["speculation"]["medusa"]
+    # the same schedule measured again, on every prompt but the one that chose it (evaluated on its own choice,
+    # that prompt once flattered it: the file records the digests of the prompts it was chosen on)
+    proc = _run("medusa-eval", "heads=runs/debug_tiny/heads", "prompts=prompts.jsonl", "max_new_tokens=8",
+                "kernels=stock", "progress_bar=false", "threads=1", "batch_size=[1,2]",
+                f"choice={path.relative_to(tmp_path)}", "out=runs/debug_tiny/eval_again", cwd=tmp_path)
+    report = json.loads((run / "eval_again" / "report.json").read_text())
+    again = report["batched"]["speculation"]["medusa"]
     assert again["tree"] == "given" and again["schedule"] == sized["schedule"]
+    assert len(saved["chosen_on_prompts"]) == 1 and "1 of the prompts chose" in proc.stderr
+    assert report["choice_calibration_prompt_ids"] == report_ids(run / "eval_batched")["calibration_prompt_ids"]
+    assert not set(report["evaluated_prompt_ids"]) & set(report["choice_calibration_prompt_ids"])
 
     _run("medusa-export", "heads=runs/debug_tiny/heads", "format=medusa_v1", "out=runs/debug_tiny/medusa_v1",
          "materialize=true", cwd=tmp_path)

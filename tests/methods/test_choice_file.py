@@ -268,9 +268,32 @@ def test_eval_measures_a_choice_file_again(tmp_path, monkeypatch):
 
     path, schedule = _medusa_file(tmp_path)
     cfg = cli.EvalConfig(heads="h", choice=str(path))
-    options, modes = cli_run.eval_choices(cfg, ["medusa", "autoregressive"], _medusa_spec(), [1, 2])
+    options, modes, _ = cli_run.eval_choices(cfg, ["medusa", "autoregressive"], _medusa_spec(), [1, 2])
     assert options["medusa"].tree.to_dict() == schedule.to_dict() and modes == {"medusa": "fixed"}
-    options, _ = cli_run.eval_choices(cfg, ["medusa", "autoregressive"], _medusa_spec(), None)
+    options, _, _ = cli_run.eval_choices(cfg, ["medusa", "autoregressive"], _medusa_spec(), None)
     assert options["medusa"].tree.name == "auto4"
     with pytest.raises(UserError, match="is for method 'medusa'"):
         cli_run.eval_choices(cfg, ["medusa_lookup", "autoregressive"], _medusa_spec(), None)
+
+
+def test_the_prompts_a_choice_was_measured_on_travel_with_it(tmp_path):
+    """Guards against an evaluation given a choice file scoring the choice on the very prompts it was measured on
+    (they once were: nothing recorded them): the file keeps their digests, an unrecorded file (written before) reads
+    as None so the evaluation can say so, and a damaged list is refused in one line."""
+    from inference.prompts import Prompt, hold_out, prompt_digest
+
+    chosen = _medusa_chosen(True)
+    calib = [Prompt("q7", ["Name a colour."]), Prompt("q8", ["Count to three."], system="Be brief.")]
+    path = write_choice(tmp_path, "medusa", chosen, chosen.options, "abc", [prompt_digest(p) for p in calib])
+    got = read_choice(str(path), _medusa_spec(), ["medusa"], _medusa_options)
+    assert got.chosen_on == tuple(prompt_digest(p) for p in calib)
+    # the same prompt under another id is held out; one with another system message is not
+    prompts = [Prompt("a", ["Say hello."]), Prompt("b", ["Name a colour."]), Prompt("c", ["Count to three."])]
+    assert [[p.id for p in part] for part in hold_out(prompts, got.chosen_on)] == [["a", "c"], ["b"]]
+    record = json.loads(path.read_text())
+    del record["chosen_on_prompts"]
+    path.write_text(json.dumps(record))
+    assert read_choice(str(path), _medusa_spec(), ["medusa"], _medusa_options).chosen_on is None
+    path.write_text(json.dumps({**record, "chosen_on_prompts": "q7"}))
+    with pytest.raises(UserError, match="chosen_on_prompts is damaged"):
+        read_choice(str(path), _medusa_spec(), ["medusa"], _medusa_options)
