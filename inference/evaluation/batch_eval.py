@@ -11,9 +11,12 @@ machine's background load hits them alike.
 
 Per batch size (``report["batched"]["per_batch_size"][B]["per_method"][method]``):
   tokens_per_s        new tokens of all rows / wall time of all the method's batched runs, prefill included
-  tokens_per_s_runs   [min, median, max] of the single runs' tokens/s (the spread behind the ratio)
+  tokens_per_s_runs   [min, median, max] of the single batched runs' tokens/s (the last batch may hold fewer
+                      rows than B)
   speedup_vs_autoregressive, speedup_vs_hf_generate   over the plain batched loop / HF's batched generate
-                      at the same B
+                      at the same B: pooled (all tokens / all seconds of each)
+  speedup_vs_autoregressive_runs, speedup_vs_hf_generate_runs   [min, median, max] of the ratio batch by batch
+                      (each run over the baseline's run of the same batch and round): the spread behind it
   tau, tau_per_row    tokens per row-step (bonus included; plain = 1.0): pooled over all rows, and per
                       row in prompt order (null where no step was verified)
   nodes_per_step      nodes per row a step verified (root included), averaged over row-steps
@@ -121,6 +124,9 @@ def method_summary(method: str, runs: dict[str, list[BatchOutput]], rates: dict[
     for base, key in ((PLAIN, "speedup_vs_autoregressive"), (HF, "speedup_vs_hf_generate")):
         if base != method and base in rates and rates[base] > 0:
             out[key] = round(rates[method] / rates[base], 4)
+            paired = [o.tokens_per_s / b.tokens_per_s for o, b in zip(runs[method], runs[base]) if b.tokens_per_s > 0]
+            if paired:
+                out[f"{key}_runs"] = [round(f(paired), 4) for f in (min, statistics.median, max)]
     if greedy:
         checks = []
         if method != PLAIN:

@@ -12,6 +12,12 @@ def _times(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _ratio(row: dict, key: str) -> str:
+    """The pooled ratio with the batch-by-batch median [min-max] beside it."""
+    spread = row.get(f"{key}_runs")
+    return _times(row.get(key)) + (f" ({spread[1]:.2f}x [{spread[0]:.2f}-{spread[2]:.2f}])" if spread else "")
+
+
 def _fmt(v, spec=".3f", default="-") -> str:
     return default if v is None else format(v, spec)
 
@@ -39,8 +45,8 @@ def batched_markdown(r: dict) -> str:
         for meth, row in entry["per_method"].items():
             spec = (entry.get("speculation") or {}).get(meth, "-")
             lines.append(f"| {size} | {meth} | {spec} | {row['tokens_per_s']:.2f} | {_fmt(row.get('tau'))} | "
-                         f"{_times(row.get('speedup_vs_autoregressive'))} | "
-                         f"{_times(row.get('speedup_vs_hf_generate'))} "
+                         f"{_ratio(row, 'speedup_vs_autoregressive')} | "
+                         f"{_ratio(row, 'speedup_vs_hf_generate')} "
                          f"| {_identity(row)} |")
     lines.append("")
     for meth, size in b.get("speculation_stops_paying", {}).items():
@@ -57,7 +63,8 @@ def batched_markdown(r: dict) -> str:
               for meth, ids in (b.get("greedy_mismatches") or {}).items()]
     lines += [f"- note: {r['prompts_note']}"] if r.get("prompts_note") else []
     lines += ["", "tokens/s = new tokens of all rows / wall time of all batched runs (prefill included); tau = "
-                  "tokens per row-step (bonus included; plain decoding 1.0)."]
+                  "tokens per row-step (bonus included; plain decoding 1.0); speedups pooled (all tokens / all "
+                  "seconds), with the median [min-max] of the ratio batch by batch beside them."]
     return "\n".join(lines) + "\n"
 
 

@@ -100,8 +100,8 @@ def test_batched_report_identity_and_plot(oracle, tmp_path):
     """Guards against: the batched section missing keys or holding inconsistent numbers (tokens/s vs
     tokens and seconds, speedups vs the baselines' rates, tau per row), a batched row whose tokens differ
     from the plain batched loop's or from batch-1 greedy decoding, HF's batched generate (left padding)
-    measured on garbage rows, the stop-paying size outside the measured sizes, and the throughput plot
-    or report.md not being written."""
+    measured on garbage rows, the stop-paying size outside the measured sizes, the throughput plot
+    or report.md not being written, and a speedup reported without the spread of its batch-by-batch ratios."""
     r = evaluate_batched(oracle, PROMPTS, methods=["medusa"], batch_sizes=[1, 2, 4], tree="chain3",
                          max_new_tokens=NEW, progress=False, log=_quiet,
                          settings={"prompts": "tiny", "max_new_tokens": NEW, "mode": "greedy"})
@@ -127,6 +127,8 @@ def test_batched_report_identity_and_plot(oracle, tmp_path):
                 assert row["identical_to_plain_batched"] == [True] * len(PROMPTS), (size, meth)
                 assert row["speedup_vs_autoregressive"] == pytest.approx(rates[meth] / rates["autoregressive"],
                                                                          rel=1e-3)
+                lo, mid, hi = row["speedup_vs_autoregressive_runs"]   # batch by batch, beside the pooled ratio
+                assert 0 < lo <= mid <= hi and (lo == hi) == (entry["batches"] == 1)
         med = entry["per_method"]["medusa"]
         assert med["tau"] > 1.5 and min(med["tau_per_row"]) > 1.0  # the oracle's guesses are accepted
         assert med["nodes_per_step"] == 3.0 and "speedup_vs_hf_generate" in med
@@ -139,6 +141,9 @@ def test_batched_report_identity_and_plot(oracle, tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["batched"]["per_batch_size"]["2"]["rows"] == 5
     md = (tmp_path / "report.md").read_text()
     assert "| 4 | medusa | chain3 |" in md and "speculation" in md
+    two = b["per_batch_size"]["2"]["per_method"]["medusa"]
+    lo, mid, hi = two["speedup_vs_autoregressive_runs"]
+    assert f"{two['speedup_vs_autoregressive']:.2f}x ({mid:.2f}x [{lo:.2f}-{hi:.2f}])" in md
 
 
 def test_rounds_repeat_each_batch_without_mixing_rows(oracle):
