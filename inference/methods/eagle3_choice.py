@@ -48,7 +48,7 @@ class Eagle3Choice:
     shape: Optional[tuple]
     reason: str
     candidates: list = field(default_factory=list)  # {name, nodes, depth, topk, measured_tau, step_ms (+ spread), rate}
-    autoregressive_step_ms: float = 0.0
+    autoregressive_step_ms: Optional[float] = None   # None: not measured (a given choice)
     timing: dict = field(default_factory=dict)
 
     def options(self) -> dict:

@@ -142,7 +142,7 @@ class TreeChoice:
     reason: str
     accuracies: Optional[list] = None  # [K][rank] measured on calibration prompts
     candidates: list = field(default_factory=list)  # {name, nodes, expected_tau, step_ms (+ spread), rate}
-    autoregressive_step_ms: float = 0.0
+    autoregressive_step_ms: Optional[float] = None   # None: not measured (a given choice)
     timing: dict = field(default_factory=dict)  # rounds, plain decoding's spread, load, warnings
 
     def to_dict(self) -> dict:

@@ -275,3 +275,14 @@ def test_a_drifting_host_neither_hides_a_gain_nor_fakes_one(inject):
         if picked is None or picked.name != "auto1":   # auto1 pays: 1.6 / 1.2 = 1.33x plain decoding
             missed.append(seed)
     assert wrong == [] and len(missed) <= 1, (wrong, missed)
+
+
+def test_an_unmeasured_plain_step_is_null_not_zero():
+    """Guards against a given tree's record reading "autoregressive_step_ms": 0.0 (a plain step that cost
+    nothing) where nothing was measured: null, as the rest of the report writes what it did not measure."""
+    from inference.methods.eagle3_choice import Eagle3Choice
+    from inference.methods.medusa_choice import TreeChoice
+    from inference.runtime.tree import MedusaTree
+
+    assert TreeChoice(MedusaTree([[0]]), "given").to_dict()["autoregressive_step_ms"] is None
+    assert Eagle3Choice((4, 1, 4), "given").to_dict()["autoregressive_step_ms"] is None
