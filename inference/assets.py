@@ -13,11 +13,13 @@ runtime never imports the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -134,13 +136,15 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer   # lazy: only to convert a GGUF (once)
 
-    print(f"[medusa-train] converting {gguf_path.name} to safetensors once (cached in {target}) ...", flush=True)
+    print(f"[medusa-train] converting {gguf_path.name} to safetensors once (cached in {target}) ...", flush=True,
+          file=sys.stderr)   # stdout is a command's answer (medusa-generate ... > out.txt)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         folder, name = str(gguf_path.parent), gguf_path.name
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        with contextlib.redirect_stdout(sys.stderr):   # what loading prints (DeepSpeed's accelerator line) is no answer
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_config(gguf_model.config)
         model.load_state_dict(gguf_model.state_dict(), strict=True)
         ends = read_gguf_end_ids(gguf_path)

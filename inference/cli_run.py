@@ -34,9 +34,9 @@ from .heads.native import make_temp_dir, release_temp_dir
 from .loading import kernel_plans_path, load_medusa
 from .methods.choice_file import is_choice_file, write_choice
 from .methods.registry import PLAIN_METHOD, batched_names, check_greedy_only, get, methods_for_heads
-from .prompts import Prompt, encode_turn, prompt_digest
+from .prompts import Prompt, answered_turn, encode_turn, prompt_digest
 from .runtime.batch_decode import check_batch_size
-from .runtime.decode import stream_text
+from .runtime.decode import answer_text, stream_text
 from .runtime.draft_weights import check_draft_weights
 from .runtime.model import MedusaModel, apply_kernels, check_kernels
 from .runtime.race import auto_threads
@@ -286,10 +286,13 @@ def generate_several(m, prompts: list[Prompt], ids: list[list[int]], method: str
                                   sampling=sampling, seed=cfg.seed)
             outs, secs, tau = [g], g.prefill_s + g.decode_s, g.tau
         for i, g in enumerate(outs, start=start + 1):
-            head = " ".join(prompts[i - 1].turns[0].split())
+            p = prompts[i - 1]
+            head = " ".join(p.turns[answered_turn(p)].split())   # the question answered: a chat's last one
             print(f"=== [{i}/{len(ids)}] {head[:70] + ('...' if len(head) > 70 else '')}")
-            print(m.tokenizer.decode(g.tokens, skip_special_tokens=True))
-            print(f"[{len(g.tokens)} tokens, tau {g.tau:.2f}, finish: {g.finish_reason}]\n", flush=True)
+            print(answer_text(m.tokenizer, g.tokens), flush=True)
+            print(f"[{len(g.tokens)} tokens, tau {g.tau:.2f}, finish: {g.finish_reason}]", file=sys.stderr,
+                  flush=True)
+            print(flush=True)
         tokens = sum(len(g.tokens) for g in outs)
         print(f"[{'batch of ' + str(len(outs)) if batching else 'prompt ' + str(start + 1)}: {tokens} tokens in "
               f"{secs:.2f} s, {tokens / secs if secs > 0 else 0:.1f} tokens/s, tau {tau:.2f}]", file=sys.stderr,

@@ -11,6 +11,7 @@ keeps the lines that say what is wrong.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from typing import Any, Callable, NoReturn, Optional
 
@@ -157,3 +158,12 @@ def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
         task(cfg)
     except UserError as e:
         fail(prog, str(e))
+    except KeyboardInterrupt:   # Ctrl-C: what was written stays whole (every writer swaps its output in)
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:   # `medusa-generate ... | head`: the reader left; nothing more to say to it
+        try:   # the exit's own flush of stdout must not fail too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):   # stdout without a descriptor (captured)
+            pass
+        sys.exit(1)

@@ -111,6 +111,8 @@ def _prompt(line: str, source: str, n: int) -> Prompt:
     except json.JSONDecodeError:
         raise UserError(f"{source}:{n} is not valid JSON") from None
     turns = _turns(rec)
+    if any(t is not None and not isinstance(t, str) for t in turns):   # a part that is not text: an image, say
+        raise UserError(f"{source}:{n} has a message whose content is not text (only text prompts are decoded)")
     if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
         raise UserError(f"{source}:{n} has an empty or missing prompt")
     if not isinstance(rec, dict):
@@ -197,8 +199,18 @@ def _turns(rec) -> list:
         if isinstance(rec.get(key), str):
             return [rec[key]]
     if isinstance(rec.get("messages"), list):
-        return [m.get("content") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+        return [text_content(m.get("content")) for m in rec["messages"]
+                if isinstance(m, dict) and m.get("role") == "user"]
     return []
+
+
+def text_content(content):
+    """A message's content as text: OpenAI's list of parts (``[{"type": "text", "text": ...}]``) joined line by
+    line; anything else as it is (a part that is not text, an image, leaves the list: refused as not text)."""
+    if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text"
+                                                    and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return content
 
 
 def _context(rec: dict) -> tuple:
@@ -212,9 +224,9 @@ def _context(rec: dict) -> tuple:
     for msg in rec.get("messages") or []:
         role = msg.get("role") if isinstance(msg, dict) else None
         if role == "system" and not system:
-            system = msg.get("content")
+            system = text_content(msg.get("content"))
         elif role == "user":
             replies.append(None)
         elif role == "assistant" and replies and replies[-1] is None:
-            replies[-1] = msg.get("content")
+            replies[-1] = text_content(msg.get("content"))
     return system, replies

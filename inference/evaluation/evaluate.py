@@ -57,6 +57,7 @@ import torch
 import transformers
 
 from ..errors import UserError
+from ..runtime.decode import answer_text
 from ..runtime.linear_kernels import routing_summary
 from ..runtime.model import MedusaModel, is_count
 from ..runtime.race import progress_bar
@@ -230,7 +231,7 @@ def decode_interleaved(m: MedusaModel, prompts: list[Prompt], methods: Sequence[
             # the plain answer (else methods[0]'s: the first of this prompt's rotated order once gave each prompt's
             # second turn another method's answer), even an empty one, for every method alike
             ref = sample.tokens["autoregressive" if "autoregressive" in sample.tokens else methods[0]]
-            answers.append(m.tokenizer.decode(ref, skip_special_tokens=True) if m.tokenizer is not None else "")
+            answers.append(answer_text(m.tokenizer, ref) if m.tokenizer is not None else "")
             if bar is not None:
                 bar.update(1)
     if bar is not None:

@@ -89,22 +89,35 @@ class TokenStream:
 REPLACEMENT_CHARACTER = "\ufffd"
 
 
+def answer_text(tokenizer, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """The text of an answer's tokens, as every command and ``stream_text`` writes it: without transformers 4's
+    ``clean_up_tokenization_spaces`` (Llama-3's tokenizer config sets it), which rewrites text a later token
+    follows ("it 's" -> "it's", " ." -> "."): a stream could never take back what it printed (and transformers 5
+    no longer applies it to these tokenizers)."""
+    return tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
 def stream_text(tokenizer, chunks: Iterable[Sequence[int]], skip_special_tokens: bool = True) -> Iterator[str]:
-    """The text of streamed token chunks (a ``TokenStream``), piece by piece: the pieces join to
-    ``tokenizer.decode`` of all the tokens. The tokens so far are decoded whole each time, and a trailing U+FFFD is
-    held back until a later token completes its character: decoding each chunk alone, or printing what a partial
-    character decodes to, shows U+FFFD in place of every character whose bytes span two tokens."""
+    """The text of streamed token chunks (a ``TokenStream``), piece by piece: the pieces join to ``answer_text`` of
+    all the tokens. Each step decodes a window (as vLLM's incremental detokenizer does): the tokens from the last
+    piece's start, less the text those before the new ones had, so a SentencePiece word's leading space survives
+    and a step costs the window, not the whole answer. A trailing U+FFFD is held back until a later token completes
+    its character: decoding each chunk alone, or printing what a partial character decodes to, shows U+FFFD in
+    place of every character whose bytes span two tokens."""
     tokens: list[int] = []
-    shown = ""
+    start = read = 0   # the window's first token; the tokens up to ``read`` are already shown
+    shown = 0          # characters written in all
     for chunk in chunks:
         tokens += chunk
-        text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens).rstrip(REPLACEMENT_CHARACTER)
-        if len(text) > len(shown):
-            yield text[len(shown):]
-            shown = text
-    text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)   # what stayed incomplete, as decoded
-    if len(text) > len(shown):
-        yield text[len(shown):]
+        before = answer_text(tokenizer, tokens[start:read], skip_special_tokens)
+        text = answer_text(tokenizer, tokens[start:], skip_special_tokens)
+        if len(text) > len(before) and not text.endswith(REPLACEMENT_CHARACTER):
+            yield text[len(before):]
+            shown += len(text) - len(before)
+            start, read = read, len(tokens)
+    whole = answer_text(tokenizer, tokens, skip_special_tokens)   # what stayed incomplete, as decoded
+    if len(whole) > shown:
+        yield whole[shown:]
 
 
 # -- shared plumbing ----------------------------------------------------------------------

@@ -262,7 +262,8 @@ def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None, 
     if system:
         msgs = [{"role": "system", "content": system}] + msgs
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError("the tokenizer has no chat template: pass token ids (tokenizer(text).input_ids) instead")
+        raise UserError(f"the tokenizer{whose} has no chat template, and prompts are rendered as chats: give a chat "
+                        "model's backbone (an instruct model), or in Python pass token ids (tokenizer(text).input_ids)")
     from jinja2 import TemplateError   # lazy: transformers' chat templates run on it, only when one is applied
 
     try:

@@ -56,6 +56,34 @@ def test_user_error_in_the_task_is_one_line(capsys):
     assert _exit_line(capsys, run_cli, "prog", "doc", Schema, task, ["heads=a", "out=b"]) == "prog: error: bad heads a"
 
 
+def test_ctrl_c_is_one_line_and_exit_130(capsys):
+    """Guards against Ctrl-C in any command printing a KeyboardInterrupt traceback: one line, exit 130."""
+    def task(cfg):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        run_cli("prog", "doc", Schema, task, ["heads=a", "out=b"])
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == "prog: interrupted"
+
+
+def test_a_reader_that_leaves_is_no_traceback(tmp_path):
+    """Guards against `medusa-generate ... | head -c 1` ending in a BrokenPipeError traceback (twice: once more
+    when Python flushes stdout at exit): the command stops quietly."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "talk.py"
+    script.write_text("from dataclasses import dataclass\n"
+                      "from inference.cli_support import run_cli\n"
+                      "@dataclass\nclass S:\n    n: int = 1\n"
+                      "def task(cfg):\n    while True:\n        print('word ' * 100, flush=True)\n"
+                      "run_cli('prog', 'doc', S, task, [])\n")
+    proc = subprocess.run(f"{sys.executable} {script} | head -c 1", shell=True, capture_output=True, text=True,
+                          timeout=60, cwd=str(tmp_path), env={**__import__("os").environ,
+                                                              "PYTHONPATH": str(__import__("pathlib").Path.cwd())})
+    assert proc.stdout == "w" and "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
 def test_help_and_values(capsys):
     """Guards against --help running the task, and against enums reaching reports unwrapped."""
     import enum

@@ -161,7 +161,7 @@ REFUSED = [
     (EVAL, ["methods=[autoregressive]", "prompts={tmp}/long.jsonl", "backbone={tmp}/bbtok", "max_new_tokens=8"],
      "prompt 'long' (119 tokens) + max_new_tokens (8) exceeds the backbone's 64 positions"),
     (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bbnochat", "max_new_tokens=8"],
-     "the tokenizer has no chat template"),
+     "has no chat template, and prompts are rendered as chats: give a chat model"),
     (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bb", "max_new_tokens=8"],
      "cannot load the tokenizer of backbone"),
     (GEN, [MEDUSA, "prompt=hi", "backbone={tmp}/bb", "max_new_tokens=8"], "cannot load the tokenizer of backbone"),

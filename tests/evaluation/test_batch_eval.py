@@ -284,8 +284,9 @@ def test_cli_batched_eval_writes_the_batched_report(heads_dir, tmp_path, capsys)
 
 def test_cli_generate_several_prompts_in_batches(heads_dir, tmp_path, capsys):
     """Guards against: medusa-generate with several prompts (prompt=[...] or prompts_file=) not decoding
-    them all, mixing up which answer belongs to which prompt, ignoring batch_size, or batched rows that
-    differ from each prompt's own greedy answer."""
+    them all, mixing up which answer belongs to which prompt, ignoring batch_size, batched rows that
+    differ from each prompt's own greedy answer, each answer's numbers written into the answers on stdout, or a
+    chat headed by its first question while its last one is answered."""
     from inference.cli import generate_main
     from inference.loading import load_medusa
 
@@ -297,8 +298,15 @@ def test_cli_generate_several_prompts_in_batches(heads_dir, tmp_path, capsys):
     for i, t in enumerate(texts, start=1):
         answer = m.tokenizer.decode(generate(m, m.encode_chat(t), "autoregressive", max_new_tokens=6).tokens,
                                     skip_special_tokens=True)
-        assert f"=== [{i}/3] {t}\n{answer}\n[" in out, (i, out)
-    assert err.count("[batch of 3:") == 1
+        assert f"=== [{i}/3] {t}\n{answer}\n\n" in out, (i, out)   # the answers alone on stdout: > out.txt
+    assert err.count("[batch of 3:") == 1 and err.count(" tokens, tau ") == 3 and "[" not in out.replace("=== [", "")
+    # a chat is answered (and headed) at its last question
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant",
+                                                                                 "content": "Hello!"},
+                                             {"role": "user", "content": "Bye"}]}) + "\n")
+    code, out3, err = call_main(generate_main, common + [f"prompts_file={chat}", "batch_size=1"], capsys)
+    assert code == 0 and out3.startswith("=== [1/1] Bye\n"), out3
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     code, out2, err = call_main(generate_main, common + [f"prompts_file={f}", "batch_size=2"], capsys)

@@ -85,6 +85,21 @@ def test_prompt_forms_and_bad_prompt_files(tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 
+def test_openai_content_parts_are_read_as_text(tmp_path):
+    """Guards against a messages record written as OpenAI's chat API writes it (content a list of text parts) being
+    refused as "an empty or missing prompt", and an image part being called empty instead of not text."""
+    parts = [{"type": "text", "text": "Describe"}, {"type": "text", "text": "the sea."}]
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                                          {"role": "user", "content": parts}]}) + "\n")
+    p = load_prompts(str(f))[0]
+    assert p.turns == ["Describe\nthe sea."] and p.system == "Be brief."
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x.png"}}]}]}) + "\n")
+    with pytest.raises(UserError, match="content is not text"):
+        load_prompts(str(f))
+
+
 def test_two_prompts_sharing_an_id_are_refused_naming_both_lines(tmp_path):
     """Guards against: two prompts of one file given the same id (an ``"id": "5"`` and line 5 without one, which is
     numbered by its line; one id twice; ``question_id`` 81 and ``"81"``, both read as "81"): report.json's

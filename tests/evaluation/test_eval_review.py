@@ -23,7 +23,7 @@ class Recorder:
 
     def __init__(self, max_positions=None):
         self.calls, self.max_positions, self.config, self.static = [], max_positions, None, None
-        self.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+        self.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True, **kw: " ".join(map(str, ids)))
 
     def encode_chat(self, prompt, system=None):
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

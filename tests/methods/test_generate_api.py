@@ -50,6 +50,43 @@ def test_stream_text_ends_with_what_stayed_incomplete(tok):
     assert "".join(stream_text(tok, [ids[:1], ids[1:]])) == tok.decode(ids) == "é\ufffd"
 
 
+class PieceTokenizer:
+    """A SentencePiece-style tokenizer ("▁" marks a word's leading space, the first one stripped on decode)
+    whose decode applies transformers 4's ``clean_up_tokenization_spaces`` unless told not to, as Llama-3's
+    tokenizer config asks; it counts the tokens each decode reads."""
+
+    PIECES = ["▁it", "▁'", "s", "▁fine", "▁.", "▁do", "n", "▁'", "t", "▁go", "▁,",
+              "▁ok"]
+
+    def __init__(self):
+        self.read = []
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=True):
+        self.read.append(len(ids))
+        text = "".join(self.PIECES[i] for i in ids).replace("▁", " ").removeprefix(" ")
+        if clean_up_tokenization_spaces:
+            for a, b in ((" .", "."), (" ,", ","), (" '", "'"), ("n't", "n't")):
+                text = text.replace(a, b)
+        return text
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_stream_text_joins_to_the_answer_whatever_the_tokenizer_rewrites(size):
+    """Guards against streamed text that is not the answer's text: a tokenizer cleaning up spaces (transformers 4
+    with Llama-3's config) rewrote what a later token follows ("it 's" -> "it's"), so the pieces printed lost or
+    garbled letters ("it ' fine"); against a SentencePiece word's leading space lost when only the newest tokens are
+    decoded; and against a stream decoding the whole answer every step (its cost growing with the answer)."""
+    from inference.runtime.decode import answer_text
+
+    tok = PieceTokenizer()
+    ids = list(range(len(PieceTokenizer.PIECES))) * 4
+    pieces = list(stream_text(tok, chunked(ids, size)))
+    assert "".join(pieces) == answer_text(tok, ids) == " ".join(["it 's fine . don 't go , ok"] * 4)
+    tok.read.clear()
+    list(stream_text(tok, chunked(ids, size)))
+    assert max(tok.read[:-1]) <= 2 * size   # each step reads its window; the end reads the whole answer once
+
+
 def test_medusa_generate_prints_characters_split_across_tokens(monkeypatch, capsys, tok):
     """Guards against medusa-generate (one prompt, streamed) printing U+FFFD in place of every character whose
     bytes span two tokens: it decoded the answer so far, wrote the text past what it had written, and so skipped

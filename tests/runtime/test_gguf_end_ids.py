@@ -64,3 +64,23 @@ def test_a_gguf_conversion_records_every_end_of_reply_token(tmp_path, monkeypatc
 
     (folder / assets.CONVERSION_RECORD).unlink()   # a conversion from before the rule
     assert assets.cached_conversion(gguf_path) is None
+
+
+def test_a_conversion_writes_nothing_to_stdout(tmp_path, monkeypatch, capsys, tiny_backbone):
+    """Guards against the first `medusa-generate ... > out.txt` on a GGUF backbone writing the conversion's line
+    (and what loading prints, DeepSpeed's accelerator line) into the answer: all of it goes to stderr."""
+    import transformers
+
+    gguf_path = tmp_path / "quiet.gguf"
+    _write_gguf(gguf_path, GEMMA_LIKE, eos=1, bos=2)
+
+    def loud(*a, **k):
+        print("[WARNING] Setting accelerator to CPU.")
+        return tiny_backbone.model
+
+    monkeypatch.setenv("MEDUSA_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_backbone.tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loud)
+    assets.converted_gguf_dir(gguf_path)
+    out, err = capsys.readouterr()
+    assert out == "" and "converting quiet.gguf" in err and "accelerator" in err
