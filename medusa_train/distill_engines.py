@@ -59,7 +59,7 @@ class Generator:
         self.max_new_tokens = g.max_new_tokens
         # text a reply is decoded after (``_text``), and what it decodes to alone
         self.lead = tokenizer("a", add_special_tokens=False)["input_ids"]
-        self.lead_text = tokenizer.decode(self.lead, skip_special_tokens=True)
+        self.lead_text = tokenizer.decode(self.lead, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         sample = g.temperature > 0
         self.temperature, self.top_p = g.temperature, g.top_p
         self.config = GenerationConfig(
@@ -110,10 +110,13 @@ class Generator:
         """The text ``tokens`` add after the prompt. Decoded alone, a SentencePiece decoder (Llama 2, Mistral) strips
         the space their first token (``▁Hello``) starts with, one the backbone wrote (Mistral's ``[/INST]`` is
         followed by it): without it, the reply trains and prompts the next turn as other tokens than were generated."""
-        text = self.tokenizer.decode(self.lead + tokens, skip_special_tokens=True)
+        # without transformers 4's space clean-up (Llama-3's config asks for it): "it 's" read back as "it's" is
+        # another token sequence than the one generated, trained on and replayed as the next turn's history
+        plain = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+        text = self.tokenizer.decode(self.lead + tokens, **plain)
         if self.lead_text and text.startswith(self.lead_text):
             return text[len(self.lead_text):]
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(tokens, **plain)
 
     def _cut_bytes(self, tokens: list[int]) -> int:
         """How many byte-fallback tokens (``<0xF0>``) end ``tokens`` with the first bytes of a character (0: none)."""

@@ -223,3 +223,24 @@ def test_a_process_finding_no_manifest_never_removes_the_claim_another_just_made
     for path, obj in held:
         real_write(path, obj)
     assert first["engine"] == second == "lookup"
+
+
+def test_a_reply_is_kept_as_generated_by_a_tokenizer_that_cleans_up_spaces(compose_tiny, varied_backbone):  # noqa: F811
+    """Guards against: a distilled reply decoded with transformers 4's clean_up_tokenization_spaces (Llama-3's
+    tokenizer config sets it), "Hi . a 'b" written as "Hi. a'b": another token sequence than the backbone generated,
+    which the heads then train on and the next turn replays as history."""
+    tok = byte_fallback_tokenizer()
+    plain = tok.decode
+
+    def decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kw):
+        text = plain(ids, skip_special_tokens=skip_special_tokens, **kw)
+        return text if clean_up_tokenization_spaces is False else text.replace(" .", ".").replace(" '", "'")
+
+    tok.decode = decode
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0")
+    gen = Generator(varied_backbone.model, tok, cfg, torch.device("cpu"))
+    reply = tok("Hi . a 'b", add_special_tokens=False)["input_ids"]
+    gen.generate = lambda prompts, max_new_tokens=None: [(reply, True) for _ in prompts]
+    source = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    (row,) = distill.distill_shard(gen, [(0, source)], cfg).records
+    assert row["messages"][-1] == {"role": "assistant", "content": "Hi . a 'b"}
