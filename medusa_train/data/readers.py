@@ -22,12 +22,15 @@ from typing import Iterator, Optional
 
 from inference.errors import UserError
 from inference import assets
+from inference.prompts import text_content
 from .tokenize import UNFINISHED
 
 ROLE_MAP = {
     "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
     "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system",
+    "developer": "system",   # OpenAI's name for the system turn of its reasoning models
 }
+TOOL_ROLES = frozenset({"tool", "function", "ipython", "observation"})   # tool results: no reply of the model's
 _CHUNK = 1 << 20
 _MAX_RECORD = 64 << 20  # characters: an array element still open after this is no conversation
 _LAYOUT_PROBE = 4 * _CHUNK  # characters read at most to tell how a .json file holds its records
@@ -362,10 +365,15 @@ def normalize(record, system_prompt: Optional[str] = None) -> tuple[Optional[lis
     for turn in turns:
         if not isinstance(turn, dict):
             return None, "malformed turn"
-        role = ROLE_MAP.get(str(turn.get(rk, turn.get("role", ""))).lower())
-        content = turn.get(ck, turn.get("content"))
-        if role is None or not isinstance(content, str):
-            return None, "unknown role or non-text turn"
+        name = str(turn.get(rk, turn.get("role", ""))).lower()
+        role = ROLE_MAP.get(name)
+        content = text_content(turn.get(ck, turn.get("content")))   # OpenAI's list of text parts: its text
+        if name in TOOL_ROLES or turn.get("tool_calls") or turn.get("function_call"):
+            return None, "a tool call or tool result (not trained on)"
+        if role is None:
+            return None, "unknown role"
+        if not isinstance(content, str):
+            return None, "non-text turn (an image, audio or other part)"
         if _SURROGATE.search(content):  # "\ud83d" alone is valid JSON, but no tokenizer encodes it (TypeError)
             return None, "invalid unicode (lone surrogate)"
         if not content.strip():

@@ -112,8 +112,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         elif swapped is not None:
             start, end = len(before), swapped
         else:  # not prefix-stable: find the reply text itself, after the turn it answers
-            found = _locate_reply(text, tokenizer, msg["content"], _past_prompt(text, messages[i - 1], cursor),
-                                  cursor)
+            floor = _past_header(text, _past_prompt(text, messages[i - 1], cursor), closed, before)
+            found = _locate_reply(text, tokenizer, msg["content"], floor, cursor)
             if found is None:
                 unlocated += 1
                 continue
@@ -185,9 +185,12 @@ def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: 
     turn). The span takes the spaces before the words (a SentencePiece token "▁Hello" starts at its space: a span
     from the "H" would leave the reply's first token unlabelled) and the end-of-sequence marker right after them."""
     eos = getattr(tokenizer, "eos_token", None)
+    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
     for floor in (past_prompt, cursor):
         for words in _reply_words(content):
             start = text.find(words, floor) if words else -1
+            while start >= 0 and _inside_special(text, start, specials):   # "a" of DeepSeek's <｜Assistant｜>
+                start = text.find(words, start + 1)
             if start < 0:
                 continue
             end = start + len(words)
@@ -197,6 +200,12 @@ def _locate_reply(text: str, tokenizer, content: str, past_prompt: int, cursor: 
                 end += len(eos)
             return start, end
     return None
+
+
+def _inside_special(text: str, at: int, specials: list[str]) -> bool:
+    """Whether ``text[at]`` lies inside a special token's text, past its start (one id: a reply found there labels
+    nothing); a reply may begin with one (``<think>``)."""
+    return any(text.find(m, max(0, at - len(m) + 1), at + len(m) - 1) >= 0 for m in specials if len(m) > 1)
 
 
 def _reply_words(content: str) -> list[str]:
@@ -218,6 +227,19 @@ def _content_end(text: str, content: str, start: int, end: int) -> int:
         if at >= 0:
             return at + len(words)
     return end
+
+
+def _past_header(text: str, floor: int, closed: Callable[[], str], before: str) -> int:
+    """Past the reply's header (Qwen3's "<|im_start|>assistant\n") when it follows ``floor`` (the end of the turn the
+    reply answers) with nothing but that turn's closing between: the generation prompt's text (``_prompt_tail``), or
+    its first line (a thinking-off prompt's empty think block is not rendered for earlier replies). A short reply
+    ("is", "a") was found inside the header ("ass|istant"), and the header trained instead of the reply."""
+    tail = _prompt_tail(closed, before)
+    for head in (tail, tail[: tail.find("\n") + 1] if "\n" in tail else ""):
+        at = text.find(head, floor) if head.strip() else -1
+        if at >= 0 and closed().endswith(text[floor:at]):
+            return at + len(head)
+    return floor
 
 
 def _past_prompt(text: str, turn: dict, cursor: int) -> int:

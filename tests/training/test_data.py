@@ -142,6 +142,18 @@ def test_role_normalisation():
                         {"role": "assistant", "content": "a2"}]
 
 
+def test_openai_developer_role_and_text_parts_are_read():
+    """Guards against OpenAI-format data (the ``developer`` role of its reasoning models, content as a list of text
+    parts) dropped whole as "unknown role or non-text turn"."""
+    rec = {"messages": [{"role": "developer", "content": "Be terse."},
+                        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}]}
+    messages, why = normalize(rec)
+    assert why == "" and messages == [{"role": "system", "content": "Be terse."},
+                                      {"role": "user", "content": "Hi\nthere"},
+                                      {"role": "assistant", "content": "Hello."}]
+
+
 def test_system_prompt_only_added_when_absent():
     """Guards against: data.system_prompt overriding a conversation's own system turn or being dropped."""
     msgs, _ = normalize(_openai(0), system_prompt="Be nice.")
@@ -156,6 +168,10 @@ def test_system_prompt_only_added_when_absent():
     ({"messages": [{"role": "assistant", "content": "   "}, {"role": "user", "content": "x"}]}, "no assistant turn"),
     ({"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown role"),
     ({"conversations": [{"from": "gpt", "value": 5}]}, "non-text"),
+    ({"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "get_weather"}}]}, {"role": "tool", "content": "sunny"}]}, "tool call"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                   {"role": "assistant", "content": "a cat"}]}, "non-text turn"),
     ({"text": "plain"}, "no conversations/messages field"),
     (["not", "a", "dict"], "not an object"),
     ({"conversations": ["a string turn"]}, "malformed turn"),

@@ -150,6 +150,9 @@ CONVERSATIONS = {
     "thinking cut last": _cut(THINKING, 3),
     "greeting": _conv((S, "sys"), (A, "Hello, how can I help?"), (U, "help me"), (A, "Sure thing.")),
     "greeting first": _conv((A, "Hello, how can I help?"), (U, "help me"), (A, "Sure thing.")),
+    # replies that are letters of the role header after the turn they answer (Qwen3's "<|im_start|>assistant\n")
+    "short replies": _conv((U, "Pick (a) or (b)."), (A, "a"), (U, "Why?"), (A, "is"), (U, "And?"), (A, "t"),
+                           (U, "Last"), (A, "Because.")),
 }
 
 
