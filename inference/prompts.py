@@ -23,7 +23,8 @@ class Prompt:
     turns: list[str]
     category: str = ""
     system: str = ""   # the record's system message ("": none), given to the chat template with every turn
-    replies: list[Optional[str]] = field(default_factory=list)   # the assistant reply the record gives after turn k (None: none)
+    # the assistant reply the record gives after turn k (None: none)
+    replies: list[Optional[str]] = field(default_factory=list)
 
 
 def turn_messages(p: Prompt, turn: int, answers: list[str]) -> list[dict]:

@@ -72,6 +72,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from inference.errors import UserError
@@ -397,6 +398,16 @@ def _by_write_order(root: Path) -> list[Path]:
         return (state.stat().st_mtime if state.is_file() else 0.0, p.name)
 
     return sorted((p for p in root.glob("step-*") if p.is_dir()), key=written)
+
+
+def holds_token_map(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` saved its heads' token map (``load`` restores it), read from the file's
+    header alone; False for a checkpoint that cannot be read (``load`` says why)."""
+    try:
+        with safe_open(str(Path(path) / "heads.safetensors"), framework="pt") as f:
+            return any(k.split(".")[-1] == "token_map" for k in f.keys())
+    except Exception:   # noqa: BLE001 (a missing or damaged file: load refuses it in one line)
+        return False
 
 
 def load(engine, path: Path, rank: int) -> dict:

@@ -233,9 +233,11 @@ class MedusaTrainer:
         projection, vocab_n = draft_vocabulary(cfg.heads, hf_cfg.vocab_size)
         token_map = None
         if projection == "truncated":   # stage 2 loads stage 1's heads and their token map: no scan for another
-            # a placeholder: lora.JointSource.wrap loads stage 1's heads strictly, their token_map buffer too
-            token_map = torch.arange(vocab_n) if cfg.lora.init_heads else \
-                self._token_map(hf_cfg.vocab_size, vocab_n)
+            # a placeholder: lora.JointSource.wrap loads stage 1's heads strictly, their token_map buffer too; a
+            # resumed run loads the checkpoint's (a scan of the data there took minutes for nothing)
+            restored = cfg.lora.init_heads or (self.resume_from is not None
+                                               and checkpoint.holds_token_map(self.resume_from))
+            token_map = torch.arange(vocab_n) if restored else self._token_map(hf_cfg.vocab_size, vocab_n)
         spec = HeadsSpec(
             num_heads=draft_depth(cfg.heads), num_layers=cfg.heads.num_layers, hidden_size=hf_cfg.hidden_size,
             vocab_size=hf_cfg.vocab_size, projection=projection,

@@ -239,7 +239,8 @@ def trtllm_unhonoured(layer: dict) -> list[str]:
         derived = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(omax))
         if abs(derived - rope["attention_factor"]) > 1e-6 * max(1.0, derived):
             out.append(f"LongRoPE's cos/sin scaled by {derived:.6g} (derived from its positions; it ignores "
-                       f"short_mscale / long_mscale / attention_factor), not the drafter's {rope['attention_factor']:.6g}")
+                       "short_mscale / long_mscale / attention_factor), not the drafter's "
+                       f"{rope['attention_factor']:.6g}")
     return out
 
 

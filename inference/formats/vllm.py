@@ -105,7 +105,8 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
         "base_model_fingerprint": spec.base_model_fingerprint,
     }
     notes.append(f"serve: vllm serve {config['base_model_name_or_path'] or '<base model>'} --speculative-config "
-                 f"'{{\"method\": \"medusa\", \"model\": \"<this dir>\", \"num_speculative_tokens\": {spec.num_heads}}}'")
+                 f"'{{\"method\": \"medusa\", \"model\": \"<this dir>\", "
+                 f"\"num_speculative_tokens\": {spec.num_heads}}}'")
     notes.append(f"note: vLLM {LAST_WITH_MEDUSA} is the last release with Medusa (0.33.0 removed it): "
                  f"pip install 'vllm<={LAST_WITH_MEDUSA}' to serve these heads")
     if truncated_vocab < spec.vocab_size:
@@ -223,7 +224,8 @@ def load(d: Path, spec: HeadsSpec) -> tuple[MedusaHeads, torch.Tensor | None]:
             state[f"blocks.{h}.{l}.linear.weight"] = w
             # vLLM builds the Linear without bias unless medusa_fc_bias: a zero bias is the same map.
             bias = tensors.get(f"blocks.{h}.layers.{l}.bias") if config.get("medusa_fc_bias") else None
-            state[f"blocks.{h}.{l}.linear.bias"] = bias if bias is not None else torch.zeros(spec.hidden_size, dtype=w.dtype)
+            state[f"blocks.{h}.{l}.linear.bias"] = bias if bias is not None else \
+                torch.zeros(spec.hidden_size, dtype=w.dtype)
     shared = None
     if config.get("original_lm_head", False):
         shared = tensors.get("lm_head.weight", tensors.get("lm_heads.0.weight"))

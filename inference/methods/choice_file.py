@@ -16,7 +16,8 @@ method's own option keys (its shape's ``encode``), so the same reader serves eve
 ``null`` is plain decoding at that batch size; ``rates`` are the expected tokens/s the batched decoder's
 hysteresis compares; ``static_shapes`` the (rows verified per sequence and step, depth) each batch size uses,
 what a captured step buckets on; ``chosen_on_prompts`` the digests of the calibration prompts it was measured on
-(``prompts.prompt_digest``): an evaluation given the file holds those out, as it holds out its own. Reading it (``read_choice``) refuses in one line, before anything loads: a
+(``prompts.prompt_digest``): an evaluation given the file holds those out, as it holds out its own. Reading it
+(``read_choice``) refuses in one line, before anything loads: a
 missing or damaged file, a file of the three formats it replaced (``tree.json`` given as a choice,
 ``tree_schedule.json``, ``eagle3[_lookup]_tree.json``), a method these heads cannot decode with, or a file
 chosen for another backbone's heads.
@@ -49,7 +50,7 @@ class SavedChoice:
     method: str
     schedule: SpeculationSchedule
     path: str
-    chosen_on: Optional[tuple] = None   # the prompt digests (prompts.prompt_digest) it was measured on; None: unrecorded
+    chosen_on: Optional[tuple] = None   # digests of the prompts it was measured on (prompts.prompt_digest); None: unknown
 
     @property
     def plain_alone(self) -> bool:

@@ -515,7 +515,8 @@ class StaticSteps:
                 "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
                 "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed,
                 "checked_replays": self.checked, "disagreeing_replays": self.disagreed,
-                "drafter_calls": self.calls.summary(), "draft_models": [s.summary() for r in self.drafts if (s := r()) is not None]}
+                "drafter_calls": self.calls.summary(),
+                "draft_models": [s.summary() for r in self.drafts if (s := r()) is not None]}
 
 
 def apply_graphs(m, mode: str, buckets: Sequence[int] = DEFAULT_BUCKETS, capacity: Optional[int] = None,

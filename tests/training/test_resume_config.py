@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import base_overrides, clean_env, console_script
 from inference.errors import UserError
@@ -232,5 +233,28 @@ def test_a_resumed_truncated_run_maps_targets_through_the_checkpoints_token_map(
         assert trainer.step == 2
         heads = trainer.module.heads
         assert torch.equal(trainer.module.inv_map.cpu(), vocab_to_local(heads.token_map, trainer.spec.vocab_size).cpu())
+    finally:
+        trainer.cleanup(plot=False)
+
+
+def test_a_resumed_truncated_run_takes_its_map_without_scanning_the_data(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: a resumed run with a truncated vocabulary scanning the data for a token map (minutes on the
+    real recipe: 3,000 conversations) only to replace it with the checkpoint's; a checkpoint that did not keep one
+    still gets the scan."""
+    truncated = ["heads.projection=truncated", "heads.truncated_vocab_size=16"]
+    a = tmp_path / "a"
+    interrupted_run(compose_tiny, a, monkeypatch, *truncated)
+    ckpt = checkpoint.find_resume(a, "auto")
+    assert checkpoint.holds_token_map(ckpt) and not checkpoint.holds_token_map(tmp_path / "nowhere")
+    saved = load_file(str(ckpt / "heads.safetensors"))
+    scans = []
+    scanned = T.MedusaTrainer._token_map
+    monkeypatch.setattr(T.MedusaTrainer, "_token_map", lambda self, *a: scans.append(1) or scanned(self, *a))
+    trainer = T.MedusaTrainer(compose_tiny(*RUN, *truncated, out=a))
+    trainer.setup()
+    try:
+        assert trainer.step == 2 and scans == []
+        key = next(k for k in saved if k.endswith("token_map"))
+        assert torch.equal(trainer.module.heads.token_map.cpu(), saved[key])
     finally:
         trainer.cleanup(plot=False)
