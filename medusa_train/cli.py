@@ -62,7 +62,7 @@ def usage() -> str:
     for name in available_recipes():
         lines += textwrap.wrap(recipe_summary(name), width, initial_indent=f"  {name:<24} ", subsequent_indent=indent,
                                break_on_hyphens=False, break_long_words=False)
-    lines += ["", "Hydra flags: --cfg job|hydra|all (print config), --resolve (with --cfg), --info, "
+    lines += ["", "Hydra flags: --cfg job|hydra|all (print config), --resolve (with --cfg), --info,",
               "-m/--multirun (sweeps), --help (this text).",
               "Every recipe has output_dir=... and trainer.max_steps=...; see README.md."]
     return "\n".join(lines)
