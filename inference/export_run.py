@@ -97,6 +97,11 @@ def run_export(cfg) -> None:
     elif target is None and not cfg.backbone and base == spec.base_model and _looks_local(base):
         print(f"note: the heads' base model {base} is not found here: the export was not checked against it, and "
               "the engine will not find it either; pass base_model=<hub id or path> (backbone= to check against it)")
+    template = getattr(spec, "chat_template_args", None)
+    if template and cfg.format != "native":   # engines render prompts themselves: the heads' rendering is not theirs
+        shown = json.dumps(template)
+        print(f"note: these heads were trained on prompts rendered with the chat template variables {shown}: serve "
+              f"with the same (vLLM and SGLang: \"chat_template_kwargs\": {shown} in each request)")
     print(f"wrote {result.path} ({', '.join(result.files)}; weights {megabytes(result.weight_bytes)})")
 
 

@@ -148,7 +148,10 @@ def split_calibration(prompts: list[Prompt], calibration_prompts: int) -> tuple[
 def prompt_digest(p: Prompt) -> str:
     """What a prompt asks (its turns, system message and given replies), hashed: the same prompt under another id
     or in another file is still the same prompt."""
-    text = json.dumps([p.system, p.turns, p.replies], ensure_ascii=False)
+    replies = list(p.replies)
+    while replies and replies[-1] is None:   # a messages record's unanswered last turn: as a plain prompt has none
+        replies.pop()
+    text = json.dumps([p.system, p.turns, replies], ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -183,7 +186,7 @@ def prompt_record(evaluated: list[Prompt], calibration: list[Prompt], asked: Opt
     # said whether or not calibration held prompts out: choice=fixed on a 3-prompt file once evaluated 3 of 10 silently
     if isinstance(asked, int) and not isinstance(asked, bool) and asked > len(evaluated):
         left = (f"the {len(evaluated)} left once the {len(calibration)} calibration prompts were held out"
-                if calibration else f"the {len(evaluated)} of the set")
+                if calibration else f"the {len(evaluated)} left to evaluate")   # a choice file's own held out too
         out["prompts_note"] = f"num_prompts={asked} asked for more prompts than {left}: evaluating {len(evaluated)}"
         print(f"note: {out['prompts_note']}", file=sys.stderr)
     return out
@@ -205,11 +208,15 @@ def _turns(rec) -> list:
     return []
 
 
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})   # OpenAI's chat and Responses APIs' text parts
+
+
 def text_content(content):
     """A message's content as text: OpenAI's list of parts (``[{"type": "text", "text": ...}]``) joined line by
-    line; anything else as it is (a part that is not text, an image, leaves the list: refused as not text)."""
-    if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text"
-                                                    and isinstance(p.get("text"), str) for p in content):
+    line (no parts: empty); anything else as it is (a part that is not text, an image, leaves the list: refused as
+    not text)."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
+                                         and isinstance(p.get("text"), str) for p in content):
         return "\n".join(p["text"] for p in content)
     return content
 

@@ -23,7 +23,7 @@ from ..chat_template import check_template_args
 from ..errors import IncompatibleHeadsError, UserError
 from .registry import HeadFamily, family, setting_names
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: chat_template_args recorded (written only by heads that have them; the rest stay 1)
 PROJECTIONS = ("own", "shared", "truncated")
 
 # Architecture fields that decide whether heads fit a backbone. Weights may differ (a
@@ -80,14 +80,15 @@ class HeadsSpec:
     # adapter folder (relative) the backbone needs.
     backbone_adapter: Optional[str]
     # Common: the chat template's variables the training data was rendered with (Qwen3's enable_thinking); decoding
-    # renders prompts the same way wherever the folder goes. Written only when set (older readers load the rest).
+    # renders prompts the same way wherever the folder goes. Written only when set, as format 2: a reader from before
+    # says "written by a newer medusa-train" (a variable it would drop changes every prompt); the rest stay format 1.
     chat_template_args: Optional[dict]
     format_version: int
     settings: Any  # the family's own settings (``family(kind).settings``)
 
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, projection: str = "own",
                  truncated_vocab_size: Optional[int] = None, base_model: str = "", base_model_fingerprint: str = "",
-                 kind: str = "medusa", backbone_adapter: Optional[str] = None, format_version: int = FORMAT_VERSION,
+                 kind: str = "medusa", backbone_adapter: Optional[str] = None, format_version: int = 1,
                  settings: Any = None, chat_template_args: Optional[dict] = None, **family_settings):
         self.num_heads, self.num_layers = num_heads, num_layers
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
@@ -136,7 +137,8 @@ class HeadsSpec:
         for key in FORMAT1_LAYOUT:
             out[key] = own.pop(key) if key in own else unset[key]
         template = {"chat_template_args": self.chat_template_args} if self.chat_template_args else {}
-        return {**out, **own, **template, "format_version": self.format_version}
+        version = max(self.format_version, 2) if template else self.format_version
+        return {**out, **own, **template, "format_version": version}
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadsSpec":

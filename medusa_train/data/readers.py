@@ -30,7 +30,8 @@ ROLE_MAP = {
     "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system",
     "developer": "system",   # OpenAI's name for the system turn of its reasoning models
 }
-TOOL_ROLES = frozenset({"tool", "function", "ipython", "observation"})   # tool results: no reply of the model's
+# tool calls and their results (OpenAI, Llama 3's ipython, LLaMA-Factory's ShareGPT): not the model's reply text
+TOOL_ROLES = frozenset({"tool", "function", "ipython", "observation", "function_call"})
 _CHUNK = 1 << 20
 _MAX_RECORD = 64 << 20  # characters: an array element still open after this is no conversation
 _LAYOUT_PROBE = 4 * _CHUNK  # characters read at most to tell how a .json file holds its records
@@ -368,7 +369,8 @@ def normalize(record, system_prompt: Optional[str] = None) -> tuple[Optional[lis
         name = str(turn.get(rk, turn.get("role", ""))).lower()
         role = ROLE_MAP.get(name)
         content = text_content(turn.get(ck, turn.get("content")))   # OpenAI's list of text parts: its text
-        if name in TOOL_ROLES or turn.get("tool_calls") or turn.get("function_call"):
+        calls = turn.get("tool_calls") or turn.get("function_call")
+        if name in TOOL_ROLES or (calls and not isinstance(content, str)):   # a call beside its text: the text trains
             return None, "a tool call or tool result (not trained on)"
         if role is None:
             return None, "unknown role"

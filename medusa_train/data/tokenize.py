@@ -229,14 +229,19 @@ def _content_end(text: str, content: str, start: int, end: int) -> int:
     return end
 
 
+_CLOSING_MAX = 64   # characters a template puts between a turn's words and the next turn's header (<|im_end|>\n)
+
+
 def _past_header(text: str, floor: int, closed: Callable[[], str], before: str) -> int:
     """Past the reply's header (Qwen3's "<|im_start|>assistant\n") when it follows ``floor`` (the end of the turn the
     reply answers) with nothing but that turn's closing between: the generation prompt's text (``_prompt_tail``), or
     its first line (a thinking-off prompt's empty think block is not rendered for earlier replies). A short reply
     ("is", "a") was found inside the header ("ass|istant"), and the header trained instead of the reply."""
     tail = _prompt_tail(closed, before)
-    for head in (tail, tail[: tail.find("\n") + 1] if "\n" in tail else ""):
-        at = text.find(head, floor) if head.strip() else -1
+    # the first line first: a thinking-off prompt's whole text stands before the last reply alone, so found from an
+    # earlier one in a conversation that repeats itself it jumped past that reply (and the ones between)
+    for head in (tail[: tail.find("\n") + 1] if "\n" in tail else tail, tail):
+        at = text.find(head, floor, floor + _CLOSING_MAX + len(head)) if head.strip() else -1
         if at >= 0 and closed().endswith(text[floor:at]):
             return at + len(head)
     return floor

@@ -75,7 +75,7 @@ def test_asking_too_many_is_said_without_calibration_too(capsys):
     for num_prompts=10 without a word, where a calibrating run said so: the same note in every case."""
     got = _prompts(3)[:10]
     record = prompt_record(got, [], 10)
-    assert record["prompts_note"] == "num_prompts=10 asked for more prompts than the 3 of the set: evaluating 3"
+    assert record["prompts_note"] == "num_prompts=10 asked for more prompts than the 3 left to evaluate: evaluating 3"
     assert capsys.readouterr().err == f"note: {record['prompts_note']}\n"
     assert "prompts_note" not in prompt_record(got, [], 3) and "prompts_note" not in prompt_record(got, [], None)
 

@@ -444,3 +444,17 @@ def test_an_interrupted_saves_previous_heads_are_not_replaced_without_overwrite(
     code, out, err = run([f"heads={src}", "format=vllm", f"out={trained}"], capsys)
     assert code == 2 and "is not empty: pass overwrite=true" in err[0], err
     assert (trained / "model.safetensors").is_file() and not backup.exists()
+
+
+def test_an_export_says_which_chat_template_variables_to_serve_with(tmp_path, capsys):
+    """Guards against: heads trained on prompts rendered with chat_template_args (Qwen3 with thinking off) exported
+    for an engine without a word, so they are served on the template's default rendering and accept fewer drafts."""
+    from inference.heads.registry import build_heads
+    from inference.heads.spec import HeadsSpec
+
+    spec = HeadsSpec(num_heads=2, num_layers=1, hidden_size=HIDDEN, vocab_size=VOCAB, base_model="org/base",
+                     chat_template_args={"enable_thinking": False})
+    src = save_heads(build_heads(spec), tmp_path / "h")
+    code, out, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
+    assert code == 0, err
+    assert '"chat_template_kwargs": {"enable_thinking": false}' in out

@@ -288,7 +288,8 @@ def test_the_prompts_a_choice_was_measured_on_travel_with_it(tmp_path):
     got = read_choice(str(path), _medusa_spec(), ["medusa"], _medusa_options)
     assert got.chosen_on == tuple(prompt_digest(p) for p in calib)
     # the same prompt under another id is held out; one with another system message is not
-    prompts = [Prompt("a", ["Say hello."]), Prompt("b", ["Name a colour."]), Prompt("c", ["Count to three."])]
+    prompts = [Prompt("a", ["Say hello."]), Prompt("b", ["Name a colour."], replies=[None]),   # a messages record
+               Prompt("c", ["Count to three."])]
     assert [[p.id for p in part] for part in hold_out(prompts, got.chosen_on)] == [["a", "c"], ["b"]]
     record = json.loads(path.read_text())
     del record["chosen_on_prompts"]

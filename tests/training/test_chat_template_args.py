@@ -136,7 +136,8 @@ def test_decoding_adopts_the_arguments_the_heads_were_trained_with(tmp_path, cap
 def test_the_heads_folder_carries_them_wherever_it_goes(compose_tiny, tmp_path, capsys):
     """Guards against: heads trained with thinking off, copied or moved away from their run (the record under
     ``.hydra`` left behind), decoded on prompts rendered with the template's default; a config.json with a bad
-    value adopted in silence; heads trained without them gaining a key older readers refuse."""
+    value adopted in silence; heads trained without them gaining a key older readers refuse (with them: format 2, which
+    a reader from before calls newer instead of naming an unknown key)."""
     import json
     import shutil
 
@@ -147,13 +148,15 @@ def test_the_heads_folder_carries_them_wherever_it_goes(compose_tiny, tmp_path, 
     args = ("trainer.max_steps=1", "trainer.save_every=0", "trainer.eval_every=0", "logger.plot=false")
     T.run(compose_tiny(*args, "backbone.chat_template_args.enable_thinking=false", out=tmp_path / "off"))
     moved = shutil.copytree(tmp_path / "off" / "heads", tmp_path / "moved" / "heads")
-    assert json.loads((moved / "config.json").read_text())["chat_template_args"] == {"enable_thinking": False}
+    written = json.loads((moved / "config.json").read_text())
+    assert written["chat_template_args"] == {"enable_thinking": False} and written["format_version"] == 2
     assert read_native_spec(moved).chat_template_args == {"enable_thinking": False}
     capsys.readouterr()
     assert template_args_for(str(moved), None) == {"enable_thinking": False}
     assert "chat_template_args.enable_thinking=false" in capsys.readouterr().err
     T.run(compose_tiny(*args, out=tmp_path / "plain"))
-    assert "chat_template_args" not in json.loads((tmp_path / "plain" / "heads" / "config.json").read_text())
+    plain = json.loads((tmp_path / "plain" / "heads" / "config.json").read_text())
+    assert "chat_template_args" not in plain and plain["format_version"] == 1   # older readers still load these
     bad = json.loads((moved / "config.json").read_text())
     (moved / "config.json").write_text(json.dumps({**bad, "chat_template_args": {"tokenize": True}}))
     with pytest.raises(UserError, match="apply_chat_template's own setting"):

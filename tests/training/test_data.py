@@ -147,11 +147,15 @@ def test_openai_developer_role_and_text_parts_are_read():
     parts) dropped whole as "unknown role or non-text turn"."""
     rec = {"messages": [{"role": "developer", "content": "Be terse."},
                         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
-                        {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}]}
+                        {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+                        {"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": "Sunny.", "tool_calls": [{"function": {"name": "f"}}]}]}
     messages, why = normalize(rec)
     assert why == "" and messages == [{"role": "system", "content": "Be terse."},
                                       {"role": "user", "content": "Hi\nthere"},
-                                      {"role": "assistant", "content": "Hello."}]
+                                      {"role": "assistant", "content": "Hello."},
+                                      {"role": "user", "content": "Weather?"},
+                                      {"role": "assistant", "content": "Sunny."}]
 
 
 def test_system_prompt_only_added_when_absent():
@@ -172,6 +176,8 @@ def test_system_prompt_only_added_when_absent():
         {"function": {"name": "get_weather"}}]}, {"role": "tool", "content": "sunny"}]}, "tool call"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
                    {"role": "assistant", "content": "a cat"}]}, "non-text turn"),
+    ({"conversations": [{"from": "human", "value": "weather?"}, {"from": "function_call", "value": "{}"},
+                        {"from": "gpt", "value": "sunny"}]}, "tool call"),
     ({"text": "plain"}, "no conversations/messages field"),
     (["not", "a", "dict"], "not an object"),
     ({"conversations": ["a string turn"]}, "malformed turn"),

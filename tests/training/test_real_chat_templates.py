@@ -277,3 +277,14 @@ def test_an_earlier_reply_never_takes_the_next_turns_opener_as_its_end():
     tok = real(CLOSES_LAST_ONLY, ["<|endoftext|>"], eos="<|endoftext|>")
     messages = _conv((U, "Say yes"), (A, "yes sir"), (U, "Again"), (A, "YES"))
     assert labelled_runs(tok, encode_conversation(tok, messages, 1024)) == ["yes sir", "YES<|endoftext|>"]
+
+
+def test_a_conversation_that_repeats_itself_keeps_every_reply_under_qwen3_thinking_off():
+    """Guards against: the header skip taking the thinking-off generation prompt's whole text, which stands before
+    the last reply alone, so in a conversation that repeats itself ("again" / "ok" three times) an earlier reply
+    was located on the last one's words: one reply trained twice, another not at all."""
+    name = "qwen3 thinking off"
+    tok = real(*TEMPLATES[name][:4])
+    messages = _conv((U, "again"), (A, "ok"), (U, "again"), (A, "ok"), (U, "again"), (A, "ok"))
+    enc = encode_conversation(tok, messages, 4096)
+    assert labelled_runs(tok, enc) == expected_runs(name, messages) and enc.unlocated == 0
