@@ -127,9 +127,9 @@ def test_the_heads_package_stays_at_the_bottom():
     """Guards against ``inference.heads`` importing what sits above it (formats, loading, the
     backbone wrapper, methods, evaluation), which is how import circle 1 started."""
     # Leaves that import only torch / safetensors: errors, tree/verify math, the decoding-attention backend switch,
-    # the safetensors writer.
+    # the safetensors writer, the chat template's variables (their check: a heads config records them).
     allowed = ("inference.heads", "inference.errors", "inference.runtime.tree", "inference.runtime.verify",
-               "inference.attention_backends", "inference.safetensors_file")
+               "inference.attention_backends", "inference.safetensors_file", "inference.chat_template")
     graph = _graph()
     bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("inference.heads")
                  for t in targets if not t.startswith(allowed))
