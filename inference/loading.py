@@ -214,13 +214,17 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     routes skinny CPU products through the fastest formulation (``linear_kernels``: the model's linears change class
     in place and may keep prepacked weights; choices an earlier launch on this machine measured are reused from
     ``kernel_plans_path()``), ``measure`` measures them afresh, ``stock`` leaves transformers'; default ``auto`` for a
-    backbone loaded here, ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own linears in
-    float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
+    backbone loaded here, ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own
+    linears in float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
     outputs and sampling's distribution do not), ``float`` keeps them as trained. graphs: ``auto`` steps
     the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``: ``on``, ``off``,
     ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: the template's variables for every prompt
     (``{"enable_thinking": False}``), joining those the heads' run recorded; set on the tokenizer, one passed in too.
+    A model object passed in is used in place: put on ``device`` / ``dtype``, in eval mode, its attention function
+    switched to the runtime's (tree masks).
     """
+    if not isinstance(heads_dir, (str, os.PathLike)):
+        raise UserError(f"heads_dir must be the heads' folder (a path), got {type(heads_dir).__name__}")
     template = template_args_for(heads_dir, chat_template_args)   # given, else the training run's
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"

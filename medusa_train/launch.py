@@ -182,13 +182,13 @@ def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
     try:
         cfg = compose_recipe(recipe, overrides)
     except Exception as e:  # Hydra / OmegaConf composition errors
-        refuse(compose_error_line(recipe, overrides, e))
+        refuse(compose_error_line(recipe, overrides, e), every_rank=False)
     check_boolean_overrides(cfg, overrides)
     try:
         validate(cfg)
         preflight(cfg, resume=not sweep)
-    except UserError as e:
-        refuse(str(e))
+    except UserError as e:   # the configuration's: every process of a launch refuses alike, rank 0 says it
+        refuse(str(e), every_rank=False)
     if not sweep:
         create_output_dir(cfg.output_dir)  # accepted: now the folder may be made (Hydra would, with a traceback)
         _PRECHECKED = True
@@ -201,7 +201,7 @@ def check_boolean_overrides(cfg, overrides: list[str]) -> None:
     not_boolean = non_boolean_override(cfg, overrides)
     if not_boolean:
         arg, value = not_boolean
-        refuse(f"{override_key(arg)} must be true or false (or yes/no, on/off, 1/0), got {value!r}")
+        refuse(f"{override_key(arg)} must be true or false (or yes/no, on/off, 1/0), got {value!r}", every_rank=False)
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:

@@ -5,9 +5,11 @@ Light (no Hydra, no torch): ``medusa-train --help`` and a refused word import it
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import NoReturn
 
-from inference.cli_support import fail
+from inference.cli_support import EXIT_USER_ERROR, fail
 from inference.errors import UserError
 from .families import family_kinds
 
@@ -17,8 +19,11 @@ INTERRUPTED_BEFORE_RUN = "interrupted before the run started; nothing was writte
 _OVERRIDE_PREFIXES = ("++", "+", "~")
 
 
-def refuse(message: str) -> NoReturn:
-    """``medusa-train: error: <message>`` on stderr, exit 2."""
+def refuse(message: str, every_rank: bool = True) -> NoReturn:
+    """``medusa-train: error: <message>`` on stderr, exit 2. ``every_rank=False``: a refusal every process of a
+    launch makes alike (the configuration's, before any rank's own work) is said by rank 0 alone, not once per rank."""
+    if not every_rank and os.environ.get("RANK", "0") != "0":
+        sys.exit(EXIT_USER_ERROR)
     fail("medusa-train", message)
 
 

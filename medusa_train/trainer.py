@@ -184,15 +184,22 @@ class MedusaTrainer:
         self.record()
 
     def _rank_data_state(self, state: dict) -> dict:
-        """This rank's data position in checkpoint ``state`` (its own, or rank 0's under another world size),
-        and the batch counters behind the logged padding fraction restored with it."""
+        """This rank's data position in checkpoint ``state`` (its own; under another world size the start of the
+        next epoch), and the batch counters behind the logged padding fraction restored with it."""
         data_state, counts = state["data"], state.get("batch_counts_per_rank")
         per_rank = state.get("data_per_rank")
         if per_rank and len(per_rank) == self.world_size:
             data_state = per_rank[self.rank]
-        elif per_rank and self.is_main:
-            print(f"[medusa-train] resuming with {self.world_size} processes instead of {len(per_rank)}: each rank "
-                  "restarts its data shard at the saved epoch position of rank 0", flush=True)
+        elif per_rank and int(per_rank[0].get("index", 0)) > 0:
+            # a position inside an epoch counts micro-batches of another layout of the data over the ranks: applied
+            # here it trained some conversations of that epoch twice (fewer processes) or never (more)
+            epoch = int(per_rank[0].get("epoch", 0))
+            data_state = {**per_rank[0], "epoch": epoch + 1, "index": 0}
+            if self.is_main:
+                print(f"[medusa-train] resuming with {self.world_size} processes instead of {len(per_rank)}: the "
+                      f"saved position inside epoch {epoch} counts the other layout's micro-batches, so this run "
+                      f"starts epoch {epoch + 1} (the rest of epoch {epoch} is not trained; no conversation twice)",
+                      flush=True)
         if counts:  # checkpoints written before the counters were saved: they restart (as they did)
             self.source.stats.restore_batch_counts(counts[self.rank] if len(counts) == self.world_size else counts[0])
         windows = state.get("log_window_per_rank")   # under another world size (or an older checkpoint): restarts

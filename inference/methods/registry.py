@@ -171,6 +171,8 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> Method:
     _load_builtins()
+    if not isinstance(name, str):   # methods=[...] given where one method goes: a TypeError (unhashable) before
+        raise UserError(f"a method is one name (one of {', '.join(names())}), got {name!r}")
     if name not in _METHODS:
         raise UserError(f"unknown method {name!r}; choose from {', '.join(names())}")
     return _METHODS[name]
@@ -223,10 +225,11 @@ def make_options(method: str, options=None, **fields):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise UserError(f"method {method} has no option {unknown[0]!r}; its options: {', '.join(sorted(known)) or 'none'}")
+        raise UserError(f"method {method} has no option {unknown[0]!r}; its options: "
+                        f"{', '.join(sorted(known)) or 'none'}")
     if options is None:
         return cls(**fields)
-    if not isinstance(options, cls):
+    if type(options) is not cls:   # a subclass is another method's (eagle3_lookup's for eagle3): its settings lost
         if not (dataclasses.is_dataclass(options) and issubclass(cls, type(options))):
             raise UserError(f"method {method} takes {cls.__name__} options, got {type(options).__name__}")
         # the settings a method extends (medusa_lookup's prompt-lookup settings): the rest at defaults

@@ -58,7 +58,8 @@ class GenerationOutput:
 
     @property
     def tau(self) -> float:
-        """Mean tokens emitted per verification step (bonus included; plain decoding = 1.0)."""
+        """Mean tokens emitted per verification step (bonus included; plain decoding = 1.0; 0.0 where no step ran:
+        the first token, from the prompt, is no step's)."""
         return sum(self.accept_lengths) / max(1, self.steps)
 
     @property
@@ -264,7 +265,9 @@ def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int
                 max_steps: Optional[int]) -> Iterator[list[int]]:
     """Prefill, then ``decoder.step()`` until EOS / max_new_tokens / max_steps. Yields each step's
     emitted tokens and returns the ``GenerationOutput``. Each step is timed from before ``step()``
-    to after the device sync: what the step costs, the same for every method and the baseline."""
+    to after the device sync: what the step costs, the same for every method and the baseline. The time the
+    generator spends suspended at a ``yield`` (the caller printing a piece, an ``on_tokens`` callback) is the
+    caller's: left out of ``decode_s`` and so of every tokens/s."""
     prompt = prompt_tensor(m, input_ids)
     check_budget(m, prompt.shape[1], max_new_tokens)
     emit = _Emitter(max_new_tokens, eos_set(m, eos_token_ids))
@@ -274,7 +277,9 @@ def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int
         root = decoder.prefill(prompt, max_new_tokens)
     _sync(m.device)
     out.prefill_s = time.perf_counter() - t0
+    away = time.perf_counter()
     yield emit.add([root])
+    t0 += time.perf_counter() - away   # the caller's time, not decoding's
     while not emit.finish and (max_steps is None or out.steps < max_steps):
         t = time.perf_counter()
         with torch.inference_mode(), m.stepping():
@@ -286,7 +291,9 @@ def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int
         out.accepted.append(len(new))
         out.proposed.append(proposed)
         if chunk:
+            away = time.perf_counter()
             yield chunk
+            t0 += time.perf_counter() - away
     out.decode_s = time.perf_counter() - t0 - out.prefill_s
     out.finish_reason = emit.finish or "steps"
     return out

@@ -258,6 +258,9 @@ def is_count(value, low: Optional[int] = 0) -> bool:
 def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None, whose: str = "") -> list[int]:
     """``MedusaModel.encode_chat`` with a tokenizer alone (a prompt checked before the weights load; ``whose``: the
     template's owner, for the message)."""
+    if not isinstance(prompt, (str, list, tuple)) or (system is not None and not isinstance(system, str)):
+        raise UserError(f"a prompt is text or a list of chat messages (and a system message text), got "
+                        f"{type(prompt if not isinstance(prompt, (str, list, tuple)) else system).__name__}")
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system:
         msgs = [{"role": "system", "content": system}] + msgs

@@ -64,9 +64,11 @@ UNIFORMS = 32   # uniforms ``verify_sample`` draws a step (more for a deeper tre
 DRAFTS = ("topk", "sampled")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingConfig:
-    """How tokens are chosen. ``temperature``/``top_k``/``top_p`` define the target distribution."""
+    """How tokens are chosen. ``temperature``/``top_k``/``top_p`` define the target distribution. Frozen: its
+    values are checked once, here (``dataclasses.replace`` makes a checked copy); a field set afterwards
+    (``top_p = 0``) reached the sampler unchecked, a NaN distribution deep in torch."""
 
     mode: str = "greedy"
     temperature: float = 1.0

@@ -111,3 +111,20 @@ def test_the_keys_written_on_the_command_line_are_kept_whatever_their_values():
     assert cfg.steps == 3 and "name" not in keys_given(cfg)
     assert OmegaConf.to_container(cfg) == {"heads": "x", "out": "y", "steps": 3, "name": None}
     assert keys_given(Schema(heads="x")) is None   # no command line made it: callers judge by the values
+
+
+def test_a_configurations_refusal_is_said_once_per_launch(monkeypatch, capsys):
+    """Guards against `deepspeed --num_gpus N ... medusa-train` printing the same one-line refusal of the
+    configuration N times (every process checks it alike): rank 0 says it, the others exit 2 in silence; an error
+    of a rank's own work is still said by that rank."""
+    from medusa_train.overrides import refuse
+
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            refuse("heads.num_heads must be >= 1", every_rank=False)
+        assert e.value.code == EXIT_USER_ERROR and ("error: heads.num_heads" in capsys.readouterr().err) == said
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        refuse("rank 1's data file is unreadable")
+    assert "rank 1's data file" in capsys.readouterr().err

@@ -186,3 +186,58 @@ def test_hf_generate_keeps_the_apis_budget_and_step_rules():
     assert [t for chunk in s for t in chunk] == s.result.tokens
     with pytest.raises(UserError, match="prompt is empty"):
         generate(m, [], "hf_generate", max_new_tokens=8)
+
+
+def test_a_streams_time_is_decodings_not_the_callers():
+    """Guards against a stream's decode_s (and every tokens/s) counting the time the caller spent between chunks
+    (printing each piece, a slow on_tokens callback): medusa-generate reported the terminal's speed."""
+    import time
+
+    m = wrap(tiny_llama(vocab=96, seed=0), None)
+    s = stream(m, PROMPT, "autoregressive", max_new_tokens=6, eos_token_ids=())
+    for _ in s:
+        time.sleep(0.05)
+    out = s.result
+    assert len(out.tokens) == 6 and out.decode_s < 0.05   # five steps of a tiny model, not six sleeps
+    assert out.decode_s >= sum(out.step_s)
+
+
+def test_batches_and_options_are_checked_as_one_prompt_is():
+    """Guards against generate_batch truncating float or boolean token ids (1.7 -> 1) that generate refuses, a numpy
+    batch refused that generate takes, another method's options (a subclass: medusa_lookup's for prompt_lookup)
+    decoding with their own settings dropped in silence, and a SamplingConfig changed after its check (top_p = 0
+    reached the sampler: a NaN distribution)."""
+    import dataclasses
+
+    import numpy as np
+
+    from inference.errors import UserError
+    from inference.methods.medusa_lookup import MedusaLookupOptions
+
+    m = wrap(tiny_llama(vocab=96, seed=0), None)
+    for bad in ([[1.7, 2.9]], [[True, False]], np.array([[1.0, 2.0]])):
+        with pytest.raises(UserError, match="integer token ids"):
+            generate_batch(m, bad, "autoregressive", max_new_tokens=2)
+    want = generate(m, PROMPT, "autoregressive", max_new_tokens=3).tokens
+    assert generate_batch(m, np.array([PROMPT]), "autoregressive", max_new_tokens=3).rows[0].tokens == want
+    with pytest.raises(UserError, match="takes PromptLookupSettings options, got MedusaLookupOptions"):
+        generate(m, PROMPT, "prompt_lookup", options=MedusaLookupOptions(tree="tree8"), max_new_tokens=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SamplingConfig(mode="sample").top_p = 0
+
+
+def test_wrong_kinds_of_arguments_are_one_line():
+    """Guards against tracebacks from inside Python or a template for arguments of the wrong kind: a list of methods
+    where one goes (unhashable), load_medusa(None) (pathlib's TypeError), a prompt or system message that is not
+    text (list() of an int, a template's concatenation)."""
+    from inference.errors import UserError
+    from inference.loading import load_medusa
+    from inference.runtime.model import chat_ids
+
+    m = wrap(tiny_llama(vocab=96, seed=0), None)
+    for call, words in ((lambda: generate(m, PROMPT, ["medusa"]), "a method is one name"),
+                        (lambda: load_medusa(None), "heads_dir must be the heads' folder"),
+                        (lambda: chat_ids(byte_tokenizer(), 123), "a prompt is text or a list of chat messages"),
+                        (lambda: chat_ids(byte_tokenizer(), "hi", system=5), "a prompt is text")):
+        with pytest.raises(UserError, match=words):
+            call()

@@ -258,3 +258,22 @@ def test_a_resumed_truncated_run_takes_its_map_without_scanning_the_data(compose
         assert torch.equal(trainer.module.heads.token_map.cpu(), saved[key])
     finally:
         trainer.cleanup(plot=False)
+
+
+def test_a_resume_under_another_world_size_starts_the_next_epoch(capsys):
+    """Guards against a checkpoint's position inside an epoch (micro-batches of one rank's shard) applied to another
+    layout of the data over the ranks: resumed with fewer processes, 12 of 32 conversations of that epoch trained
+    twice; with more, 8 never. The resume starts the next epoch instead and says so; the same world size keeps its
+    own positions, and a position at an epoch's start needs no change."""
+    from types import SimpleNamespace
+
+    def position(world, saved):
+        me = SimpleNamespace(world_size=world, rank=0, is_main=True,
+                             source=SimpleNamespace(stats=SimpleNamespace(restore_batch_counts=lambda c: None)))
+        return T.MedusaTrainer._rank_data_state(me, {"data": saved[0], "data_per_rank": saved})
+
+    two = [{"epoch": 1, "index": 2}, {"epoch": 1, "index": 2}]
+    assert position(1, two) == {"epoch": 2, "index": 0}
+    assert "starts epoch 2 (the rest of epoch 1 is not trained" in capsys.readouterr().out
+    assert position(2, two) == {"epoch": 1, "index": 2}
+    assert position(4, [{"epoch": 3, "index": 0}]) == {"epoch": 3, "index": 0}
