@@ -186,9 +186,12 @@ def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
     check_boolean_overrides(cfg, overrides)
     try:
         validate(cfg)
-        preflight(cfg, resume=not sweep)
-    except UserError as e:   # the configuration's: every process of a launch refuses alike, rank 0 says it
+    except UserError as e:   # the configuration's values: every process of a launch refuses alike, rank 0 says it
         refuse(str(e), every_rank=False)
+    try:
+        preflight(cfg, resume=not sweep)
+    except UserError as e:   # what this process finds on its node (files, memory, a device): said by each
+        refuse(str(e))
     if not sweep:
         create_output_dir(cfg.output_dir)  # accepted: now the folder may be made (Hydra would, with a traceback)
         _PRECHECKED = True

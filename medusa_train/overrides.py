@@ -20,9 +20,11 @@ _OVERRIDE_PREFIXES = ("++", "+", "~")
 
 
 def refuse(message: str, every_rank: bool = True) -> NoReturn:
-    """``medusa-train: error: <message>`` on stderr, exit 2. ``every_rank=False``: a refusal every process of a
-    launch makes alike (the configuration's, before any rank's own work) is said by rank 0 alone, not once per rank."""
-    if not every_rank and os.environ.get("RANK", "0") != "0":
+    """``medusa-train: error: <message>`` on stderr, exit 2. ``every_rank=False``: a refusal of the configuration
+    alone (its composition, its values), which every process of a launch makes alike, is said by rank 0 alone, not
+    once per rank; what a process finds on its own node (files, memory, devices) is said by every process."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1   # a scheduler may set RANK for one process
+    if not every_rank and launched and int(os.environ.get("RANK", "0") or 0) != 0:
         sys.exit(EXIT_USER_ERROR)
     fail("medusa-train", message)
 

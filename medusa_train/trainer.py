@@ -190,15 +190,17 @@ class MedusaTrainer:
         per_rank = state.get("data_per_rank")
         if per_rank and len(per_rank) == self.world_size:
             data_state = per_rank[self.rank]
-        elif per_rank and int(per_rank[0].get("index", 0)) > 0:
+        elif per_rank:
             # a position inside an epoch counts micro-batches of another layout of the data over the ranks: applied
-            # here it trained some conversations of that epoch twice (fewer processes) or never (more)
-            epoch = int(per_rank[0].get("epoch", 0))
-            data_state = {**per_rank[0], "epoch": epoch + 1, "index": 0}
-            if self.is_main:
+            # here it trained some conversations of that epoch twice (fewer processes) or never (more). Ranks with
+            # shorter shards may be an epoch ahead: the next epoch after the furthest one any rank has begun
+            last = max(int(p.get("epoch", 0)) for p in per_rank)
+            begun = any(int(p.get("epoch", 0)) == last and int(p.get("index", 0)) > 0 for p in per_rank)
+            data_state = {**per_rank[0], "epoch": last + 1 if begun else last, "index": 0}
+            if begun and self.is_main:
                 print(f"[medusa-train] resuming with {self.world_size} processes instead of {len(per_rank)}: the "
-                      f"saved position inside epoch {epoch} counts the other layout's micro-batches, so this run "
-                      f"starts epoch {epoch + 1} (the rest of epoch {epoch} is not trained; no conversation twice)",
+                      f"saved positions inside epoch {last} count the other layout's micro-batches, so this run "
+                      f"starts epoch {last + 1} (the rest of epoch {last} is not trained; no conversation twice)",
                       flush=True)
         if counts:  # checkpoints written before the counters were saved: they restart (as they did)
             self.source.stats.restore_batch_counts(counts[self.rank] if len(counts) == self.world_size else counts[0])

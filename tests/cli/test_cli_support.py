@@ -119,7 +119,8 @@ def test_a_configurations_refusal_is_said_once_per_launch(monkeypatch, capsys):
     of a rank's own work is still said by that rank."""
     from medusa_train.overrides import refuse
 
-    for rank, said in (("1", False), ("0", True)):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, said in (("1", False), ("0", True), ("", True)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as e:
             refuse("heads.num_heads must be >= 1", every_rank=False)
@@ -128,3 +129,7 @@ def test_a_configurations_refusal_is_said_once_per_launch(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         refuse("rank 1's data file is unreadable")
     assert "rank 1's data file" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")   # one process a scheduler gave a RANK: it says its refusal
+    with pytest.raises(SystemExit):
+        refuse("trainer.max_steps must be >= 1", every_rank=False)
+    assert "trainer.max_steps" in capsys.readouterr().err

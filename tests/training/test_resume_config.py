@@ -277,3 +277,6 @@ def test_a_resume_under_another_world_size_starts_the_next_epoch(capsys):
     assert "starts epoch 2 (the rest of epoch 1 is not trained" in capsys.readouterr().out
     assert position(2, two) == {"epoch": 1, "index": 2}
     assert position(4, [{"epoch": 3, "index": 0}]) == {"epoch": 3, "index": 0}
+    # a rank with a shorter shard already inside the next epoch: no batch of it trained again
+    assert position(1, [{"epoch": 0, "index": 7}, {"epoch": 1, "index": 1}]) == {"epoch": 2, "index": 0}
+    assert position(3, [{"epoch": 1, "index": 1}, {"epoch": 0, "index": 7}]) == {"epoch": 2, "index": 0}
