@@ -205,24 +205,19 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
                 chat_template_args: Optional[dict] = None) -> MedusaModel:
     """Backbone + tokenizer + heads, checked to belong together.
 
-    backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded
-    ``*ForCausalLM`` (then ``tokenizer`` may be given too). Heads trained with a LoRA adapter
-    (Medusa-2, ``spec.backbone_adapter``) get it merged into the backbone when that backbone is
-    the one their config records (``backbone=None``); a backbone given explicitly is used as
-    is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32
-    when loading, and to the given model's own when a model object is passed. kernels: ``auto``
-    routes skinny CPU products through the fastest formulation (``linear_kernels``: the model's linears change class
-    in place and may keep prepacked weights; choices an earlier launch on this machine measured are reused from
-    ``kernel_plans_path()``), ``measure`` measures them afresh, ``stock`` leaves transformers'; default ``auto`` for a
-    backbone loaded here, ``stock`` for a model object passed in. draft_weights: ``float16`` stores fp32 heads' own
-    linears in float16 (``runtime.draft_weights``: drafting reads half the bytes; drafts may move slightly, greedy
-    outputs and sampling's distribution do not), ``float`` keeps them as trained. graphs: ``auto`` steps
-    the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``: ``on``, ``off``,
-    ``uncaptured``), padded up to ``graph_buckets`` rows. chat_template_args: the template's variables for every prompt
-    (``{"enable_thinking": False}``), joining those the heads' run recorded; set on the tokenizer, one passed in too.
-    A model object passed in is used in place: put on ``device`` / ``dtype``, in eval mode, its attention function
-    switched to the runtime's (tree masks).
-    """
+    backbone: None (use the heads' recorded ``base_model``), a name/path, or a loaded ``*ForCausalLM`` (then
+    ``tokenizer`` may be given too), used in place: put on ``device`` / ``dtype``, in eval mode, its attention
+    switched to the runtime's (tree masks). Heads trained with a LoRA adapter (Medusa-2, ``spec.backbone_adapter``)
+    get it merged into the backbone their config records (``backbone=None``); a backbone given explicitly is used as
+    is (e.g. ``<run>/merged``) unless ``apply_adapter=True``. device/dtype default to cpu/float32 when loading, and
+    to the given model's own when a model object is passed. kernels: ``auto`` routes skinny CPU products through the
+    fastest formulation (``linear_kernels``: the linears change class in place and may keep prepacked weights;
+    choices an earlier launch on this machine measured are reused from ``kernel_plans_path()``), ``measure``
+    measures them afresh, ``stock`` leaves transformers'; default ``auto`` for a backbone loaded here, ``stock`` for
+    a model object. draft_weights: ``float16`` stores fp32 heads' own linears in float16 (``runtime.draft_weights``:
+    drafts may move slightly, greedy outputs and sampling's distribution do not), ``float`` keeps them as trained.
+    graphs: ``auto`` steps the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``), padded
+    to ``graph_buckets`` rows. chat_template_args: the template's variables, joining those the heads recorded."""
     if not isinstance(heads_dir, (str, os.PathLike)):
         raise UserError(f"heads_dir must be the heads' folder (a path), got {type(heads_dir).__name__}")
     template = template_args_for(heads_dir, chat_template_args)   # given, else the training run's
