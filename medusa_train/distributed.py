@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -97,6 +98,33 @@ def start_process(t) -> Process:
 def barrier(world_size: int) -> None:
     if world_size > 1:
         dist.barrier()
+
+
+# What a collective raises when another process of the launch is gone: gloo's transport errors (plain
+# RuntimeErrors naming their transport's source file), NCCL's (``DistError``s, e.g. a remote error).
+_LOST_PEER = re.compile(r"gloo/transport|Connection (reset|closed) by peer")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because another process of this launch is gone (killed, crashed,
+    its node lost), rather than a defect of this one: only inside a process group of 2+ processes."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return isinstance(e, getattr(dist, "DistError", ())) or (isinstance(e, RuntimeError)
+                                                              and bool(_LOST_PEER.search(str(e))))
+
+
+def leave_after_lost_peer(e: BaseException) -> str:
+    """Tear down the broken process group (left to the interpreter's exit, gloo's threads abort the process:
+    "terminate called without an active exception") and say, in one line, what happened and what is kept."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\] ", "", first)[:160]   # gloo prefixes its source file and line
+    try:
+        dist.destroy_process_group()
+    except Exception:   # already torn down: nothing to leave
+        pass
+    return (f"lost another process of this launch ({first}): it stopped, was killed or lost its node, and its own "
+            "output says why; what was saved is kept: run the same command again to resume")
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from inference.cli_support import config_error_line, enum_value, non_boolean_ove
 from inference.errors import UserError
 from .backbone import RANDOM_BACKBONE_DIR
 from .config import register_configs, validate
+from .distributed import leave_after_lost_peer, lost_peer
 from .families import stray_key_line
 from .manifest import RECORD_DIR, write_text_atomic
 from .overrides import INTERRUPTED_BEFORE_RUN, RECIPE_PACKAGE, override_key, recipe_overrides, refuse
@@ -102,6 +103,10 @@ def _task(cfg) -> None:
     except UserError as e:
         remove_created_dirs()
         refuse(str(e))
+    except Exception as e:
+        if not lost_peer(e):
+            raise
+        refuse(leave_after_lost_peer(e))   # the launcher ends this process too soon after: one line, not a traceback
 
 
 def task_runner(cfg):

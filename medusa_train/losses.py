@@ -161,6 +161,22 @@ class HeadMetrics:
         for key, value in state.items():
             setattr(self, key, value)
 
+    def as_sums(self) -> list[float]:
+        """Every sum of the window, flat and in a fixed order: what ranks add up (``from_sums``)."""
+        return [*self.loss_sum, *(h for row in self.hits for h in row), *self.count, *self.chain, self.batches,
+                self.roots]
+
+    def from_sums(self, sums: list[float]) -> "HeadMetrics":
+        """A window holding ``sums`` (``as_sums``'s order, e.g. added over ranks)."""
+        k, it = self.num_heads, iter(sums)
+        out = HeadMetrics(k)
+        out.loss_sum = [float(next(it)) for _ in range(k)]
+        out.hits = [[int(next(it)) for _ in range(TOPK)] for _ in range(k)]
+        out.count = [int(next(it)) for _ in range(k)]
+        out.chain = [int(next(it)) for _ in range(k)]
+        out.batches, out.roots = int(next(it)), int(next(it))
+        return out
+
     def add(self, k: int, loss: float, hits_topk: list[int], n: int):
         self.loss_sum[k] += loss
         self.count[k] += n

@@ -76,6 +76,7 @@ class MedusaTrainer:
         self.interrupts = Interrupts()  # ``run`` installs its signal handlers; ``train`` reads its request
         self.checkpointed: tuple[int, Path] | None = None  # (step, path) of the last checkpoint saved or resumed
         self.window_loss, self.resumed_window = 0.0, None   # the logging window's loss sum; a checkpoint's window
+        self.window_tokens = 0   # this rank's real tokens trained in the logging window
         self.eval_empty_warned = False
         self.stopped_together = False  # set when every rank stopped at the same step on a Ctrl-C / SIGTERM
         self.phase = "starting"  # what ``setup`` is doing: named by the line a Ctrl-C / SIGTERM there ends with
@@ -310,8 +311,9 @@ class MedusaTrainer:
         if self.resumed_window:   # the checkpoint's logging window: the next record spans it as it would have
             metrics.restore(self.resumed_window["metrics"])
             self.window_loss = self.resumed_window["loss_sum"]
+            self.window_tokens = self.resumed_window.get("tokens", 0)   # absent from checkpoints before it was kept
         it = iter(self.batches)
-        window_tokens, window_start = 0, time.perf_counter()
+        rate_from, window_start = self.window_tokens, time.perf_counter()   # tokens/s: this process's time only
         self.engine.train()
         while self.step < t.max_steps:
             # Here, between complete steps, the step counter, data position and engine agree: the only place a
@@ -329,7 +331,7 @@ class MedusaTrainer:
                 self.engine.step()
                 metrics.batches += 1
                 step_loss += float(loss.detach()) / self.plan.grad_accum
-                window_tokens += int((batch["doc_ids"] > 0).sum()) * self.world_size
+                self.window_tokens += int((batch["doc_ids"] > 0).sum())
             if grad_norm is None:
                 norm = self.engine.get_global_grad_norm()
                 grad_norm = float(norm) if norm is not None else float("nan")
@@ -340,15 +342,10 @@ class MedusaTrainer:
             if self.tracker:
                 self.tracker.advance()
             if self.step % t.log_every == 0 or self.step == t.max_steps:
-                elapsed = time.perf_counter() - window_start
-                n_steps = metrics.batches / self.plan.grad_accum
-                record = {"loss": self.window_loss / max(n_steps, 1), **metrics.summary(),
-                          "tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                          "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                          "padding_fraction": self.source.stats.padding_fraction, **self.module.last_parts}
+                record = self._window_record(metrics, rate_from, time.perf_counter() - window_start, grad_norm)
                 self.tracker.log(self.step, record)
                 metrics.reset()
-                window_tokens, window_start, self.window_loss = 0, time.perf_counter(), 0.0
+                self.window_tokens, rate_from, window_start, self.window_loss = 0, 0, time.perf_counter(), 0.0
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                 paused = time.perf_counter()
                 self.evaluate()
@@ -358,6 +355,25 @@ class MedusaTrainer:
                 self.save_checkpoint()
                 window_start += time.perf_counter() - paused
         self.save_checkpoint()
+
+    def _window_record(self, metrics: HeadMetrics, rate_from: int, elapsed: float, grad_norm: float) -> dict:
+        """The logging window's record over every rank's micro-batches: each sum added over the ranks (collective),
+        since one rank's loss and accuracies are its shard's only, and its tokens are not the others' when shards
+        differ in length. ``rate_from``: the window's tokens trained before this process started (a resume's)."""
+        stats = self.source.stats
+        sums = [self.window_loss, self.window_tokens, self.window_tokens - rate_from, stats.tokens, stats.padding,
+                *metrics.as_sums()]
+        if self.world_size > 1:
+            total = torch.tensor(sums, dtype=torch.float64, device=self.device)
+            dist.all_reduce(total)
+            sums = total.tolist()
+        loss_sum, tokens, timed_tokens, real, padding = sums[:5]
+        window = metrics.from_sums(sums[5:])
+        steps = window.batches / (self.plan.grad_accum * self.world_size)
+        return {"loss": loss_sum / self.world_size / max(steps, 1), **window.summary(), "tokens": int(tokens),
+                "tokens_per_s": timed_tokens / max(elapsed, 1e-9), "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm, "padding_fraction": padding / (real + padding) if real + padding else 0.0,
+                **self.module.last_parts}
 
     def _stop_requested(self) -> bool:
         """Whether a stop was asked (SIGINT/SIGTERM) on any rank: every rank then stops after the same step."""
@@ -430,7 +446,8 @@ class MedusaTrainer:
         # step's micro-batches are not counted (the resumed run redoes that step whole), in the data
         # position nor in the padding fraction's counters.
         metrics = getattr(self.module, "metrics", None)
-        window = {"loss_sum": self.window_loss, "metrics": metrics.state()} if metrics is not None else None
+        window = ({"loss_sum": self.window_loss, "metrics": metrics.state(), "tokens": self.window_tokens}
+                  if metrics is not None else None)
         mine = (self.data_state, self.batch_counts, window)
         per_rank = [mine]
         if self.world_size > 1:

@@ -157,6 +157,20 @@ def test_two_rank_resume_continues_every_ranks_data(zero2_resumed):
     assert [resumed[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]
 
 
+def test_two_rank_log_counts_every_ranks_batches(zero2_run):
+    """Guards against: a 2-rank run logging rank 0's window only (its loss and accuracies over its shard, its
+    tokens x 2 as the run's, its padding): with the uneven shards here rank 0 reads the short conversations, so
+    the logged tokens and padding were not the run's."""
+    out, _, proc = zero2_run
+    assert_clean_exit(proc)
+    records = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    counts = read_state(out / "checkpoints" / "step-000006")["batch_counts_per_rank"]
+    assert counts[0]["tokens"] != counts[1]["tokens"]   # the shards differ, so rank 0 x 2 is not the total
+    assert sum(r["tokens"] for r in records) == sum(c["tokens"] for c in counts)
+    real, padding = sum(c["tokens"] for c in counts), sum(c["padding"] for c in counts)
+    assert records[-1]["padding_fraction"] == pytest.approx(padding / (real + padding))
+
+
 def test_zero3_two_ranks_medusa2_merges_the_gathered_backbone(zero3_medusa2_run, tiny_backbone):
     """Guards against: Medusa-2 under 2-rank ZeRO-3 hanging at export (the drift report's forward passes and the
     merge gather partitioned parameters, collectives that ran on the main rank alone), writing ``merged/`` from
@@ -181,3 +195,39 @@ def test_zero3_two_ranks_medusa2_merges_the_gathered_backbone(zero3_medusa2_run,
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, expected(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(expected(input_ids=ids).logits, tiny_backbone.model(input_ids=ids).logits)
+
+
+def test_a_killed_rank_ends_the_others_in_one_line(tmp_path):
+    """Guards against: a rank whose peer was killed (-9, out of memory, a lost node) ending in Hydra's "Error
+    executing job" and gloo's traceback ("Connection reset by peer ... GLHF"), or aborting at exit ("terminate
+    called without an active exception"), instead of one line saying what happened and that the run resumes."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    out = tmp_path / "run"
+    cmd = [console_script("deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()),
+           console_script("medusa-train"), "debug_tiny", f"output_dir={out}", f"data.source={TINY_DATA}",
+           "logger.wandb=disabled", "trainer.progress_bar=false", "logger.plot=false", "trainer.threads=1",
+           "trainer.max_steps=100000", "trainer.save_every=5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "latest").exists():   # training: both ranks in the step loop
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()]
+        assert len(ranks) == 1
+        ranks[0].send_signal(signal.SIGKILL)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    survivor = [l for l in text.splitlines() if "medusa-train: error:" in l]
+    assert len(survivor) == 1 and "lost another process of this launch" in survivor[0], text[-3000:]
+    assert "run the same command again to resume" in survivor[0]
+    assert "Traceback" not in text and "Error executing job" not in text and "terminate called" not in text

@@ -149,6 +149,25 @@ def test_metrics_summary_and_simulated_tau():
     assert simulated_tau([]) == 1.0
 
 
+def test_metrics_sums_added_over_ranks_give_the_runs_window():
+    """Guards against: the sums ranks add up at log time read back in another order (a head's hits as another
+    head's, counts as losses), or a window of two ranks that is not the window of their micro-batches together."""
+    a, b, both = HeadMetrics(2), HeadMetrics(2), HeadMetrics(2)
+    a.batches, b.batches, both.batches = 1, 3, 4
+    for m, (l0, h0, n0, l1, h1, n1) in ((a, (2.0, [3, 4, 4, 5, 5], 10, 1.0, [1, 1, 2, 2, 2], 10)),
+                                         (b, (6.0, [1, 1, 1, 2, 9], 30, 3.0, [0, 0, 1, 1, 1], 30))):
+        m.add(0, l0, h0, n0)
+        m.add(1, l1, h1, n1)
+        both.add(0, l0, h0, n0)
+        both.add(1, l1, h1, n1)
+        m.add_chain([torch.tensor([True, False]), torch.tensor([True, True])], 2)
+        both.add_chain([torch.tensor([True, False]), torch.tensor([True, True])], 2)
+    assert a.from_sums(a.as_sums()).state() == a.state()
+    added = [x + y for x, y in zip(a.as_sums(), b.as_sums())]
+    assert a.from_sums(added).summary() == both.summary()
+    assert both.summary() != a.summary()
+
+
 def test_feature_noise_follows_each_layers_own_scale():
     """Guards against: one absolute noise amplitude for every layer (a low layer's small states drowned, a
     high layer's large ones untouched), noise scaled by the whole vector's RMS across layers, or a scale of 0
