@@ -38,7 +38,7 @@ from inference.methods.hf_generate import model_defaults_off
 from inference.runtime.model import MedusaModel
 from inference.runtime.verify import SamplingConfig
 
-from .data.tokenize import _render
+from .data.tokenize import _render, reply_end_ids
 
 ENGINES = ("generate", "runtime", "lookup")
 CALIBRATION_TOKENS = 64   # new tokens per calibration prompt: enough steps for a stable rate
@@ -52,7 +52,9 @@ class Generator:
     def __init__(self, model, tokenizer, cfg, device):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         g = cfg.distill
-        self.eos = eos_token_ids(model, tokenizer)
+        # the chat template's end of a turn too: a checkpoint whose eos is another token (ChatML's <|im_end|> beside
+        # an <|endoftext|> eos) would write the next, made-up turns into the reply, and training labels that end
+        self.eos = sorted(set(eos_token_ids(model, tokenizer)) | set(reply_end_ids(tokenizer)))
         if not self.eos:
             raise UserError("the backbone's tokenizer and config name no end-of-sequence token; cannot end a reply")
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]

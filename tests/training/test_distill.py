@@ -108,6 +108,44 @@ def test_generate_engine_ignores_the_checkpoints_generation_defaults(compose_tin
     assert got == want
 
 
+def test_a_reply_ends_at_the_templates_end_of_turn_when_the_eos_is_another_token(compose_tiny, monkeypatch):
+    """Guards against: distillation stopping at the checkpoint's eos ids only, so a ChatML model whose eos is
+    <|endoftext|> wrote past <|im_end|> a made-up next turn into the reply ("Hello!\\nuser\\nI am the user"), its
+    turn markers dropped by the decoding, and the reply marked unfinished (its end never trained)."""
+    from medusa_train.distill_engines import Generator, RuntimeGenerator
+
+    cfg = compose_tiny(*DISTILL, "distill.temperature=0", "distill.max_new_tokens=24")
+    b = load_backbone(cfg.backbone, "cpu", seed=0)
+    model, tok = b.model, b.tokenizer
+    tok.eos_token = "<|endoftext|>"   # the checkpoint's eos is not the token its template closes turns with
+    model.generation_config.eos_token_id = model.config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    end, start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    words = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    script = words("Hello!") + [end] + words("\n") + [start] + words("user\nI am the user now")
+    real = model.forward
+
+    def scripted(*args, **kwargs):   # at each position past the prompt, the script's token there
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))   # transformers 4 / 5
+        pos = kwargs.get("position_ids")
+        past = cache.get_seq_length() if cache is not None else 0   # before the forward adds to it
+        out = real(*args, **kwargs)
+        pos = torch.arange(past, past + out.logits.shape[1])[None] if pos is None else pos
+        for i in range(out.logits.shape[1]):
+            step = min(max(int(pos[0, i]) + 1 - prompt_len, 0), len(script) - 1)
+            out.logits[:, i] = -1e4
+            out.logits[:, i, script[step]] = 1e4
+        return out
+
+    runtime = RuntimeGenerator(model, tok, cfg, torch.device("cpu"))   # the runtime engines stop at the same ids
+    assert end in runtime.eos and end in runtime.m.eos_token_ids
+    monkeypatch.setattr(model, "forward", scripted)
+    gen = Generator(model, tok, cfg, torch.device("cpu"))
+    prompt = gen.encode([{"role": "user", "content": "Say hello."}])
+    prompt_len = len(prompt)
+    (new, hit_end), = gen.generate([prompt])
+    assert hit_end and gen.decode(new) == "Hello!", gen.decode(new)
+
+
 def test_a_greeting_before_any_user_turn_keeps_the_system_prompt():
     """Guards against: a conversation whose first reply answers no user turn (system prompt, then an assistant
     greeting; ``data.system_prompt`` produces it from ShareGPT records opening with a "gpt" turn) losing its
