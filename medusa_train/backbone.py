@@ -12,6 +12,7 @@ and its refusals that need none of them come first.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,6 +224,19 @@ def template_identity(backbone_cfg) -> dict:
     setting existed still match."""
     args = check_template_args(getattr(backbone_cfg, "chat_template_args", None), "backbone.chat_template_args")
     return {"chat_template_args": args} if args else {}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What turns a conversation into ids, hashed: the tokenizer's definition (a fast tokenizer's whole JSON:
+    vocabulary, merges, normalizer, added tokens, BOS handling; else its vocabulary) and its chat template. Data made
+    under another one (a hub revision that changed only the template, an edited chat_template.jinja) holds other ids
+    than this tokenizer gives, while the backbone's weights and config are the same."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None else
+                  json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True).encode())
+    return f"sha256 {digest.hexdigest()[:16]}"
 
 
 def backbone_config(cfg):

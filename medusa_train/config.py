@@ -250,12 +250,13 @@ def loss_weights(heads: HeadsConfig) -> list[float]:
         weights = [float(w) for w in heads.loss_weights]
         if len(weights) != n:
             raise UserError(f"heads.loss_weights has {len(weights)} values for {n} heads")
-        if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
-            raise UserError(f"heads.loss_weights must be >= 0 with at least one > 0 (a negative weight trains a head "
-                            f"away from its target), got {weights}")
+        if not all(0 <= w < math.inf for w in weights) or not any(w > 0 for w in weights):
+            raise UserError(f"heads.loss_weights must be finite and >= 0 with at least one > 0 (a negative weight "
+                            f"trains a head away from its target), got {weights}")
         return weights
-    if not heads.loss_decay > 0:
-        raise UserError(f"heads.loss_decay must be > 0 (lambda_k = loss_decay ** k), got {heads.loss_decay}")
+    if not 0 < heads.loss_decay < math.inf:
+        raise UserError(f"heads.loss_decay must be finite and > 0 (lambda_k = loss_decay ** k), got "
+                        f"{heads.loss_decay}")
     return [heads.loss_decay ** k for k in range(1, n + 1)]
 
 
@@ -372,11 +373,12 @@ def launch_world_size() -> int:
 def _validate_optim(o) -> None:
     betas = list(o.betas) if o.betas is not None else []
     checks = [
-        (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
+        (0 < o.lr < math.inf, f"optim.lr must be finite and > 0, got {o.lr}"),
         (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
          f"optim.betas must be two values in [0, 1), got {betas}"),
-        (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
-        (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
+        (0 <= o.weight_decay < math.inf, f"optim.weight_decay must be finite and >= 0, got {o.weight_decay}"),
+        (0 < o.eps < math.inf, f"optim.eps must be finite and > 0 (an infinite one makes every update 0), "
+                               f"got {o.eps}"),
         (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),
         (0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}"),
     ]
@@ -417,6 +419,9 @@ def check_data_source(source: str) -> None:
     the reader would say later); hub dataset ids are left to the reader. Not part of ``validate``: a
     recipe may name data another recipe writes first (medusa1_smollm2_distilled)."""
     source = str(source)
+    if not source.strip():   # read as the current folder: every JSON file under it, earlier runs' outputs too
+        raise UserError("data.source is empty: name a data file or folder, a hub dataset id, or "
+                        f"{' / '.join(assets.EMBEDDED_DATA)}")
     if source.startswith("embedded:"):
         if source not in assets.EMBEDDED_DATA:
             raise UserError(f"unknown embedded dataset {source!r}; available: {', '.join(assets.EMBEDDED_DATA)}")
@@ -430,6 +435,17 @@ def check_data_source(source: str) -> None:
             raise UserError(f"no .json/.jsonl/.parquet files in {path}")
     elif source.startswith((".", "/", "~")) or source.endswith(DATA_SUFFIXES):
         raise UserError(f"data file not found: {source}")
+
+
+def check_output_outside_data(source: str, output_dir) -> None:
+    """Refuse an ``output_dir`` inside a local ``data.source`` folder: the run's own files (metrics.jsonl, the
+    heads' config.json, a distillation's shards) would be read as data by the next run on that folder."""
+    folder = Path(os.path.expanduser(str(source)))
+    if str(source).strip() and folder.is_dir():
+        out = Path(os.path.expanduser(str(output_dir))).resolve()
+        if out == folder.resolve() or folder.resolve() in out.parents:
+            raise UserError(f"output_dir={output_dir} is inside data.source={source}: the run's files would be read "
+                            "as data by the next run on it; use an output_dir outside the data folder")
 
 
 def _validate_lora(cfg) -> None:

@@ -81,11 +81,11 @@ from inference.errors import UserError
 
 from . import backbone as frozen   # frozen.load_backbone looked up when called (tests replace it)
 from .config import validate
-from .data.readers import ReadStats, iter_conversations
+from .data.readers import ReadStats, data_fingerprint, iter_conversations
 from .data.tokenize import UNFINISHED, TemplateRefused
 from .distill_engines import ENGINES, CALIBRATION_TOKENS, Generator, choose_engine, make_engine
 from .distributed import resolve_device, stop_on_signals
-from .manifest import claim, claim_once, is_temp_name, read_manifest, read_once, write_json_atomic
+from .manifest import check_recorded, claim, claim_once, is_temp_name, read_manifest, read_once, write_json_atomic
 
 FORMAT_VERSION = 2   # 2: replies cut at max_new_tokens marked unfinished (1 trained an end after them)
 MANIFEST = "distill.json"
@@ -128,9 +128,12 @@ def distilled_by_another(source, identity: dict) -> Optional[str]:
             f"{' and '.join(differs)} than this run's backbone): the heads learn that model's replies, not its own")
 
 
-def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, create: bool = True) -> dict:
+def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, create: bool = True,
+                 recorded: Optional[dict] = None) -> dict:
     """Create the manifest, or check that ``out`` holds this very run's data; refuse otherwise. ``create=False``:
-    only check, writing nothing (an ``out`` without a manifest is taken unless it holds other files)."""
+    only check, writing nothing (an ``out`` without a manifest is taken unless it holds other files). ``recorded``:
+    the data source's content and the tokenizer (``manifest.check_recorded``): shards made from other ones are not
+    continued."""
     data = out / DATA_DIR
 
     def ours(manifest: dict) -> Optional[str]:
@@ -164,7 +167,8 @@ def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, 
             raise UserError(wrong)
         return {}
     manifest = claim(out, MANIFEST, identity, {"task": "distill", "format": FORMAT_VERSION,
-                                               "backbone_fingerprint": fingerprint, "complete": False},
+                                               "backbone_fingerprint": fingerprint, "complete": False,
+                                               **{k: v for k, v in (recorded or {}).items() if v is not None}},
                      ours=ours, foreign=foreign,
                      mismatch=f"{out} already holds distillation data of another run ({{diff}}); "
                               "use another output_dir or delete it")
@@ -177,7 +181,14 @@ def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, 
     if fingerprint is not None and old_fp is None:
         manifest["backbone_fingerprint"] = fingerprint
         write_json_atomic(out / MANIFEST, manifest)
-    return manifest
+
+    def refusal(key: str, there, here) -> str:
+        what = {"data_fingerprint": f"other content of data.source {identity['data']['source']} ({there} there, "
+                                    f"{here} now: the data was rewritten)",
+                "tokenizer_fingerprint": f"another tokenizer or chat template ({there} there, {here} now)"}[key]
+        return f"{out} was distilled from {what}; its shards would mix with these: use another output_dir"
+
+    return check_recorded(out / MANIFEST, manifest, recorded or {}, refusal)
 
 
 # -- conversations and turns -------------------------------------------------------------------------------
@@ -452,7 +463,10 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
     check_distillable(cfg, probe)  # before the first write
     if record is not None:
         record()
-    claim_output(out, identity, frozen.backbone_identity(backbone))  # its weights too: data is only valid for them
+    recorded = {"data_fingerprint": data_fingerprint(str(cfg.data.source)),
+                "tokenizer_fingerprint": frozen.tokenizer_fingerprint(backbone.tokenizer)}
+    # its weights too: data is only valid for them (and for this data's content and tokenizer)
+    claim_output(out, identity, frozen.backbone_identity(backbone), recorded=recorded)
     progress["phase"] = "choosing the engine"
     gen = pick_engine(cfg, out, backbone, device, probe)
     progress["phase"] = ""

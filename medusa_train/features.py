@@ -75,7 +75,6 @@ manifest is ``manifest.py``'s, shared with distillation.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -91,20 +90,19 @@ from safetensors import safe_open
 from inference.safetensors_file import save_file   # metadata in sorted order: runs write the same bytes
 from tqdm.auto import tqdm
 
-from inference import assets
 from inference.backbone import parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import pid_alive
 
-from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone, template_identity
+from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone, template_identity, tokenizer_fingerprint
 from .backbone_inputs import FrozenFeatures
 from .config import derived_batch, validate
-from .data.readers import ReadStats, data_files
+from .data.readers import ReadStats, data_fingerprint
 from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
 from .distributed import barrier, start_process, stop_on_signals
 from .families import backbone_layers
-from .manifest import claim, is_temp_name, read_manifest, write_json_atomic
+from .manifest import check_recorded, claim, is_temp_name, read_manifest, write_json_atomic
 
 FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy); 1 is refused
 MANIFEST = "features.json"
@@ -112,7 +110,6 @@ EVAL_FILE = "eval.safetensors"
 KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
 _STARTED = time.time()  # leftovers older than this process cannot be from a writer of this run
 _OTHER_HOSTS_MARGIN_S = 900
-_FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of a data file
 
 
 def enabled(cfg) -> bool:
@@ -137,36 +134,6 @@ def cache_identity(cfg, backbone) -> dict:
         "micro_batch_size": t.micro_batch_size,
         "dtype": enum_value(cfg.features.dtype),
     }
-
-
-def data_fingerprint(source: str) -> Optional[str]:
-    """What a local ``data.source`` holds, cheaply: size and a hash of each data file's first and last MiB (a
-    folder: over its data files, in reading order, with their names). The cache's identity names the source
-    by path only, and overwriting the file must not hand its old hidden states to a run on the new data.
-    Never mtimes: a reinstall of the embedded package (same file) must keep its cache. None for a hub id."""
-    if source.startswith("embedded:"):
-        if source not in assets.EMBEDDED_DATA:
-            return None  # the reader refuses it in one line
-        files, root = [assets.sharegpt_json_path()], None
-    else:
-        root = Path(source).expanduser()
-        if root.is_file():
-            files, root = [root], None
-        elif root.is_dir():
-            files = data_files(root)
-        else:
-            return None
-    digest, total = hashlib.sha256(), 0
-    for path in files:
-        size = path.stat().st_size
-        total += size
-        digest.update(f"{path.relative_to(root) if root else ''}\0{size}\0".encode())
-        with open(path, "rb") as f:
-            digest.update(f.read(_FINGERPRINT_SPAN))
-            if size > _FINGERPRINT_SPAN:
-                f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
-                digest.update(f.read())
-    return f"{len(files)} file{'s' if len(files) != 1 else ''}, {total} bytes, sha256 {digest.hexdigest()[:16]}"
 
 
 # -- the cache on disk ---------------------------------------------------------------------------------------
@@ -240,9 +207,9 @@ class FeatureCache:
         return read_manifest(self.manifest_path, self.root)
 
     def claim(self, identity: dict, shard_batches: int, aux_layers=(), greedy_everywhere: bool = False,
-              data_fingerprint: Optional[str] = None) -> dict:
-        """Create the manifest, or check the existing cache was built for this backbone and data (and, where
-        ``data_fingerprint`` is given, the data's content)."""
+              recorded: Optional[dict] = None) -> dict:
+        """Create the manifest, or check the existing cache was built for this backbone and data (and what
+        ``recorded`` gives: the data's content, the tokenizer, the compute dtype; ``_check_recorded``)."""
         root = self.root
 
         def ours(manifest: dict) -> Optional[str]:
@@ -258,11 +225,11 @@ class FeatureCache:
 
         fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
                  "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere,
-                 "data_fingerprint": data_fingerprint}
+                 **{k: v for k, v in (recorded or {}).items() if v is not None}}
         manifest = claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
                          mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
                                   "use another features.cache_dir or delete it")
-        manifest = self._check_data(manifest, identity, data_fingerprint)
+        manifest = self._check_recorded(manifest, identity, recorded or {})
         stored = list(manifest.get("aux_layers") or [])
         if aux_layers and stored != list(aux_layers):
             manifest = self._decide(manifest, "aux_layers", list(aux_layers), (
@@ -276,21 +243,22 @@ class FeatureCache:
                 "heads.train_on=all needs them at every position: use another features.cache_dir"))
         return manifest
 
-    def _check_data(self, manifest: dict, identity: dict, fingerprint: Optional[str]) -> dict:
-        """Refuse a cache of other content at the same ``data.source``. The fingerprint is kept beside the identity,
-        not in it: caches built before it was recorded have none, are taken, and get it now (as distillation's
-        ``claim_output`` records a missing backbone fingerprint)."""
-        old = manifest.get("data_fingerprint")
-        if fingerprint is None or old == fingerprint:
-            return manifest
-        if old is not None:
-            source = identity.get("data", {}).get("source")
-            raise UserError(f"features cache {self.root} was built from other content of data.source {source} "
-                            f"({old} there, {fingerprint} now: the data was rewritten); use another "
-                            "features.cache_dir or delete it")
-        manifest = {**manifest, "data_fingerprint": fingerprint}
-        write_json_atomic(self.manifest_path, manifest)  # every rank may: same content, atomic rename
-        return manifest
+    def _check_recorded(self, manifest: dict, identity: dict, recorded: dict) -> dict:
+        """Refuse a cache of other data content, tokenizer or compute dtype than ``recorded`` says this run's are
+        (kept beside the identity, not in it: caches built before one was recorded are taken and get it now)."""
+        root = self.root
+
+        def refusal(key: str, there, here) -> str:
+            source = identity["data"]["source"] if key == "data_fingerprint" else None
+            what = {"data_fingerprint": f"other content of data.source {source} ({there} there, {here} now: the "
+                                        "data was rewritten)",
+                    "tokenizer_fingerprint": f"another tokenizer or chat template ({there} there, {here} now): its "
+                                             "input ids are not this tokenizer's",
+                    "rounded_to": f"hidden states rounded to {there} before they were stored (trainer.precision), "
+                                  f"this run's to {here}"}[key]
+            return f"features cache {root} was built from {what}; use another features.cache_dir or delete it"
+
+        return check_recorded(self.manifest_path, manifest, recorded, refusal)
 
     def _decide(self, manifest: dict, key: str, value, refusal: str) -> dict:
         """Set what the cache stores (``key``) while nothing is stored yet, else refuse with ``refusal``. Shards
@@ -574,12 +542,22 @@ def stream_stats(manifest: dict) -> tuple[StreamStats, ReadStats]:
     return stats, read
 
 
+def rounding(compute: torch.dtype, store: torch.dtype) -> str:
+    """What the stored hidden states were rounded to besides the stored dtype: the run's compute dtype
+    (``trainer.precision``: the features are cast to it first) where it loses what the stored one keeps."""
+    lossy = compute.itemsize < store.itemsize or (compute.itemsize == store.itemsize and compute != store)
+    return str(compute).replace("torch.", "") if lossy else "the stored dtype"
+
+
 def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
                eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
     """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
     cache = FeatureCache(cache_dir(cfg), Path(cfg.output_dir))
+    recorded = {"data_fingerprint": data_fingerprint(cfg.data.source),
+                "tokenizer_fingerprint": tokenizer_fingerprint(backbone.tokenizer),
+                "rounded_to": rounding(frozen.compute_dtype, parse_dtype(plan.dtype))}
     manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers, plan.greedy_everywhere,
-                           data_fingerprint(cfg.data.source))
+                           recorded)
     cache.read_aux = bool(plan.aux_layers)
 
     def open_stream() -> ConversationStream:

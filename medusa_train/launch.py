@@ -6,11 +6,14 @@ command line's words are accepted, so ``medusa-train --help`` stays instant.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import hydra
 from hydra import compose, initialize_config_module
@@ -99,7 +102,8 @@ def _task(cfg) -> None:
             preflight(cfg)
         # The task writes the record itself, once its data is accepted: data refused at its start then leaves
         # an existing run's record as it was (and a new run's folder without one).
-        run(cfg, record=lambda: write_run_record(cfg))
+        with holding_output_dir(cfg.output_dir):
+            run(cfg, record=lambda: write_run_record(cfg))
     except UserError as e:
         remove_created_dirs()
         refuse(str(e))
@@ -107,6 +111,32 @@ def _task(cfg) -> None:
         if not lost_peer(e):
             raise
         refuse(leave_after_lost_peer(e))   # the launcher ends this process too soon after: one line, not a traceback
+
+
+@contextmanager
+def holding_output_dir(output_dir) -> Iterator[None]:
+    """Hold ``output_dir`` for this launch while its task runs (rank 0 holds an exclusive ``flock`` on the folder
+    itself: nothing is written, and the kernel lets go when the process ends, however it ends). A second launch
+    into the same folder is refused in one line before it writes: both once ran, resuming each other's
+    checkpoints, logging every step twice and exporting over each other's heads. A filesystem without ``flock``
+    leaves the folder unguarded, as before."""
+    fd = None
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        try:
+            fd = os.open(str(output_dir), os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            _CREATED.clear()   # the folder is the other run's (it may have made it first): remove nothing
+            raise UserError(f"output_dir={output_dir} is in use by another medusa-train run (it holds the folder); "
+                            "wait for it to end, or use another output_dir") from None
+        except OSError:   # no such folder (the task makes it) or no flock there: unguarded
+            pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def task_runner(cfg):

@@ -98,6 +98,25 @@ def claim(root: Path, name: str, identity: dict, fresh: dict, *, ours: Callable[
     return manifest
 
 
+def check_recorded(path: Path, manifest: dict, recorded: dict, refusal: Callable[[str, object, object], str]) -> dict:
+    """Facts kept beside a manifest's identity (what the data or tokenizer held, ...), not in it: refuse the first of
+    ``recorded`` that differs from what the manifest at ``path`` holds (``refusal(key, there, here)``); write those
+    it lacks into it, so a manifest made before a fact was kept is taken as it is and checked from then on. A value
+    of None (not known here: a hub dataset's content) is not checked."""
+    missing = {}
+    for key, value in recorded.items():
+        old = manifest.get(key)
+        if value is None or old == value:
+            continue
+        if old is not None:
+            raise UserError(refusal(key, old, value))
+        missing[key] = value
+    if missing:
+        manifest = {**manifest, **missing}
+        write_json_atomic(path, manifest)  # every rank may: same content, atomic rename
+    return manifest
+
+
 def claim_once(path: Path, record: dict, valid: Callable[[dict], bool], wait_s: float = 30.0) -> Optional[dict]:
     """Create ``path`` holding ``record`` unless it exists; return what it holds then (ours or an earlier claim's;
     None if it stays unreadable or not ``valid`` for ``wait_s``).

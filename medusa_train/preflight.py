@@ -32,7 +32,7 @@ from inference.heads.spec import HeadsSpec, check_compatible
 from .backbone import backbone_config
 from .checkpoint import (config_dict, flatten, resolved_settings, resume_point, schema_defaults, unresolved_changes,
                          unsafe_changes)
-from .config import check_data_source, derived_batch, launch_world_size
+from .config import check_data_source, check_output_outside_data, derived_batch, launch_world_size
 from .data.readers import ReadStats, iter_conversations
 from .data.stream import check_training_data
 from .distributed import resolve_device
@@ -371,6 +371,7 @@ def preflight(cfg, resume: bool = True) -> None:
     ``resume=False``: a sweep's jobs resume from folders Hydra names only when each runs), and data that gives
     the task a conversation to read."""
     check_data_source(cfg.data.source)
+    check_output_outside_data(cfg.data.source, cfg.output_dir)
     check_attn_implementation(cfg.backbone)
     check_fits(cfg)
     check_family(cfg)

@@ -163,6 +163,10 @@ class MedusaTrainer:
                 f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
                 f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
                 f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+            if cfg.optim.warmup_steps >= t.max_steps > 0:   # a smoke test's short run may mean it; a typo may not
+                self.tracker.write(f"note: optim.warmup_steps={cfg.optim.warmup_steps} >= trainer.max_steps="
+                                   f"{t.max_steps}: the learning rate rises for the whole run and never reaches "
+                                   f"optim.lr={cfg.optim.lr}")
 
     def setup_interrupted(self) -> str:
         """The line a Ctrl-C / SIGTERM during ``setup`` stops the run with: where it was, what is kept (the

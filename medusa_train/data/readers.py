@@ -13,6 +13,7 @@ it) keeps the mark: its words are trained on, the end-of-turn marker the templat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -35,6 +36,7 @@ TOOL_ROLES = frozenset({"tool", "function", "ipython", "observation", "function_
 _CHUNK = 1 << 20
 _MAX_RECORD = 64 << 20  # characters: an array element still open after this is no conversation
 _LAYOUT_PROBE = 4 * _CHUNK  # characters read at most to tell how a .json file holds its records
+_FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of a data file
 
 
 @dataclass
@@ -407,3 +409,33 @@ def iter_conversations(source: str, split: str = "train", stats: Optional[ReadSt
             continue
         stats.recovered += 1
         yield messages
+
+
+def data_fingerprint(source: str) -> Optional[str]:
+    """What a local ``data.source`` holds, cheaply: size and a hash of each data file's first and last MiB (a
+    folder: over its data files, in reading order, with their names). A features cache's or distillation's
+    identity names the source by path only: rewriting the file must not hand its old records to a run on new data.
+    Never mtimes: a reinstall of the embedded package (same file) must keep its cache. None for a hub id."""
+    if source.startswith("embedded:"):
+        if source not in assets.EMBEDDED_DATA:
+            return None  # the reader refuses it in one line
+        files, root = [assets.sharegpt_json_path()], None
+    else:
+        root = Path(source).expanduser()
+        if root.is_file():
+            files, root = [root], None
+        elif root.is_dir():
+            files = data_files(root)
+        else:
+            return None
+    digest, total = hashlib.sha256(), 0
+    for path in files:
+        size = path.stat().st_size
+        total += size
+        digest.update(f"{path.relative_to(root) if root else ''}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_FINGERPRINT_SPAN))
+            if size > _FINGERPRINT_SPAN:
+                f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
+                digest.update(f.read())
+    return f"{len(files)} file{'s' if len(files) != 1 else ''}, {total} bytes, sha256 {digest.hexdigest()[:16]}"

@@ -107,10 +107,18 @@ def test_default_schema_is_valid():
     ({"optim__eps": -1.0}, "optim.eps"),
     ({"optim__warmup_steps": -1}, "optim.warmup_steps"),
     ({"optim__min_lr_ratio": 1.5}, "optim.min_lr_ratio"),
+    ({"optim__lr": float("inf")}, "optim.lr must be finite"),
+    ({"optim__weight_decay": float("inf")}, "optim.weight_decay must be finite"),
+    ({"optim__eps": float("inf")}, "optim.eps must be finite"),
+    ({"heads__loss_decay": float("inf")}, "heads.loss_decay must be finite"),
+    ({"heads__loss_weights": [float("nan"), 1.0, 1.0]}, "heads.loss_weights must be finite"),
+    ({"heads__loss_weights": [float("inf"), 1.0, 1.0]}, "heads.loss_weights must be finite"),
 ])
 def test_validate_rejects_bad_values_naming_the_key(overrides, key):
     """Guards against: an invalid value or combination reaching the trainer (e.g. bf16 without ZeRO,
-    which would checkpoint bf16 weights instead of fp32 masters), or an error not naming the key."""
+    which would checkpoint bf16 weights instead of fp32 masters), or an error not naming the key; an infinite
+    rate, decay or loss weight (or a NaN weight: NaN < 0 is false) loading everything to stop at step 1 with "loss
+    became NaN/inf ... try trainer.precision=fp32", or an infinite eps training nothing and exiting 0."""
     with pytest.raises(UserError, match=key.replace(".", r"\.")):
         validate(_cfg(**overrides))
 
@@ -129,9 +137,11 @@ def test_output_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
 
 @pytest.mark.parametrize("source, words", [
     ("/nonexistent/chats.jsonl", "data file not found"), ("embedded:nope", "unknown embedded dataset"),
-    ("{tmp}/empty", "no .json/.jsonl/.parquet files"), ("{tmp}/data.csv", "unsupported data file")])
+    ("{tmp}/empty", "no .json/.jsonl/.parquet files"), ("{tmp}/data.csv", "unsupported data file"),
+    ("", "data.source is empty"), ("  ", "data.source is empty")])
 def test_local_data_source_checked_before_loading(source, words, tmp_path):
-    """Guards against: a missing or unreadable data file being found only after the backbone loaded."""
+    """Guards against: a missing or unreadable data file being found only after the backbone loaded, and an empty
+    data.source read as the current folder (every JSON file under it, earlier runs' metrics and configs too)."""
     from medusa_train.config import check_data_source
 
     (tmp_path / "empty").mkdir()
@@ -263,3 +273,18 @@ def test_check_consistent_refuses_bf16_and_fp16_together():
     cfg["bf16"]["enabled"] = cfg["fp16"]["enabled"] = True
     with pytest.raises(ValueError, match="bf16.*fp16"):
         check_consistent(cfg)
+
+
+def test_an_output_dir_inside_the_data_folder_is_refused(tmp_path):
+    """Guards against: a run writing into its own local data folder (data.source=. with output_dir=run): its
+    metrics.jsonl and heads' config.json then read as data (dropped records, or worse) by the next run on it."""
+    from medusa_train.config import check_output_outside_data
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for out in (data / "run", data, data / "a" / ".." / "b"):
+        with pytest.raises(UserError, match="is inside data.source"):
+            check_output_outside_data(str(data), str(out))
+    check_output_outside_data(str(data), str(tmp_path / "run"))
+    check_output_outside_data(str(data / "x.jsonl"), str(data / "run"))   # a file: its folder is not read
+    check_output_outside_data("org/hub-dataset", "org/hub-dataset/run")

@@ -282,6 +282,32 @@ def test_output_dir_of_another_run_is_refused(change, words, compose_tiny, out_d
     assert sorted(p.name for p in (out_dir / distill.DATA_DIR).iterdir()) == before
 
 
+def test_rewritten_data_or_another_tokenizer_is_not_continued(compose_tiny, tiny_data, out_dir, tmp_path,
+                                                               monkeypatch):
+    """Guards against: a distillation keyed on data.source's path and the backbone's weights only, so a source
+    file rewritten between two runs (or a chat template edited at the same backbone path) left shards of the old
+    data beside shards of the new one in one dataset marked complete."""
+    data = tmp_path / "chats.jsonl"
+    original = tiny_data.read_text()
+    data.write_text(original)
+    args = [*DISTILL, "distill.max_conversations=8", f"data.source={data}"]
+    distill.run(compose_tiny(*args))
+    (out_dir / distill.DATA_DIR / "shard-000001.jsonl").unlink()   # a shard to write again
+    data.write_text(original.replace("yak", "cat"))
+    with pytest.raises(UserError, match="other content of data.source") as err:
+        distill.run(compose_tiny(*args))
+    assert "\n" not in str(err.value)
+    assert not (out_dir / distill.DATA_DIR / "shard-000001.jsonl").exists()
+
+    data.write_text(original)   # the same content again: continued
+    real = distill.frozen.tokenizer_fingerprint
+    monkeypatch.setattr(distill.frozen, "tokenizer_fingerprint", lambda tok: real(tok) + " (edited template)")
+    with pytest.raises(UserError, match="another tokenizer or chat template"):
+        distill.run(compose_tiny(*args))
+    monkeypatch.setattr(distill.frozen, "tokenizer_fingerprint", real)
+    assert distill.run(compose_tiny(*args))["complete"]
+
+
 def test_same_config_other_weights_are_refused(compose_tiny, out_dir, monkeypatch):
     """Guards against: continuing a run with a backbone whose config matches but whose weights differ
     (a fine-tune saved under the same name), detected by the weight fingerprint."""

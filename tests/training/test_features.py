@@ -313,3 +313,45 @@ def test_a_cache_dir_with_the_cache_off_is_said_once(compose_tiny, tmp_path, cap
     features.check_cache_dir(compose_tiny())
     assert capsys.readouterr().err == ""
     assert not (tmp_path / "shared").exists()
+
+
+def test_cache_of_another_tokenizer_or_rounding_is_refused(compose_tiny, tiny_data, tmp_path, monkeypatch):
+    """Guards against: a cache keyed on the backbone's weights and config only, so a chat template or tokenizer
+    changed at the same path (a hub revision, an edited chat_template.jinja) trained on ids of the old one, and a
+    cache built under trainer.precision=bf16 into fp32 shards was read by an fp32 run as if computed in fp32."""
+    data, cache = tmp_path / "chats.jsonl", tmp_path / "cache"
+    data.write_text(tiny_data.read_text())
+    common = [*RUN, f"data.source={data}", f"features.cache_dir={cache}", "features.dtype=fp32"]
+    features.run_build(compose_tiny(*common, "features.mode=build", out=tmp_path / "a"))
+    manifest = json.loads((cache / features.MANIFEST).read_text())
+    assert manifest["tokenizer_fingerprint"] and manifest["rounded_to"] == "the stored dtype"
+    before = shard_files(cache)
+
+    real = features.tokenizer_fingerprint
+    monkeypatch.setattr(features, "tokenizer_fingerprint", lambda tok: real(tok) + " (edited template)")
+    with pytest.raises(UserError, match="another tokenizer or chat template") as err:
+        T.run(compose_tiny(*common, "features.mode=train", out=tmp_path / "b"))
+    assert str(cache) in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setattr(features, "tokenizer_fingerprint", real)
+    assert shard_files(cache) == before
+
+    assert features.rounding(torch.bfloat16, torch.float32) == "bfloat16"
+    assert features.rounding(torch.float32, torch.bfloat16) == "the stored dtype"
+    assert features.rounding(torch.float16, torch.bfloat16) == "float16"
+    monkeypatch.setattr(features, "rounding", lambda compute, store: "bfloat16")   # as precision=bf16 builds it
+    with pytest.raises(UserError, match="rounded to the stored dtype before they were stored .* to bfloat16"):
+        T.run(compose_tiny(*common, "features.mode=train", out=tmp_path / "c"))
+
+
+def test_tokenizer_fingerprint_follows_the_chat_template_not_the_load(tiny_backbone, tmp_path):
+    """Guards against: a fingerprint that differs between two loads of the same tokenizer (every cache refused) or
+    that misses an edited chat template (a stale cache taken)."""
+    from transformers import AutoTokenizer
+
+    from medusa_train.backbone import tokenizer_fingerprint
+
+    tiny_backbone.tokenizer.save_pretrained(tmp_path)
+    first, again = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer_fingerprint(first) == tokenizer_fingerprint(again) == tokenizer_fingerprint(tiny_backbone.tokenizer)
+    again.chat_template = "{{ 'system: be brief' }}" + again.chat_template
+    assert tokenizer_fingerprint(again) != tokenizer_fingerprint(first)

@@ -76,3 +76,18 @@ def test_a_kill_mid_write_leaves_the_old_json(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert json.loads(path.read_text()) == {"done": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_recorded_facts_are_refused_when_they_differ_and_kept_when_missing(tmp_path):
+    """Guards against: a fact kept beside the identity (data content, tokenizer) refused when the manifest predates it
+    (every older cache or distillation refused), taken without being written (never checked later), or a
+    differing one continued; an unknown value here (None: a hub dataset) must neither refuse nor be written."""
+    path = tmp_path / "run.json"
+    manifest = {"format": 1, "data": "a"}
+    M.write_json_atomic(path, manifest)
+    refusal = lambda key, there, here: f"{key}: {there} there, {here} here"
+    kept = M.check_recorded(path, manifest, {"data": "a", "tokenizer": "t1", "hub": None}, refusal)
+    assert kept == json.loads(path.read_text()) == {"format": 1, "data": "a", "tokenizer": "t1"}
+    with pytest.raises(UserError, match="tokenizer: t1 there, t2 here"):
+        M.check_recorded(path, kept, {"data": "a", "tokenizer": "t2"}, refusal)
+    assert M.check_recorded(path, kept, {"data": "a", "tokenizer": None}, refusal) == kept

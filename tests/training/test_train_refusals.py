@@ -412,3 +412,25 @@ def test_a_finished_runs_automatic_keys_written_out_at_their_resolved_values_are
     check_run_folder(compose_tiny(*eagle, f"heads.aux_layers={list(layers)}"), resumed=False)
     with pytest.raises(UserError, match="heads.aux_layers"):
         check_run_folder(compose_tiny(*eagle, f"heads.aux_layers={[1, 2, 3]}"), resumed=False)
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_writes_nothing(tmp_path):
+    """Guards against: two medusa-train launches into one output_dir both running (the second resuming the first's
+    checkpoints, metrics.jsonl logging every step twice, each exporting over the other's heads): the second is
+    refused in one line, before it writes, while the first holds the folder; once it is gone the folder is free."""
+    import fcntl
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # as the first run's task holds it
+        before = snapshot(tmp_path)
+        proc = medusa_train(tmp_path, "trainer.max_steps=1", out=out)
+        assert_one_line_refusal(proc, f"output_dir={out} is in use by another medusa-train run")
+        assert snapshot(tmp_path) == before
+    finally:
+        os.close(fd)
+    proc = medusa_train(tmp_path, "trainer.max_steps=1", "logger.plot=false", out=out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
