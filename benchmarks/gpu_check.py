@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_check --out DIR [--dry-run [--full-shape]] [--tier-xml DIR/gpu_tier.xml]
 
+First the CUDA graphs (4. below: issue 45's verdicts), then 1-3c, then 5, each as the time left allows.
 On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no download), bf16:
   1. one verification step (``MedusaModel.hidden`` + ``logits`` under a tree mask) for 1..64 nodes,
      batch 1, trees grown from the head accuracies below, median of interleaved rounds;
@@ -21,6 +22,7 @@ On a SmolLM2-135M-shaped random Llama (exact configuration, random weights, no d
      1-token step's wall vs kernel time, the plain loop graphs off / on vs ``generate`` eager and
      ``hf_generate_static``, 1 / 16 / 64-row verification, the weight-read floor, Medusa and EAGLE-3 steps, a stub
      drafter of set acceptance end to end; ``--budget-s``: its parts that could not end in time are skipped;
+     ``--skip graphs.<part>``: that part left out at both shapes (a second call's: the summary names it);
   5. the real trainer (DeepSpeed, ZeRO 1 — bf16 needs ZeRO >= 1 —, bf16), Medusa heads and then an EAGLE-3
      drafter: training step tokens/s against the backbone's forward (benchmarks/gpu_training.py), on the
      SmolLM2-shaped backbone, then at Llama-3.1-8B's shape when the time left allows it (its parts not run are
@@ -408,8 +410,11 @@ def budget_lines(result: dict) -> list[str]:
     call = "bash scripts/gpu_check.sh --out $OUT --no-tier -- --skip "
     if any(p.split(".")[0] in TRAINING for p in parts):
         lines.append(f"- the training parts run in a second device call: `{call}{' '.join(FIRST)} graphs`")
-    if any(p.startswith("graphs.") for p in parts):
-        lines.append(f"- the CUDA-graph parts run in a second device call: `{call}{' '.join(FIRST + TRAINING)}`")
+    graphs = {p.split(".")[2] for p in parts if p.startswith("graphs.") and p.count(".") >= 2}
+    if graphs:   # the parts this call did not finish, at both shapes; all where a shape's model was not built
+        ran = [] if "build" in graphs else [f"graphs.{p}" for p in gpu_graphs.PARTS if p not in graphs]
+        lines.append(f"- the CUDA-graph parts run in a second device call: `{call}{' '.join(FIRST + TRAINING)}"
+                     + "".join(f" {p}" for p in ran) + "`")
     if any(p in FIRST for p in parts):
         lines.append(f"- the first sections run in a second device call: `{call}graphs {' '.join(TRAINING)}`")
     return lines
@@ -446,8 +451,9 @@ def main() -> None:
                     help="with --dry-run: the SmolLM2-135M shape (vocabulary 49,152, 30 layers) at the dry run's "
                          "sizes, "
                          "so shape-dependent paths run on CPU before a GPU is lent (~1-2 minutes)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["steps", "batch", "plain", "eagle3", "graphs", "train",
-                                                              "train_eagle3", "train_8b", "train_eagle3_8b"])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=[*FIRST, "graphs", *TRAINING, *(f"graphs.{p}" for p in gpu_graphs.PARTS)],
+                    help="sections not to run; graphs.<part>: that CUDA-graph part at both shapes")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds this run may take (gpu_check.sh's timeout): parts that could not end within it are "
                          "skipped, a part past 1.5x its estimate is stopped, so the summary is always written")
@@ -522,42 +528,52 @@ class Sections:
 
 
 def run_sections(result: dict, section, args, device, dtype, shape: dict, sizes: dict) -> None:
-    """Every part of the check, each through ``section`` (which records its failure and writes the results)."""
-    dry = args.dry_run
-    m = MedusaModel(model=backbone(shape, device, dtype), tokenizer=None, heads=None)
+    """Every part of the check, each through ``section`` (which records its failure and writes the results), in
+    the order of what is wanted most: the CUDA-graph parts (issue 45's verdicts first, ``gpu_graphs.ORDER``), then
+    the first sections (measured on an H200 before), then the training; what the budget leaves out is listed with
+    the second call that runs it (``budget_lines``)."""
+    if "graphs" not in args.skip:
+        gpu_graphs.run(result, section, device, args.dry_run, args.full_shape, section.end, args.skip)
+    first_sections(result, section, device, dtype, shape, sizes)
+    gpu_training.run(result, section, device, args.dry_run,
+                     ("SmolLM2-135M" if shape is SMOLLM2_135M else "tiny Llama", shape), sizes, section.end, args.skip)
+
+
+def first_sections(result: dict, section, device, dtype, shape: dict, sizes: dict) -> None:
+    """Sections 1-3c on one backbone, built by the first of them that runs (none: none built)."""
+    held: dict = {}
+
+    def model() -> MedusaModel:
+        if "m" not in held:
+            held["m"] = MedusaModel(model=backbone(shape, device, dtype), tokenizer=None, heads=None)
+        return held["m"]
 
     def steps():
-        result["tree_steps"] = tree_steps(m, sizes["nodes"], sizes["rounds"], sizes["per_round"])
+        result["tree_steps"] = tree_steps(model(), sizes["nodes"], sizes["rounds"], sizes["per_round"])
         result["tree_auto"] = auto_choice(result["tree_steps"])
 
     def batch():
-        result["batch_steps"] = batch_steps(m, sizes["batches"], sizes["batch_nodes"], sizes["batch_steps"],
+        result["batch_steps"] = batch_steps(model(), sizes["batches"], sizes["batch_nodes"], sizes["batch_steps"],
                                             sizes["prompt_len"])
 
     def plain():
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, shape["vocab_size"], (sizes["prompt_len"],), generator=g).tolist()
                    for _ in range(sizes["prompts"])]
-        result["plain_loop_vs_generate"] = pl = plain_loop_vs_generate(m, prompts, sizes["new_tokens"],
+        result["plain_loop_vs_generate"] = pl = plain_loop_vs_generate(model(), prompts, sizes["new_tokens"],
                                                                           with_tokens=True)
-        pl["identical_same_kernels"] = same_kernel_identity(m, prompts, pl.pop("runtime_tokens"), sizes["new_tokens"])
+        pl["identical_same_kernels"] = same_kernel_identity(model(), prompts, pl.pop("runtime_tokens"),
+                                                            sizes["new_tokens"])
 
     def eagle3():
-        result["eagle3_steps"] = eagle3_steps(eagle3_model(m), list(EAGLE3_TAU), sizes["rounds"], sizes["per_round"],
-                                              sizes["prompt_len"])
+        result["eagle3_steps"] = eagle3_steps(eagle3_model(model()), list(EAGLE3_TAU), sizes["rounds"],
+                                              sizes["per_round"], sizes["prompt_len"])
 
     for name, fn in (("steps", steps), ("batch", batch), ("plain", plain), ("eagle3", eagle3)):
         section(name, fn, SECTION_S[name])
-    del m
+    held.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if "graphs" not in args.skip:
-        # the small trainings' share kept after the graphs' parts (none when they are skipped: a graphs-only call)
-        train = 0 if dry or {"train", "train_eagle3"} <= set(args.skip) else gpu_training.SMALL_S
-        gpu_graphs.run(result, section, device, dry, args.full_shape, section.end - train)
-
-    gpu_training.run(result, section, device, dry, ("SmolLM2-135M" if shape is SMOLLM2_135M else "tiny Llama", shape),
-                     sizes, section.end, args.skip)
 
 
 if __name__ == "__main__":

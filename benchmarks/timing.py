@@ -36,7 +36,8 @@ def chain_mask(past: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
 def verification_step(m: MedusaModel, prompt: Sequence[int], max_nodes: int) -> Callable[..., float]:
     """Prefill ``prompt`` once; return ``step(n, tree=None) -> seconds`` for one verification
     forward over n nodes (a chain, or ``tree``'s mask and depths when given), after which the
-    cache is truncated back to the prompt, so every call sees the same past."""
+    cache is truncated back to the prompt, so every call sees the same past; ``step.device_ms(n, reps)``: the
+    same forward's device ms, ``reps`` of them back to back."""
     past = len(prompt)
     dev = m.device
     cache = m.new_cache(past + max_nodes)
@@ -68,6 +69,29 @@ def verification_step(m: MedusaModel, prompt: Sequence[int], max_nodes: int) -> 
         cache.truncate(past)
         return dt
 
+    def device_ms(n: int, reps: int = 50, tree: Optional[MedusaTree] = None) -> float:
+        """Device ms of ``step(n, tree)``'s body alone: ``reps`` bodies (``hidden`` + ``logits``) back to back
+        between two CUDA events, the cache truncated after each (on the host), no sync or clock read in between:
+        the device's time for the same work ``step``'s wall time covers, not the backbone's graph alone. On the
+        CPU (the dry run) the host's clock over the same loop, so the dry run runs this code too."""
+        ids, pos, mask = inputs(n, tree)
+        cuda = dev.type == "cuda"
+        sync(dev)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(reps):
+                m.logits(m.hidden(ids, pos, cache, mask)[0])
+                cache.truncate(past)
+        if not cuda:
+            return (time.perf_counter() - t) * 1e3 / reps
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    step.device_ms = device_ms   # an attribute: every caller of ``step(n)`` stays as it is
     return step
 
 

@@ -4,16 +4,18 @@
 #   1. the gpu test tier (pytest -m gpu: tree verification vs sequential decoding in bf16/fp16,
 #      greedy identity in fp32, KV cache + compaction on CUDA, DeepSpeed heads steps: ZeRO 0 fp32, ZeRO 1 and 2 bf16;
 #      static-shape steps captured as CUDA graphs: tests/runtime/test_static_steps_gpu.py); 4 minutes at most;
-#   2. benchmarks/gpu_check.py on a SmolLM2-135M-shaped random Llama in bf16: verification step for
-#      1..64 tree nodes, plain loop vs transformers' generate, what choice=auto would choose, batched
-#      steps, an EAGLE-3 step of eagle3_smollm2's shape vs a plain step; then CUDA graphs
-#      (benchmarks/gpu_graphs.py, ~3.5 minutes, most of it the 8B build and transformers' compile for
-#      hf_generate_static) at SmolLM2-135M's and Llama-3.1-8B's shapes (8B: 16 GB of random bf16 weights made
-#      on the GPU): step wall vs kernel time graphs off / on, the plain loop off / on vs generate eager and
-#      hf_generate_static, 1/16/64-row verification, the weight-read floor, Medusa and EAGLE-3 steps, a stub
-#      drafter of set acceptance (tau 1.5 / 2 / 3) end to end; last the training step's tokens/s vs the
-#      backbone forward (real trainer, DeepSpeed ZeRO 1, bf16; benchmarks/gpu_training.py), Medusa heads and EAGLE-3,
-#      at the SmolLM2 shape, then at the 8B shape if the time left allows it (~100 s);
+#   2. benchmarks/gpu_check.py, in the order of what is wanted most, each part as the time left allows: first
+#      CUDA graphs (benchmarks/gpu_graphs.py; issue 45's verdicts) at SmolLM2-135M's and Llama-3.1-8B's shapes
+#      (8B: 16 GB of random bf16 weights made on the GPU), both shapes' verdict parts first (~6 minutes at their
+#      generous estimates, most of it transformers' compile for hf_generate_static): step wall vs kernel time graphs
+#      off / on beside the same steps' CUDA-event time, the plain loop off / on vs generate eager and
+#      hf_generate_static, 1/16/64-row verification, the weight-read floor, Medusa and EAGLE-3 steps, a stub drafter
+#      of set acceptance (tau 1.5 / 2 / 3) end to end; then the other graph parts (grouped-query attention, batched
+#      loops, CUDAGraph vs torch.compile reduce-overhead); then, on a SmolLM2-135M-shaped random Llama in bf16,
+#      what an H200 measured before: verification step for 1..64 tree nodes, plain loop vs transformers' generate,
+#      what choice=auto would choose, batched steps, an EAGLE-3 step of eagle3_smollm2's shape vs a plain step;
+#      last the training step's tokens/s vs the backbone forward (real trainer, DeepSpeed ZeRO 1, bf16;
+#      benchmarks/gpu_training.py), Medusa heads and EAGLE-3, at the SmolLM2 shape, then at the 8B shape (~100 s);
 #   3. summary.md (Markdown for BENCHMARKS.md's GPU section, with every verdict) and gpu_check.json.
 # Time: the tier and gpu_check.py together stay under 8 minutes: gpu_check.py gets what the tier left of
 # $GPU_CHECK_BUDGET_S (default 470 s from the script's start; at least 200 s), and is told so (--budget-s):
@@ -39,6 +41,7 @@
 # --full-shape (with --dry-run: the SmolLM2-135M shape at the dry run's sizes, ~30 s more); after `--`, arguments
 # for benchmarks/gpu_check.py, e.g. the training at both shapes alone (~4 minutes, a second call's worth):
 #     run(command="bash scripts/gpu_check.sh --out $OUT --no-tier -- --skip steps batch plain eagle3 graphs", ...)
+# (`--skip graphs.<part>` leaves one CUDA-graph part out at both shapes; summary.md names each second call.)
 # Python: $PYTHON, else python3. If .whl/ holds wheels and DeepSpeed is not importable, they are
 # installed into /tmp/gpu_check_site (no index, no deps) and put on PYTHONPATH.
 set -uo pipefail
