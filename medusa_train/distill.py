@@ -128,6 +128,25 @@ def distilled_by_another(source, identity: dict) -> Optional[str]:
             f"{' and '.join(differs)} than this run's backbone): the heads learn that model's replies, not its own")
 
 
+def unfinished(source) -> Optional[str]:
+    """Why ``source``, a distillation's ``data/`` folder, must not be trained on yet (None: it may): its manifest
+    says it is not complete (a run killed, still running, or one of several processes not done), so training
+    would read some shards of it, silently, as if they were the dataset."""
+    folder = Path(os.path.expanduser(str(source)))
+    if folder.name != DATA_DIR or not (folder.parent / MANIFEST).is_file():
+        return None
+    try:
+        manifest = read_manifest(folder.parent / MANIFEST, folder.parent) or {}
+    except UserError:   # not a manifest this version reads: the readers say what they make of the folder
+        return None
+    if manifest.get("task") != "distill" or manifest.get("complete", True):
+        return None
+    written = sum(1 for _ in folder.glob("shard-*.jsonl"))
+    return (f"data.source={source} is a distillation that has not finished ({written} shard(s) written, "
+            f"{MANIFEST} not complete): run its distillation again to finish it (it continues), or train on a copy "
+            f"of its {DATA_DIR}/ folder to use only what is there")
+
+
 def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, create: bool = True,
                  recorded: Optional[dict] = None) -> dict:
     """Create the manifest, or check that ``out`` holds this very run's data; refuse otherwise. ``create=False``:

@@ -35,6 +35,7 @@ from .checkpoint import (config_dict, flatten, resolved_settings, resume_point, 
 from .config import check_data_source, check_output_outside_data, derived_batch, launch_world_size
 from .data.readers import ReadStats, iter_conversations
 from .data.stream import check_training_data
+from .distill import unfinished as unfinished_distillation
 from .distributed import resolve_device
 from .features import check_cache_dir
 from .manifest import RECORD_DIR
@@ -383,4 +384,8 @@ def preflight(cfg, resume: bool = True) -> None:
         check_run_folder(cfg, resumed=state is not None or not resume)
         if not (state and int(state.get("step", 0)) >= cfg.trainer.max_steps):
             check_init_heads(cfg)   # a finished run's rerun has nothing to do: stage 1's heads may be gone by then
+    if enum_value(cfg.task) == "train":
+        wrong = unfinished_distillation(cfg.data.source)
+        if wrong:
+            raise UserError(wrong)
     check_data_usable(cfg)  # last: the only check that reads the data

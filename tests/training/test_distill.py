@@ -308,6 +308,26 @@ def test_rewritten_data_or_another_tokenizer_is_not_continued(compose_tiny, tiny
     assert distill.run(compose_tiny(*args))["complete"]
 
 
+def test_training_on_an_unfinished_distillation_is_refused_before_loading(compose_tiny, out_dir, tmp_path,
+                                                                          monkeypatch):
+    """Guards against: training reading a distillation whose manifest says it is not complete (one of two processes
+    done, a run killed or still running) as if its shards were the dataset, without a word."""
+    from medusa_train.preflight import preflight
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    distill.run(compose_tiny(*DISTILL, "distill.max_conversations=8"))   # rank 1's shards only
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    train = compose_tiny(f"data.source={out_dir / distill.DATA_DIR}", "data.eval_conversations=2",
+                         out=tmp_path / "train")
+    with pytest.raises(UserError, match="is a distillation that has not finished") as err:
+        preflight(train)
+    assert "1 shard(s) written" in str(err.value) and not (tmp_path / "train").exists()
+    assert distill.run(compose_tiny(*DISTILL, "distill.max_conversations=8"))["complete"]
+    preflight(train)
+
+
 def test_same_config_other_weights_are_refused(compose_tiny, out_dir, monkeypatch):
     """Guards against: continuing a run with a backbone whose config matches but whose weights differ
     (a fine-tune saved under the same name), detected by the weight fingerprint."""
