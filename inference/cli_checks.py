@@ -40,6 +40,8 @@ from .runtime.speculation import SpeculationSchedule
 from .runtime.static_steps import check_graphs, graphs_mode
 from .runtime.verify import SamplingConfig
 
+MAX_THREADS = 1024   # as medusa-train bounds trainer.threads
+
 
 def sampling_config(cfg):
     """The decoding mode's settings (``SamplingConfig`` refuses a bad mode, temperature, top_p ...)."""
@@ -50,10 +52,13 @@ def sampling_config(cfg):
 
 def check_decoding_keys(cfg):
     """The keys both commands decode with: threads, max_new_tokens, the sampling settings (returned)."""
-    for key, low, what in (("threads", 0, " (0: one per idle core)"), ("max_new_tokens", 1, "")):
+    # threads: at most what torch's OpenMP takes (thousands fail in "can't start new thread" tracebacks)
+    for key, low, high, what in (("threads", 0, MAX_THREADS, " (0: one per idle core)"),
+                                 ("max_new_tokens", 1, None, "")):
         value = getattr(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UserError(f"{key} must be an integer >= {low}{what}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+            span = f"in {low}..{high}" if high else f">= {low}"
+            raise UserError(f"{key} must be an integer {span}{what}, got {value!r}")
     check_backbone_name(cfg.backbone)
     check_template_args(cfg.chat_template_args)
     seed = getattr(cfg, "seed", 0)

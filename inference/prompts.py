@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ class Prompt:
     system: str = ""   # the record's system message ("": none), given to the chat template with every turn
     # the assistant reply the record gives after turn k (None: none)
     replies: list[Optional[str]] = field(default_factory=list)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # half of a UTF-16 pair: what JSON's "\\ud800" alone reads as
 
 
 def turn_messages(p: Prompt, turn: int, answers: list[str]) -> list[dict]:
@@ -111,6 +115,9 @@ def _prompt(line: str, source: str, n: int) -> Prompt:
         rec = json.loads(line)
     except json.JSONDecodeError:
         raise UserError(f"{source}:{n} is not valid JSON") from None
+    if _LONE_SURROGATE.search(json.dumps(rec, ensure_ascii=False)):   # no tokenizer takes one: a traceback there
+        raise UserError(f"{source}:{n} holds a lone surrogate (an escape \\ud800-\\udfff without its pair): "
+                        "not valid text")
     turns = _turns(rec)
     if any(t is not None and not isinstance(t, str) for t in turns):   # a part that is not text: an image, say
         raise UserError(f"{source}:{n} has a message whose content is not text (only text prompts are decoded)")

@@ -46,8 +46,10 @@ REFUSED = [
     (EVAL, ["heads={tmp}/listcfg", PROMPTS], "config.json is not a JSON object"),
     (GEN, ["heads={tmp}/listcfg", "prompt=hi"], "config.json is not a JSON object"),
     (EXPORT, ["heads={tmp}/listcfg", "format=vllm", "out={tmp}/o"], "config.json is not a JSON object"),
-    (EVAL, [MEDUSA, PROMPTS, "threads=-1"], "threads must be an integer >= 0 (0: one per idle core), got -1"),
-    (GEN, [MEDUSA, "prompt=hi", "threads=-1"], "threads must be an integer >= 0"),
+    (EVAL, [MEDUSA, PROMPTS, "threads=-1"], "threads must be an integer in 0..1024 (0: one per idle core), got -1"),
+    (GEN, [MEDUSA, "prompt=hi", "threads=-1"], "threads must be an integer in 0..1024"),
+    # thousands of threads: "can't start new thread" / MemoryError tracebacks once the backbone loaded
+    (GEN, [MEDUSA, "prompt=hi", "threads=100000"], "threads must be an integer in 0..1024"),
     (EVAL, [MEDUSA, PROMPTS, "max_new_tokens=0"], "max_new_tokens must be an integer >= 1, got 0"),
     (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=0"], "max_new_tokens must be an integer >= 1, got 0"),
     (GEN, [MEDUSA, "prompt=hi", "max_new_tokens=-3"], "max_new_tokens must be an integer >= 1, got -3"),

@@ -257,3 +257,14 @@ def test_a_prompts_file_with_a_byte_order_mark_is_read(tmp_path):
     f = tmp_path / "bom.jsonl"
     f.write_text('{"prompt": "Hi there"}\n{"prompt": "Bye"}\n', encoding="utf-8-sig")
     assert [p.turns for p in load_prompts(str(f))] == [["Hi there"], ["Bye"]]
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_in_one_line(tmp_path):
+    """Guards against: a prompts line whose JSON escapes half a UTF-16 pair ("\\ud800") read as text and ending in
+    the tokenizer's 41-line TypeError traceback after the backbone loaded; a whole pair (an emoji) is text."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok \\ud83d\\ude00"}\n{"prompt": "bad \\ud800"}\n')
+    with pytest.raises(UserError, match=r"p.jsonl:2 holds a lone surrogate"):
+        load_prompts(str(f))
+    f.write_text('{"prompt": "ok \\ud83d\\ude00"}\n')
+    assert load_prompts(str(f))[0].turns == ["ok \U0001f600"]
