@@ -311,6 +311,8 @@ class FeatureCache:
                    for key in (*KEYS, "hidden", "greedy", "aux") if key in b}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
+            if self.shard_count(path) >= len(batches):   # another build sharing the cache wrote it, as long or longer
+                return
             save_file(tensors, str(tmp), metadata={"first": str(first), "count": str(len(batches)),
                                                    "format": str(FORMAT_VERSION)})
             with open(tmp, "rb+") as f:
@@ -389,7 +391,9 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
     S = manifest["shard_batches"]
     if main:  # before anything is written: what killed builds left, whether or not this one writes
         cache.remove_dead_writers()
-    shards_ok = all(cache.shard_count(cache.shard_path(k)) == c for k, c in enumerate(manifest["shards"]))
+    # a shard may hold more batches than a manifest counts (a longer build sharing the cache wrote it): its first
+    # ones are the same batches, so it serves
+    shards_ok = all(cache.shard_count(cache.shard_path(k)) >= c for k, c in enumerate(manifest["shards"]))
     if manifest["eval"] and shards_ok and (manifest["epoch_complete"] or manifest["batches"] >= needed):
         return manifest
 
@@ -405,7 +409,7 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
         shapes.append((b, w))
     target = len(shapes)
     counts = [min(S, target - k * S) for k in range(math.ceil(target / S))]
-    todo = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) != c]
+    todo = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) < c]   # never shrink one
     hidden_size = frozen.model.config.hidden_size
     store = parse_dtype(plan.dtype)
     aux_layers = list(manifest.get("aux_layers") or [])  # kept in every shard once a cache has them
@@ -443,11 +447,12 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
     _write_shards(cache, plan, open_stream, stored, [k for k in todo if k % world == rank], counts, S)
     barrier(world)
     # every rank checks (the cache_dir must be on a filesystem all processes see), so all stop together
-    missing = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) != c]
+    missing = [k for k, c in enumerate(counts) if cache.shard_count(cache.shard_path(k)) < c]
     if missing:
         raise UserError(f"features shards {missing[:5]} of {cache.root} were not written (is features.cache_dir "
                         "on a filesystem every process sees?); run the same command again")
-    if main:
+    # a longer build sharing this cache recorded more while this one ran: its record stands (it covers this one's)
+    if main and cache.manifest().get("batches", 0) <= target:
         manifest = {**cache.manifest(), "batches": target, "epoch_complete": epoch_complete, "shards": counts,
                     "eval": True, "positions": sum(b * w for b, w in shapes), "hidden_size": hidden_size,
                     "bytes_per_position": per_pos,

@@ -160,6 +160,33 @@ def test_cache_grows_when_more_steps_are_asked(compose_tiny, out_dir):
     assert first.stat().st_mtime_ns == stamp
 
 
+def test_a_shorter_build_sharing_the_cache_never_shrinks_a_longer_ones_shards(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: two runs sharing one features.cache_dir with different trainer.max_steps, the shorter one
+    started while the longer one was building (it read the manifest before the longer build recorded its shards):
+    it rewrote the longer build's fuller shard down to its own count and overwrote the manifest, so the longer
+    run's training died on a missing tensor (or silently cycled fewer batches)."""
+    cache = tmp_path / "cache"
+    common = ["features.mode=build", "features.shard_batches=2", f"features.cache_dir={cache}"]
+    seen = {}
+    real_claim = features.FeatureCache.claim
+
+    def claim_and_keep(self, *args, **kwargs):   # what the shorter run would have read at its start
+        seen.setdefault("fresh", real_claim(self, *args, **kwargs))
+        return seen["fresh"]
+
+    monkeypatch.setattr(features.FeatureCache, "claim", claim_and_keep)
+    features.run_build(compose_tiny("trainer.max_steps=6", *common, out=tmp_path / "long"))
+    longer = json.loads((cache / features.MANIFEST).read_text())
+    shard = features.FeatureCache(cache).shard_path(1)
+    stamp = shard.stat().st_mtime_ns
+    features.run_build(compose_tiny("trainer.max_steps=3", *common, out=tmp_path / "short"))   # from the fresh one
+    assert features.FeatureCache(cache).shard_count(shard) == 2 and shard.stat().st_mtime_ns == stamp
+    assert json.loads((cache / features.MANIFEST).read_text()) == longer
+    monkeypatch.setattr(features.FeatureCache, "claim", real_claim)
+    T.run(compose_tiny(*RUN[1:], "trainer.max_steps=6", "features.mode=train", "features.shard_batches=2",
+                       f"features.cache_dir={cache}", out=tmp_path / "train"))
+
+
 def test_a_cache_dir_that_is_a_file_or_another_folder_is_refused_before_the_backbone_loads(compose_tiny, tmp_path):
     """Guards against: features.cache_dir naming a file ending in a 27-line FileExistsError traceback after the
     backbone was built (output_dir/.hydra and backbone/ left behind), and naming a folder of something else (a
