@@ -93,6 +93,9 @@ def check_options_fit(options: dict, spec, cfg) -> None:
         check = getattr(opts, "check_spec", None)
         if check is not None and spec is not None:
             check(spec)
+    if getattr(cfg, "apply_adapter", None) and spec is not None and not spec.backbone_adapter:
+        raise UserError(f"apply_adapter=true, but the heads in {cfg.heads} were trained without a LoRA adapter "
+                        "(Medusa-2): there is none to merge; drop apply_adapter")
     config = backbone_config(cfg, spec)
     if config is None:
         return

@@ -11,6 +11,7 @@ and its refusals that need none of them come first.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -70,11 +71,15 @@ ATTN_ADVICE = "set backbone.attn_implementation=eager"
 
 def random_config(config: dict):
     """The transformers config of a ``backbone.random_init`` dict (no weights)."""
-    from transformers import AutoConfig   # lazy: not for preflight's imports (docstring)
+    from transformers import CONFIG_MAPPING, AutoConfig   # lazy: not for preflight's imports (docstring)
 
     # nested values (rope_scaling, layer_types) as plain dicts and lists: transformers validates their types
     cfg = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else dict(config)
     model_type = cfg.pop("model_type", "llama")
+    if model_type not in CONFIG_MAPPING:   # transformers' own line lists every one of its hundreds of types
+        near = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1, cutoff=0.8)
+        raise UserError(f"backbone.random_init.model_type={model_type!r} is not a transformers model type"
+                        f"{f' (did you mean {near[0]}?)' if near else ''}; e.g. llama, qwen2, mistral, gemma2")
     cfg.setdefault("vocab_size", BYTE_TOKENIZER_SIZE)
     if cfg["vocab_size"] < BYTE_TOKENIZER_SIZE:
         raise UserError(f"backbone.random_init.vocab_size must be >= {BYTE_TOKENIZER_SIZE} (the byte tokenizer)")

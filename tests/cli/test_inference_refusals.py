@@ -83,6 +83,8 @@ REFUSED = [
     (EVAL, [MEDUSA, PROMPTS, "compare=2"], "compare must be true or false"),
     (GEN, [MEDUSA, "prompt=hi", "trust_remote_code=maybe"], "trust_remote_code must be true or false"),
     (GEN, [MEDUSA, "prompt=hi", "apply_adapter=-1"], "apply_adapter must be true or false"),
+    # a switch for an adapter these heads do not have: decoded without it, silently
+    (GEN, [MEDUSA, "prompt=hi", "apply_adapter=true"], "trained without a LoRA adapter (Medusa-2): there is none"),
     # -- review 2: refused only after loading (or never), a traceback or gigabytes allocated ----------------------
     (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "out=/proc/medusa_no_such/eval"],
      "out=/proc/medusa_no_such/eval cannot be created"),

@@ -288,3 +288,16 @@ def test_an_output_dir_inside_the_data_folder_is_refused(tmp_path):
     check_output_outside_data(str(data), str(tmp_path / "run"))
     check_output_outside_data(str(data / "x.jsonl"), str(data / "run"))   # a file: its folder is not read
     check_output_outside_data("org/hub-dataset", "org/hub-dataset/run")
+
+
+def test_an_unknown_random_init_model_type_is_one_short_line():
+    """Guards against: a mistyped backbone.random_init.model_type answered with transformers' own message, one line
+    listing every one of its several hundred model types (thousands of characters), with no hint of the near one."""
+    from medusa_train.backbone import random_config
+
+    with pytest.raises(UserError) as err:
+        random_config({"model_type": "lama", "hidden_size": 32})
+    assert "model_type='lama' is not a transformers model type (did you mean llama?)" in str(err.value)
+    assert len(str(err.value)) < 200
+    with pytest.raises(UserError, match="'bogus' is not a transformers model type; e.g. llama"):
+        random_config({"model_type": "bogus"})
