@@ -115,6 +115,8 @@ def _prompt(line: str, source: str, n: int) -> Prompt:
         rec = json.loads(line)
     except json.JSONDecodeError:
         raise UserError(f"{source}:{n} is not valid JSON") from None
+    if isinstance(rec, list):
+        raise UserError(f"{source}:{n} is a JSON array: a prompts file holds one JSON object (or string) per line")
     if _LONE_SURROGATE.search(json.dumps(rec, ensure_ascii=False)):   # no tokenizer takes one: a traceback there
         raise UserError(f"{source}:{n} holds a lone surrogate (an escape \\ud800-\\udfff without its pair): "
                         "not valid text")

@@ -268,3 +268,12 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_in_one_line(tmp_path):
         load_prompts(str(f))
     f.write_text('{"prompt": "ok \\ud83d\\ude00"}\n')
     assert load_prompts(str(f))[0].turns == ["ok \U0001f600"]
+
+
+def test_a_prompts_file_of_one_json_array_says_so(tmp_path):
+    """Guards against: a prompts file holding a JSON array (a list of prompts on one line) refused as "an empty or
+    missing prompt", which sends the user looking for an empty prompt."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('[{"prompt": "a"}, {"prompt": "b"}]\n')
+    with pytest.raises(UserError, match=r":1 is a JSON array: a prompts file holds one JSON object"):
+        load_prompts(str(f))
