@@ -60,7 +60,8 @@ Aux layers: heads whose family declares them as inputs (``inference.heads.inputs
 backbone layers) need them cached too. A cache records the layers it stores (``aux_layers`` in its
 manifest, chosen by the run that creates it) and keeps storing them in every shard it adds, so one cache
 built for such a run serves every family (the others read ``hidden`` only); a cache built without them is
-refused for such heads in one line rather than half-extended. They add 3 x hidden x bytes per position (shown in the disk estimate).
+refused for such heads in one line rather than half-extended. They add 3 x hidden x bytes per position (shown in
+the disk estimate).
 
 Greedy ids everywhere (``heads.train_on=all``): by default the backbone's lm_head runs only where a
 reply's label needs it; a train_on=all run that finds a cache with nothing stored yet (new, or a manifest
@@ -451,19 +452,25 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
     if missing:
         raise UserError(f"features shards {missing[:5]} of {cache.root} were not written (is features.cache_dir "
                         "on a filesystem every process sees?); run the same command again")
-    # a longer build sharing this cache recorded more while this one ran: its record stands (it covers this one's)
-    if main and cache.manifest().get("batches", 0) <= target:
-        manifest = {**cache.manifest(), "batches": target, "epoch_complete": epoch_complete, "shards": counts,
-                    "eval": True, "positions": sum(b * w for b, w in shapes), "hidden_size": hidden_size,
-                    "bytes_per_position": per_pos,
-                    "stream": {"conversations": stream.stats.conversations, "truncated": stream.stats.truncated,
-                               "no_labels": stream.stats.no_labels,
-                               "unlocated_replies": stream.stats.unlocated_replies,
-                               "recovered": stream.read_stats.recovered,
-                               "dropped": dict(stream.read_stats.dropped)}}
-        write_json_atomic(cache.manifest_path, manifest)
+    if main:
+        _record_build(cache, target, epoch_complete, counts, shapes, hidden_size, per_pos, stream)
     barrier(world)
     return cache.manifest()
+
+
+def _record_build(cache: FeatureCache, target: int, epoch_complete: bool, counts: list[int], shapes: list,
+                  hidden_size: int, per_pos: int, stream: ConversationStream) -> None:
+    """Write the manifest of a completed build (main process): its batches, shards and what tokenising them saw.
+    A longer build sharing this cache that recorded more while this one ran keeps its record (it covers ours)."""
+    if cache.manifest().get("batches", 0) > target:
+        return
+    manifest = {**cache.manifest(), "batches": target, "epoch_complete": epoch_complete, "shards": counts,
+                "eval": True, "positions": sum(b * w for b, w in shapes), "hidden_size": hidden_size,
+                "bytes_per_position": per_pos,
+                "stream": {"conversations": stream.stats.conversations, "truncated": stream.stats.truncated,
+                           "no_labels": stream.stats.no_labels, "unlocated_replies": stream.stats.unlocated_replies,
+                           "recovered": stream.read_stats.recovered, "dropped": dict(stream.read_stats.dropped)}}
+    write_json_atomic(cache.manifest_path, manifest)
 
 
 def _write_shards(cache: FeatureCache, plan: CachePlan, open_stream: Callable[[], ConversationStream],

@@ -154,19 +154,24 @@ class MedusaTrainer:
                                enabled=self.is_main, progress=t.progress_bar,
                                redo_eval_at_start=self.step >= t.max_steps)
         if self.is_main:
-            n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
-            n_back = sum(p.numel() for p in model.parameters())
-            self.tracker.write(
-                f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, "
-                f"{self.source.describe()}) on {self.device}; "
-                f"{family(self.spec.kind).shape(self.spec)}, projection {self.spec.projection} "
-                f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
-                f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
-                f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
-            if cfg.optim.warmup_steps >= t.max_steps > 0:   # a smoke test's short run may mean it; a typo may not
-                self.tracker.write(f"note: optim.warmup_steps={cfg.optim.warmup_steps} >= trainer.max_steps="
-                                   f"{t.max_steps}: the learning rate rises for the whole run and never reaches "
-                                   f"optim.lr={cfg.optim.lr}")
+            self._say_setup(heads, model)
+
+    def _say_setup(self, heads, model) -> None:
+        """The run's one line of what trains on what, where and how; a note when the warm-up outlasts the run."""
+        cfg, t = self.cfg, self.cfg.trainer
+        n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
+        n_back = sum(p.numel() for p in model.parameters())
+        self.tracker.write(
+            f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, "
+            f"{self.source.describe()}) on {self.device}; "
+            f"{family(self.spec.kind).shape(self.spec)}, projection {self.spec.projection} "
+            f"({n_train / 1e6:.2f}M trainable), targets {cfg.heads.targets}; world {self.world_size}, "
+            f"micro {self.plan.micro_batch_size}, accum {self.plan.grad_accum}, "
+            f"global batch {self.plan.global_batch_size}, ZeRO {t.zero_stage}")
+        if cfg.optim.warmup_steps >= t.max_steps > 0:   # a smoke test's short run may mean it; a typo may not
+            self.tracker.write(f"note: optim.warmup_steps={cfg.optim.warmup_steps} >= trainer.max_steps="
+                               f"{t.max_steps}: the learning rate rises for the whole run and never reaches "
+                               f"optim.lr={cfg.optim.lr}")
 
     def setup_interrupted(self) -> str:
         """The line a Ctrl-C / SIGTERM during ``setup`` stops the run with: where it was, what is kept (the
