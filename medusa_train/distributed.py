@@ -101,8 +101,9 @@ def barrier(world_size: int) -> None:
 
 
 # What a collective raises when another process of the launch is gone: gloo's transport errors (plain
-# RuntimeErrors naming their transport's source file), NCCL's (``DistError``s, e.g. a remote error).
-_LOST_PEER = re.compile(r"gloo/transport|Connection (reset|closed) by peer")
+# RuntimeErrors naming their transport's source file), NCCL's remote errors (a DistBackendError naming the remote
+# process), the store's and network's own errors. Not any DistBackendError: NCCL says a misuse (a bug here) in one too.
+_LOST_PEER = re.compile(r"gloo/transport|Connection (reset|closed) by peer|ncclRemoteError|remote process exited")
 
 
 def lost_peer(e: BaseException) -> bool:
@@ -110,8 +111,8 @@ def lost_peer(e: BaseException) -> bool:
     its node lost), rather than a defect of this one: only inside a process group of 2+ processes."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
-    return isinstance(e, getattr(dist, "DistError", ())) or (isinstance(e, RuntimeError)
-                                                              and bool(_LOST_PEER.search(str(e))))
+    gone = tuple(getattr(dist, name) for name in ("DistNetworkError", "DistStoreError") if hasattr(dist, name))
+    return isinstance(e, gone) or (isinstance(e, RuntimeError) and bool(_LOST_PEER.search(str(e))))
 
 
 def leave_after_lost_peer(e: BaseException) -> str:

@@ -231,3 +231,23 @@ def test_a_killed_rank_ends_the_others_in_one_line(tmp_path):
     assert len(survivor) == 1 and "lost another process of this launch" in survivor[0], text[-3000:]
     assert "run the same command again to resume" in survivor[0]
     assert "Traceback" not in text and "Error executing job" not in text and "terminate called" not in text
+
+
+def test_only_a_gone_peers_errors_read_as_a_lost_process(monkeypatch):
+    """Guards against: any collective error (an NCCL misuse, a shape mismatch: a defect here) reported as "lost
+    another process ... run the same command again to resume", which a rerun would only repeat; or a lost peer's
+    gloo / NCCL error not recognised (a traceback); or a single process saying it lost a peer it never had."""
+    import torch.distributed as dist
+
+    from medusa_train.distributed import lost_peer
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:59592: Connection reset by peer.")
+    nccl = dist.DistBackendError("NCCL error: remote process exited or there was a network error, ncclRemoteError")
+    misuse = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage, ncclInvalidUsage")
+    shapes = RuntimeError("Tensors must be CUDA and dense")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert lost_peer(gloo) and lost_peer(nccl) and lost_peer(dist.DistStoreError("wait timeout"))
+    assert not lost_peer(misuse) and not lost_peer(shapes) and not lost_peer(ValueError("Connection reset by peer"))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert not lost_peer(gloo)
