@@ -344,6 +344,12 @@ def _optimizer_step(engine) -> int:
 def gather(engine) -> tuple[dict, dict, int]:
     """(weights, optimizer moments, optimizer step), full-size, on every rank (collective)."""
     opt = _base_optimizer(engine)
+    if getattr(engine.optimizer, "_hp_optimizer_states_linked", False):
+        # ZeRO-1/2 (and bf16) step each parameter group in turn and link every parameter to its optimizer state right
+        # after the first group's step, once: a second group (Medusa-2's heads beside the adapter) had no state then
+        # and stays unlinked ("exp_avg not found" at every save). Link again, now that every group has its state.
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     weights, moments = {}, {}
     for name, p in _trainable(engine):
         weights[name] = _full_tensor(p, opt).float().cpu().contiguous()

@@ -108,7 +108,7 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    load_in_bits: int = 0  # 0 | 4 | 8: quantised frozen base (bitsandbytes, CUDA only)
+    load_in_bits: int = 0  # 0 only: a quantised frozen base (QLoRA) is not implemented; refused, never ignored
     backbone_loss: str = "kl"  # kl: KL(original || tuned), teacher = adapter disabled | ce: labels
     backbone_weight: float = 1.0
     heads_coefficient: float = 0.2  # c in loss = backbone + c * sum_k lambda_k CE_k (Medusa-2's 0.2)
@@ -457,7 +457,9 @@ def _validate_lora(cfg) -> None:
     checks = [
         (lo.r >= 1 and lo.alpha > 0, f"lora.r must be >= 1 and lora.alpha > 0, got {lo.r}, {lo.alpha}"),
         (0.0 <= lo.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lo.dropout}"),
-        (lo.load_in_bits in (0, 4, 8), f"lora.load_in_bits must be 0, 4 or 8, got {lo.load_in_bits}"),
+        # 4 / 8 were accepted once and loaded the base unquantised all the same: no memory saved, silently
+        (lo.load_in_bits == 0, f"lora.load_in_bits={lo.load_in_bits}: a quantised frozen base (QLoRA) is not "
+                               "implemented; use 0 (trainer.precision=bf16 halves the backbone's memory)"),
         (lo.backbone_loss in ("kl", "ce"), f"lora.backbone_loss must be kl or ce, got {lo.backbone_loss!r}"),
         (lo.heads_coefficient >= 0 and lo.backbone_weight >= 0 and lo.heads_lr_multiplier > 0 and finite,
          "lora.heads_coefficient, lora.backbone_weight must be >= 0 and lora.heads_lr_multiplier > 0 (all finite), "

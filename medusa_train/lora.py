@@ -48,10 +48,8 @@ from .losses import heads_loss, vocab_to_local
 ADAPTER_DIR = "adapter"
 
 
-def apply_lora(model, lcfg, device: torch.device):
+def apply_lora(model, lcfg):
     """Wrap ``model`` with a fresh LoRA adapter; base weights stay frozen. Returns the peft model."""
-    if lcfg.load_in_bits:
-        _check_quantization(lcfg.load_in_bits, device)
     from peft import LoraConfig as PeftLoraConfig, get_peft_model   # lazy: 3 s to import, for LoRA runs only
 
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -59,6 +57,14 @@ def apply_lora(model, lcfg, device: torch.device):
     if missing:
         raise UserError(f"lora.target_modules {missing} are not linear layers of this backbone "
                         f"(it has: {', '.join(sorted(names))})")
+    emb = model.get_input_embeddings()
+    tied = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and emb is not None and m.weight is emb.weight}
+    if tied & set(lcfg.target_modules):
+        # its merge adds the change into the one tensor the input embedding shares: the merged model (and the
+        # runtime's merge) is not the model trained, and the heads' shared projection moves with it
+        raise UserError(f"lora.target_modules {sorted(tied & set(lcfg.target_modules))}: this backbone ties that "
+                        "layer's weight to its input embedding, so no adapter on it can be merged; leave it out")
     peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                               target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
     for p in model.parameters():
@@ -66,17 +72,6 @@ def apply_lora(model, lcfg, device: torch.device):
     peft_model = get_peft_model(model, peft_cfg)
     peft_model.train()  # LoRA dropout on; the backbone has no other dropout in Llama-style models
     return peft_model
-
-
-def _check_quantization(bits: int, device: torch.device) -> None:
-    if bits not in (4, 8):
-        raise UserError(f"lora.load_in_bits must be 0, 4 or 8, got {bits}")
-    if device.type != "cuda":
-        raise UserError(f"lora.load_in_bits={bits} needs a CUDA GPU (bitsandbytes kernels); on CPU use 0")
-    try:
-        import bitsandbytes  # noqa: F401  # lazy: optional dependency, checked here
-    except ImportError:
-        raise UserError(f"lora.load_in_bits={bits} needs the bitsandbytes package: pip install bitsandbytes") from None
 
 
 def heads_coefficient(step: int, lcfg) -> float:
@@ -177,8 +172,11 @@ def save_adapter(peft_model, tensors: dict[str, torch.Tensor], out_dir: Path, ba
     return out_dir
 
 
-def save_merged(peft_model, tokenizer, out_dir: Path, write: bool = True) -> Optional[Path]:
-    """The backbone with the adapter merged in, as a full-precision transformers model directory.
+def save_merged(peft_model, tokenizer, out_dir: Path, write: bool = True,
+                adapter_fp32: Optional[dict[str, torch.Tensor]] = None) -> Optional[Path]:
+    """The backbone with the adapter merged in, as a full-precision (fp32) transformers model directory: merged in
+    fp32 from ``adapter_fp32`` (the adapter's fp32 master weights, ``export_extra``'s, by the engine's parameter
+    names), not from the live bf16 copy (a bf16 merge rounded ~15% of each layer's change away).
 
     Collective under ZeRO-3 (every rank calls it: its parameters are gathered whole); ``write`` is false off the
     main process, which then writes nothing and gets None."""
@@ -190,6 +188,12 @@ def save_merged(peft_model, tokenizer, out_dir: Path, write: bool = True) -> Opt
         merged = copy.deepcopy(peft_model) if write else None  # the live model keeps its adapter unmerged
     if merged is None:
         return None
+    merged = merged.float()
+    if adapter_fp32:
+        masters = {name.removeprefix("peft_model."): t for name, t in adapter_fp32.items()}
+        missing = merged.load_state_dict(masters, strict=False).unexpected_keys
+        if missing:
+            raise RuntimeError(f"the adapter's fp32 weights do not fit the model to merge: {missing[:3]}")
     merged = merged.merge_and_unload()
     _drop_gguf_marking(merged)
     merged.save_pretrained(str(out_dir), safe_serialization=True)
@@ -290,8 +294,9 @@ class JointSource:
     def __init__(self, cfg, backbone, device: torch.device, data):
         self.cfg, self.backbone, self.device, self.data = cfg, backbone, device, data
         self.stats, self.read_stats = data.stats, data.read_stats
-        self.peft_model = apply_lora(backbone.model, cfg.lora, device)
+        self.peft_model = apply_lora(backbone.model, cfg.lora)
         self.body = decoder_body(self.peft_model.get_base_model())
+        self.adapter_fp32: Optional[dict[str, torch.Tensor]] = None   # set by export_extra: what the merge reads
 
     def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
         model = self.backbone.model
@@ -334,6 +339,7 @@ class JointSource:
         ``heads/adapter/`` for ``save_heads`` (None off the main process)."""
         gathered = {name: full_fp32(p) for name, p in engine.module.named_parameters()
                     if p.requires_grad and name.startswith("peft_model.")}
+        self.adapter_fp32 = gathered   # the merge (``after_export``) starts from these, not the live bf16 copy
         tensors = adapter_state(self.peft_model, gathered)
 
         def write(tmp: Path) -> None:
@@ -356,7 +362,8 @@ class JointSource:
                   f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
                   f"{report['argmax_agreement']:.1%}", flush=True)
         if self.cfg.lora.merge:
-            merged = save_merged(self.peft_model, self.backbone.tokenizer, output_dir / "merged", write=write)
+            merged = save_merged(self.peft_model, self.backbone.tokenizer, output_dir / "merged", write=write,
+                                 adapter_fp32=self.adapter_fp32)
             if write:
                 print(f"merged backbone: {merged}", flush=True)
 

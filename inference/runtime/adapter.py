@@ -50,6 +50,7 @@ def merge_lora(model, adapter_dir, adapter: Optional[tuple[dict, dict[str, torch
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     fan_in_fan_out = bool(cfg.get("fan_in_fan_out"))
     modules = dict(model.named_modules())
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     merged = 0
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
@@ -59,6 +60,9 @@ def merge_lora(model, adapter_dir, adapter: Optional[tuple[dict, dict[str, torch
         layer = modules.get(path)
         if b is None or layer is None or not hasattr(layer, "weight"):
             raise UserError(f"adapter in {adapter_dir} adapts {path!r}, which this backbone does not have")
+        if emb is not None and layer.weight is emb.weight:   # the change would move the input embedding too
+            raise UserError(f"adapter in {adapter_dir} adapts {path!r}, whose weight this backbone ties to its input "
+                            "embedding: it cannot be merged as trained")
         delta = (b.float() @ a.float()) * scale
         if fan_in_fan_out:
             delta = delta.T

@@ -47,7 +47,7 @@ def _joint(backbone_loss: str, decay: float = 0.8, coefficient: float = 0.2, hea
     lcfg = types.SimpleNamespace(load_in_bits=0, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"],
                                  backbone_loss=backbone_loss, backbone_weight=1.0, heads_coefficient=coefficient,
                                  heads_warmup_steps=0)
-    peft_model = lora.apply_lora(model, lcfg, torch.device("cpu"))
+    peft_model = lora.apply_lora(model, lcfg)
     torch.manual_seed(1)
     with torch.no_grad():  # a non-trivial adapter: B starts at zero, so the tuned model would equal the base
         for n, p in peft_model.named_parameters():
