@@ -238,8 +238,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
     than this tokenizer gives, while the backbone's weights and config are the same."""
     digest = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(backend.to_str().encode() if backend is not None else
-                  json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    if backend is not None:
+        # canonical: not the call-time truncation / padding state a padded call leaves in it, not the serializer's
+        # version or its spelling of merges (pairs since tokenizers 0.20, "a b" strings before)
+        spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding", "version")}
+        model = spec.get("model") or {}
+        if isinstance(model.get("merges"), list):
+            model["merges"] = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        digest.update(json.dumps(spec, sort_keys=True).encode())
+    else:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     digest.update(json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True).encode())
     return f"sha256 {digest.hexdigest()[:16]}"
 

@@ -111,6 +111,8 @@ def lost_peer(e: BaseException) -> bool:
     its node lost), rather than a defect of this one: only inside a process group of 2+ processes."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
+    if "timed out" in str(e).lower():   # a peer alive but late (a hang, collectives out of order): not this line
+        return False
     gone = tuple(getattr(dist, name) for name in ("DistNetworkError", "DistStoreError") if hasattr(dist, name))
     return isinstance(e, gone) or (isinstance(e, RuntimeError) and bool(_LOST_PEER.search(str(e))))
 

@@ -103,7 +103,11 @@ def _task(cfg) -> None:
         # The task writes the record itself, once its data is accepted: data refused at its start then leaves
         # an existing run's record as it was (and a new run's folder without one).
         with holding_output_dir(cfg.output_dir):
-            run(cfg, record=lambda: write_run_record(cfg))
+            try:
+                run(cfg, record=lambda: write_run_record(cfg))
+            except UserError:   # what this refused run made goes while it still holds the folder, not after
+                remove_created_dirs()
+                raise
     except UserError as e:
         remove_created_dirs()
         refuse(str(e))
@@ -118,8 +122,9 @@ def holding_output_dir(output_dir) -> Iterator[None]:
     """Hold ``output_dir`` for this launch while its task runs (rank 0 holds an exclusive ``flock`` on the folder
     itself: nothing is written, and the kernel lets go when the process ends, however it ends). A second launch
     into the same folder is refused in one line before it writes: both once ran, resuming each other's
-    checkpoints, logging every step twice and exporting over each other's heads. A filesystem without ``flock``
-    leaves the folder unguarded, as before."""
+    checkpoints, logging every step twice and exporting over each other's heads. A filesystem without ``flock`` on
+    folders (NFS emulates it with write locks, which a folder cannot take) leaves the folder unguarded, as before;
+    so do the other ranks of a refused launch until its launcher ends them (only rank 0 holds the folder)."""
     fd = None
     if int(os.environ.get("RANK", "0") or 0) == 0:
         try:

@@ -37,7 +37,8 @@ def check_graphs_part(result: dict, summary: str) -> None:
         for mode in ("off", "on"):
             assert s["step"][mode]["wall_ms"] > 0 and s["step"][mode]["kernel_ms"] > 0, (key, mode)
             assert s["step"][mode]["clock"] == "cpu"   # the dry run's profiler records CPU op time
-        # the same steps back to back (the host's clock on the CPU) beside the profiler's sum, checked only on CUDA
+        # the step's graph and logits back to back (the step body on the host's clock on the CPU) beside the profiler's
+        # sum, checked only on CUDA
         on = s["step"]["on"]
         assert on["events_ms"] > 0 and on["wall_vs_events"] > 0 and on["profiler_short"] is False
         assert on["kernel_unreliable"] is False and on["dropped_events"] == 0
@@ -73,7 +74,7 @@ def check_graphs_part(result: dict, summary: str) -> None:
         assert w["which"].startswith("dry run") and w["torch"]
         assert w["issues"] and all(u.startswith("https://github.com/pytorch/pytorch/issues/") for u in w["issues"])
     for text in ("CUDA graphs: graphs 'on' = graphs=uncaptured", "1-token step wall / kernel ms, graphs on",
-                 "1-token step graphs on: kernel ms (profiler) / same steps back to back ms (CUDA events",
+                 "1-token step graphs on: kernel ms (profiler) / graph + logits back to back ms (CUDA events",
                  "Stub drafter of set acceptance", "hf_generate_static",
                  "static 1-token step ms: uncaptured / CUDAGraph / reduce-overhead",
                  'Capturing: torch.cuda.CUDAGraph directly or torch.compile(mode="reduce-overhead")',
@@ -238,8 +239,8 @@ def test_gpu_check_stopped_by_its_time_limit_keeps_what_it_measured(tmp_path, mo
 def test_a_profiler_that_misses_graph_kernels_is_caught():
     """Guards against the 1-token step's wall / kernel verdict failing (or passing) on a profiler that under-counts
     the kernels of graph replays (CUPTI with CUDA 13.0): under half graphs off's kernel count, or under half the
-    device time of the same steps back to back (CUDA events), marks it short, and the verdict then divides by that
-    time and says so."""
+    device time of its graph and logits replayed back to back (CUDA events), marks it short, and the verdict then
+    divides by that time and says so."""
     from benchmarks.gpu_graphs import profiler_short, verdicts
 
     off = {"wall_ms": 30.0, "kernel_ms": 2.4, "device_ops": 1300, "clock": "cuda", "wall_vs_kernel": 12.5}
@@ -253,13 +254,14 @@ def test_a_profiler_that_misses_graph_kernels_is_caught():
     short = {**good, "kernel_ms": 0.5, "device_ops": 40, "wall_vs_kernel": 6.0, "profiler_short": True}
     g = {"shapes": {"smollm2_135m": {"step": {"on": short, "off": off}}}}
     v = next(x for x in verdicts(g, dry=False) if x["target"].startswith("graphs=on: 1-token step"))
-    assert v["verdict"] == "PASS" and "3.0 ms wall / 2.7 ms of the same steps back to back (CUDA events) = 1.11x" \
-        in v["detail"]
+    want = "3.0 ms wall / 2.7 ms of its graph and logits back to back (CUDA events) = 1.11x"
+    assert v["verdict"] == "PASS" and want in v["detail"]
     assert "40 of graphs off's 1300" in v["detail"]
     g["shapes"]["smollm2_135m"]["step"]["on"] = {**good, "wall_vs_kernel": 1.2, "profiler_short": False}
     v = next(x for x in verdicts(g, dry=False) if x["target"].startswith("graphs=on: 1-token step"))
     assert v["verdict"] == "PASS" and v["detail"].startswith("3.0 ms wall / 2.5 ms cuda = 1.2x")
-    assert "the same steps back to back (CUDA events): 2.7 ms, wall 1.11x that" in v["detail"]   # always there
+    # always there
+    assert "its graph and logits replayed back to back (CUDA events): 2.7 ms, wall 1.11x that" in v["detail"]
 
 
 def test_a_run_stopped_by_its_own_budget_exits_0_with_its_summary(tmp_path):
@@ -514,7 +516,7 @@ def test_absurd_profiler_kernel_times_are_dropped_or_marked_unreliable():
     v = next(x for x in verdicts(g, dry=False) if x["target"].startswith("graphs=on: 1-token step"))
     assert v["verdict"] == "unreliable", v
     assert "kernel sum 2.5 ms exceeds the step's wall time 1.0 ms (3 absurd events dropped)" in v["detail"]
-    assert "the same steps back to back (CUDA events): 0.8 ms, wall 1.25x that" in v["detail"]
+    assert "its graph and logits replayed back to back (CUDA events): 0.8 ms, wall 1.25x that" in v["detail"]
     text = "\n".join(summary_lines(g))
     assert "| 1.0 / 2.5 (0.4x, cuda, UNRELIABLE: over the wall time) |" in text and "| 2.5 / 0.8 (1.25x; " in text
     kernel_sum = gpu_graphs.kernel_sum   # what device_time sums the profiler's CUDA events with

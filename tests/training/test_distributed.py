@@ -248,6 +248,8 @@ def test_only_a_gone_peers_errors_read_as_a_lost_process(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     assert lost_peer(gloo) and lost_peer(nccl) and lost_peer(dist.DistStoreError("wait timeout"))
+    late = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
     assert not lost_peer(misuse) and not lost_peer(shapes) and not lost_peer(ValueError("Connection reset by peer"))
+    assert not lost_peer(late)   # a peer alive but late: a hang's traceback, not "rerun to resume"
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     assert not lost_peer(gloo)

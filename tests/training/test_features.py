@@ -371,7 +371,8 @@ def test_cache_of_another_tokenizer_or_rounding_is_refused(compose_tiny, tiny_da
 
 
 def test_tokenizer_fingerprint_follows_the_chat_template_not_the_load(tiny_backbone, tmp_path):
-    """Guards against: a fingerprint that differs between two loads of the same tokenizer (every cache refused) or
+    """Guards against: a fingerprint that differs between two loads of the same tokenizer, or after a padded call
+    (its truncation / padding state is in the tokenizer's JSON: every cache refused as "another tokenizer"), or
     that misses an edited chat template (a stale cache taken)."""
     from transformers import AutoTokenizer
 
@@ -379,6 +380,9 @@ def test_tokenizer_fingerprint_follows_the_chat_template_not_the_load(tiny_backb
 
     tiny_backbone.tokenizer.save_pretrained(tmp_path)
     first, again = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
-    assert tokenizer_fingerprint(first) == tokenizer_fingerprint(again) == tokenizer_fingerprint(tiny_backbone.tokenizer)
+    loaded = tokenizer_fingerprint(tiny_backbone.tokenizer)
+    assert tokenizer_fingerprint(first) == tokenizer_fingerprint(again) == loaded
+    first(["a b c", "a"], padding=True, truncation=True, max_length=2)   # leaves its call-time state behind
+    assert tokenizer_fingerprint(first) == tokenizer_fingerprint(again)
     again.chat_template = "{{ 'system: be brief' }}" + again.chat_template
     assert tokenizer_fingerprint(again) != tokenizer_fingerprint(first)
