@@ -35,12 +35,12 @@ BAD_INPUT = [
     (TRAIN, ["debug_tiny", "heads=eagle3", "heads.ttt_step=3"], 2, "did you mean heads.ttt_steps?"),
     (TRAIN, ["debug_tiny", "trainer.max_steps=3", "trainer.max_steps=4"], 2, "trainer.max_steps is given twice"),
     # -- optimizer values (defect 7) ---------------------------------------------------------------------------
-    (TRAIN, ["debug_tiny", "optim.lr=-1"], 2, "optim.lr must be > 0"),
-    (TRAIN, ["debug_tiny", "optim.lr=0"], 2, "optim.lr must be > 0"),
+    (TRAIN, ["debug_tiny", "optim.lr=-1"], 2, "optim.lr must be finite and > 0"),
+    (TRAIN, ["debug_tiny", "optim.lr=0"], 2, "optim.lr must be finite and > 0"),
     (TRAIN, ["debug_tiny", "optim.betas=[1.5,0.9]"], 2, "optim.betas must be two values in [0, 1)"),
     (TRAIN, ["debug_tiny", "optim.betas=[0.9]"], 2, "optim.betas must be two values"),
-    (TRAIN, ["debug_tiny", "optim.weight_decay=-1"], 2, "optim.weight_decay must be >= 0"),
-    (TRAIN, ["debug_tiny", "optim.eps=-1"], 2, "optim.eps must be > 0"),
+    (TRAIN, ["debug_tiny", "optim.weight_decay=-1"], 2, "optim.weight_decay must be finite and >= 0"),
+    (TRAIN, ["debug_tiny", "optim.eps=-1"], 2, "optim.eps must be finite and > 0"),
     (TRAIN, ["debug_tiny", "optim.warmup_steps=-1"], 2, "optim.warmup_steps must be >= 0"),
     (TRAIN, ["debug_tiny", "optim.min_lr_ratio=2"], 2, "optim.min_lr_ratio must be in [0, 1]"),
     # -- output_dir (defect 8) ------------------------------------------------------------------------------------

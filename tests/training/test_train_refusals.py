@@ -206,10 +206,10 @@ def test_sweep_jobs_cross_the_values_as_hydra_does():
 
 
 CONFIG_REFUSED = [
-    (["heads.loss_decay=-1"], "heads.loss_decay must be > 0"),
-    (["heads.loss_decay=0"], "heads.loss_decay must be > 0"),
-    (["heads.loss_weights=[1,-1,1]"], "heads.loss_weights must be >= 0"),
-    (["heads.loss_weights=[0,0,0]"], "heads.loss_weights must be >= 0 with at least one > 0"),
+    (["heads.loss_decay=-1"], "heads.loss_decay must be finite and > 0"),
+    (["heads.loss_decay=0"], "heads.loss_decay must be finite and > 0"),
+    (["heads.loss_weights=[1,-1,1]"], "heads.loss_weights must be finite and >= 0"),
+    (["heads.loss_weights=[0,0,0]"], "heads.loss_weights must be finite and >= 0 with at least one > 0"),
     (["trainer.global_batch_size=0"], "trainer.global_batch_size must be >= 1 (or null"),
     (["trainer.global_batch_size=-4"], "trainer.global_batch_size must be >= 1"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip must be >= 0"),
