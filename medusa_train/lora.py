@@ -191,9 +191,10 @@ def save_merged(peft_model, tokenizer, out_dir: Path, write: bool = True,
     merged = merged.float()
     if adapter_fp32:
         masters = {name.removeprefix("peft_model."): t for name, t in adapter_fp32.items()}
-        missing = merged.load_state_dict(masters, strict=False).unexpected_keys
-        if missing:
-            raise RuntimeError(f"the adapter's fp32 weights do not fit the model to merge: {missing[:3]}")
+        unknown = [k for k in masters if k not in merged.state_dict()]
+        if unknown:   # every master must land on its layer: a renamed one would merge the bf16 copy, silently
+            raise RuntimeError(f"the adapter's fp32 weights do not fit the model to merge: {unknown[:3]}")
+        merged.load_state_dict(masters, strict=False)
     merged = merged.merge_and_unload()
     _drop_gguf_marking(merged)
     merged.save_pretrained(str(out_dir), safe_serialization=True)

@@ -127,6 +127,34 @@ def test_a_bf16_run_merges_its_fp32_adapter_into_a_full_precision_model(compose_
         torch.testing.assert_close(merged(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_the_merge_reads_the_adapters_fp32_masters_not_the_live_copy(compose_tiny, tiny_backbone, tmp_path):
+    """Guards against: merged/ merged from the live (bf16) adapter when the fp32 masters are given (their names not
+    matching the model's would fall back to the live copy silently): the saved model must hold the masters' change."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    peft_model = lora.apply_lora(copy.deepcopy(tiny_backbone.model), compose_tiny(*LORA).lora)
+    torch.manual_seed(0)
+    masters = {}
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                masters[f"peft_model.{name}"] = torch.randn_like(p) * 0.05   # what the optimizer holds in fp32
+                p.copy_(torch.randn_like(p) * 0.05)   # a live copy that is not it
+    peft_model.to(torch.bfloat16)
+    out = lora.save_merged(peft_model, None, tmp_path / "merged", adapter_fp32=masters)
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    want = lora.apply_lora(copy.deepcopy(tiny_backbone.model).to(torch.bfloat16).float(), compose_tiny(*LORA).lora)
+    want.load_state_dict({k.removeprefix("peft_model."): v for k, v in masters.items()}, strict=False)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want.merge_and_unload()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="do not fit the model to merge"):
+        lora.save_merged(peft_model, None, tmp_path / "again", adapter_fp32={"peft_model.nope.lora_A": torch.ones(1)})
+
+
 def test_merge_of_a_gguf_converted_backbone_saves_a_full_precision_model(compose_tiny, tiny_backbone, tmp_path):
     """Guards against ``lora.merge=true`` crashing on the default ``embedded:`` backbone: its cached GGUF
     conversion (inference/assets.py ``converted_gguf_dir``) holds dequantized float weights under a config.json
