@@ -388,6 +388,9 @@ def _validate_optim(o) -> None:
 
 
 def _validate_backbone(b) -> None:
+    if b.random_init and b.gguf_file:   # the random backbone is built from its config: the file was never read
+        raise UserError(f"backbone.gguf_file={b.gguf_file} names a file inside backbone.name_or_path, but "
+                        "backbone.random_init builds a random backbone: drop one (backbone.random_init=null loads it)")
     if b.random_init and b.name_or_path != DEFAULT_BACKBONE:
         raise UserError(f"backbone.name_or_path={b.name_or_path} and backbone.random_init both name a backbone: "
                         f"drop one (backbone.random_init=null trains on {b.name_or_path})")

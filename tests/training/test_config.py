@@ -301,3 +301,10 @@ def test_an_unknown_random_init_model_type_is_one_short_line():
     assert len(str(err.value)) < 200
     with pytest.raises(UserError, match="'bogus' is not a transformers model type; e.g. llama"):
         random_config({"model_type": "bogus"})
+
+
+def test_a_gguf_file_beside_a_random_backbone_is_refused():
+    """Guards against: backbone.gguf_file given with a recipe's random_init backbone, accepted and never read (the
+    run trained on the random backbone, the file's model unused, exit 0)."""
+    with pytest.raises(UserError, match="backbone.gguf_file=x.gguf names a file inside backbone.name_or_path"):
+        validate(compose_recipe("debug_tiny", ["backbone.gguf_file=x.gguf"]))
