@@ -119,7 +119,7 @@ def _prompt(line: str, source: str, n: int) -> Prompt:
         raise UserError(f"{source}:{n} is a JSON array: a prompts file holds one JSON object (or string) per line")
     if _LONE_SURROGATE.search(json.dumps(rec, ensure_ascii=False)):   # no tokenizer takes one: a traceback there
         raise UserError(f"{source}:{n} holds a lone surrogate (an escape \\ud800-\\udfff without its pair): "
-                        "not valid text")
+                        "not valid text; fix or remove that line")
     turns = _turns(rec)
     if any(t is not None and not isinstance(t, str) for t in turns):   # a part that is not text: an image, say
         raise UserError(f"{source}:{n} has a message whose content is not text (only text prompts are decoded)")

@@ -110,17 +110,23 @@ def run_identity(cfg) -> dict:
     }
 
 
-def distilled_by_another(source, identity: dict) -> Optional[str]:
-    """A one-line note when ``source`` is a distillation's ``data/`` folder written by a backbone of other weights or
-    architecture than ``identity`` (``backbone_identity`` of the run's backbone): its heads would learn that model's
-    replies (a recipe's default data.source kept beside another backbone.name_or_path). None otherwise."""
+def _source_manifest(source) -> Optional[dict]:
+    """The manifest of the distillation whose ``data/`` folder ``source`` is; None when it is not one, or its
+    manifest is not one this version reads (the readers then say what they make of the folder)."""
     folder = Path(os.path.expanduser(str(source)))
     if folder.name != DATA_DIR or not (folder.parent / MANIFEST).is_file():
         return None
     try:
-        recorded = (read_manifest(folder.parent / MANIFEST, folder.parent) or {}).get("backbone_fingerprint") or {}
-    except UserError:   # not a manifest this version reads: the readers say what they make of the folder
+        return read_manifest(folder.parent / MANIFEST, folder.parent)
+    except UserError:
         return None
+
+
+def distilled_by_another(source, identity: dict) -> Optional[str]:
+    """A one-line note when ``source`` is a distillation's ``data/`` folder written by a backbone of other weights or
+    architecture than ``identity`` (``backbone_identity`` of the run's backbone): its heads would learn that model's
+    replies (a recipe's default data.source kept beside another backbone.name_or_path). None otherwise."""
+    recorded = (_source_manifest(source) or {}).get("backbone_fingerprint") or {}
     differs = [k for k in ("config", "weights") if recorded.get(k) and recorded.get(k) != identity.get(k)]
     if not differs:
         return None
@@ -132,16 +138,10 @@ def unfinished(source) -> Optional[str]:
     """Why ``source``, a distillation's ``data/`` folder, must not be trained on yet (None: it may): its manifest
     says it is not complete (a run killed, still running, or one of several processes not done), so training
     would read some shards of it, silently, as if they were the dataset."""
-    folder = Path(os.path.expanduser(str(source)))
-    if folder.name != DATA_DIR or not (folder.parent / MANIFEST).is_file():
-        return None
-    try:
-        manifest = read_manifest(folder.parent / MANIFEST, folder.parent) or {}
-    except UserError:   # not a manifest this version reads: the readers say what they make of the folder
-        return None
+    manifest = _source_manifest(source) or {}
     if manifest.get("task") != "distill" or manifest.get("complete", True):
         return None
-    written = sum(1 for _ in folder.glob("shard-*.jsonl"))
+    written = sum(1 for _ in Path(os.path.expanduser(str(source))).glob("shard-*.jsonl"))
     return (f"data.source={source} is a distillation that has not finished ({written} shard(s) written, "
             f"{MANIFEST} not complete): run its distillation again to finish it (it continues), or train on a copy "
             f"of its {DATA_DIR}/ folder to use only what is there")
@@ -186,8 +186,7 @@ def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, 
             raise UserError(wrong)
         return {}
     manifest = claim(out, MANIFEST, identity, {"task": "distill", "format": FORMAT_VERSION,
-                                               "backbone_fingerprint": fingerprint, "complete": False,
-                                               **{k: v for k, v in (recorded or {}).items() if v is not None}},
+                                               "backbone_fingerprint": fingerprint, "complete": False},
                      ours=ours, foreign=foreign,
                      mismatch=f"{out} already holds distillation data of another run ({{diff}}); "
                               "use another output_dir or delete it")

@@ -225,8 +225,7 @@ class FeatureCache:
             return foreign_cache(root, self.run_dir)
 
         fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
-                 "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere,
-                 **{k: v for k, v in (recorded or {}).items() if v is not None}}
+                 "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere}
         manifest = claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
                          mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
                                   "use another features.cache_dir or delete it")
