@@ -481,7 +481,7 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
     check_distillable(cfg, probe)  # before the first write
     if record is not None:
         record()
-    recorded = {"data_fingerprint": data_fingerprint(str(cfg.data.source)),
+    recorded = {"data_fingerprint": data_fingerprint(str(cfg.data.source), cfg.data.split),
                 "tokenizer_fingerprint": frozen.tokenizer_fingerprint(backbone.tokenizer)}
     # its weights too: data is only valid for them (and for this data's content and tokenizer)
     claim_output(out, identity, frozen.backbone_identity(backbone), recorded=recorded)

@@ -564,7 +564,7 @@ def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
                eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
     """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
     cache = FeatureCache(cache_dir(cfg), Path(cfg.output_dir))
-    recorded = {"data_fingerprint": data_fingerprint(cfg.data.source),
+    recorded = {"data_fingerprint": data_fingerprint(cfg.data.source, cfg.data.split),
                 "tokenizer_fingerprint": tokenizer_fingerprint(backbone.tokenizer),
                 "rounded_to": rounding(frozen.compute_dtype, parse_dtype(plan.dtype))}
     manifest = cache.claim(cache_identity(cfg, backbone), plan.shard_batches, plan.aux_layers, plan.greedy_everywhere,

@@ -33,7 +33,7 @@ from .backbone import backbone_config
 from .checkpoint import (config_dict, flatten, resolved_settings, resume_point, schema_defaults, unresolved_changes,
                          unsafe_changes)
 from .config import check_data_source, check_output_outside_data, derived_batch, launch_world_size
-from .data.readers import ReadStats, iter_conversations
+from .data.readers import ReadStats, iter_conversations, local_files
 from .data.stream import check_training_data
 from .distill import unfinished as unfinished_distillation
 from .distributed import resolve_device
@@ -372,6 +372,7 @@ def preflight(cfg, resume: bool = True) -> None:
     ``resume=False``: a sweep's jobs resume from folders Hydra names only when each runs), and data that gives
     the task a conversation to read."""
     check_data_source(cfg.data.source)
+    local_files(str(cfg.data.source), cfg.data.split)   # the split is there (a folder's files name it)
     check_output_outside_data(cfg.data.source, cfg.output_dir)
     check_attn_implementation(cfg.backbone)
     check_fits(cfg)

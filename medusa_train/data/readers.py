@@ -307,32 +307,75 @@ class _JsonObject(Exception):
     counted inside a folder."""
 
 
-def data_files(folder: Path) -> list[Path]:
-    """The data files of a folder source, in the order they are read."""
-    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in (".json", ".jsonl", ".parquet"))
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+def data_files(folder: Path, split: str = "train") -> list[Path]:
+    """The data files of a folder source that hold ``split``, in the order they are read. A folder whose file or
+    folder names name splits (``data/train-00000-of-00002.parquet``, ``test.jsonl``, ``validation/``) is split the
+    way ``datasets.load_dataset(folder)`` splits it, its files of no split left out: reading them all trained on a
+    downloaded dataset's test split. A folder whose names name no split is one train split, every data file in it."""
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in DATA_SUFFIXES)
+    if not files:
+        raise UserError(f"no .json/.jsonl/.parquet files in {folder}")
+    splits = _named_splits(folder)
+    if splits is None:
+        if split != "train":
+            raise UserError(f"data.split={split!r}, but the names of the files in {folder} name no split: its "
+                            "conversations are all the train split (leave data.split=train, or name the split's "
+                            "file or folder in data.source)")
+        return files
+    if split not in splits:
+        raise UserError(f"data.split={split!r} is not among the splits the file names in {folder} name: "
+                        f"{', '.join(sorted(splits))}")
+    chosen = [p for p in files if p.resolve() in splits[split]]
+    if not chosen:
+        raise UserError(f"no .json/.jsonl/.parquet files of split {split!r} in {folder}")
+    return chosen
+
+
+def _named_splits(folder: Path) -> Optional[dict[str, set[Path]]]:
+    """Each split's files as ``datasets`` resolves a local folder's split names; None where they name none."""
+    from datasets.data_files import DataFilesDict, get_data_patterns   # lazy: folder sources only
+
+    patterns = get_data_patterns(str(folder))
+    if set(map(str, patterns)) == {"train"} and list(patterns.values())[0] == ["**"]:
+        return None
+    resolved = DataFilesDict.from_patterns(patterns, base_path=str(folder))
+    return {str(name): {Path(f).resolve() for f in found} for name, found in resolved.items()}
+
+
+def local_files(source: str, split: str) -> Optional[tuple[list[Path], Optional[Path]]]:
+    """The files a local or embedded ``source`` reads for ``split``, and the folder they are in (None for one
+    file); None for a hub id. One file (and the embedded data) is a train split alone, as ``datasets`` reads it."""
+    if source.startswith("embedded:"):
+        if source not in assets.EMBEDDED_DATA:
+            raise UserError(f"unknown embedded dataset {source!r}; available: {', '.join(assets.EMBEDDED_DATA)}")
+        files, folder = [assets.sharegpt_json_path()], None
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            return data_files(path, split), path
+        if not path.is_file():
+            if source.startswith((".", "/", "~")) or source.endswith(DATA_SUFFIXES):
+                raise UserError(f"data file not found: {source}")
+            return None
+        files, folder = [path], None
+    if split != "train":
+        raise UserError(f"data.split={split!r}, but data.source={source} is one file: its conversations are the "
+                        "train split (leave data.split=train, or name the file that holds that split)")
+    return files, folder
 
 
 def iter_records(source: str, split: str, stats: ReadStats) -> Iterator[dict]:
     """Raw records from any accepted source."""
-    if source.startswith("embedded:"):
-        if source not in assets.EMBEDDED_DATA:
-            raise UserError(f"unknown embedded dataset {source!r}; available: {', '.join(assets.EMBEDDED_DATA)}")
-        yield from iter_json_array(assets.sharegpt_json_path(), stats)
+    local = local_files(source, split)
+    if local is None:
+        yield from _hub_records(source, split)
         return
-    path = Path(source).expanduser()
-    if path.is_file():
-        yield from _file_records(path, stats)
-        return
-    if path.is_dir():
-        files = data_files(path)
-        if not files:
-            raise UserError(f"no .json/.jsonl/.parquet files in {path}")
-        for f in files:
-            yield from _file_records(f, stats, in_folder=True)
-        return
-    if source.startswith((".", "/", "~")) or source.endswith((".json", ".jsonl", ".parquet")):
-        raise UserError(f"data file not found: {source}")
-    yield from _hub_records(source, split)
+    files, folder = local
+    for f in files:
+        yield from _file_records(f, stats, in_folder=folder is not None)
 
 
 def _hub_records(name: str, split: str) -> Iterator[dict]:
@@ -411,23 +454,19 @@ def iter_conversations(source: str, split: str = "train", stats: Optional[ReadSt
         yield messages
 
 
-def data_fingerprint(source: str) -> Optional[str]:
+def data_fingerprint(source: str, split: str = "train") -> Optional[str]:
     """What a local ``data.source`` holds, cheaply: size and a hash of each data file's first and last MiB (a
-    folder: over its data files, in reading order, with their names). A features cache's or distillation's
+    folder: over the split's data files, in reading order, with their names). A features cache's or distillation's
     identity names the source by path only: rewriting the file must not hand its old records to a run on new data.
-    Never mtimes: a reinstall of the embedded package (same file) must keep its cache. None for a hub id."""
-    if source.startswith("embedded:"):
-        if source not in assets.EMBEDDED_DATA:
-            return None  # the reader refuses it in one line
-        files, root = [assets.sharegpt_json_path()], None
-    else:
-        root = Path(source).expanduser()
-        if root.is_file():
-            files, root = [root], None
-        elif root.is_dir():
-            files = data_files(root)
-        else:
-            return None
+    Never mtimes: a reinstall of the embedded package (same file) must keep its cache. None for a hub id, and for
+    a source the reader refuses (it says why in one line)."""
+    try:
+        local = local_files(source, split)
+    except UserError:
+        return None
+    if local is None:
+        return None
+    files, root = local
     digest, total = hashlib.sha256(), 0
     for path in files:
         size = path.stat().st_size

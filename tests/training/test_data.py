@@ -114,6 +114,36 @@ def test_directory_of_files(tmp_path):
     assert [c[-1]["content"] for c in convs] == ["answer 0.", "a1", "a2", "answer 3."]
 
 
+def test_a_folder_whose_file_names_name_splits_reads_the_chosen_split_alone(tmp_path):
+    """Guards against: a downloaded dataset's folder (``data/train-00000-of-00001.jsonl`` beside
+    ``data/test-...``) read whole, training on its test split, with ``data.split`` ignored on every local source;
+    the split's files are the ones ``datasets.load_dataset(folder)`` takes, and a split the names do not name is
+    refused in one line naming those they do."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train-00000-of-00001.jsonl").write_text(json.dumps(_sharegpt(0)) + "\n")
+    (tmp_path / "data" / "test-00000-of-00001.jsonl").write_text(json.dumps(_sharegpt(1)) + "\n")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"features": {}}))
+    answers = lambda split: [c[-1]["content"] for c in iter_conversations(str(tmp_path), split)]  # noqa: E731
+    assert answers("train") == ["answer 0."]
+    assert answers("test") == ["answer 1."]
+    with pytest.raises(UserError, match=r"data.split='validation' is not among .*: test, train$"):
+        answers("validation")
+    assert readers.data_fingerprint(str(tmp_path), "train") != readers.data_fingerprint(str(tmp_path), "test")
+
+
+@pytest.mark.parametrize("layout", ["folder", "file", "embedded"])
+def test_a_split_a_local_source_does_not_hold_is_refused(layout, tmp_path):
+    """Guards against: ``data.split=test`` on one file, the embedded data or a folder whose names name no split
+    silently training on the whole source as if it were that split."""
+    (tmp_path / "chats.jsonl").write_text(json.dumps(_sharegpt(0)) + "\n")
+    source = {"folder": str(tmp_path), "file": str(tmp_path / "chats.jsonl"), "embedded": "embedded:sharegpt"}[layout]
+    with pytest.raises(UserError, match="data.split='test', but .*train split"):
+        readers.local_files(source, "test")
+    assert readers.data_fingerprint(source, "test") is None
+    if layout != "embedded":
+        assert [c[-1]["content"] for c in iter_conversations(source, "train")] == ["answer 0."]
+
+
 def test_missing_and_unsupported_sources(tmp_path):
     """Guards against: a missing file being looked up on the hub (slow, confusing) instead of a clear UserError."""
     with pytest.raises(UserError, match="not found"):

@@ -26,6 +26,7 @@ REFUSED = [
     # stage 2 from heads that are not there: refused in preflight, no longer after the backbone loaded
     (["lora.enabled=true", "lora.init_heads={tmp}/nonexist"], "/nonexist: heads directory not found"),
     (["features.mode=train", "features.cache_dir={tmp}/.."], "holds files but no features.json: not a feature cache"),
+    (["data.split=test"], "data.split='test', but data.source="),
 ]
 
 
