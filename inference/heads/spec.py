@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import typing
 from typing import Any, Optional
 
 from ..chat_template import check_template_args
@@ -145,7 +146,10 @@ class HeadsSpec:
         """The spec of a config.json dict: common keys, then the family's settings (``kind``'s); a key that is
         neither is refused in one line (format 1's unset keys of other families pass, see FORMAT1_LAYOUT)."""
         common = {k: v for k, v in d.items() if k in _COMMON_NAMES}
-        return cls(**common, **{k: v for k, v in d.items() if k not in _COMMON_NAMES})
+        check_value_types(common, cls)
+        own = {k: v for k, v in d.items() if k not in _COMMON_NAMES}
+        check_value_types(own, family(common.get("kind", "medusa")).settings)
+        return cls(**common, **own)
 
 
 _COMMON_NAMES = frozenset(f.name for f in dataclasses.fields(HeadsSpec)) - {"settings"}
@@ -162,6 +166,33 @@ def family_settings_of(fam: HeadFamily, flat: dict):
         raise UserError(f"heads config has unknown keys {stray} (heads kind {fam.kind!r} {theirs} besides the "
                         "common keys)")
     return fam.settings(**{k: flat[k] for k in own if k in flat})
+
+
+_JSON_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+               dict: "an object"}
+
+
+def check_value_types(values: dict, cls) -> None:
+    """Each value of a config.json dict of the JSON type ``cls``'s field annotation names (int, float, bool, str,
+    list, dict, or Optional of one): ``"num_heads": "3"`` said ``'<' not supported between 'str' and 'int'``
+    from deep in a check, or built a spec that failed later still."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        wanted = hints.get(key)
+        optional = typing.get_origin(wanted) is typing.Union and type(None) in typing.get_args(wanted)
+        if optional:
+            if value is None:
+                continue
+            wanted = next(a for a in typing.get_args(wanted) if a is not type(None))
+        wanted = typing.get_origin(wanted) or wanted
+        if wanted not in _JSON_TYPES:
+            continue
+        ok = isinstance(value, wanted) and not (wanted in (int, float) and isinstance(value, bool))
+        if wanted is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise UserError(f"heads config {key} must be {_JSON_TYPES[wanted]}{' or null' if optional else ''}, "
+                            f"got {json.dumps(value)}")
 
 
 def check_compatible(spec: HeadsSpec, backbone_config, where: str = "heads") -> None:

@@ -237,6 +237,22 @@ def test_bad_config_json(tmp_path):
         read_heads_spec(out)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"num_heads": "3"}, 'num_heads must be an integer, got "3"'),
+    ({"num_layers": True}, "num_layers must be an integer, got true"),
+    ({"truncated_vocab_size": 8.5}, "truncated_vocab_size must be an integer or null, got 8.5"),
+    ({"kind": "mlp_speculator", "tie_weights": "false"}, 'tie_weights must be true or false, got "false"'),
+])
+def test_a_value_of_the_wrong_json_type_is_refused_naming_the_key(change, words, tmp_path):
+    """Guards against: a hand-edited config.json with ``"num_heads": "3"`` refused as ``'<' not supported between
+    instances of 'str' and 'int'`` (or a ``"tie_weights": "false"`` string read as true), not naming the key."""
+    out = save_heads(_trained_heads("own"), tmp_path / "h")
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(cfg, **change)))
+    with pytest.raises(UserError, match=f"heads config {words}$"):
+        read_heads_spec(out)
+
+
 # -- atomic replacement -----------------------------------------------------------------------------
 def _logits(heads, x):
     with torch.no_grad():
