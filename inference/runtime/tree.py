@@ -500,6 +500,16 @@ def resolve_tree(tree, num_heads: int) -> MedusaTree:
     if isinstance(tree, (str, os.PathLike)):
         s = str(tree)
         if s.endswith(".json") or os.sep in s:
-            return MedusaTree.load(s)
+            return MedusaTree.load(s)   # one holding no path is refused there
         return default_tree(s, num_heads)
-    return MedusaTree(tree)
+    resolved = MedusaTree(tree)
+    _refuse_rootless(resolved, f"tree={tree!r}")
+    return resolved
+
+
+def _refuse_rootless(tree: MedusaTree, what: str) -> None:
+    """A tree a user gives with no draft node (``tree=[]``) decoded as plain decoding with the heads' cost on top,
+    saying nothing: refused. Trees the runtime grows itself (a node budget of 0) may be empty."""
+    if tree.num_nodes == 1:
+        raise UserError(f"{what} has no draft node: give at least one path, e.g. [[0]] (or a tree name such as "
+                        "tree8); plain decoding is method autoregressive")

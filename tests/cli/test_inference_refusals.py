@@ -78,6 +78,9 @@ REFUSED = [
     # -- item 11: an empty tree file; booleans that are not true/false -------------------------------------------
     (EVAL, [MEDUSA, PROMPTS, "tree={tmp}/empty_tree.json"], "holds no tree paths"),
     (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/empty_tree.json"], "holds no tree paths"),
+    # a tree of no draft node decoded as plain decoding with the heads' cost on top, saying nothing
+    (GEN, [MEDUSA, "prompt=hi", "tree=[]"], "tree=[] has no draft node: give at least one path"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "tree=[]"], "tree=[] has no draft node"),
     (EXPORT, [MEDUSA, "format=vllm", "out={tmp}/o", "materialize=3"],
      "materialize must be true or false (or yes/no, on/off, 1/0), got '3'"),
     (EVAL, [MEDUSA, PROMPTS, "compare=2"], "compare must be true or false"),
