@@ -60,7 +60,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import UserError
-from ..heads.native import load_state_checked
+from ..heads.native import check_safetensors, load_state_checked
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
 from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter, written_bytes
@@ -165,10 +165,11 @@ def is_mlp_speculator_dir(d: Path) -> bool:
     cfg = d / "config.json"
     if not cfg.is_file() or not ((d / WEIGHTS).is_file() or (d / PICKLE).is_file()):
         return False
-    try:
-        return json.loads(cfg.read_text()).get("model_type") == MODEL_TYPE
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    try:   # a config.json of another shape (a list, unreadable) is no such folder; its own reader says why
+        raw = json.loads(cfg.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return False
+    return isinstance(raw, dict) and raw.get("model_type") == MODEL_TYPE
 
 
 def read_spec(d: Path) -> HeadsSpec:
@@ -186,6 +187,8 @@ def read_spec(d: Path) -> HeadsSpec:
 
 def load(d: Path, spec: HeadsSpec):
     f = d / WEIGHTS if (d / WEIGHTS).is_file() else d / PICKLE
+    if f.name == WEIGHTS:
+        check_safetensors(f)   # a cut file: one line, not safetensors' traceback
     raw = load_file(str(f)) if f.name == WEIGHTS else load_pickle_weights(f)
     tensors = {k.removeprefix("speculator."): v for k, v in raw.items()}
     heads = build_heads(spec)

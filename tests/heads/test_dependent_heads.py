@@ -377,6 +377,24 @@ def test_an_mlp_speculator_dir_with_only_pytorch_model_bin_imports(model, tmp_pa
                                    heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
 
 
+def test_a_cut_or_odd_mlp_speculator_dir_is_refused_in_one_line(model, tmp_path):
+    """Guards against: an mlp_speculator folder whose model.safetensors is cut short ending in safetensors'
+    ``SafetensorError`` traceback (the other layouts check the header first), and a folder whose config.json
+    holds a JSON list crashing layout detection with ``'list' object has no attribute 'get'``."""
+    from inference.formats.export import export_heads
+    from inference.formats.importers import detect_layout
+    from inference.loading import import_heads
+
+    d = export_heads(dependent_heads(model, "mlp_speculator"), "vllm", tmp_path / "cut").path
+    weights = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    with pytest.raises(UserError, match="model.safetensors is corrupt or unreadable"):
+        import_heads(d, model.config)
+    (d / "model.safetensors").write_bytes(weights)
+    (d / "config.json").write_text("[]")
+    assert detect_layout(d) != "vllm_mlp_speculator"
+
+
 def test_truncated_mlp_speculator_needs_materialize_and_hydra_has_no_vllm_layout(model, tmp_path):
     """Guards against writing a vLLM directory whose head.{k} vLLM cannot hold (truncated), and
     against exporting Hydra heads to a format that has no place for them."""
