@@ -377,6 +377,25 @@ def test_an_mlp_speculator_dir_with_only_pytorch_model_bin_imports(model, tmp_pa
                                    heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
 
 
+def test_a_tied_speculator_from_fms_extras_converter_imports(model, tmp_path):
+    """Guards against: a tied speculator converted by fms-extras (its config says ``tie_wts``, not vLLM's
+    ``tie_weights``) refused as lacking emb.1.weight, the weights it shares with step 0."""
+    from inference.formats.export import export_heads
+    from inference.loading import import_heads
+
+    heads = dependent_heads(model, "mlp_speculator", tie_weights=True)
+    d = export_heads(heads, "vllm", tmp_path / "fms").path
+    config = json.loads((d / "config.json").read_text())
+    config["tie_wts"] = config.pop("tie_weights")
+    (d / "config.json").write_text(json.dumps(config))
+    back = import_heads(d, model.config)
+    g = torch.Generator().manual_seed(6)
+    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
+    for k in range(3):
+        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
+                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+
+
 def test_a_cut_or_odd_mlp_speculator_dir_is_refused_in_one_line(model, tmp_path):
     """Guards against: an mlp_speculator folder whose model.safetensors is cut short ending in safetensors'
     ``SafetensorError`` traceback (the other layouts check the header first), and a folder whose config.json
