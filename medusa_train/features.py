@@ -76,12 +76,14 @@ manifest is ``manifest.py``'s, shared with distillation.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -107,6 +109,7 @@ from .manifest import check_recorded, claim, is_temp_name, read_manifest, write_
 
 FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy); 1 is refused
 MANIFEST = "features.json"
+MANIFEST_LOCK = ".features.lock"   # held while a build records itself (holding_manifest)
 EVAL_FILE = "eval.safetensors"
 KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
 _STARTED = time.time()  # leftovers older than this process cannot be from a writer of this run
@@ -144,7 +147,7 @@ RUN_SETUP = (".hydra", RANDOM_BACKBONE_DIR)  # what a run writes into output_dir
 def _cache_own(name: str) -> bool:
     """Whether an entry of a cache folder is one the cache writes itself: its manifest, eval file and shards,
     and the temporary names they are written under (``.<name>.tmp-<pid>``)."""
-    return (name in (MANIFEST, EVAL_FILE) or re.fullmatch(r"train-\d{6}\.safetensors", name) is not None
+    return (name in (MANIFEST, EVAL_FILE, MANIFEST_LOCK) or re.fullmatch(r"train-\d{6}\.safetensors", name) is not None
             or is_temp_name(name))
 
 
@@ -461,8 +464,24 @@ def _record_build(cache: FeatureCache, target: int, epoch_complete: bool, counts
                   hidden_size: int, per_pos: int, stream: ConversationStream) -> None:
     """Write the manifest of a completed build (main process): its batches, shards and what tokenising them saw.
     A longer build sharing this cache that recorded more while this one ran keeps its record (it covers ours)."""
-    if cache.manifest().get("batches", 0) > target:
-        return
+    with holding_manifest(cache.root):
+        if cache.manifest().get("batches", 0) > target:
+            return
+        _write_build_record(cache, target, epoch_complete, counts, shapes, hidden_size, per_pos, stream)
+
+
+@contextmanager
+def holding_manifest(root: Path) -> Iterator[None]:
+    """The cache's manifest held for a read-compare-write: two builds of different lengths sharing the cache could
+    each read it before either wrote, and the shorter's record then replaced the longer's (a ``flock`` on a file
+    of its own: the cache folder may be a run's ``output_dir``, which that run holds locked itself)."""
+    with open(root / MANIFEST_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)   # released when the file closes, however the process ends
+        yield
+
+
+def _write_build_record(cache: FeatureCache, target: int, epoch_complete: bool, counts: list[int], shapes: list,
+                        hidden_size: int, per_pos: int, stream: ConversationStream) -> None:
     manifest = {**cache.manifest(), "batches": target, "epoch_complete": epoch_complete, "shards": counts,
                 "eval": True, "positions": sum(b * w for b, w in shapes), "hidden_size": hidden_size,
                 "bytes_per_position": per_pos,

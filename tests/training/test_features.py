@@ -187,6 +187,38 @@ def test_a_shorter_build_sharing_the_cache_never_shrinks_a_longer_ones_shards(co
                        f"features.cache_dir={cache}", out=tmp_path / "train"))
 
 
+def test_a_longer_build_recording_beside_a_shorter_one_keeps_its_record(tmp_path, monkeypatch):
+    """Guards against: the manifest's final read-compare-write racing between two builds sharing a cache: the
+    shorter build read the manifest, the longer one then recorded its 10 batches, and the shorter's record (6)
+    replaced it. The longer build's record, made while the shorter one holds the manifest, must wait for it."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / features.MANIFEST).write_text(json.dumps({"format": features.FORMAT_VERSION, "batches": 2}))
+    cache = features.FeatureCache(root)
+    stream = SimpleNamespace(stats=SimpleNamespace(conversations=1, truncated=0, no_labels=0, unlocated_replies=0),
+                             read_stats=SimpleNamespace(recovered=1, dropped={}))
+    record = lambda target: features._record_build(cache, target, False, [target], [(target, 4)], 8, 16, stream)  # noqa: E731
+    real_write = features._write_build_record
+    context = multiprocessing.get_context("fork")   # started before the lock is taken: it must not inherit it
+    go = context.Event()
+    longer = context.Process(target=lambda: go.wait(60) and record(10))
+    longer.start()
+
+    def write_after_the_longer_one_tried(*args):   # the shorter build, between its read and its write
+        go.set()
+        longer.join(timeout=2)
+        real_write(*args)
+
+    monkeypatch.setattr(features, "_write_build_record", write_after_the_longer_one_tried)
+    record(6)
+    longer.join(timeout=60)
+    assert longer.exitcode == 0
+    assert json.loads((root / features.MANIFEST).read_text())["batches"] == 10
+
+
 def test_a_cache_dir_that_is_a_file_or_another_folder_is_refused_before_the_backbone_loads(compose_tiny, tmp_path):
     """Guards against: features.cache_dir naming a file ending in a 27-line FileExistsError traceback after the
     backbone was built (output_dir/.hydra and backbone/ left behind), and naming a folder of something else (a
