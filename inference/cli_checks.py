@@ -186,7 +186,7 @@ def check_eval_prompts_fit(cfg, prompts: list, calibration: Optional[list], spec
         return
     encode_checked(model, prompts, cfg.max_new_tokens, cfg.turns)
     if calibration:
-        encode_checked(model, calibration, cfg.calibration_tokens)
+        encode_checked(model, calibration, cfg.calibration_tokens, key="calibration_tokens")
 
 
 def method_options(cfg, method: str, spec):

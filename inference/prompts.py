@@ -60,14 +60,16 @@ def answered_turn(p: Prompt) -> int:
     return turn
 
 
-def encode_checked(m, prompts: list[Prompt], max_new_tokens: int, turns: str = "first") -> list[list[int]]:
+def encode_checked(m, prompts: list[Prompt], max_new_tokens: int, turns: str = "first",
+                   key: str = "max_new_tokens") -> list[list[int]]:
     """The first turns of ``prompts`` encoded for ``m``, every one checked to fit the backbone's positions with
     ``max_new_tokens`` before any is decoded (an evaluation refused mid-run has wasted what it decoded); with
     ``turns="both"`` the second turns too, the first answer (not decoded yet) counted at its longest,
-    ``max_new_tokens`` (a long second turn was refused only once every first turn had been decoded)."""
+    ``max_new_tokens`` (a long second turn was refused only once every first turn had been decoded). ``key``: the
+    setting that gave ``max_new_tokens``, named in a refusal (``calibration_tokens`` for calibration prompts)."""
     ids = [encode_turn(m, p) for p in prompts]
     for p, row in zip(prompts, ids):
-        check_budget(m, len(row), max_new_tokens, what=f"prompt {p.id!r}")
+        check_budget(m, len(row), max_new_tokens, what=f"prompt {p.id!r}", key=key)
     for p in (x for x in prompts if turns == "both" and len(x.turns) > 1):
         given = bool(p.replies) and p.replies[0] is not None   # the record's own reply: its length is known
         n = len(encode_turn(m, p, 1, [""])) + (0 if given else max_new_tokens)

@@ -263,7 +263,7 @@ def evaluate_batched(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence
     held = prompt_record(prompts, calib_src, (settings or {}).get("num_prompts"))
     check_sizes_measured(sizes, len(prompts))
     ids = encode_checked(m, prompts, max_new_tokens)   # every prompt fits before anything is decoded
-    calib = encode_checked(m, calib_src, calibration_tokens)
+    calib = encode_checked(m, calib_src, calibration_tokens, key="calibration_tokens")
     # each batch size's steps are timed on the calibration prompts (rows cycled up to the size), not the evaluated
     ctx = ChoiceContext(m, calib, calib or ids, calibration_tokens, log=log, progress=progress)
     made = choose_all(ctx, opts, modes, sizes)

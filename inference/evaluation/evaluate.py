@@ -292,7 +292,7 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     if calibrating(opts, modes, batched=False):
         calib_src, prompts = (calibration, prompts) if calibration else split_calibration(prompts, calibration_prompts)
     held = prompt_record(prompts, calib_src, (settings or {}).get("num_prompts"))
-    calib = encode_checked(m, calib_src, calibration_tokens)
+    calib = encode_checked(m, calib_src, calibration_tokens, key="calibration_tokens")
     ids = encode_checked(m, prompts, max_new_tokens, turns)   # every turn fits before anything is decoded
     made = choose_all(ChoiceContext(m, calib, calib[:1], calibration_tokens, budgets, log, progress), opts, modes)
     opts.update({meth: c.options for meth, c in made.items()})

@@ -299,7 +299,29 @@ def load_state_checked(heads: ProjectedHeads, state: dict[str, torch.Tensor], wh
         if name in expected and tuple(t.shape) != tuple(expected[name].shape):
             raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, config implies "
                             f"{tuple(expected[name].shape)}; {MISMATCH_FIX}")
+        if name in expected:
+            check_tensor_values(name, t, expected[name].dtype.is_floating_point, heads.spec.vocab_size, where)
     heads.load_state_dict(state, strict=True)
+
+
+def check_tensor_values(name: str, t: torch.Tensor, floating: bool, vocab_size: int, where) -> None:
+    """A stored tensor of the kind its place holds: a weight in floating point and finite (NaN drafts are never
+    accepted: slow, silently), a token map of integer ids in the backbone's vocabulary (one out of range loaded and
+    then failed at the first step deep in torch, and was exported as it was)."""
+    if floating:
+        if not t.dtype.is_floating_point:
+            raise UserError(f"{where}: {name} is stored as {t.dtype}, not as a floating-point weight (a damaged or "
+                            "foreign file)")
+        flat = t.reshape(-1)   # in slices: an 8B backbone's own-projection head is 0.5G values
+        if not all(bool(torch.isfinite(flat[i:i + 2 ** 24]).all()) for i in range(0, flat.numel(), 2 ** 24)):
+            raise UserError(f"{where}: {name} holds NaN or infinite values: the heads' training diverged or the file "
+                            "is damaged")
+    elif name.split(".")[-1] == "token_map":
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise UserError(f"{where}: token_map is stored as {t.dtype}, not integer token ids")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+            raise UserError(f"{where}: token_map holds ids outside the backbone's vocabulary 0..{vocab_size - 1} "
+                            f"({int(t.min())}..{int(t.max())})")
 
 
 def place(heads: ProjectedHeads, device, dtype: Optional[torch.dtype]) -> ProjectedHeads:

@@ -24,7 +24,7 @@ import torch
 from ..cli_support import enum_value
 from ..errors import UserError
 from ..runtime.decode import (Decoder, GenerationOutput, TokenStream, as_medusa_model, check_budget, check_call,
-                              prompt_tensor, run_decoder)
+                              check_eos_ids, prompt_tensor, run_decoder)
 from ..runtime.batch_decode import BatchOutput, run_batch
 from ..runtime.model import MedusaModel, kv_bytes_per_token
 from ..runtime.verify import SamplingConfig
@@ -289,6 +289,7 @@ def _prepare(m, method: str, options, sampling: Optional[SamplingConfig], option
     spec = get(method)
     check_call(*call, sampling)
     m = as_medusa_model(m)
+    check_eos_ids(m, call[2])
     opts = fitted_options(m, method, make_options(method, options, **option_fields))
     sampling = sampling or SamplingConfig()
     check_greedy_only([method], sampling)
@@ -320,6 +321,8 @@ def generate(m, input_ids, method: str = "medusa", *, options=None, max_new_toke
              eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
              on_tokens: Optional[Callable[[list[int]], None]] = None, **option_fields) -> GenerationOutput:
     """Run ``method`` to the end (arguments as ``stream``); ``on_tokens`` gets each step's new tokens."""
+    if on_tokens is not None and not callable(on_tokens):   # else its TypeError came after the prompt's prefill
+        raise UserError(f"on_tokens must be a function of each step's new token ids, got {type(on_tokens).__name__}")
     s = stream(m, input_ids, method, options=options, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                eos_token_ids=eos_token_ids, max_steps=max_steps, **option_fields)
     for chunk in s:

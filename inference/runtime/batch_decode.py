@@ -32,7 +32,8 @@ import torch
 
 from ..errors import UserError
 from .batch_cache import RaggedKVCache, pad_layout
-from .decode import GenerationOutput, _Emitter, _sync, check_budget, eos_set, is_integer, seeded_generator
+from .decode import (GenerationOutput, _Emitter, _sync, check_budget, eos_set, is_array, is_integer,
+                     refuse_padding, seeded_generator, short_repr)
 from .memory import free_memory_bytes
 from .model import MedusaModel, kv_bytes_per_token
 from .static_tree import StaticTree
@@ -76,14 +77,9 @@ def check_batch_size(batch_size) -> int:
     return batch_size
 
 
-def _is_array(x) -> bool:
-    """A numpy array (read by its interface: numpy is not imported here)."""
-    return hasattr(x, "__array_interface__") and hasattr(x, "ndim") and hasattr(x, "tolist")
-
-
 def prompt_rows(m: MedusaModel, prompts) -> list[list[int]]:
     """Each prompt as a list of token ids in the vocabulary; one ``UserError`` line otherwise."""
-    if isinstance(prompts, torch.Tensor) or _is_array(prompts):   # a [B, L] tensor or numpy array
+    if isinstance(prompts, torch.Tensor) or is_array(prompts):   # a [B, L] tensor or numpy array
         if prompts.ndim != 2:
             raise UserError("a batch of prompts must be a list of id lists or a [B, L] tensor")
         if prompts.dtype == torch.bool or str(prompts.dtype) == "bool" or \
@@ -96,19 +92,20 @@ def prompt_rows(m: MedusaModel, prompts) -> list[list[int]]:
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             raise UserError(f"prompt {i} is text; encode it first (e.g. MedusaModel.encode_chat)")
-        if (isinstance(p, torch.Tensor) or _is_array(p)) and p.ndim == 1:   # a row as a tensor or numpy array
+        if (isinstance(p, torch.Tensor) or is_array(p)) and p.ndim == 1:   # a row as a tensor or numpy array
             p = p.tolist()
         if isinstance(p, (bytes, torch.Tensor)) or not isinstance(p, Sequence):
             raise UserError(f"prompt {i} ({type(p).__name__}) is not a list of token ids: a batch is a list of "
                             "prompts (one prompt: [ids])")
         bad = next((t for t in p if not is_integer(t)), None)
         if bad is not None:   # int() would truncate 1.7 to 1 (and True to 1), as generate refuses to
-            raise UserError(f"prompt {i} must be a list of integer token ids, got {bad!r}")
+            raise UserError(f"prompt {i} must be a list of integer token ids, got {short_repr(bad)}")
         ids = [int(t) for t in p]
         if not ids:
             raise UserError(f"prompt {i} is empty: give at least one token")
         if min(ids) < 0 or max(ids) >= m.vocab_size:
             raise UserError(f"prompt {i}: token ids must lie in 0..{m.vocab_size - 1}")
+        refuse_padding(m, ids, f"prompt {i}")
         rows.append(ids)
     return rows
 

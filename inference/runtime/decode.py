@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -109,6 +110,9 @@ def stream_text(tokenizer, chunks: Iterable[Sequence[int]], skip_special_tokens:
     start = read = 0   # the window's first token; the tokens up to ``read`` are already shown
     shown = 0          # characters written in all
     for chunk in chunks:
+        if is_integer(chunk):   # a GenerationOutput's tokens: one id at a time, not the stream's chunks
+            raise UserError("stream_text reads a stream's chunks (lists of token ids); for a finished answer's tokens "
+                            "use answer_text(tokenizer, tokens)")
         tokens += chunk
         before = answer_text(tokenizer, tokens[start:read], skip_special_tokens)
         text = answer_text(tokenizer, tokens[start:], skip_special_tokens)
@@ -128,31 +132,63 @@ def _sync(device: torch.device) -> None:
 
 
 def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise UserError(f"batch size {input_ids.shape[0]} is not supported: decode one sequence at a time")
-        if input_ids.dim() not in (1, 2):
-            raise UserError("input_ids must be a list of ids or a [1, L] / [L] tensor")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise UserError(f"input_ids must be integer token ids, got a {input_ids.dtype} tensor")
+    """One prompt's token ids as a [1, L] tensor on the model's device, from a list or tuple of ids or a [L] /
+    [1, L] tensor or numpy array; anything else refused in one line (bytes were read as ids, a set in its hash
+    order, a tokenizer's output by its keys)."""
+    if isinstance(input_ids, torch.Tensor) or is_array(input_ids):
+        kind, shape = ("a tensor" if isinstance(input_ids, torch.Tensor) else "an array"), tuple(input_ids.shape)
+        if len(shape) == 2 and shape[0] != 1:
+            raise UserError(f"batch size {shape[0]} is not supported: decode one sequence at a time "
+                            "(a batch: generate_batch)")
+        if len(shape) not in (1, 2):
+            raise UserError(f"input_ids must be a list of ids or a [1, L] / [L] tensor, got {kind} of shape {shape}")
+        if any(word in str(input_ids.dtype) for word in ("float", "complex", "bool")):
+            raise UserError(f"input_ids must be integer token ids, got {kind} of {input_ids.dtype}")
         ids = input_ids.reshape(-1).tolist()
-    elif isinstance(input_ids, str):
+    elif isinstance(input_ids, Mapping):   # a tokenizer's BatchEncoding: iterating it gives its keys
+        raise UserError("input_ids is a mapping (a tokenizer's output?): pass its token ids, enc['input_ids'] "
+                        "(enc['input_ids'][0] for a batch of one)")
+    elif isinstance(input_ids, (str, bytes, bytearray)):
         raise UserError("input_ids must be token ids; encode text first (e.g. MedusaModel.encode_chat)")
+    elif not isinstance(input_ids, Sequence):   # a set has no order; a generator would be spent by this check
+        raise UserError(f"input_ids must be a list of token ids or a tensor, got {type(input_ids).__name__}")
     else:
-        try:
-            ids = list(input_ids)
-        except TypeError:
-            raise UserError(f"input_ids must be a list of token ids, got {type(input_ids).__name__}") from None
-        bad = next((i for i in ids if not is_integer(i)), None)
+        bad = next((i for i in input_ids if not is_integer(i)), None)
         if bad is not None:   # int() would truncate 5.9 to 5 and take a nested list's error for a bug's
-            raise UserError(f"input_ids must be integer token ids, got {bad!r}")
-        ids = [int(i) for i in ids]
+            raise UserError(f"input_ids must be integer token ids, got {short_repr(bad)}")
+        ids = [int(i) for i in input_ids]
     if not ids:
         raise UserError("the prompt is empty: give at least one token")
     v = m.vocab_size
     if min(ids) < 0 or max(ids) >= v:
         raise UserError(f"prompt token ids must lie in 0..{v - 1}")
+    refuse_padding(m, ids, "the prompt")
     return torch.tensor([ids], dtype=torch.long, device=m.device)
+
+
+def refuse_padding(m: MedusaModel, ids: list[int], what: str) -> None:
+    """Refuse a prompt that starts or ends with the tokenizer's pad token (``tokenizer(texts, padding=True)``): the
+    runtime has no attention mask to give, so the padding was decoded as part of the prompt. A pad token that is
+    also an end or start of text (SmolLM2's, Llama-3's usual setting) cannot be told from a prompt's own: let be."""
+    tok = getattr(m, "tokenizer", None)
+    pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+    if not isinstance(pad, int) or pad in set(m.eos_token_ids) or pad == getattr(tok, "bos_token_id", None):
+        return
+    if ids[0] == pad or ids[-1] == pad:
+        raise UserError(f"{what} {'starts' if ids[0] == pad else 'ends'} with the tokenizer's pad token (id {pad}): "
+                        "padding would be decoded as part of it; give prompts unpadded (tokenizer(texts).input_ids, "
+                        "without padding=True: a batch's rows may differ in length)")
+
+
+def is_array(x) -> bool:
+    """A numpy array (read by its interface: numpy is not imported here)."""
+    return hasattr(x, "__array_interface__") and hasattr(x, "ndim") and hasattr(x, "tolist")
+
+
+def short_repr(x, limit: int = 60) -> str:
+    """``repr(x)`` on one line, cut at ``limit`` characters (an array's repr spans lines)."""
+    text = " ".join(repr(x).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def is_integer(x) -> bool:
@@ -186,13 +222,27 @@ def check_call(max_new_tokens, seed, eos_token_ids, max_steps, sampling) -> None
         raise UserError(f"sampling must be a SamplingConfig (inference.runtime.verify), got {type(sampling).__name__}")
 
 
-def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
-    """Refuse a prompt (``what`` names it) whose tokens + ``max_new_tokens`` exceed the backbone's positions."""
+def check_eos_ids(m: MedusaModel, eos_token_ids) -> None:
+    """EOS ids the backbone can emit: one outside its vocabulary (a typo, -1 for "none") never stopped a reply, which
+    then looked like a model that never ends."""
+    if eos_token_ids is None:
+        return
+    ids = [eos_token_ids] if is_integer(eos_token_ids) else list(eos_token_ids)
+    bad = next((int(i) for i in ids if not 0 <= int(i) < m.vocab_size), None)
+    if bad is not None:
+        raise UserError(f"eos_token_ids must lie in 0..{m.vocab_size - 1} (the backbone's vocabulary), got {bad} "
+                        "(None: the model's; (): never stop early)")
+
+
+def check_budget(m: MedusaModel, prompt_len: int, max_new_tokens: int, what: str = "prompt",
+                 key: str = "max_new_tokens") -> None:
+    """Refuse a prompt (``what`` names it) whose tokens + ``max_new_tokens`` (the setting ``key``) exceed the
+    backbone's positions."""
     check_max_new_tokens(max_new_tokens)
     limit = getattr(m, "max_positions", None)   # None: no positional limit known
     if limit and prompt_len + max_new_tokens > limit:
         named = positions_named(m.config) if getattr(m, "config", None) is not None else f"{limit} positions"
-        raise UserError(f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+        raise UserError(f"{what} ({prompt_len} tokens) + {key} ({max_new_tokens}) exceeds the "
                         f"backbone's {named}")
 
 
@@ -304,6 +354,6 @@ def as_medusa_model(model) -> MedusaModel:
     if isinstance(model, MedusaModel):
         return model
     if not isinstance(model, torch.nn.Module):
-        raise UserError(f"the model must be a MedusaModel (inference.load_medusa) or a transformers causal LM, got "
-                        f"{type(model).__name__}")
+        raise UserError(f"the model must be a MedusaModel (inference.loading.load_medusa) or a transformers causal "
+                        f"LM, got {type(model).__name__}")
     return MedusaModel(model=model, tokenizer=None, heads=None)

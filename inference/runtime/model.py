@@ -261,6 +261,8 @@ def chat_ids(tokenizer, prompt: str | list[dict], system: Optional[str] = None, 
     if not isinstance(prompt, (str, list, tuple)) or (system is not None and not isinstance(system, str)):
         raise UserError(f"a prompt is text or a list of chat messages (and a system message text), got "
                         f"{type(prompt if not isinstance(prompt, (str, list, tuple)) else system).__name__}")
+    if not (prompt.strip() if isinstance(prompt, str) else prompt):   # as the commands refuse a blank prompt=
+        raise UserError("the prompt is empty: give the user's text (or a list of chat messages)")
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system:
         msgs = [{"role": "system", "content": system}] + msgs

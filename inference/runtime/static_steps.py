@@ -234,13 +234,15 @@ class StaticSteps:
         return self._take(lambda: StaticRaggedKV(self, batch, need, self._next()), need + 1, batch)
 
     def _take(self, view: Callable, slots: int, batch: int):
-        """The buffer for a new generation made by ``view()``, or None: it decodes on the dynamic cache. The same
-        thread takes it over from its own older generation (an abandoned stream: a step through that one is then
-        refused); another thread's live generation keeps it."""
+        """The buffer for a new generation made by ``view()``, or None: it decodes on the dynamic cache. A
+        generation still open (its view alive: a stream not yet read to its end, in this thread or another) keeps
+        the buffer; a finished or dropped one's view is gone. Two streams read in turn by one thread (an asyncio
+        server) were taken over: the first died mid-answer at its next step."""
         with self._holding:
-            if self._holder is not None and self._holder[1] != threading.get_ident() and self._holder[0]() is not None:
+            if self._holder is not None and self._holder[0]() is not None:
                 self.fallbacks += 1
-                warnings.warn(f"graphs: another thread is decoding on this model's static KV buffer: {self.whose} "
+                whom = "another thread" if self._holder[1] != threading.get_ident() else "an unfinished stream"
+                warnings.warn(f"graphs: {whom} is decoding on this model's static KV buffer: {self.whose} "
                               "decodes uncaptured on the dynamic cache", stacklevel=4)
                 return None
             if not self._reserve(slots, batch):

@@ -29,9 +29,9 @@ best frontier node B times is optimal for that objective, not only a heuristic.
 from __future__ import annotations
 
 import hashlib
-
 import heapq
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,9 +287,9 @@ def _validate(choices) -> tuple[tuple[int, ...], ...]:
         path = tuple(raw)
         if not path:
             raise UserError("tree paths must not be empty (the root is implicit)")
-        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in path):
+        if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0 for r in path):
             raise UserError(f"tree path {list(path)} must hold non-negative integer ranks")
-        paths.append(path)
+        paths.append(tuple(int(r) for r in path))   # numpy ints as ints: paths are compared and hashed
     seen = set()
     for p in paths:
         if p in seen:

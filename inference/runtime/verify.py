@@ -99,6 +99,8 @@ class SamplingConfig:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 < self.typical_epsilon < math.inf and 0 < self.typical_delta < math.inf):
             raise UserError("typical_epsilon and typical_delta must be > 0")
+        if self.typical_epsilon > 1:   # it caps a probability: above 1 nothing is accepted (1e300 crashed in torch)
+            raise UserError(f"typical_epsilon caps a probability: it must be in (0, 1], got {self.typical_epsilon}")
 
     @property
     def is_greedy(self) -> bool:

@@ -202,6 +202,38 @@ def test_corrupt_weights_are_a_user_error(damage, tmp_path):
         load_heads(out)
 
 
+@pytest.mark.parametrize("damage, words", [
+    ("token_map out of range", r"token_map holds ids outside the backbone's vocabulary 0\.\.39 \(\d+\.\.1000\d+\)"),
+    ("token_map negative", "token_map holds ids outside the backbone's vocabulary"),
+    ("token_map float", "token_map is stored as torch.float32, not integer token ids"),
+    ("weight NaN", "holds NaN or infinite values"),
+    ("weight int32", "is stored as torch.int32, not as a floating-point weight"),
+])
+def test_stored_values_the_heads_cannot_use_are_refused_at_load(damage, words, tmp_path):
+    """Guards against: a token map with ids outside the vocabulary loaded (then an IndexError deep in torch at the
+    first step, and exported to engines as it was), a float token map truncated to ids, NaN weights loaded (drafts
+    never accepted: slow, silently) and float weights stored as integers."""
+    from safetensors.torch import load_file, save_file
+
+    out = save_heads(_trained_heads("truncated"), tmp_path / "h")
+    tensors = load_file(str(out / "model.safetensors"))
+    weight = next(k for k, t in tensors.items() if t.dtype.is_floating_point)
+    if damage == "token_map out of range":
+        tensors["token_map"] = tensors["token_map"] + 1_000_000
+    elif damage == "token_map negative":
+        tensors["token_map"] = tensors["token_map"] - 100
+    elif damage == "token_map float":
+        tensors["token_map"] = tensors["token_map"].float()
+    elif damage == "weight NaN":
+        tensors[weight] = tensors[weight].clone()
+        tensors[weight].view(-1)[3] = float("nan")
+    else:
+        tensors[weight] = tensors[weight].to(torch.int32)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(UserError, match=words):
+        load_heads(out)
+
+
 def test_mismatched_tensors_are_refused(tmp_path):
     """Guards against: non-strict loading (a missing / extra / mis-shaped tensor silently ignored or broadcast)."""
     from safetensors.torch import load_file, save_file

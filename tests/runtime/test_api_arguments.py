@@ -55,14 +55,72 @@ def test_a_bad_call_argument_is_one_line(m, method, kwargs, fragment):
     ([5.9, 6.2, 7.0], "input_ids must be integer token ids, got 5.9"),   # truncated to 5, 6, 7
     ([True, False, True], "input_ids must be integer token ids, got True"),
     ([P], "input_ids must be integer token ids, got \\["),                # a nested list: int()'s TypeError
-    (None, "input_ids must be a list of token ids, got NoneType"),
-    (torch.tensor([5.0, 6.0]), "got a torch.float32 tensor"),
+    (None, "input_ids must be a list of token ids or a tensor, got NoneType"),
+    (torch.tensor([5.0, 6.0]), "got a tensor of torch.float32"),
+    (b"hello", "input_ids must be token ids; encode text first"),              # decoded as ids 104, 101, ...
+    ({5, 17, 3}, "input_ids must be a list of token ids or a tensor, got set"),   # in its hash order
+    ({"input_ids": [P]}, r"input_ids is a mapping \(a tokenizer's output\?\): pass its token ids"),   # its keys
+    (np.array([P, P]), "batch size 2 is not supported: decode one sequence at a time"),
+    (np.array([[P]]), r"got an array of shape \(1, 1, 6\)"),
+    ([np.arange(100)], r"got array\(\[.*\.\.\.$"),                           # one line, cut short
 ])
 def test_prompt_ids_must_be_integers(m, prompt, fragment):
-    """Guards against: non-integral prompt ids decoded after ``int()`` truncated them, and a nested list or None
-    failing with a TypeError from inside the conversion."""
-    with pytest.raises(UserError, match=fragment):
+    """Guards against: non-integral prompt ids decoded after ``int()`` truncated them, a nested list or None
+    failing with a TypeError from inside the conversion, bytes and a set read as token ids, a tokenizer's output
+    refused as "got 'input_ids'", and a numpy prompt's whole array in a message of several lines."""
+    with pytest.raises(UserError, match=fragment) as e:
         generate(m, prompt, "medusa", max_new_tokens=4)
+    assert "\n" not in str(e.value)
+
+
+def test_a_numpy_prompt_of_one_row_decodes_as_its_list(m):
+    """Guards against: ``np.array([ids])`` refused while ``torch.tensor([ids])`` and numpy batches were taken."""
+    want = generate(m, P, "medusa", max_new_tokens=6, eos_token_ids=()).tokens
+    assert generate(m, np.array([P]), "medusa", max_new_tokens=6, eos_token_ids=()).tokens == want
+    assert generate(m, np.array(P, dtype=np.int32), "medusa", max_new_tokens=6, eos_token_ids=()).tokens == want
+
+
+@pytest.mark.parametrize("eos", [10 ** 6, -1, [0, "V"]], ids=["huge", "negative", "vocab_size"])
+def test_an_eos_id_outside_the_vocabulary_is_refused(m, eos):
+    """Guards against: an EOS id the backbone cannot emit (a typo, -1 for "none") accepted, the reply then running
+    to max_new_tokens as if the model never ended."""
+    eos = [m.vocab_size if e == "V" else e for e in eos] if isinstance(eos, list) else eos
+    with pytest.raises(UserError, match=r"eos_token_ids must lie in 0\.\.\d+ \(the backbone's vocabulary\)"):
+        generate(m, P, "medusa", max_new_tokens=4, eos_token_ids=eos)
+    with pytest.raises(UserError, match="eos_token_ids must lie in"):
+        generate_batch(m, [P, P[:3]], "medusa", max_new_tokens=4, eos_token_ids=eos)
+
+
+def test_a_padded_prompt_is_refused_where_the_pad_token_is_no_text_marker():
+    """Guards against: ``generate_batch(m, tokenizer(texts, padding=True).input_ids)`` decoding the pad tokens as part
+    of each shorter prompt (the runtime takes no attention mask): its rows differ from the unpadded rows' answers.
+    A pad token that is also the end of text (SmolLM2's) is no sign of padding and stays accepted."""
+    from types import SimpleNamespace
+
+    base = tiny_llama(vocab=96, init=0.2)
+    padded = wrap(base, random_heads(base, seed=1))
+    padded.tokenizer = SimpleNamespace(pad_token_id=90, bos_token_id=91)
+    with pytest.raises(UserError, match=r"prompt 1 ends with the tokenizer's pad token \(id 90\): padding would"):
+        generate_batch(padded, [P, P[:3] + [90, 90, 90]], "medusa", max_new_tokens=4)
+    with pytest.raises(UserError, match="the prompt starts with the tokenizer's pad token"):
+        generate(padded, [90] + P, "medusa", max_new_tokens=4)
+    assert len(generate_batch(padded, [P, P[:3]], "medusa", max_new_tokens=4).rows) == 2
+    padded.eos_token_ids = [90]
+    assert generate(padded, P + [90], "medusa", max_new_tokens=4).tokens
+
+
+def test_small_api_mistakes_are_one_line_before_decoding(m, tmp_path):
+    """Guards against: a callback that is no function failing after the prompt's prefill, a token list given to
+    ``stream_text`` failing with "'int' object is not iterable", numpy ranks in a tree refused as not integers."""
+    from inference.runtime.decode import stream_text
+
+    with pytest.raises(UserError, match="on_tokens must be a function"):
+        generate(m, P, "medusa", max_new_tokens=4, on_tokens="print")
+    with pytest.raises(UserError, match="use answer_text"):
+        list(stream_text(m.tokenizer, [5, 6, 7]))
+    tree = [[np.int64(0)], [np.int64(0), np.int64(0)]]
+    assert (generate(m, P, "medusa", max_new_tokens=6, tree=tree).tokens
+            == generate(m, P, "medusa", max_new_tokens=6, tree=[[0], [0, 0]]).tokens)
 
 
 def test_accepted_forms_still_decode_alike(m):
@@ -87,6 +145,7 @@ def test_accepted_forms_still_decode_alike(m):
     (dict(top_k=True), "top_k must be an integer"),
     (dict(top_k=None), "top_k must be an integer"),
     (dict(typical_epsilon=math.inf), "typical_epsilon and typical_delta must be > 0"),
+    (dict(typical_epsilon=1e300), r"typical_epsilon caps a probability: it must be in \(0, 1\]"),   # torch overflow
 ])
 def test_sampling_config_types(kwargs, fragment):
     """Guards against: ``SamplingConfig`` checking values but not types: a string temperature's TypeError from its

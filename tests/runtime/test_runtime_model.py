@@ -89,6 +89,13 @@ def test_backbone_by_path_and_bad_paths(export, tmp_path):
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(UserError, match="cannot load backbone"):
         load_medusa(path, backbone=str(tmp_path / "no-such-model"))
+    # a blank prompt rendered an empty user turn (the commands refuse a blank prompt=); a tokenizer that is not
+    # one (a path) failed at the first prompt as "the tokenizer has no chat template"
+    for blank in ("", "  \n", []):
+        with pytest.raises(UserError, match="the prompt is empty"):
+            m.encode_chat(blank)
+    with pytest.raises(UserError, match="tokenizer must be a transformers tokenizer .*got str"):
+        load_medusa(path, tokenizer=str(model_dir))
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -199,14 +199,30 @@ def test_padding_rows_never_reach_the_output(medusa):
     m.static = None
 
 
-def test_a_stale_generation_is_refused(medusa):
-    """Guards against two generations sharing one model's static buffer (each would read the other's entries):
-    a step through the older view raises instead of decoding wrong."""
+def test_an_open_stream_keeps_the_buffer_and_the_next_generation_decodes_beside_it(medusa):
+    """Guards against: two streams read in turn by one thread (an asyncio server's pattern) on static steps: the
+    second took the buffer over and the first died mid-answer ("two generations are decoding ..."). The second now
+    decodes on the dynamic cache with a warning, both token-identical to graphs=off; once the first is read to its
+    end the buffer is free again; a step through a stale view is still refused."""
+    from inference.methods import stream
+
+    with_steps(medusa, "off")
+    want_a = generate(medusa, DISTINCT, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()).tokens
+    want_b = generate(medusa, REPEATING, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()).tokens
     m = with_steps(medusa, "uncaptured")
-    old = m.new_cache(16)
-    m.new_cache(16)
+    a = iter(stream(m, DISTINCT, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()))
+    got_a = list(next(a))
+    with pytest.warns(UserWarning, match="an unfinished stream is decoding on this model's static KV buffer"):
+        got_b = generate(m, REPEATING, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()).tokens
+    for chunk in a:
+        got_a += chunk
+    assert (got_a, got_b) == (want_a, want_b)
+    fallbacks = m.static.fallbacks
+    assert generate(m, REPEATING, "medusa", tree="tree8", max_new_tokens=20, eos_token_ids=()).tokens == want_b
+    assert m.static.fallbacks == fallbacks   # the finished stream let go of the buffer
+    view = m.new_cache(16)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="two generations"):
-        m.hidden(torch.tensor([[1]]), torch.tensor([[0]]), old)
+        m.static.check_current(view.generation - 1)
     m.static = None
 
 

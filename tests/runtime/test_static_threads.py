@@ -76,7 +76,7 @@ def test_two_threads_never_mix_their_generations(batched):
 def test_another_threads_request_falls_back_while_a_generation_holds_the_buffer():
     """Guards against: a request from a second thread while a first thread's generation (a stream paused between
     steps) holds the buffer taking it over; it decodes on the dynamic cache, saying so, and the first stream goes
-    on to its own tokens; the same thread starting another generation still takes the buffer over."""
+    on to its own tokens (the same thread's second stream does the same: test_static_steps)."""
     from inference.methods import stream
 
     base = tiny_llama(vocab=96, layers=2, init=0.2)
