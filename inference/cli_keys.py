@@ -54,7 +54,7 @@ class CommandKeys:
     top_p: float = _key(1.0, "nucleus sampling's mass (1.0: off)")
     top_k: int = _key(0, "sample among the k likeliest tokens (0: off)")
     typical_epsilon: float = _key(0.09, "mode=typical: the acceptance threshold's cap, "
-                                  "min(epsilon, delta * exp(-entropy))")
+                                  "min(epsilon, delta * exp(-entropy)); in (0, 1]")
     typical_delta: float = _key(0.3, "mode=typical: the entropy-scaled part of that threshold")
     max_new_tokens: int = _key(128, "tokens generated per prompt (per turn)")
     seed: int = _key(0, "random seed (sampling, random draws)")
