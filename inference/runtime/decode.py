@@ -17,6 +17,7 @@ import numbers
 import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping
+from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -311,6 +312,23 @@ class Decoder(Protocol):
         """One step: (the tokens it emits, the draft tokens it proposed for verification)."""
 
 
+@contextmanager
+def handed_out(decoder) -> Iterator[None]:
+    """Mark the decoder's static KV views (its ``cache``, a draft model's ``dcache``: what has ``check_current``)
+    as held by a stream suspended at a ``yield``: a generation the same thread starts meanwhile (two streams read in
+    turn, an asyncio server's pattern) decodes beside it on the dynamic cache instead of taking the buffer over,
+    which killed this stream at its next step (``StaticSteps._take``)."""
+    views = [v for v in (getattr(decoder, "cache", None), getattr(decoder, "dcache", None))
+             if hasattr(v, "check_current")]
+    for v in views:
+        v.in_stream = True
+    try:
+        yield
+    finally:
+        for v in views:
+            v.in_stream = False
+
+
 def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int, eos_token_ids,
                 max_steps: Optional[int]) -> Iterator[list[int]]:
     """Prefill, then ``decoder.step()`` until EOS / max_new_tokens / max_steps. Yields each step's
@@ -328,7 +346,8 @@ def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int
     _sync(m.device)
     out.prefill_s = time.perf_counter() - t0
     away = time.perf_counter()
-    yield emit.add([root])
+    with handed_out(decoder):
+        yield emit.add([root])
     t0 += time.perf_counter() - away   # the caller's time, not decoding's
     while not emit.finish and (max_steps is None or out.steps < max_steps):
         t = time.perf_counter()
@@ -342,7 +361,8 @@ def run_decoder(decoder: Decoder, m: MedusaModel, input_ids, max_new_tokens: int
         out.proposed.append(proposed)
         if chunk:
             away = time.perf_counter()
-            yield chunk
+            with handed_out(decoder):
+                yield chunk
             t0 += time.perf_counter() - away
     out.decode_s = time.perf_counter() - t0 - out.prefill_s
     out.finish_reason = emit.finish or "steps"

@@ -234,14 +234,17 @@ class StaticSteps:
         return self._take(lambda: StaticRaggedKV(self, batch, need, self._next()), need + 1, batch)
 
     def _take(self, view: Callable, slots: int, batch: int):
-        """The buffer for a new generation made by ``view()``, or None: it decodes on the dynamic cache. A
-        generation still open (its view alive: a stream not yet read to its end, in this thread or another) keeps
-        the buffer; a finished or dropped one's view is gone. Two streams read in turn by one thread (an asyncio
-        server) were taken over: the first died mid-answer at its next step."""
+        """The buffer for a new generation made by ``view()``, or None: it decodes on the dynamic cache. Another
+        thread's live generation keeps it, and so does a stream of this thread suspended between its steps
+        (``decode.handed_out``: two streams read in turn by one thread, an asyncio server's pattern, had the first
+        die mid-answer); this thread's other older generation (a decoder stepped by hand, a timing's) is taken over,
+        a step through it then refused."""
         with self._holding:
-            if self._holder is not None and self._holder[0]() is not None:
+            held = self._holder[0]() if self._holder is not None else None
+            other = self._holder is not None and self._holder[1] != threading.get_ident()
+            if held is not None and (other or getattr(held, "in_stream", False)):
                 self.fallbacks += 1
-                whom = "another thread" if self._holder[1] != threading.get_ident() else "an unfinished stream"
+                whom = "another thread" if other else "an unfinished stream"
                 warnings.warn(f"graphs: {whom} is decoding on this model's static KV buffer: {self.whose} "
                               "decodes uncaptured on the dynamic cache", stacklevel=4)
                 return None

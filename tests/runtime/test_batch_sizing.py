@@ -76,3 +76,19 @@ def test_measured_schedule_drives_the_batched_decoder(m):
                          eos_token_ids=())
     expected = sched.choices[4]
     assert out.speculation[0] == (expected.num_nodes if expected is not None else 1)
+
+
+def test_per_batch_timing_steps_on_the_static_buffer_at_every_batch_size(m):
+    """Guards against: the sizing's timer of one batch size still alive (its decoder prefilled) when the next batch
+    size's timer prefills, and the newer one then decoding on the dynamic cache: on a GPU every size after the first
+    would time uncaptured steps and pick trees for steps no generation takes. Only a stream suspended between its
+    steps keeps the buffer from a generation of the same thread."""
+    from inference.runtime.static_steps import apply_graphs
+
+    apply_graphs(m, "uncaptured", log=lambda line: None)
+    try:
+        batch_sizing.choose_schedule(m, PER_RANK, [[5, 6, 7], [9, 1]], [1, 2, 4], drafter=HeadsDrafter,
+                                     latency_steps=2, warmup=1, min_rounds=1, max_rounds=1, log=lambda s: None)
+        assert m.static.fallbacks == 0
+    finally:
+        m.static = None
