@@ -123,16 +123,20 @@ class Verdict:
 
 
 # -- distributions ------------------------------------------------------------------------
+MIN_TEMPERATURE = 2.0 ** -126   # float32's smallest normal number: any temperature below it samples the argmax
+
+
 def filter_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """softmax(logits / T), keep the top_k most likely, renormalise, keep the smallest top-p nucleus.
 
     Computed in float32 whatever the model dtype, so the same logits always give the same
     distribution (the target of exact sampling and of the plain sampling baseline). The logits are shifted by their
     maximum before the division (softmax is shift-invariant): a tiny temperature (1e-39) then gives the argmax
-    distribution, where logits / T overflowed to inf and the softmax to NaN.
+    distribution, where logits / T overflowed to inf and the softmax to NaN; one below float32's range (1e-46, 0
+    in float32: 0 / 0 at the maximum) is taken as its smallest normal number, ``MIN_TEMPERATURE``.
     """
     z = logits.float()
-    probs = torch.softmax((z - z.amax(-1, keepdim=True)) / temperature, dim=-1)
+    probs = torch.softmax((z - z.amax(-1, keepdim=True)) / max(temperature, MIN_TEMPERATURE), dim=-1)
     if top_k and top_k < probs.shape[-1]:
         kth = probs.topk(top_k, dim=-1).values[..., -1:]
         probs = probs.masked_fill(probs < kth, 0.0)
@@ -140,7 +144,8 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p          # mass strictly above each token
-        drop_sorted = before >= top_p                     # the first token is always kept
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False                       # the first token is always kept (top_p 1e-46 is 0 in fp32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(-1, keepdim=True)
@@ -280,7 +285,7 @@ def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Te
     shifted by their maximum first, as ``filter_probs`` does: a tiny temperature then gives the argmax, not NaN."""
     b, n = tokens.shape
     z = logits.float()
-    logp = torch.log_softmax((z - z.amax(-1, keepdim=True)) / cfg.temperature, dim=-1)  # [B, N, V]
+    logp = torch.log_softmax((z - z.amax(-1, keepdim=True)) / max(cfg.temperature, MIN_TEMPERATURE), dim=-1)
     entropy = torch.special.entr(logp.exp()).sum(-1)                                   # 0 log 0 = 0
     if cfg.top_k or cfg.top_p < 1.0:
         logp = logp.masked_fill(target_probs(logits, cfg) == 0, -math.inf)

@@ -91,6 +91,18 @@ def test_an_eos_id_outside_the_vocabulary_is_refused(m, eos):
         generate_batch(m, [P, P[:3]], "medusa", max_new_tokens=4, eos_token_ids=eos)
 
 
+@pytest.mark.parametrize("mode", ["sample", "typical"])
+@pytest.mark.parametrize("method", ["medusa", "autoregressive"])
+@pytest.mark.parametrize("fields", [dict(temperature=1e-46), dict(temperature=0.7, top_p=1e-46)],
+                         ids=["temperature", "top_p"])
+def test_values_below_float32s_range_sample_the_argmax(m, mode, method, fields):
+    """Guards against: a temperature or top_p that passes ``> 0`` but is 0 in float32 (1e-46): 0 / 0 at the
+    maximum, every token of the nucleus dropped, then torch's "probability tensor contains either inf, nan"."""
+    want = generate(m, P, method, max_new_tokens=6, eos_token_ids=()).tokens
+    cfg = SamplingConfig(mode=mode, **fields)
+    assert generate(m, P, method, max_new_tokens=6, eos_token_ids=(), sampling=cfg, seed=1).tokens == want
+
+
 def test_a_padded_prompt_is_refused_where_the_pad_token_is_no_text_marker():
     """Guards against: ``generate_batch(m, tokenizer(texts, padding=True).input_ids)`` decoding the pad tokens as part
     of each shorter prompt (the runtime takes no attention mask): its rows differ from the unpadded rows' answers.
