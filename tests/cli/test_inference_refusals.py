@@ -168,8 +168,8 @@ REFUSED = [
     (EVAL, ["methods=[autoregressive]", "prompts={tmp}/long.jsonl", "backbone={tmp}/bbtok", "max_new_tokens=8"],
      "prompt 'long' (119 tokens) + max_new_tokens (8) exceeds the backbone's 64 positions"),
     # the calibration prompts' budget named as max_new_tokens, a key the command line had not set
-    (EVAL, [MEDUSA, PROMPTS, "calibration_prompts=1", "calibration_tokens=100000"],
-     "+ calibration_tokens (100000) exceeds the backbone's"),
+    (EVAL, [MEDUSA, PROMPTS, "backbone={tmp}/bbtok", "max_new_tokens=8", "calibration_prompts=1",
+            "calibration_tokens=60"], "+ calibration_tokens (60) exceeds the backbone's 64 positions"),
     (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bbnochat", "max_new_tokens=8"],
      "has no chat template, and prompts are rendered as chats: give a chat model"),
     (EVAL, ["methods=[autoregressive]", PROMPTS, "backbone={tmp}/bb", "max_new_tokens=8"],

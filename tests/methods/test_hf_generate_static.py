@@ -142,7 +142,8 @@ def test_generate_baselines_stop_at_the_eos_ids_given(tiny, method):
     free = generate(tiny, prompt, "autoregressive", max_new_tokens=NEW).tokens
     stop = free[-1]
     first = free.index(stop)
-    eos = [200, stop, 300]
+    never = [t for t in range(tiny.vocab_size) if t not in free]   # ids in the vocabulary this answer never holds
+    eos = [never[0], stop, never[-1]]
     expect = generate(tiny, prompt, "autoregressive", max_new_tokens=NEW, eos_token_ids=eos).tokens
     assert expect == free[:first + 1]
     assert generate(tiny, prompt, method, max_new_tokens=NEW, eos_token_ids=eos).tokens == expect

@@ -61,7 +61,9 @@ ARCHS = {
                    "sdpa", True),
     "hyperclovax": (dict(model_type="hyperclovax", logits_scaling=4.0), "sdpa", True),   # multiplies by it
     "minicpm3": (dict(model_type="minicpm3", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                      q_lora_rank=None, dim_model_base=16), "sdpa", True),   # divides its last state: logits / 4
+                      q_lora_rank=None, dim_model_base=16, num_key_value_heads=4), "sdpa", True),
+    # ^ divides its last state: logits / 4; latent attention's keys carry every head (as real checkpoints say: with
+    # BASE's 2 kv heads a one-row batched step crashed in transformers' own attention, untested until then)
     "cohere": (dict(model_type="cohere", logit_scale=0.0625), "sdpa", True),
     "stablelm": (dict(model_type="stablelm"), "sdpa", False),
     "starcoder2": (dict(model_type="starcoder2"), "sdpa", False),
