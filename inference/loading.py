@@ -218,20 +218,11 @@ def load_medusa(heads_dir, backbone=None, device=None, dtype=None, trust_remote_
     drafts may move slightly, greedy outputs and sampling's distribution do not), ``float`` keeps them as trained.
     graphs: ``auto`` steps the backbone as CUDA graphs over static shapes on CUDA (``runtime.static_steps``), padded
     to ``graph_buckets`` rows. chat_template_args: the template's variables, joining those the heads recorded."""
-    if not isinstance(heads_dir, (str, os.PathLike)):
-        raise UserError(f"heads_dir must be the heads' folder (a path), got {type(heads_dir).__name__}")
-    if tokenizer is not None and not (callable(getattr(tokenizer, "decode", None))
-                                      and callable(getattr(tokenizer, "apply_chat_template", None))):
-        raise UserError(f"tokenizer must be a transformers tokenizer (or None: the backbone's own), got "
-                        f"{type(tokenizer).__name__}")   # a path given here failed later as "has no chat template"
+    check_load_arguments(heads_dir, tokenizer, draft_weights, graphs, graph_buckets, device)
     template = template_args_for(heads_dir, chat_template_args)   # given, else the training run's
     if kernels is None:
         kernels = "stock" if backbone is not None and not isinstance(backbone, (str, Path)) else "auto"
     check_kernels(kernels)  # before any loading
-    check_draft_weights(draft_weights)
-    on = graphs_mode(graphs) == "on"
-    buckets = list(graph_buckets) if isinstance(graph_buckets, (list, tuple)) else graph_buckets   # 4: refused there
-    check_graphs(graphs, buckets, str(parse_device(device)) if on and device is not None else None)
     # missing / unreadable export -> UserError before any model load
     if backbone is None or isinstance(backbone, (str, Path)):
         spec = read_heads_spec_for(heads_dir, backbone, trust_remote_code=trust_remote_code)
@@ -306,6 +297,20 @@ def kernel_plans_path() -> Optional[Path]:
     if given.lower() == "none":
         return None
     return Path(given) if given else cache_dir() / FILE_NAME
+
+
+def check_load_arguments(heads_dir, tokenizer, draft_weights, graphs, graph_buckets, device) -> None:
+    """``load_medusa``'s arguments that are checked alone, each refused in one line before anything loads."""
+    if not isinstance(heads_dir, (str, os.PathLike)):
+        raise UserError(f"heads_dir must be the heads' folder (a path), got {type(heads_dir).__name__}")
+    if tokenizer is not None and not (callable(getattr(tokenizer, "decode", None))
+                                      and callable(getattr(tokenizer, "apply_chat_template", None))):
+        raise UserError(f"tokenizer must be a transformers tokenizer (or None: the backbone's own), got "
+                        f"{type(tokenizer).__name__}")   # a path given here failed later as "has no chat template"
+    check_draft_weights(draft_weights)
+    on = graphs_mode(graphs) == "on"
+    buckets = list(graph_buckets) if isinstance(graph_buckets, (list, tuple)) else graph_buckets   # 4: refused there
+    check_graphs(graphs, buckets, str(parse_device(device)) if on and device is not None else None)
 
 
 def attach_heads(model, heads, tokenizer=None) -> MedusaModel:

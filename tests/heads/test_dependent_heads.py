@@ -49,6 +49,16 @@ def dependent_heads(model, kind, projection="own", num_heads=3, seed=1, noise=0.
     return heads
 
 
+def assert_same_drafts(back, heads, seed: int) -> None:
+    """``back`` drafts exactly what ``heads`` draft at every depth, teacher-forced on random states and tokens."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
+    for k in range(3):
+        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
+                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_head_k_sees_tokens_up_to_t_plus_k_plus_1_and_never_later(model, kind):
     """Guards against leakage (a head trained on the token it must guess reaches 100% in
@@ -213,11 +223,7 @@ def test_export_round_trip_gives_identical_logits(model, kind, extra, tmp_path):
     back = load_heads(tmp_path / "heads", model.config, model.lm_head.weight,
                       input_embeddings=model.get_input_embeddings().weight)
     assert type(back) is type(heads)
-    g = torch.Generator().manual_seed(2)
-    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
-    for k in range(3):
-        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
-                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+    assert_same_drafts(back, heads, seed=2)
     config = json.loads((tmp_path / "heads" / "config.json").read_text())
     assert config["kind"] == kind
 
@@ -344,11 +350,7 @@ def test_mlp_speculator_exports_to_vllm_and_imports_bit_identically(model, extra
     assert check_vllm_mlp_speculator(tmp_path / "vllm", H, V) == []
     assert detect_layout(tmp_path / "vllm") == "vllm_mlp_speculator"
     back = import_heads(tmp_path / "vllm", model.config)
-    g = torch.Generator().manual_seed(4)
-    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
-    for k in range(3):
-        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
-                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+    assert_same_drafts(back, heads, seed=4)
     m = load_medusa(tmp_path / "vllm", backbone=model)
     ref = generate(m, PROMPT, "autoregressive", max_new_tokens=16).tokens
     assert generate(m, PROMPT, tree=TREE, max_new_tokens=16).tokens == ref
@@ -370,11 +372,7 @@ def test_an_mlp_speculator_dir_with_only_pytorch_model_bin_imports(model, tmp_pa
     torch.save(state, d / "pytorch_model.bin", _use_new_zipfile_serialization=zipfile)
     assert detect_layout(d) == "vllm_mlp_speculator"
     back = import_heads(d, model.config)
-    g = torch.Generator().manual_seed(5)
-    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
-    for k in range(3):
-        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
-                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+    assert_same_drafts(back, heads, seed=5)
 
 
 def test_a_tied_speculator_from_fms_extras_converter_imports(model, tmp_path):
@@ -389,11 +387,7 @@ def test_a_tied_speculator_from_fms_extras_converter_imports(model, tmp_path):
     config["tie_wts"] = config.pop("tie_weights")
     (d / "config.json").write_text(json.dumps(config))
     back = import_heads(d, model.config)
-    g = torch.Generator().manual_seed(6)
-    hidden, future = torch.randn(3, H, generator=g), torch.randint(0, V, (3, 3), generator=g)
-    for k in range(3):
-        torch.testing.assert_close(back.teacher_forced_logits(hidden, future, k),
-                                   heads.teacher_forced_logits(hidden, future, k), atol=0, rtol=0)
+    assert_same_drafts(back, heads, seed=6)
 
 
 def test_a_cut_or_odd_mlp_speculator_dir_is_refused_in_one_line(model, tmp_path):
