@@ -179,9 +179,10 @@ def read_spec(d: Path) -> HeadsSpec:
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{d / 'config.json'} is not an mlp_speculator config (missing or bad {e})") from None
     inner = int(raw.get("inner_dim") or 0) or emb_dim
+    tied = raw.get("tie_weights", raw.get("tie_wts"))   # fms-extras' converter writes tie_wts
     return HeadsSpec(num_heads=n, num_layers=0, hidden_size=emb_dim, vocab_size=vocab, projection="own",
                      base_model=str(raw.get("base_model_name_or_path") or ""), kind=MODEL_TYPE,
-                     inner_dim=inner if inner != emb_dim else None, tie_weights=bool(raw.get("tie_weights", raw.get("tie_wts"))),   # fms-extras' converter: tie_wts
+                     inner_dim=inner if inner != emb_dim else None, tie_weights=bool(tied),
                      scale_input=bool(raw.get("scale_input")))
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch

@@ -200,7 +200,9 @@ def test_a_longer_build_recording_beside_a_shorter_one_keeps_its_record(tmp_path
     cache = features.FeatureCache(root)
     stream = SimpleNamespace(stats=SimpleNamespace(conversations=1, truncated=0, no_labels=0, unlocated_replies=0),
                              read_stats=SimpleNamespace(recovered=1, dropped={}))
-    record = lambda target: features._record_build(cache, target, False, [target], [(target, 4)], 8, 16, stream)  # noqa: E731
+    def record(target: int) -> None:
+        features._record_build(cache, target, False, [target], [(target, 4)], 8, 16, stream)
+
     real_write = features._write_build_record
     context = multiprocessing.get_context("fork")   # started before the lock is taken: it must not inherit it
     go = context.Event()
