@@ -72,14 +72,12 @@ def _cache_only(path: str) -> dict:
 
 def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_remote_code: bool = False,
                   revision: Optional[str] = None, gguf_file: Optional[str] = None,
-                  attn_implementation: Optional[str] = None, attn_advice: str = ""):
+                  attn_implementation: str = "sdpa", attn_advice: str = ""):
     """(model, tokenizer, name): a causal LM and its tokenizer from an ``embedded:`` name, a local
     folder or a hub id; ``name`` is what heads record as their base model. ``dtype="auto"`` keeps
     the checkpoint's own. Any failure a user causes (no such model, no or damaged weights: ``check_weight_files``
     before transformers reads them, a config of no causal LM, a model class without ``attn_implementation``) is one
-    ``UserError`` line (``attn_advice``: what the caller's user can set when the class lacks the implementation).
-    ``attn_implementation=None``: sdpa, or eager for a class without it (Gemma-2's): the runtime decodes through its
-    own attention either way, and the commands have no key to choose (such a backbone could not be decoded)."""
+    ``UserError`` line (``attn_advice``: what the caller's user can set when the class lacks the implementation)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer   # lazy: 1.3 s; medusa-train's checks import this
 
     if name_or_path.startswith("random:"):
@@ -91,16 +89,10 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     check_weight_files(name_or_path, path)   # before transformers reads anything: no weights, a file cut short
     kwargs = dict(trust_remote_code=trust_remote_code, revision=revision, **_cache_only(path))
     torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
-    with loading_errors(name_or_path, path, attn_implementation=attn_implementation or "sdpa",
-                        attn_advice=attn_advice):
+    with loading_errors(name_or_path, path, attn_implementation=attn_implementation, attn_advice=attn_advice):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                         attn_implementation=attn_implementation or "sdpa", **kwargs)
-        except ValueError as e:   # refused from the class alone, before any weight is read: the retry costs little
-            if attn_implementation is not None or not LACKS_ATTENTION.match(str(e)):
-                raise
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="eager", **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation, **kwargs)
     return model.to(parse_device(device)), tokenizer, name
 
 
@@ -234,10 +226,6 @@ def loading_errors(name_or_path: str, path: Optional[str] = None, config_only: b
         raise UserError(f"cannot load {part}backbone {name_or_path!r}: {known}") from None
 
 
-# transformers' refusal of a model class without the attention implementation asked for (before any weight is read)
-LACKS_ATTENTION = re.compile(r"(\w+) does not support an attention implementation through ([\w.]+)")
-
-
 def _model_class_refusal(text: str, attn_implementation: str, attn_advice: str = "") -> Optional[str]:
     """transformers' refusal to build a causal LM from a config, both raised before any weight is read, in a
     line: a config of no causal LM (a vision or encoder model's), or a model class without the attention
@@ -246,7 +234,7 @@ def _model_class_refusal(text: str, attn_implementation: str, attn_advice: str =
     if unknown:
         return f"its config ({unknown[1]}) is no causal language model's: transformers' AutoModelForCausalLM " \
                "has no class for it"
-    unsupported = LACKS_ATTENTION.match(text)
+    unsupported = re.match(r"(\w+) does not support an attention implementation through ([\w.]+)", text)
     if unsupported:
         return f"transformers' {unsupported[1]} does not support attn_implementation={attn_implementation!r} " \
                f"({unsupported[2]}), which it is loaded with" + (f": {attn_advice}" if attn_advice else "")

@@ -286,27 +286,3 @@ def test_kv_bytes_per_token_is_what_the_cache_holds(arch):
     cfg = m.config
     per_head = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     assert (kv_bytes_per_token(m) < per_head) == (arch in OWN_CACHE)
-
-
-def test_a_backbone_class_without_sdpa_loads_by_path_and_decodes(tmp_path):
-    """Guards against: a backbone whose transformers class refuses sdpa (Gemma-2, full attention) trained with
-    backbone.attn_implementation=eager, then refused by every decoding command ("does not support
-    attn_implementation='sdpa'", no key to change it): the runtime loads such a class eager and decodes through its
-    own attention, token for token as plain decoding."""
-    from inference.heads.native import save_heads
-    from inference.loading import load_medusa
-    from medusa_train.backbone import byte_tokenizer
-
-    spec, attn, _ = ARCHS["gemma2-full"]
-    cfg = random_config({**BASE, **spec})
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).save_pretrained(tmp_path / "backbone")
-    byte_tokenizer().save_pretrained(tmp_path / "backbone")
-    plain, _, _ = family("gemma2-full")
-    heads = random_heads(plain.model, num_heads=3, seed=1)
-    heads.spec.base_model = str(tmp_path / "backbone")
-    save_heads(heads, tmp_path / "heads")
-    m = load_medusa(tmp_path / "heads", kernels="stock", graphs="off")
-    want = generate(m, PROMPTS[1], "autoregressive", max_new_tokens=N, eos_token_ids=()).tokens
-    assert generate(m, PROMPTS[1], "medusa", tree="tree8", max_new_tokens=N, eos_token_ids=()).tokens == want
