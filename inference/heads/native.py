@@ -311,17 +311,18 @@ def check_tensor_values(name: str, t: torch.Tensor, floating: bool, vocab_size: 
     if floating:
         if not t.dtype.is_floating_point:
             raise UserError(f"{where}: {name} is stored as {t.dtype}, not as a floating-point weight (a damaged or "
-                            "foreign file)")
+                            "foreign file): re-export the heads from their training run")
         flat = t.reshape(-1)   # in slices: an 8B backbone's own-projection head is 0.5G values
         if not all(bool(torch.isfinite(flat[i:i + 2 ** 24]).all()) for i in range(0, flat.numel(), 2 ** 24)):
-            raise UserError(f"{where}: {name} holds NaN or infinite values: the heads' training diverged or the file "
-                            "is damaged")
+            raise UserError(f"{where}: {name} holds NaN or infinite values (a diverged training or a damaged "
+                            "file): retrain from an earlier checkpoint, or re-export")
     elif name.split(".")[-1] == "token_map":
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise UserError(f"{where}: token_map is stored as {t.dtype}, not integer token ids")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
             raise UserError(f"{where}: token_map holds ids outside the backbone's vocabulary 0..{vocab_size - 1} "
-                            f"({int(t.min())}..{int(t.max())})")
+                            f"({int(t.min())}..{int(t.max())}): heads of another backbone or a damaged file; "
+                            "re-export them")
 
 
 def place(heads: ProjectedHeads, device, dtype: Optional[torch.dtype]) -> ProjectedHeads:
