@@ -70,14 +70,37 @@ def _cache_only(path: str) -> dict:
     return {"local_files_only": True} if not local and assets.hub_unreachable() else {}
 
 
+AUTO_ATTENTION = "auto"
+# transformers' refusal of a model class without the attention implementation asked for (before any weight is read)
+LACKS_ATTENTION = re.compile(r"(\w+) does not support an attention implementation through ([\w.]+)")
+
+
+def with_attention(build, attn_implementation: str = AUTO_ATTENTION):
+    """``build(attn)``'s model under ``attn_implementation``; ``"auto"``: sdpa, or eager for a model class without
+    sdpa (Gemma-2's soft caps, gpt-oss's sinks). Both apply the tree decoder's 4D masks, and decoding runs through
+    the runtime's own attention function either way; training reads the same hidden states (eager is transformers'
+    reference). transformers refuses the class from its config alone, before any weight is read: the retry costs
+    little. Backbones the tree decoder cannot decode whatever their attention (ALiBi: Bloom, MPT) are refused
+    before (``runtime.model.check_backbone_config``)."""
+    if attn_implementation != AUTO_ATTENTION:
+        return build(attn_implementation)
+    try:
+        return build("sdpa")
+    except ValueError as e:
+        if not LACKS_ATTENTION.match(str(e)):
+            raise
+        return build("eager")
+
+
 def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_remote_code: bool = False,
                   revision: Optional[str] = None, gguf_file: Optional[str] = None,
-                  attn_implementation: str = "sdpa", attn_advice: str = ""):
+                  attn_implementation: str = AUTO_ATTENTION, attn_advice: str = ""):
     """(model, tokenizer, name): a causal LM and its tokenizer from an ``embedded:`` name, a local
     folder or a hub id; ``name`` is what heads record as their base model. ``dtype="auto"`` keeps
     the checkpoint's own. Any failure a user causes (no such model, no or damaged weights: ``check_weight_files``
     before transformers reads them, a config of no causal LM, a model class without ``attn_implementation``) is one
-    ``UserError`` line (``attn_advice``: what the caller's user can set when the class lacks the implementation)."""
+    ``UserError`` line (``attn_advice``: what the caller's user can set when the class lacks the implementation).
+    ``attn_implementation="auto"``: sdpa, or eager for a class without it (``with_attention``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer   # lazy: 1.3 s; medusa-train's checks import this
 
     if name_or_path.startswith("random:"):
@@ -91,8 +114,8 @@ def load_backbone(name_or_path: str, *, device="cpu", dtype="float32", trust_rem
     torch_dtype = "auto" if dtype == "auto" else parse_dtype(dtype)
     with loading_errors(name_or_path, path, attn_implementation=attn_implementation, attn_advice=attn_advice):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation, **kwargs)
+        model = with_attention(lambda attn: AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn, **kwargs), attn_implementation)
     return model.to(parse_device(device)), tokenizer, name
 
 
@@ -189,7 +212,7 @@ def _check_local(name_or_path: str, path: str) -> None:
 
 @contextlib.contextmanager
 def loading_errors(name_or_path: str, path: Optional[str] = None, config_only: bool = False,
-                    attn_implementation: str = "sdpa", part: str = "", attn_advice: str = ""):
+                    attn_implementation: str = AUTO_ATTENTION, part: str = "", attn_advice: str = ""):
     """transformers' loading errors that a user causes as one ``UserError`` line saying what to do (``path``: where
     it is read from; a local folder, and the hub is not to blame; ``part``: what of the backbone is loaded, "" for
     all of it); any other error keeps its traceback (a bug)."""
@@ -234,7 +257,7 @@ def _model_class_refusal(text: str, attn_implementation: str, attn_advice: str =
     if unknown:
         return f"its config ({unknown[1]}) is no causal language model's: transformers' AutoModelForCausalLM " \
                "has no class for it"
-    unsupported = re.match(r"(\w+) does not support an attention implementation through ([\w.]+)", text)
+    unsupported = LACKS_ATTENTION.match(text)
     if unsupported:
         return f"transformers' {unsupported[1]} does not support attn_implementation={attn_implementation!r} " \
                f"({unsupported[2]}), which it is loaded with" + (f": {attn_advice}" if attn_advice else "")

@@ -98,7 +98,7 @@ def random_config(config: dict):
     return hf_config
 
 
-def random_backbone(config: dict, seed: int = 0, attn_implementation: str = "sdpa") -> Backbone:
+def random_backbone(config: dict, seed: int = 0, attn_implementation: str = "auto") -> Backbone:
     from transformers import AutoModelForCausalLM   # lazy: not for preflight's imports (docstring)
 
     tokenizer = byte_tokenizer()
@@ -110,7 +110,8 @@ def random_backbone(config: dict, seed: int = 0, attn_implementation: str = "sdp
     with torch.random.fork_rng(), runtime_backbone.loading_errors(f"random:{model_type}", attn_advice=ATTN_ADVICE,
                                                                   attn_implementation=attn_implementation):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+        model = runtime_backbone.with_attention(
+            lambda attn: AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn), attn_implementation)
     return Backbone(model, tokenizer, f"random:{model_type}")
 
 

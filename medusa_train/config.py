@@ -57,7 +57,8 @@ class BackboneConfig:
     name_or_path: str = "embedded:smollm2"
     gguf_file: Optional[str] = None  # load a .gguf inside name_or_path (dequantised, cached as safetensors)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 | ... (backbone.check_attn_implementation)
+    # auto (sdpa, or eager for a class without it: Gemma-2) | sdpa | eager | flash_attention_2 | ...
+    attn_implementation: str = "auto"
     trust_remote_code: bool = False  # runs code from the model repo: only for sources you trust
     revision: Optional[str] = None
     random_init: Optional[dict] = None  # tiny random backbone from a config dict (tests, debug)

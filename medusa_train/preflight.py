@@ -208,18 +208,19 @@ def _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes)
                     f"lower {', '.join(keys[:-1])} or {keys[-1]}")
 
 
-ATTENTION_DEFAULT = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+ATTENTION_DEFAULT = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")
 
 
 def check_attn_implementation(backbone_cfg) -> None:
     """Refuse a ``backbone.attn_implementation`` transformers does not know (a random backbone would ignore
     it silently, a pretrained one fail with a traceback): ``eager`` or a registered attention interface
-    (sdpa, flash_attention_2/3, flex_attention, ...), or a hub kernel (``org/repo``)."""
+    (sdpa, flash_attention_2/3, flex_attention, ...), a hub kernel (``org/repo``), or ``auto`` (sdpa, or eager for
+    a class without it: ``inference.backbone.with_attention``)."""
     value = backbone_cfg.attn_implementation
     try:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # lazy: an older transformers lacks it
 
-        known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+        known = ["auto", "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     except ImportError:  # an older transformers: its documented values
         known = list(ATTENTION_DEFAULT)
     if value is None or str(value) in known or "/" in str(value):

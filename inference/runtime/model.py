@@ -71,6 +71,9 @@ class MedusaModel:
         # transformers 5.x calls the cache argument ``cache``; 4.x called it ``past_key_values``.
         params = inspect.signature(self.body.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if "position_ids" not in params:   # a draft node must attend at its depth's position, not its index's
+            raise UserError(f"{type(self.body).__name__} takes no position ids, which the tree decoder gives every "
+                            "draft node: this backbone cannot be tree-decoded")
         if not self.eos_token_ids:
             self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self._rope_switch = per_position_longrope(self.body)
@@ -205,14 +208,26 @@ def check_backbone_config(config, name: Optional[str] = None) -> None:
     never sees, and the decoded text would no longer be the backbone's. ``MedusaModel`` checks a model object it is
     given; the commands check the config before the weights load (``cli_checks.check_options_fit``)."""
     cfg = text_config(config)
+    who = f"backbone {name!r}" if name else f"the backbone ({getattr(cfg, 'model_type', None) or type(cfg).__name__})"
+    if uses_alibi(cfg):
+        raise UserError(f"{who} positions its tokens by ALiBi biases, which the tree decoder does not support (a draft "
+                        "node's position is its depth's, given as position ids, which ALiBi ignores)")
     other = sorted(attention_kinds(cfg) - {"full_attention"})
     if not other:
         return
-    who = f"backbone {name!r}" if name else f"the backbone ({getattr(cfg, 'model_type', None) or type(cfg).__name__})"
     window = getattr(cfg, "sliding_window", None)
     within = f" (a {window}-token window)" if "sliding_attention" in other and is_count(window, None) else ""
     raise UserError(f"{who} has {', '.join(other)} layers{within}, which the tree decoder does not support "
                     "(full-attention decoders only)")
+
+
+def uses_alibi(cfg) -> bool:
+    """Whether a decoder config positions tokens by ALiBi biases (transformers builds them from the key's index in the
+    sequence, not from position ids): every Bloom, Falcon with ``alibi``, MPT unless its ``attn_config`` turns it off."""
+    attn = getattr(cfg, "attn_config", None)
+    attn_alibi = attn.get("alibi") if isinstance(attn, dict) else getattr(attn, "alibi", None)
+    return (getattr(cfg, "model_type", None) == "bloom" or getattr(cfg, "alibi", None) is True
+            or attn_alibi is True)
 
 
 def attention_kinds(cfg) -> set[str]:

@@ -503,11 +503,14 @@ def test_backbone_weights_are_checked_before_transformers_reads_them(folder, phr
 
 def test_a_model_transformers_cannot_build_is_one_line(setup, capsys):
     """Guards against transformers' refusals to build the backbone ending in a ValueError traceback (both come
-    before any weight is read): a model class without sdpa attention (Bloom: "does not support an attention
-    implementation through torch.nn.functional.scaled_dot_product_attention"), and a config of no causal LM
-    (ViT: "Unrecognized configuration class ... for this kind of AutoModel")."""
+    before any weight is read): a model class without the attention implementation asked for (Gemma-2 with
+    attn_implementation="sdpa": "does not support an attention implementation through
+    torch.nn.functional.scaled_dot_product_attention"), and a config of no causal LM (ViT: "Unrecognized
+    configuration class ... for this kind of AutoModel"); and a Bloom backbone (ALiBi, which the tree decoder cannot
+    position), once refused only because its class lacks sdpa, reaching the decoder now that such classes load eager:
+    refused from its config before its weights load."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, BloomConfig, ViTConfig
+    from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, ViTConfig
 
     from inference.backbone import load_backbone
     from inference.cli import generate_main
@@ -520,9 +523,19 @@ def test_a_model_transformers_cannot_build_is_one_line(setup, capsys):
     byte_tokenizer().save_pretrained(setup / "bloom")
     line = _one_line_refusal(generate_main, [MEDUSA.replace("{tmp}", str(setup)), "prompt=hi", "max_new_tokens=8",
                                              f"backbone={setup / 'bloom'}"], setup, capsys)
-    assert line == (f"medusa-generate: error: cannot load backbone '{setup / 'bloom'}': transformers' BloomForCausalLM "
-                    "does not support attn_implementation='sdpa' (torch.nn.functional.scaled_dot_product_attention), "
-                    "which it is loaded with"), line
+    assert line.startswith(f"medusa-generate: error: backbone '{setup / 'bloom'}' positions its tokens by ALiBi "
+                           "biases, which the tree decoder does not support"), line
+    gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                           vocab_size=320), attn_implementation="eager")
+    gemma2.save_pretrained(setup / "gemma2")
+    byte_tokenizer().save_pretrained(setup / "gemma2")
+    with pytest.raises(UserError) as refused:
+        load_backbone(str(setup / "gemma2"), attn_implementation="sdpa", attn_advice="set eager")
+    assert str(refused.value) == (f"cannot load backbone '{setup / 'gemma2'}': transformers' Gemma2ForCausalLM does "
+                                  "not support attn_implementation='sdpa' "
+                                  "(torch.nn.functional.scaled_dot_product_attention), which it is loaded with: "
+                                  "set eager")
     ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64).save_pretrained(
         setup / "vit")
     byte_tokenizer().save_pretrained(setup / "vit")

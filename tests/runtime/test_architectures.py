@@ -286,3 +286,64 @@ def test_kv_bytes_per_token_is_what_the_cache_holds(arch):
     cfg = m.config
     per_head = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     assert (kv_bytes_per_token(m) < per_head) == (arch in OWN_CACHE)
+
+
+@pytest.mark.parametrize("arch", ["gemma2-full", "gpt_oss-full"])
+def test_a_backbone_class_without_sdpa_loads_by_path_and_decodes(arch, tmp_path):
+    """Guards against: a backbone whose transformers class refuses sdpa (Gemma-2 with full attention, gpt-oss)
+    refused by every decoding command and by export ("does not support attn_implementation='sdpa'", no key to change
+    it): such a class loads eager and decodes through the runtime's own attention, token for token as transformers'
+    greedy generate."""
+    from inference.heads.native import save_heads
+    from inference.loading import load_medusa
+    from medusa_train.backbone import byte_tokenizer
+
+    spec, attn, _ = ARCHS[arch]
+    cfg = random_config({**BASE, **spec})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)   # family()'s weights: its transformers reference applies
+        AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).save_pretrained(tmp_path / "backbone")
+    byte_tokenizer().save_pretrained(tmp_path / "backbone")
+    reference, want = family(arch)[0], family(arch)[1][1]
+    heads = random_heads(reference.model, num_heads=3, seed=1)
+    heads.spec.base_model = str(tmp_path / "backbone")
+    save_heads(heads, tmp_path / "heads")
+    m = load_medusa(tmp_path / "heads", kernels="stock", graphs="off")
+    assert m.model.config._attn_implementation != "sdpa"
+    for method, kw in (("autoregressive", {}), ("medusa", {"tree": "tree8"})):
+        assert generate(m, PROMPTS[1], method, max_new_tokens=N, eos_token_ids=(), **kw).tokens == want, method
+
+
+ALIBI = {   # family -> (config, attention implementation its class has)
+    "bloom": (dict(model_type="bloom", n_layer=2, n_head=4), "eager"),
+    "falcon-rw": (dict(model_type="falcon", alibi=True, new_decoder_architecture=False, multi_query=False,
+                       num_kv_heads=4, parallel_attn=False, bias=True), "sdpa"),
+    "mpt": (dict(model_type="mpt", d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=512), "eager"),
+}
+
+
+@pytest.mark.parametrize("arch", ALIBI)
+def test_alibi_backbones_are_refused_in_one_line(arch):
+    """Guards against: a backbone positioned by ALiBi biases, which transformers builds from each key's index in the
+    sequence and not from the position ids a draft node gets: MPT's trees decoded other tokens than its plain loop
+    without a word, Bloom and Falcon-RW crashed in transformers ("too many values to unpack"). Refused from the config
+    alone (the commands, before any weight loads) and as a model object."""
+    from inference.runtime.model import check_backbone_config
+
+    spec, attn = ALIBI[arch]
+    cfg = random_config({**BASE, **spec})
+    with pytest.raises(UserError, match=r"^backbone 'b' positions its tokens by ALiBi biases, which the tree decoder "
+                                        r"does not support \(.*\)$"):
+        check_backbone_config(cfg, "b")
+    with pytest.raises(UserError, match="ALiBi"):
+        MedusaModel(model=AutoModelForCausalLM.from_config(cfg, attn_implementation=attn), tokenizer=None, heads=None)
+
+
+def test_a_decoder_without_position_ids_is_refused():
+    """Guards against: a decoder body whose forward takes no position ids (MPT with ALiBi turned off) decoding trees
+    with every draft node at its index's position instead of its depth's: other tokens than plain decoding."""
+    spec, attn = ALIBI["mpt"]
+    cfg = random_config({**BASE, **spec, "attn_config": {"alibi": False}})
+    with pytest.raises(UserError, match="^MptModel takes no position ids, which the tree decoder gives every draft "
+                                        "node: this backbone cannot be tree-decoded$"):
+        MedusaModel(model=AutoModelForCausalLM.from_config(cfg, attn_implementation=attn), tokenizer=None, heads=None)

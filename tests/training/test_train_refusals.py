@@ -154,7 +154,7 @@ LATE_OR_NEVER = [
     (["data.eval_conversations=-1"], "data.eval_conversations must be >= 1"),
     (["heads.kind=mlp_speculator", "heads.scale_input=3"], "heads.scale_input must be true or false"),
     (["data.packing=3"], "data.packing must be true or false"),
-    (["backbone.attn_implementation=bogus"], "backbone.attn_implementation must be one of eager"),
+    (["backbone.attn_implementation=bogus"], "backbone.attn_implementation must be one of auto, eager"),
     (["output_dir="], "output_dir is empty"),
     (["-m", "heads.num_heads=2,0"], "heads.num_heads must be >= 1, got 0"),
     (["-m", "heads.num_heads=2", "data.packing=true,3"], "data.packing must be true or false"),
@@ -327,17 +327,20 @@ def test_random_init_takes_nested_values_and_says_why_it_refuses(compose_tiny):
 
 
 def test_random_backbone_takes_the_runs_attention_implementation(tmp_path, capsys):
-    """Guards against: a random Gemma-2 backbone (transformers refuses it sdpa) ending in a ValueError traceback,
-    and ``backbone.attn_implementation=eager``, which the pretrained path honours, being ignored for it."""
+    """Guards against: a random Gemma-2 backbone (transformers refuses it sdpa) ending in a ValueError traceback
+    under ``backbone.attn_implementation=sdpa``, ``backbone.attn_implementation=eager``, which the pretrained path
+    honours, being ignored for it, and the default refusing it (``auto``: sdpa, or eager for a class without it)."""
     from medusa_train.backbone import random_backbone
 
     tiny = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
     with pytest.raises(UserError, match=r"Gemma2ForCausalLM does not support attn_implementation='sdpa' .*: set "
                                         r"backbone.attn_implementation=eager$") as e:
-        random_backbone(tiny)
+        random_backbone(tiny, attn_implementation="sdpa")
     assert "\n" not in str(e.value)
     assert random_backbone(tiny, attn_implementation="eager").model.config._attn_implementation == "eager"
+    assert random_backbone(tiny).model.config._attn_implementation == "eager"
+    assert random_backbone({**tiny, "model_type": "llama"}).model.config._attn_implementation == "sdpa"
 
 
 def test_a_backbone_the_runtime_cannot_decode_trains_with_a_note(compose_tiny, capsys):
