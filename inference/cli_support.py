@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import difflib
 import os
+import signal
 import sys
 from typing import Any, Callable, NoReturn, Optional
 
-from .errors import UserError
+from .errors import UserError, no_room_line
 
 EXIT_USER_ERROR = 2
 # where ``parse_overrides`` keeps the keys written on the command line (``keys_given``): an attribute outside the
@@ -146,6 +147,7 @@ def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
     """``--help`` prints ``doc`` (a callable: its text, built only then); otherwise parse ``argv`` onto ``schema``
     (a callable: built only then) and run ``task(cfg)``, turning a ``UserError`` into one line and exit 2.
     ``refuse(argv)``: a line refusing replaced keys, or None."""
+    console = argv is None   # the command itself, not a caller in Python (whose signals are its own)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
         print((doc() if callable(doc) else doc).strip())
@@ -159,6 +161,8 @@ def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
     except UserError as e:
         fail(prog, str(e))
     except KeyboardInterrupt:   # Ctrl-C: what was written stays whole (every writer swaps its output in)
+        if console:   # on its way out: a double press would only land in torch's clean-up at exit, as a traceback
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"\n{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:   # `medusa-generate ... | head`: the reader left; nothing more to say to it
@@ -167,3 +171,8 @@ def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
         except (OSError, ValueError, AttributeError):   # stdout without a descriptor (captured)
             pass
         sys.exit(1)
+    except Exception as e:   # a full disk (a report, an export): one line, not a traceback; anything else is a bug
+        line = no_room_line(e)
+        if line is None:
+            raise
+        fail(prog, line)

@@ -5,6 +5,11 @@ else is a bug and keeps its traceback. Both halves of the toolkit raise it (the 
 imports it from here, so a serving user never needs the trainer installed).
 """
 
+import errno
+import os
+import re
+from typing import Optional
+
 
 class UserError(Exception):
     """A problem with the user's input (recipe, file, checkpoint, prompt), not a bug."""
@@ -22,3 +27,27 @@ class NeedsBackboneConfig(UserError):
     def __init__(self, message: str, base_model: str = ""):
         super().__init__(message)
         self.base_model = base_model
+
+
+# A write that failed for want of room: a full disk, a quota, a file-size limit (``ulimit -f``).
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def no_room_line(e: BaseException) -> Optional[str]:
+    """The one line for an error (or one it was raised from) of a write that failed for want of room, None for any
+    other error: a full disk is the user's to mend, not a bug, and every writer swaps its output in whole, so what
+    was written before stays as it was. safetensors reports the errno in its own error's text ("(os error 28)")."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = e.errno if isinstance(e, OSError) else None
+        if code is None and type(e).__name__ == "SafetensorError":
+            found = re.search(r"os error (\d+)", str(e))
+            code = int(found[1]) if found else None
+        if code in _NO_ROOM:
+            where = f" {e.filename}" if getattr(e, "filename", None) else ""
+            return (f"could not write{where}: {os.strerror(code)}; free space (or raise the limit) and run the same "
+                    "command again: what was written before is whole, and a training run resumes from its last "
+                    "checkpoint")
+        e = e.__cause__ or e.__context__
+    return None

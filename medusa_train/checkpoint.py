@@ -76,6 +76,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from inference.errors import UserError
+from inference.heads.native import sync_tree
 from .backbone import backbone_config
 from .config import RecipeConfig, loss_weights
 from .families import training_family
@@ -384,9 +385,13 @@ def save(engine, output_dir: Path, step: int, trainer_state: dict, keep_last: in
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str) + "\n")
         if final.exists():
             shutil.rmtree(final)
+        sync_tree(tmp)   # on the disk before the rename names it complete (a power loss, not only a kill)
         os.replace(tmp, final)
         latest_tmp = root / f".{LATEST}.tmp"
-        latest_tmp.write_text(tag + "\n")
+        with open(latest_tmp, "w") as f:
+            f.write(tag + "\n")
+            f.flush()
+            os.fsync(f.fileno())   # the pointer, too, on the disk before it names the step
         os.replace(latest_tmp, root / LATEST)
         for old in _by_write_order(root)[:-keep_last]:
             if old != final:

@@ -24,6 +24,7 @@ A key of another family (``heads.inner_dim`` with medusa heads) is refused in on
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import textwrap
 from importlib import resources
@@ -114,6 +115,7 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    console = argv is None   # the command itself, not a caller in Python (whose signals are its own)
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = [a for a in argv if not a.startswith("--local_rank")]  # set by the deepspeed launcher
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -136,7 +138,14 @@ def main(argv: list[str] | None = None) -> None:
         from .launch import launch   # lazy: Hydra and torch load only once the words are accepted
     except KeyboardInterrupt:  # a Ctrl-C while torch imports: one line, as everywhere after
         refuse(INTERRUPTED_BEFORE_RUN)
-    launch(recipe, overrides, flags, multirun=multirun, prints=bool(names & _PRINT_FLAGS))
+    try:
+        launch(recipe, overrides, flags, multirun=multirun, prints=bool(names & _PRINT_FLAGS))
+    except SystemExit as e:
+        if console and e.code not in (0, None):
+            # the line is said and the process is on its way out: a further Ctrl-C (a double press) would only land
+            # in the clean-up torch runs at exit, as a traceback under the line
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
 
 
 if __name__ == "__main__":  # python -m medusa_train.cli / deepspeed --module medusa_train.cli

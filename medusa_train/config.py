@@ -401,18 +401,24 @@ def check_output_dir(output_dir) -> None:
     """Refuse an ``output_dir`` that is empty, a file or cannot be created, without creating anything."""
     if output_dir is None or not str(output_dir).strip():
         raise UserError("output_dir is empty: name the run's folder (output_dir=runs/<name>)")
-    path = Path(os.path.expanduser(str(output_dir)))
+    check_folder_writable("output_dir", output_dir)
+
+
+def check_folder_writable(key: str, folder) -> None:
+    """Refuse a folder setting ``key`` that is a file or cannot be created or written (no permission, a read-only
+    filesystem), without creating anything."""
+    path = Path(os.path.expanduser(str(folder)))
     if path.exists() and not path.is_dir():
-        raise UserError(f"output_dir={output_dir} is a file, not a folder")
+        raise UserError(f"{key}={folder} is a file, not a folder")
     probe = path
     while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
     if probe != path and probe.exists() and not probe.is_dir():
-        raise UserError(f"output_dir={output_dir} cannot be created: {probe} is a file")
+        raise UserError(f"{key}={folder} cannot be created: {probe} is a file")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"output_dir={output_dir} cannot be written: no write permission on {probe}")
+        raise UserError(f"{key}={folder} cannot be written: no write permission on {probe}")
 
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")

@@ -35,7 +35,7 @@ from inference.backbone import eos_token_ids
 from inference.errors import UserError
 from inference.methods import generate_batch
 from inference.methods.hf_generate import model_defaults_off
-from inference.runtime.model import MedusaModel
+from inference.runtime.model import MedusaModel, position_limit, positions_named
 from inference.runtime.verify import SamplingConfig
 
 from .data.tokenize import _render, reply_end_ids
@@ -149,6 +149,12 @@ class RuntimeGenerator(Generator):
         except UserError as e:
             raise UserError(f"distill.engine={self.name} cannot run this backbone ({e}); use distill.engine=generate") \
                 from None
+        longest = int(cfg.data.max_length) + int(self.max_new_tokens)
+        limit = position_limit(self.m.config)
+        if limit is not None and longest > limit:   # a sliding window shorter than the positions (Gemma-3's 1,024)
+            raise UserError(f"distill.engine={self.name} cannot run this backbone: data.max_length + "
+                            f"distill.max_new_tokens ({longest}) exceeds its {positions_named(self.m.config)}; use "
+                            "distill.engine=generate")
         self.sampling = (SamplingConfig(mode="sample", temperature=self.temperature, top_p=self.top_p)
                          if self.temperature > 0 else SamplingConfig())
 

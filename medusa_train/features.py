@@ -89,7 +89,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from inference.safetensors_file import save_file   # metadata in sorted order: runs write the same bytes
 from tqdm.auto import tqdm
 
@@ -100,7 +100,7 @@ from inference.heads.native import pid_alive
 
 from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone, template_identity, tokenizer_fingerprint
 from .backbone_inputs import FrozenFeatures
-from .config import derived_batch, validate
+from .config import check_folder_writable, derived_batch, validate
 from .data.readers import ReadStats, data_fingerprint
 from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
 from .distributed import barrier, start_process, stop_on_signals
@@ -191,6 +191,8 @@ def check_cache_dir(cfg) -> None:
     root = cache_dir(cfg)
     if (root / MANIFEST).is_file():
         return
+    if cfg.features.cache_dir:   # a cache still to build (a complete one is only read: a read-only share serves)
+        check_folder_writable("features.cache_dir", cfg.features.cache_dir)
     wrong = foreign_cache(root, Path(cfg.output_dir))
     if wrong:
         raise UserError(wrong)
@@ -321,9 +323,10 @@ class FeatureCache:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:
+        except (OSError, SafetensorError) as e:   # safetensors reports a full disk as its own error
             done = sum(1 for p in self.root.glob("train-*.safetensors"))
-            raise UserError(f"could not write features shard {path.name} ({e.strerror or e}); {done} complete "
+            why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0]
+            raise UserError(f"could not write features shard {path.name} ({why}); {done} complete "
                             f"shard(s) kept in {self.root}, none half-written; free space and run the same "
                             "command again to continue") from None
         finally:
@@ -432,9 +435,12 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
               f"{store.itemsize} bytes ({plan.dtype}) + ids = {_gb(need)}; {_gb(free)} free",
               flush=True)
     if need > free:
-        raise UserError(f"features cache needs ~{_gb(need)} under {cache.root} but only {_gb(free)} is free; free "
-                        "space, set features.cache_dir to a larger disk, use features.dtype=bf16, or lower "
-                        "trainer.max_steps / data.max_conversations")
+        smaller = ", use features.dtype=bf16" if store.itemsize > 2 else ""   # not when it is already 2 bytes
+        close = _gb(need) == _gb(free)   # "needs ~0.5 MB but only 0.5 MB is free": the bytes say it
+        raise UserError(f"features cache needs ~{f'{need:,} bytes' if close else _gb(need)} under {cache.root} but "
+                        f"only {f'{free:,} bytes are' if close else f'{_gb(free)} is'} free; free space, set "
+                        f"features.cache_dir to a larger disk{smaller}, or lower trainer.max_steps / "
+                        "data.max_conversations")
 
     def stored(batch: dict) -> dict:
         """One batch as stored: its ids, the heads' hidden states and the backbone's greedy ids."""

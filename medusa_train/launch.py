@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from inference.cli_support import config_error_line, enum_value, non_boolean_override
-from inference.errors import UserError
+from inference.errors import UserError, no_room_line
 from .backbone import RANDOM_BACKBONE_DIR
 from .config import register_configs, validate
 from .distributed import leave_after_lost_peer, lost_peer
@@ -112,6 +112,8 @@ def _task(cfg) -> None:
         remove_created_dirs()
         refuse(str(e))
     except Exception as e:
+        if no_room_line(e):   # a full disk: one line; every writer swaps its file in, so the run resumes
+            refuse(no_room_line(e))
         if not lost_peer(e):
             raise
         refuse(leave_after_lost_peer(e))   # the launcher ends this process too soon after: one line, not a traceback

@@ -239,12 +239,19 @@ def check_family(cfg) -> None:
     fam.vocabulary(cfg.heads, int(hf_config.vocab_size))
     fam.spec_settings(cfg.heads, hf_config)
     if enum_value(cfg.task) == "train":
-        from inference.runtime.model import check_backbone_config   # lazy: transformers is read by now, not at --help
+        from inference.runtime.model import check_backbone_config, position_limit   # lazy: transformers is read by
+        name = cfg.backbone.name_or_path if not cfg.backbone.random_init else None    # now, not at --help
         try:
-            check_backbone_config(hf_config, cfg.backbone.name_or_path if not cfg.backbone.random_init else None)
+            check_backbone_config(hf_config, name)
         except UserError as e:   # heads for engines that serve such backbones still train
             print(f"note: {e}: medusa-eval and medusa-generate will refuse these heads; serving engines decode "
                   "them (medusa-export)", file=sys.stderr)
+            return
+        window, positions = position_limit(hf_config), getattr(hf_config, "max_position_embeddings", None)
+        if window is not None and window != positions:
+            print(f"note: {f'backbone {name!r}' if name else 'the backbone'} attends within a {window}-token sliding "
+                  "window: medusa-eval and medusa-generate decode requests within it (serving engines decode longer "
+                  "ones)", file=sys.stderr)
 
 
 def check_draft_vocabulary(cfg) -> None:

@@ -17,6 +17,8 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
+from inference.errors import UserError
+
 from .manifest import write_text_atomic
 
 
@@ -48,7 +50,7 @@ class Tracker:
             at = record.get("step", 0)
             return at < step or (at == step and not (drop_eval_at_step and record.get("kind") == "eval"))
 
-        kept = [l for l in self.path.read_text().splitlines() if l.strip() and keep(json.loads(l))]
+        kept = [line for line, record in _metric_lines(self.path) if keep(record)]
         write_text_atomic(self.path, "".join(l + "\n" for l in kept))
 
     def log(self, step: int, metrics: dict, phase: str = "train") -> None:
@@ -108,13 +110,32 @@ def _start_wandb(mode: str, logger_cfg, run_config: dict, output_dir: Path):
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``, less a last line cut short: a record is appended as it is logged, so a
+    full disk or a kill can end the file inside one (past the last checkpoint, which a resume logs again); one that
+    could not be read failed every later resume. A bad line before the last one is no cut append: one line."""
+    return [record for _, record in _metric_lines(path)]
+
+
+def _metric_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each record ``read_metrics`` reads."""
     if not Path(path).exists():
         return []
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    lines = [l for l in Path(path).read_text(errors="replace").splitlines() if l.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append((line, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise UserError(f"{path}: line {i + 1} is not a metrics record ({e}); a run writes this file itself: "
+                            "restore it, or remove it to resume without the records before") from None
+    return records
 
 
 def plot_curves(metrics_path: Path, out_path: Path) -> Optional[Path]:
-    """Per-head loss and top-1 accuracy against step (train and eval), as one PNG."""
+    """Per-head loss and top-1 accuracy against step (train and eval), as one PNG. The eval (held-out) loss is
+    drawn too: it is what the final table prints, and what tells overfitting from a falling train loss."""
     records = read_metrics(metrics_path)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -124,20 +145,25 @@ def plot_curves(metrics_path: Path, out_path: Path) -> Optional[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt   # lazy: after the headless backend is chosen
+    from matplotlib.ticker import MaxNLocator   # lazy: as pyplot
 
     heads = sorted({int(k[4:].split("/")[0]) for k in train[-1] if k.startswith("head") and k.endswith("/loss")})
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(13, 4))
+    steps, eval_steps = [r["step"] for r in train], [r["step"] for r in evals]
     for h in heads:
-        steps = [r["step"] for r in train]
-        line, = ax_loss.plot(steps, [r[f"head{h}/loss"] for r in train], label=f"head {h}")
+        line, = ax_loss.plot(steps, [r[f"head{h}/loss"] for r in train], label=f"head {h} train")
         ax_acc.plot(steps, [r[f"head{h}/top1"] for r in train], color=line.get_color(), label=f"head {h} train")
         if evals:
-            ax_acc.plot([r["step"] for r in evals], [r[f"head{h}/top1"] for r in evals], "o--",
+            ax_loss.plot(eval_steps, [r[f"head{h}/loss"] for r in evals], "o--", color=line.get_color(),
+                         label=f"head {h} eval")
+            ax_acc.plot(eval_steps, [r[f"head{h}/top1"] for r in evals], "o--",
                         color=line.get_color(), label=f"head {h} eval")
     ax_loss.set(xlabel="step", ylabel="cross-entropy", title="per-head loss")
     ax_acc.set(xlabel="step", ylabel="top-1 accuracy", title="per-head top-1 accuracy")
-    ax_loss.legend()
-    ax_acc.legend(fontsize=7)
+    for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # optimizer steps: no step 2.5
+        # beside the axes: inside, the legend covered the curves of a short run
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=110)

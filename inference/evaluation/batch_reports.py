@@ -29,6 +29,23 @@ def _identity(row: dict) -> str:
     return "yes" if row["greedy_identical"] else f"no ({checks.count(False)} row checks differ)"
 
 
+def paying(b: dict, meth: str, size) -> str:
+    """Where speculation paid, from ``size`` (``batch_eval.stops_paying``: the smallest batch size where it was not
+    faster than the plain batched loop). "Stops paying at batch size 1" said it had paid before, when it never
+    had; a size where it was faster again is named too."""
+    if size is None:
+        return "faster than the plain batched loop at every batch size measured"
+    faster = [s for s in b["batch_sizes"] if b["per_batch_size"][str(s)]["tokens_per_s"][meth]
+              > b["per_batch_size"][str(s)]["tokens_per_s"]["autoregressive"]]
+    if not faster:
+        return "never faster than plain decoding (the plain batched loop) at any batch size measured"
+    text = (f"speculation stops paying at batch size {size}" if faster[0] < size
+            else f"not faster than the plain batched loop at batch size {size}")
+    later = [str(s) for s in faster if s > size]
+    again = " again" if faster[0] < size else ""
+    return text + (f"; faster{again} at batch size {', '.join(later)}" if later else "")
+
+
 def batched_markdown(r: dict) -> str:
     """report.md of a batched evaluation: one row per (batch size, method)."""
     s, b = r.get("settings") or {}, r["batched"]
@@ -49,9 +66,7 @@ def batched_markdown(r: dict) -> str:
                          f"{_ratio(row, 'speedup_vs_hf_generate')} "
                          f"| {_identity(row)} |")
     lines.append("")
-    for meth, size in b.get("speculation_stops_paying", {}).items():
-        lines.append(f"- {meth}: " + (f"speculation stops paying at batch size {size}" if size is not None
-                                      else "faster than the plain batched loop at every batch size measured"))
+    lines += [f"- {meth}: {paying(b, meth, size)}" for meth, size in b.get("speculation_stops_paying", {}).items()]
     for meth, spec in (b.get("speculation") or {}).items():
         how = spec.get("tree") or spec.get("chain")
         lines.append(f"- {meth}: speculation per batch size ({how}): "
@@ -79,8 +94,7 @@ def print_batched(b: dict) -> None:
             parts.append("speculation " + ", ".join(f"{x} {v}" for x, v in entry["speculation"].items()))
         print(" | ".join(parts))
     for meth, size in b["speculation_stops_paying"].items():
-        print(f"{meth}: " + (f"speculation stops paying at batch size {size}" if size is not None
-                             else "faster than the plain batched loop at every batch size"))
+        print(f"{meth}: {paying(b, meth, size)}")
     for meth, same in (b.get("greedy_identical") or {}).items():
         if meth != "hf_generate":
             print(f"{meth}: every row identical to greedy: {same}")

@@ -205,10 +205,12 @@ def _prompts_lines(r: dict) -> list[str]:
                     for meth, ids in (r.get("greedy_mismatches") or {}).items()]
 
 
-def headline(r: dict) -> tuple[str, dict]:
-    """The method the report is about: the first one with an acceptance rate (not a baseline)."""
+def headline(r: dict, measured: bool = False) -> tuple[str, dict]:
+    """The method the report is about: the first one with an acceptance rate (not a baseline); ``measured``: the
+    first whose acceptance rate is not null (it proposed draft tokens, it did not run as plain decoding)."""
     per = r.get("per_method") or {}
-    name = next((m for m in r.get("methods", []) if "acceptance_rate" in per.get(m, {})), None)
+    name = next((m for m in r.get("methods", []) if "acceptance_rate" in per.get(m, {})
+                 and not (measured and per[m]["acceptance_rate"] is None)), None)
     return name, per.get(name, {})
 
 
@@ -234,7 +236,8 @@ def markdown(r: dict) -> str:
     if name is not None:
         lines += ["", f"- {_method(name, row)} tau (tokens per verification step): **{_fmt(row.get('tau'))}**",
                   f"- acceptance rate: {_fmt(row.get('acceptance_rate'))}"
-                  + (f"; n-alpha: {row['n_alpha']}" if row.get("n_alpha") else "")]
+                  + (f"; n-alpha: {row['n_alpha']}" if row.get("n_alpha") and row.get("acceptance_rate") is not None
+                     else "")]   # nothing proposed (no step: max_new_tokens=1): its zeros measured nothing
         if row.get("greedy_identical_fraction") is not None:  # greedy mode only
             lines.append(f"- output identical to plain greedy: {row['greedy_identical_fraction']}")
     lines += _choices(r) + _prompts_lines(r)
@@ -247,12 +250,14 @@ def markdown(r: dict) -> str:
 
 
 def plot_report(out_dir: Path, r: dict) -> list[Path]:
-    """acceptance_histogram.png (what verification accepted, its own mean in the title) and head_accuracy.png."""
-    name, row = headline(r)
-    paths = [plot_histogram(out_dir / HISTOGRAM_PLOT, name, row["accept_length_histogram"])] \
-        if row.get("accept_length_histogram") else []
+    """acceptance_histogram.png (what verification accepted, its own mean in the title) and head_accuracy.png.
+    No histogram of a method that ran as plain decoding: its one bar at 1 read as "the heads never accept"."""
+    name, row = headline(r, measured=True)
+    paths = [plot_histogram(out_dir / HISTOGRAM_PLOT, name, row["accept_length_histogram"],
+                            len(row.get("n_alpha") or []))] if row.get("accept_length_histogram") else []
     if r.get("head_accuracy"):
-        paths.append(plot_head_accuracy(out_dir / HEAD_ACCURACY_PLOT, r["head_accuracy"]["topk"]))
+        acc = r["head_accuracy"]
+        paths.append(plot_head_accuracy(out_dir / HEAD_ACCURACY_PLOT, acc["topk"], acc.get("measured_on")))
     return paths
 
 
@@ -272,6 +277,14 @@ def _same(row: dict, greedy: bool) -> str:
     if not greedy:
         return "n/a (sampling)"
     return "-" if ident is None else "yes" if ident == 1.0 else f"no ({ident:.0%} of prompts)"
+
+
+def _option(v) -> str:
+    """A method option as the matrix shows it: a tree file's contents by its name and size (its raw dict, every
+    path of the tree, filled the settings line), anything else as it is."""
+    if isinstance(v, dict) and "choices" in v:
+        return f"{v.get('name', 'tree')} ({v.get('num_nodes', len(v['choices']) + 1)} nodes)"
+    return str(v)
 
 
 def compare_markdown(r: dict) -> str:
@@ -294,7 +307,7 @@ def compare_markdown(r: dict) -> str:
                      f"{_fmt(row.get('acceptance_rate'), '.3f')} | {row['tokens_per_s']:.2f} |{_speedups(row, cols)} "
                      f"{p_txt} | {_size(kv, 'B') if kv else '0'} | {cost.get('training', 'none')} | "
                      f"{_same(row, greedy)} |")
-    notes = [f"{_method(meth, per[meth])}: " + ", ".join(f"{k} = {v}" for k, v in opts[meth].items())
+    notes = [f"{_method(meth, per[meth])}: " + ", ".join(f"{k} = {_option(v)}" for k, v in opts[meth].items())
              for meth in r["methods"] if opts.get(meth)]
     lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "", *_prompts_lines(r), "", SPEEDUP_NOTE,
               "",

@@ -106,6 +106,20 @@ def release_temp_dir(tmp: Path) -> None:
         _ACTIVE.discard(tmp)
 
 
+def sync_tree(folder: Path) -> None:
+    """fsync every file under ``folder``, then the folder itself, before a rename publishes it: after a power loss a
+    folder renamed into place whose data never reached the disk holds empty or cut files under complete names."""
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def swap_dir_into_place(tmp: Path, out: Path) -> None:
     """Rename a complete ``tmp`` directory to ``out``, replacing an existing ``out``.
 
@@ -115,6 +129,7 @@ def swap_dir_into_place(tmp: Path, out: Path) -> None:
     export in ``.old-*``, which the next ``recover_dir`` (every save and export into ``out``, and
     a finished training's rerun) puts back; loaders name it (``read_native_spec``)."""
     recover_dir(out)
+    sync_tree(tmp)
     old = None
     try:
         if out.exists():

@@ -2,10 +2,10 @@
 
 Loading both from disk is ``inference.loading.load_medusa``; ``attach_heads`` wraps heads already
 in memory. ``MedusaModel`` refuses attention implementations that ignore custom 4D tree masks
-(sdpa and eager apply them; flash-attention kernels do not) and backbones whose layers are not all full
-attention (``check_backbone_config``: the config alone decides it, so the commands refuse it before the weights
-load), and moves an sdpa backbone to ``runtime.attention``'s function (the same math, grouped-query attention in
-the kernel on CPU).
+(sdpa and eager apply them; flash-attention kernels do not), backbones positioned by ALiBi, and backbones with
+layers other than full attention or sliding-window attention decoded within its window (``check_backbone_config``:
+the config alone decides it, so the commands refuse it before the weights load), and moves an sdpa backbone to
+``runtime.attention``'s function (the same math, grouped-query attention in the kernel on CPU).
 
 ``MedusaModel`` runs the decoder body (not ``*ForCausalLM.forward``) so the 49k-vocabulary
 lm_head is applied only where logits are needed: the last prompt position, the tree nodes.
@@ -203,22 +203,23 @@ class MedusaModel:
 
 def check_backbone_config(config, name: Optional[str] = None) -> None:
     """What the tree decoder refuses in a backbone's config alone, its weights unread (``name``: the backbone as
-    the user gave it, for the message): a layer that attends otherwise than fully and causally (``attention_kinds``).
-    Tree masks and the KV cache give every layer every position, so such a layer would see what the backbone itself
-    never sees, and the decoded text would no longer be the backbone's. ``MedusaModel`` checks a model object it is
-    given; the commands check the config before the weights load (``cli_checks.check_options_fit``)."""
+    the user gave it, for the message): ALiBi positions, and a layer that attends otherwise than fully and causally
+    (``attention_kinds``) but for sliding-window layers of a known window. Tree masks and the KV cache give every
+    layer every position, so such a layer would see what the backbone itself never sees, and the decoded text would
+    no longer be the backbone's; within a sliding window full attention is the same, and requests are kept within
+    it (``position_limit``: Gemma-2/3, gpt-oss, Command-R7B). ``MedusaModel`` checks a model object it is given; the
+    commands check the config before the weights load (``cli_checks.check_options_fit``)."""
     cfg = text_config(config)
     who = f"backbone {name!r}" if name else f"the backbone ({getattr(cfg, 'model_type', None) or type(cfg).__name__})"
     if uses_alibi(cfg):
         raise UserError(f"{who} positions its tokens by ALiBi biases, which the tree decoder does not support (a draft "
                         "node's position is its depth's, given as position ids, which ALiBi ignores)")
-    other = sorted(attention_kinds(cfg) - {"full_attention"})
-    if not other:
-        return
     window = getattr(cfg, "sliding_window", None)
-    within = f" (a {window}-token window)" if "sliding_attention" in other and is_count(window, None) else ""
-    raise UserError(f"{who} has {', '.join(other)} layers{within}, which the tree decoder does not support "
-                    "(full-attention decoders only)")
+    decodable = {"full_attention", "sliding_attention"} if is_count(window, 1) else {"full_attention"}
+    other = sorted(attention_kinds(cfg) - decodable)
+    if other:
+        raise UserError(f"{who} has {', '.join(other)} layers, which the tree decoder does not support (full or "
+                        "sliding-window attention only)")
 
 
 def uses_alibi(cfg) -> bool:
@@ -241,16 +242,19 @@ def attention_kinds(cfg) -> set[str]:
 
 def position_limit(cfg) -> Optional[int]:
     """The positions a request (prompt + new tokens) may fill for the tree decoder to decode as the backbone does:
-    ``max_position_embeddings``, or a shorter ``sliding_window`` that every layer attends within (a config without
-    ``layer_types``; transformers' mask lets token i see j when i - j < window). Within the window sliding and full
-    attention are the same; beyond it the tree decoder's masks and cache would give every layer positions the
-    backbone never sees, so a request past it is refused like one past the positions. None: no limit known."""
+    ``max_position_embeddings``, or a shorter ``sliding_window`` that some layers attend within (``layer_types``
+    naming sliding_attention: Gemma-2/3, gpt-oss) or every layer (a config without ``layer_types``: Mistral-7B-v0.1;
+    transformers' mask lets token i see j when i - j < window). Within the window sliding and full attention are the
+    same; beyond it the tree decoder's masks and cache would give those layers positions the backbone never sees, so
+    a request past it is refused like one past the positions. None: no limit known."""
     cfg = text_config(cfg)
     positions = getattr(cfg, "max_position_embeddings", None)
     positions = positions if is_count(positions, 1) else None
     window = getattr(cfg, "sliding_window", None)
-    slides = (not getattr(cfg, "layer_types", None) and is_count(window, 1)
-              and getattr(cfg, "use_sliding_window", True) is not False)
+    if getattr(cfg, "layer_types", None):
+        slides = is_count(window, 1) and "sliding_attention" in attention_kinds(cfg)
+    else:
+        slides = is_count(window, 1) and getattr(cfg, "use_sliding_window", True) is not False
     if slides and (positions is None or window < positions):
         return window
     return positions

@@ -133,3 +133,43 @@ def test_a_configurations_refusal_is_said_once_per_launch(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         refuse("trainer.max_steps must be >= 1", every_rank=False)
     assert "trainer.max_steps" in capsys.readouterr().err
+
+
+def test_a_write_that_fails_for_want_of_room_is_one_line(capsys):
+    """Guards against: a full disk (or a file-size limit, a quota) while a command writes its report or export
+    ending in a 22-line traceback after the whole evaluation: one line saying what to do. safetensors reports it
+    as its own error with the errno in its text; an error raised while handling one is traced to it; any other
+    error (a bug) keeps its traceback."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from inference.errors import no_room_line
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/x/report.md")
+    assert no_room_line(full) == ("could not write /x/report.md: No space left on device; free space (or raise the "
+                                  "limit) and run the same command again: what was written before is whole, and a "
+                                  "training run resumes from its last checkpoint")
+    assert no_room_line(SafetensorError("Error while serializing: I/O error: File too large (os error 27)")).startswith(
+        "could not write: File too large;")
+    try:
+        try:
+            raise full
+        except OSError:
+            raise RuntimeError("while cleaning up")
+    except RuntimeError as chained:
+        assert no_room_line(chained).startswith("could not write /x/report.md")
+    assert no_room_line(OSError(errno.EACCES, "Permission denied")) is None
+    assert no_room_line(ValueError("a bug")) is None
+
+    def task(cfg):
+        raise full
+
+    line = _exit_line(capsys, run_cli, "medusa-eval", "doc", Schema, task, ["heads=h", "out=o"])
+    assert line.startswith("medusa-eval: error: could not write /x/report.md: No space left on device;"), line
+
+    def bug(cfg):
+        raise ValueError("a bug")
+
+    with pytest.raises(ValueError):
+        run_cli("medusa-eval", "doc", Schema, bug, ["heads=h", "out=o"])

@@ -240,3 +240,17 @@ def test_a_swap_that_cannot_move_out_aside_leaves_no_empty_backup(tmp_path):
     with pytest.raises(OSError):
         native.swap_dir_into_place(new, link)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "new", "real"]
+
+
+def test_a_folder_is_on_the_disk_before_its_rename_publishes_it(tmp_path, monkeypatch):
+    """Guards against: heads exports (and checkpoints, through the same ``sync_tree``) renamed into place without an
+    fsync: after a power loss, rather than a kill, the complete name could hold empty or cut files."""
+    synced, real = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    tmp = tmp_path / ".x.tmp"
+    (tmp / "sub").mkdir(parents=True)
+    (tmp / "a").write_text("1")
+    (tmp / "sub" / "b").write_text("2")
+    native.swap_dir_into_place(tmp, tmp_path / "x")
+    assert set(synced) == {str(tmp / "a"), str(tmp / "sub" / "b"), str(tmp)}
+    assert (tmp_path / "x" / "sub" / "b").read_text() == "2"

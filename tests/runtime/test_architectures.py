@@ -34,6 +34,7 @@ BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 HD = dict(head_dim=16)   # families whose default head_dim is not hidden / heads (Gemma's 256, Qwen3's 128)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 FULL = dict(layer_types=["full_attention"] * 2)
+WINDOW = 40   # the sliding window of the families that have one: the longest prompt (13) + N (20) and a tree fit it
 
 # family -> (config, attention implementation, EAGLE-3 drafter allowed)
 ARCHS = {
@@ -77,6 +78,15 @@ ARCHS = {
     "mixtral": (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), "sdpa", True),
     "phi": (dict(model_type="phi"), "sdpa", False),
     "falcon": (dict(model_type="falcon", num_kv_heads=2, new_decoder_architecture=True), "sdpa", False),
+    # their defaults: sliding-window layers beside full ones, decoded within the window (every request here fits it)
+    "gemma2": (dict(model_type="gemma2", sliding_window=WINDOW, **HD), "eager", False),
+    "gemma3_text": (dict(model_type="gemma3_text", sliding_window=WINDOW, **HD), "sdpa", False),
+    "gpt_oss": (dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, **HD),
+                "eager", False),
+    "cohere2": (dict(model_type="cohere2", sliding_window=WINDOW), "sdpa", True),
+    "olmo3": (dict(model_type="olmo3", sliding_window=WINDOW), "sdpa", True),
+    "qwen2-sliding": (dict(model_type="qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+                      "sdpa", True),
 }
 
 # model types whose KV cache is not [kv_heads, positions, head_dim] per layer: the static path falls back, said once
@@ -232,30 +242,34 @@ def test_eagle3_drafter_for_a_family_without_its_layer_is_refused_in_one_line(ar
     assert "\n" not in str(e.value)
 
 
-SLIDING = {
-    "gemma2": (dict(model_type="gemma2", **HD), "eager"),
-    "gemma3_text": (dict(model_type="gemma3_text", **HD), "sdpa"),
-    "gpt_oss": (dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, **HD), "eager"),
-    "cohere2": (dict(model_type="cohere2"), "sdpa"),
-    "olmo3": (dict(model_type="olmo3"), "sdpa"),
-    "qwen2-sliding": (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
-                      "sdpa"),
-}
-
-
-@pytest.mark.parametrize("arch", SLIDING)
-def test_sliding_window_layers_are_refused_in_one_line(arch):
-    """Guards against: a family with sliding-window layers (their defaults: Gemma-2/3, GPT-OSS, Command-R7B, OLMo-3,
-    Qwen2 with use_sliding_window) decoded by the tree decoder, whose masks and cache give every layer every position,
-    so its output past the window is no longer the backbone's: refused in one line naming the layers."""
-    spec, attn = SLIDING[arch]
-    cfg = random_config({**BASE, **spec})
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
-    with pytest.raises(UserError, match="sliding_attention layers") as e:
-        MedusaModel(model=model, tokenizer=None, heads=None)
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "qwen2-sliding"])
+def test_a_request_past_a_sliding_window_is_refused(arch):
+    """Guards against: a family with sliding-window layers (Gemma-2/3, gpt-oss, Command-R7B, OLMo-3, Qwen2 with
+    use_sliding_window) decoding a request longer than its window: the tree decoder's masks and cache give every layer
+    every position, so past the window its output is no longer the backbone's. Within it (the other tests of this
+    module) sliding and full attention agree; past it, one line."""
+    m = family(arch)[0]
+    with pytest.raises(UserError, match=rf"exceeds the backbone's {WINDOW}-token sliding window") as e:
+        generate(m, PROMPTS[2], "autoregressive", max_new_tokens=WINDOW - len(PROMPTS[2]) + 1, eos_token_ids=())
     assert "\n" not in str(e.value)
+    assert len(generate(m, PROMPTS[2], "autoregressive", max_new_tokens=WINDOW - len(PROMPTS[2]),
+                        eos_token_ids=()).tokens) == WINDOW - len(PROMPTS[2])
+
+
+@pytest.mark.parametrize("layer_types, window, words", [
+    (["sliding_attention", "full_attention"], None, "has sliding_attention layers"),   # a window nobody knows
+    (["chunked_attention", "full_attention"], 8, "has chunked_attention layers"),      # Llama-4's chunks
+    (["full_attention", "linear_attention"], None, "has linear_attention layers"),     # Qwen3-Next's
+])
+def test_layers_attending_otherwise_are_refused_in_one_line(layer_types, window, words):
+    """Guards against: a layer that attends otherwise than fully or within a known sliding window decoded by the tree
+    decoder, whose masks and cache give every layer every position: refused in one line naming the layers."""
+    from inference.runtime.model import check_backbone_config
+
+    cfg = types.SimpleNamespace(model_type="llama", layer_types=layer_types, sliding_window=window)
+    with pytest.raises(UserError, match=rf"^backbone 'b' {words}, which the tree decoder does not support \(full or "
+                                        r"sliding-window attention only\)$"):
+        check_backbone_config(cfg, "b")
 
 
 def test_a_logits_scaling_of_unknown_direction_is_said():

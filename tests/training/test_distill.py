@@ -514,6 +514,28 @@ def test_sampled_auto_takes_generate_when_the_runtime_cannot_decode_the_backbone
     assert manifest["engine"]["chosen"] == "generate" and "cannot decode" in manifest["engine"]["why"]
 
 
+def test_the_runtime_engines_refuse_requests_past_a_sliding_window(compose_tiny, tmp_path):
+    """Guards against: a backbone with sliding-window layers (Gemma-3's 1,024-token window), which the runtime decodes
+    only within its window, distilled by the runtime engines past it: each prompt longer than the window failed
+    mid-run. The runtime engines refuse such a run when built, so ``distill.engine=auto`` writes with generate."""
+    from medusa_train.distill_engines import RuntimeGenerator
+
+    window = ["backbone.random_init.model_type=qwen2", "+backbone.random_init.use_sliding_window=true",
+              "+backbone.random_init.max_window_layers=1", "+backbone.random_init.sliding_window=72",
+              "data.max_length=64"]
+    cfg = compose_tiny(*DISTILL, *window, "distill.max_new_tokens=9")
+    b = load_backbone(cfg.backbone, "cpu", seed=0)
+    with pytest.raises(UserError, match=r"^distill.engine=runtime cannot run this backbone: data.max_length \+ "
+                                        r"distill.max_new_tokens \(73\) exceeds its 72-token sliding window .*; use "
+                                        r"distill.engine=generate$"):
+        RuntimeGenerator(b.model, b.tokenizer, cfg, torch.device("cpu"))
+    fits = compose_tiny(*DISTILL, *window, "distill.max_new_tokens=8")
+    assert RuntimeGenerator(b.model, b.tokenizer, fits, torch.device("cpu")).m is not None
+    sampled = compose_tiny(*[a for a in DISTILL if not a.startswith("distill.engine")], *window,
+                           "distill.max_new_tokens=9", "distill.max_conversations=4", out=tmp_path / "g")
+    assert distill.run(sampled)["engine"]["chosen"] == "generate"
+
+
 def test_training_on_data_distilled_by_another_backbone_is_said(compose_tiny, tmp_path, capsys):
     """Guards against: heads trained on self-distilled data written by another backbone in silence (a recipe's
     default data.source, runs/distill_smollm2/data, kept beside backbone.name_or_path=<your model>): the heads learn

@@ -81,15 +81,16 @@ def test_cache_for_another_backbone_or_data_is_refused(change, words, compose_ti
 
 def test_disk_without_room_is_refused_before_writing(compose_tiny, out_dir, monkeypatch, capsys):
     """Guards against: starting a cache the disk cannot hold (and filling it) instead of saying so up front,
-    with the estimate printed first."""
+    with the estimate printed first; and the refusal advising features.dtype=bf16 to a cache already stored in it."""
     real = features.shutil.disk_usage
 
     def tiny_disk(path):
         return real(path)._replace(free=10_000)
 
     monkeypatch.setattr(features.shutil, "disk_usage", tiny_disk)
-    with pytest.raises(UserError, match="features cache needs ~.* free"):
+    with pytest.raises(UserError, match="features cache needs ~.* free") as err:
         features.run_build(compose_tiny(*RUN, "features.mode=build"))
+    assert "features.dtype=bf16" not in str(err.value)
     printed = capsys.readouterr().out
     assert "x hidden 64 x 2 bytes (bf16)" in printed
     assert shard_files(out_dir / "features") == []
@@ -420,3 +421,23 @@ def test_tokenizer_fingerprint_follows_the_chat_template_not_the_load(tiny_backb
     assert tokenizer_fingerprint(first) == tokenizer_fingerprint(again)
     again.chat_template = "{{ 'system: be brief' }}" + again.chat_template
     assert tokenizer_fingerprint(again) != tokenizer_fingerprint(first)
+
+
+def test_a_cache_dir_that_cannot_be_written_is_refused_before_the_backbone_loads(compose_tiny, tmp_path, monkeypatch):
+    """Guards against: a features.cache_dir on a read-only filesystem (or under a file) found only once the backbone
+    had loaded, as an OSError traceback from the manifest's claim, with the new run's folder left behind: one line in
+    preflight. A complete cache there is still only read (a read-only share serves)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match=rf"^features.cache_dir={blocker}/cache cannot be created: {blocker} is a "
+                                        "file$"):
+        features.check_cache_dir(compose_tiny("features.mode=train", f"features.cache_dir={blocker}/cache"))
+    shared = tmp_path / "ro"
+    shared.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == shared else real(p, mode))
+    with pytest.raises(UserError, match=rf"^features.cache_dir={shared}/cache cannot be written: no write "
+                                        rf"permission on {shared}$"):
+        features.check_cache_dir(compose_tiny("features.mode=train", f"features.cache_dir={shared}/cache"))
+    (shared / features.MANIFEST).write_text("{}")   # a cache built there before: read, not written
+    features.check_cache_dir(compose_tiny("features.mode=train", f"features.cache_dir={shared}"))

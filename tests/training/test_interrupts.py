@@ -63,6 +63,19 @@ def signal_after_optimizer_step(monkeypatch, n: int, sig: int) -> None:
     monkeypatch.setattr(T.MedusaTrainer, "_build_engine", build_then_wrap)
 
 
+def die_after_checkpoint(monkeypatch, step: int) -> None:
+    """End the run (as a kill would) right after checkpoint ``step`` is written."""
+    original = T.MedusaTrainer.save_checkpoint
+
+    def save_then_die(self):
+        path = original(self)
+        if self.step == step:
+            raise SystemExit(f"killed after the step-{step} checkpoint")
+        return path
+
+    monkeypatch.setattr(T.MedusaTrainer, "save_checkpoint", save_then_die)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One uninterrupted run of ``RUN`` (eval at step 4 as well), shared by the tests that compare with it."""
@@ -143,15 +156,7 @@ def test_kill_after_the_final_evaluation_logs_it_once(reference, compose_tiny, o
 def test_kill_after_a_mid_run_evaluation_and_checkpoint_keeps_it(reference, compose_tiny, out_dir, monkeypatch):
     """Guards against: dropping the mid-run evaluation logged at a checkpoint's own step (the resumed run starts
     after it and never evaluates there again), or keeping it when the kill came before that checkpoint."""
-    original = T.MedusaTrainer.save_checkpoint
-
-    def save_then_die(self):
-        path = original(self)
-        if self.step == 4:
-            raise SystemExit("killed after the step-4 checkpoint")
-        return path
-
-    monkeypatch.setattr(T.MedusaTrainer, "save_checkpoint", save_then_die)
+    die_after_checkpoint(monkeypatch, 4)
     with pytest.raises(SystemExit):
         T.run(compose_tiny(*RUN, "trainer.eval_every=4"))
     monkeypatch.undo()
@@ -374,3 +379,76 @@ def test_ctrl_c_while_distillation_loads_its_backbone_is_one_line(compose_tiny, 
     except KeyboardInterrupt:
         pytest.fail("the Ctrl-C escaped as a KeyboardInterrupt (a traceback)")
     assert not out_dir.exists()
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_rerun_resumes(reference, out_dir, monkeypatch, capsys):
+    """Guards against: a full disk while a checkpoint is written ending the command in Hydra's "Error executing job"
+    and a SafetensorError traceback: one line saying to free space and run the same command again, which resumes
+    from the checkpoint before and ends as the uninterrupted run."""
+    import errno
+
+    from medusa_train import cli, launch
+
+    original = T.MedusaTrainer.save_checkpoint
+
+    def full_at_step_8(self):
+        if self.step == 8:
+            raise OSError(errno.ENOSPC, "No space left on device", str(out_dir / "checkpoints" / ".tmp-step-000008"))
+        return original(self)
+
+    monkeypatch.setattr(launch, "_PRECHECKED", False)
+    monkeypatch.setattr(T.MedusaTrainer, "save_checkpoint", full_at_step_8)
+    args = ["debug_tiny", *base_overrides(out_dir), *RUN, "trainer.eval_every=4"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"medusa-train: error: could not write {out_dir / 'checkpoints'}/.tmp-step-000008: "
+                                "No space left on device; free space"), lines
+    assert not any("Traceback" in line or "Error executing job" in line for line in lines), lines
+    monkeypatch.setattr(T.MedusaTrainer, "save_checkpoint", original)
+    cli.main(args)
+    assert_same_run(reference, out_dir)
+
+
+def test_a_metrics_record_cut_short_does_not_block_the_resume(reference, compose_tiny, out_dir, monkeypatch):
+    """Guards against: a metrics.jsonl whose last record was cut short (a full disk or a kill inside the append)
+    failing every later resume with a JSONDecodeError; the cut record is past the checkpoint, and the resume logs
+    its step again. A bad line before the last is no cut append: one line."""
+    die_after_checkpoint(monkeypatch, 4)
+    with pytest.raises(SystemExit):
+        T.run(compose_tiny(*RUN, "trainer.eval_every=4"))
+    monkeypatch.undo()
+    metrics = out_dir / "metrics.jsonl"
+    whole = metrics.read_text()
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "kind": "train", "loss": 7.9')
+    T.run(compose_tiny(*RUN, "trainer.eval_every=4"))
+    assert_same_run(reference, out_dir)
+    metrics.write_text('{"step": 1, "kind": "tr\n' + whole)
+    with pytest.raises(UserError, match=r"metrics.jsonl: line 1 is not a metrics record \(.*\); a run writes this "
+                                        "file itself: restore it, or remove it"):
+        read_metrics(metrics)
+
+
+def test_the_command_ignores_a_second_ctrl_c_once_it_has_said_its_line(tmp_path):
+    """Guards against: a double Ctrl-C during the final evaluation or export printing the one line, then an
+    "Exception ignored in atexit callback ... KeyboardInterrupt" traceback: the first restored the default handler,
+    and the second landed in torch's clean-up at exit. Once the command exits with its line, Ctrl-C is ignored; a
+    caller in Python keeps its own handlers."""
+    code = ("import signal, sys\n"
+            "import medusa_train.launch as L\n"
+            "L.launch = lambda *a, **k: L.refuse('interrupted')\n"
+            "import medusa_train.cli as c\n"
+            "def check(argv):\n"
+            "    try:\n"
+            "        c.main(argv)\n"
+            "    except SystemExit:\n"
+            "        print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+            "    signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "check(['debug_tiny'])\n"
+            "sys.argv = ['medusa-train', 'debug_tiny']\n"
+            "check(None)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env=clean_env(), timeout=120)
+    assert proc.stdout.split() == ["False", "True"], proc.stdout + proc.stderr

@@ -344,16 +344,22 @@ def test_random_backbone_takes_the_runs_attention_implementation(tmp_path, capsy
 
 
 def test_a_backbone_the_runtime_cannot_decode_trains_with_a_note(compose_tiny, capsys):
-    """Guards against: heads trained for a backbone with sliding-window layers (Gemma-3's default) without a word,
-    and refused only afterwards by medusa-eval / medusa-generate: the run says so before it starts (the heads still
-    serve in engines), and says nothing for a full-attention backbone."""
+    """Guards against: heads trained for a backbone the runtime cannot decode (ALiBi: Falcon-RW) without a word, and
+    refused only afterwards by medusa-eval / medusa-generate, or for one it decodes only within a sliding window
+    (Gemma-3's default layers) without saying so: the run says so before it starts (the heads still serve in
+    engines), and says nothing for a full-attention backbone."""
     from medusa_train.preflight import check_family
 
     check_family(compose_tiny())
     assert "note:" not in capsys.readouterr().err
-    check_family(compose_tiny("backbone.random_init.model_type=gemma3_text", "+backbone.random_init.head_dim=16"))
+    check_family(compose_tiny("backbone.random_init.model_type=falcon", "+backbone.random_init.alibi=true"))
     err = capsys.readouterr().err
-    assert "sliding_attention layers" in err and "medusa-eval and medusa-generate will refuse" in err
+    assert "positions its tokens by ALiBi biases" in err and "medusa-eval and medusa-generate will refuse" in err
+    check_family(compose_tiny("backbone.random_init.model_type=gemma3_text", "+backbone.random_init.head_dim=16",
+                              "+backbone.random_init.sliding_window=64"))
+    err = capsys.readouterr().err
+    assert err.strip() == ("note: the backbone attends within a 64-token sliding window: medusa-eval and "
+                           "medusa-generate decode requests within it (serving engines decode longer ones)"), err
 
 
 @pytest.mark.parametrize("files, words", [
