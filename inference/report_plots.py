@@ -8,18 +8,24 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-# A method keeps its colour from run to run and from plot to plot (compare.png, throughput_vs_batch.png): picked
-# by its name, never by its place in the run's method list (which changes with methods=); baselines in greys.
-METHOD_COLORS = {"medusa": "C0", "draft": "C1", "lookahead": "C2", "prompt_lookup": "C3", "medusa_lookup": "C4",
-                 "eagle3": "C5", "eagle3_lookup": "C6", "autoregressive": "0.2", "hf_generate": "0.5",
-                 "hf_generate_static": "0.7"}
-OTHER_COLORS = ("C8", "C9", "navy", "teal", "maroon")   # a method of a plugin: none of the above
+OTHER_COLORS = ("C8", "C9", "navy", "teal", "maroon")   # a name no registered method has
+BASELINE_GREYS = ("0.2", "0.5", "0.7", "0.35", "0.6")
 
 
 def method_color(name: str) -> str:
-    """``name``'s colour: ``METHOD_COLORS``, else one chosen by a CRC of the name (Python's ``hash`` of a str
-    changes from process to process, and so would the colour)."""
-    return METHOD_COLORS.get(name) or OTHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_COLORS)]
+    """``name``'s colour, the same from run to run and from plot to plot (compare.png, throughput_vs_batch.png): by
+    its place among the registered methods, never by its place in the run's ``methods=`` (which changes with it),
+    the baselines in greys; a name no method has by a CRC of it (Python's ``hash`` of a str changes between
+    processes, and so would the colour)."""
+    from .methods import registry   # lazy: a report's numbers alone draw every other part of a plot
+
+    known = registry.names()
+    if name not in known:
+        return OTHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_COLORS)]
+    baseline = registry.get(name).baseline
+    same_kind = [m for m in known if registry.get(m).baseline == baseline]
+    place = same_kind.index(name)
+    return BASELINE_GREYS[place % len(BASELINE_GREYS)] if baseline else f"C{place % 8}"   # C8, C9: the others
 
 
 def pyplot():
