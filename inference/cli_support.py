@@ -142,6 +142,13 @@ def enum_value(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
+def ignore_further_interrupts() -> None:
+    """For a command on its way out, its one line said: a further Ctrl-C (a double press) would only land in the
+    clean-up torch runs at exit, as a traceback under the line. Only for the command itself, never for a caller in
+    Python, whose signals are its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
             refuse: Optional[Callable[[list[str]], Optional[str]]] = None) -> None:
     """``--help`` prints ``doc`` (a callable: its text, built only then); otherwise parse ``argv`` onto ``schema``
@@ -161,8 +168,8 @@ def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
     except UserError as e:
         fail(prog, str(e))
     except KeyboardInterrupt:   # Ctrl-C: what was written stays whole (every writer swaps its output in)
-        if console:   # on its way out: a double press would only land in torch's clean-up at exit, as a traceback
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if console:
+            ignore_further_interrupts()
         print(f"\n{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:   # `medusa-generate ... | head`: the reader left; nothing more to say to it

@@ -50,7 +50,7 @@ def _n(count, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
-def _integer_axis(axis) -> None:
+def integer_axis(axis) -> None:
     """Ticks on whole numbers only: the axis counts tokens, steps or training steps (no 1.5 tokens)."""
     from matplotlib.ticker import MaxNLocator   # lazy: matplotlib is imported once a plot is drawn
 
@@ -75,8 +75,8 @@ def plot_histogram(path: Path, name: str, hist: dict, depth: int = 0) -> Path:
     lengths = [int(k) for k in hist]
     ax.bar(lengths, list(hist.values()))
     ax.set_xlim(0.5, max([depth + 1, *lengths]) + 0.5)
-    _integer_axis(ax.xaxis)
-    _integer_axis(ax.yaxis)
+    integer_axis(ax.xaxis)
+    integer_axis(ax.yaxis)
     ax.set(xlabel="tokens accepted per step (bonus included)", ylabel="steps")
     ax.set_title(histogram_title(name, hist), fontsize=9)
     return _save(plt, fig, path)

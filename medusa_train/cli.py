@@ -24,11 +24,11 @@ A key of another family (``heads.inner_dim`` with medusa heads) is refused in on
 from __future__ import annotations
 
 import re
-import signal
 import sys
 import textwrap
 from importlib import resources
 
+from inference.cli_support import ignore_further_interrupts
 from inference.errors import UserError
 from .overrides import INTERRUPTED_BEFORE_RUN, RECIPE_PACKAGE, override_key, recipe_overrides, refuse
 
@@ -142,9 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         launch(recipe, overrides, flags, multirun=multirun, prints=bool(names & _PRINT_FLAGS))
     except SystemExit as e:
         if console and e.code not in (0, None):
-            # the line is said and the process is on its way out: a further Ctrl-C (a double press) would only land
-            # in the clean-up torch runs at exit, as a traceback under the line
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            ignore_further_interrupts()
         raise
 
 

@@ -112,8 +112,9 @@ def _task(cfg) -> None:
         remove_created_dirs()
         refuse(str(e))
     except Exception as e:
-        if no_room_line(e):   # a full disk: one line; every writer swaps its file in, so the run resumes
-            refuse(no_room_line(e))
+        no_room = no_room_line(e)
+        if no_room:   # a full disk: one line; every writer swaps its file in, so the run resumes
+            refuse(no_room)
         if not lost_peer(e):
             raise
         refuse(leave_after_lost_peer(e))   # the launcher ends this process too soon after: one line, not a traceback

@@ -18,6 +18,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from inference.errors import UserError
+from inference.report_plots import integer_axis, pyplot
 
 from .manifest import write_text_atomic
 
@@ -141,12 +142,7 @@ def plot_curves(metrics_path: Path, out_path: Path) -> Optional[Path]:
     evals = [r for r in records if r["kind"] == "eval"]
     if not train:
         return None
-    import matplotlib   # lazy: 0.7 s to import, for one PNG at the end of training
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt   # lazy: after the headless backend is chosen
-    from matplotlib.ticker import MaxNLocator   # lazy: as pyplot
-
+    plt = pyplot()   # matplotlib loads here: 0.7 s, for one PNG at the end of training
     heads = sorted({int(k[4:].split("/")[0]) for k in train[-1] if k.startswith("head") and k.endswith("/loss")})
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(13, 4))
     steps, eval_steps = [r["step"] for r in train], [r["step"] for r in evals]
@@ -161,7 +157,7 @@ def plot_curves(metrics_path: Path, out_path: Path) -> Optional[Path]:
     ax_loss.set(xlabel="step", ylabel="cross-entropy", title="per-head loss")
     ax_acc.set(xlabel="step", ylabel="top-1 accuracy", title="per-head top-1 accuracy")
     for ax in (ax_loss, ax_acc):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # optimizer steps: no step 2.5
+        integer_axis(ax.xaxis)   # optimizer steps: no step 2.5
         # beside the axes: inside, the legend covered the curves of a short run
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
