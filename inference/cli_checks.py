@@ -255,6 +255,9 @@ def check_eval_keys(cfg):
         raise UserError("compare=true measures one prompt at a time: with batch_size give methods=[...]")
     if sizes is not None and cfg.turns != "first":
         raise UserError("batch_size decodes first turns only: drop turns= or batch_size=")
+    if cfg.max_new_tokens == 1:   # measurable, and said in report.md too: a figure that looks like a speedup
+        print("note: max_new_tokens=1: each method's one token comes from the prompt's forward and no draft is "
+              "verified, so the speedups compare prefills, not decoding", file=sys.stderr)
     return sampling, sizes
 
 

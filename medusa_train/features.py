@@ -276,6 +276,20 @@ class FeatureCache:
         write_json_atomic(self.manifest_path, manifest)
         return manifest
 
+    def withdraw_claim(self, made: list[Path]) -> None:
+        """Undo a claim that built nothing (refused for want of room, interrupted before a shard): the manifest it
+        wrote and the folders it made (``made``, deepest first) go, so a refused run leaves no empty cache behind
+        (nor, through it, a run folder that ``launch.remove_created_dirs`` must keep). A shard, the eval file or a
+        writer's temporary file means something was built (by this run or another sharing the folder): kept."""
+        if any(n != MANIFEST for n in (e.name for e in self.root.iterdir())) if self.root.is_dir() else True:
+            return
+        self.manifest_path.unlink(missing_ok=True)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): it and the folders above it stay
+                return
+
     def remove_dead_writers(self) -> list[Path]:
         """Remove the temporary files (``.<name>.tmp-<pid>``) of writers killed mid-shard, which no rename will
         ever claim. The rule of ``inference.heads.native.recover_dir``: a file is a dead writer's when its process
@@ -589,6 +603,8 @@ def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
                eval_set: Callable[[], list[dict]]) -> tuple[FeatureCache, dict]:
     """Claim the cache for this backbone and data, build what is missing; (cache, its final manifest)."""
     cache = FeatureCache(cache_dir(cfg), Path(cfg.output_dir))
+    made = [d for d in (cache.root, *cache.root.parents) if not d.exists()]   # what the claim creates, deepest first
+    fresh = not cache.manifest_path.exists()
     recorded = {"data_fingerprint": data_fingerprint(cfg.data.source, cfg.data.split),
                 "tokenizer_fingerprint": tokenizer_fingerprint(backbone.tokenizer),
                 "rounded_to": rounding(frozen.compute_dtype, parse_dtype(plan.dtype))}
@@ -599,7 +615,12 @@ def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
     def open_stream() -> ConversationStream:
         return ConversationStream(cfg.data, backbone.tokenizer, seed=cfg.trainer.seed)
 
-    return cache, build(cache, manifest, plan, frozen, open_stream, eval_set)
+    try:
+        return cache, build(cache, manifest, plan, frozen, open_stream, eval_set)
+    except (UserError, KeyboardInterrupt):
+        if fresh and plan.is_main:
+            cache.withdraw_claim(made)
+        raise
 
 
 def cache_plan(cfg, micro_batch_size: int, grad_accum: int, pad_id: int, rank: int, world_size: int) -> CachePlan:

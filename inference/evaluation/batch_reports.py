@@ -29,6 +29,19 @@ def _identity(row: dict) -> str:
     return "yes" if row["greedy_identical"] else f"no ({checks.count(False)} row checks differ)"
 
 
+def caveats(r: dict, per_prompt: bool = True) -> list[str]:
+    """Notes for figures that cannot mean what they seem to: with ``max_new_tokens=1`` every method's one token
+    comes from the prompt's forward (no draft is verified: speedups of prefills); with one prompt a per-prompt
+    median [min-max] is that prompt's single ratio (``per_prompt``: the report's ranges are over prompts)."""
+    lines = []
+    if (r.get("settings") or {}).get("max_new_tokens") == 1:
+        lines.append("- note: max_new_tokens=1: each method's one token comes from the prompt's forward and no draft "
+                     "is verified, so the speedups compare prefills, not decoding")
+    if per_prompt and r.get("num_samples") == 1:
+        lines.append("- note: one prompt evaluated: each median [min-max] is that prompt's ratio alone, no spread")
+    return lines
+
+
 def paying(b: dict, meth: str, size) -> str:
     """Where speculation paid, from ``size`` (``batch_eval.stops_paying``: the smallest batch size where it was not
     faster than the plain batched loop). "Stops paying at batch size 1" said it had paid before, when it never
@@ -77,6 +90,7 @@ def batched_markdown(r: dict) -> str:
     lines += [f"- **output differs from greedy** ({meth}) on prompts: {', '.join(map(str, ids))}"
               for meth, ids in (b.get("greedy_mismatches") or {}).items()]
     lines += [f"- note: {r['prompts_note']}"] if r.get("prompts_note") else []
+    lines += caveats(r, per_prompt=False)
     lines += ["", "tokens/s = new tokens of all rows / wall time of all batched runs (prefill included); tau = "
                   "tokens per row-step (bonus included; plain decoding 1.0); speedups pooled (all tokens / all "
                   "seconds), with the median [min-max] of the ratio batch by batch beside them."]

@@ -15,7 +15,7 @@ from ..errors import UserError
 from ..heads.native import open_permissions, swap_dir_into_place
 from ..methods.choice_file import SUFFIX as CHOICE_SUFFIX
 from ..report_plots import plot_compare, plot_head_accuracy, plot_histogram, plot_throughput
-from .batch_reports import THROUGHPUT_PLOT, _fmt, _times, batched_markdown
+from .batch_reports import THROUGHPUT_PLOT, _fmt, _times, batched_markdown, caveats
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def markdown(r: dict) -> str:
         row = per.get(meth, {})
         lines.append(f"| {_method(meth, row)} | {_fmt(row.get('tau'))} | {_fmt(row.get('acceptance_rate'))} | "
                      f"{v:.2f} |" + _speedups(row, cols))
-    lines += ["", SPEEDUP_NOTE]
+    lines += ["", SPEEDUP_NOTE, *caveats(r)]
     name, row = headline(r)
     if name is not None:
         lines += ["", f"- {_method(name, row)} tau (tokens per verification step): **{_fmt(row.get('tau'))}**",
@@ -310,7 +310,7 @@ def compare_markdown(r: dict) -> str:
     notes = [f"{_method(meth, per[meth])}: " + ", ".join(f"{k} = {_option(v)}" for k, v in opts[meth].items())
              for meth in r["methods"] if opts.get(meth)]
     lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "", *_prompts_lines(r), "", SPEEDUP_NOTE,
-              "",
+              *caveats(r), "",
               "tau = tokens per verification step (bonus included; plain decoding 1.0); acceptance rate = accepted "
               "/ proposed draft tokens; tokens/s include prefill; speedups from the same run. Extra parameters: "
               "loaded beyond the backbone, tensors shared with it not counted. Extra KV cache: cache allocated "

@@ -112,3 +112,13 @@ def test_mistyped_key_suggests_the_closest_keys_in_one_line(capsys, main, args, 
     assert e.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_max_new_tokens_one_says_the_speedups_are_of_prefills(capsys):
+    """Guards against medusa-eval max_new_tokens=1 printing speedups without a word that no draft was verified
+    (each method's one token comes from the prompt's forward): the note is on stderr before anything loads."""
+    from inference.cli_checks import check_eval_keys
+    check_eval_keys(dataclasses.replace(cli.EvalConfig(), max_new_tokens=1))
+    assert "compare prefills" in capsys.readouterr().err
+    check_eval_keys(cli.EvalConfig())
+    assert "prefills" not in capsys.readouterr().err

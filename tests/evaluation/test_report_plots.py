@@ -163,6 +163,21 @@ def test_no_n_alpha_when_nothing_was_proposed():
     assert "n-alpha: [0.2, 0.0]" in markdown(_report({"medusa": _row()}))
 
 
+def test_reports_say_when_speedups_measure_a_prefill_or_a_single_prompt():
+    """Guards against report.md and compare.md printing speedups of a max_new_tokens=1 run (each method's one token
+    from the prompt's forward, no draft verified) as decoding speedups, and a single prompt's "median [min-max]" as
+    if it were a spread across prompts; the batched report's ranges are over batches: no one-prompt note there."""
+    one = _report({"medusa": _row()}, max_new_tokens=1, num_samples=1)
+    for md in (markdown(one), compare_markdown(one)):
+        assert "max_new_tokens=1: each method's one token comes from the prompt's forward" in md
+        assert "one prompt evaluated" in md
+    for md in (markdown(_report({"medusa": _row()})), compare_markdown(_report({"medusa": _row()}))):
+        assert "max_new_tokens=1" not in md and "one prompt evaluated" not in md
+    batched = {"batch_sizes": [1], "num_prompts": 1, "per_batch_size": {}}
+    md = batched_markdown({**_report({}, max_new_tokens=1, num_samples=1), "batched": batched})
+    assert "compare prefills" in md and "one prompt evaluated" not in md
+
+
 def test_training_curves_show_eval_loss_legend_off_the_lines_whole_steps(tmp_path, monkeypatch):
     """Guards against training_curves.png leaving out the held-out (eval) loss the final table prints, a legend
     drawn over the curves, and fractional step ticks (step 2.5) on a short run."""

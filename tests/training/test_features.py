@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from inference.errors import UserError
-from medusa_train import features
+from medusa_train import features, launch
 from medusa_train import trainer as T
 
 from conftest import losses, train_without_backbone
@@ -81,19 +81,28 @@ def test_cache_for_another_backbone_or_data_is_refused(change, words, compose_ti
 
 def test_disk_without_room_is_refused_before_writing(compose_tiny, out_dir, monkeypatch, capsys):
     """Guards against: starting a cache the disk cannot hold (and filling it) instead of saying so up front,
-    with the estimate printed first; and the refusal advising features.dtype=bf16 to a cache already stored in it."""
+    with the estimate printed first; the refusal advising features.dtype=bf16 to a cache already stored in it; and
+    the refused run leaving an empty cache (its manifest alone) that kept the new run's folder behind."""
     real = features.shutil.disk_usage
 
     def tiny_disk(path):
         return real(path)._replace(free=10_000)
 
     monkeypatch.setattr(features.shutil, "disk_usage", tiny_disk)
+    cfg = compose_tiny(*RUN, "features.mode=build")
+    launch.create_output_dir(out_dir)   # what the command does around its task: the run's folder and record
+
+    def record():   # as launch.write_run_record (which needs Hydra's own run)
+        (out_dir / launch.RECORD_DIR).mkdir()
+        (out_dir / launch.RECORD_DIR / "config.yaml").write_text("task: train\n")
+
     with pytest.raises(UserError, match="features cache needs ~.* free") as err:
-        features.run_build(compose_tiny(*RUN, "features.mode=build"))
+        features.run_build(cfg, record=record)
+    launch.remove_created_dirs()
     assert "features.dtype=bf16" not in str(err.value)
     printed = capsys.readouterr().out
     assert "x hidden 64 x 2 bytes (bf16)" in printed
-    assert shard_files(out_dir / "features") == []
+    assert not out_dir.exists()
 
 
 def test_failure_mid_write_leaves_no_half_written_shard(compose_tiny, out_dir, monkeypatch):
