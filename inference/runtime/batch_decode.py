@@ -25,6 +25,7 @@ step times and active row counts.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
@@ -32,7 +33,7 @@ import torch
 
 from ..errors import UserError
 from .batch_cache import RaggedKVCache, pad_layout
-from .decode import (GenerationOutput, _Emitter, _sync, check_budget, eos_set, is_array, is_integer,
+from .decode import (GenerationOutput, _Emitter, _sync, check_budget, encoding_rows, eos_set, is_array, is_integer,
                      refuse_padding, seeded_generator, short_repr)
 from .memory import free_memory_bytes
 from .model import MedusaModel, kv_bytes_per_token
@@ -78,7 +79,10 @@ def check_batch_size(batch_size) -> int:
 
 
 def prompt_rows(m: MedusaModel, prompts) -> list[list[int]]:
-    """Each prompt as a list of token ids in the vocabulary; one ``UserError`` line otherwise."""
+    """Each prompt as a list of token ids in the vocabulary; one ``UserError`` line otherwise. A tokenizer's output
+    gives its rows without the padding its mask marks (``encoding_rows``)."""
+    if isinstance(prompts, Mapping):
+        prompts = encoding_rows(prompts)
     if isinstance(prompts, torch.Tensor) or is_array(prompts):   # a [B, L] tensor or numpy array
         if prompts.ndim != 2:
             raise UserError("a batch of prompts must be a list of id lists or a [B, L] tensor")
@@ -107,7 +111,23 @@ def prompt_rows(m: MedusaModel, prompts) -> list[list[int]]:
             raise UserError(f"prompt {i}: token ids must lie in 0..{m.vocab_size - 1}")
         refuse_padding(m, ids, f"prompt {i}")
         rows.append(ids)
+    refuse_padded_batch(m, rows)
     return rows
+
+
+def refuse_padded_batch(m: MedusaModel, rows: list[list[int]]) -> None:
+    """Refuse rows of one length of which some, not all, end (or start) with a pad token that is also an end or
+    start of text (``refuse_padding`` lets such a token be): a batch padded by its tokenizer, whose padding would be
+    decoded as part of the shorter prompts. Without padding the longest row ends (and starts) with its own text."""
+    pad = getattr(getattr(m, "tokenizer", None), "pad_token_id", None)
+    if len(rows) < 2 or not isinstance(pad, int) or len({len(r) for r in rows}) != 1:
+        return
+    for where, at in (("end", -1), ("start", 0)):
+        marked = [i for i, r in enumerate(rows) if r[at] == pad]
+        if marked and len(marked) < len(rows):
+            raise UserError(f"prompts {', '.join(map(str, marked[:5]))} {where} with the pad token (id {pad}) and "
+                            "others do not: a padded batch; pass the tokenizer's output with its attention_mask "
+                            "(generate_batch(m, tokenizer(texts, padding=True))) or the rows unpadded")
 
 
 def batch_cache_bytes(m: MedusaModel, prompt_lengths: Sequence[int], max_new_tokens: int, extra_slots: int,

@@ -146,9 +146,12 @@ def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
         if any(word in str(input_ids.dtype) for word in ("float", "complex", "bool")):
             raise UserError(f"input_ids must be integer token ids, got {kind} of {input_ids.dtype}")
         ids = input_ids.reshape(-1).tolist()
-    elif isinstance(input_ids, Mapping):   # a tokenizer's BatchEncoding: iterating it gives its keys
-        raise UserError("input_ids is a mapping (a tokenizer's output?): pass its token ids, enc['input_ids'] "
-                        "(enc['input_ids'][0] for a batch of one)")
+    elif isinstance(input_ids, Mapping):   # a tokenizer's BatchEncoding: iterating it would give its keys
+        rows = encoding_rows(input_ids)
+        if len(rows) != 1:
+            raise UserError(f"batch size {len(rows)} is not supported: decode one sequence at a time "
+                            "(a batch: generate_batch)")
+        return prompt_tensor(m, rows[0])
     elif isinstance(input_ids, (str, bytes, bytearray)):
         raise UserError("input_ids must be token ids; encode text first (e.g. MedusaModel.encode_chat)")
     elif not isinstance(input_ids, Sequence):   # a set has no order; a generator would be spent by this check
@@ -165,6 +168,37 @@ def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
         raise UserError(f"prompt token ids must lie in 0..{v - 1}")
     refuse_padding(m, ids, "the prompt")
     return torch.tensor([ids], dtype=torch.long, device=m.device)
+
+
+def encoding_rows(enc: Mapping) -> list[list[int]]:
+    """A tokenizer's output (``tokenizer(texts, padding=True, return_tensors="pt")``) as each row's own ids: the
+    runtime decodes rows of their own lengths, so the padding its ``attention_mask`` marks (left or right) is
+    dropped here instead of being decoded as part of a prompt. A mask with a hole inside a row is refused."""
+    if "input_ids" not in enc:
+        raise UserError(f"a mapping of prompts needs 'input_ids' (a tokenizer's output), got keys {sorted(enc)[:5]}")
+
+    def rows_of(x, key: str) -> list:
+        x = x.tolist() if isinstance(x, torch.Tensor) or is_array(x) else x
+        if isinstance(x, Sequence) and x and not isinstance(x[0], Sequence):   # one row
+            x = [x]
+        if not isinstance(x, Sequence) or isinstance(x, (str, bytes)) or not all(isinstance(r, Sequence) for r in x):
+            raise UserError(f"{key} must be a [B, L] tensor or a list of id lists, got {type(x).__name__}")
+        return [list(r) for r in x]
+
+    ids = rows_of(enc["input_ids"], "input_ids")
+    if enc.get("attention_mask") is None:
+        return ids
+    mask = rows_of(enc["attention_mask"], "attention_mask")
+    if [len(r) for r in mask] != [len(r) for r in ids]:
+        raise UserError("attention_mask must have input_ids' shape")
+    rows = []
+    for i, (row, keep) in enumerate(zip(ids, mask)):
+        kept = [j for j, k in enumerate(keep) if k]
+        if kept and kept[-1] - kept[0] + 1 != len(kept):
+            raise UserError(f"row {i}'s attention_mask has a hole inside the prompt: only padding at the start or "
+                            "the end can be dropped")
+        rows.append(row[kept[0]:kept[-1] + 1] if kept else [])
+    return rows
 
 
 def refuse_padding(m: MedusaModel, ids: list[int], what: str) -> None:

@@ -59,7 +59,8 @@ def test_a_bad_call_argument_is_one_line(m, method, kwargs, fragment):
     (torch.tensor([5.0, 6.0]), "got a tensor of torch.float32"),
     (b"hello", "input_ids must be token ids; encode text first"),              # decoded as ids 104, 101, ...
     ({5, 17, 3}, "input_ids must be a list of token ids or a tensor, got set"),   # in its hash order
-    ({"input_ids": [P]}, r"input_ids is a mapping \(a tokenizer's output\?\): pass its token ids"),   # its keys
+    ({"ids": [P]}, r"a mapping of prompts needs 'input_ids' \(a tokenizer's output\)"),   # read by its keys
+    ({"input_ids": [P, P]}, "batch size 2 is not supported: decode one sequence at a time"),
     (np.array([P, P]), "batch size 2 is not supported: decode one sequence at a time"),
     (np.array([[P]]), r"got an array of shape \(1, 1, 6\)"),
     ([np.arange(100)], r"got array\(\[.*\.\.\.$"),                           # one line, cut short
@@ -119,6 +120,42 @@ def test_a_padded_prompt_is_refused_where_the_pad_token_is_no_text_marker():
     assert len(generate_batch(padded, [P, P[:3]], "medusa", max_new_tokens=4).rows) == 2
     padded.eos_token_ids = [90]
     assert generate(padded, P + [90], "medusa", max_new_tokens=4).tokens
+
+
+def test_a_tokenizers_output_decodes_its_rows_without_the_padding_its_mask_marks(m):
+    """Guards against: ``generate_batch(m, tokenizer(texts, padding=True, return_tensors="pt"))`` (transformers'
+    way of giving prompts) refused, or its padding decoded as part of the shorter prompts; a mask with a hole
+    inside a prompt taken as padding at its ends."""
+    want = [r.tokens for r in generate_batch(m, [P, P[:3]], "medusa", max_new_tokens=5, eos_token_ids=()).rows]
+    for ids, mask in (([P, P[:3] + [0, 0, 0]], [[1] * 6, [1, 1, 1, 0, 0, 0]]),     # right padding
+                      ([P, [0, 0, 0] + P[:3]], [[1] * 6, [0, 0, 0, 1, 1, 1]])):    # left padding
+        enc = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+        assert [r.tokens for r in generate_batch(m, enc, "medusa", max_new_tokens=5, eos_token_ids=()).rows] == want
+    one = {"input_ids": torch.tensor([[0, 0] + P]), "attention_mask": torch.tensor([[0, 0] + [1] * 6])}
+    assert generate(m, one, "medusa", max_new_tokens=5, eos_token_ids=()).tokens == want[0]
+    holed = {"input_ids": [P, P], "attention_mask": [[1] * 6, [1, 1, 0, 1, 1, 1]]}
+    with pytest.raises(UserError, match="row 1's attention_mask has a hole inside the prompt"):
+        generate_batch(m, holed, "medusa", max_new_tokens=4)
+    with pytest.raises(UserError, match="attention_mask must have input_ids' shape"):
+        generate_batch(m, {"input_ids": [P, P], "attention_mask": [[1] * 6]}, "medusa", max_new_tokens=4)
+
+
+def test_a_padded_batch_is_refused_where_the_pad_token_is_also_the_end_of_text():
+    """Guards against: ``generate_batch(m, tokenizer(texts, padding=True).input_ids)`` with a pad token that is also
+    the end of text (``tokenizer.pad_token = tokenizer.eos_token``, the usual setting) decoding the shorter rows'
+    padding as part of their prompts without a word; rows of one length ending alike (no padding) are taken."""
+    from types import SimpleNamespace
+
+    base = tiny_llama(vocab=96, init=0.2)
+    padded = wrap(base, random_heads(base, seed=1))
+    padded.tokenizer = SimpleNamespace(pad_token_id=90, bos_token_id=91)
+    padded.eos_token_ids = [90]
+    with pytest.raises(UserError, match=r"prompts 1 end with the pad token \(id 90\) and others do not"):
+        generate_batch(padded, [P, P[:3] + [90, 90, 90]], "medusa", max_new_tokens=4)
+    with pytest.raises(UserError, match="prompts 0, 2 start with the pad token"):
+        generate_batch(padded, torch.tensor([[90] + P[:5], P, [90, 90] + P[:4]]), "medusa", max_new_tokens=4)
+    assert len(generate_batch(padded, [P[:5] + [90], P[1:] + [90]], "medusa", max_new_tokens=4).rows) == 2
+    assert len(generate_batch(padded, [P, P[:3]], "medusa", max_new_tokens=4).rows) == 2
 
 
 def test_small_api_mistakes_are_one_line_before_decoding(m, tmp_path):
