@@ -24,8 +24,9 @@ from inference import assets
 from inference.chat_template import check_template_args
 from inference.cli_support import enum_value
 from inference.errors import UserError
+from inference.heads.spec import MAX_HEAD_LAYERS, MAX_HEADS
 
-from .families import MAX_HEADS, HeadsConfig, check_family_keys, draft_depth, family_kinds, training_family
+from .families import HeadsConfig, check_family_keys, draft_depth, family_kinds, training_family
 
 
 class Precision(str, Enum):
@@ -310,7 +311,6 @@ def validate(cfg) -> None:
     _validate_lora(cfg)
 
 
-MAX_HEAD_LAYERS = 64  # heads.num_layers (Medusa uses 1)
 MAX_THREADS = 1024  # trainer.threads (OpenMP refuses far more with an ImportError)
 MAX_SEED = 2**63 - 1  # trainer.seed: what torch (< 2**64) and numpy (>= 0) both take, with room for derived seeds
 # backbone.random_init keys that are sizes or counts: positive integers, or transformers fails with a traceback.

@@ -268,19 +268,35 @@ def read_native(heads_dir: str | os.PathLike, backbone_config=None) -> Projected
     spec = read_native_spec(d)
     if backbone_config is not None:
         check_compatible(spec, backbone_config, where=f"heads in {d}")
+    check_stored_shapes(spec, d / WEIGHTS_FILE)
     try:
         tensors = load_file(str(d / WEIGHTS_FILE), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{d / WEIGHTS_FILE} is corrupt or unreadable ({e})") from None
     heads = build_heads(spec)
-    expected = heads.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing or extra:
-        raise UserError(f"{d / WEIGHTS_FILE} does not match its config: missing {missing[:4]}, unexpected "
-                        f"{extra[:4]}; {MISMATCH_FIX}")
     load_state_checked(heads, tensors, d / WEIGHTS_FILE)
     return heads
+
+
+def check_stored_shapes(spec: HeadsSpec, weights: Path) -> None:
+    """The tensors ``weights`` names, with their shapes, against those ``spec`` implies, from the file's header and
+    the heads built on the meta device: nothing is allocated. A config.json that disagrees with its weights (edited,
+    or another export's) was built at its own sizes first: 256 GB asked for a 10^9-wide draft layer."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in build_heads(spec).state_dict().items()}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{weights} is corrupt or unreadable ({e})") from None
+    missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if missing or extra:
+        raise UserError(f"{weights} does not match its config: missing {missing[:4]}, unexpected "
+                        f"{extra[:4]}; {MISMATCH_FIX}")
+    wrong = next((k for k in sorted(expected) if expected[k] != stored[k]), None)
+    if wrong is not None:
+        raise UserError(f"{weights}: {wrong} has shape {stored[wrong]}, config implies {expected[wrong]}; "
+                        f"{MISMATCH_FIX}")
 
 
 def check_safetensors(f: str | os.PathLike) -> None:

@@ -58,6 +58,10 @@ FORMAT1_LAYOUT = {"inner_dim": None, "tie_weights": False, "scale_input": False,
                   "aux_layers": None, "draft_layer": None}
 
 
+MAX_HEADS = 64  # num_heads (engines draft 1-10 tokens ahead; each head is a projection to the vocabulary)
+MAX_HEAD_LAYERS = 64  # num_layers (Medusa uses 1)
+
+
 @dataclasses.dataclass(init=False)
 class HeadsSpec:
     """Everything needed to rebuild heads and check they fit a backbone (config.json).
@@ -116,8 +120,11 @@ class HeadsSpec:
             fam.validate(self)
         if self.projection not in PROJECTIONS:
             raise UserError(f"heads projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise UserError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if not (1 <= self.num_heads <= MAX_HEADS and 0 <= self.num_layers <= MAX_HEAD_LAYERS):
+            # bounded: a damaged config.json's 10^8 heads were built (minutes, then out of memory) before the weights
+            # were compared with it
+            raise UserError(f"need num_heads in 1..{MAX_HEADS} and num_layers in 0..{MAX_HEAD_LAYERS}, got "
+                            f"{self.num_heads}, {self.num_layers}")
         if self.projection == "truncated":
             n = self.truncated_vocab_size
             if not n or not 0 < n <= self.vocab_size:

@@ -35,7 +35,6 @@ TRAINING_MODULES = {
     "eagle3": "medusa_train.families.eagle3",
 }
 
-MAX_HEADS = 64  # heads.num_heads (engines draft 1-10 tokens ahead; each head is a projection to the vocabulary)
 
 
 class Projection(str, Enum):

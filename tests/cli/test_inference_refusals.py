@@ -613,6 +613,16 @@ def test_every_prompt_is_checked_against_the_positions_before_any_is_decoded(mon
                                     progress=False, log=lambda line: None)
 
 
+def _backbone_config_folder(setup: Path) -> Path:
+    """``setup/bb4``: a backbone's config and tokenizer without weights, deep enough for aux layers 1, 2, 3."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=64).save_pretrained(setup / "bb4")
+    shutil.copytree(setup / "bbtok", setup / "bb4", dirs_exist_ok=True, ignore=shutil.ignore_patterns("config.json"))
+    return setup / "bb4"
+
+
 def _rewrite_weights(folder: Path, change) -> None:
     """``folder``'s single safetensors file rewritten with ``change(tensors)`` applied (a sound header)."""
     from safetensors.torch import load_file, save_file
@@ -654,11 +664,7 @@ def test_heads_that_do_not_match_their_config_are_refused_before_the_backbone_lo
     if source == "vllm_e3":   # the engines' EAGLE-3 layout, exported from the native one
         e3 = load_heads(setup / "e3", input_embeddings=torch.zeros(320, 64))
         export_heads(e3, "eagle3", setup / "vllm_e3")
-    from transformers import LlamaConfig
-
-    LlamaConfig(hidden_size=64, vocab_size=320, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
-                max_position_embeddings=64).save_pretrained(setup / "bb4")   # deep enough for aux layers 1, 2, 3
-    shutil.copytree(setup / "bbtok", setup / "bb4", dirs_exist_ok=True, ignore=shutil.ignore_patterns("config.json"))
+    _backbone_config_folder(setup)
     folder = setup / f"bad_{source}"
     shutil.copytree(setup / source, folder)
     _rewrite_weights(folder, change)
@@ -668,6 +674,38 @@ def test_heads_that_do_not_match_their_config_are_refused_before_the_backbone_lo
                                              "max_new_tokens=8", "choice=fixed"], setup, capsys)
     assert line.startswith("medusa-generate: error: "), line
     assert phrase in line, (phrase, line)
+
+
+@pytest.mark.parametrize("source, path, value, phrase", [
+    ("heads3", ["num_heads"], 10 ** 8, "need num_heads in 1..64 and num_layers in 0..64, got 100000000, 1"),
+    ("heads3", ["num_layers"], 10 ** 6, "need num_heads in 1..64 and num_layers in 0..64, got 3, 1000000"),
+    ("heads3", ["num_heads"], 5, "does not match its config: missing ['heads.3."),
+    ("e3", ["draft_layer", "intermediate_size"], 10 ** 9, "config implies (1000000000, 64)"),
+])
+def test_a_config_that_disagrees_with_its_weights_is_refused_before_anything_is_built(source, path, value, phrase,
+                                                                                      setup, capsys):
+    """Guards against a heads config.json edited (or another export's) to sizes its weights do not have being built
+    at those sizes before the weights were compared with it: 10^8 heads built for minutes then a MemoryError
+    traceback, a 10^9-wide EAGLE-3 draft layer asking for 256 GB (a traceback), in medusa-generate, medusa-eval and
+    medusa-export alike. The header's shapes are compared with the heads built on the meta device instead."""
+    from inference.cli import generate_main
+    from inference.export_cli import export_main
+
+    folder = setup / f"edited_{source}"
+    shutil.copytree(setup / source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    inner = config
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    backbone = f"backbone={_backbone_config_folder(setup)}"
+    for main, argv in ((generate_main, [f"heads={folder}", backbone, "prompt=hi", "choice=fixed",
+                                        "max_new_tokens=8"]),
+                       (export_main, [f"heads={folder}", "format=vllm" if source == "heads3" else "format=eagle3",
+                                      f"out={setup / 'exported'}"])):
+        line = _one_line_refusal(main, argv, setup, capsys)
+        assert phrase in line, (phrase, line)
 
 
 def test_a_choice_file_without_a_key_of_its_own_given_still_decodes(setup, no_loading, monkeypatch):
