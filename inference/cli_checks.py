@@ -41,6 +41,10 @@ from .runtime.static_steps import check_graphs, graphs_mode
 from .runtime.verify import SamplingConfig
 
 MAX_THREADS = 1024   # as medusa-train bounds trainer.threads
+MAX_BATCH_ROUNDS = 100   # each round decodes every batch with every method: 10^9 rounds ran until killed
+# the decoding modes that read each sampling key (runtime.verify: typical acceptance filters with top-k / top-p too)
+SAMPLING_KEYS = {"temperature": ("sample", "typical"), "top_k": ("sample", "typical"), "top_p": ("sample", "typical"),
+                 "typical_epsilon": ("typical",), "typical_delta": ("typical",)}
 
 
 def sampling_config(cfg):
@@ -68,7 +72,20 @@ def check_decoding_keys(cfg):
     buckets = cfg.graph_buckets
     check_graphs(cfg.graphs, list(buckets) if not isinstance(buckets, (str, int)) else buckets,
                  parse_device(cfg.device).type if graphs_mode(cfg.graphs) == "on" else None)
-    return sampling_config(cfg)
+    sampling = sampling_config(cfg)
+    check_mode_keys(cfg)
+    return sampling
+
+
+def check_mode_keys(cfg) -> None:
+    """Refuse a sampling key the decoding mode does not read (``temperature=0.3`` without ``mode=sample``): the run
+    decoded greedily while report.json recorded the temperature, and the user was never told."""
+    given = keys_given(cfg) or frozenset()
+    unread = next((k for k in SAMPLING_KEYS if k in given and cfg.mode not in SAMPLING_KEYS[k]), None)
+    if unread is not None:
+        default = "" if "mode" in given else " (the default)"
+        raise UserError(f"{unread}= is not read with mode={cfg.mode}{default}: it applies to mode="
+                        f"{' or '.join(SAMPLING_KEYS[unread])}; give that mode, or drop {unread}=")
 
 
 def heads_spec(cfg, strict: bool = False):
@@ -249,8 +266,12 @@ def check_eval_keys(cfg):
     check_settings(max_new_tokens=cfg.max_new_tokens, turns=cfg.turns, calibration_prompts=cfg.calibration_prompts,
                    calibration_tokens=cfg.calibration_tokens, budgets=list(cfg.tree_budgets))
     sizes = parse_batch_sizes(cfg.batch_size)
-    if isinstance(cfg.batch_rounds, bool) or not isinstance(cfg.batch_rounds, int) or cfg.batch_rounds < 1:
-        raise UserError(f"batch_rounds must be an integer >= 1, got {cfg.batch_rounds!r}")
+    rounds = cfg.batch_rounds
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_BATCH_ROUNDS:
+        raise UserError(f"batch_rounds must be an integer in 1..{MAX_BATCH_ROUNDS}, got {rounds!r}")
+    if sizes is None and "batch_rounds" in (keys_given(cfg) or ()):
+        raise UserError("batch_rounds= is read by a batched evaluation only: give batch_size=B or [1,2,...] too, "
+                        "or drop batch_rounds=")
     if sizes is not None and cfg.compare:
         raise UserError("compare=true measures one prompt at a time: with batch_size give methods=[...]")
     if sizes is not None and cfg.turns != "first":
@@ -319,8 +340,13 @@ def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]], sa
               "to write one that does", file=sys.stderr)
     if not prompts:
         raise UserError(f"every prompt of the set chose {saved.path}: evaluate it on other prompts")
-    evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) \
-        if calibrating(options, modes, sizes is not None) else \
+    calibrates = calibrating(options, modes, sizes is not None)
+    unread = next((k for k in ("calibration_prompts", "calibration_tokens", "tree_budgets")
+                   if k in (keys_given(cfg) or ())), None)
+    if unread is not None and not calibrates:   # the run would say nothing of it, report.json record it
+        raise UserError(f"{unread}= is read when a choice is measured (choice=auto), and no method here measures "
+                        f"one (choice={cfg.choice}): drop {unread}=")
+    evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) if calibrates else \
         (prompts[:wanted] if wanted is not None else prompts, None)
     if sizes is not None:
         check_sizes_measured(sizes, len(evaluated))

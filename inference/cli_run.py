@@ -162,7 +162,8 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool, chosen_on
     if stale:
         print(f"removed what an earlier evaluation left in {out}: {', '.join(stale)}")
     for method, path in files.items():
-        print(f"decode with {method}'s choice: {generate_command(cfg, path, batched)}")
+        sizes = report["batched"]["batch_sizes"] if batched else None
+        print(f"decode with {method}'s choice: {generate_command(cfg, path, sizes)}")
 
 
 # What a measured choice depends on beyond the heads: the model decoded (backbone, adapter, dtype, device, its own
@@ -172,17 +173,22 @@ _MEASURED_AS = ("backbone", "apply_adapter", "dtype", "device", "trust_remote_co
                 "top_k", "typical_epsilon", "typical_delta", "chat_template_args")
 
 
-def generate_command(cfg, path: Path, batched: bool) -> str:
+EXAMPLE_PROMPT = "Write a haiku about the sea."
+
+
+def generate_command(cfg, path: Path, batch_sizes: Optional[Sequence[int]]) -> str:
     """The medusa-generate command line that decodes as the evaluation measured ``path``'s choice: the heads, and
     the keys of ``_MEASURED_AS`` the evaluation was given (pasted without them, heads naming an unreachable base
-    model failed, and a bfloat16 evaluation's choice decoded in float32)."""
+    model failed, and a bfloat16 evaluation's choice decoded in float32). It runs as printed: an example prompt,
+    or (``batch_sizes``: a batched evaluation's) the prompts evaluated at its largest batch size."""
     defaults = {f.name: f.default for f in dataclasses.fields(GenerateKeys)}
     given = [f"{key}={_word(value)}" for key in _MEASURED_AS if key != "chat_template_args"
              and (value := getattr(cfg, key)) is not None and value != defaults[key]]
     # the prompts as measured: rendered with the same template variables, one key each
     given += [f"chat_template_args.{k}={_word(v)}" for k, v in check_template_args(cfg.chat_template_args).items()]
-    batches = ["prompts_file=<prompts.jsonl>", "batch_size=<B>"] if batched else []
-    words = [shlex.quote(w) for w in (f"heads={cfg.heads}", *given)] + batches + [shlex.quote(f"choice={path}")]
+    asked = [f"prompts_file={cfg.prompts}", f"batch_size={max(batch_sizes)}"] if batch_sizes else \
+        [f"prompt={EXAMPLE_PROMPT}"]
+    words = [shlex.quote(w) for w in (f"heads={cfg.heads}", *given, *asked, f"choice={path}")]
     return "medusa-generate " + " ".join(words)
 
 

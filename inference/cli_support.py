@@ -53,6 +53,12 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
     if twice is not None:   # the last would win silently: say which one the user meant
         fail(prog, f"{twice}= is given twice: give it once (see {prog} --help)")
+    # bytes that are no UTF-8 reach Python as lone surrogates, which YAML's parser refused naming neither key nor cause
+    raw = next((a for a in argv if any("\udc80" <= c <= "\udcff" for c in a)), None)
+    if raw is not None:
+        byte = next(ord(c) - 0xDC00 for c in raw if "\udc80" <= c <= "\udcff")
+        fail(prog, f"{raw.split('=', 1)[0]}= is not UTF-8 text (byte 0x{byte:02x}): give it in UTF-8 (is the "
+                   "terminal or script in another encoding?)")
     from omegaconf import OmegaConf   # lazy: --help and a word that is no key=value answer without OmegaConf
 
     structured = OmegaConf.structured(schema)
@@ -63,7 +69,8 @@ def parse_overrides(prog: str, schema, argv: list[str]):
     try:
         cfg = OmegaConf.merge(structured, OmegaConf.from_dotlist(argv))
     except Exception as e:  # unknown key / wrong type
-        fail(prog, f"{unknown_key_line(structured, e) or config_error_line(e)} (see {prog} --help)")
+        fail(prog, f"{unknown_key_line(structured, e) or list_line(argv, e) or config_error_line(e)} "
+                   f"(see {prog} --help)")
     # A required key ("???" in the schema) left unset would otherwise surface as OmegaConf's
     # MissingMandatoryValue traceback the first time the code reads it.
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -74,6 +81,16 @@ def parse_overrides(prog: str, schema, argv: list[str]):
                    f"(see {prog} --help)")
     mark_given(cfg, keys)
     return cfg
+
+
+def list_line(argv: list[str], e: BaseException) -> Optional[str]:
+    """For a list key given one value (``methods=medusa``, or ``methods=medusa,draft``), the bracketed form to give
+    (OmegaConf says "AnyNode is not a ListConfig, list or tuple"); None for any other error."""
+    key = str(getattr(e, "full_key", "") or "")
+    if "is not a ListConfig" not in str(e) or not key:
+        return None
+    value = next((a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].strip() == key), "...")
+    return f"{key}= takes a list: {key}=[{value}]"
 
 
 def mark_given(cfg, keys) -> Any:

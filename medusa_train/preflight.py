@@ -286,7 +286,7 @@ def check_init_heads(cfg) -> None:
     kind = str(cfg.heads.kind)
     if spec.kind != kind:   # checked first: the shapes of another family say nothing useful
         raise UserError(f"{where} holds {spec.kind} heads, this recipe trains heads.kind={kind}: start stage 2 "
-                        f"from a {kind} heads export (or set heads.kind={spec.kind})")
+                        f"from a {kind} heads export (or train heads={spec.kind})")
     try:
         check_compatible(spec, hf_config, where=f"the heads in {where}")
     except UserError as e:   # made for another backbone: its hidden size, vocabulary or config fingerprint

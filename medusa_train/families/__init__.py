@@ -164,8 +164,8 @@ def stray_key_line(kind, key: str) -> str:
     theirs = f"its own keys: {', '.join(own)}" if own else "no keys of its own"
     if owners:
         article = "an" if owners[0][0] in "aeiou" else "a"
-        return (f"heads.{key} is {article} {' and '.join(owners)} setting, not heads.kind={kind}'s ({theirs}): "
-                f"set heads.kind={owners[0]} or remove it")
+        return (f"heads.{key} is {article} {' and '.join(owners)} setting, not {kind}'s ({theirs}): "
+                f"choose that family (heads={owners[0]}) or remove it")
     # no family's key: most likely a typo, so say it is unknown and name the closest keys this family takes
     close = difflib.get_close_matches(key, family_keys(kind), n=3, cutoff=0.6)
     if close:

@@ -78,6 +78,24 @@ BAD_INPUT = [
     (GEN, [f"heads={HEADS}", "prompt=hi", "tree={tmp}/deep_tree.json"], 2, "has depth 4 but the heads only predict 3"),
     (EVAL, [f"heads={HEADS}", "tree=chain6", "prompts={tmp}/prompts.jsonl"], 2, "tree chain6 needs 5 heads"),
     (EVAL, [f"heads={HEADS}", "tree=nosuchtree", "prompts={tmp}/prompts.jsonl"], 2, "unknown tree 'nosuchtree'"),
+    # -- keys the run would not read, taken silently and recorded in report.json as if applied ----------------------
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "temperature=0.3"], 2,
+     "temperature= is not read with mode=greedy (the default): it applies to mode=sample or typical"),
+    (GEN, [f"heads={HEADS}", "prompt=hi", "mode=sample", "typical_delta=0.2"], 2,
+     "typical_delta= is not read with mode=sample: it applies to mode=typical"),
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "batch_rounds=3"], 2,
+     "batch_rounds= is read by a batched evaluation only"),
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "choice=fixed", "tree=chain3", "tree_budgets=[4]"], 2,
+     "tree_budgets= is read when a choice is measured (choice=auto), and no method here measures one"),
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "choice=fixed", "calibration_prompts=1000000000"], 2,
+     "calibration_prompts= is read when a choice is measured"),
+    # 10^9 rounds ran until killed
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "batch_size=[1,2]", "batch_rounds=1000000000"], 2,
+     "batch_rounds must be an integer in 1..100"),
+    # OmegaConf's "AnyNode is not a ListConfig, list or tuple"; YAML's "unacceptable character #xdce9"
+    (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "methods=medusa,draft"], 2,
+     "methods= takes a list: methods=[medusa,draft]"),
+    (GEN, [f"heads={HEADS}", "prompt=caf\udce9"], 2, "prompt= is not UTF-8 text (byte 0xe9)"),
     # -- bad prompt, missing files and required keys (inference/cli_support.py) ---------------------------------
     (GEN, [f"heads={HEADS}", "prompt=   "], 2, 'prompt="..." is required'),
     # -- chat template arguments: a mapping of template variables, never apply_chat_template's own settings ----
@@ -101,7 +119,7 @@ BAD_INPUT = [
     (EVAL, [f"heads={HEADS}", "batch_size=-4", "prompts={tmp}/prompts.jsonl"], 2,
      "batch_size must be an integer >= 1, got -4"),
     (EVAL, [f"heads={HEADS}", "batch_size=[4,8]", "batch_rounds=0", "prompts={tmp}/prompts.jsonl"], 2,
-     "batch_rounds must be an integer >= 1, got 0"),
+     "batch_rounds must be an integer in 1..100, got 0"),
     (EVAL, [f"heads={HEADS}", "batch_size=[4,8]", "batch_chains=short", "prompts={tmp}/prompts.jsonl"], 2,
      "batch_chains= is gone: give choice=auto (chain lengths sized per batch size) or choice=fixed"),
     (EVAL, [f"heads={HEADS}", "batch_size=2.5", "prompts={tmp}/prompts.jsonl"], 2,

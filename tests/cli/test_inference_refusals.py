@@ -679,8 +679,8 @@ def test_heads_that_do_not_match_their_config_are_refused_before_the_backbone_lo
 @pytest.mark.parametrize("source, path, value, phrase", [
     ("heads3", ["num_heads"], 10 ** 8, "need num_heads in 1..64 and num_layers in 0..64, got 100000000, 1"),
     ("heads3", ["num_layers"], 10 ** 6, "need num_heads in 1..64 and num_layers in 0..64, got 3, 1000000"),
-    ("heads3", ["num_heads"], 5, "does not match its config: missing ['heads.3."),
-    ("e3", ["draft_layer", "intermediate_size"], 10 ** 9, "config implies (1000000000, 64)"),
+    ("heads3", ["num_heads"], 5, "does not match its config: missing ['blocks.3.0.linear.bias'"),
+    ("e3", ["draft_layer", "intermediate_size"], 10 ** 9, "down_proj.weight has shape (64, 128), config implies (64, 1000000000)"),
 ])
 def test_a_config_that_disagrees_with_its_weights_is_refused_before_anything_is_built(source, path, value, phrase,
                                                                                       setup, capsys):
@@ -748,7 +748,9 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
     """Guards against medusa-eval's "decode with <method>'s choice: medusa-generate ..." line dropping backbone=,
     dtype=, device=, trust_remote_code=, apply_adapter=, the sampling keys and chat_template_args: pasted, heads
     whose recorded base model is unreachable failed, a bfloat16 evaluation's choice decoded in float32, Medusa-2
-    heads decoded without their adapter, a sampled one greedily, thinking-off prompts with thinking on. The line is read back as medusa-generate reads its argv."""
+    heads decoded without their adapter, a sampled one greedily, thinking-off prompts with thinking on; and the line
+    not running as printed (no prompt=; a batched one's "prompts_file=<prompts.jsonl>", shell redirections). The line
+    is read back as medusa-generate reads its argv."""
     import shlex
     import types
 
@@ -758,6 +760,7 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
 
     monkeypatch.setattr(cli_run, "write_report", lambda out, report: [out / "report.json"])
     monkeypatch.setattr(cli_run, "print_per_method", lambda report: None)
+    monkeypatch.setattr(cli_run, "print_batched", lambda batched: None)
     monkeypatch.setattr(cli_run, "write_choice", lambda out, method, *a: out / f"{method}_choice.json")
     chosen = {"medusa": types.SimpleNamespace(measured=True, options=None)}
     out = tmp_path / "my eval"   # a space: the line must still paste as one argument
@@ -783,7 +786,15 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
         read = parse_overrides("medusa-generate", cli.GenerateConfig, argv[1:])
         assert read.heads == "runs/a/heads" and read.choice == str(out / "medusa_choice.json"), line
         assert {k: getattr(read, k) for k in expected} == expected, line
-        assert given or argv[1:] == ["heads=runs/a/heads", f"choice={out / 'medusa_choice.json'}"], line
+        assert read.prompt == cli_run.EXAMPLE_PROMPT, line   # runs as printed: "prompt= is required" was the answer
+        assert given or argv[1:] == ["heads=runs/a/heads", f"prompt={cli_run.EXAMPLE_PROMPT}",
+                                     f"choice={out / 'medusa_choice.json'}"], line
+    cfg = cli.EvalConfig(heads="runs/a/heads", out=str(out), prompts="my prompts.jsonl", batch_size=[1, 4, 8])
+    cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), out, {"batched": {"batch_sizes": [1, 4, 8]}}, chosen,
+                       batched=True)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode with medusa's choice: "))
+    read = parse_overrides("medusa-generate", cli.GenerateConfig, shlex.split(line.split(": ", 1)[1])[1:])
+    assert (read.prompts_file, read.batch_size, read.prompt) == ("my prompts.jsonl", 8, None), line
 
 
 def test_the_prompt_quoting_hint_works_when_pasted_into_a_shell(capsys):
