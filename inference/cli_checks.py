@@ -327,6 +327,10 @@ def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]], sa
     because the given choice file ``saved`` was chosen on them); batch sizes above the prompts evaluated refused
     (they would be reported as measured, but never were)."""
     prompts = load_prompts(cfg.prompts)
+    longer = sum(len(p.turns) > 2 for p in prompts) if cfg.turns == "both" else 0
+    if longer:   # MT-Bench has two: a third was dropped without a word
+        print(f"note: {longer} of the {len(prompts)} prompts have more than two turns: turns=both answers the first "
+              "two of each", file=sys.stderr)
     wanted = cfg.num_prompts
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1):
         raise UserError(f"num_prompts must be >= 1, got {wanted}")

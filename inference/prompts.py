@@ -95,7 +95,8 @@ def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:
     if Path(path).is_dir():
         raise UserError(f"{source} is a folder, not a prompts file: give a JSONL file of prompts")
     if not Path(path).is_file():
-        raise UserError(f"prompts file not found: {source}")
+        raise UserError(f"{source} is not a regular file: give a JSONL file of prompts" if Path(path).exists() else
+                        f"prompts file not found: {source}")
     prompts, lines = [], {}   # lines: the line of each id read
     try:   # a byte that is no UTF-8 (a UTF-16 or Latin-1 file) was a UnicodeDecodeError traceback
         with open(path, encoding="utf-8-sig") as f:   # -sig: a byte-order mark (Windows editors) is no JSON
@@ -132,7 +133,9 @@ def _prompt(line: str, source: str, n: int) -> Prompt:
     system, replies = _context(rec)
     if not isinstance(system, str) or any(r is not None and not isinstance(r, str) for r in replies):
         raise UserError(f"{source}:{n} has a system message or reply that is not text")
-    return Prompt(str(rec.get("question_id", rec.get("id", n))), turns, rec.get("category", ""), system, replies)
+    # null counts as absent: two records of "id": null were refused as repeating the id 'None'
+    pid = next((rec[k] for k in ("question_id", "id") if rec.get(k) is not None), n)
+    return Prompt(str(pid), turns, rec.get("category", ""), system, replies)
 
 
 def _check_new_id(pid: str, n: int, lines: dict, source: str) -> None:

@@ -254,8 +254,10 @@ class MedusaTree:
     def load(cls, path: str | os.PathLike) -> "MedusaTree":
         """Read a tree JSON written by ``save`` or a bare choices list (Medusa's format)."""
         p = Path(path)
+        if p.is_dir():
+            raise UserError(f"tree={p} is a folder, not a tree file: give a tree JSON file or a tree's name")
         if not p.is_file():
-            raise UserError(f"tree file not found: {p}")
+            raise UserError(f"tree file {p} is not a regular file" if p.exists() else f"tree file not found: {p}")
         try:
             raw = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -499,7 +501,7 @@ def resolve_tree(tree, num_heads: int) -> MedusaTree:
         return tree
     if isinstance(tree, (str, os.PathLike)):
         s = str(tree)
-        if s.endswith(".json") or os.sep in s:
+        if s.endswith(".json") or os.sep in s or os.path.isdir(s):
             return MedusaTree.load(s)   # one holding no path is refused there
         return default_tree(s, num_heads)
     resolved = MedusaTree(tree)

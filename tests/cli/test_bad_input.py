@@ -96,6 +96,9 @@ BAD_INPUT = [
     (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "methods=medusa,draft"], 2,
      "methods= takes a list: methods=[medusa,draft]"),
     (GEN, [f"heads={HEADS}", "prompt=caf\udce9"], 2, "prompt= is not UTF-8 text (byte 0xe9)"),
+    # a folder was "unknown tree 'pdir'", a device "prompts file not found"
+    (GEN, [f"heads={HEADS}", "prompt=hi", "tree={tmp}"], 2, "is a folder, not a tree file"),
+    (EVAL, [f"heads={HEADS}", "prompts=/dev/null"], 2, "/dev/null is not a regular file: give a JSONL file"),
     # -- bad prompt, missing files and required keys (inference/cli_support.py) ---------------------------------
     (GEN, [f"heads={HEADS}", "prompt=   "], 2, 'prompt="..." is required'),
     # -- chat template arguments: a mapping of template variables, never apply_chat_template's own settings ----

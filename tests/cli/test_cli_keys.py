@@ -122,3 +122,15 @@ def test_max_new_tokens_one_says_the_speedups_are_of_prefills(capsys):
     assert "compare prefills" in capsys.readouterr().err
     check_eval_keys(cli.EvalConfig())
     assert "prefills" not in capsys.readouterr().err
+
+
+def test_a_third_turn_under_turns_both_is_not_dropped_without_a_word(tmp_path, capsys):
+    """Guards against medusa-eval turns=both answering the first two turns of a three-turn record and dropping the
+    third without a word (MT-Bench has two; a user's own file may have more)."""
+    import json
+
+    from inference.cli_checks import eval_prompts
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"turns": ["a", "b", "c"]}) + "\n" + json.dumps({"turns": ["x", "y"]}) + "\n")
+    eval_prompts(dataclasses.replace(cli.EvalConfig(), prompts=str(f), turns="both"), {}, {}, None)
+    assert "1 of the 2 prompts have more than two turns: turns=both answers the first two" in capsys.readouterr().err

@@ -120,6 +120,9 @@ def test_two_prompts_sharing_an_id_are_refused_naming_both_lines(tmp_path):
     distinct = [{"id": "x", "prompt": "a"}, {"prompt": "b"}, {"id": 1, "prompt": "c"}, {"prompt": "d"}]
     f.write_text("\n".join(json.dumps(x) for x in distinct) + "\n")
     assert [p.id for p in load_prompts(str(f))] == ["x", "2", "1", "4"]   # different ids: read as before
+    nulls = [{"id": None, "prompt": "a"}, {"question_id": None, "id": None, "prompt": "b"}, {"id": "c", "prompt": "c"}]
+    f.write_text("\n".join(json.dumps(x) for x in nulls) + "\n")
+    assert [p.id for p in load_prompts(str(f))] == ["1", "2", "c"]   # null is no id: refused as repeating 'None'
     for bundled in ("embedded:mtbench", "code"):   # the sets shipped with the package give each prompt its own id
         ids = [p.id for p in load_prompts(bundled)]
         assert len(set(ids)) == len(ids), bundled
