@@ -348,8 +348,10 @@ def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]], sa
     unread = next((k for k in ("calibration_prompts", "calibration_tokens", "tree_budgets")
                    if k in (keys_given(cfg) or ())), None)
     if unread is not None and not calibrates:   # the run would say nothing of it, report.json record it
-        raise UserError(f"{unread}= is read when a choice is measured (choice=auto), and no method here measures "
-                        f"one (choice={cfg.choice}): drop {unread}=")
+        why = f"choice={cfg.choice}" if cfg.choice != "auto" else \
+            "the keys given fix each method's choice, or its choice is measured only batched"
+        raise UserError(f"{unread}= is read when a choice is measured, and none is measured here ({why}): "
+                        f"drop {unread}=")
     evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) if calibrates else \
         (prompts[:wanted] if wanted is not None else prompts, None)
     if sizes is not None:

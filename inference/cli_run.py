@@ -161,7 +161,7 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool, chosen_on
     print("report: " + ", ".join(str(p) for p in paths))
     if stale:
         print(f"removed what an earlier evaluation left in {out}: {', '.join(stale)}")
-    for method, path in files.items():
+    for method, path in files.items() if cfg.heads else ():   # medusa-generate decodes with heads only
         sizes = report["batched"]["batch_sizes"] if batched else None
         print(f"decode with {method}'s choice: {generate_command(cfg, path, sizes)}")
 
@@ -180,13 +180,13 @@ def generate_command(cfg, path: Path, batch_sizes: Optional[Sequence[int]]) -> s
     """The medusa-generate command line that decodes as the evaluation measured ``path``'s choice: the heads, and
     the keys of ``_MEASURED_AS`` the evaluation was given (pasted without them, heads naming an unreachable base
     model failed, and a bfloat16 evaluation's choice decoded in float32). It runs as printed: an example prompt,
-    or (``batch_sizes``: a batched evaluation's) the prompts evaluated at its largest batch size."""
+    or (``batch_sizes``: a batched evaluation's) the evaluation's prompts file at its largest batch size."""
     defaults = {f.name: f.default for f in dataclasses.fields(GenerateKeys)}
     given = [f"{key}={_word(value)}" for key in _MEASURED_AS if key != "chat_template_args"
              and (value := getattr(cfg, key)) is not None and value != defaults[key]]
     # the prompts as measured: rendered with the same template variables, one key each
     given += [f"chat_template_args.{k}={_word(v)}" for k, v in check_template_args(cfg.chat_template_args).items()]
-    asked = [f"prompts_file={cfg.prompts}", f"batch_size={max(batch_sizes)}"] if batch_sizes else \
+    asked = [f"prompts_file={_word(cfg.prompts)}", f"batch_size={max(batch_sizes)}"] if batch_sizes else \
         [f"prompt={EXAMPLE_PROMPT}"]
     words = [shlex.quote(w) for w in (f"heads={cfg.heads}", *given, *asked, f"choice={path}")]
     return "medusa-generate " + " ".join(words)

@@ -88,7 +88,7 @@ from safetensors.torch import load_file
 from ..errors import IncompatibleHeadsError, NeedsBackboneConfig, UserError
 from ..heads.eagle3 import (ENGINE_FLAGS, NUM_AUX, ascending_fc_inputs, engine_default_aux_layers,
                             refuse_repeated_aux_layers, repeated_aux_layers)
-from ..heads.native import check_safetensors, indexed_shards, load_state_checked
+from ..heads.native import check_safetensors, check_shapes, indexed_shards, load_state_checked
 from ..heads.rope import engine_rope_scaling, export_rope_scaling
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
@@ -606,6 +606,7 @@ def load_tensors(spec: HeadsSpec, tensors: dict[str, torch.Tensor], path: Path, 
         full = torch.empty_like(lm_head)
         full[ids] = lm_head  # rows == vocab here, so the distinct ids cover every token once
         state["lm_head.weight"] = full
+    check_shapes(spec, {k: tuple(t.shape) for k, t in state.items()}, path)   # before building at the config's sizes
     heads = build_heads(spec)
     load_state_checked(heads, state, path)
     return heads

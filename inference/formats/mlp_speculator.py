@@ -60,7 +60,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import UserError
-from ..heads.native import check_safetensors, load_state_checked
+from ..heads.native import check_safetensors, check_shapes, expected_shapes, load_state_checked
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
 from .export import ExportOptions, ExportPlan, full_projection, materialise_note, register_exporter, written_bytes
@@ -192,11 +192,12 @@ def load(d: Path, spec: HeadsSpec):
         check_safetensors(f)   # a cut file: one line, not safetensors' traceback
     raw = load_file(str(f)) if f.name == WEIGHTS else load_pickle_weights(f)
     tensors = {k.removeprefix("speculator."): v for k, v in raw.items()}
-    heads = build_heads(spec)
-    expected = heads.state_dict()
+    expected = expected_shapes(spec)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise UserError(f"{f} lacks {missing[:4]} for an mlp_speculator of {spec.num_heads} steps")
+    check_shapes(spec, {k: tuple(tensors[k].shape) for k in expected}, f)   # before building at the config's sizes
+    heads = build_heads(spec)
     load_state_checked(heads, {k: tensors[k] for k in expected}, f)
     return heads, None
 

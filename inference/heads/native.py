@@ -278,25 +278,35 @@ def read_native(heads_dir: str | os.PathLike, backbone_config=None) -> Projected
     return heads
 
 
-def check_stored_shapes(spec: HeadsSpec, weights: Path) -> None:
-    """The tensors ``weights`` names, with their shapes, against those ``spec`` implies, from the file's header and
-    the heads built on the meta device: nothing is allocated. A config.json that disagrees with its weights (edited,
-    or another export's) was built at its own sizes first: 256 GB asked for a 10^9-wide draft layer."""
+def expected_shapes(spec: HeadsSpec) -> dict[str, tuple]:
+    """The tensors ``spec``'s heads hold, with their shapes, from the heads built on the meta device: nothing is
+    allocated. A config.json that disagrees with its weights (edited, or another export's) was built at its own
+    sizes before they were compared: 256 GB asked for a 10^9-wide draft layer."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in build_heads(spec).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in build_heads(spec).state_dict().items()}
+
+
+def check_shapes(spec: HeadsSpec, stored: dict[str, tuple], where) -> None:
+    """``stored`` (name -> shape) against the tensors ``spec`` implies (``expected_shapes``), before any is built."""
+    expected = expected_shapes(spec)
+    missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if missing or extra:
+        raise UserError(f"{where} does not match its config: missing {missing[:4]}, unexpected "
+                        f"{extra[:4]}; {MISMATCH_FIX}")
+    wrong = next((k for k in sorted(expected) if expected[k] != tuple(stored[k])), None)
+    if wrong is not None:
+        raise UserError(f"{where}: {wrong} has shape {tuple(stored[wrong])}, config implies {expected[wrong]}; "
+                        f"{MISMATCH_FIX}")
+
+
+def check_stored_shapes(spec: HeadsSpec, weights: Path) -> None:
+    """``check_shapes`` of the tensors ``weights`` names, from the file's header alone."""
     try:
         with safe_open(str(weights), framework="pt") as f:
             stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{weights} is corrupt or unreadable ({e})") from None
-    missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
-    if missing or extra:
-        raise UserError(f"{weights} does not match its config: missing {missing[:4]}, unexpected "
-                        f"{extra[:4]}; {MISMATCH_FIX}")
-    wrong = next((k for k in sorted(expected) if expected[k] != stored[k]), None)
-    if wrong is not None:
-        raise UserError(f"{weights}: {wrong} has shape {stored[wrong]}, config implies {expected[wrong]}; "
-                        f"{MISMATCH_FIX}")
+    check_shapes(spec, stored, weights)
 
 
 def check_safetensors(f: str | os.PathLike) -> None:

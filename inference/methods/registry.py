@@ -335,7 +335,8 @@ def generate_batch(m, prompts, method: str = "medusa", *, options=None, max_new_
                    sampling: Optional[SamplingConfig] = None, seed: Optional[int] = None,
                    eos_token_ids: Optional[Iterable[int]] = None, max_steps: Optional[int] = None,
                    ragged: str = "compact", **option_fields) -> BatchOutput:
-    """Decode a batch of prompts (a list of id lists, any lengths) together with ``method``; returns a
+    """Decode a batch of prompts (a list of id lists of any lengths, a [B, L] tensor, or a tokenizer's output: its
+    rows without the padding its ``attention_mask`` marks) together with ``method``; returns a
     ``BatchOutput`` (a ``GenerationOutput`` per prompt). Arguments as ``generate``; ``ragged`` picks
     the cache layout (``batch_cache``). Greedy rows are token-identical to ``generate`` of each prompt. Sampled
     (``seed``): a batch of one prompt draws what ``generate`` of it draws with that seed (``draft_adaptive`` aside:

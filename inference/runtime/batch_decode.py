@@ -118,15 +118,18 @@ def prompt_rows(m: MedusaModel, prompts) -> list[list[int]]:
 def refuse_padded_batch(m: MedusaModel, rows: list[list[int]]) -> None:
     """Refuse rows of one length of which some, not all, end (or start) with a pad token that is also an end or
     start of text (``refuse_padding`` lets such a token be): a batch padded by its tokenizer, whose padding would be
-    decoded as part of the shorter prompts. Without padding the longest row ends (and starts) with its own text."""
+    decoded as part of the shorter prompts (``padding=True``: the longest row ends, and starts, with its own text;
+    every row padded, ``padding="max_length"``, cannot be told from rows ending alike)."""
     pad = getattr(getattr(m, "tokenizer", None), "pad_token_id", None)
     if len(rows) < 2 or not isinstance(pad, int) or len({len(r) for r in rows}) != 1:
         return
     for where, at in (("end", -1), ("start", 0)):
         marked = [i for i, r in enumerate(rows) if r[at] == pad]
         if marked and len(marked) < len(rows):
-            raise UserError(f"prompts {', '.join(map(str, marked[:5]))} {where} with the pad token (id {pad}) and "
-                            "others do not: a padded batch; pass the tokenizer's output with its attention_mask "
+            several = len(marked) > 1
+            raise UserError(f"prompt{'s' if several else ''} {', '.join(map(str, marked[:5]))} "
+                            f"{where if several else where + 's'} with the pad token (id {pad}) and others do not: a "
+                            "padded batch; pass the tokenizer's output with its attention_mask "
                             "(generate_batch(m, tokenizer(texts, padding=True))) or the rows unpadded")
 
 

@@ -134,8 +134,8 @@ def _sync(device: torch.device) -> None:
 
 def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
     """One prompt's token ids as a [1, L] tensor on the model's device, from a list or tuple of ids or a [L] /
-    [1, L] tensor or numpy array; anything else refused in one line (bytes were read as ids, a set in its hash
-    order, a tokenizer's output by its keys)."""
+    [1, L] tensor or numpy array, or a tokenizer's output of one row (``encoding_rows``); anything else refused in
+    one line (bytes were read as ids, a set in its hash order)."""
     if isinstance(input_ids, torch.Tensor) or is_array(input_ids):
         kind, shape = ("a tensor" if isinstance(input_ids, torch.Tensor) else "an array"), tuple(input_ids.shape)
         if len(shape) == 2 and shape[0] != 1:
@@ -148,6 +148,8 @@ def prompt_tensor(m: MedusaModel, input_ids) -> torch.Tensor:
         ids = input_ids.reshape(-1).tolist()
     elif isinstance(input_ids, Mapping):   # a tokenizer's BatchEncoding: iterating it would give its keys
         rows = encoding_rows(input_ids)
+        if not rows:
+            raise UserError("the prompt is empty: give at least one token")
         if len(rows) != 1:
             raise UserError(f"batch size {len(rows)} is not supported: decode one sequence at a time "
                             "(a batch: generate_batch)")
@@ -179,6 +181,8 @@ def encoding_rows(enc: Mapping) -> list[list[int]]:
 
     def rows_of(x, key: str) -> list:
         x = x.tolist() if isinstance(x, torch.Tensor) or is_array(x) else x
+        if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):   # a list of row tensors or arrays
+            x = [r.tolist() if isinstance(r, torch.Tensor) or is_array(r) else r for r in x]
         if isinstance(x, Sequence) and x and not isinstance(x[0], Sequence):   # one row
             x = [x]
         if not isinstance(x, Sequence) or isinstance(x, (str, bytes)) or not all(isinstance(r, Sequence) for r in x):

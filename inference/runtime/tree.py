@@ -501,9 +501,14 @@ def resolve_tree(tree, num_heads: int) -> MedusaTree:
         return tree
     if isinstance(tree, (str, os.PathLike)):
         s = str(tree)
-        if s.endswith(".json") or os.sep in s or os.path.isdir(s):
+        if s.endswith(".json") or os.sep in s:
             return MedusaTree.load(s)   # one holding no path is refused there
-        return default_tree(s, num_heads)
+        try:
+            return default_tree(s, num_heads)
+        except UserError as e:   # no tree's name: a folder of that name says it is one (a name wins over a folder)
+            if os.path.isdir(s) and str(e).startswith("unknown tree"):
+                return MedusaTree.load(s)
+            raise
     resolved = MedusaTree(tree)
     _refuse_rootless(resolved, f"tree={tree!r}")
     return resolved

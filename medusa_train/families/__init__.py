@@ -36,7 +36,6 @@ TRAINING_MODULES = {
 }
 
 
-
 class Projection(str, Enum):
     own = "own"
     shared = "shared"

@@ -86,7 +86,7 @@ BAD_INPUT = [
     (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "batch_rounds=3"], 2,
      "batch_rounds= is read by a batched evaluation only"),
     (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "choice=fixed", "tree=chain3", "tree_budgets=[4]"], 2,
-     "tree_budgets= is read when a choice is measured (choice=auto), and no method here measures one"),
+     "tree_budgets= is read when a choice is measured, and none is measured here (choice=fixed)"),
     (EVAL, [f"heads={HEADS}", "prompts={tmp}/prompts.jsonl", "choice=fixed", "calibration_prompts=1000000000"], 2,
      "calibration_prompts= is read when a choice is measured"),
     # 10^9 rounds ran until killed

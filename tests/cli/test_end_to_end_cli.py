@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 
 from conftest import TINY_DATA, clean_env, console_script
@@ -54,7 +55,7 @@ def test_debug_tiny_runs_train_eval_export_generate(tmp_path):
     assert saved["method"] == "medusa" and set(saved["schedule"]["choices"]) == {"1", "2"}
     assert {b: c["tree"]["name"] if c else "plain" for b, c in saved["schedule"]["choices"].items()} == sized["schedule"]
     assert saved["base_model_fingerprint"] == spec["base_model_fingerprint"] and set(saved["static_shapes"]) == {"1", "2"}
-    assert f"batch_size=<B> choice={path.relative_to(tmp_path)}" in proc.stdout
+    assert f"prompts_file=prompts.jsonl batch_size=2 choice={path.relative_to(tmp_path)}" in proc.stdout
     proc = _run("medusa-generate", "heads=runs/debug_tiny/heads", f"choice={path.relative_to(tmp_path)}",
                 "prompts_file=prompts.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",
                 cwd=tmp_path)
@@ -125,9 +126,10 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     assert choice["method"] == "eagle3_lookup" and at_one["eagle_nodes"] == chosen["eagle_nodes"]
     assert at_one["eagle_lookup_tokens"] == chosen["eagle_lookup_tokens"]
     assert choice["base_model_fingerprint"] == spec["base_model_fingerprint"]
-    assert f"choice={path.relative_to(tmp_path)}" in proc.stdout   # the line that decodes with it
-    proc = _run("medusa-generate", "heads=runs/e3/heads", f"choice={path.relative_to(tmp_path)}",
-                "prompt=Say hello.", "max_new_tokens=8", "kernels=stock", "threads=1", cwd=tmp_path)
+    printed = next(x for x in proc.stdout.splitlines() if x.startswith("decode with eagle3_lookup's choice: "))
+    argv = shlex.split(printed.split(": ", 1)[1])   # the line that decodes with it, run as printed
+    assert argv[0] == "medusa-generate" and f"choice={path.relative_to(tmp_path)}" in argv, printed
+    proc = _run(*argv, "max_new_tokens=8", "kernels=stock", "threads=1", cwd=tmp_path)
     assert "tokens, tau" in proc.stderr
     # batched: the choice per batch size saved, and medusa-generate's batches decoded with that schedule
     proc = _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
@@ -139,7 +141,7 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     assert set(choice["schedule"]["choices"]) == {"1", "2"}
     assert {b: c is None for b, c in choice["schedule"]["choices"].items()} == \
         {b: v == "plain" for b, v in sized["schedule"].items()}
-    assert f"batch_size=<B> choice={path.relative_to(tmp_path)}" in proc.stdout
+    assert f"prompts_file=prompts.jsonl batch_size=2 choice={path.relative_to(tmp_path)}" in proc.stdout
     (tmp_path / "three.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ["Hi.", "Yes?", "No."]) + "\n")
     proc = _run("medusa-generate", "heads=runs/e3/heads", f"choice={path.relative_to(tmp_path)}",
                 "prompts_file=three.jsonl", "batch_size=2", "max_new_tokens=8", "kernels=stock", "threads=1",

@@ -681,6 +681,8 @@ def test_heads_that_do_not_match_their_config_are_refused_before_the_backbone_lo
     ("heads3", ["num_layers"], 10 ** 6, "need num_heads in 1..64 and num_layers in 0..64, got 3, 1000000"),
     ("heads3", ["num_heads"], 5, "does not match its config: missing ['blocks.3.0.linear.bias'"),
     ("e3", ["draft_layer", "intermediate_size"], 10 ** 9, "down_proj.weight has shape (64, 128), config implies (64, 1000000000)"),
+    # the engines' EAGLE-3 layout, imported: built at its config's sizes before the state was compared
+    ("vllm_e3", ["intermediate_size"], 10 ** 9, "down_proj.weight has shape (64, 128), config implies (64, 1000000000)"),
 ])
 def test_a_config_that_disagrees_with_its_weights_is_refused_before_anything_is_built(source, path, value, phrase,
                                                                                       setup, capsys):
@@ -690,7 +692,11 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_before_anything_is_
     medusa-export alike. The header's shapes are compared with the heads built on the meta device instead."""
     from inference.cli import generate_main
     from inference.export_cli import export_main
+    from inference.formats.export import export_heads
+    from inference.loading import load_heads
 
+    if source == "vllm_e3":
+        export_heads(load_heads(setup / "e3", input_embeddings=torch.zeros(320, 64)), "eagle3", setup / source)
     folder = setup / f"edited_{source}"
     shutil.copytree(setup / source, folder)
     config = json.loads((folder / "config.json").read_text())
@@ -795,6 +801,9 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode with medusa's choice: "))
     read = parse_overrides("medusa-generate", cli.GenerateConfig, shlex.split(line.split(": ", 1)[1])[1:])
     assert (read.prompts_file, read.batch_size, read.prompt) == ("my prompts.jsonl", 8, None), line
+    cli_run.write_eval(cli.EvalConfig(heads=None, out=str(out)), types.SimpleNamespace(heads=None), out, {}, chosen,
+                       batched=False)
+    assert "decode with" not in capsys.readouterr().out   # medusa-generate decodes with heads: "heads=None" never ran
 
 
 def test_the_prompt_quoting_hint_works_when_pasted_into_a_shell(capsys):

@@ -131,6 +131,11 @@ def test_a_tokenizers_output_decodes_its_rows_without_the_padding_its_mask_marks
                       ([P, [0, 0, 0] + P[:3]], [[1] * 6, [0, 0, 0, 1, 1, 1]])):    # left padding
         enc = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
         assert [r.tokens for r in generate_batch(m, enc, "medusa", max_new_tokens=5, eos_token_ids=()).rows] == want
+    listed = {"input_ids": [torch.tensor(P), torch.tensor(P[:3] + [0, 0, 0])],   # a list of row tensors
+              "attention_mask": [torch.ones(6), torch.tensor([1, 1, 1, 0, 0, 0])]}
+    assert [r.tokens for r in generate_batch(m, listed, "medusa", max_new_tokens=5, eos_token_ids=()).rows] == want
+    with pytest.raises(UserError, match="the prompt is empty"):   # was "batch size 0 is not supported"
+        generate(m, {"input_ids": []}, "medusa", max_new_tokens=4)
     one = {"input_ids": torch.tensor([[0, 0] + P]), "attention_mask": torch.tensor([[0, 0] + [1] * 6])}
     assert generate(m, one, "medusa", max_new_tokens=5, eos_token_ids=()).tokens == want[0]
     holed = {"input_ids": [P, P], "attention_mask": [[1] * 6, [1, 1, 0, 1, 1, 1]]}
@@ -150,7 +155,7 @@ def test_a_padded_batch_is_refused_where_the_pad_token_is_also_the_end_of_text()
     padded = wrap(base, random_heads(base, seed=1))
     padded.tokenizer = SimpleNamespace(pad_token_id=90, bos_token_id=91)
     padded.eos_token_ids = [90]
-    with pytest.raises(UserError, match=r"prompts 1 end with the pad token \(id 90\) and others do not"):
+    with pytest.raises(UserError, match=r"prompt 1 ends with the pad token \(id 90\) and others do not"):
         generate_batch(padded, [P, P[:3] + [90, 90, 90]], "medusa", max_new_tokens=4)
     with pytest.raises(UserError, match="prompts 0, 2 start with the pad token"):
         generate_batch(padded, torch.tensor([[90] + P[:5], P, [90, 90] + P[:4]]), "medusa", max_new_tokens=4)

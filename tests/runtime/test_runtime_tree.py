@@ -154,3 +154,18 @@ def test_medusa_reference_tree():
         default_tree("mc_sim_7b_63", 3)
     with pytest.raises(UserError, match="unknown tree"):
         default_tree("bushy", 3)
+
+
+def test_a_folder_is_no_tree_file_and_no_folder_hides_a_trees_name(tmp_path, monkeypatch):
+    """Guards against tree=<folder> answered "unknown tree 'pdir'" (or "not found" for a path that is plainly
+    there), and a folder named tree4 in the working directory taking tree=tree4 from the named tree."""
+    from inference.errors import UserError
+    from inference.runtime.tree import resolve_tree
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tree4").mkdir()
+    (tmp_path / "pdir").mkdir()
+    assert resolve_tree("tree4", 3).name == "tree4"
+    for given in ("pdir", str(tmp_path / "pdir")):
+        with pytest.raises(UserError, match="pdir is a folder, not a tree file"):
+            resolve_tree(given, 3)
