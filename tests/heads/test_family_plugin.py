@@ -140,7 +140,7 @@ def test_training_config_composes_and_validates_the_familys_own_keys(toy, compos
     code, _, err = call_main(main, ["debug_tiny", f"output_dir={out_dir}", "heads.aux_layers=[1]"], capsys)
     lines = [l for l in err.splitlines() if l.strip()]
     assert code == 2 and len(lines) == 1 and "heads.aux_layers is" in lines[0] and "toy" in lines[0], err
-    assert "heads.kind=medusa" in lines[0] and not out_dir.exists()
+    assert "not medusa's" in lines[0] and "(heads=eagle3)" in lines[0] and not out_dir.exists()
 
 
 def test_the_trainer_feeds_and_exports_the_layers_the_family_declares(toy, compose_tiny, tmp_path):
