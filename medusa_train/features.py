@@ -281,7 +281,7 @@ class FeatureCache:
         wrote and the folders it made (``made``, deepest first) go, so a refused run leaves no empty cache behind
         (nor, through it, a run folder that ``launch.remove_created_dirs`` must keep). A shard, the eval file or a
         writer's temporary file means something was built (by this run or another sharing the folder): kept."""
-        if any(n != MANIFEST for n in (e.name for e in self.root.iterdir())) if self.root.is_dir() else True:
+        if not self.root.is_dir() or any(e.name != MANIFEST for e in self.root.iterdir()):
             return
         self.manifest_path.unlink(missing_ok=True)
         for folder in made:

@@ -196,7 +196,7 @@ def load(d: Path, spec: HeadsSpec):
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise UserError(f"{f} lacks {missing[:4]} for an mlp_speculator of {spec.num_heads} steps")
-    check_shapes(spec, {k: tuple(tensors[k].shape) for k in expected}, f)   # before building at the config's sizes
+    check_shapes(spec, {k: tuple(tensors[k].shape) for k in expected}, f, expected)   # before building at its sizes
     heads = build_heads(spec)
     load_state_checked(heads, {k: tensors[k] for k in expected}, f)
     return heads, None

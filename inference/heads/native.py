@@ -286,9 +286,10 @@ def expected_shapes(spec: HeadsSpec) -> dict[str, tuple]:
         return {k: tuple(v.shape) for k, v in build_heads(spec).state_dict().items()}
 
 
-def check_shapes(spec: HeadsSpec, stored: dict[str, tuple], where) -> None:
-    """``stored`` (name -> shape) against the tensors ``spec`` implies (``expected_shapes``), before any is built."""
-    expected = expected_shapes(spec)
+def check_shapes(spec: HeadsSpec, stored: dict[str, tuple], where, expected: Optional[dict] = None) -> None:
+    """``stored`` (name -> shape) against the tensors ``spec`` implies (``expected``: ``expected_shapes`` when not
+    given), before any is built."""
+    expected = expected if expected is not None else expected_shapes(spec)
     missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
     if missing or extra:
         raise UserError(f"{where} does not match its config: missing {missing[:4]}, unexpected "
