@@ -19,7 +19,7 @@ Export (``save_adapter``): the heads directory as for Medusa-1 with ``backbone_a
 "adapter"`` in its config, plus ``heads/adapter/`` in peft format (``adapter_config.json`` +
 ``adapter_model.safetensors``) and, with ``lora.merge=true``, ``<output_dir>/merged/``: the
 full backbone with the adapter merged in (safetensors + tokenizer). The runtime applies the
-adapter itself (``inference/adapter.py``, no peft needed) or loads the merged model.
+adapter itself (``inference/runtime/adapter.py``, no peft needed) or loads the merged model.
 """
 
 from __future__ import annotations

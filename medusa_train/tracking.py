@@ -4,12 +4,18 @@ Only rank 0 tracks. ``metrics.jsonl`` is the source of truth for plots and for r
 resume, records after the checkpoint's step are dropped so the log matches the run, and so are eval
 records at that step when the resumed run evaluates there again (its final evaluation, when an attempt
 was killed after it but before its export).
+
+A resumed run continues its wandb run rather than opening a second one: the run's id is kept in
+``wandb_run.json`` beside ``metrics.jsonl`` and reused when the trainer resumes from a checkpoint, and the steps
+that run already logged are not sent again (resume is bit-exact, so they would be the same values; wandb drops a
+step below its current one with a warning). A start from step 0 opens a new run: its settings may differ.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,17 +35,36 @@ class Tracker:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.wandb = None
+        self.wandb_logged_to = 0   # the last step the continued wandb run holds: later steps only are sent
         self.bar = None
         self.plot_enabled = bool(logger_cfg.plot)
         if not enabled:
             return
+        logged_to = max((record.get("step", 0) for record in read_metrics(self.path)), default=0)
         self._truncate_after(start_step, drop_eval_at_step=redo_eval_at_start)
         mode = str(getattr(logger_cfg.wandb, "value", logger_cfg.wandb))
         if mode != "disabled":
-            self.wandb = _start_wandb(mode, logger_cfg, run_config, output_dir)
+            self._open_wandb(mode, logger_cfg, run_config, Path(output_dir), start_step, logged_to)
         if progress:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr)
+
+    def _open_wandb(self, mode: str, logger_cfg, run_config: dict, output_dir: Path, start_step: int,
+                    logged_to: int) -> None:
+        """The wandb run: a resumed run's own (its id stored by an earlier attempt; the steps up to ``logged_to``
+        that attempt sent are not sent again), else a new one whose id is stored for the next resume."""
+        id_path = output_dir / WANDB_RUN_FILE
+        run_id = stored_wandb_id(id_path) if start_step > 0 else None
+        self.wandb = _start_wandb(mode, logger_cfg, run_config, output_dir, run_id)
+        new_id = getattr(self.wandb, "id", None)
+        if run_id is not None and new_id == run_id:
+            self.wandb_logged_to = logged_to
+        elif new_id:
+            try:
+                write_text_atomic(id_path, json.dumps({"id": new_id}) + "\n")
+            except OSError as e:   # tracking never stops training: a resume then opens a new wandb run
+                print(f"[medusa-train] wandb: could not keep the run's id in {id_path} ({e.strerror or e}); "
+                      "a resumed run will log to a new wandb run", file=sys.stderr)
 
     def _truncate_after(self, step: int, drop_eval_at_step: bool = False) -> None:
         """Keep the records of steps up to ``step`` (the checkpoint's), less its eval records when
@@ -60,7 +85,7 @@ class Tracker:
         record = {"step": step, "kind": phase, "time": round(time.time(), 3), **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
+        if self.wandb is not None and step > self.wandb_logged_to:
             self.wandb.log({f"{phase}/{k}": v for k, v in metrics.items()}, step=step)
         if self.bar is not None and phase == "train":
             self.bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
@@ -97,13 +122,31 @@ class Tracker:
         return out
 
 
-def _start_wandb(mode: str, logger_cfg, run_config: dict, output_dir: Path):
+WANDB_RUN_FILE = "wandb_run.json"
+_WANDB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")   # what wandb makes (8 of [a-z0-9]); no path or URL characters
+
+
+def stored_wandb_id(path: Path) -> Optional[str]:
+    """The wandb run id an earlier attempt of this run stored, or None (none stored, or a file that is not one:
+    the resumed run then opens a new wandb run, which is all that is lost)."""
+    try:
+        run_id = json.loads(Path(path).read_text()).get("id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) and _WANDB_ID.fullmatch(run_id) else None
+
+
+def _start_wandb(mode: str, logger_cfg, run_config: dict, output_dir: Path, run_id: Optional[str] = None):
+    """A wandb run, or None when wandb cannot start. With ``run_id`` (a resumed run) that run continues
+    (``resume="allow"``: a new one of that id where the server never saw it); the config may differ in what a
+    resume allows (``trainer.max_steps``, ...), which wandb would otherwise refuse as a changed value."""
     os.environ.setdefault("WANDB_SILENT", "true")
+    resume = {"id": run_id, "resume": "allow", "allow_val_change": True} if run_id else {}
     try:
         import wandb   # lazy: only when wandb logging is on; a failing import must not stop training
 
         return wandb.init(project=logger_cfg.project, name=logger_cfg.run_name, mode=mode,
-                          dir=str(output_dir), config=run_config, reinit="finish_previous")
+                          dir=str(output_dir), config=run_config, reinit="finish_previous", **resume)
     except Exception as e:  # tracking must never kill a training run
         print(f"[medusa-train] wandb disabled: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
               file=sys.stderr)

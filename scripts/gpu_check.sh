@@ -33,7 +33,7 @@
 # The reply's output_tail ends with the summary; $OUT holds summary.md, gpu_check.json,
 # gpu_tier.xml, gpu_tier.log and check.log (5 files, well under the 8-file limit).
 #
-# Here, on CPU, the same paths on a tiny model in seconds, the gpu tier included (on the CPU;
+# Here, on CPU, the same paths on a tiny model in a minute or two, the gpu tier included (on the CPU;
 # what tests/house/test_gpu_check.py runs):
 #     bash scripts/gpu_check.sh --dry-run [--out DIR]      # or GPU_CHECK_DRY_RUN=1
 #

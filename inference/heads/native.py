@@ -1,10 +1,10 @@
 """The native export directory: what the trainer writes and the runtime loads first.
 
-Exactly two files: ``config.json`` (``HeadsSpec.to_dict()``, ``format_version`` 1) and
-``model.safetensors`` (the module's state dict: blocks, projections unless shared, the
+Two files: ``config.json`` (``HeadsSpec.to_dict()``; ``format_version`` 1, or 2 when the chat template's
+variables are recorded) and ``model.safetensors`` (the module's state dict: blocks, projections unless shared, the
 ``token_map`` tensor of truncated heads, where vLLM's loader reads it too). Only safetensors,
 never pickle. Loading is strict: a missing, extra or mis-shaped tensor is refused, as is a
-config written by a newer medusa-train.
+config written by a newer medusa-train. Medusa-2 heads hold their LoRA adapter beside them in ``adapter/``.
 
 Writes are atomic (``swap_dir_into_place``): a crash leaves the previous export or the new one,
 never a mix. The format exporters above reuse that swap for their own directories.

@@ -1,8 +1,12 @@
 """The metrics tracker's end of a run (``medusa_train.tracking.Tracker.close``)."""
 
+import json
+import sys
 from types import SimpleNamespace
 
-from medusa_train.tracking import Tracker
+import pytest
+
+from medusa_train.tracking import Tracker, read_metrics, stored_wandb_id
 
 
 def test_a_wandb_run_that_fails_to_finish_is_one_line_not_a_traceback(tmp_path, capsys):
@@ -23,3 +27,81 @@ def test_a_wandb_run_that_fails_to_finish_is_one_line_not_a_traceback(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"[medusa-train] wandb: finishing its run failed (ConnectionResetError: Connection lost); every "
                    f"metric is in {tmp_path / 'metrics.jsonl'}"]
+
+
+class FakeWandb:
+    """wandb's ``init`` / ``log`` / ``finish`` as the tracker calls them, recording each call."""
+
+    def __init__(self):
+        self.inits, self.logged, self.made = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        self.made += 1
+        run = SimpleNamespace(id=kwargs.get("id") or f"run{self.made}", finish=lambda: None)
+        run.log = lambda metrics, step: self.logged.append((run.id, step))
+        return run
+
+
+def _tracker(tmp_path, monkeypatch, start_step, fake):
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = SimpleNamespace(plot=False, wandb="offline", project="p", run_name=None)
+    return Tracker(tmp_path, cfg, {"lr": 1}, total_steps=10, start_step=start_step, progress=False)
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_sends_no_step_twice(tmp_path, monkeypatch):
+    """Guards against a resumed training run opening a second wandb run: every kill and resume left one more run
+    in the project, the later one starting at the checkpoint's step, and an online resume into the first one
+    re-sent the steps after the checkpoint (wandb drops a step below its current one with a warning per step). The
+    first attempt's id is stored and reused from a checkpoint; steps that attempt logged are not sent again."""
+    fake = FakeWandb()
+    first = _tracker(tmp_path, monkeypatch, 0, fake)
+    for step in range(1, 7):
+        first.log(step, {"loss": 1.0 / step})
+    assert json.loads((tmp_path / "wandb_run.json").read_text()) == {"id": "run1"}
+    assert "id" not in fake.inits[0]
+    # killed after step 6; the checkpoint is step 4: steps 5 and 6 run (and are logged) again
+    again = _tracker(tmp_path, monkeypatch, 4, fake)
+    assert fake.inits[1]["id"] == "run1" and fake.inits[1]["resume"] == "allow"
+    assert fake.inits[1]["allow_val_change"] is True
+    for step in range(5, 9):
+        again.log(step, {"loss": 1.0 / step})
+    assert fake.logged == [("run1", s) for s in range(1, 9)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_a_start_from_step_0_opens_a_new_wandb_run(tmp_path, monkeypatch):
+    """Guards against a fresh start in a folder an earlier attempt used (no checkpoint: its settings may differ)
+    continuing that attempt's wandb run and having its first steps withheld as if already sent; and against an
+    unreadable id file stopping or misdirecting a resume (a new run then)."""
+    fake = FakeWandb()
+    _tracker(tmp_path, monkeypatch, 0, fake).log(1, {"loss": 1.0})
+    _tracker(tmp_path, monkeypatch, 0, fake).log(1, {"loss": 2.0})
+    assert "id" not in fake.inits[1] and fake.logged == [("run1", 1), ("run2", 1)]
+    assert json.loads((tmp_path / "wandb_run.json").read_text()) == {"id": "run2"}
+    for text in ("{", '{"id": "../x"}', '["run2"]'):
+        (tmp_path / "wandb_run.json").write_text(text)
+        assert stored_wandb_id(tmp_path / "wandb_run.json") is None
+    _tracker(tmp_path, monkeypatch, 1, fake)
+    assert "id" not in fake.inits[2]
+
+
+def test_real_wandb_offline_resumes_under_the_stored_id(tmp_path, monkeypatch):
+    """Guards against the resume arguments being ones the installed wandb refuses: ``_start_wandb`` turns any
+    failure into "wandb disabled", so a refused ``id`` / ``resume`` / ``allow_val_change`` would quietly stop all
+    wandb logging of every resumed run. Offline, as the recipes log by default."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = SimpleNamespace(plot=False, wandb="offline", project="p", run_name=None)
+    first = Tracker(tmp_path, cfg, {"trainer": {"max_steps": 4}}, total_steps=4, start_step=0, progress=False)
+    first.log(1, {"loss": 1.0})
+    first.close()
+    run_id = stored_wandb_id(tmp_path / "wandb_run.json")
+    assert run_id is not None and first.wandb.id == run_id
+    again = Tracker(tmp_path, cfg, {"trainer": {"max_steps": 8}}, total_steps=8, start_step=1, progress=False)
+    try:
+        assert again.wandb is not None and again.wandb.id == run_id
+        assert again.wandb.config["trainer"]["max_steps"] == 8
+    finally:
+        again.close()
