@@ -39,6 +39,7 @@ from .distill import unfinished as unfinished_distillation
 from .distributed import resolve_device
 from .features import check_cache_dir
 from .manifest import RECORD_DIR
+from .tracking import check_wandb_credentials
 from .families import draft_depth, draft_vocabulary, training_family
 
 
@@ -389,6 +390,7 @@ def preflight(cfg, resume: bool = True) -> None:
     if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
         check_draft_vocabulary(cfg)
         check_precision_device(cfg.trainer)
+        check_wandb_credentials(cfg.logger)
         state = check_resume(cfg) if resume else None
         check_run_folder(cfg, resumed=state is not None or not resume)
         if not (state and int(state.get("step", 0)) >= cfg.trainer.max_steps):

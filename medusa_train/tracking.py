@@ -136,6 +136,28 @@ def stored_wandb_id(path: Path) -> Optional[str]:
     return run_id if isinstance(run_id, str) and _WANDB_ID.fullmatch(run_id) else None
 
 
+def check_wandb_credentials(logger_cfg) -> None:
+    """``logger.wandb=online`` where wandb has no credentials: refused before anything loads. wandb itself found out
+    only once the backbone, the data and the engine were ready: on a terminal it stopped the run at a login menu
+    (every other process of a launch waiting on rank 0), without one the run trained unlogged after a warning.
+    Rank 0 alone tracks, so rank 0 alone is asked; ``WANDB_MODE`` set to offline / disabled leaves it to wandb."""
+    mode = str(getattr(logger_cfg.wandb, "value", logger_cfg.wandb))
+    if mode != "online" or int(os.environ.get("RANK", "0") or 0) != 0:
+        return
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        import wandb   # lazy: only for logger.wandb=online
+
+        logged_in = wandb.login(prompt=False, verify=False)   # reads the key's sources only: no prompt, no network
+    except Exception:  # noqa: BLE001 (a wandb without prompt=, or one that fails here: wandb.init says what it says)
+        return
+    if not logged_in:
+        raise UserError("logger.wandb=online: wandb has no API key here (run `wandb login`, or set WANDB_API_KEY); "
+                        "logger.wandb=offline logs locally for a later `wandb sync`")
+
+
 def _start_wandb(mode: str, logger_cfg, run_config: dict, output_dir: Path, run_id: Optional[str] = None):
     """A wandb run, or None when wandb cannot start. With ``run_id`` (a resumed run) that run continues
     (``resume="allow"``: a new one of that id where the server never saw it); the config may differ in what a

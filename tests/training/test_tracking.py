@@ -1,6 +1,8 @@
 """The metrics tracker's end of a run (``medusa_train.tracking.Tracker.close``)."""
 
 import json
+import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -105,3 +107,35 @@ def test_real_wandb_offline_resumes_under_the_stored_id(tmp_path, monkeypatch):
         assert again.wandb.config["trainer"]["max_steps"] == 8
     finally:
         again.close()
+
+
+def _credentials_check(tmp_path, **env):
+    """``check_wandb_credentials`` for ``logger.wandb=online`` in a fresh process (wandb's login is per process)
+    with no wandb credentials but those ``env`` gives: the UserError's text, or "" when accepted."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k not in ("NETRC", "RANK")}
+    base.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), **env)
+    code = ("from types import SimpleNamespace\nfrom medusa_train.tracking import check_wandb_credentials\n"
+            "from inference.errors import UserError\n"
+            "try:\n    check_wandb_credentials(SimpleNamespace(wandb='online'))\n    print('')\n"
+            "except UserError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+def test_online_logging_without_credentials_is_refused_up_front(tmp_path):
+    """Guards against ``logger.wandb=online`` on a machine where wandb has no API key being found out only when
+    the tracker starts, after the backbone, the data and the engine loaded: on a terminal wandb stopped the run at
+    its login menu (the other processes of a launch waiting), without one it trained unlogged after a warning. A
+    key from the environment or ~/.netrc is accepted without a network call; rank > 0 (which logs nothing) and a
+    ``WANDB_MODE`` of offline / disabled are not asked."""
+    pytest.importorskip("wandb")
+    assert _credentials_check(tmp_path).startswith("logger.wandb=online: wandb has no API key here")
+    assert _credentials_check(tmp_path, WANDB_API_KEY="a" * 40) == ""
+    (tmp_path / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {'b' * 40}\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert _credentials_check(tmp_path) == ""
+    (tmp_path / ".netrc").unlink()
+    assert _credentials_check(tmp_path, RANK="1") == ""
+    assert _credentials_check(tmp_path, WANDB_MODE="offline") == ""

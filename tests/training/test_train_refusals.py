@@ -444,3 +444,19 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_writes_nothing(tmp_pat
         os.close(fd)
     proc = medusa_train(tmp_path, "trainer.max_steps=1", "logger.plot=false", out=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_online_logging_without_a_wandb_key_is_refused_before_anything_loads(tmp_path):
+    """Guards against ``logger.wandb=online`` with no wandb API key starting the run: the backbone, the data and
+    the engine loaded, the run's record was written, and then wandb stopped at its login menu (on a terminal) or
+    the run trained unlogged. One line, exit 2, nothing written."""
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in clean_env().items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+    before = snapshot(tmp_path)
+    proc = subprocess.run([console_script("medusa-train"), "debug_tiny", f"output_dir={tmp_path / 'out'}",
+                           f"data.source={TINY_DATA}", "logger.wandb=online", "trainer.progress_bar=false"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
+                          stdin=subprocess.DEVNULL)
+    assert_one_line_refusal(proc, "logger.wandb=online: wandb has no API key here (run `wandb login`")
+    assert snapshot(tmp_path) == before, "a refused command wrote files"
