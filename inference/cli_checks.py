@@ -26,7 +26,7 @@ from .chat_template import check_template_args, set_template_args
 from .cli_support import enum_value, keys_given
 from .errors import UserError
 from .evaluation.batch_eval import BATCH_BASELINES, check_sizes_measured, parse_batch_sizes
-from .evaluation.choosing import calibrating
+from .evaluation.choosing import calibrating, reading_budgets
 from .evaluation.evaluate import check_settings
 from .prompts import Prompt, answered_turn, encode_checked, encode_turn, hold_out, load_prompts, select_prompts
 from .evaluation.reports import check_report_dir
@@ -352,6 +352,11 @@ def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]], sa
             "the keys given fix each method's choice, or its choice is measured only batched"
         raise UserError(f"{unread}= is read when a choice is measured, and none is measured here ({why}): "
                         f"drop {unread}=")
+    if "tree_budgets" in (keys_given(cfg) or ()) and not reading_budgets(options, modes, sizes is not None):
+        raise UserError("tree_budgets= sizes the trees a choice grows one prompt at a time, and no choice here grows "
+                        "them (" + ("batched choices size their own candidates" if sizes is not None else
+                                    "each method's choice is fixed, or chooses by other measures") +
+                        "): drop tree_budgets=")
     evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) if calibrates else \
         (prompts[:wanted] if wanted is not None else prompts, None)
     if sizes is not None:

@@ -50,6 +50,11 @@ def calibrating(opts: Mapping[str, Any], modes: Mapping[str, str], batched: bool
     return any(registry.get(x).shape.calibrates(opts[x], mode, batched) for x, mode in modes.items())
 
 
+def reading_budgets(opts: Mapping[str, Any], modes: Mapping[str, str], batched: bool) -> bool:
+    """Whether any method's choice grows candidates for the node budgets ``tree_budgets`` gives."""
+    return any(registry.get(x).shape.reads_budgets(opts[x], mode, batched) for x, mode in modes.items())
+
+
 def choose_all(ctx: ChoiceContext, opts: Mapping[str, Any], modes: Mapping[str, str],
                sizes: Optional[Sequence[int]] = None) -> dict[str, Chosen]:
     """method -> its shape's ``Chosen``, one prompt at a time (``sizes`` None) or per batch size; a group's

@@ -292,6 +292,11 @@ class MedusaTreeShape(SpeculationShape):
     def calibrates(self, options, mode: str, batched: bool) -> bool:
         return mode == "auto" or calibrated_choice(options.tree) is not None
 
+    def reads_budgets(self, options, mode: str, batched: bool) -> bool:
+        # one prompt at a time only: the batched sizing grows its own candidates (BATCH_BUDGETS), and a node
+        # count given (tree=calibrated:N) grows that one tree
+        return mode == "auto" and not batched and calibrated_choice(options.tree) is None
+
     def choose(self, ctx: ChoiceContext, method: str, options, mode: str) -> Chosen:
         nodes = calibrated_choice(options.tree)
         if mode == "auto" or nodes is not None:

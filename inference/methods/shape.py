@@ -9,6 +9,8 @@ method's options:
   the options with the choice applied, the ``SpeculationSchedule`` of choices per batch size, and what the
   report records. ``mode`` is the command line's ``choice`` key: ``auto`` measures, ``fixed`` takes the
   options as given (at every batch size);
+- ``calibrates`` / ``reads_budgets``: whether the choice measures on the held-out calibration prompts, and
+  whether it grows candidates for the node budgets ``tree_budgets`` gives (a key no choice reads is refused);
 - ``apply``: a schedule (batched) or its batch-1 choice onto the options;
 - ``encode`` / ``decode``: one choice as the method's own option keys, what the one choice file
   (``choice_file``) stores per batch size;
@@ -80,6 +82,10 @@ class SpeculationShape(ABC):
     def calibrates(self, options, mode: str, batched: bool) -> bool:
         """Whether the choice needs the calibration prompts (held out from the evaluated ones)."""
         return mode == "auto"
+
+    def reads_budgets(self, options, mode: str, batched: bool) -> bool:
+        """Whether the choice grows candidates for the node budgets ``tree_budgets`` gives (``ChoiceContext``)."""
+        return False
 
     @abstractmethod
     def choose(self, ctx: ChoiceContext, method: str, options, mode: str) -> Chosen:

@@ -228,6 +228,14 @@ REFUSED = [
     (EVAL, [MEDUSA, PROMPTS, "choice={tmp}/medusa_choice.json", "tree=tree8"],   # tree8: the library's default
      "tree= and choice={tmp}/medusa_choice.json both set medusa's tree: give one"),
     (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "tree=tree8"], "tree= is a key of medusa, medusa_lookup"),
+    # tree_budgets= only sizes the trees a Medusa choice grows at batch 1: taken silently (and recorded in
+    # report.json) with EAGLE-3 heads, batched choices or a fixed node count
+    (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "tree_budgets=[4]"],
+     "tree_budgets= sizes the trees a choice grows one prompt at a time, and no choice here grows them (each "
+     "method's choice is fixed, or chooses by other measures): drop tree_budgets="),
+    (EVAL, [MEDUSA, PROMPTS, "batch_size=[1,2]", "tree_budgets=[4]"],
+     "no choice here grows them (batched choices size their own candidates): drop tree_budgets="),
+    (EVAL, [MEDUSA, PROMPTS, "tree=calibrated:4", "tree_budgets=[4]"], "no choice here grows them"),
     # several prompts decode in batches: the batching note must not come before the refusal
     (GEN, [MEDUSA, "prompts_file={tmp}/long.jsonl", "backbone={tmp}/bbtok", "max_new_tokens=8"],
      "exceeds the backbone's 64 positions"),
