@@ -32,13 +32,19 @@ def _identity(row: dict) -> str:
 def caveats(r: dict, per_prompt: bool = True) -> list[str]:
     """Notes for figures that cannot mean what they seem to: with ``max_new_tokens=1`` every method's one token
     comes from the prompt's forward (no draft is verified: speedups of prefills); with one prompt a per-prompt
-    median [min-max] is that prompt's single ratio (``per_prompt``: the report's ranges are over prompts)."""
+    median [min-max] is that prompt's single ratio, or the spread of its turns (``turns=both``) and none across
+    prompts (``per_prompt``: the report's ranges are over prompts and turns)."""
     lines = []
     if (r.get("settings") or {}).get("max_new_tokens") == 1:
         lines.append("- note: max_new_tokens=1: each method's one token comes from the prompt's forward and no draft "
                      "is verified, so the speedups compare prefills, not decoding")
-    if per_prompt and r.get("num_samples") == 1:
-        lines.append("- note: one prompt evaluated: each median [min-max] is that prompt's ratio alone, no spread")
+    ids = r.get("evaluated_prompt_ids")
+    prompts = len(ids) if isinstance(ids, list) else r.get("num_samples")
+    if per_prompt and prompts == 1:
+        samples = r.get("num_samples") or 1
+        lines.append("- note: one prompt evaluated: each median [min-max] is " +
+                     ("that prompt's ratio alone, no spread" if samples == 1 else
+                      f"over its {samples} turns alone, no spread across prompts"))
     return lines
 
 

@@ -166,13 +166,17 @@ def test_no_n_alpha_when_nothing_was_proposed():
 def test_reports_say_when_speedups_measure_a_prefill_or_a_single_prompt():
     """Guards against report.md and compare.md printing speedups of a max_new_tokens=1 run (each method's one token
     from the prompt's forward, no draft verified) as decoding speedups, and a single prompt's "median [min-max]" as
-    if it were a spread across prompts; the batched report's ranges are over batches: no one-prompt note there."""
+    if it were a spread across prompts (also under turns=both, where the one prompt's two turns made num_samples 2 and
+    the note never came); the batched report's ranges are over batches: no one-prompt note there."""
     one = _report({"medusa": _row()}, max_new_tokens=1, num_samples=1)
     for md in (markdown(one), compare_markdown(one)):
         assert "max_new_tokens=1: each method's one token comes from the prompt's forward" in md
         assert "one prompt evaluated" in md
     for md in (markdown(_report({"medusa": _row()})), compare_markdown(_report({"medusa": _row()}))):
         assert "max_new_tokens=1" not in md and "one prompt evaluated" not in md
+    two_turns = _report({"medusa": _row()}, num_samples=2, evaluated_prompt_ids=["81"])   # turns=both
+    for md in (markdown(two_turns), compare_markdown(two_turns)):
+        assert "one prompt evaluated: each median [min-max] is over its 2 turns alone, no spread across prompts" in md
     batched = {"batch_sizes": [1], "num_prompts": 1, "per_batch_size": {}}
     md = batched_markdown({**_report({}, max_new_tokens=1, num_samples=1), "batched": batched})
     assert "compare prefills" in md and "one prompt evaluated" not in md
