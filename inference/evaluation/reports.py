@@ -19,11 +19,15 @@ from .batch_reports import THROUGHPUT_PLOT, _fmt, _times, batched_markdown, cave
 
 
 # -- reports ---------------------------------------------------------------------------------
+REPORT_ROOM = 16 << 20   # report.json with every sample's tokens, report.md and the plots: ~0.1 MiB per 10 prompts
+
+
 def check_report_dir(out_dir: Path) -> None:
     """Refuse, in one line, a report folder that cannot be written (a file, under a file, in a folder this
     user cannot write, where the file system refuses new entries: /proc), before the evaluation:
-    ``write_report`` runs only after everything was measured. The folder is made and, if it was new,
-    removed again (with the parents made for it), so a refused or failed evaluation leaves nothing."""
+    ``write_report`` runs only after everything was measured; so is a disk without ``REPORT_ROOM`` free. The
+    folder is made and, if it was new, removed again (with the parents made for it), so a refused or failed
+    evaluation leaves nothing."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out={out_dir} is a file, not a folder")
     check_report_owner(out_dir)
@@ -43,6 +47,11 @@ def check_report_dir(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()   # an entry the folder really takes (gone on close)
+        free = shutil.disk_usage(out_dir).free
+        if free < REPORT_ROOM:   # found out only once everything was measured, the report then lost
+            raise UserError(f"out={out_dir}: {free / 2**20:.1f} MiB free on its disk, and a report takes up to "
+                            f"{REPORT_ROOM >> 20} MiB (written beside the earlier one, then swapped in): free some "
+                            "space, or give out= on another disk")
     except OSError as e:
         raise UserError(f"out={out_dir} cannot be created ({e.strerror or e})") from None
     finally:

@@ -181,6 +181,29 @@ def test_an_out_folder_that_is_no_evaluations_is_refused_and_left_as_it_was(tmp_
         check_report_dir(tmp_path / name)
 
 
+def test_report_folder_on_a_full_disk_is_refused_before_the_evaluation(tmp_path, monkeypatch):
+    """Guards against an evaluation on a disk with no room for its report measuring for its whole run (tens of
+    minutes on MT-Bench) and then failing at the write, the measurements lost: refused in one line before
+    anything loads, and the folder made for it (with its parents) removed again."""
+    import shutil
+
+    from inference.evaluation import reports
+
+    for free in (3 << 20, reports.REPORT_ROOM - 1):
+        monkeypatch.setattr(reports.shutil, "disk_usage",
+                            lambda path, free=free: shutil._ntuple_diskusage(10 << 30, 10 << 30, free))
+        with pytest.raises(UserError, match=r"out=.*/a/eval: \d+\.\d MiB free on its disk, and a report takes up"):
+            check_report_dir(tmp_path / "a" / "eval")
+        assert not (tmp_path / "a").exists()
+    monkeypatch.setattr(reports.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 3 << 20))
+    with pytest.raises(UserError, match=r"3\.0 MiB free on its disk, and a report takes up to 16 MiB"):
+        check_report_dir(tmp_path / "a" / "eval")
+    monkeypatch.setattr(reports.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, reports.REPORT_ROOM))
+    check_report_dir(tmp_path / "a" / "eval")
+
+
 def test_fixed_tree_and_sampling_mode_run(tiny_medusa):
     """Guards against: a given tree or the exact-sampling mode breaking the harness (hf_generate
     is greedy-only and must be refused in sample mode with a clear error)."""
