@@ -36,7 +36,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from inference.backbone import decoder_body, lm_head_weight, logit_scaling, scale_logits
+from inference.cli_support import enum_value
 from inference.errors import UserError
+from inference.heads.native import make_temp_dir, open_permissions, release_temp_dir, swap_dir_into_place
 from inference.heads.registry import family, setting_names
 from inference.loading import load_heads
 
@@ -44,12 +46,14 @@ from .checkpoint import full_fp32
 from .data.masks import attention_mask, block_causal_mask
 from .data.tokenize import IGNORE
 from .losses import heads_loss, vocab_to_local
+from .manifest import write_text_atomic
 
 ADAPTER_DIR = "adapter"
 
 
-def apply_lora(model, lcfg):
-    """Wrap ``model`` with a fresh LoRA adapter; base weights stay frozen. Returns the peft model."""
+def apply_lora(model, lcfg, heads_share_lm_head: bool = False):
+    """Wrap ``model`` with a fresh LoRA adapter; base weights stay frozen. Returns the peft model.
+    ``heads_share_lm_head``: the heads project through the backbone's own lm_head (``heads.projection=shared``)."""
     from peft import LoraConfig as PeftLoraConfig, get_peft_model   # lazy: 3 s to import, for LoRA runs only
 
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -65,6 +69,15 @@ def apply_lora(model, lcfg):
         # runtime's merge) is not the model trained, and the heads' shared projection moves with it
         raise UserError(f"lora.target_modules {sorted(tied & set(lcfg.target_modules))}: this backbone ties that "
                         "layer's weight to its input embedding, so no adapter on it can be merged; leave it out")
+    out = model.get_output_embeddings()
+    adapted_out = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if out is not None and m is out}
+                         & set(lcfg.target_modules))
+    if heads_share_lm_head and adapted_out:
+        # the loss hands the heads the layer's base weight (peft's ``.weight``), while decoding, the merge and the
+        # engines' exports give them the merged one: trained on one lm_head, decoded on another
+        raise UserError(f"lora.target_modules {adapted_out}: heads.projection=shared projects the heads through "
+                        "that layer, which the adapter would change under them; leave it out of "
+                        "lora.target_modules, or give the heads their own (heads.projection=own or truncated)")
     peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                               target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
     for p in model.parameters():
@@ -197,9 +210,18 @@ def save_merged(peft_model, tokenizer, out_dir: Path, write: bool = True,
         merged.load_state_dict(masters, strict=False)
     merged = merged.merge_and_unload()
     _drop_gguf_marking(merged)
-    merged.save_pretrained(str(out_dir), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
+    # written whole beside ``out_dir`` and swapped in, as heads/ is: a kill mid-write left a partial (or empty)
+    # merged/ that a finished run's rerun took for done, and that the export then pointed engines at
+    out_dir = Path(out_dir)
+    tmp = make_temp_dir(out_dir)
+    try:
+        merged.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        open_permissions(tmp)
+        swap_dir_into_place(tmp, out_dir)
+    finally:
+        release_temp_dir(tmp)
     return out_dir
 
 
@@ -255,6 +277,9 @@ def _drop_gguf_marking(model) -> None:
         del model.config.quantization_config
 
 
+DRIFT_FILE = "drift.json"   # written after the heads export: a finished run's rerun checks it is there
+
+
 @torch.no_grad()
 def drift(peft_model, body, lm_head, batches, device, scaling: tuple = (None, None)) -> dict:
     """Held-out perplexity with and without the adapter, and how often their argmax agrees (``scaling``: the
@@ -282,8 +307,10 @@ def drift(peft_model, body, lm_head, batches, device, scaling: tuple = (None, No
         sums["n"] += int(tgt.numel())
     if was_training:
         peft_model.train()
-    n = max(sums["n"], 1)
-    return {"heldout_tokens": sums["n"], "perplexity_base": math.exp(sums["nll_base"] / n),
+    n = sums["n"]
+    if not n:   # no held-out token (an empty held-out split): nothing measured, not a perplexity of 1
+        return {"heldout_tokens": 0, "perplexity_base": None, "perplexity_tuned": None, "argmax_agreement": None}
+    return {"heldout_tokens": n, "perplexity_base": math.exp(sums["nll_base"] / n),
             "perplexity_tuned": math.exp(sums["nll_tuned"] / n), "argmax_agreement": sums["agree"] / n}
 
 
@@ -295,7 +322,8 @@ class JointSource:
     def __init__(self, cfg, backbone, device: torch.device, data):
         self.cfg, self.backbone, self.device, self.data = cfg, backbone, device, data
         self.stats, self.read_stats = data.stats, data.read_stats
-        self.peft_model = apply_lora(backbone.model, cfg.lora)
+        self.peft_model = apply_lora(backbone.model, cfg.lora,
+                                     heads_share_lm_head=enum_value(cfg.heads.projection) == "shared")
         self.body = decoder_body(self.peft_model.get_base_model())
         self.adapter_fp32: Optional[dict[str, torch.Tensor]] = None   # set by export_extra: what the merge reads
 
@@ -316,7 +344,7 @@ class JointSource:
         return param_groups(self.module, lr, self.cfg.lora.heads_lr_multiplier)
 
     def describe(self) -> str:
-        n_lora = sum(p.numel() for p in self.peft_model.parameters() if p.requires_grad)
+        n_lora = sum(getattr(p, "ds_numel", p.numel()) for p in self.peft_model.parameters() if p.requires_grad)
         return f"LoRA r={self.cfg.lora.r}: {n_lora / 1e6:.2f}M adapter parameters train"
 
     def batches(self, epoch: int = 0, index: int = 0):
@@ -358,10 +386,13 @@ class JointSource:
         report = drift(self.peft_model, self.body, self.backbone.model.get_output_embeddings(),
                        self.eval_batches(), self.device, logit_scaling(self.backbone.model))
         if write:
-            (output_dir / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
-            print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
-                  f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
-                  f"{report['argmax_agreement']:.1%}", flush=True)
+            write_text_atomic(output_dir / DRIFT_FILE, json.dumps(report, indent=2) + "\n")
+            if report["heldout_tokens"]:
+                print(f"backbone drift on {report['heldout_tokens']} held-out tokens: perplexity "
+                      f"{report['perplexity_base']:.3f} -> {report['perplexity_tuned']:.3f}, argmax agreement "
+                      f"{report['argmax_agreement']:.1%}", flush=True)
+            else:
+                print("backbone drift not measured: the held-out split has no token to predict", flush=True)
         if self.cfg.lora.merge:
             merged = save_merged(self.peft_model, self.backbone.tokenizer, output_dir / "merged", write=write,
                                  adapter_fp32=self.adapter_fp32)

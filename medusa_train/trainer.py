@@ -58,6 +58,7 @@ from .data.tokenize import reply_end_ids
 from .deepspeed_config import check_consistent, deepspeed_config
 from .distributed import resolve_device, restore_handlers, start_process, stop_on_signals, swap_handlers
 from .losses import HeadMetrics, vocab_to_local
+from .lora import DRIFT_FILE
 from .sources import BatchSource, make_source
 from .tracking import Tracker
 
@@ -160,7 +161,7 @@ class MedusaTrainer:
         """The run's one line of what trains on what, where and how; a note when the warm-up outlasts the run."""
         cfg, t = self.cfg, self.cfg.trainer
         n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
-        n_back = sum(p.numel() for p in model.parameters())
+        n_back = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # ZeRO-3: whole, not its shard
         self.tracker.write(
             f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, "
             f"{self.source.describe()}) on {self.device}; "
@@ -230,8 +231,11 @@ class MedusaTrainer:
         if self.is_main:  # one rank looks (and repairs), all follow its answer
             recover_dir(heads_dir)  # an export killed mid-swap: put the previous one back first
             outputs = [heads_dir / f for f in EXPORT_FILES]
-            if self.cfg.lora.enabled and self.cfg.lora.merge:
-                outputs.append(self.output_dir / "merged")
+            if self.cfg.lora.enabled:   # what after_export writes once the heads are exported
+                outputs.append(self.output_dir / DRIFT_FILE)
+                if self.cfg.lora.merge:
+                    recover_dir(self.output_dir / "merged")
+                    outputs.append(self.output_dir / "merged" / "config.json")
             try:
                 saved_at = (self.resume_from / checkpoint.STATE_FILE).stat().st_mtime
                 done = all(p.exists() and p.stat().st_mtime >= saved_at for p in outputs)

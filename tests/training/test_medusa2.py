@@ -336,6 +336,9 @@ def test_lora_values_are_checked_with_the_adapter_off(value, words, compose_tiny
 @pytest.mark.parametrize("extra, fragment", [
     (["lora.target_modules=[q_proj,wq]"], "wq"),
     (["lora.target_modules=[q_proj,lm_head]"], "ties that layer's weight to its input embedding"),
+    # untied: the loss gave the shared heads the base lm_head, decoding and the exports the merged one
+    (["backbone.random_init.tie_word_embeddings=false", "heads.projection=shared",
+      "lora.target_modules=[q_proj,lm_head]"], "heads.projection=shared projects the heads through that layer"),
     (["lora.backbone_loss=mse"], "lora.backbone_loss"),
     (["features.mode=train"], "features.mode=off"),
 ])
@@ -401,3 +404,46 @@ def test_a_zero3_merge_keeps_the_backbones_generation_config(compose_tiny, tiny_
     out = lora.save_merged(peft_model, tiny_backbone.tokenizer, tmp_path / "merged")
     saved = json.loads((out / "generation_config.json").read_text())
     assert saved["eos_token_id"] == [1, 4, 5] and saved["temperature"] == 0.6
+
+
+def test_a_finished_run_missing_its_drift_report_or_merge_writes_them_again(compose_tiny, out_dir):
+    """Guards against a Medusa-2 run killed after its heads export but before ``drift.json`` / ``merged/`` were
+    complete: the rerun said "nothing to do" and never wrote them (a partial or empty ``merged/`` was taken for
+    done, and the export then named it as the backbone to serve). The rerun now writes both again."""
+    cfg = compose_tiny(*LORA, "trainer.max_steps=2", "lora.merge=true")
+    T.run(cfg)
+    (out_dir / "drift.json").unlink()
+    for f in (out_dir / "merged").iterdir():
+        f.unlink()
+    T.run(cfg)
+    assert json.loads((out_dir / "drift.json").read_text())["heldout_tokens"] > 0
+    assert (out_dir / "merged" / "config.json").is_file() and (out_dir / "merged" / "model.safetensors").is_file()
+
+
+def test_the_merged_backbone_is_written_whole_or_not_at_all(tiny_backbone, tmp_path):
+    """Guards against ``merged/`` written file by file in place: a kill (here an interrupt in the tokenizer's
+    save, the last write) left a folder of the weights without a tokenizer, which a rerun took for done. The
+    merge now writes beside it and swaps it in: nothing at ``merged/`` and no temporary folder left."""
+    import copy
+
+    peft_model = lora.apply_lora(copy.deepcopy(tiny_backbone.model),
+                                 types.SimpleNamespace(r=2, alpha=4, dropout=0.0, target_modules=["q_proj"]))
+
+    class Interrupted:
+        def save_pretrained(self, path):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        lora.save_merged(peft_model, Interrupted(), tmp_path / "merged")
+    assert list(tmp_path.iterdir()) == []
+    assert lora.save_merged(peft_model, tiny_backbone.tokenizer, tmp_path / "merged") == tmp_path / "merged"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+    assert (tmp_path / "merged" / "config.json").is_file() and (tmp_path / "merged" / "tokenizer_config.json").is_file()
+
+
+def test_drift_on_no_held_out_token_is_not_measured(capsys):
+    """Guards against drift.json reporting perplexities of 1.0 and 0% argmax agreement on 0 held-out tokens (an
+    empty held-out split): made-up numbers read as a perfect, totally drifted backbone. They are null now."""
+    model = types.SimpleNamespace(training=False, eval=lambda: None)
+    assert lora.drift(model, None, None, [], "cpu") == {"heldout_tokens": 0, "perplexity_base": None,
+                                                        "perplexity_tuned": None, "argmax_agreement": None}
