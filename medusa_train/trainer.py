@@ -59,6 +59,7 @@ from .deepspeed_config import check_consistent, deepspeed_config
 from .distributed import resolve_device, restore_handlers, start_process, stop_on_signals, swap_handlers
 from .losses import HeadMetrics, vocab_to_local
 from .lora import DRIFT_FILE
+from .manifest import holds_trained_run
 from .sources import BatchSource, make_source
 from .tracking import Tracker
 
@@ -103,7 +104,8 @@ class MedusaTrainer:
         self.resume_from, resume_state = checkpoint.resume_point(cfg, self.plan.global_batch_size)
         if resume_state is not None and self._already_exported(resume_state):
             self.step = int(resume_state["step"])
-            self.record()
+            if not holds_trained_run(self.output_dir):   # trains nothing: the heads' record stays theirs
+                self.record()
             return
 
         # A random backbone is kept in <output_dir>/backbone, once ``_accept_data`` has read the data with its

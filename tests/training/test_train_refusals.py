@@ -96,6 +96,28 @@ def test_refused_resume_keeps_the_runs_record(tmp_path):
     assert "max_steps: 3" in (record / "config.yaml").read_text()
 
 
+def test_a_task_that_trains_nothing_keeps_the_trained_runs_record(tmp_path):
+    """Guards against a finished run's record being rewritten by commands that trained nothing there: an idle
+    rerun under another precision (bf16 / ZeRO-2 recorded for fp32 heads) and a feature-cache build into the
+    folder (``features.mode=build`` recorded); once its checkpoints were deleted, the original command was then
+    refused there as "a finished run trained with another configuration"."""
+    import shutil
+
+    out = tmp_path / "out"
+    run = ["trainer.max_steps=2", "trainer.save_every=1", "logger.plot=false"]
+    assert medusa_train(tmp_path, *run).returncode == 0
+    record = snapshot(out / ".hydra")
+    proc = medusa_train(tmp_path, *run, "trainer.precision=bf16", "trainer.zero_stage=2")
+    assert proc.returncode == 0 and "nothing to do" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert snapshot(out / ".hydra") == record
+    proc = medusa_train(tmp_path, *run, "features.mode=build", f"features.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert snapshot(out / ".hydra") == record
+    shutil.rmtree(out / "checkpoints")
+    proc = medusa_train(tmp_path, *run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 # -- item 6: the TTT unroll in the memory estimate, bounded ------------------------------------------------
 def test_ttt_unroll_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch):
     """Guards against: the memory estimate counting one frozen forward only, so an eagle3 drafter unrolled over
