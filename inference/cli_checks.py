@@ -355,7 +355,8 @@ def eval_prompts(cfg, options: dict, modes: dict, sizes: Optional[list[int]], sa
     if "tree_budgets" in (keys_given(cfg) or ()) and not reading_budgets(options, modes, sizes is not None):
         raise UserError("tree_budgets= sizes the trees a choice grows one prompt at a time, and no choice here grows "
                         "them (" + ("batched choices size their own candidates" if sizes is not None else
-                                    "each method's choice is fixed, or chooses by other measures") +
+                                    "each method's choice is fixed, grows the one tree tree=calibrated:N "
+                                    "sizes, or chooses by other measures") +
                         "): drop tree_budgets=")
     evaluated, calibration = select_prompts(prompts, wanted, cfg.calibration_prompts) if calibrates else \
         (prompts[:wanted] if wanted is not None else prompts, None)

@@ -95,7 +95,8 @@ class EvalKeys(CommandKeys):
     compare: bool = _key(False, "run every available method, write compare.md + compare.png")
     calibration_prompts: int = _key(8, "prompts held out (the set's last) to measure choice=auto on")
     calibration_tokens: int = _key(48, "tokens generated per calibration prompt")
-    tree_budgets: List[int] = _key(help="the tree sizes (nodes) choice=auto measures for Medusa",
+    tree_budgets: List[int] = _key(help="the tree sizes (nodes) choice=auto measures for Medusa, one prompt at a "
+                                            "time (not batched, not with tree=calibrated:N)",
                                    factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     out: Optional[str] = _key(None, "the report folder, new or an earlier evaluation's (unset: <heads>/../eval, "
                               "<heads>/../compare with compare=true; runs/eval or runs/compare without heads)")

@@ -19,6 +19,7 @@ from .backbone import load_backbone, load_backbone_config, load_tokenizer
 from .errors import NeedsBackboneConfig, UserError
 from .formats.export import (TOKENIZER_FILES, ExportOptions, FormatWarning, check_adapter, check_out_dir, export_heads,
                              exporter_for, megabytes)
+from .heads.native import recover_dir
 from .heads.spec import check_compatible
 from .loading import export_target, load_heads, read_heads_spec
 
@@ -146,6 +147,7 @@ def _engine_base_model(given: Optional[str], spec, src: Path) -> str:
     if given or not spec.backbone_adapter:
         return given or ""
     merged = src.resolve().parent / "merged"
+    recover_dir(merged)   # a merge killed between its two renames left the complete previous one in .merged.old-*
     if (merged / "config.json").is_file():
         print(f"note: these heads were trained with a LoRA adapter on their backbone: the engine config names "
               f"the merged backbone {merged} (pass base_model= to name another copy of it)")

@@ -255,6 +255,26 @@ def resolved_settings(config: dict, hf_config) -> dict:
     return {"heads.loss_weights": loss_weights(h), **fam.resolved(h, hf_config)}
 
 
+def keeps_trained_record(cfg, ignoring: tuple = ()) -> bool:
+    """Whether a task that trains no heads in ``cfg.output_dir`` (a finished run's idle rerun, a feature-cache
+    build) leaves the folder's record as it is: it holds heads and a record of a configuration that differs from
+    this one in safe keys only (another precision, ``features.mode``), which says how those heads were trained;
+    rewritten there, the original command was later refused as "another configuration". A record that differs
+    in what training depends on (one a refused command wrote) is not theirs: it is rewritten, as before. Keys
+    under the prefixes ``ignoring`` are not compared (a build's own ``features.*``)."""
+    out = Path(os.path.expanduser(str(cfg.output_dir)))
+    record = out / ".hydra" / "config.yaml"
+    if not ((out / "heads").is_dir() and record.is_file()):
+        return False
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(record), resolve=True)
+    except Exception:   # noqa: BLE001 (a record this version cannot read: write this one)
+        return False
+    new = config_dict(cfg)
+    diff = unsafe_changes(flatten(saved), flatten(new), schema_defaults(str(new["heads"]["kind"])))
+    return not [key for key in diff if not key.startswith(ignoring)]
+
+
 def config_dict(cfg) -> dict:
     """The resolved configuration as plain JSON-able data (enums as their names): what a checkpoint keeps."""
     if OmegaConf.is_config(cfg):

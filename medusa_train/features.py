@@ -100,12 +100,13 @@ from inference.heads.native import pid_alive
 
 from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone, template_identity, tokenizer_fingerprint
 from .backbone_inputs import FrozenFeatures
+from .checkpoint import keeps_trained_record
 from .config import check_folder_writable, derived_batch, validate
 from .data.readers import ReadStats, data_fingerprint
 from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
 from .distributed import barrier, start_process, stop_on_signals
 from .families import backbone_layers
-from .manifest import check_recorded, claim, holds_trained_run, is_temp_name, read_manifest, write_json_atomic
+from .manifest import check_recorded, claim, is_temp_name, read_manifest, write_json_atomic
 
 FORMAT_VERSION = 2  # 2: shards also hold the backbone's greedy ids ({j}.greedy); 1 is refused
 MANIFEST = "features.json"
@@ -657,7 +658,7 @@ def _build_only(cfg, record: Callable[[], None] | None) -> dict:
 
     def accept_data(tokenizer) -> None:
         check_training_data(cfg.data, tokenizer)
-        if record is not None and not holds_trained_run(cfg.output_dir):   # a training folder keeps its record
+        if record is not None and not keeps_trained_record(cfg, ignoring=("features.",)):   # a run's own
             record()
 
     backbone = load_backbone(cfg.backbone, proc.device, seed=cfg.trainer.seed, before_write=accept_data)

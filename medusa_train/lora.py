@@ -277,6 +277,7 @@ def _drop_gguf_marking(model) -> None:
         del model.config.quantization_config
 
 
+MERGED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")   # save_pretrained's, one or sharded
 DRIFT_FILE = "drift.json"   # written after the heads export: a finished run's rerun checks it is there
 
 

@@ -29,14 +29,6 @@ from inference.errors import UserError
 RECORD_DIR = ".hydra"   # a run's record of its configuration (launch.write_run_record)
 
 
-def holds_trained_run(output_dir) -> bool:
-    """Whether ``output_dir`` holds a training run's heads and its record: a task that trains no heads there (a
-    finished run's idle rerun, a feature-cache build) keeps that record, which says how those heads were trained
-    (a rerun's other precision, or the build's ``features.mode``, written over it made the original command
-    refused there later as "another configuration")."""
-    out = Path(str(output_dir))
-    return (out / "heads").is_dir() and (out / RECORD_DIR / "config.yaml").is_file()
-
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     """``key=old there, new here`` for every (nested, dotted) setting that differs."""

@@ -390,11 +390,11 @@ def preflight(cfg, resume: bool = True) -> None:
     if enum_value(cfg.task) == "train" and enum_value(cfg.features.mode) != "build":
         check_draft_vocabulary(cfg)
         check_precision_device(cfg.trainer)
-        check_wandb_credentials(cfg.logger)
         state = check_resume(cfg) if resume else None
         check_run_folder(cfg, resumed=state is not None or not resume)
         if not (state and int(state.get("step", 0)) >= cfg.trainer.max_steps):
             check_init_heads(cfg)   # a finished run's rerun has nothing to do: stage 1's heads may be gone by then
+            check_wandb_credentials(cfg.logger)   # nor logs anything
     if enum_value(cfg.task) == "train":
         wrong = unfinished_distillation(cfg.data.source)
         if wrong:

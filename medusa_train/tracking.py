@@ -45,26 +45,35 @@ class Tracker:
         mode = str(getattr(logger_cfg.wandb, "value", logger_cfg.wandb))
         if mode != "disabled":
             self._open_wandb(mode, logger_cfg, run_config, Path(output_dir), start_step, logged_to)
+        else:   # this attempt's steps reach no wandb run: a later resume must not take them as sent
+            (Path(output_dir) / WANDB_RUN_FILE).unlink(missing_ok=True)
         if progress:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr)
 
     def _open_wandb(self, mode: str, logger_cfg, run_config: dict, output_dir: Path, start_step: int,
                     logged_to: int) -> None:
-        """The wandb run: a resumed run's own (its id stored by an earlier attempt; the steps up to ``logged_to``
-        that attempt sent are not sent again), else a new one whose id is stored for the next resume."""
+        """The wandb run: a resumed run's own (its id stored by an earlier attempt that logged to the same project
+        in the same mode; the steps up to ``logged_to`` that attempt sent are not sent again), else a new one whose
+        id is stored for the next resume. An attempt that logs to no wandb run removes the stored id: every
+        attempt since it was stored has then sent its steps to that run."""
         id_path = output_dir / WANDB_RUN_FILE
-        run_id = stored_wandb_id(id_path) if start_step > 0 else None
+        where = {"project": str(logger_cfg.project), "mode": mode}
+        stored = stored_wandb_run(id_path) if start_step > 0 else None
+        run_id = stored["id"] if stored and all(stored.get(k) == v for k, v in where.items()) else None
         self.wandb = _start_wandb(mode, logger_cfg, run_config, output_dir, run_id)
         new_id = getattr(self.wandb, "id", None)
         if run_id is not None and new_id == run_id:
             self.wandb_logged_to = logged_to
-        elif new_id:
-            try:
-                write_text_atomic(id_path, json.dumps({"id": new_id}) + "\n")
-            except OSError as e:   # tracking never stops training: a resume then opens a new wandb run
-                print(f"[medusa-train] wandb: could not keep the run's id in {id_path} ({e.strerror or e}); "
-                      "a resumed run will log to a new wandb run", file=sys.stderr)
+            return
+        try:
+            if new_id:
+                write_text_atomic(id_path, json.dumps({"id": new_id, **where}) + "\n")
+            else:
+                id_path.unlink(missing_ok=True)
+        except OSError as e:   # tracking never stops training: a resume then opens a new wandb run
+            print(f"[medusa-train] wandb: could not keep the run's id in {id_path} ({e.strerror or e}); "
+                  "a resumed run will log to a new wandb run", file=sys.stderr)
 
     def _truncate_after(self, step: int, drop_eval_at_step: bool = False) -> None:
         """Keep the records of steps up to ``step`` (the checkpoint's), less its eval records when
@@ -126,33 +135,41 @@ WANDB_RUN_FILE = "wandb_run.json"
 _WANDB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")   # what wandb makes (8 of [a-z0-9]); no path or URL characters
 
 
-def stored_wandb_id(path: Path) -> Optional[str]:
-    """The wandb run id an earlier attempt of this run stored, or None (none stored, or a file that is not one:
-    the resumed run then opens a new wandb run, which is all that is lost)."""
+def stored_wandb_run(path: Path) -> Optional[dict]:
+    """The wandb run an earlier attempt of this run stored ({"id", "project", "mode"}), or None (none stored, or a
+    file that is not one: the resumed run then opens a new wandb run, which is all that is lost)."""
     try:
-        run_id = json.loads(Path(path).read_text()).get("id")
-    except (OSError, ValueError, AttributeError):
+        stored = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
         return None
-    return run_id if isinstance(run_id, str) and _WANDB_ID.fullmatch(run_id) else None
+    run_id = stored.get("id") if isinstance(stored, dict) else None
+    return stored if isinstance(run_id, str) and _WANDB_ID.fullmatch(run_id) else None
 
 
 def check_wandb_credentials(logger_cfg) -> None:
     """``logger.wandb=online`` where wandb has no credentials: refused before anything loads. wandb itself found out
     only once the backbone, the data and the engine were ready: on a terminal it stopped the run at a login menu
     (every other process of a launch waiting on rank 0), without one the run trained unlogged after a warning.
-    Rank 0 alone tracks, so rank 0 alone is asked; ``WANDB_MODE`` set to offline / disabled leaves it to wandb."""
+    Rank 0 alone tracks, so rank 0 alone is asked. ``wandb.init(mode="online")`` goes online whatever
+    ``WANDB_MODE`` or ``wandb offline`` say, so the login is asked as online too (offline, wandb's login answers
+    False whatever the key)."""
     mode = str(getattr(logger_cfg.wandb, "value", logger_cfg.wandb))
     if mode != "online" or int(os.environ.get("RANK", "0") or 0) != 0:
         return
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
-        return
     os.environ.setdefault("WANDB_SILENT", "true")
+    given = os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "online"
     try:
         import wandb   # lazy: only for logger.wandb=online
 
         logged_in = wandb.login(prompt=False, verify=False)   # reads the key's sources only: no prompt, no network
     except Exception:  # noqa: BLE001 (a wandb without prompt=, or one that fails here: wandb.init says what it says)
         return
+    finally:
+        if given is None:
+            os.environ.pop("WANDB_MODE", None)
+        else:
+            os.environ["WANDB_MODE"] = given
     if not logged_in:
         raise UserError("logger.wandb=online: wandb has no API key here (run `wandb login`, or set WANDB_API_KEY); "
                         "logger.wandb=offline logs locally for a later `wandb sync`")

@@ -58,8 +58,7 @@ from .data.tokenize import reply_end_ids
 from .deepspeed_config import check_consistent, deepspeed_config
 from .distributed import resolve_device, restore_handlers, start_process, stop_on_signals, swap_handlers
 from .losses import HeadMetrics, vocab_to_local
-from .lora import DRIFT_FILE
-from .manifest import holds_trained_run
+from .lora import DRIFT_FILE, MERGED_WEIGHTS
 from .sources import BatchSource, make_source
 from .tracking import Tracker
 
@@ -104,7 +103,7 @@ class MedusaTrainer:
         self.resume_from, resume_state = checkpoint.resume_point(cfg, self.plan.global_batch_size)
         if resume_state is not None and self._already_exported(resume_state):
             self.step = int(resume_state["step"])
-            if not holds_trained_run(self.output_dir):   # trains nothing: the heads' record stays theirs
+            if not checkpoint.keeps_trained_record(cfg):   # trains nothing: the heads' record stays theirs
                 self.record()
             return
 
@@ -235,9 +234,11 @@ class MedusaTrainer:
             outputs = [heads_dir / f for f in EXPORT_FILES]
             if self.cfg.lora.enabled:   # what after_export writes once the heads are exported
                 outputs.append(self.output_dir / DRIFT_FILE)
-                if self.cfg.lora.merge:
-                    recover_dir(self.output_dir / "merged")
-                    outputs.append(self.output_dir / "merged" / "config.json")
+                if self.cfg.lora.merge:   # its weights (a kill inside an older in-place save left config.json)
+                    merged = self.output_dir / "merged"
+                    recover_dir(merged)
+                    outputs += [merged / "config.json", next((merged / f for f in MERGED_WEIGHTS
+                                                              if (merged / f).exists()), merged / MERGED_WEIGHTS[0])]
             try:
                 saved_at = (self.resume_from / checkpoint.STATE_FILE).stat().st_mtime
                 done = all(p.exists() and p.stat().st_mtime >= saved_at for p in outputs)

@@ -232,7 +232,8 @@ REFUSED = [
     # report.json) with EAGLE-3 heads, batched choices or a fixed node count
     (EVAL, [EAGLE, PROMPTS, "methods=[eagle3]", "tree_budgets=[4]"],
      "tree_budgets= sizes the trees a choice grows one prompt at a time, and no choice here grows them (each "
-     "method's choice is fixed, or chooses by other measures): drop tree_budgets="),
+     "method's choice is fixed, grows the one tree tree=calibrated:N sizes, or chooses by other measures): drop "
+     "tree_budgets="),
     (EVAL, [MEDUSA, PROMPTS, "batch_size=[1,2]", "tree_budgets=[4]"],
      "no choice here grows them (batched choices size their own candidates): drop tree_budgets="),
     (EVAL, [MEDUSA, PROMPTS, "tree=calibrated:4", "tree_budgets=[4]"], "no choice here grows them"),

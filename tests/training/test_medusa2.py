@@ -418,6 +418,14 @@ def test_a_finished_run_missing_its_drift_report_or_merge_writes_them_again(comp
     T.run(cfg)
     assert json.loads((out_dir / "drift.json").read_text())["heldout_tokens"] > 0
     assert (out_dir / "merged" / "config.json").is_file() and (out_dir / "merged" / "model.safetensors").is_file()
+    (out_dir / "merged" / "model.safetensors").unlink()   # an older in-place save killed inside its weights
+    T.run(cfg)
+    assert (out_dir / "merged" / "model.safetensors").is_file()
+    alone = compose_tiny(*LORA, "trainer.max_steps=2", out=out_dir.parent / "alone")   # drift.json alone missing
+    T.run(alone)
+    (out_dir.parent / "alone" / "drift.json").unlink()
+    T.run(alone)
+    assert (out_dir.parent / "alone" / "drift.json").is_file()
 
 
 def test_the_merged_backbone_is_written_whole_or_not_at_all(tiny_backbone, tmp_path):

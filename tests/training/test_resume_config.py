@@ -280,3 +280,25 @@ def test_a_resume_under_another_world_size_starts_the_next_epoch(capsys):
     # a rank with a shorter shard already inside the next epoch: no batch of it trained again
     assert position(1, [{"epoch": 0, "index": 7}, {"epoch": 1, "index": 1}]) == {"epoch": 2, "index": 0}
     assert position(3, [{"epoch": 1, "index": 1}, {"epoch": 0, "index": 7}]) == {"epoch": 2, "index": 0}
+
+
+def test_a_trained_runs_record_is_kept_only_when_it_is_that_runs(compose_tiny, out_dir):
+    """Guards against ``keeps_trained_record`` keeping a record that is not the heads' own (one a command refused
+    after it accepted its data wrote, with another head count): the original command's idle rerun must rewrite
+    it, or it is refused there later as "another configuration" once the checkpoints are gone. A record that
+    differs in safe keys only (precision), or a build's in its own ``features.*``, is the heads' and is kept."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_tiny()
+    (out_dir / "heads").mkdir(parents=True)
+    (out_dir / ".hydra").mkdir()
+    record = out_dir / ".hydra" / "config.yaml"
+    assert not checkpoint.keeps_trained_record(cfg)   # no record: write one
+    record.write_text(OmegaConf.to_yaml(compose_tiny("trainer.log_every=7")))
+    assert checkpoint.keeps_trained_record(cfg)
+    record.write_text(OmegaConf.to_yaml(compose_tiny("heads.num_heads=2")))
+    assert not checkpoint.keeps_trained_record(cfg)
+    record.write_text(OmegaConf.to_yaml(compose_tiny()))
+    build = compose_tiny("features.mode=build")
+    assert checkpoint.keeps_trained_record(build, ignoring=("features.",))
+    assert not checkpoint.keeps_trained_record(build)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from medusa_train.tracking import Tracker, read_metrics, stored_wandb_id
+from medusa_train.tracking import Tracker, read_metrics, stored_wandb_run
 
 
 def test_a_wandb_run_that_fails_to_finish_is_one_line_not_a_traceback(tmp_path, capsys):
@@ -45,9 +45,9 @@ class FakeWandb:
         return run
 
 
-def _tracker(tmp_path, monkeypatch, start_step, fake):
+def _tracker(tmp_path, monkeypatch, start_step, fake, mode="offline", project="p"):
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    cfg = SimpleNamespace(plot=False, wandb="offline", project="p", run_name=None)
+    cfg = SimpleNamespace(plot=False, wandb=mode, project=project, run_name=None)
     return Tracker(tmp_path, cfg, {"lr": 1}, total_steps=10, start_step=start_step, progress=False)
 
 
@@ -60,7 +60,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_sends_no_step_twice(tmp_path,
     first = _tracker(tmp_path, monkeypatch, 0, fake)
     for step in range(1, 7):
         first.log(step, {"loss": 1.0 / step})
-    assert json.loads((tmp_path / "wandb_run.json").read_text()) == {"id": "run1"}
+    assert json.loads((tmp_path / "wandb_run.json").read_text()) == {"id": "run1", "project": "p", "mode": "offline"}
     assert "id" not in fake.inits[0]
     # killed after step 6; the checkpoint is step 4: steps 5 and 6 run (and are logged) again
     again = _tracker(tmp_path, monkeypatch, 4, fake)
@@ -80,12 +80,35 @@ def test_a_start_from_step_0_opens_a_new_wandb_run(tmp_path, monkeypatch):
     _tracker(tmp_path, monkeypatch, 0, fake).log(1, {"loss": 1.0})
     _tracker(tmp_path, monkeypatch, 0, fake).log(1, {"loss": 2.0})
     assert "id" not in fake.inits[1] and fake.logged == [("run1", 1), ("run2", 1)]
-    assert json.loads((tmp_path / "wandb_run.json").read_text()) == {"id": "run2"}
+    assert json.loads((tmp_path / "wandb_run.json").read_text())["id"] == "run2"
     for text in ("{", '{"id": "../x"}', '["run2"]'):
         (tmp_path / "wandb_run.json").write_text(text)
-        assert stored_wandb_id(tmp_path / "wandb_run.json") is None
+        assert stored_wandb_run(tmp_path / "wandb_run.json") is None
     _tracker(tmp_path, monkeypatch, 1, fake)
     assert "id" not in fake.inits[2]
+
+
+def test_a_stored_wandb_run_is_continued_only_where_it_got_every_step(tmp_path, monkeypatch):
+    """Guards against a resume continuing a stored wandb run that did not receive the steps it withholds as sent:
+    an attempt with wandb disabled (or whose wandb did not start) between two that logged, or a resume into
+    another project or mode (offline, then online: the server's run of that id would start at the resume's step,
+    the first steps never sent). Such an attempt drops the stored id; another project or mode opens a new run."""
+    fake = FakeWandb()
+    _tracker(tmp_path, monkeypatch, 0, fake).log(1, {"loss": 1.0})
+    _tracker(tmp_path, monkeypatch, 1, fake, mode="disabled").log(2, {"loss": 1.0})
+    assert not (tmp_path / "wandb_run.json").exists()
+    again = _tracker(tmp_path, monkeypatch, 2, fake)
+    assert "id" not in fake.inits[1]
+    again.log(3, {"loss": 1.0})
+    online = _tracker(tmp_path, monkeypatch, 3, fake, mode="online")
+    assert "id" not in fake.inits[2] and json.loads((tmp_path / "wandb_run.json").read_text())["mode"] == "online"
+    online.log(4, {"loss": 1.0})
+    _tracker(tmp_path, monkeypatch, 4, fake, mode="online", project="q")
+    assert "id" not in fake.inits[3]
+    assert fake.logged == [("run1", 1), ("run2", 3), ("run3", 4)]
+    fake.init = lambda **kwargs: None   # wandb did not start: nothing of this attempt is sent
+    _tracker(tmp_path, monkeypatch, 5, fake, mode="online", project="q")
+    assert not (tmp_path / "wandb_run.json").exists()
 
 
 def test_real_wandb_offline_resumes_under_the_stored_id(tmp_path, monkeypatch):
@@ -99,7 +122,7 @@ def test_real_wandb_offline_resumes_under_the_stored_id(tmp_path, monkeypatch):
     first = Tracker(tmp_path, cfg, {"trainer": {"max_steps": 4}}, total_steps=4, start_step=0, progress=False)
     first.log(1, {"loss": 1.0})
     first.close()
-    run_id = stored_wandb_id(tmp_path / "wandb_run.json")
+    run_id = stored_wandb_run(tmp_path / "wandb_run.json")["id"]
     assert run_id is not None and first.wandb.id == run_id
     again = Tracker(tmp_path, cfg, {"trainer": {"max_steps": 8}}, total_steps=8, start_step=1, progress=False)
     try:
@@ -128,8 +151,8 @@ def test_online_logging_without_credentials_is_refused_up_front(tmp_path):
     """Guards against ``logger.wandb=online`` on a machine where wandb has no API key being found out only when
     the tracker starts, after the backbone, the data and the engine loaded: on a terminal wandb stopped the run at
     its login menu (the other processes of a launch waiting), without one it trained unlogged after a warning. A
-    key from the environment or ~/.netrc is accepted without a network call; rank > 0 (which logs nothing) and a
-    ``WANDB_MODE`` of offline / disabled are not asked."""
+    key from the environment or ~/.netrc is accepted without a network call; rank > 0 (which logs nothing) is not
+    asked; ``WANDB_MODE=offline`` does not stop ``logger.wandb=online`` from going online, so it changes nothing."""
     pytest.importorskip("wandb")
     assert _credentials_check(tmp_path).startswith("logger.wandb=online: wandb has no API key here")
     assert _credentials_check(tmp_path, WANDB_API_KEY="a" * 40) == ""
@@ -138,4 +161,6 @@ def test_online_logging_without_credentials_is_refused_up_front(tmp_path):
     assert _credentials_check(tmp_path) == ""
     (tmp_path / ".netrc").unlink()
     assert _credentials_check(tmp_path, RANK="1") == ""
-    assert _credentials_check(tmp_path, WANDB_MODE="offline") == ""
+    # wandb.init(mode="online") goes online whatever WANDB_MODE says: asked as online all the same
+    assert _credentials_check(tmp_path, WANDB_MODE="offline").startswith("logger.wandb=online: wandb has no API")
+    assert _credentials_check(tmp_path, WANDB_MODE="offline", WANDB_API_KEY="a" * 40) == ""
