@@ -267,8 +267,9 @@ def check_draft_vocabulary(cfg) -> None:
 def check_init_heads(cfg) -> None:
     """Refuse a ``lora.init_heads`` that Medusa-2's second stage could not start from, reading the heads folder's
     config.json alone (no weights) and the backbone's config: a missing path, a file, a folder that is no heads
-    export, heads of another family (``kind``), of another shape (what ``lora.init_heads_from`` compares) or made
-    for another backbone (hidden size, vocabulary, config fingerprint). Found only once the backbone had loaded
+    export, Medusa-2 heads (their adapter would be dropped), heads of another family (``kind``), of another shape
+    (what ``lora.init_heads_from`` compares) or made for another backbone (hidden size, vocabulary, config
+    fingerprint). Found only once the backbone had loaded
     otherwise, and heads of another family then failed on the embeddings' shape without naming the key."""
     path = cfg.lora.init_heads
     if not (cfg.lora.enabled and path):
@@ -284,6 +285,9 @@ def check_init_heads(cfg) -> None:
         spec = read_heads_spec(path, hf_config)
     except UserError as e:   # the reader's own words (not found, a file, not a heads export), naming the key
         raise UserError(f"{where}: {e}") from None
+    if spec.backbone_adapter:   # its heads read the adapted backbone: started on the bare one, half of it is lost
+        raise UserError(f"{where} holds Medusa-2 heads trained with a LoRA adapter ({spec.backbone_adapter}/), which "
+                        "stage 2 would drop: start it from stage-1 heads (the heads of a run without lora)")
     kind = str(cfg.heads.kind)
     if spec.kind != kind:   # checked first: the shapes of another family say nothing useful
         raise UserError(f"{where} holds {spec.kind} heads, this recipe trains heads.kind={kind}: start stage 2 "

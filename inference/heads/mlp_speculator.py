@@ -129,6 +129,11 @@ class MLPSpeculatorHeads(DependentHeads):
         return s, s
 
 
+def describe(spec) -> str:
+    own = spec.settings
+    return (f"MLP speculator: {spec.num_heads} steps of width {own.inner_dim or spec.hidden_size}"
+            + (", weights tied after the first" if own.tie_weights else ""))
+
 
 def validate(spec) -> None:
     if spec.settings.tie_weights and spec.num_heads < 2:
@@ -136,4 +141,4 @@ def validate(spec) -> None:
 
 
 register_family(HeadFamily("mlp_speculator", MLPSpeculatorHeads, PathDrafting, settings=MLPSpeculatorSettings,
-                           inputs=BackboneInputs(path_tokens=True), validate=validate))
+                           inputs=BackboneInputs(path_tokens=True), validate=validate, describe=describe))

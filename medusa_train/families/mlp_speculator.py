@@ -26,12 +26,15 @@ class MLPSpeculatorTraining(TrainingFamily):
         h = cfg.heads
         if h.inner_dim < 0:
             raise UserError(f"heads.inner_dim must be >= 0 (0 = backbone width), got {h.inner_dim}")
+        if h.num_layers not in (0, 1):   # was accepted and ignored: the run trained what num_layers=1 trains
+            raise UserError(f"heads.kind=mlp_speculator has no residual layers to stack (each step is one projection, "
+                            f"embedding and norm): heads.num_layers must be 1, got {h.num_layers}")
         if h.tie_weights and h.num_heads < 2:
             raise UserError("heads.tie_weights needs heads.num_heads >= 2 (one set of step weights shared by "
                             "the steps after the first)")
 
     def size_keys(self, h) -> tuple[str, ...]:
-        return ("heads.num_heads", "heads.num_layers", "heads.inner_dim", *self.vocabulary_keys(h))
+        return ("heads.num_heads", "heads.inner_dim", *self.vocabulary_keys(h))
 
     def spec_settings(self, h, hf_config) -> MLPSpeculatorSettings:
         return MLPSpeculatorSettings(inner_dim=int(h.inner_dim) or None, tie_weights=bool(h.tie_weights),

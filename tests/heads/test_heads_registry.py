@@ -158,7 +158,8 @@ def test_every_kind_has_a_registered_family_with_its_drafting_mixin(fresh_regist
 
 def test_each_family_describes_its_own_shape_for_the_training_log():
     """Guards against the trainer's first line calling an EAGLE-3 drafter "3 heads x 1 layers" (its
-    num_heads counts unrolled training-time-test steps, not heads) while other families keep the
+    num_heads counts unrolled training-time-test steps, not heads), an MLP speculator the same (it stacks no
+    layers), while other families keep the
     "K heads x L layers" wording."""
     medusa = HeadsSpec(kind="medusa", num_heads=3, num_layers=2, hidden_size=H, vocab_size=V)
     assert family("medusa").shape(medusa) == "3 heads x 2 layers"
@@ -169,6 +170,10 @@ def test_each_family_describes_its_own_shape_for_the_training_log():
                       vocab_size=cfg.vocab_size, aux_layers=[0, 1, 1], draft_layer=draft_layer_config(cfg))
     text = family("eagle3").shape(eagle)
     assert "heads x" not in text and "[0, 1, 1]" in text and "3 training-time-test steps" in text
+    # an MLP speculator has no residual layers: it said "3 heads x 1 layers"
+    mlp = HeadsSpec(kind="mlp_speculator", num_heads=3, num_layers=1, hidden_size=H, vocab_size=V, inner_dim=32,
+                    tie_weights=True)
+    assert family("mlp_speculator").shape(mlp) == "MLP speculator: 3 steps of width 32, weights tied after the first"
 
 
 def test_kinds_are_importable_without_torch():

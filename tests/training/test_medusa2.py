@@ -255,6 +255,8 @@ STAGE1_REFUSED = [
     ("heads", {"hidden_size": 128}, r"lora.init_heads=\S* were trained for hidden size 128, the backbone has 64"),
     ("heads", {"vocab_size": 640}, r"were trained for vocab size 640, the backbone has 320"),
     ("heads", {"base_model_fingerprint": "0123456789abcdef"}, r"config fingerprint 0123456789abcdef \(tiny\)"),
+    # Medusa-2 heads: their adapter was dropped silently and the heads trained on the bare backbone from there
+    ("heads", {"backbone_adapter": "adapter"}, r"holds Medusa-2 heads trained with a LoRA adapter \(adapter/\)"),
 ]
 
 

@@ -161,7 +161,7 @@ LATE_OR_NEVER = [
     (["heads.inner_dim=100000000"], "heads.inner_dim is a mlp_speculator setting, not medusa's"),
     (["heads.scale_input=true"], "heads.scale_input is a mlp_speculator setting, not medusa's"),
     (["heads.kind=eagle3", "heads.inner_dim=64"], "heads.inner_dim is a mlp_speculator setting, not eagle3's"),
-    (["heads.kind=mlp_speculator", "heads.inner_dim=100000000"], "lower heads.num_heads, heads.num_layers, heads.inner_dim"),
+    (["heads.kind=mlp_speculator", "heads.inner_dim=100000000"], "lower heads.num_heads, heads.inner_dim"),
     (["trainer.threads=-1"], "trainer.threads must be in 0..1024"),
     (["trainer.threads=100000"], "trainer.threads must be in 0..1024"),
     (["backbone.random_init.hidden_size=-64"], "backbone.random_init.hidden_size must be a positive integer"),
@@ -241,7 +241,9 @@ CONFIG_REFUSED = [
     (["data.eval_conversations=0"], "data.eval_conversations must be >= 1"),
     (["data.vocab_scan_conversations=0"], "data.vocab_scan_conversations must be >= 1"),
     (["backbone.random_init.num_attention_heads=-2"], "backbone.random_init.num_attention_heads"),
-    (["heads.kind=mlp_speculator", "heads.num_layers=65"], "heads.num_layers must be in 0..64"),
+    (["heads.num_layers=65"], "heads.num_layers must be in 0..64"),
+    # accepted and ignored: the run trained one projection per step whatever num_layers said
+    (["heads.kind=mlp_speculator", "heads.num_layers=3"], "heads.num_layers must be 1, got 3"),
 ]
 
 
