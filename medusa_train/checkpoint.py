@@ -80,6 +80,7 @@ from inference.heads.native import sync_tree
 from .backbone import backbone_config
 from .config import RecipeConfig, loss_weights
 from .families import training_family
+from .manifest import RECORD_DIR
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
@@ -255,6 +256,28 @@ def resolved_settings(config: dict, hf_config) -> dict:
     return {"heads.loss_weights": loss_weights(h), **fam.resolved(h, hf_config)}
 
 
+def trained_record_changes(cfg) -> Optional[list[str]]:
+    """The keys in which ``cfg`` differs from the record of the heads a finished run left in ``cfg.output_dir``
+    (``.hydra/config.yaml``), compared as a resume compares a checkpoint's (safe keys and a key written out at the
+    value the run resolved for it are no change); None when the folder holds no heads or no record this version
+    reads: nothing to compare with. What a new run there (``preflight.check_run_folder``) and a task that trains
+    no heads there (``keeps_trained_record``) ask."""
+    out = Path(os.path.expanduser(str(cfg.output_dir)))
+    record = out / RECORD_DIR / "config.yaml"
+    if not ((out / "heads").is_dir() and record.is_file()):
+        return None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(record), resolve=True)
+    except Exception:   # noqa: BLE001 (a record this version cannot read)
+        return None
+    new = config_dict(cfg)
+    diff = unsafe_changes(flatten(saved), flatten(new), schema_defaults(str(new["heads"]["kind"])))
+    if diff:   # e.g. heads.aux_layers=null against the layers the run resolved it to
+        hf_config = backbone_config(cfg.backbone)
+        diff = unresolved_changes(diff, saved, new, lambda config: resolved_settings(config, hf_config))
+    return diff
+
+
 def keeps_trained_record(cfg, ignoring: tuple = ()) -> bool:
     """Whether a task that trains no heads in ``cfg.output_dir`` (a finished run's idle rerun, a feature-cache
     build) leaves the folder's record as it is: it holds heads and a record of a configuration that differs from
@@ -262,17 +285,8 @@ def keeps_trained_record(cfg, ignoring: tuple = ()) -> bool:
     rewritten there, the original command was later refused as "another configuration". A record that differs
     in what training depends on (one a refused command wrote) is not theirs: it is rewritten, as before. Keys
     under the prefixes ``ignoring`` are not compared (a build's own ``features.*``)."""
-    out = Path(os.path.expanduser(str(cfg.output_dir)))
-    record = out / ".hydra" / "config.yaml"
-    if not ((out / "heads").is_dir() and record.is_file()):
-        return False
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(record), resolve=True)
-    except Exception:   # noqa: BLE001 (a record this version cannot read: write this one)
-        return False
-    new = config_dict(cfg)
-    diff = unsafe_changes(flatten(saved), flatten(new), schema_defaults(str(new["heads"]["kind"])))
-    return not [key for key in diff if not key.startswith(ignoring)]
+    diff = trained_record_changes(cfg)
+    return diff is not None and not [key for key in diff if not key.startswith(ignoring)]
 
 
 def config_dict(cfg) -> dict:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import OmegaConf
 
 from inference.backbone import parse_dtype, text_config
 from inference.cli_support import enum_value
@@ -30,15 +29,13 @@ from inference.heads.registry import build_heads, family, setting_names
 from inference.heads.spec import HeadsSpec, check_compatible
 
 from .backbone import backbone_config
-from .checkpoint import (config_dict, flatten, resolved_settings, resume_point, schema_defaults, unresolved_changes,
-                         unsafe_changes)
+from .checkpoint import resume_point, trained_record_changes
 from .config import check_data_source, check_output_outside_data, derived_batch, launch_world_size
 from .data.readers import ReadStats, iter_conversations, local_files
 from .data.stream import check_training_data
 from .distill import unfinished as unfinished_distillation
 from .distributed import resolve_device
 from .features import check_cache_dir
-from .manifest import RECORD_DIR
 from .tracking import check_wandb_credentials
 from .families import draft_depth, draft_vocabulary, training_family
 
@@ -342,18 +339,9 @@ def check_run_folder(cfg, resumed: bool) -> None:
         if marker in names:
             raise UserError(f"output_dir={cfg.output_dir} holds {what} ({marker}), not a training run: give the run "
                             "a folder of its own")
-    record = out / RECORD_DIR / "config.yaml"
-    if resumed or str(cfg.trainer.resume) == "never" or not (out / "heads").is_dir() or not record.is_file():
+    if resumed or str(cfg.trainer.resume) == "never":
         return
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(record), resolve=True)
-    except Exception:   # noqa: BLE001 (a record this version cannot read: nothing to compare with)
-        return
-    new = config_dict(cfg)
-    diff = unsafe_changes(flatten(saved), flatten(new), schema_defaults(str(new["heads"]["kind"])))
-    if diff:   # a key written out at the value the run resolved for it (heads.aux_layers) is no change, as on resume
-        hf_config = backbone_config(cfg.backbone)
-        diff = unresolved_changes(diff, saved, new, lambda config: resolved_settings(config, hf_config))
+    diff = trained_record_changes(cfg)
     if diff:
         raise UserError(f"output_dir={cfg.output_dir} holds a finished run trained with another configuration "
                         f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''} differ), whose heads this run "

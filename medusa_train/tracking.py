@@ -40,8 +40,7 @@ class Tracker:
         self.plot_enabled = bool(logger_cfg.plot)
         if not enabled:
             return
-        logged_to = max((record.get("step", 0) for record in read_metrics(self.path)), default=0)
-        self._truncate_after(start_step, drop_eval_at_step=redo_eval_at_start)
+        logged_to = self._truncate_after(start_step, drop_eval_at_step=redo_eval_at_start)
         mode = str(getattr(logger_cfg.wandb, "value", logger_cfg.wandb))
         if mode != "disabled":
             self._open_wandb(mode, logger_cfg, run_config, Path(output_dir), start_step, logged_to)
@@ -75,18 +74,21 @@ class Tracker:
             print(f"[medusa-train] wandb: could not keep the run's id in {id_path} ({e.strerror or e}); "
                   "a resumed run will log to a new wandb run", file=sys.stderr)
 
-    def _truncate_after(self, step: int, drop_eval_at_step: bool = False) -> None:
+    def _truncate_after(self, step: int, drop_eval_at_step: bool = False) -> int:
         """Keep the records of steps up to ``step`` (the checkpoint's), less its eval records when
-        ``drop_eval_at_step`` (the run logs them again)."""
+        ``drop_eval_at_step`` (the run logs them again). Returns the last step the file held before (0: none),
+        what an earlier attempt logged."""
         if not self.path.exists():
-            return
+            return 0
 
         def keep(record: dict) -> bool:
             at = record.get("step", 0)
             return at < step or (at == step and not (drop_eval_at_step and record.get("kind") == "eval"))
 
-        kept = [line for line, record in _metric_lines(self.path) if keep(record)]
+        lines = _metric_lines(self.path)
+        kept = [line for line, record in lines if keep(record)]
         write_text_atomic(self.path, "".join(l + "\n" for l in kept))
+        return max((record.get("step", 0) for _, record in lines), default=0)
 
     def log(self, step: int, metrics: dict, phase: str = "train") -> None:
         if not self.enabled:
