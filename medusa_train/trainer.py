@@ -428,15 +428,28 @@ class MedusaTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        metrics = HeadMetrics(self.spec.num_heads)
-        previous, self.module.metrics = self.module.metrics, metrics
+        """Per-head loss and accuracies on the held-out batches (the same on every rank): each rank evaluates
+        every world_size-th of them and the sums are added over the ranks, so N ranks take 1/N of the time and
+        log what one rank evaluating all of them logs. Every rank runs as many forwards as the first (ZeRO-3
+        gathers the partitioned parameters in each, collectively): one short of a batch repeats one uncounted."""
+        metrics, uncounted = HeadMetrics(self.spec.num_heads), HeadMetrics(self.spec.num_heads)
+        previous = self.module.metrics
+        mine = self.eval_set[self.rank::self.world_size]
+        rounds = -(-len(self.eval_set) // self.world_size)
         self.engine.eval()
-        losses = []
-        for batch in self.eval_set:
-            losses.append(float(self.loss(batch)))
-            metrics.batches += 1
+        loss_sum = 0.0
+        for i in range(rounds):
+            self.module.metrics = metrics if i < len(mine) else uncounted
+            loss = self.loss(mine[i] if i < len(mine) else self.eval_set[0])
+            if i < len(mine):
+                loss_sum += float(loss)
+                metrics.batches += 1
         self.engine.train()
         self.module.metrics = previous
+        if self.world_size > 1:
+            total = torch.tensor([loss_sum, *metrics.as_sums()], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total)
+            loss_sum, metrics = total[0].item(), metrics.from_sums(total[1:].tolist())
         if not any(metrics.count):
             # No held-out target token: every number would be 0/1 of nothing (loss 0, top-1 0, tau 1 logged as
             # real). Nothing is logged; one warning says why, once per run.
@@ -446,7 +459,7 @@ class MedusaTrainer:
                             "logged")
             return {}
         # the accuracies are against the training targets (dataset or backbone greedy tokens): say which
-        summary = {"loss": sum(losses) / max(len(losses), 1), **metrics.summary(), "targets": self.cfg.heads.targets}
+        summary = {"loss": loss_sum / max(metrics.batches, 1), **metrics.summary(), "targets": self.cfg.heads.targets}
         if self.tracker:
             self.tracker.log(self.step, summary, phase="eval")
         return summary

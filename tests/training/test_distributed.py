@@ -253,3 +253,61 @@ def test_only_a_gone_peers_errors_read_as_a_lost_process(monkeypatch):
     assert not lost_peer(late)   # a peer alive but late: a hang's traceback, not "rerun to resume"
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     assert not lost_peer(gloo)
+
+
+def _scripted_trainer(rank: int, world_size: int, n_batches: int):
+    """A trainer whose loss is a script: batch i gives loss i and head 1 right on i of its 10 positions (the
+    sums ``evaluate`` adds up), and counts its forwards (what ZeRO-3's collective gathers need equal)."""
+    from types import SimpleNamespace
+
+    from medusa_train.losses import HeadMetrics
+
+    module = SimpleNamespace(metrics=HeadMetrics(2))
+    forwards = []
+
+    def loss(batch):
+        forwards.append(batch["i"])
+        m = module.metrics
+        m.count[0] += 10
+        m.hits[0][0] += batch["i"]
+        return torch.tensor(float(batch["i"]))
+
+    engine = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    cfg = SimpleNamespace(heads=SimpleNamespace(targets="data"), data=None)
+    return SimpleNamespace(spec=SimpleNamespace(num_heads=2), module=module, eval_set=[{"i": i} for i in
+                           range(n_batches)], rank=rank, world_size=world_size, engine=engine, loss=loss,
+                           device=torch.device("cpu"), tracker=None, cfg=cfg, step=0, forwards=forwards)
+
+
+def _sharded_eval_rank(rank: int, port: int, n_batches: int, out: str):
+    import torch.distributed as dist
+
+    from medusa_train.trainer import MedusaTrainer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        fake = _scripted_trainer(rank, 2, n_batches)
+        summary = MedusaTrainer.evaluate(fake)
+        Path(f"{out}.{rank}").write_text(json.dumps({"summary": summary, "forwards": fake.forwards}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n_batches", [3, 4])
+def test_held_out_evaluation_is_shared_by_the_ranks(n_batches, tmp_path):
+    """Guards against: every rank evaluating every held-out batch (N ranks took as long as one, the final
+    evaluation included); a sharded evaluation logging one rank's share instead of the whole set's loss and
+    accuracies; ranks running unequal numbers of forwards (a hang under ZeRO-3, which gathers parameters in each)."""
+    import torch.multiprocessing as mp
+
+    from medusa_train.trainer import MedusaTrainer
+
+    alone = _scripted_trainer(0, 1, n_batches)
+    expected = MedusaTrainer.evaluate(alone)
+    assert alone.forwards == list(range(n_batches))
+    mp.spawn(_sharded_eval_rank, args=(_free_port(), n_batches, str(tmp_path / "r")), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"r.{r}").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["summary"] == pytest.approx(expected)
+        assert len(r["forwards"]) == (n_batches + 1) // 2
+    assert sorted(ranks[0]["forwards"] + ranks[1]["forwards"][: n_batches // 2]) == list(range(n_batches))
