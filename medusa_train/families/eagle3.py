@@ -76,6 +76,10 @@ class Eagle3Training(TrainingFamily):
         if n > vocab_size:
             raise UserError(f"heads.draft_vocab_size={n} exceeds the backbone vocabulary ({vocab_size}); use at most "
                             f"{vocab_size} (all of it means a full-vocabulary lm_head)")
+        if n < vocab_size and enum_value(h.projection) == "own":   # was trained truncated, said in the start-up line
+            raise UserError(f"heads.projection=own asks for a full-vocabulary lm_head but heads.draft_vocab_size={n} "
+                            f"truncates it: set heads.draft_vocab_size=null (or {vocab_size}) for all of it, or drop "
+                            "heads.projection=own")
         return ("own", None) if n == vocab_size else ("truncated", int(n))
 
     def vocabulary_keys(self, h) -> tuple[str, ...]:

@@ -71,6 +71,9 @@ BAD_INPUT = [
      "backbone.random_init.num_hidden_layers=4)"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.draft_vocab_size=999"], 2,
      "heads.draft_vocab_size=999 exceeds the backbone vocabulary (320)"),
+    # trained a 64-token lm_head, said only in the start-up line
+    (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.projection=own", "heads.draft_vocab_size=64"], 2,
+     "heads.projection=own asks for a full-vocabulary lm_head but heads.draft_vocab_size=64 truncates it"),
     (TRAIN, ["debug_tiny", "heads.ttt_steps=2"], 2, "heads.ttt_steps is an eagle3 setting"),
     (TRAIN, ["debug_tiny", "heads.kind=eagle3", "heads.num_layers=2"], 2, "heads.num_layers must be 1"),
     # -- tree deeper than the heads, refused before the backbone loads (defect 10) ---------------------------------
