@@ -4,37 +4,97 @@
 A captured graph replays the kernels it recorded on the tensors it recorded: every input must be a fixed
 tensor filled in place, every output is read back from the same tensors (and copied before another graph of
 the same pool replays: the pool lends one graph's freed blocks to the next capture), and a value the step
-read on the host is frozen into the graph. ``cuda_capture`` refuses the host reads it can see (sync debugging);
+read on the host is frozen into the graph. ``cuda_capture`` refuses the host reads it can see (``HostReadGuard``);
 ``outputs_agree`` is the check run on a graph's first replay on new inputs, for the ones it cannot.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+# What makes the host wait for the device, as the dispatcher sees it: a value read into Python, an output shape
+# that depends on values. ``HostReadGuard`` refuses them (and copies between the host and a device) in a step.
+HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero", "masked_select",
+                        "unique", "_unique2", "unique_consecutive", "unique_dim"})
+
+
+class HostReadInStep(RuntimeError):
+    """A step to be captured read a device value on the host (or copied between host and device)."""
+
+
+class HostReadGuard(TorchDispatchMode):
+    """Raises ``HostReadInStep`` at a host read (``HOST_READS``, a boolean index, ``repeat_interleave`` of
+    counts without ``output_size``) or a copy between the host and a device, while active. A dispatch mode is
+    this thread's alone: torch's sync debugging (``set_sync_debug_mode("error")``, used here before) is one
+    setting for the whole process, so another thread's ``.tolist()`` during a warm-up failed its request."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in HOST_READS or _value_shaped(name, func, args, kwargs) or _crosses_host(name, args, kwargs):
+            raise HostReadInStep(f"the step reads the device on the host ({name}): it cannot be captured")
+        return func(*args, **kwargs)
+
+
+def _value_shaped(name: str, func, args, kwargs) -> bool:
+    if name == "repeat_interleave":
+        return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+    return name in ("index", "index_put", "index_put_") and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+
+
+def _crosses_host(name: str, args, kwargs) -> bool:
+    """A copy whose source and destination are not both on the host, or both off it (``.cpu()``, ``.tolist()``
+    of a device tensor, ``torch.tensor(values, device=...)``): a blocking transfer, frozen into a capture."""
+    if name == "_to_copy" and kwargs.get("device") is not None:
+        return (args[0].device.type == "cpu") != (torch.device(kwargs["device"]).type == "cpu")
+    if name == "copy_":
+        return (args[0].device.type == "cpu") != (args[1].device.type == "cpu")
+    return False
+
+
+# One capture at a time in the process: torch.cuda.graph's default capture stream is one for all, and a capture
+# started while another thread's is open fails both. Held around warm-up and capture, whatever the model.
+_CAPTURING = threading.Lock()
+# One warm-up and capture stream per device, kept: each new torch.cuda.Stream() is another of torch's pooled
+# streams, and cuBLAS keeps a workspace per (handle, stream) that was then counted as each graph's memory.
+_STREAMS: dict = {}
+
+
+def _capture_stream() -> "torch.cuda.Stream":
+    device = torch.cuda.current_device()
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream()
+    return _STREAMS[device]
 
 
 def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tuple]:
     """Capture ``fn`` (which reads and writes only fixed tensors) as a CUDA graph: (replay, its outputs).
     One eager run first on a side stream (lazy initialisations and the allocator's first blocks must not
-    happen inside the capture; it writes the same cache entries the step itself writes), with torch's sync
-    debugging set to raise: a step that reads a device value on the host (``.item()``, a data-dependent
-    branch) cannot be captured, and is refused here, before a capture it would leave half-open. A capture that
+    happen inside the capture; it writes the same cache entries the step itself writes), under
+    ``HostReadGuard``: a step that reads a device value on the host (``.item()``, a data-dependent branch)
+    cannot be captured, and is refused here, before a capture it would leave half-open. A capture that
     fails all the same, or is interrupted (a signal's exception: it propagates as itself, never as a failed
     capture that a caller would log and go on from), restores the stream and ends the pool's allocation before
-    raising."""
-    stream = torch.cuda.Stream()
+    raising. One capture at a time in the process (``_CAPTURING``)."""
+    with _CAPTURING:
+        return _capture(fn, pool)
+
+
+def _capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tuple]:
+    stream = _capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    debug = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
     try:
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), HostReadGuard():
             fn()
     finally:   # joined even when refused: the eager rerun that follows must not race the warm-up's writes
-        torch.cuda.set_sync_debug_mode(debug)
         torch.cuda.current_stream().wait_stream(stream)
     graph, before = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
     try:
@@ -42,7 +102,7 @@ def cuda_capture(fn: Callable[[], tuple], pool) -> tuple[Callable[[], None], tup
         # on another thread's (an NCCL / DeepSpeed watchdog polling its events, a data loader's pinned copy), which
         # the step never depends on; this thread's own host reads are still refused. torch's own CUDA-graph trees
         # (torch.compile mode="reduce-overhead") capture the same way.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             outs = fn()
     except BaseException as exc:   # an interrupt too (a deadline's signal, ^C): the stream is restored either way
         torch.cuda.set_stream(before)      # graph.__exit__ raising leaves the capture stream current

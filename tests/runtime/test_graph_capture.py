@@ -1,5 +1,5 @@
-"""``graph_capture.cuda_capture`` on CPU, against stand-ins for the CUDA pieces it calls (streams, the sync debug
-mode, ``torch.cuda.graph``): what it asks of the capture and what it leaves behind when a capture ends badly. The
+"""``graph_capture.cuda_capture`` on CPU, against stand-ins for the CUDA pieces it calls (streams,
+``torch.cuda.graph``): what it asks of the capture and what it leaves behind when a capture ends badly. The
 capture itself runs in the gpu tier (tests/runtime/test_static_steps_gpu.py)."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class FakeCuda:
                 pass
 
         self.main, self.capturing = Stream("main"), Stream("capture")
+        self.warmed_on = []   # the stream current during each eager warm-up run
+        monkeypatch.setattr(graph_capture, "_STREAMS", {})   # a fake stream never outlives its test
         self.current, self.graph_kwargs, self.ended_pool, self.end_raises = self.main, None, [], end_raises
 
         class StreamCtx:
@@ -55,7 +57,6 @@ class FakeCuda:
                 pass
 
         for name, value in (("Stream", Stream), ("current_stream", lambda: fake.current),
-                            ("get_sync_debug_mode", lambda: 0), ("set_sync_debug_mode", lambda mode: None),
                             ("stream", StreamCtx), ("graph", Graph), ("CUDAGraph", CUDAGraph),
                             ("set_stream", lambda s: setattr(fake, "current", s)), ("current_device", lambda: 0)):
             monkeypatch.setattr(torch.cuda, name, value, raising=False)
@@ -72,8 +73,56 @@ def test_captures_in_thread_local_error_mode(monkeypatch):
     the capture (an NCCL watchdog polling its events) breaks it: the capture asks for "thread_local"."""
     fake = FakeCuda(monkeypatch)
     replay, outs = graph_capture.cuda_capture(lambda: (torch.ones(1),), pool="pool")
-    assert fake.graph_kwargs == {"pool": "pool", "capture_error_mode": "thread_local"}
+    side = graph_capture._STREAMS[0]
+    assert fake.graph_kwargs == {"pool": "pool", "stream": side, "capture_error_mode": "thread_local"}
     assert fake.current is fake.main and torch.equal(outs[0], torch.ones(1))
+
+
+def test_every_capture_warms_up_and_captures_on_one_kept_stream(monkeypatch):
+    """Guards against a new torch.cuda.Stream() per capture: torch lends its pooled streams in turn and cuBLAS
+    keeps a workspace per (handle, stream), allocated on each new stream's first matmul and counted as that
+    graph's memory; the capture ran on torch's own default capture stream, not the one warmed up on."""
+    fake = FakeCuda(monkeypatch)
+    seen = []
+
+    def step():
+        seen.append(fake.current)
+        return (torch.ones(1),)
+
+    graph_capture.cuda_capture(step, pool="pool")
+    graph_capture.cuda_capture(step, pool="pool")
+    side = graph_capture._STREAMS[0]
+    assert seen[0] is side and seen[2] is side and fake.graph_kwargs["stream"] is side
+
+
+def test_a_host_read_is_refused_in_this_thread_only(monkeypatch):
+    """Guards against torch's sync debugging as the warm-up's host-read check: one setting for the whole process,
+    so another thread's ``.tolist()`` or ``.item()`` while this one warmed up a capture raised "called a
+    synchronizing CUDA operation" and failed that thread's request. The guard is this thread's: a step's own
+    read (item, a boolean index, nonzero, a copy to or from the host) is refused, another thread's is not."""
+    import threading
+
+    x = torch.arange(6.0)
+    reads = [lambda: x[1].item(), lambda: bool(x[2]), lambda: x[x > 2], lambda: x.nonzero(), lambda: x.to("meta"),
+             lambda: torch.zeros(2, device="meta").copy_(x[:2]), lambda: torch.repeat_interleave(x[:2].long())]
+    for read in reads:
+        with pytest.raises(graph_capture.HostReadInStep), graph_capture.HostReadGuard():
+            read()
+    with graph_capture.HostReadGuard():   # what a step does: device-side arithmetic and indexing by tensors
+        y = (x * 2).index_select(0, torch.tensor([1, 2])) + x.new_full((2,), 3.0)
+        z = torch.repeat_interleave(x[:2].long(), output_size=1)
+    assert y.tolist() == [5.0, 7.0] and z.numel() == 1
+    other = []
+    with graph_capture.HostReadGuard():
+        t = threading.Thread(target=lambda: other.append(x[3].item()))
+        t.start()
+        t.join()
+    assert other == [3.0]
+
+    fake = FakeCuda(monkeypatch)   # in the warm-up run, before any capture starts
+    with pytest.raises(graph_capture.HostReadInStep, match="_local_scalar_dense"):
+        graph_capture.cuda_capture(lambda: (x[0].item(),), pool="pool")
+    assert fake.graph_kwargs is None and fake.current is fake.main
 
 
 def test_an_interrupted_capture_restores_the_stream_and_propagates_as_itself(monkeypatch):

@@ -20,6 +20,7 @@ from inference.loading import attach_heads
 from inference.methods import generate
 from inference.methods.prompt_lookup import PromptLookupSettings
 from inference.runtime.cache import TreeKVCache
+from inference.runtime.graph_capture import HostReadGuard
 from inference.runtime.static_steps import StaticKV, StaticSteps, apply_graphs, check_graphs
 from inference.runtime.verify import SamplingConfig
 from runtime_support import one_thread, random_heads, tiny_llama, wrap  # noqa: F401 (autouse fixture)
@@ -30,8 +31,10 @@ DISTINCT = [7, 1, 60, 33, 2]
 
 
 def replaying(fn, pool):
-    """A CPU stand-in for ``cuda_capture``: the outputs stay the same tensors, each replay refills them."""
-    outs = fn()
+    """A CPU stand-in for ``cuda_capture``: the outputs stay the same tensors, each replay refills them. Its first
+    run is under the guard ``cuda_capture`` warms up under: a step that reads the host fails here as on a GPU."""
+    with HostReadGuard():
+        outs = fn()
 
     def replay():
         for o, new in zip(outs, fn()):
