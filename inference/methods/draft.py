@@ -51,6 +51,7 @@ from ..errors import UserError
 from ..runtime.batch_cache import RaggedKVCache, pad_layout
 from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
 from ..runtime.decode import prefill_token, seeded_generator
+from ..runtime.graph_capture import to_device
 from ..runtime.model import MedusaModel, check_backbone_config
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule, draft_tokens, fixed, tree_label
 from ..runtime.tree import MedusaTree, TreeBuffers, chain_tree
@@ -97,7 +98,7 @@ def chain_sampling(cfg: SamplingConfig) -> SamplingConfig:
 def _forward_chain(m: MedusaModel, tokens: list[int] | torch.Tensor, past: int, cache) -> torch.Tensor:
     """Run ``tokens`` (a list, or a device tensor [n]: nothing read) at positions past.. (causal) into ``cache``;
     returns hidden [n, H]."""
-    ids = tokens.reshape(1, -1) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=m.device)
+    ids = tokens.reshape(1, -1) if isinstance(tokens, torch.Tensor) else to_device([tokens], m.device)
     buf = chain_buffers(ids.shape[1], m.device)
     return m.hidden(ids, (buf.position_offsets + past)[None], cache, buf.additive_mask(past, m.dtype))[0]
 
@@ -112,8 +113,8 @@ def verify_chain(m: MedusaModel, cache, past: int, root: int, proposal: list[int
     ``past + 1 + len(accepted)`` entries (prefix, root, accepted tokens).
     """
     if not isinstance(proposal, torch.Tensor):
-        proposal = torch.tensor(list(proposal), dtype=torch.long, device=m.device)
-    tokens = torch.cat([torch.tensor([root], device=m.device), proposal])
+        proposal = to_device(list(proposal), m.device, torch.long)
+    tokens = torch.cat([torch.full((1,), int(root), dtype=torch.long, device=m.device), proposal])   # no host copy
     h = _forward_chain(m, tokens, past, cache)
     buf = chain_buffers(tokens.numel(), m.device)
     rule = chain_sampling(cfg) if draft_probs is None else dataclasses.replace(cfg, draft="sampled")
@@ -400,7 +401,7 @@ class BatchDraftDrafter:
         c.truncate_rows([len(h) - 1 for h in dec.history])   # drop rejected drafts
         feeds = [h[n:] for h, n in zip(dec.history, c.host_lengths)]
         width = max(len(f) for f in feeds)
-        ids = torch.tensor([[f[0]] * (width - len(f)) + f for f in feeds], device=dev)
+        ids = to_device([[f[0]] * (width - len(f)) + f for f in feeds], dev)
         see = torch.zeros(len(feeds), width, width, dtype=torch.bool, device=dev)
         depth = torch.zeros(len(feeds), width, dtype=torch.long, device=dev)
         for b, f in enumerate(feeds):

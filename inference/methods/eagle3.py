@@ -58,6 +58,7 @@ from ..errors import UserError
 from ..heads.eagle3 import DraftKV, StaticDraftKV, draft_kv_bytes_per_slot
 from ..runtime.batch_decode import BatchTreeDecoder, PlainDrafter
 from ..runtime.decode import seeded_generator
+from ..runtime.graph_capture import to_device
 from ..runtime.model import MedusaModel
 from ..runtime.tree import select_nodes, tree_buffers
 from ..runtime.static_tree import StaticTree
@@ -338,7 +339,7 @@ class Eagle3Decoder:
         self.cache.keep(past, verdict.path)
         self.dkv.truncate(past)                      # drop the draft entries
         new = verdict.accepted_tokens(tokens) + [verdict.bonus]
-        self._catch_up(aux[0, torch.tensor(verdict.path, device=dev)], torch.tensor(new, device=dev), past)
+        self._catch_up(aux[0, to_device(verdict.path, dev)], to_device(new, dev), past)
         self.last_path = verdict.path
         self.past = past + len(verdict.path)
         self.root = verdict.bonus

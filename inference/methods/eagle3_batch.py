@@ -39,6 +39,7 @@ import torch
 from ..errors import UserError
 from ..heads.eagle3 import draft_kv_bytes_per_slot
 from ..runtime.batch_decode import BatchTreeDecoder, batch_capacity, root_only
+from ..runtime.graph_capture import to_device
 from ..runtime.model import MedusaModel
 from ..runtime.speculation import ScheduleCursor, SpeculationSchedule
 from ..runtime.static_tree import StaticTree
@@ -178,9 +179,9 @@ class Eagle3BatchDrafter:
             return
         dev = self.m.device
         width = max(len(p) for p in paths)   # one gather for all rows, paths right-padded
-        index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=dev)
+        index = to_device([p + [p[-1]] * (width - len(p)) for p in paths], dev)
         feats = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
-        nxt = torch.tensor([h[-len(p):] + [0] * (width - len(p)) for h, p in zip(dec.history, paths)], device=dev)
+        nxt = to_device([h[-len(p):] + [0] * (width - len(p)) for h, p in zip(dec.history, paths)], dev)
         self._catch_up(feats, nxt, [len(p) for p in paths], captured=True)
 
     def catch_up_pending(self) -> None:
@@ -195,7 +196,7 @@ class Eagle3BatchDrafter:
         dev = self.m.device
         width = max(len(n) for _, n in per_row)
         feats = torch.stack([torch.cat([f, f[-1:].expand(width - len(n), -1)]) for f, n in per_row])
-        nxt = torch.tensor([n + [0] * (width - len(n)) for _, n in per_row], device=dev)
+        nxt = to_device([n + [0] * (width - len(n)) for _, n in per_row], dev)
         self._catch_up(feats, nxt, [len(n) for _, n in per_row])
 
     def _catch_up(self, aux: torch.Tensor, nxt: torch.Tensor, host_counts: list, captured: bool = False) -> None:
@@ -204,7 +205,7 @@ class Eagle3BatchDrafter:
         with static steps (the prompts' and what plain steps left pending run it eagerly: lengths of every
         size, once in a while)."""
         d, kv, dev = self.d, self.dkv, self.m.device
-        counts = torch.tensor(host_counts, device=dev)
+        counts = to_device(host_counts, dev)
         b, t = nxt.shape
         if isinstance(kv, StaticRowDraftKV):
             kv.reserve(t)
@@ -308,7 +309,7 @@ class Eagle3BatchDrafter:
 
     def rows_kept(self, index: list[int]) -> None:
         if self.dkv is not None:
-            sel = torch.tensor(index, dtype=torch.long, device=self.m.device)
+            sel = to_device(index, self.m.device, torch.long)
             if isinstance(self.dkv, StaticRowDraftKV):
                 self.dkv.select(sel, index)
             else:

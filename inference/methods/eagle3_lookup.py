@@ -57,6 +57,7 @@ import torch
 
 from ..errors import UserError
 from ..runtime.batch_decode import BatchTreeDecoder
+from ..runtime.graph_capture import to_device
 from ..runtime.model import MedusaModel
 from ..runtime.static_tree import StaticTree, padded_proposals
 from ..runtime.verify import SamplingConfig
@@ -209,7 +210,7 @@ class Eagle3LookupDecoder(Eagle3Decoder):
         proposal = self.index.propose(self.o.num_tokens) if self.o.looks_up else []
         if switches(self.o.switch, proposal, self.index.last_match):    # text being copied: the chain alone
             self.switched += 1
-            tokens, parents, depths = root_only(torch.tensor([self.root], device=self.m.device))
+            tokens, parents, depths = root_only(torch.full((1,), self.root, dtype=torch.long, device=self.m.device))
         else:
             tokens, parents, depths = super().tree()
         tokens, parents, depths, rest = graft_branch(tokens, parents, depths, proposal)
@@ -297,7 +298,7 @@ class Eagle3LookupBatchDrafter(Eagle3BatchDrafter):
         kv, dev, width = self.dkv, self.m.device, self.s.num_tokens
         kv.reserve((o.depth - 1) * o.topk)
         proposals = padded_proposals([p for p, _ in lookups], width, dev)
-        alone = torch.tensor([a for _, a in lookups], device=dev)
+        alone = to_device([a for _, a in lookups], dev)
         name, fn = tree_step(self.d, kv.cache, o, width, batched=True)     # named by every value it freezes
         fields = self.m.static.calls.run(name, fn,
                                          (self.root_logits, self.root_state, kv.committed, dec.root, proposals, alone),

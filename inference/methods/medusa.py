@@ -100,7 +100,8 @@ class TreeDecoder:
         it proposed, as the module docstring counts it and the batched decoder does)."""
         m, buf, past = self.m, self.buf, self.past
         cand, draft_q = m.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen)
-        tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
+        # torch.full, not torch.tensor([root]): a copy from host memory waits for the draft queued before it
+        tokens = torch.cat([torch.full((1,), self.root, dtype=torch.long, device=m.device), cand])
         positions = (buf.position_offsets + past)[None]
         h_tree = m.hidden(tokens[None], positions, self.cache, buf.additive_mask(past, m.dtype))[0]
         verdict = verify(buf, tokens, m.logits(h_tree), self.cfg, draft_q, self.gen)

@@ -48,6 +48,7 @@ import torch
 
 from ..heads.drafting import static_tree_refusal
 from ..runtime.decode import prefill_token, seeded_generator
+from ..runtime.graph_capture import to_device
 from ..runtime.model import MedusaModel
 from ..runtime.static_tree import StaticTree, padded_proposals, static_graft, tree_structure
 from ..runtime.tree import MedusaTree, TreeBuffers, resolve_tree
@@ -132,7 +133,7 @@ class HybridDecoder:
         if key not in self._grafts:
             trie, source = graft_tree(self.tree, node, length)
             self._grafts[key] = (trie.buffers(self.m.device),
-                                 torch.tensor(source, dtype=torch.long, device=self.m.device))
+                                 to_device(source, self.m.device, torch.long))
         return self._grafts[key]
 
     @torch.inference_mode()
@@ -148,7 +149,7 @@ class HybridDecoder:
         graft built on the device (``_device_trie``), its unused slots masked (token -1)."""
         m, buf = self.m, self.buf
         cand, _ = m.draft_tree(buf, self.h_last, self.root, self.cfg, self.gen)   # draft_q None: draft=topk
-        tokens = torch.cat([torch.tensor([self.root], device=m.device), cand])
+        tokens = torch.cat([torch.full((1,), self.root, dtype=torch.long, device=m.device), cand])   # no host copy
         proposal = self.index.propose(self.s.num_tokens)
         if not proposal:
             return buf, tokens
@@ -159,7 +160,7 @@ class HybridDecoder:
         if n == len(proposal):                            # already in the tree: a plain Medusa step
             return buf, tokens
         trie, source = self._graft(node, len(proposal) - n)
-        rest = torch.tensor(proposal[n:], dtype=torch.long, device=m.device)
+        rest = to_device(proposal[n:], m.device, torch.long)
         return trie, torch.cat([tokens, rest])[source]
 
     def _device_trie(self, tokens: torch.Tensor, proposal: list[int]) -> StaticTree:

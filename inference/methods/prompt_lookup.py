@@ -28,6 +28,7 @@ import torch
 from ..errors import UserError
 from ..runtime.batch_decode import BatchTreeDecoder
 from ..runtime.decode import prefill_token, seeded_generator
+from ..runtime.graph_capture import to_device
 from ..runtime.model import MedusaModel
 from ..runtime.speculation import draft_tokens
 from ..runtime.verify import SamplingConfig
@@ -181,7 +182,7 @@ class LookupDrafter:
         n = max(len(p) for p in props)
         self.row_proposed = [len(p) for p in props]
         cand = [p + [-1] * (n - len(p)) for p in props]
-        return chain_buffers(n + 1, self.m.device), torch.tensor(cand, dtype=torch.long, device=self.m.device), None
+        return chain_buffers(n + 1, self.m.device), to_device(cand, self.m.device, torch.long), None
 
     def rows_kept(self, index: list[int]) -> None:
         if self.indexes:

@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import UserError
+from .graph_capture import to_device
 
 RAGGED_MODES = ("compact", "gaps")
 
@@ -117,7 +118,7 @@ class RaggedKVCache(Cache):
         """Lay out prompts of ``lengths`` (right-padded in compact mode, left-padded in gaps mode)
         from slot 0. Returns (the [B, 1, L, L] additive mask, the [B, L] position ids); the padded
         token ids must follow ``pad_layout``."""
-        lens = torch.as_tensor(list(lengths), dtype=torch.long, device=self.device)
+        lens = to_device(list(lengths), self.device, torch.long)
         width = max(lengths)
         if width > self.capacity:
             raise RuntimeError(f"KV cache overflow: {width} > capacity {self.capacity}")
@@ -163,7 +164,7 @@ class RaggedKVCache(Cache):
     def keep(self, paths: Sequence[Sequence[int]]) -> None:
         """Keep, in each row, its accepted nodes ``paths[b]`` (offsets into the step's nodes, root
         first, increasing) right after its earlier tokens; forget the rest of the step."""
-        counts = torch.tensor([len(p) for p in paths], dtype=torch.long, device=self.device)
+        counts = to_device([len(p) for p in paths], self.device, torch.long)
         moved = [b for b, p in enumerate(paths) if list(p) != list(range(len(p)))]
         if moved:   # only rows whose accepted nodes are not already in place
             most = max(len(paths[b]) for b in moved)
@@ -171,7 +172,7 @@ class RaggedKVCache(Cache):
             for i, b in enumerate(moved):
                 p = list(paths[b])
                 src[i, :len(p)] = torch.tensor(p)   # padding repeats node 0, which stays in place
-            rows = torch.tensor(moved, dtype=torch.long, device=self.device)
+            rows = to_device(moved, self.device, torch.long)
             base = self.lengths[rows][:, None]
             src = src.to(self.device) + base
             dst = torch.arange(most, device=self.device)[None] * (src != base) + base
@@ -195,13 +196,13 @@ class RaggedKVCache(Cache):
         if self.mode != "compact":
             raise ValueError("truncate_rows needs a compact cache")
         self.host_lengths = [min(a, n) for a, n in zip(self.host_lengths, lengths)]
-        new = torch.tensor(self.host_lengths, dtype=self.lengths.dtype, device=self.device)
+        new = to_device(self.host_lengths, self.device, self.lengths.dtype)
         self.valid &= torch.arange(self.capacity, device=self.device)[None] < new[:, None]
         self.lengths, self.positions = new, new.clone()
 
     def select_rows(self, index: Sequence[int]) -> None:
         """Keep only rows ``index`` (in that order): finished rows leave the batch."""
-        idx = torch.as_tensor(list(index), dtype=torch.long, device=self.device)
+        idx = to_device(list(index), self.device, torch.long)
         for layer in self.layers:
             layer.select(idx)
         self.lengths, self.positions, self.valid = self.lengths[idx], self.positions[idx], self.valid[idx]

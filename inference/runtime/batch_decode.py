@@ -35,6 +35,7 @@ from ..errors import UserError
 from .batch_cache import RaggedKVCache, pad_layout
 from .decode import (GenerationOutput, _Emitter, _sync, check_budget, encoding_rows, eos_set, is_array, is_integer,
                      refuse_padding, seeded_generator, short_repr)
+from .graph_capture import to_device
 from .memory import free_memory_bytes
 from .model import MedusaModel, kv_bytes_per_token
 from .static_tree import StaticTree
@@ -297,8 +298,8 @@ class BatchTreeDecoder:
         paths, bonus = v.paths, v.bonus
         self.cache.keep(paths)
         rows = torch.arange(len(paths), device=m.device)
-        self.h_last = h[rows, torch.tensor([p[-1] for p in paths], device=m.device)]
-        self.root = torch.tensor(bonus, dtype=torch.long, device=m.device)
+        self.h_last = h[rows, to_device([p[-1] for p in paths], m.device)]
+        self.root = to_device(bonus, m.device, torch.long)
         self.last_nodes = buf.num_nodes
         path_tokens = v.tokens
         if None in path_tokens:                      # not read with the paths: read them now
@@ -322,7 +323,7 @@ class BatchTreeDecoder:
         if index == list(range(self.batch)):
             return
         self.cache.select_rows(index)
-        sel = torch.tensor(index, dtype=torch.long, device=self.m.device)
+        sel = to_device(index, self.m.device, torch.long)
         self.root, self.h_last = self.root[sel], self.h_last[sel]
         self.history = [self.history[i] for i in index]
         self.rows = [self.rows[i] for i in index]

@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import UserError
+from .graph_capture import to_device
 
 
 class _PreallocLayer(DynamicLayer):
@@ -120,7 +121,7 @@ class TreeKVCache(Cache):
             for layer in self.layers:
                 layer.crop(-(layer.length - start - count))
             return
-        rows = torch.as_tensor(list(nodes), dtype=torch.long, device=self.layers[0].device)
+        rows = to_device(list(nodes), self.layers[0].device, torch.long)
         for layer in self.layers:
             layer.keep(start, rows, count)
 

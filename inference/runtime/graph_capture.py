@@ -60,6 +60,17 @@ def _crosses_host(name: str, args, kwargs) -> bool:
     return False
 
 
+def to_device(values, device, dtype=None) -> torch.Tensor:
+    """``torch.as_tensor(values, dtype=dtype, device=device)`` without waiting for the device: torch copies host
+    memory to a GPU with a stream synchronisation unless asked ``non_blocking`` (pytorch#120996), so every index
+    list a step sent after queueing work waited for all of it, and the GPU then idled while the host built the
+    rest. CUDA copies a pageable source to its staging buffer before the call returns: the list may go at once."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=dtype or values.dtype)
+    host = torch.tensor(values, dtype=dtype)
+    return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)
+
+
 # One capture at a time in the process: torch.cuda.graph's default capture stream is one for all, and a capture
 # started while another thread's is open fails both. Held around warm-up and capture, whatever the model.
 _CAPTURING = threading.Lock()

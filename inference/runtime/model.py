@@ -184,7 +184,9 @@ class MedusaModel:
         (``captured_calls``): the root goes in as a tensor, a host number would be frozen into the graph."""
         if self.static is None or (cfg.mode == "sample" and cfg.draft == "sampled"):
             return self.heads.draft_tree(buf, h_last, root, cfg, gen, self.vocab_size)
-        root = torch.as_tensor(root, dtype=torch.long, device=h_last.device)
+        # an int root filled on the device: a copy from host memory would wait for the work queued before it
+        root = (torch.full((), root, dtype=torch.long, device=h_last.device) if isinstance(root, int)
+                else torch.as_tensor(root, dtype=torch.long, device=h_last.device))
 
         def draft(h, r):
             return self.heads.draft_tree(buf, h, r, cfg, None, self.vocab_size)[:1]

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .batch_cache import RaggedKVCache
+from .graph_capture import to_device
 
 
 class StaticRaggedKV(RaggedKVCache):
@@ -54,7 +55,7 @@ class StaticRaggedKV(RaggedKVCache):
         """Keep only rows ``index`` (in that order), moved to the front of the buffer."""
         self.check_current()
         index = list(index)
-        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        idx = to_device(index, self.device, torch.long)
         kv = self.steps.kv
         if index == sorted(index):   # rows move only towards the front: one row at a time, no copy of the buffer
             for i, j in enumerate(index):

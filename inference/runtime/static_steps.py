@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..errors import UserError
 from .captured_calls import CapturedCalls
-from .graph_capture import cuda_capture, measured_capture, on_device, outputs_agree
+from .graph_capture import cuda_capture, measured_capture, on_device, outputs_agree, to_device
 from .static_batch import StaticRaggedKV
 
 GRAPH_MODES = ("auto", "on", "off", "uncaptured")
@@ -153,7 +153,7 @@ class StaticKV:
         self.check_current()
         count = len(nodes)
         if list(nodes) != list(range(count)):   # else already in place
-            src = torch.as_tensor([start + i for i in nodes], dtype=torch.long, device=self.steps.kv.device)
+            src = to_device([start + i for i in nodes], self.steps.kv.device, torch.long)
             row = self.steps.kv[:, :, :1]
             row[:, :, :, :, start:start + count] = row.index_select(4, src)   # every layer at once
         self.length = start + count

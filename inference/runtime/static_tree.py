@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .graph_capture import to_device
 from .tree import tree_additive_mask
 
 
@@ -144,7 +145,7 @@ def static_graft(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
 
 def padded_proposals(proposals: list[list[int]], width: int, device) -> torch.Tensor:
     """``static_graft``'s proposal input: each proposal [width] long, -1 padded at its end, one row each."""
-    return torch.tensor([p + [-1] * (width - len(p)) for p in proposals], dtype=torch.long, device=device)
+    return to_device([p + [-1] * (width - len(p)) for p in proposals], device, torch.long)
 
 
 def _root_path(paths: torch.Tensor) -> torch.Tensor:

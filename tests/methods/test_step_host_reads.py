@@ -115,3 +115,64 @@ def test_the_count_sees_a_host_built_tree(model, medusa):
     m = with_steps(backbone_for("eagle3", model, medusa), "off")
     counts = reads_per_step(m, "eagle3", {"nodes": 8, "depth": 3, "topk": 2, "min_prob": 0.02})
     assert max(counts) > 1
+
+
+def test_a_medusa_step_sends_no_host_values_before_its_verification(model, medusa):
+    """Guards against ``torch.tensor([root], device=...)`` between the heads' draft and the verification forward:
+    torch copies host memory to a GPU with a stream synchronisation, so the host waited for the captured draft and
+    the GPU then idled while the host built the verification step (a wait ``HostReads`` does not count: no value
+    is read). The root is filled on the device; no tensor is made from Python values before the forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    m = with_steps(backbone_for("medusa", model, medusa), "replayed")
+    for _ in range(2):
+        generate(m, REPEATING, "medusa", max_new_tokens=20, eos_token_ids=(), tree="tree8")
+    ops, forward = Ops(), m.hidden
+    m.hidden = lambda *a, **k: (ops.seen.append("FORWARD"), forward(*a, **k))[1]
+    try:
+        steps = iter(stream(m, REPEATING, "medusa", max_new_tokens=20, eos_token_ids=(), tree="tree8"))
+        next(steps)
+        with ops:
+            for _ in steps:
+                ops.seen.append("STEP")
+    finally:
+        del m.hidden
+        m.static = None
+    per_step = " ".join(ops.seen).split("STEP")[:-1]
+    assert len(per_step) > 3 and all("FORWARD" in s for s in per_step)
+    assert [s.split("FORWARD")[0].split().count("lift_fresh") for s in per_step] == [0] * len(per_step)
+
+
+def test_host_values_go_to_a_device_without_waiting():
+    """Guards against the index lists a step sends (accepted paths, row lengths, proposals) copied with torch's
+    default blocking copy, which synchronises the stream on a GPU: ``to_device`` asks for a non-blocking copy off
+    the host, keeps ``torch.tensor``'s dtypes, and passes a tensor through."""
+    import torch
+
+    from inference.runtime.graph_capture import to_device
+
+    asked = []
+    real = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        asked.append(kwargs.get("non_blocking"))
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    try:
+        out = to_device([3, 4], torch.device("meta"))
+        assert out.device.type == "meta" and out.dtype == torch.long and asked == [True]
+        assert to_device([1.5], "cpu").dtype == torch.float32 and to_device([1], "cpu", torch.int32).dtype == torch.int32
+        t = torch.arange(3)
+        assert to_device(t, "cpu") is t
+    finally:
+        torch.Tensor.to = real
