@@ -191,7 +191,8 @@ class StaticSteps:
         self.captures: dict[str, int] = {}        # step ("rows", "BxN", "+aux") -> captures while the buffer stands
         self.capture_s = 0.0
         self.graph_bytes = 0
-        self.regrown = self.fallbacks = self.failed = self.checked = self.disagreed = 0
+        self.regrown = self.fallbacks = self.failed = self.checked = self.disagreed = self.oversized = 0
+        self._oversized_seen: set = set()
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._blocks: dict = {}       # small constant masks, made once
         self._pool = None
@@ -383,11 +384,22 @@ class StaticSteps:
             with on_device(self.kv.device):
                 outs = self._replayed(b, key, step, batch, n)
         else:
+            if rows is None and self.capture is not None and not first:
+                self._beyond_buckets(n)
             outs = step()
         view.advance(n)
         if b.ids.shape == (batch, n):
             return tuple(o.clone() for o in outs)            # a later replay overwrites the fixed outputs
         return tuple(o[:batch, :n].clone() for o in outs)
+
+    def _beyond_buckets(self, n: int) -> None:
+        """A step of more rows than the largest bucket runs uncaptured (~1,300 kernels launched one by one, fresh
+        buffers): counted in report.json (``oversized_steps``) and said once per size, never silently slow."""
+        self.oversized += 1
+        if n not in self._oversized_seen:
+            self._oversized_seen.add(n)
+            self.log(f"graphs: a {n}-row step is beyond the largest graph bucket ({self.buckets[-1]}): steps of "
+                     f"that size run uncaptured (graph_buckets= up to {MAX_BUCKET} captures them)")
 
     def _may_capture(self) -> bool:
         """Whether a graph may be captured or replayed here: prompts never are (module docstring), and on a LongRoPE
@@ -519,6 +531,7 @@ class StaticSteps:
                 "kv_batch": None if self.kv is None else self.kv.shape[2], "captures": dict(self.captures),
                 "capture_s": round(self.capture_s, 4), "graph_memory_bytes": self.graph_bytes,
                 "buffer_regrown": self.regrown, "uncaptured_requests": self.fallbacks, "failed_captures": self.failed,
+                "oversized_steps": self.oversized,
                 "checked_replays": self.checked, "disagreeing_replays": self.disagreed,
                 "drafter_calls": self.calls.summary(),
                 "draft_models": [s.summary() for r in self.drafts if (s := r()) is not None]}

@@ -413,3 +413,18 @@ def test_no_memory_for_the_static_buffer_decodes_on_the_dynamic_cache(medusa, mo
     assert generate(m, REPEATING, "medusa", tree="tree4", max_new_tokens=12, eos_token_ids=()).tokens == ref
     assert m.static.kv is not None
     m.static = None
+
+
+def test_steps_beyond_the_largest_bucket_are_counted_and_said_once(medusa):
+    """Guards against a step of more rows than the largest graph bucket (a 16-node tree with buckets up to 8)
+    running uncaptured on every step without a word or a count: the ~1,300 kernels launched one by one, and
+    report.json saying the generation was captured."""
+    lines = []
+    medusa.static = StaticSteps(medusa, buckets=[1, 2, 4, 8], capture=replaying, log=lines.append)
+    plain = generate(medusa, REPEATING, "autoregressive", max_new_tokens=12, eos_token_ids=()).tokens
+    out = generate(medusa, REPEATING, "medusa", tree="tree16", max_new_tokens=12, eos_token_ids=())
+    assert out.tokens == plain
+    said = [l for l in lines if "beyond the largest graph bucket" in l]
+    summary = medusa.static.summary()
+    assert summary["oversized_steps"] >= 2 and len(said) == 1 and "a 16-row step" in said[0], lines
+    medusa.static = None

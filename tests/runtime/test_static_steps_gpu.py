@@ -105,7 +105,8 @@ def test_captured_batched_eagle3_drafting_is_token_identical_in_fp32():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_captured_tree_step_within_the_dtypes_rounding(dtype):
     """Guards against the full-capacity masked attention (or the padding rows) moving half-precision hidden
-    states beyond rounding: a 16-node tree step, captured vs the dynamic cache, after the same prefix."""
+    states beyond rounding: a 16-node tree step, captured vs the dynamic cache, after the same prefix; the
+    replay itself compared (the checked second use returns the eager run's output) and its check passed."""
     model = tiny_llama(vocab=96, seed=0).to(DEV, dtype)
     m = wrap(model, random_heads(model, num_heads=3).to(DEV, dtype))
     buf = default_tree("tree16", 3).buffers(torch.device(DEV))
@@ -121,13 +122,18 @@ def test_captured_tree_step_within_the_dtypes_rounding(dtype):
         with torch.inference_mode():
             cache = m.new_cache(64)
             m.hidden(prefix, torch.arange(past, device=DEV)[None], cache)
-            for _ in range(2):       # captured at the first, replayed at the second
-                h = m.hidden(ids, pos, cache, buf.additive_mask(past, dtype))
+            # captured and replayed at the first; the second replays and is checked against an eager run,
+            # whose output it returns: the first's is the replay compared here
+            hs = []
+            for _ in range(2):
+                hs.append(m.hidden(ids, pos, cache, buf.additive_mask(past, dtype)).float())
                 cache.truncate(past)
-        outs.append(h.float())
+        outs.append(hs)
         assert isinstance(cache, TreeKVCache) != static
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    for h in outs[1]:
+        torch.testing.assert_close(h, outs[0][0], atol=tol, rtol=tol)
+    assert m.static.disagreed == 0 and m.static.checked >= 1   # the replay agreed with the same step uncaptured
     m.static = None
 
 
