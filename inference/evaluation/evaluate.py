@@ -66,7 +66,8 @@ from ..runtime.verify import SamplingConfig
 from ..methods import registry
 from ..methods.shape import DEFAULT_BUDGETS, ChoiceContext
 from .choosing import calibrating, choice_modes, choose_all, method_options, report_entries
-from ..prompts import Prompt, encode_checked, encode_turn, prompt_record, split_calibration
+from ..prompts import (Prompt, encode_checked, encode_turn, prompt_record, second_turn_bound,
+                       split_calibration)
 
 DEFAULT_METHODS = ("medusa", "autoregressive", "hf_generate")
 
@@ -250,16 +251,20 @@ def warm_tokens(m: MedusaModel, max_new_tokens: int) -> tuple[bool, int]:
 
 
 def warm_up(m: MedusaModel, ids: list[list[int]], methods: Sequence[str], opts: Mapping[str, Any],
-            max_new_tokens: int, sampling: SamplingConfig, seed: int) -> None:
+            max_new_tokens: int, sampling: SamplingConfig, seed: int, longest: int = 0) -> None:
     """One untimed generation of every timed method before the timed runs, for all alike: the calibration ran
     the runtime's methods, never transformers' ``generate``, whose first-call setup was then timed on the first
     prompt alone. ``ids``: the prompts' encoded first turns. With captured steps (``graphs``) on the longest
     at ``max_new_tokens`` (the captures and the KV buffer's growth to the longest prompt happen here), else
-    ``WARMUP_TOKENS`` on the first one."""
+    ``WARMUP_TOKENS`` on the first one. ``longest``: the longest prompt a timed run will have (second turns are
+    longer than any first): the warm-up row is lengthened to it, or the buffer regrew, dropping every graph,
+    and the captures were timed."""
     if not ids:
         return
     captured, tokens = warm_tokens(m, max_new_tokens)
     row = max(ids, key=len) if captured else ids[0]
+    if captured and longest > len(row):
+        row = (row * (longest // len(row) + 1))[:longest]
     for meth in methods:
         registry.generate(m, row, meth, options=opts[meth], max_new_tokens=tokens, sampling=sampling, seed=seed)
 
@@ -302,7 +307,8 @@ def evaluate(m: MedusaModel, prompts: list[Prompt], *, methods: Sequence[str] = 
     for meth, spec in specs.items():
         if spec.prepare is not None:  # loaded once and reused for every prompt (a draft model)
             opts[meth] = spec.prepare(m, opts[meth])
-    warm_up(m, ids, methods, opts, max_new_tokens, sampling, seed)
+    seconds = [second_turn_bound(m, p, max_new_tokens) for p in prompts if turns == "both" and len(p.turns) > 1]
+    warm_up(m, ids, methods, opts, max_new_tokens, sampling, seed, longest=max(seconds, default=0))
     samples = decode_interleaved(m, prompts, methods, opts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  turns=turns, seed=seed, progress=progress)
     run_length = max((s.outputs[methods[0]].prompt_tokens for s in samples), default=0) + max_new_tokens

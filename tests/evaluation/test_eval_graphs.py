@@ -50,6 +50,28 @@ def test_captures_happen_before_the_timed_runs_and_are_reported(m, monkeypatch):
                        log=lambda s: None, settings={})["graphs"] == "off"
 
 
+def test_second_turns_find_the_buffer_warmed_to_their_length(m, monkeypatch):
+    """Guards against the warm-up sizing the KV buffer to the longest first turn under turns=both: a second turn
+    (first turn + answer + question) beyond the buffer's power of two regrew it inside the timed runs, dropping
+    every graph, and the recaptures and their eager checks were timed as the method's speed."""
+    m.static = StaticSteps(m, capture=replaying, log=lambda line: None)
+    regrown = {}
+    timed = ev.decode_interleaved
+
+    def record(*args, **kw):
+        regrown["before"] = m.static.regrown
+        out = timed(*args, **kw)
+        regrown["after"] = m.static.regrown
+        return out
+
+    monkeypatch.setattr(ev, "decode_interleaved", record)
+    prompts = [Prompt("a", ["count to three", "now " * 80]), Prompt("b", ["hi", "and then?"])]
+    ev.evaluate(m, prompts, methods=["autoregressive"], max_new_tokens=8, turns="both", progress=False,
+                log=lambda s: None, settings={})
+    assert m.static.kv.shape[4] >= 512 and regrown["after"] == regrown["before"], regrown
+    m.static = None
+
+
 @pytest.mark.parametrize("keys, match", [(dict(graphs="yes"), "graphs must be one of"),
                                          (dict(graph_buckets=[4, 2]), "strictly increasing"),
                                          (dict(graphs="on", device="cpu"), "needs device=cuda")])
