@@ -1,4 +1,5 @@
-"""Which fused SDPA kernels decoding may use on CUDA: every one but cuDNN's.
+"""Which fused SDPA kernels decoding may use on CUDA: every one but cuDNN's; and masked grouped-query attention
+that needs no fused kernel to refuse its mask (``folded_attention``), for the backbone and the EAGLE-3 drafter.
 
 While decoding, the attention's key length grows by one or more every call. torch's cuDNN SDPA backend
 builds (and caches) an execution plan per distinct shape, so on a decoding loop every call is a new plan:
@@ -13,6 +14,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 _NO_CHANGE = nullcontext()  # reusable: entered on every CPU attention call, so built once
 
@@ -39,3 +41,18 @@ def decoding_sdpa(device: torch.device):
     """A context in which scaled_dot_product_attention on ``device`` never plans a cuDNN graph (CUDA only):
     torch then picks among the flash, memory-efficient and math kernels as usual."""
     return _WithoutCudnnSdp() if device.type == "cuda" else _NO_CHANGE
+
+
+def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     dropout: float = 0.0, scaling=None) -> torch.Tensor:
+    """Masked grouped-query attention without repeating keys and values: query [B, Hq, n, D] (query head h reads
+    key/value head h // G, as transformers' ``repeat_kv`` lays them out), key / value [B, Hkv, S, D], mask
+    [B or 1, 1, n, S]; the G query heads of a key/value head become G*n rows of one head. Returns [B, n, Hq, D]."""
+    b, hq, n, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    rows = query.reshape(b, hkv, g * n, d)                     # row j*n + i: query head k*g + j, position i
+    if n > 1:                                                  # one row: the mask broadcasts over the G rows
+        mask = mask.expand(b, 1, n, mask.shape[-1]).repeat(1, 1, g, 1)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(b, hq, n, value.shape[-1]).transpose(1, 2).contiguous()

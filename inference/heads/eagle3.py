@@ -61,7 +61,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention_backends import decoding_sdpa
+from ..attention_backends import decoding_sdpa, folded_attention
 from ..errors import IncompatibleHeadsError, UserError
 from .drafting import ContextDrafting
 from .inputs import BackboneInputs
@@ -76,6 +76,12 @@ _LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "interm
 ENGINE_FLAGS = {"norm_before_residual": False, "norm_output": False, "logit_scale": 1.0, "norm_before_fc": False,
                 "fc_norm": False}
 BOOL_FLAGS = tuple(f for f, default in ENGINE_FLAGS.items() if isinstance(default, bool))
+
+
+def fold_groups(q: torch.Tensor, mask: Optional[torch.Tensor], grouped: bool) -> bool:
+    """Whether the drafter's masked grouped-query attention folds its groups into query rows
+    (``folded_attention``): on CUDA, where SDPA with a mask and ``enable_gqa`` runs its unfused math kernel."""
+    return grouped and mask is not None and q.device.type == "cuda" and mask.shape[1] == 1
 
 
 @dataclasses.dataclass
@@ -555,10 +561,16 @@ class Eagle3Drafter(ContextDrafting, nn.Module):
     def _attend(self, q, keys, values, mask, residual) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.midlayer.self_attn
         # GQA inside the kernel: repeating the whole cache's keys and values per query head copied
-        # (heads / kv_heads) x the cache on every call, twice the attention's own cost at 300 entries.
+        # (heads / kv_heads) x the cache on every call, twice the attention's own cost at 300 entries. On CUDA
+        # a mask with enable_gqa leaves torch only its unfused math kernel (flash takes no mask): the groups are
+        # folded into query rows instead, as the backbone's attention does.
+        grouped = attn.heads != attn.kv_heads
         with decoding_sdpa(q.device):  # the drafter's cache grows every call: no cuDNN plan per length
-            ctx = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask.to(q.dtype),
-                                                 enable_gqa=attn.heads != attn.kv_heads)
+            if fold_groups(q, mask, grouped):
+                ctx = folded_attention(q, keys, values, mask.to(q.dtype)).transpose(1, 2)
+            else:
+                ctx = F.scaled_dot_product_attention(q, keys, values, enable_gqa=grouped,
+                                                     attn_mask=None if mask is None else mask.to(q.dtype))
         return self._finish(residual, attn.out(ctx))
 
     def ttt_features(self, aux: torch.Tensor, future: torch.Tensor, positions: torch.Tensor,

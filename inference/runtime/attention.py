@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention_backends import decoding_sdpa
+from ..attention_backends import decoding_sdpa, folded_attention
 
 NAME = "medusa_sdpa"
 FOLD_GROUPS = True   # on CUDA, masked grouped-query calls fold the groups into query rows (module docstring)
@@ -65,21 +65,6 @@ def decoding_attention_forward(module, query: torch.Tensor, key: torch.Tensor, v
     with decoding_sdpa(query.device):
         return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                is_causal=is_causal, **kwargs)
-
-
-def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     dropout: float = 0.0, scaling=None) -> torch.Tensor:
-    """Masked grouped-query attention without repeating keys and values: query [B, Hq, n, D] (query head h reads
-    key/value head h // G, as transformers' ``repeat_kv`` lays them out), key / value [B, Hkv, S, D], mask
-    [B or 1, 1, n, S]; the G query heads of a key/value head become G*n rows of one head. Returns [B, n, Hq, D]."""
-    b, hq, n, d = query.shape
-    hkv = key.shape[1]
-    g = hq // hkv
-    rows = query.reshape(b, hkv, g * n, d)                     # row j*n + i: query head k*g + j, position i
-    if n > 1:                                                  # one row: the mask broadcasts over the G rows
-        mask = mask.expand(b, 1, n, mask.shape[-1]).repeat(1, 1, g, 1)
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(b, hq, n, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 def _register() -> None:

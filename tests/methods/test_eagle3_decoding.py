@@ -131,6 +131,28 @@ def test_greedy_is_token_identical_to_plain_greedy(m, greedy, opts):
         assert out.tokens == greedy[tuple(p)], (p, opts)
 
 
+def test_folded_drafter_attention_decodes_the_same(m, greedy, monkeypatch):
+    """Guards against the CUDA path of the drafter's masked grouped-query attention (its groups folded into
+    query rows, as SDPA with a mask and enable_gqa falls back to its unfused math kernel there) reading other
+    key/value heads or returning another layout: forced on CPU, greedy output and every attention output agree."""
+    from inference.attention_backends import folded_attention
+    from inference.heads import eagle3
+
+    attn = m.heads.midlayer.self_attn
+    assert attn.heads != attn.kv_heads   # grouped: the path is taken
+    q, k, v = torch.randn(2, attn.heads, 3, 8), torch.randn(2, attn.kv_heads, 7, 8), torch.randn(2, attn.kv_heads, 7, 8)
+    mask = torch.where(torch.rand(2, 1, 3, 7) > 0.3, 0.0, float("-inf"))
+    mask[..., 0] = 0.0
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(folded_attention(q, k, v, mask).transpose(1, 2), ref)
+    folded = []
+    monkeypatch.setattr(eagle3, "fold_groups", lambda q, mask, grouped: folded.append(mask is not None) or (
+        grouped and mask is not None))
+    for p in PROMPTS:
+        assert generate(m, p, "eagle3", max_new_tokens=40, eos_token_ids=()).tokens == greedy[tuple(p)]
+    assert any(folded)
+
+
 def test_library_defaults_fit_the_drafter(backbone, m, greedy):
     """Guards against the Python API (generate / generate_batch / Eagle3Decoder without eagle_* options)
     drafting deeper than the drafter was trained to (the library's fixed n8-d4-k4 decoded the recipe's
