@@ -143,7 +143,7 @@ def test_gpu_check_dry_run_at_the_full_smollm2_shape(tmp_path):
     out = tmp_path / "gpu_check"
     env = clean_env(PYTHON=sys.executable, PYTHONPATH=str(ROOT))
     env.pop("OUT", None)
-    # a hang guard, not a timing: ~2 minutes on an idle 2-core machine, over 5 beside another test run
+    # a hang guard, not a timing: it ran past 300 s beside another test run on 2 cores
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--full-shape", "--no-tier", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
