@@ -30,8 +30,8 @@ stands (``captures`` counts); a request the buffer cannot hold gets a new one (c
 to the request, the old dimensions kept only where that costs at most twice as much; the graphs are dropped and
 recaptured, said in one line) unless the capacity was fixed, the batch is above the largest bucket or the memory
 is not there, in which case that request decodes on the dynamic path with a one-line warning. A capture that
-fails (a host read inside the step, refused by sync debugging before the capture opens) turns capture off for
-the model (one line; the static steps go on uncaptured), never a wrong token; a captured step whose first
+fails (a host read inside the step, refused by ``graph_capture.HostReadGuard`` before the capture opens) turns
+capture off for the model (one line; the static steps go on uncaptured), never a wrong token; a captured step whose first
 replay on new inputs disagrees with the same step run eagerly runs uncaptured (each is checked so, once).
 """
 
