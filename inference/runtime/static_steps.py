@@ -31,8 +31,8 @@ to the request, the old dimensions kept only where that costs at most twice as m
 recaptured, said in one line) unless the capacity was fixed, the batch is above the largest bucket or the memory
 is not there, in which case that request decodes on the dynamic path with a one-line warning. A capture that
 fails (a host read inside the step, refused by ``graph_capture.HostReadGuard`` before the capture opens) turns
-capture off for the model (one line; the static steps go on uncaptured), never a wrong token; a captured step whose first
-replay on new inputs disagrees with the same step run eagerly runs uncaptured (each is checked so, once).
+capture off for the model (one line; the static steps go on uncaptured), never a wrong token; a captured step
+whose first replay on new inputs disagrees with the same step run eagerly runs uncaptured (each is checked so, once).
 """
 
 from __future__ import annotations
