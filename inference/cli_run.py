@@ -161,16 +161,20 @@ def write_eval(cfg, m, out, report: dict, chosen: dict, batched: bool, chosen_on
     print("report: " + ", ".join(str(p) for p in paths))
     if stale:
         print(f"removed what an earlier evaluation left in {out}: {', '.join(stale)}")
-    for method, path in files.items() if cfg.heads else ():   # medusa-generate decodes with heads only
+    # medusa-generate decodes with heads, and with the methods that use them only (a draft model's or prompt
+    # lookup's choice was printed with a command it refused)
+    spec = getattr(m.heads, "spec", None)
+    usable = methods_for_heads(spec) if cfg.heads and spec is not None else ()
+    for method, path in ((x, p) for x, p in files.items() if x in usable):
         sizes = report["batched"]["batch_sizes"] if batched else None
         print(f"decode with {method}'s choice: {generate_command(cfg, path, sizes)}")
 
 
 # What a measured choice depends on beyond the heads: the model decoded (backbone, adapter, dtype, device, its own
 # code) and how (a choice measured sampling is pasted as sampling; with backbone= printed, apply_adapter's unset
-# default would flip to off)
+# default would flip to off; the answers' length: the prompts were checked to fit the backbone with it)
 _MEASURED_AS = ("backbone", "apply_adapter", "dtype", "device", "trust_remote_code", "mode", "temperature", "top_p",
-                "top_k", "typical_epsilon", "typical_delta", "chat_template_args")
+                "top_k", "typical_epsilon", "typical_delta", "max_new_tokens", "chat_template_args")
 
 
 EXAMPLE_PROMPT = "Write a haiku about the sea."
@@ -222,7 +226,10 @@ def generate_options(cfg, spec, several: bool, size: Optional[int]):
     check_options_fit({method: options}, spec, cfg)
     together = several and batching   # prompts decoded in batches: a batched evaluation's schedule applies
     if saved is not None:
-        if saved.plain_alone and not together:   # the evaluation found plain decoding best at batch 1
+        grafts = get(method).grafted(options) if get(method).grafted is not None else 0
+        # the evaluation found plain decoding best at batch 1; a method that grafts its own proposals under the
+        # tree (a looked-up chain) ran them alone with no tree, and was measured and reported so
+        if saved.plain_alone and not together and not grafts:
             return PLAIN_METHOD, None, together
         return method, get(method).shape.apply(options, saved.schedule, together), together
     shape = get(method).shape

@@ -764,8 +764,9 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
     dtype=, device=, trust_remote_code=, apply_adapter=, the sampling keys and chat_template_args: pasted, heads
     whose recorded base model is unreachable failed, a bfloat16 evaluation's choice decoded in float32, Medusa-2
     heads decoded without their adapter, a sampled one greedily, thinking-off prompts with thinking on; and the line
-    not running as printed (no prompt=; a batched one's "prompts_file=<prompts.jsonl>", shell redirections). The line
-    is read back as medusa-generate reads its argv."""
+    not running as printed (no prompt=; a batched one's "prompts_file=<prompts.jsonl>", shell redirections; a line
+    for a draft model's or prompt lookup's choice, which medusa-generate refused; the evaluation's max_new_tokens
+    dropped). The line is read back as medusa-generate reads its argv."""
     import shlex
     import types
 
@@ -777,7 +778,13 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
     monkeypatch.setattr(cli_run, "print_per_method", lambda report: None)
     monkeypatch.setattr(cli_run, "print_batched", lambda batched: None)
     monkeypatch.setattr(cli_run, "write_choice", lambda out, method, *a: out / f"{method}_choice.json")
-    chosen = {"medusa": types.SimpleNamespace(measured=True, options=None)}
+    from inference.heads.spec import HeadsSpec
+
+    # a draft model's choice too: medusa-generate decodes with the heads' own methods, and refused its line
+    chosen = {"medusa": types.SimpleNamespace(measured=True, options=None),
+              "draft": types.SimpleNamespace(measured=True, options=None)}
+    m = types.SimpleNamespace(heads=types.SimpleNamespace(spec=HeadsSpec(kind="medusa", num_heads=3, num_layers=1,
+                                                                         hidden_size=8, vocab_size=16)))
     out = tmp_path / "my eval"   # a space: the line must still paste as one argument
     out.mkdir()
     for given, expected in (
@@ -791,11 +798,15 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
             # (a string the command line would read as another value, "1", quoted)
             (dict(chat_template_args={"enable_thinking": False, "effort": "low", "level": "1"}),
              dict(chat_template_args={"enable_thinking": False, "effort": "low", "level": "1"})),
+            # the answers' length the prompts were checked to fit with
+            (dict(max_new_tokens=12), dict(max_new_tokens=12)),
             ({}, dict(backbone=None, dtype="float32", device="auto", trust_remote_code=False, apply_adapter=None,
                       mode="greedy"))):
         cfg = cli.EvalConfig(heads="runs/a/heads", out=str(out), **given)
-        cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), out, {}, chosen, batched=False)
-        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode with medusa's choice: "))
+        cli_run.write_eval(cfg, m, out, {}, chosen, batched=False)
+        printed = capsys.readouterr().out
+        assert "decode with draft's choice" not in printed
+        line = next(x for x in printed.splitlines() if x.startswith("decode with medusa's choice: "))
         argv = shlex.split(line.split(": ", 1)[1])
         assert argv[0] == "medusa-generate", line
         read = parse_overrides("medusa-generate", cli.GenerateConfig, argv[1:])
@@ -805,8 +816,7 @@ def test_the_printed_generate_command_decodes_as_the_evaluation_measured(tmp_pat
         assert given or argv[1:] == ["heads=runs/a/heads", f"prompt={cli_run.EXAMPLE_PROMPT}",
                                      f"choice={out / 'medusa_choice.json'}"], line
     cfg = cli.EvalConfig(heads="runs/a/heads", out=str(out), prompts="my prompts.jsonl", batch_size=[1, 4, 8])
-    cli_run.write_eval(cfg, types.SimpleNamespace(heads=None), out, {"batched": {"batch_sizes": [1, 4, 8]}}, chosen,
-                       batched=True)
+    cli_run.write_eval(cfg, m, out, {"batched": {"batch_sizes": [1, 4, 8]}}, chosen, batched=True)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decode with medusa's choice: "))
     read = parse_overrides("medusa-generate", cli.GenerateConfig, shlex.split(line.split(": ", 1)[1])[1:])
     assert (read.prompts_file, read.batch_size, read.prompt) == ("my prompts.jsonl", 8, None), line

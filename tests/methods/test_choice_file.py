@@ -217,6 +217,23 @@ def test_generate_decodes_with_a_medusa_choice(tmp_path, generate_calls, at_one,
         assert options.tree.name == tree and options.tree.paths == schedule.choices[1].paths
 
 
+def test_a_medusa_lookup_choice_without_a_tree_decodes_its_lookup(tmp_path, generate_calls):
+    """Guards against medusa-generate decoding plainly from a medusa_lookup choice whose batch-1 tree is none: the
+    evaluation ran (and reported) that method as prompt lookup alone, its looked-up chain with no tree, which
+    reached tau 1.95 on a prompt where the plain decoding generate ran gave 1.00."""
+    import inference.cli as cli
+    from inference.methods.medusa_lookup import MedusaLookupOptions
+
+    chosen = _medusa_chosen(at_one=False)
+    path = write_choice(tmp_path, "medusa_lookup", chosen, MedusaLookupOptions(tree=chosen.schedule, num_tokens=5),
+                        "abc")
+    generate_calls["spec"] = _medusa_spec()
+    with pytest.raises(DecodeCalled):
+        cli_run.run_generate(cli.GenerateConfig(heads="h", prompt="hi", choice=str(path)))
+    args, kw = generate_calls["args"], generate_calls["kw"]
+    assert args[2] == "medusa_lookup" and kw["options"].tree is None and kw["options"].num_tokens > 0
+
+
 @pytest.mark.parametrize("at_one, prompts, method", [(True, "hi", "eagle3_lookup"), (False, "hi", "autoregressive"),
                                                      (False, ["a", "b"], "eagle3_lookup")],
                          ids=["alone", "alone-plain", "batch"])
