@@ -239,14 +239,15 @@ def check_fixed_choices(options: dict, modes: dict, spec) -> None:
             shape.check_spec(choice, spec)
 
 
-def read_choice_file(cfg, spec, usable: list[str], defaults: Optional[dict] = None):
+def read_choice_file(cfg, spec, usable: list[str], defaults: Optional[dict] = None, evaluated: bool = False):
     """The ``SavedChoice`` of ``choice=<file>`` (None for auto / fixed), read against the heads of ``spec``
-    with the command line's other keys (``choice_file.read_choice``). A key the file sets also given on the command
+    with the command line's other keys (``choice_file.read_choice``; ``evaluated``: ``usable`` are the methods an
+    evaluation measures). A key the file sets also given on the command
     line (written there, even as the command's default: ``given_key``) is refused: the file's value won
     silently (tree=chain1 beside a Medusa choice file decoded the file's tree, and report.json said chain1)."""
     if not is_choice_file(cfg.choice):
         return None
-    saved = read_choice(cfg.choice, spec, usable, lambda method: method_options(cfg, method, spec))
+    saved = read_choice(cfg.choice, spec, usable, lambda method: method_options(cfg, method, spec), evaluated)
     shape, options = get(saved.method).shape, method_options(cfg, saved.method, spec)
     choices = [c for c in saved.schedule.choices.values() if c is not None]
     keys = {key for c in choices for key in shape.encode(c, options)}
@@ -433,15 +434,17 @@ def given_key(cfg, key: str, defaults: Optional[dict] = None) -> bool:
     return value is not None and value != (defaults or {}).get(key)
 
 
-def check_keys_used(cfg, methods: list[str], defaults: Optional[dict] = None) -> None:
+def check_keys_used(cfg, methods: list[str], defaults: Optional[dict] = None, names_methods: bool = True) -> None:
     """Refuse a method key given on the command line that none of ``methods`` (what this command decodes with)
     takes: ``eagle_nodes=4`` beside Medusa heads was silently ignored, the run measuring something else than asked.
-    A key is given when it was written on the command line (``given_key``)."""
+    A key is given when it was written on the command line (``given_key``). ``names_methods``: the command takes
+    ``methods=`` (medusa-eval); medusa-generate decodes with the heads' method or a choice file's."""
     from .cli_keys import CommandKeys, method_keys   # lazy, as cli_keys' own registry import
 
     own = {f.name for f in dataclasses.fields(CommandKeys)}
     for key, (_, _, _, takers) in sorted(method_keys().items()):
         if key in own or not given_key(cfg, key, defaults) or set(takers) & set(methods):
             continue
+        how = ", or name such a method" if names_methods else ""   # medusa-generate names no method
         raise UserError(f"{key}= is a key of {', '.join(takers)}, and none of the methods decoding here "
-                        f"({', '.join(methods)}) takes it: drop it, or name such a method")
+                        f"({', '.join(methods)}) takes it: drop it{how}")

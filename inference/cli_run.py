@@ -79,7 +79,7 @@ def eval_choices(cfg, methods: list[str], spec, sizes) -> tuple[dict, dict, Any]
     options = {x: method_options(cfg, x, spec) for x in methods}
     check_options_fit(options, spec, cfg)   # the heads' config and the backbone's (not its weights)
     modes = choice_modes(cfg, options)
-    saved = read_choice_file(cfg, spec, methods)
+    saved = read_choice_file(cfg, spec, methods, evaluated=True)
     if saved is not None:
         options[saved.method] = get(saved.method).shape.apply(options[saved.method], saved.schedule, sizes is not None)
     check_fixed_choices(options, modes, spec)
@@ -262,7 +262,7 @@ def run_generate(cfg) -> None:
     cfg.chat_template_args = template_args_for(cfg.heads, cfg.chat_template_args)   # given, else the training's
     spec = heads_spec(cfg)   # None when unreadable here: the load below says why
     method, options, together = generate_options(cfg, spec, several, size)
-    check_keys_used(cfg, [method], GENERATE_DEFAULTS)
+    check_keys_used(cfg, [method], GENERATE_DEFAULTS, names_methods=False)
     check_prompts_fit(cfg, prompts, spec)   # the tokenizer alone: a prompt too long refused before weights
     batching_note(cfg, method, together)   # after the checks: a refusal is the one line printed
     m = _load(cfg)

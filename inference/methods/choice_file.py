@@ -118,12 +118,17 @@ def _record(path: str) -> dict:
     return record
 
 
-def read_choice(path: str, spec, usable: list[str], options_of: Callable[[str], Any]) -> SavedChoice:
+def read_choice(path: str, spec, usable: list[str], options_of: Callable[[str], Any],
+                evaluated: bool = False) -> SavedChoice:
     """The choice in a file ``write_choice`` wrote, each choice decoded over ``options_of(method)`` (the
     command line's options) and checked against the heads of ``spec``; ``usable``: the methods these heads
-    (or none) decode with. One clear line for anything it cannot take (module docstring)."""
+    (or none) decode with, or (``evaluated``) the methods an evaluation measures. One clear line for anything it
+    cannot take (module docstring)."""
     record = _record(path)
     method = record.get("method")
+    if method not in usable and evaluated:   # the heads may well decode with it: the evaluation was not asked to
+        raise UserError(f"choice={path} is for method {method!r}, which is not among the methods evaluated here "
+                        f"({', '.join(usable)}): add it, methods=[{','.join([*usable, str(method)])}]")
     if method not in usable:
         raise UserError(f"choice={path} is for method {method!r}, which these heads do not decode with "
                         f"(they decode with: {', '.join(usable) or 'none'})")

@@ -142,9 +142,12 @@ REFUSED = [
     (EXPORT, [MEDUSA, "format=vllm", "out={tmp}/o", "format=tgi"], "format= is given twice"),
     (EVAL, [MEDUSA, PROMPTS, "methods=[]"], "methods= is empty"),
     (GEN, [MEDUSA, "prompt=hi", "eagle_nodes=4"], "eagle_nodes= is a key of eagle3, eagle3_lookup, and none of"),
-    (GEN, [EAGLE, "prompt=hi", "draft_k=3"], "draft_k= is a key of draft, and none of the methods decoding here"),
+    # medusa-generate has no methods= key: "or name such a method" could not be done there
+    (GEN, [EAGLE, "prompt=hi", "draft_k=3"], "draft_k= is a key of draft, and none of the methods decoding here "
+                                             "(eagle3_lookup) takes it: drop it"),
     (GEN, [EAGLE, "prompt=hi", "tree=tree8"], "tree= is a key of medusa, medusa_lookup"),
     (EVAL, [MEDUSA, PROMPTS, "draft_k=3", "choice=fixed"], "draft_k= is a key of draft"),
+    (EVAL, [MEDUSA, PROMPTS, "methods=[medusa]", "draft_k=3"], "takes it: drop it, or name such a method"),
     (GEN, ["heads=", "prompt=hi"], "heads= needs a value"),
     (GEN, [MEDUSA, "prompt=" + "long " * 20, "backbone={tmp}/bbtok", "max_new_tokens=8"],
      "exceeds the backbone's 64 positions"),   # the tokenizer alone read: the weights never load

@@ -133,6 +133,10 @@ def test_refusals_name_the_file_and_what_to_run(tmp_path):
         read_choice(str(path), _medusa_spec(num_heads=1), usable, _medusa_options)
     with pytest.raises(UserError, match="which these heads do not decode with"):
         read_choice(str(path), _eagle_spec(), ["eagle3"], _medusa_options)
+    # an evaluation not asked for the file's method: the heads were blamed, which wrote that very file
+    with pytest.raises(UserError, match=r"not among the methods evaluated here \(draft\): add it, "
+                                        r"methods=\[draft,medusa\]"):
+        read_choice(str(path), _medusa_spec(), ["draft"], _medusa_options, evaluated=True)
     with pytest.raises(UserError, match="no such file"):
         read_choice(str(tmp_path / "missing.json"), _medusa_spec(), usable, _medusa_options)
     bad = tmp_path / "bad.json"
