@@ -129,7 +129,8 @@ def test_eagle3_drafter_from_the_command_line(tmp_path):
     printed = next(x for x in proc.stdout.splitlines() if x.startswith("decode with eagle3_lookup's choice: "))
     argv = shlex.split(printed.split(": ", 1)[1])   # the line that decodes with it, run as printed
     assert argv[0] == "medusa-generate" and f"choice={path.relative_to(tmp_path)}" in argv, printed
-    proc = _run(*argv, "max_new_tokens=8", "kernels=stock", "threads=1", cwd=tmp_path)
+    assert "max_new_tokens=8" in argv, printed   # the evaluation's answers' length
+    proc = _run(*argv, "kernels=stock", "threads=1", cwd=tmp_path)
     assert "tokens, tau" in proc.stderr
     # batched: the choice per batch size saved, and medusa-generate's batches decoded with that schedule
     proc = _run("medusa-eval", "heads=runs/e3/heads", "prompts=prompts.jsonl", "num_prompts=2", "max_new_tokens=8",
