@@ -76,6 +76,15 @@ def write_choice(out: Path, method: str, chosen, options, base_model_fingerprint
     return path
 
 
+def _decodable(method, spec) -> bool:
+    """Whether an evaluation of the heads of ``spec`` (None: none) could measure ``method``."""
+    if method not in registry.names():
+        return False
+    if not registry.get(method).needs_heads:
+        return True
+    return spec is not None and method in registry.methods_for_heads(spec)
+
+
 def old_choice_file(value: Any) -> Optional[str]:
     """What an old choice file at ``value`` was (one of ``OLD_FORMATS``), or None for anything else."""
     record = _json(value)
@@ -126,12 +135,13 @@ def read_choice(path: str, spec, usable: list[str], options_of: Callable[[str], 
     cannot take (module docstring)."""
     record = _record(path)
     method = record.get("method")
-    if method not in usable and evaluated:   # the heads may well decode with it: the evaluation was not asked to
+    if method not in usable and evaluated and _decodable(method, spec):   # the evaluation was not asked for it
         raise UserError(f"choice={path} is for method {method!r}, which is not among the methods evaluated here "
                         f"({', '.join(usable)}): add it, methods=[{','.join([*usable, str(method)])}]")
     if method not in usable:
+        theirs = registry.methods_for_heads(spec) if evaluated and spec is not None else usable
         raise UserError(f"choice={path} is for method {method!r}, which these heads do not decode with "
-                        f"(they decode with: {', '.join(usable) or 'none'})")
+                        f"(they decode with: {', '.join(theirs) or 'none'})")
     theirs = record.get("base_model_fingerprint") or None
     ours = getattr(spec, "base_model_fingerprint", "") or None
     if theirs and ours and theirs != ours:

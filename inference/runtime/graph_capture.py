@@ -38,7 +38,8 @@ class HostReadGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in HOST_READS or _value_shaped(name, func, args, kwargs) or _crosses_host(name, args, kwargs):
+        if (name in HOST_READS or _value_shaped(name, func, args, kwargs) or _crosses_host(name, args, kwargs)
+                or _made_from_values(name, args)):
             raise HostReadInStep(f"the step reads the device on the host ({name}): it cannot be captured")
         return func(*args, **kwargs)
 
@@ -48,6 +49,12 @@ def _value_shaped(name: str, func, args, kwargs) -> bool:
         return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
     return name in ("index", "index_put", "index_put_") and any(
         isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+
+
+def _made_from_values(name: str, args) -> bool:
+    """``torch.tensor(values, device=...)`` off the host: torch copies the values below the dispatcher, so a mode
+    sees only the ``lift_fresh`` of a tensor already on the device (torch's fake_tensor.py says so)."""
+    return name in ("lift_fresh", "lift_fresh_copy") and args[0].device.type != "cpu"
 
 
 def _crosses_host(name: str, args, kwargs) -> bool:
@@ -66,14 +73,15 @@ def to_device(values, device, dtype=None) -> torch.Tensor:
     list a step sent after queueing work waited for all of it, and the GPU then idled while the host built the
     rest. CUDA copies a pageable source to its staging buffer before the call returns: the list may go at once."""
     if isinstance(values, torch.Tensor):
-        return values.to(device=device, dtype=dtype or values.dtype)
+        return values.to(device=device, dtype=dtype or values.dtype, non_blocking=True)
     host = torch.tensor(values, dtype=dtype)
     return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)
 
 
 # One capture at a time in the process: torch.cuda.graph's default capture stream is one for all, and a capture
-# started while another thread's is open fails both. Held around warm-up and capture, whatever the model.
-_CAPTURING = threading.Lock()
+# started while another thread's is open fails both. Held around warm-up, capture and the memory measured around
+# them (``measured_capture``: re-entered there), whatever the model.
+_CAPTURING = threading.RLock()
 # One warm-up and capture stream per device, kept: each new torch.cuda.Stream() is another of torch's pooled
 # streams, and cuBLAS keeps a workspace per (handle, stream) that was then counted as each graph's memory.
 _STREAMS: dict = {}
@@ -134,17 +142,18 @@ def measured_capture(capture: Callable, fn: Callable[[], tuple], pool) -> tuple[
     """``capture(fn, pool)`` -> ((replay, outputs), seconds, graph memory in bytes); raises what it raises.
     torch.cuda.graph empties the allocator's cache on entry: the memory is measured from there."""
     on_cuda = capture is cuda_capture
-    if on_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved() if on_cuda else 0
-    t0 = time.perf_counter()
-    captured = capture(fn, pool)
-    grown = 0
-    if on_cuda:
-        torch.cuda.synchronize()
-        grown = torch.cuda.memory_reserved() - before
-    return captured, time.perf_counter() - t0, grown
+    with _CAPTURING if on_cuda else nullcontext():   # another thread's capture would count in this one's memory
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved() if on_cuda else 0
+        t0 = time.perf_counter()
+        captured = capture(fn, pool)
+        grown = 0
+        if on_cuda:
+            torch.cuda.synchronize()
+            grown = torch.cuda.memory_reserved() - before
+        return captured, time.perf_counter() - t0, grown
 
 
 def outputs_agree(replayed: Sequence[torch.Tensor], eager: Sequence[torch.Tensor]) -> bool:

@@ -28,7 +28,7 @@ class MLPSpeculatorTraining(TrainingFamily):
             raise UserError(f"heads.inner_dim must be >= 0 (0 = backbone width), got {h.inner_dim}")
         if h.num_layers not in (0, 1):   # was accepted and ignored: the run trained what num_layers=1 trains
             raise UserError(f"heads.kind=mlp_speculator has no residual layers to stack (each step is one projection, "
-                            f"embedding and norm): heads.num_layers must be 1, got {h.num_layers}")
+                            f"embedding and norm): heads.num_layers must be 1 (or 0, the same), got {h.num_layers}")
         if h.tie_weights and h.num_heads < 2:
             raise UserError("heads.tie_weights needs heads.num_heads >= 2 (one set of step weights shared by "
                             "the steps after the first)")
@@ -41,7 +41,9 @@ class MLPSpeculatorTraining(TrainingFamily):
                                      scale_input=bool(h.scale_input))
 
     def resolved(self, h, hf_config) -> dict:
-        return {"heads.inner_dim": h.inner_dim or text_config(hf_config).hidden_size}
+        # num_layers is no setting here (nothing stacks): a run recorded with another value (accepted before it was
+        # refused) resumes under the command that says 1
+        return {"heads.inner_dim": h.inner_dim or text_config(hf_config).hidden_size, "heads.num_layers": 1}
 
 
 register_training_family(MLPSpeculatorTraining("mlp_speculator"))

@@ -137,6 +137,9 @@ def test_refusals_name_the_file_and_what_to_run(tmp_path):
     with pytest.raises(UserError, match=r"not among the methods evaluated here \(draft\): add it, "
                                         r"methods=\[draft,medusa\]"):
         read_choice(str(path), _medusa_spec(), ["draft"], _medusa_options, evaluated=True)
+    # ... but not where adding it would be refused again for the heads
+    with pytest.raises(UserError, match="which these heads do not decode with"):
+        read_choice(str(_eagle_file(tmp_path)[0]), _medusa_spec(), ["medusa"], _medusa_options, evaluated=True)
     with pytest.raises(UserError, match="no such file"):
         read_choice(str(tmp_path / "missing.json"), _medusa_spec(), usable, _medusa_options)
     bad = tmp_path / "bad.json"

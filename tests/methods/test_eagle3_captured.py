@@ -2,8 +2,8 @@
 
 With static steps (graphs=) the drafter drafts and catches up through ``MedusaModel.static.calls`` over a
 fixed-shape cache. ``replaying`` (tests/runtime/test_static_steps.py) stands in for CUDA's capture, and
-``host_read_refused`` (tests/runtime/test_captured_calls.py) for the sync debugging that makes a CUDA capture
-fail on a host read; the CUDA capture itself is checked on a GPU."""
+``host_read_refused`` (tests/runtime/test_captured_calls.py) for ``graph_capture.HostReadGuard``, which fails a
+CUDA capture's warm-up on a host read; the CUDA capture itself is checked on a GPU."""
 
 from __future__ import annotations
 

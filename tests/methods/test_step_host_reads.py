@@ -171,7 +171,8 @@ def test_host_values_go_to_a_device_without_waiting():
     try:
         out = to_device([3, 4], torch.device("meta"))
         assert out.device.type == "meta" and out.dtype == torch.long and asked == [True]
-        assert to_device([1.5], "cpu").dtype == torch.float32 and to_device([1], "cpu", torch.int32).dtype == torch.int32
+        assert to_device([1.5], "cpu").dtype == torch.float32
+        assert to_device([1], "cpu", torch.int32).dtype == torch.int32
         t = torch.arange(3)
         assert to_device(t, "cpu") is t
     finally:

@@ -3,7 +3,8 @@
 ``replaying`` (tests/runtime/test_static_steps.py) stands in for CUDA's capture: the outputs stay the tensors
 the capture returned and each replay refills them, so the fixed-input plumbing, the batch padding, the counts
 and the checks run here; the CUDA capture itself is in the gpu tier (tests/runtime/test_static_steps_gpu.py).
-``host_read_refused`` stands in for the sync debugging that makes a CUDA capture fail on a host read."""
+``host_read_refused`` stands in for ``graph_capture.HostReadGuard``, which fails a CUDA capture's warm-up on a
+host read."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 @contextmanager
 def no_host_reads():
-    """Tensor -> host conversions raise inside (what sync debugging does to a CUDA capture)."""
+    """Tensor -> host conversions raise inside (what ``HostReadGuard`` does to a CUDA capture's warm-up)."""
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
     def refuse(*args, **kwargs):

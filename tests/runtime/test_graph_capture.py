@@ -108,6 +108,10 @@ def test_a_host_read_is_refused_in_this_thread_only(monkeypatch):
     for read in reads:
         with pytest.raises(graph_capture.HostReadInStep), graph_capture.HostReadGuard():
             read()
+    # torch.tensor(values, device=...) copies below the dispatcher (torch's tensor_new.h, "torch.tensor, lift_fresh,
+    # and device movement"): a mode sees the lift_fresh of a tensor already off the host, refused; on the host, not
+    assert graph_capture._made_from_values("lift_fresh", (torch.empty(2, device="meta"),))
+    assert not graph_capture._made_from_values("lift_fresh", (torch.empty(2),))
     with graph_capture.HostReadGuard():   # what a step does: device-side arithmetic and indexing by tensors
         y = (x * 2).index_select(0, torch.tensor([1, 2])) + x.new_full((2,), 3.0)
         z = torch.repeat_interleave(x[:2].long(), output_size=1)
@@ -120,6 +124,7 @@ def test_a_host_read_is_refused_in_this_thread_only(monkeypatch):
     assert other == [3.0]
 
     fake = FakeCuda(monkeypatch)   # in the warm-up run, before any capture starts
+    assert graph_capture.to_device(torch.arange(2), "cpu").dtype == torch.long
     with pytest.raises(graph_capture.HostReadInStep, match="_local_scalar_dense"):
         graph_capture.cuda_capture(lambda: (x[0].item(),), pool="pool")
     assert fake.graph_kwargs is None and fake.current is fake.main
@@ -148,3 +153,18 @@ def test_an_interrupted_capture_restores_the_stream_and_propagates_as_itself(mon
     with pytest.raises(RuntimeError, match="capture failed"):
         graph_capture.cuda_capture(lambda: (torch.ones(1),), pool="pool")
     assert fake.current is fake.main
+
+
+def test_the_memory_around_a_capture_is_measured_under_the_capture_lock(monkeypatch):
+    """Guards against measuring a graph's memory outside the one-capture-at-a-time lock: another thread's capture
+    between this one's "before" and "after" readings was counted in both graphs' memory."""
+    FakeCuda(monkeypatch)
+    held = []
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: held.append(graph_capture._CAPTURING._is_owned()),
+                            raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: held.append(graph_capture._CAPTURING._is_owned()) or 0,
+                        raising=False)
+    graph_capture.measured_capture(graph_capture.cuda_capture, lambda: (torch.ones(1),), pool="pool")
+    assert len(held) == 5 and all(held)
+    assert not graph_capture._CAPTURING._is_owned()

@@ -243,7 +243,7 @@ CONFIG_REFUSED = [
     (["backbone.random_init.num_attention_heads=-2"], "backbone.random_init.num_attention_heads"),
     (["heads.num_layers=65"], "heads.num_layers must be in 0..64"),
     # accepted and ignored: the run trained one projection per step whatever num_layers said
-    (["heads.kind=mlp_speculator", "heads.num_layers=3"], "heads.num_layers must be 1, got 3"),
+    (["heads.kind=mlp_speculator", "heads.num_layers=3"], "heads.num_layers must be 1 (or 0, the same), got 3"),
 ]
 
 
@@ -484,3 +484,16 @@ def test_online_logging_without_a_wandb_key_is_refused_before_anything_loads(tmp
                           stdin=subprocess.DEVNULL)
     assert_one_line_refusal(proc, "logger.wandb=online: wandb has no API key here (run `wandb login`")
     assert snapshot(tmp_path) == before, "a refused command wrote files"
+
+
+def test_an_mlp_speculator_run_recorded_with_more_layers_resumes_under_one(compose_tiny):
+    """Guards against stranding a run started before heads.num_layers was refused for an MLP speculator (it stacks
+    no layers, so 2 trained what 1 trains): its own command now refused, the corrected one refused as another
+    configuration. The key resolves to 1 for both, as an automatic key does."""
+    from medusa_train.backbone import random_config
+    from medusa_train.checkpoint import config_dict, resolved_settings, unresolved_changes
+
+    new = config_dict(compose_tiny("heads.kind=mlp_speculator"))
+    saved = {**new, "heads": {**new["heads"], "num_layers": 2}}
+    hf = random_config(dict(new["backbone"]["random_init"]))
+    assert unresolved_changes(["heads.num_layers"], saved, new, lambda c: resolved_settings(c, hf)) == []
