@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 _NO_CHANGE = nullcontext()  # reusable: entered on every CPU attention call, so built once
+# Query rows up to which folded_attention folds the groups into one call: a verification step's tree (the
+# default buckets end at 64 nodes). Longer calls (a prompt's first forward) run one call per group.
+FOLDED_ROWS = 64
 
 
 class _WithoutCudnnSdp:
@@ -47,10 +50,18 @@ def folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      dropout: float = 0.0, scaling=None) -> torch.Tensor:
     """Masked grouped-query attention without repeating keys and values: query [B, Hq, n, D] (query head h reads
     key/value head h // G, as transformers' ``repeat_kv`` lays them out), key / value [B, Hkv, S, D], mask
-    [B or 1, 1, n, S]; the G query heads of a key/value head become G*n rows of one head. Returns [B, n, Hq, D]."""
+    [B or 1, 1, n, S]; the G query heads of a key/value head become G*n rows of one head (up to ``FOLDED_ROWS``
+    rows per call; longer calls attend per query group). Returns [B, n, Hq, D]."""
     b, hq, n, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
+    if n > FOLDED_ROWS:
+        # One call per query group, each over the unrepeated mask: folding would copy the mask G times, which
+        # for a prompt read through a static buffer is B x G x n x capacity elements per layer (~2 GB at
+        # Llama-3.1-8B's 4 groups, 32 rows of 2,000 tokens). Query head k*g + j reads key/value head k.
+        outs = [F.scaled_dot_product_attention(query[:, j::g], key, value, attn_mask=mask, dropout_p=dropout,
+                                               scale=scaling) for j in range(g)]
+        return torch.stack(outs, dim=2).reshape(b, hq, n, value.shape[-1]).transpose(1, 2).contiguous()
     rows = query.reshape(b, hkv, g * n, d)                     # row j*n + i: query head k*g + j, position i
     if n > 1:                                                  # one row: the mask broadcasts over the G rows
         mask = mask.expand(b, 1, n, mask.shape[-1]).repeat(1, 1, g, 1)

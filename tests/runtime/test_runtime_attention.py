@@ -58,7 +58,7 @@ def test_masked_rows_equal_transformers_sdpa(bool_mask):
 
 
 @pytest.mark.parametrize("bool_mask", [False, True])
-@pytest.mark.parametrize("rows, batch", [(1, 2), (5, 2), (5, 1), (16, 1)])
+@pytest.mark.parametrize("rows, batch", [(1, 2), (5, 2), (5, 1), (16, 1), (70, 2)])
 def test_folded_groups_equal_repeated_keys_and_values(rows, batch, bool_mask):
     """Guards against the CUDA path's folding (G query heads as G*n rows of their key/value head) pairing a query
     head with another head's keys, or a row with another row's mask (the row order inside a fold, a one-row
@@ -66,14 +66,35 @@ def test_folded_groups_equal_repeated_keys_and_values(rows, batch, bool_mask):
     one and two sequences, float and boolean masks. The function is device-agnostic; CUDA picks it."""
     from transformers.models.llama.modeling_llama import repeat_kv
 
-    q, k, v = _qkv(batch=batch, q_heads=8, kv_heads=2, rows=rows, context=48)
-    mask = _tree_mask(2, rows, 48, bool_mask)[:batch]
+    q, k, v = _qkv(batch=batch, q_heads=8, kv_heads=2, rows=rows, context=80)
+    mask = _tree_mask(2, rows, 80, bool_mask)[:batch]
     mask[:, :, 0, 5] = False if bool_mask else torch.finfo(torch.float32).min    # the first row's prefix differs
     ours = attention.folded_attention(q, k, v, mask, scaling=0.25)
     ref = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask,
                                                            scale=0.25).transpose(1, 2)
     assert ours.shape == (batch, rows, 8, 16)
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+def test_long_calls_do_not_repeat_the_mask(monkeypatch):
+    """Guards against a prompt's first forward through a static buffer copying its full-capacity mask once per
+    query group (B x G x n x capacity per layer: ~2 GB at Llama-3.1-8B's shape, 32 rows of 2,000 tokens): calls
+    longer than a tree are handed to SDPA with the mask as given, one call per group."""
+    from inference import attention_backends
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        seen.append(attn_mask.numel())
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention_backends.F, "scaled_dot_product_attention", spy)
+    rows = attention_backends.FOLDED_ROWS + 1
+    q, k, v = _qkv(batch=2, q_heads=8, kv_heads=2, rows=rows, context=rows + 8)
+    mask = _tree_mask(2, rows, rows + 8, bool_mask=True)
+    attention.folded_attention(q, k, v, mask, scaling=0.25)
+    assert seen == [mask.numel()] * 4
 
 
 @pytest.mark.parametrize("case", ["one row", "no mask", "no groups", "softcap"])
