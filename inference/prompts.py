@@ -71,17 +71,21 @@ def encode_checked(m, prompts: list[Prompt], max_new_tokens: int, turns: str = "
     for p, row in zip(prompts, ids):
         check_budget(m, len(row), max_new_tokens, what=f"prompt {p.id!r}", key=key)
     for p in (x for x in prompts if turns == "both" and len(x.turns) > 1):
-        given = bool(p.replies) and p.replies[0] is not None   # the record's own reply: its length is known
         check_budget(m, second_turn_bound(m, p, max_new_tokens), max_new_tokens,
-                     what=f"turn 2 of prompt {p.id!r}" + ("" if given else " with a max_new_tokens answer"))
+                     what=f"turn 2 of prompt {p.id!r}" + ("" if _first_reply_given(p) else
+                                                           " with a max_new_tokens answer"))
     return ids
 
 
 def second_turn_bound(m, p: Prompt, max_new_tokens: int) -> int:
     """The longest the encoded second turn of ``p`` can be: with its record's own first reply, or a first answer
     of ``max_new_tokens`` (not decoded yet)."""
-    given = bool(p.replies) and p.replies[0] is not None
-    return len(encode_turn(m, p, 1, [""])) + (0 if given else max_new_tokens)
+    return len(encode_turn(m, p, 1, [""])) + (0 if _first_reply_given(p) else max_new_tokens)
+
+
+def _first_reply_given(p: Prompt) -> bool:
+    """Whether the record holds its own first reply (its length is known), not one to be decoded."""
+    return bool(p.replies) and p.replies[0] is not None
 
 
 def load_prompts(source: str, limit: Optional[int] = None) -> list[Prompt]:

@@ -66,8 +66,10 @@ the disk estimate).
 Greedy ids everywhere (``heads.train_on=all``): by default the backbone's lm_head runs only where a
 reply's label needs it; a train_on=all run that finds a cache with nothing stored yet (new, or a manifest
 only) records ``greedy_everywhere`` in it, and the cache then computes them at every in-document position
-in every shard it adds, whoever extends it (a superset: it serves the default too). A cache holding
-reply-only ids is refused for train_on=all in one line.
+in every shard it adds, whoever extends it (a superset: it serves the default too). Such a cache also keeps the
+conversations with no reply token within ``max_length`` (``keeps_unlabelled``: their other positions train; a
+default run reading it gets them too, with no label). A cache holding reply-only ids is refused for train_on=all
+in one line.
 
 Format 2 (the only one read): every shard stores ``greedy``. A format-1 cache (built before greedy
 ids were stored) is refused in one line asking for a rebuild. The claim/compare/atomic-write of the
@@ -231,20 +233,21 @@ class FeatureCache:
             return foreign_cache(root, self.run_dir)
 
         fresh = {"format": FORMAT_VERSION, "shard_batches": shard_batches, "batches": 0, "epoch_complete": False,
-                 "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere}
+                 "shards": [], "eval": False, "aux_layers": list(aux_layers), "greedy_everywhere": greedy_everywhere,
+                 "keeps_unlabelled": greedy_everywhere}
         manifest = claim(root, MANIFEST, identity, fresh, ours=ours, foreign=foreign,
                          mismatch=f"features cache {root} was built for another backbone or data ({{diff}}); "
                                   "use another features.cache_dir or delete it")
         manifest = self._check_recorded(manifest, identity, recorded or {})
         stored = list(manifest.get("aux_layers") or [])
         if aux_layers and stored != list(aux_layers):
-            manifest = self._decide(manifest, "aux_layers", list(aux_layers), (
+            manifest = self._decide(manifest, {"aux_layers": list(aux_layers)}, (
                 f"features cache {root} stores aux layers {stored}, these heads read {list(aux_layers)}; "
                 f"use another features.cache_dir (or heads.aux_layers={stored})" if stored else
                 f"features cache {root} was built without the aux layers these heads read; use another "
                 "features.cache_dir or delete it"))
         if greedy_everywhere and not manifest.get("greedy_everywhere"):
-            manifest = self._decide(manifest, "greedy_everywhere", True, (
+            manifest = self._decide(manifest, {"greedy_everywhere": True, "keeps_unlabelled": True}, (
                 f"features cache {root} stores the backbone's greedy tokens on the replies only; "
                 "heads.train_on=all needs them at every position: use another features.cache_dir"))
         return manifest
@@ -266,14 +269,14 @@ class FeatureCache:
 
         return check_recorded(self.manifest_path, manifest, recorded, refusal)
 
-    def _decide(self, manifest: dict, key: str, value, refusal: str) -> dict:
-        """Set what the cache stores (``key``) while nothing is stored yet, else refuse with ``refusal``. Shards
+    def _decide(self, manifest: dict, values: dict, refusal: str) -> dict:
+        """Set what the cache stores (``values``) while nothing is stored yet, else refuse with ``refusal``. Shards
         and the eval file reach the disk before the manifest counts them (it is updated once the build
         completes), so a killed build leaves files the manifest does not show: look at the disk too."""
         written = any(self.root.glob("train-*.safetensors")) or (self.root / EVAL_FILE).is_file()
         if manifest["batches"] or manifest["eval"] or written:
             raise UserError(refusal)
-        manifest = {**manifest, key: value}
+        manifest = {**manifest, **values}
         write_json_atomic(self.manifest_path, manifest)
         return manifest
 
@@ -507,7 +510,8 @@ def _write_build_record(cache: FeatureCache, target: int, epoch_complete: bool, 
                 "eval": True, "positions": sum(b * w for b, w in shapes), "hidden_size": hidden_size,
                 "bytes_per_position": per_pos,
                 "stream": {"conversations": stream.stats.conversations, "truncated": stream.stats.truncated,
-                           "no_labels": stream.stats.no_labels, "unlocated_replies": stream.stats.unlocated_replies,
+                           "no_labels": stream.stats.no_labels, "unlabelled": stream.stats.unlabelled,
+                           "unlocated_replies": stream.stats.unlocated_replies,
                            "recovered": stream.read_stats.recovered, "dropped": dict(stream.read_stats.dropped)}}
     write_json_atomic(cache.manifest_path, manifest)
 
@@ -585,7 +589,7 @@ class CachedBatches:
 def stream_stats(manifest: dict) -> tuple[StreamStats, ReadStats]:
     """What tokenising the cached batches saw (for the run's summary line), as the online stream counts it."""
     counts = manifest.get("stream", {})
-    stats = StreamStats(**{k: counts.get(k, 0) for k in ("conversations", "truncated", "no_labels",
+    stats = StreamStats(**{k: counts.get(k, 0) for k in ("conversations", "truncated", "no_labels", "unlabelled",
                                                          "unlocated_replies")})
     read = ReadStats(read=True)  # the build read them
     read.recovered = counts.get("recovered", 0)
@@ -614,7 +618,9 @@ def open_cache(cfg, backbone, frozen: FrozenFeatures, plan: CachePlan,
     cache.read_aux = bool(plan.aux_layers)
 
     def open_stream() -> ConversationStream:
-        return ConversationStream(cfg.data, backbone.tokenizer, seed=cfg.trainer.seed)
+        # the cache's rule, whoever extends it: a cache begun before train_on=all kept them goes on dropping them
+        return ConversationStream(cfg.data, backbone.tokenizer, seed=cfg.trainer.seed,
+                                  keep_unlabelled=bool(manifest.get("keeps_unlabelled")))
 
     try:
         return cache, build(cache, manifest, plan, frozen, open_stream, eval_set)

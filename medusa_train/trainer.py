@@ -117,7 +117,8 @@ class MedusaTrainer:
         if note:
             print(note, file=sys.stderr, flush=True)
         self.pad_id = tok.pad_token_id
-        data = RankData(cfg.data, tok, t.seed, self.rank, self.world_size, self.plan.micro_batch_size, self.pad_id)
+        data = RankData(cfg.data, tok, t.seed, self.rank, self.world_size, self.plan.micro_batch_size, self.pad_id,
+                        keep_unlabelled=cfg.heads.train_on == "all")
         cache_plan = features.cache_plan(cfg, self.plan.micro_batch_size, self.plan.grad_accum, self.pad_id,
                                          self.rank, self.world_size)
         cached = features.enabled(cfg) and not cfg.lora.enabled
@@ -144,7 +145,10 @@ class MedusaTrainer:
             self.checkpointed = (int(state["step"]), Path(self.resume_from))
         self.step = state["step"]
         self.phase = "preparing the data"
-        self.batches = self.source.batches(**self._rank_data_state(state))
+        data_state = self._rank_data_state(state)
+        if not data_state.pop("keeps_unlabelled", self.resume_from is None):
+            data.train_stream.keep_unlabelled = False   # begun under the rule that dropped them: the same stream
+        self.batches = self.source.batches(**data_state)
         self.eval_set = self.source.eval_batches()
         self.data_state = self.batches.state()  # position after the last *completed* optimizer step
         self.batch_counts = self.source.stats.batch_counts()  # the padding fraction's counters at that step
@@ -677,6 +681,9 @@ def tokenized_line(stats, data) -> str:
     if stats.no_labels:   # gone from training: a prompt that fills max_length, or no reply to learn from
         lost.append(f"{stats.no_labels} more dropped with no reply token to train on (a prompt filling "
                     f"{data.max_length} tokens, a reply to no user turn, or one the template rewrote)")
+    if stats.unlabelled:
+        lost.append(f"{stats.unlabelled} kept with no reply token within {data.max_length} tokens (trained on their "
+                    "other positions: heads.train_on=all)")
     if stats.unlocated_replies:
         lost.append(f"{stats.unlocated_replies} replies left unlabelled: the chat template rewrote them")
     return (f"this run tokenized {stats.conversations} conversations ({'; '.join(lost)}), "

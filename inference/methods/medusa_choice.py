@@ -138,7 +138,7 @@ def measure_step_latency(m: MedusaModel, input_ids, trees: Sequence, *, steps: i
 
 @dataclass
 class TreeChoice:
-    tree: Optional[MedusaTree]  # None: plain decoding is faster than any tree on this machine
+    tree: Optional[MedusaTree]  # None: no tree pays on this machine (plain decoding; medusa_lookup: lookup alone)
     reason: str
     accuracies: Optional[list] = None  # [K][rank] measured on calibration prompts
     candidates: list = field(default_factory=list)  # {name, nodes, expected_tau, step_ms (+ spread), rate}
@@ -147,7 +147,7 @@ class TreeChoice:
 
     def to_dict(self) -> dict:
         t = self.tree
-        out = {"name": t.name if t is not None else "none (plain decoding)",
+        out = {"name": t.name if t is not None else "none (no tree)",   # a grafting method still proposes its own
                "nodes": t.num_nodes if t is not None else 0,
                "choices": t.choices if t is not None else [],
                "reason": self.reason, "candidates": self.candidates,

@@ -36,6 +36,7 @@ class StreamStats:
     conversations: int = 0
     truncated: int = 0
     no_labels: int = 0   # dropped: no reply token within max_length (or none located in the rendering)
+    unlabelled: int = 0  # kept without a reply token (heads.train_on=all: its other positions are trained on)
     unlocated_replies: int = 0   # replies left unlabelled: the template rewrote them past recognition
     tokens: int = 0  # real tokens in batches
     padding: int = 0  # padding tokens in batches
@@ -98,6 +99,9 @@ class ConversationStream:
     # Where conversations the chat template refuses are counted, if not in this stream's own ``read_stats``: the
     # held-out stream counts them with the training stream's, the counts the run's summary reports.
     refusals: Optional[ReadStats] = None
+    # Conversations with no reply token within max_length are kept (heads.train_on=all's training split), not
+    # dropped: the user's turns they hold are trained on too (a long pasted prompt was a conversation lost).
+    keep_unlabelled: bool = False
     # This rank's own share of those refusals (its shard of the training split; every rank reads the whole source
     # and the whole held-out split): what the run's summary adds up over ranks (``RankData.run_counts``)
     shard_refusals: Counter = field(default_factory=Counter)
@@ -134,7 +138,8 @@ class ConversationStream:
         seen = 0
         for record in self.dataset(epoch, stats):
             try:
-                enc = encode_conversation(self.tokenizer, record["messages"], self.data.max_length)
+                enc = encode_conversation(self.tokenizer, record["messages"], self.data.max_length,
+                                          self.keep_unlabelled)
             except TemplateRefused as e:  # this conversation only: dropped and counted like an unusable record
                 (self.refusals if self.refusals is not None else stats).refuse(e.reason)
                 if stats is self.read_stats and not self.eval_split:
@@ -148,6 +153,7 @@ class ConversationStream:
                 self.stats.no_labels += 1
                 continue
             self.stats.conversations += 1
+            self.stats.unlabelled += int(all(label == IGNORE for label in enc.labels[1:]))
             self.stats.truncated += int(enc.truncated)
             self.stats.unlocated_replies += enc.unlocated
             yield enc
@@ -208,7 +214,10 @@ class MicroBatches:
         self.epoch, self.index = epoch, index
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        """The position; with the stream's rule when it keeps unlabelled conversations (a run resumed from a
+        checkpoint without it began under the rule that dropped them, and reads that stream again)."""
+        kept = {"keeps_unlabelled": True} if self.stream.keep_unlabelled else {}
+        return {"epoch": self.epoch, "index": self.index, **kept}
 
     def _epoch_batches(self, epoch: int) -> Iterator[dict]:
         data = self.stream.data
@@ -259,9 +268,10 @@ class RankData:
     held-out evaluation batches, with the counters the run's summary reports."""
 
     def __init__(self, data, tokenizer, seed: int, rank: int, world_size: int, micro_batch_size: int,
-                 pad_id: int):
+                 pad_id: int, keep_unlabelled: bool = False):
         self.data, self.micro, self.pad_id = data, micro_batch_size, pad_id
-        self.train_stream = ConversationStream(data, tokenizer, seed=seed, rank=rank, world_size=world_size)
+        self.train_stream = ConversationStream(data, tokenizer, seed=seed, rank=rank, world_size=world_size,
+                                               keep_unlabelled=keep_unlabelled)
         self.eval_stream = ConversationStream(data, tokenizer, eval_split=True,
                                               refusals=self.train_stream.read_stats)
         self._eval: Optional[list[dict]] = None

@@ -256,9 +256,12 @@ def _past_prompt(text: str, turn: dict, cursor: int) -> int:
     return at + len(turn["content"]) if at >= 0 else cursor
 
 
-def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Optional[Encoded]:
-    """Token ids and assistant-only labels, truncated to ``max_length``; None if nothing to learn;
-    ``TemplateRefused`` if the chat template raises on this conversation."""
+def encode_conversation(tokenizer, messages: list[dict], max_length: int,
+                        keep_unlabelled: bool = False) -> Optional[Encoded]:
+    """Token ids and assistant-only labels, truncated to ``max_length``; None if nothing to learn (no reply token
+    within ``max_length``; with ``keep_unlabelled``, only fewer than two tokens: ``heads.train_on=all`` learns
+    the backbone's own predictions at every other position); ``TemplateRefused`` if the chat template raises on
+    this conversation."""
     text, spans, unlocated = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
@@ -271,7 +274,7 @@ def encode_conversation(tokenizer, messages: list[dict], max_length: int) -> Opt
             labels[t] = ids[t]
     truncated = len(ids) > max_length
     ids, labels = ids[:max_length], labels[:max_length]
-    if all(l == IGNORE for l in labels[1:]):  # position 0 is never a target
+    if len(ids) < 2 or (not keep_unlabelled and all(l == IGNORE for l in labels[1:])):  # position 0: no target
         return None
     return Encoded(ids, labels, truncated, unlocated)
 

@@ -208,7 +208,8 @@ def test_a_longer_build_recording_beside_a_shorter_one_keeps_its_record(tmp_path
     root.mkdir()
     (root / features.MANIFEST).write_text(json.dumps({"format": features.FORMAT_VERSION, "batches": 2}))
     cache = features.FeatureCache(root)
-    stream = SimpleNamespace(stats=SimpleNamespace(conversations=1, truncated=0, no_labels=0, unlocated_replies=0),
+    stream = SimpleNamespace(stats=SimpleNamespace(conversations=1, truncated=0, no_labels=0, unlabelled=0,
+                                                    unlocated_replies=0),
                              read_stats=SimpleNamespace(recovered=1, dropped={}))
     def record(target: int) -> None:
         features._record_build(cache, target, False, [target], [(target, 4)], 8, 16, stream)

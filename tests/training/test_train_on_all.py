@@ -15,7 +15,7 @@ from medusa_train import trainer as T
 from medusa_train.config import validate
 from medusa_train.losses import backbone_labels, greedy_positions
 
-from conftest import losses, train_without_backbone
+from conftest import TINY_DATA, losses, train_without_backbone
 from test_backbone_targets import BACKBONE, RUN, full_logits_argmax, make_trainer, spy_labels
 
 I = -100
@@ -102,6 +102,67 @@ def test_a_reply_only_cache_is_refused_for_all_positions(compose_tiny, tmp_path)
     assert "heads.train_on=all" in msg and str(cache) in msg and "\n" not in msg, msg
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
+def _with_a_long_prompt(path):
+    """The tiny chats with, first of the training split (after 8 held out), a conversation whose user turn
+    fills ``max_length`` (256) before the reply starts."""
+    lines = TINY_DATA.read_text().splitlines()
+    long = {"messages": [{"role": "user", "content": "tell me more " * 200},
+                         {"role": "assistant", "content": "Sure."}]}
+    path.write_text("\n".join(lines[:8] + [json.dumps(long)] + lines[8:]) + "\n")
+    return path
+
+
+def test_a_conversation_whose_reply_is_out_of_reach_trains_its_other_positions(compose_tiny, tmp_path, capsys):
+    """Guards against: train_on=all dropping a conversation whose prompt fills max_length (no reply token in
+    reach) though every position of it has a target there, so long pasted prompts never trained; the default
+    still drops it (nothing to learn), and the summary says what was kept."""
+    from medusa_train.data.stream import ConversationStream
+
+    data = compose_tiny(f"data.source={_with_a_long_prompt(tmp_path / 'c.jsonl')}").data
+    tok = T.load_backbone(compose_tiny().backbone, "cpu", seed=0).tokenizer
+    dropped, kept = ConversationStream(data, tok), ConversationStream(data, tok, keep_unlabelled=True)
+    unlabelled = [e for e in kept.encoded() if all(label == I for label in e.labels)]
+    assert [len(e.input_ids) for e in unlabelled] == [data.max_length]
+    kept = ConversationStream(data, tok, keep_unlabelled=True)
+    assert len(list(kept.encoded())) == len(list(dropped.encoded())) + 1
+    assert (dropped.stats.no_labels, dropped.stats.unlabelled) == (1, 0)
+    assert (kept.stats.no_labels, kept.stats.unlabelled) == (0, 1)
+
+    T.run(compose_tiny(*RUN, BACKBONE, ALL, f"data.source={data.source}", out=tmp_path / "all"))
+    assert "1 kept with no reply token within 256 tokens" in capsys.readouterr().out
+    T.run(compose_tiny(*RUN, BACKBONE, f"data.source={data.source}", out=tmp_path / "default"))
+    assert "1 more dropped with no reply token" in capsys.readouterr().out
+    cached = tmp_path / "cached"
+    features.run_build(compose_tiny(*RUN, "features.mode=train", BACKBONE, ALL, f"data.source={data.source}",
+                                    out=cached))
+    manifest = json.loads((cached / "features" / features.MANIFEST).read_text())
+    assert manifest["keeps_unlabelled"] is True and manifest["stream"]["unlabelled"] == 1
+
+
+def test_a_run_begun_under_the_dropping_rule_resumes_with_it(compose_tiny, tmp_path):
+    """Guards against: a train_on=all run checkpointed before such conversations were kept resuming into the
+    keeping stream: its saved position counts the other stream's micro-batches (some conversations trained
+    twice, some never). A run begun keeping them records it and resumes keeping them."""
+    source = f"data.source={_with_a_long_prompt(tmp_path / 'c.jsonl')}"
+    opts = ["trainer.max_steps=2", "trainer.save_every=1", "logger.plot=false", BACKBONE, ALL, source]
+    out = tmp_path / "run"
+    T.run(compose_tiny(*opts, out=out))
+    state_file = sorted((out / "checkpoints").glob("step-*"))[-1] / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["data"]["keeps_unlabelled"] is True
+    resumed = make_trainer(compose_tiny(*opts[1:], "trainer.max_steps=3", out=out))
+    assert resumed.source.data.train_stream.keep_unlabelled
+    resumed.cleanup(plot=False)
+    for key in ("data", *(["data_per_rank"] if "data_per_rank" in state else [])):
+        for position in ([state[key]] if key == "data" else state[key]):
+            position.pop("keeps_unlabelled")
+    state_file.write_text(json.dumps(state))
+    older = make_trainer(compose_tiny(*opts[1:], "trainer.max_steps=3", out=out))
+    assert not older.source.data.train_stream.keep_unlabelled
+    assert "keeps_unlabelled" not in older.batches.state()
+    older.cleanup(plot=False)
 
 
 @pytest.mark.parametrize("bad, words", [(["heads.train_on=everything"], "heads.train_on must be one of"),
