@@ -19,7 +19,7 @@ Nothing inside reads the host (``.item()``, a branch on a tensor, a data-depende
 refuses that, or freezes it. Every Python number the functions close over is fixed for their name: the tree call's
 name and function come from the same values (``tree_step``), never from a setting's label. Tensors
 they read besides their inputs are the drafter's weights and the cache, which lives as long as the model's
-static steps (``draft_cache``: one per batch size, grown in powers of two, kept with the calls captured over
+static steps (``draft_cache``: one per batch size, grown by at least 1.25x, kept with the calls captured over
 it), so a generation does not capture anew.
 """
 
@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..heads.eagle3 import StaticDraftKV
+from ..runtime.static_steps import rounded_capacity
 from ..runtime.static_tree import root_tree, static_graft, static_tree
 from .eagle3_expand import expand
 
@@ -39,7 +40,7 @@ KEPT = "eagle3 draft caches"   # under the static steps' ``kept``: {batch: (draf
 
 def draft_cache(m, batch: int, need: int) -> StaticDraftKV:
     """The static steps' drafter cache of ``batch`` rows holding at least ``need`` slots: the one already there,
-    or a new one (capacity a power of two, at least ``MIN_SLOTS``: a longer request regrows it rarely, and the
+    or a new one (``cache_slots``; at least 1.25x the one it replaces: a longer request regrows it rarely, and the
     calls named after the old one are never replayed again; ``keep`` holds it while they exist)."""
     store = m.static.kept.setdefault(KEPT, {})
     d = m.heads
@@ -47,15 +48,15 @@ def draft_cache(m, batch: int, need: int) -> StaticDraftKV:
     if held is not None and held[0] is d and held[1].capacity >= need:
         return held[1]
     attn = d.midlayer.self_attn
-    capacity = cache_slots(need)
+    capacity = rounded_capacity(need, MIN_SLOTS, held[1].capacity if held is not None and held[0] is d else 0)
     cache = StaticDraftKV(batch, attn.kv_heads, capacity, attn.head_dim, d.fc.weight.dtype, m.device)
     store[batch] = (d, cache)
     return cache
 
 
 def cache_slots(need: int) -> int:
-    """The capacity of a drafter cache made for ``need`` slots (a power of two, at least ``MIN_SLOTS``)."""
-    return max(MIN_SLOTS, 1 << (need - 1).bit_length())
+    """The capacity of a drafter cache made for ``need`` slots (``rounded_capacity``, at least ``MIN_SLOTS``)."""
+    return rounded_capacity(need, MIN_SLOTS)
 
 
 def static_rows(m, batch: int) -> int:
@@ -176,8 +177,15 @@ class StaticRowDraftKV:
     def select(self, index: torch.Tensor, rows: list) -> None:
         """Rows ``index`` go on, moved to lanes 0..len-1 of the same cache (the captured calls read it there)."""
         n = len(rows)
-        self.cache.k[:n] = self.cache.k[index]
-        self.cache.v[:n] = self.cache.v[index]
+        if list(rows) == sorted(rows):   # lanes move only towards the front: each one's entries, no gathered copy
+            for i, j in enumerate(rows):
+                if i != j:
+                    used = self.lengths[j]
+                    self.cache.k[i, :, :used].copy_(self.cache.k[j, :, :used])
+                    self.cache.v[i, :, :used].copy_(self.cache.v[j, :, :used])
+        else:
+            self.cache.k[:n] = self.cache.k[index]
+            self.cache.v[:n] = self.cache.v[index]
         self.committed = self.committed[index]
         self.lengths = [self.lengths[i] for i in rows]
 

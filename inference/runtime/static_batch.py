@@ -59,8 +59,9 @@ class StaticRaggedKV(RaggedKVCache):
         kv = self.steps.kv
         if index == sorted(index):   # rows move only towards the front: one row at a time, no copy of the buffer
             for i, j in enumerate(index):
-                if i != j:
-                    kv[:, :, i].copy_(kv[:, :, j])
+                if i != j:   # its entries only (compact: [0, length)); the capacity beyond holds nothing read
+                    used = self.host_lengths[j]
+                    kv[:, :, i, :, :used].copy_(kv[:, :, j, :, :used])
         else:
             kv[:, :, :len(idx)] = kv.index_select(2, idx)
         self.lengths, self.positions, self.valid = self.lengths[idx], self.positions[idx], self.valid[idx]

@@ -26,8 +26,8 @@ EAGLE-3's verification, draft models, lookahead, prompt lookup) or batched (``st
 dynamic-shape ``TreeKVCache`` / ``RaggedKVCache`` path), ``uncaptured`` (these static shapes without capture, on
 any device: what ``on`` computes, for checking and for the CPU tests; on 2 CPU cores it costs 2-5% of a step,
 within the noise: BENCHMARKS.md). A bucket is captured at its first step and never again while the buffer
-stands (``captures`` counts); a request the buffer cannot hold gets a new one (capacity in powers of two, sized
-to the request, the old dimensions kept only where that costs at most twice as much; the graphs are dropped and
+stands (``captures`` counts); a request the buffer cannot hold gets a new one (capacity rounded up by at most
+12.5%, at least 1.25x the old one, sized to the request, the old dimensions kept only where that costs at most twice as much; the graphs are dropped and
 recaptured, said in one line) unless the capacity was fixed, the batch is above the largest bucket or the memory
 is not there, in which case that request decodes on the dynamic path with a one-line warning. A capture that
 fails (a host read inside the step, refused by ``graph_capture.HostReadGuard`` before the capture opens) turns
@@ -62,6 +62,17 @@ MAX_STEP_ROWS = 1 + (16 - 1) * (64 + 64)
 # only allocates [bucket, capacity] masks and buffers (graph_buckets=[1,2,10**8]: 100 GB) for nothing; a batch above
 # the largest bucket decodes on the dynamic cache (module docstring).
 MAX_BUCKET = 1 << (MAX_STEP_ROWS - 1).bit_length()
+
+
+def rounded_capacity(slots: int, minimum: int, grown_from: int = 0) -> int:
+    """Slots of a static cache made for ``slots``: rounded up in eighths of an octave (at most 12.5% more), at
+    least ``minimum``, and at least 1.25x ``grown_from`` (the buffer it replaces), so that growing requests
+    regrow it (dropping every graph) a few times, not once per request. Powers of two wasted up to half of it,
+    and every step attends over all of it: 4,096 slots for 2,370 needed, 16 GiB of KV read per step at 32
+    rows of Llama-3.1-8B's shape, by arithmetic."""
+    slots = max(slots, minimum, (grown_from * 5 + 3) // 4)
+    grain = 1 << max(0, (slots - 1).bit_length() - 4)   # (2^k, 2^(k+1)] in steps of 2^(k-3)
+    return -(-slots // grain) * grain
 
 
 def graphs_mode(mode) -> str:
@@ -277,9 +288,10 @@ class StaticSteps:
         return rows, "" if rows is not None else beyond
 
     def _dims(self, slots: int, rows: int) -> tuple[int, int]:
-        """(capacity, batch rows) of a new buffer for ``slots`` x ``rows``: the request's own size (capacity in
-        powers of two), or the old buffer's larger dimensions kept where that costs at most twice as much."""
-        capacity = self.fixed_capacity or max(MIN_CAPACITY, 1 << (slots - 1).bit_length())
+        """(capacity, batch rows) of a new buffer for ``slots`` x ``rows``: the request's own size (capacity rounded:
+        ``rounded_capacity``), or the old buffer's larger dimensions kept where that costs at most twice as much."""
+        grown_from = self.kv.shape[4] if self.kv is not None and slots > self.kv.shape[4] else 0   # outgrown
+        capacity = self.fixed_capacity or rounded_capacity(slots, MIN_CAPACITY, grown_from)
         if self.kv is None:
             return capacity, rows
         kept = max(capacity, self.kv.shape[4]), max(rows, self.kv.shape[2])
@@ -380,17 +392,22 @@ class StaticSteps:
         self._fill(b, ids, pos, mask, slots, view.length if mask is None else None)
         key = None if tap is None else tuple(tap.ids)
         step = self._step_fn(b, tap)
+        fixed = False   # outputs in the graph's own buffers, which the next replay overwrites
         if rows is not None and self.capture is not None and not first and self._may_capture():
             with on_device(self.kv.device):
                 outs = self._replayed(b, key, step, batch, n)
+            captured = b.replays.get(key)
+            fixed = captured is not None and outs is captured[1]
         else:
             if rows is None and self.capture is not None and not first:
                 self._beyond_buckets(n)
             outs = step()
         view.advance(n)
+        # an eager step's outputs are its own (a prompt's: ~2 GB of hidden states and EAGLE-3 features at 32 rows
+        # of 2,000 tokens, Llama-3.1-8B's shape, cloned for nothing)
         if b.ids.shape == (batch, n):
-            return tuple(o.clone() for o in outs)            # a later replay overwrites the fixed outputs
-        return tuple(o[:batch, :n].clone() for o in outs)
+            return tuple(o.clone() for o in outs) if fixed else tuple(outs)
+        return tuple(o[:batch, :n].clone() if fixed else o[:batch, :n] for o in outs)
 
     def _beyond_buckets(self, n: int) -> None:
         """A step of more rows than the largest bucket runs uncaptured (~1,300 kernels launched one by one, fresh

@@ -127,7 +127,7 @@ def test_a_bucket_is_captured_once_and_replayed(medusa):
     m.static = None
 
 
-@pytest.mark.parametrize("length, capacity", [(1, 256), (400, 512), (1000, 2048)])
+@pytest.mark.parametrize("length, capacity", [(1, 256), (400, 448), (1000, 1152)])
 def test_prompts_of_one_to_a_thousand_tokens(length, capacity):
     """Guards against prompts from 1 to ~1k tokens (beyond the largest bucket) failing or being captured: they
     prefill uncaptured on the static buffer, the capacity grows to hold them, decoding stays token-identical."""
@@ -140,6 +140,19 @@ def test_prompts_of_one_to_a_thousand_tokens(length, capacity):
     assert set(m.static.captures) == {"8"} and m.static.summary()["kv_capacity"] == capacity
 
 
+def test_capacity_is_rounded_by_an_eighth_and_grows_geometrically():
+    """Guards against a static buffer sized to the next power of two (up to twice the KV a request needs, all of
+    it attended every step: 4,096 slots for 2,370 at Llama-3.1-8B's shape), and against a regrow per slightly
+    longer request (every graph dropped and recaptured each time)."""
+    from inference.runtime.static_steps import rounded_capacity
+
+    for slots in [1, 255, 256, 257, 300, 511, 513, 1000, 2370, 4097, 70000]:
+        got = rounded_capacity(slots, 256)
+        assert max(slots, 256) <= got <= max(256, slots * 1.125), (slots, got)
+    assert rounded_capacity(2370, 256) == 2560 and rounded_capacity(257, 256) == 288
+    assert rounded_capacity(300, 256, grown_from=1024) == 1280   # a regrow: at least 1.25x the old buffer
+
+
 def test_capacity_growth_recaptures_and_says_so(medusa):
     """Guards against graphs kept over a reallocated buffer (they would read freed memory): a longer request
     grows the capacity, drops the captured steps, captures again and logs one line."""
@@ -149,8 +162,8 @@ def test_capacity_growth_recaptures_and_says_so(medusa):
     generate(m, DISTINCT, "autoregressive", max_new_tokens=8, eos_token_ids=())
     assert m.static.captures == {"1": 1} and m.static.kv.shape[4] == 256
     generate(m, [3] * 300, "autoregressive", max_new_tokens=8, eos_token_ids=())
-    assert m.static.kv.shape[4] == 512 and m.static.regrown == 1 and m.static.captures == {"1": 1}
-    assert len(lines) == 1 and "1 x 256 -> 1 x 512" in lines[0]
+    assert m.static.kv.shape[4] == 320 and m.static.regrown == 1 and m.static.captures == {"1": 1}
+    assert len(lines) == 1 and "1 x 256 -> 1 x 320" in lines[0]
     m.static = None
 
 
@@ -372,7 +385,7 @@ def test_a_new_buffer_is_sized_to_the_request_not_every_past_one(medusa):
     m.new_batch_cache(2, 100)
     assert tuple(m.static.kv.shape[i] for i in (2, 4)) == (2, 256)     # keeping 1024 would cost 4x the request
     m.new_cache(300)
-    assert tuple(m.static.kv.shape[i] for i in (2, 4)) == (2, 512)     # keeping 2 rows costs 2x: kept
+    assert tuple(m.static.kv.shape[i] for i in (2, 4)) == (2, 320)     # keeping 2 rows costs 2x: kept
     m.static = None
 
 
