@@ -40,8 +40,8 @@ KEPT = "eagle3 draft caches"   # under the static steps' ``kept``: {batch: (draf
 
 def draft_cache(m, batch: int, need: int) -> StaticDraftKV:
     """The static steps' drafter cache of ``batch`` rows holding at least ``need`` slots: the one already there,
-    or a new one (``cache_slots``; at least 1.25x the one it replaces: a longer request regrows it rarely, and the
-    calls named after the old one are never replayed again; ``keep`` holds it while they exist)."""
+    or a new one (``cache_slots``; at least 1.25x the one it replaces: a longer request regrows it rarely); the
+    calls captured over the old one are released with it (``CapturedCalls.release``)."""
     store = m.static.kept.setdefault(KEPT, {})
     d = m.heads
     held = store.get(batch)
@@ -49,6 +49,8 @@ def draft_cache(m, batch: int, need: int) -> StaticDraftKV:
         return held[1]
     attn = d.midlayer.self_attn
     capacity = rounded_capacity(need, MIN_SLOTS, held[1].capacity if held is not None and held[0] is d else 0)
+    if held is not None:   # its calls are never made again (names carry the cache's tag): their graphs go now
+        m.static.calls.release(held[1])
     cache = StaticDraftKV(batch, attn.kv_heads, capacity, attn.head_dim, d.fc.weight.dtype, m.device)
     store[batch] = (d, cache)
     return cache

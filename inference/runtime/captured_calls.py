@@ -26,6 +26,7 @@ returned: the next replay overwrites them.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -56,6 +57,7 @@ class CapturedCalls:
         self.graph_bytes = 0
         self.failed = self.checked = self.disagreed = 0
         self._calls: dict[tuple, _Call] = {}
+        self._retired = weakref.WeakSet()   # ``keep`` objects released: calls still made for them run eagerly
         self._pool = None
         # one call at a time: two threads' replays of one graph would each read the other's fixed inputs or outputs
         self._lock = threading.RLock()
@@ -67,9 +69,19 @@ class CapturedCalls:
         with self._lock:
             return self._run(name, fn, inputs, rows, keep)
 
+    def release(self, keep: object) -> None:
+        """Drop the calls made with ``keep`` (a drafter cache replaced by a larger one): their graphs and fixed
+        inputs go with it instead of living as long as the model (~0.5 GiB a cache at 32 lanes x 4,096 slots). A
+        generation still running on it (another thread's) makes those calls eagerly: captured again under the
+        same name, they would be a second capture."""
+        with self._lock:
+            self._retired.add(keep)
+            for key in [k for k, call in self._calls.items() if call.keep is keep]:
+                del self._calls[key]
+
     def _run(self, name, fn, inputs, rows, keep) -> tuple[torch.Tensor, ...]:
         capture = self.owner.capture
-        if capture is None:
+        if capture is None or (keep is not None and keep in self._retired):
             return tuple(fn(*inputs))
         size = rows
         if rows is not None:

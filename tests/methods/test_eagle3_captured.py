@@ -15,7 +15,7 @@ from inference.heads.registry import init_heads
 from inference.loading import attach_heads
 from inference.methods import generate, generate_batch
 from inference.methods.eagle3 import Eagle3Decoder, Eagle3Options
-from inference.methods.eagle3_static import tree_step
+from inference.methods.eagle3_static import KEPT, tree_step
 from inference.runtime.static_steps import StaticSteps
 from inference.runtime.tree import RowTrees
 from inference.runtime.verify import SamplingConfig
@@ -223,6 +223,32 @@ def test_calls_are_captured_once_per_key_across_generations(m):
     assert len(tags) == 1
     generate(m, LONG + LONG, "eagle3", max_new_tokens=10, eos_token_ids=(), **SETTINGS["n4-d1-k4"])
     assert len({k.split(":")[1] for k in drafter_calls(m)}) == 2
+    assert_clean(m)
+    m.static = None
+
+
+def test_a_replaced_drafter_cache_releases_its_calls(m):
+    """Guards against a regrown drafter cache living as long as the model through the calls captured over it
+    (their graphs, fixed inputs and ``keep``: ~0.5 GiB a cache at 32 lanes x 4,096 slots of Llama-3.1-8B's
+    drafter), and against a call still made for the released cache (a generation begun on it) being captured a
+    second time under its old name: it runs eagerly."""
+    import gc
+    import weakref
+
+    with_steps(m, "replayed")
+    generate(m, REPEATING, "eagle3", max_new_tokens=30, eos_token_ids=(), **SETTINGS["n4-d1-k4"])
+    (old,) = [cache for _, cache in m.static.kept[KEPT].values()]
+    assert any(call.keep is old for call in m.static.calls._calls.values())
+    generate(m, LONG + LONG, "eagle3", max_new_tokens=10, eos_token_ids=(), **SETTINGS["n4-d1-k4"])
+    assert not any(call.keep is old for call in m.static.calls._calls.values())
+    x = torch.arange(4.0)
+    for _ in range(3):   # captured, it would raise "captured a second time" at the second name's capture
+        (y,) = m.static.calls.run("probe", lambda t: (t * 2,), (x,), keep=old)
+    assert torch.equal(y, x * 2) and "probe" not in m.static.calls.captures
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None
     assert_clean(m)
     m.static = None
 
