@@ -143,9 +143,9 @@ def batch_cache_bytes(m: MedusaModel, prompt_lengths: Sequence[int], max_new_tok
     item = torch.empty((), dtype=m.dtype).element_size()
     cfg = m.config
     prefill = b * width * (cfg.hidden_size * 4 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 2) * item
-    prefill += b * width * width * item                          # the 4D prefill mask
-    logits = b * max(1, extra_slots) * m.vocab_size * 4
     static = m.static.bytes_needed(b, capacity) if m.static is not None and mode == "compact" else -1
+    prefill += b * width * (capacity if static >= 0 else width) * item   # the 4D prefill mask (static: every slot)
+    logits = b * max(1, extra_slots) * m.vocab_size * 4
     kv = static if static >= 0 else b * capacity * kv_bytes_per_token(m)   # the static buffer's rounding, or its own
     return kv + prefill + logits
 
@@ -201,8 +201,9 @@ class Drafter(Protocol):
         by the last ``len(paths[b])`` tokens of ``dec.history[b]``.
 
         Optional too: ``cache_bytes(prompt_lengths, max_new_tokens)``, the bytes of the drafter's own
-        caches for that batch (a draft model's KV cache, EAGLE-3's drafter cache), counted in the
-        memory check before anything is allocated."""
+        caches for that batch (a draft model's KV cache, EAGLE-3's drafter cache), and
+        ``prompt_bytes(prompt_lengths, max_new_tokens)``, what its first call over the prompts takes beside
+        them, counted in the memory check before anything is allocated."""
 
 
 _ROOT_ONLY: dict[torch.device, TreeBuffers] = {}
@@ -336,9 +337,10 @@ def run_batch(decoder: BatchTreeDecoder, m: MedusaModel, prompts, max_new_tokens
     ``max_steps``; finished rows leave the batch. Each row stops exactly where batch-1 decoding would."""
     rows = prompt_rows(m, prompts)
     lengths = [len(r) for r in rows]
-    sizer = getattr(decoder.drafter, "cache_bytes", None)
+    # a drafter's own cache and what its prompts' first call takes (optional: a drafter that keeps neither has neither)
+    sizers = [getattr(decoder.drafter, name, None) for name in ("cache_bytes", "prompt_bytes")]
     check_batch_fits(m, lengths, max_new_tokens, decoder.drafter.max_nodes, decoder.ragged, decoder.drafter.max_depth,
-                     sizer(lengths, max_new_tokens) if sizer is not None else 0)
+                     sum(size(lengths, max_new_tokens) for size in sizers if size is not None))
     eos = eos_set(m, eos_token_ids)
     emit = [_Emitter(max_new_tokens, eos) for _ in rows]
     outs = [GenerationOutput(tokens=e.tokens, prompt_tokens=len(r), finish_reason="length")

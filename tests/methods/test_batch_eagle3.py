@@ -478,6 +478,25 @@ def test_memory_estimate_of_the_drafter_cache_is_what_it_allocates(models, promp
     assert dec.drafter.cache_bytes(lengths, 20) == allocated > 0
 
 
+def test_the_memory_check_counts_the_prompts_catch_up(models, prompts, monkeypatch):
+    """Guards against a batch passing the memory check and then running out of memory in the drafter's first
+    call over the prompts (their tapped features, the padded copy it reads and its mask over the drafter cache:
+    ~3.5 GiB at 32 prompts of 2,000 tokens, Llama-3.1-8B's shape), which the check left out."""
+    from inference.runtime import batch_decode
+
+    m = models["random"]
+    dec = registry_decoder(m)
+    rows = [list(p) for p in prompts[:3]]
+    lengths = [len(r) for r in rows]
+    counted = (batch_decode.batch_cache_bytes(m, lengths, 20, dec.drafter.max_nodes, dec.ragged,
+                                              dec.drafter.max_depth) + dec.drafter.cache_bytes(lengths, 20))
+    extra = dec.drafter.prompt_bytes(lengths, 20)
+    assert extra > 0
+    monkeypatch.setattr(batch_decode, "free_memory_bytes", lambda device: int((counted + extra / 2) / 0.9))
+    with pytest.raises(UserError, match="lower batch_size"):
+        run_batch(dec, m, rows, 20)
+
+
 def registry_decoder(m, ragged="compact"):
     from inference.methods.registry import get, make_options
 

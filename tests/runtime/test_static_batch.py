@@ -103,7 +103,9 @@ def test_the_memory_check_counts_the_static_buffer(medusa):
     dynamic = batch_cache_bytes(medusa, lens, new, 8)
     m = with_steps(medusa, "replayed")
     static = batch_cache_bytes(m, lens, new, 8)
-    assert static - dynamic == (8 * 256 - 5 * (30 + 40 + 8)) * kv_bytes_per_token(m)   # 8 rows x 256 slots
+    item = 4   # float32
+    mask = 5 * 30 * (30 + 40 + 8 - 30) * item   # the prompts' mask over every slot, not over the prompts alone
+    assert static - dynamic == (8 * 256 - 5 * (30 + 40 + 8)) * kv_bytes_per_token(m) + mask   # 8 rows x 256 slots
     m.new_batch_cache(5, 30 + 40 + 8)
     assert batch_cache_bytes(m, lens, new, 8) == static - 8 * 256 * kv_bytes_per_token(m)   # already allocated
     m.static = None
