@@ -32,7 +32,8 @@ where and at which precision the same maths runs -- ``trainer.zero_stage`` and `
 ``trainer.global_batch_size`` as long as the *effective* global batch (rows per optimizer step) is
 unchanged (it is compared instead), ``backbone.attn_implementation``
 (same function, another kernel), ``backbone.trust_remote_code``, ``features.cache_dir`` (a location),
-``lora.merge`` (what is written after training), and ``task`` / ``distill.*`` (not training).
+``lora.merge`` (what is written after training), ``lora.gradient_checkpointing`` (the same maths recomputed), and
+``task`` / ``distill.*`` (not training).
 
 A key written out with the value the run already resolved is no change (``resolved_settings``):
 ``heads.loss_weights`` equal to decay^k, and whatever the heads family resolves itself
@@ -93,6 +94,7 @@ SAFE_KEYS = (
     "trainer.resume", "trainer.progress_bar", "trainer.threads", "trainer.device",
     "trainer.zero_stage", "trainer.precision", "trainer.global_batch_size",
     "backbone.attn_implementation", "backbone.trust_remote_code", "features.cache_dir", "lora.merge",
+    "lora.gradient_checkpointing",
 )
 EFFECTIVE_BATCH = "trainer.global_batch_size (effective)"
 

@@ -118,6 +118,9 @@ class LoraConfig:
     heads_lr_multiplier: float = 4.0  # heads train at optim.lr x this, the adapter at optim.lr
     init_heads: Optional[str] = None  # stage 2 of the two-stage recipe: a stage-1 heads export
     merge: bool = False  # also write <output_dir>/merged: the backbone with the adapter merged in
+    # keep each layer's input only and recompute the layer in backward (one more forward of the backbone): the
+    # backbone trains with gradients here, and every layer's activations kept did not fit an 8B at micro-batch 4
+    gradient_checkpointing: bool = True
 
 
 @dataclass

@@ -84,6 +84,14 @@ def apply_lora(model, lcfg, heads_share_lm_head: bool = False):
         p.requires_grad_(False)
     peft_model = get_peft_model(model, peft_cfg)
     peft_model.train()  # LoRA dropout on; the backbone has no other dropout in Llama-style models
+    if lcfg.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False):
+        # non-reentrant: no input needs requires_grad, and the recompute replays the same dropout (RNG kept).
+        # the method's new name (transformers 5.25, where the old one warns); 5.17 has the old one only
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return peft_model
 
 

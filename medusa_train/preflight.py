@@ -121,8 +121,36 @@ def head_parameter_count(heads_cfg, hf_config) -> int:
 
 
 # Per trained head parameter: the fp32 weight (or bf16 weight + fp32 master), its gradient and AdamW's two fp32
-# moments: 4 + 4 + 8 bytes either way.
+# moments: 4 + 4 + 8 bytes either way, in one process.
 HEAD_STATE_BYTES = 16
+
+
+def head_state_bytes(trainer_cfg, world_size: int) -> float:
+    """``HEAD_STATE_BYTES`` as one of ``world_size`` processes holds them: ZeRO stage 1 shards the fp32 master
+    and moments over the processes, stage 2 the gradients too, stage 3 the weights too (8 GPUs at stage 2 hold
+    ~4 bytes a parameter each, not 16: heads refused on any number of GPUs fitted on 8)."""
+    stage, n = int(trainer_cfg.zero_stage), max(int(world_size), 1)
+    fp32 = enum_value(trainer_cfg.precision) == "fp32"
+    weight, grad, state = (4, 4, 8) if fp32 else (2, 2, 12)   # fp32: the weight is its own master copy
+    if stage < 1:
+        return weight + grad + state
+    return weight / (n if stage >= 3 else 1) + grad / (n if stage >= 2 else 1) + state / n
+
+
+def joint_bytes(cfg, hf_config, length: int, batch: int, dtype_bytes: int) -> int:
+    """What Medusa-2 (``lora.enabled``) keeps for the backbone's own gradients over a micro-batch: with
+    ``lora.gradient_checkpointing`` each layer's input and one layer's tensors recomputed, else every layer's
+    (about 10 x hidden + 5 x intermediate values a token, measured from the saved tensors at small scale); and the
+    backbone's loss over the full vocabulary in fp32 (student and teacher log-probabilities with a gradient)."""
+    if not cfg.lora.enabled:
+        return 0
+    text = text_config(hf_config)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    inter = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    layer = (10 * hidden + 5 * inter) * dtype_bytes
+    kept = layers * hidden * dtype_bytes + layer if cfg.lora.gradient_checkpointing else layers * layer
+    return batch * length * (kept + 15 * int(getattr(text, "vocab_size", 0) or 0))
 
 
 def head_state_advice(heads_cfg) -> str:
@@ -165,11 +193,15 @@ def check_fits(cfg) -> None:
     except Exception:  # an architecture transformers cannot build here: the loader will say so
         weights = 0
     trained = enum_value(cfg.features.mode) != "build"  # a cache build trains no heads
-    heads = head_parameter_count(cfg.heads, hf_config) * HEAD_STATE_BYTES if trained else 0
+    params = head_parameter_count(cfg.heads, hf_config) if trained else 0
+    heads = int(params * head_state_bytes(cfg.trainer, launch_world_size()))
+    # what the loss keeps for backward: the heads' logits, and with LoRA the backbone's own activations and loss
+    loss = (training_family(cfg.heads.kind).loss_bytes(cfg.heads, hf_config, length, batch)
+            + joint_bytes(cfg, hf_config, length, batch, dtype_bytes)) if trained else 0
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    need = (activations + unroll + weights + heads) * max(processes, 1)
+    need = (activations + unroll + loss + weights + heads) * max(processes, 1)
     if need > free[0]:
-        _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes)
+        _refuse_fit(cfg, need, free, (activations, unroll, loss, weights), (params, heads), processes)
 
 
 def check_distill_positions(cfg) -> None:
@@ -184,19 +216,23 @@ def check_distill_positions(cfg) -> None:
                         f"use data.max_length <= {max(int(positions) - new, 0)} or lower distill.max_new_tokens")
 
 
-def _refuse_fit(cfg, need, free, activations, unroll, weights, heads, processes) -> None:
+def _refuse_fit(cfg, need, free, parts_bytes, heads_state, processes) -> None:
     """The one line ``check_fits`` refuses with: what each part needs and which keys to lower."""
     have, what = free
+    activations, unroll, loss, weights = parts_bytes
+    params, heads = heads_state
     length, batch, depth = int(cfg.data.max_length), int(cfg.trainer.micro_batch_size), draft_depth(cfg.heads)
     per_process = f", x{processes} processes" if processes > 1 else ""
+    backbone_grads = " and the backbone's own gradients (LoRA)" if cfg.lora.enabled else ""
     parts = (f"{_gb(activations)} for one micro-batch through the frozen backbone"
              + (f", {_gb(unroll)} for the {depth} draft steps its training unrolls" if unroll else "")
+             + (f", {_gb(loss)} for the heads' logits{backbone_grads}" if loss else "")
              + f", {_gb(weights)} of weights, {_gb(heads)} for the heads' parameters, gradients and AdamW state"
              + per_process)
-    if heads > activations + unroll + weights:  # the heads themselves are what does not fit
+    if heads > activations + unroll + loss + weights:  # the heads themselves are what does not fit
         h = cfg.heads
         raise UserError(f"heads.kind={h.kind} with heads.num_heads={h.num_heads}, heads.num_layers={h.num_layers} has "
-                        f"{heads // HEAD_STATE_BYTES:,} parameters: the run needs about {_gb(need)} ({parts}) but only "
+                        f"{params:,} parameters: the run needs about {_gb(need)} ({parts}) but only "
                         f"{_gb(have)} of {what}; {head_state_advice(h)}")
     keys = ["data.max_length", "trainer.micro_batch_size"]
     if unroll:  # a family that unrolls its draft steps in training (EAGLE-3's test): they are the third factor

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import List, Optional
 
+from inference.backbone import text_config
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.registry import family, kinds
@@ -118,6 +119,17 @@ class TrainingFamily:
     def unroll_bytes(self, h, hf_config, length: int, batch: int, dtype_bytes: int) -> int:
         """Activation memory the heads' training keeps beyond the frozen forward, per micro-batch."""
         return 0
+
+    def loss_bytes(self, h, hf_config, length: int, batch: int) -> int:
+        """What the heads' loss keeps over a ``[batch, length]`` micro-batch: each head's logits over its
+        projection in fp32 with their log-softmax and gradient, about (4K + 8) bytes per position and projected
+        token for K heads, (12K + 16) with the teacher term (a review's measure of the saved tensors at small
+        scale): ~7 GiB for 5 heads over a 32,768-token projection at 4 x 2,048 positions, by arithmetic."""
+        vocab = int(text_config(hf_config).vocab_size)
+        width = self.vocabulary(h, vocab)[1] or vocab
+        k = self.depth(h)
+        per = 12 * k + 16 if float(getattr(h, "teacher_weight", 0.0) or 0.0) > 0 else 4 * k + 8
+        return batch * length * width * per
 
 
 _TRAINING: dict[str, TrainingFamily] = {}

@@ -112,6 +112,9 @@ class Eagle3Training(TrainingFamily):
         return {"heads.aux_layers": self.spec_settings(h, hf_config).aux_layers, "heads.ttt_steps": self.depth(h),
                 "heads.draft_vocab_size": self.vocabulary(h, vocab)[1] or vocab}
 
+    def loss_bytes(self, h, hf_config, length: int, batch: int) -> int:
+        return 0   # each step's logits are counted with the unroll
+
     def unroll_bytes(self, h, hf_config, length: int, batch: int, dtype_bytes: int) -> int:
         """What the training-time test keeps for backward over a ``[batch, length]`` micro-batch: per step, the
         drafter layer's per-token tensors (inputs, q/k/v, attention, SwiGLU, norms) and the fp32 logits +

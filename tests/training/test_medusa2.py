@@ -437,7 +437,8 @@ def test_the_merged_backbone_is_written_whole_or_not_at_all(tiny_backbone, tmp_p
     import copy
 
     peft_model = lora.apply_lora(copy.deepcopy(tiny_backbone.model),
-                                 types.SimpleNamespace(r=2, alpha=4, dropout=0.0, target_modules=["q_proj"]))
+                                 types.SimpleNamespace(r=2, alpha=4, dropout=0.0, target_modules=["q_proj"],
+                                                       gradient_checkpointing=False))
 
     class Interrupted:
         def save_pretrained(self, path):

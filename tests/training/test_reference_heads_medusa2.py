@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -42,11 +43,12 @@ def test_stage_two_maps_targets_through_the_token_map_of_the_heads_it_loaded(com
         trainer.cleanup(plot=False)
 
 
-def _joint(backbone_loss: str, decay: float = 0.8, coefficient: float = 0.2, heads_n: int = 3):
+def _joint(backbone_loss: str, decay: float = 0.8, coefficient: float = 0.2, heads_n: int = 3,
+           checkpointing: bool = True, dropout: float = 0.0):
     model = tiny_llama(vocab=96, hidden=64, layers=2, seed=0)
-    lcfg = types.SimpleNamespace(load_in_bits=0, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"],
+    lcfg = types.SimpleNamespace(load_in_bits=0, r=4, alpha=8, dropout=dropout, target_modules=["q_proj", "v_proj"],
                                  backbone_loss=backbone_loss, backbone_weight=1.0, heads_coefficient=coefficient,
-                                 heads_warmup_steps=0)
+                                 heads_warmup_steps=0, gradient_checkpointing=checkpointing)
     peft_model = lora.apply_lora(model, lcfg)
     torch.manual_seed(1)
     with torch.no_grad():  # a non-trivial adapter: B starts at zero, so the tuned model would equal the base
@@ -75,6 +77,27 @@ def _batch(t: int = 20):
     pos = torch.arange(t).expand(2, t)
     mask = torch.ones_like(ids)
     return ids, pos, mask, labels, doc
+
+
+@pytest.mark.parametrize("backbone_loss", ["ce", "kl"])
+def test_gradient_checkpointing_changes_no_number(backbone_loss):
+    """Guards against the recomputed backward (``lora.gradient_checkpointing``, on by default: every layer's
+    activations kept for the backbone's gradients did not fit an 8B backbone at micro-batch 4) changing the loss or
+    any gradient, LoRA dropout included (the recompute must replay the same dropout masks), or not being on."""
+    runs = []
+    for on in (False, True):
+        torch.manual_seed(0)   # peft draws lora_A's initial values from the global generator
+        joint, peft_model, model, heads = _joint(backbone_loss, checkpointing=on, dropout=0.1)
+        assert model.model.gradient_checkpointing is on
+        torch.manual_seed(3)
+        loss = joint(*_batch())
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in [*peft_model.named_parameters(), *heads.named_parameters()]
+                 if p.grad is not None}
+        runs.append((loss.detach(), grads))
+    (loss_off, off), (loss_on, on) = runs
+    assert torch.equal(loss_off, loss_on) and off.keys() == on.keys() and any("lora_" in n for n in off)
+    assert all(torch.equal(off[n], on[n]) for n in off)
 
 
 def test_joint_loss_is_the_reference_compute_loss_on_unpacked_rows():

@@ -319,6 +319,57 @@ def test_head_parameter_count_matches_the_trained_heads(kind, compose_tiny):
     assert head_parameter_count(cfg.heads, hf) == sum(p.numel() for p in heads.parameters()) > 0
 
 
+def test_zero_shards_the_heads_state_in_the_memory_estimate():
+    """Guards against the memory check counting 16 bytes a head parameter on every process whatever the ZeRO stage:
+    heads that fit sharded over 8 GPUs (stage 2: ~4 bytes a parameter each) were refused on any number of them."""
+    from types import SimpleNamespace
+
+    from medusa_train.preflight import HEAD_STATE_BYTES, head_state_bytes
+
+    def per_param(stage, precision, world):
+        return head_state_bytes(SimpleNamespace(zero_stage=stage, precision=precision), world)
+
+    assert per_param(0, "fp32", 8) == per_param(1, "bf16", 1) == per_param(3, "fp32", 1) == HEAD_STATE_BYTES
+    assert per_param(1, "bf16", 8) == 2 + 2 + 12 / 8
+    assert per_param(2, "bf16", 8) == 2 + 14 / 8
+    assert per_param(3, "bf16", 8) == 16 / 8
+
+
+def test_the_heads_logits_and_a_joint_backbone_are_counted(compose_tiny, monkeypatch):
+    """Guards against the memory check leaving out what the loss keeps for backward: every head's fp32 logits over
+    its projection (several GiB for heads with their own full-vocabulary projection at 8B scale), and under LoRA
+    the backbone's own activations (every layer's without gradient checkpointing) and full-vocabulary loss: runs it
+    accepted then ran out of memory."""
+    from medusa_train import preflight as P
+    from medusa_train.backbone import backbone_config
+    from medusa_train.families import training_family
+
+    cfg = compose_tiny("heads.projection=own")
+    hf_config = backbone_config(cfg.backbone)
+    vocab = hf_config.vocab_size
+    k = int(cfg.heads.num_heads)
+    assert training_family("medusa").loss_bytes(cfg.heads, hf_config, 256, 2) == 2 * 256 * vocab * (4 * k + 8)
+    teacher = compose_tiny("heads.projection=own", "heads.teacher_weight=0.5").heads
+    assert training_family("medusa").loss_bytes(teacher, hf_config, 256, 2) == 2 * 256 * vocab * (12 * k + 16)
+    assert training_family("eagle3").loss_bytes(compose_tiny("heads.kind=eagle3").heads, hf_config, 256, 2) == 0
+    joint = compose_tiny("lora.enabled=true")
+    whole = compose_tiny("lora.enabled=true", "lora.gradient_checkpointing=false")
+    assert P.joint_bytes(whole, hf_config, 256, 2, 4) > P.joint_bytes(joint, hf_config, 256, 2, 4) > 0
+    assert P.joint_bytes(cfg, hf_config, 256, 2, 4) == 0
+
+    need = {}
+    monkeypatch.setattr(P, "_refuse_fit", lambda cfg, total, *rest: need.setdefault(cfg.lora.enabled, total))
+    monkeypatch.setattr(P, "available_memory", lambda device: (1, "RAM available"))
+    for c in (compose_tiny(), whole):
+        P.check_fits(c)
+    assert need[True] - need[False] >= P.joint_bytes(whole, hf_config, cfg.data.max_length,
+                                                      cfg.trainer.micro_batch_size, 4)
+    monkeypatch.undo()
+    monkeypatch.setattr(P, "available_memory", lambda device: (need[True] - 1, "RAM available"))
+    with pytest.raises(UserError, match=r"for the heads' logits and the backbone's own gradients \(LoRA\)"):
+        P.check_fits(whole)
+
+
 def test_heads_state_is_counted_in_the_memory_estimate(compose_tiny, monkeypatch):
     """Guards against: check_fits counting the frozen forward and the backbone's weights only, so heads whose
     parameters (with gradients and two fp32 AdamW moments each) cannot fit passed the check and failed after
