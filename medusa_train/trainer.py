@@ -276,7 +276,9 @@ class MedusaTrainer:
             kind=cfg.heads.kind, settings=training_family(cfg.heads.kind).spec_settings(cfg.heads, hf_cfg),
             chat_template_args=check_template_args(getattr(cfg.backbone, "chat_template_args", None),
                                                    "backbone.chat_template_args"))
-        heads = init_heads(spec, lm_head_weight(model).float(), model.get_input_embeddings().weight, token_map)
+        # the backbone's own tensor, not an fp32 copy: shared heads keep it (a copy was 2.1 GB at Llama-3.1-8B's vocab,
+        # and each head's forward cast it again, kept for backward); fresh projections copy_ from it, casting
+        heads = init_heads(spec, lm_head_weight(model), model.get_input_embeddings().weight, token_map)
         return heads.to(self.device), spec
 
     def _token_map(self, vocab_size: int, n: int) -> torch.Tensor:

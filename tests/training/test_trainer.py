@@ -44,7 +44,8 @@ def make_trainer(cfg) -> T.MedusaTrainer:
 @pytest.mark.parametrize("projection, extra", [
     ("truncated", []), ("own", []), ("shared", []),
     ("shared", ["trainer.precision=bf16", "trainer.zero_stage=1"]),  # bf16 engine casts the module it wraps
-], ids=["truncated", "own", "shared", "shared-bf16"])
+    ("shared", ["trainer.precision=bf16", "trainer.zero_stage=1", "backbone.dtype=bfloat16"]),
+], ids=["truncated", "own", "shared", "shared-bf16", "shared-bf16-backbone"])
 def test_backbone_frozen_heads_learn(projection, extra, compose_tiny):
     """Guards against: gradient or optimizer updates reaching the backbone (Medusa-1 must leave it
     bit-identical, including a shared lm_head), a head parameter that never trains (e.g. a block left
@@ -56,6 +57,9 @@ def test_backbone_frozen_heads_learn(projection, extra, compose_tiny):
     heads_before = {k: p.detach().clone() for k, p in trainer.module.heads.named_parameters()}
     assert heads_before and all(p.requires_grad for p in trainer.module.heads.parameters())
     assert not any(p.requires_grad for p in model.parameters())
+    if projection == "shared":   # the backbone's own tensor, not a copy (2.1 GB in fp32 at Llama-3.1-8B's vocab)
+        from inference.backbone import lm_head_weight
+        assert trainer.module.heads.shared_weight.data_ptr() == lm_head_weight(model).data_ptr()
 
     batch = next(iter(trainer.batches))
     labels, docs = batch["labels"], batch["doc_ids"]
