@@ -160,10 +160,13 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
         # Sorted by target id, as SpecForge writes d2t (offsets >= 0); the rows move with their ids.
         ids, order = heads.token_map.detach().cpu().long().sort()
         tensors["lm_head.weight"] = lm_head[order]
-        tensors["d2t"] = ids - torch.arange(ids.numel())
-        t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        tensors["t2d"] = t2d
+        # a draft vocabulary as large as the target's maps every id to itself: no maps, as for a projection of its
+        # own (TensorRT-LLM declares d2t only for a smaller draft vocabulary; an all-zero one is no information)
+        if ids.numel() < spec.vocab_size:
+            tensors["d2t"] = ids - torch.arange(ids.numel())
+            t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            tensors["t2d"] = t2d
     else:
         tensors["lm_head.weight"] = lm_head
     base = options.base_model or spec.base_model

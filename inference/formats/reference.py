@@ -146,7 +146,10 @@ def tgi_launcher_keys(backbone_config, spec: HeadsSpec) -> tuple[dict, str]:
     head_dim = get("head_dim") or (spec.hidden_size // heads if heads and spec.hidden_size % heads == 0 else None)
     if not heads or not head_dim:
         return {}, f"note: the backbone config names no attention head size: {how}"
-    return {"num_attention_heads": int(heads), "head_dim": int(head_dim)}, ""
+    keys = {"num_attention_heads": int(heads), "head_dim": int(head_dim)}
+    if get("max_position_embeddings"):   # TGI reads it from this dir: absent, 4,096 (more than a short backbone has)
+        keys["max_position_embeddings"] = int(get("max_position_embeddings"))
+    return keys, ""
 
 
 def tgi_tokenizer_files(options: ExportOptions, notes: list) -> dict:

@@ -33,12 +33,12 @@ def backbone():
     return tiny_llama(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS)
 
 
-def drafter(backbone, projection="truncated", aux=AUX, seed=0) -> Eagle3Drafter:
+def drafter(backbone, projection="truncated", aux=AUX, seed=0, draft_vocab=DRAFT_VOCAB) -> Eagle3Drafter:
     """A drafter with every weight random (the warm start's zero o_proj / down_proj would hide a
     mistake in attention or the MLP) and, when truncated, a token map in no particular order."""
     cfg = backbone.config
     spec = HeadsSpec(num_heads=3, num_layers=1, hidden_size=HIDDEN, vocab_size=VOCAB, projection=projection,
-                     truncated_vocab_size=DRAFT_VOCAB if projection == "truncated" else None,
+                     truncated_vocab_size=draft_vocab if projection == "truncated" else None,
                      base_model="org/tiny-llama", base_model_fingerprint=backbone_fingerprint(cfg), kind="eagle3",
                      aux_layers=list(aux), draft_layer=draft_layer_config(cfg))
     d = Eagle3Drafter(spec)
@@ -47,7 +47,7 @@ def drafter(backbone, projection="truncated", aux=AUX, seed=0) -> Eagle3Drafter:
         for p in d.parameters():
             p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5 + (1.0 if p.dim() == 1 else 0.0))
         if projection == "truncated":
-            d.token_map.copy_(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB])
+            d.token_map.copy_(torch.randperm(VOCAB, generator=g)[:draft_vocab])
     d.attach_backbone(None, backbone.get_input_embeddings().weight)
     return d.eval()
 
@@ -194,6 +194,23 @@ def test_export_imports_back_to_the_same_drafter(backbone, tmp_path, projection)
     for f in ("num_heads", "base_model_fingerprint", "projection", "vocab_size"):
         assert getattr(back.spec, f) == getattr(d.spec, f), f
     assert read_heads_spec(r.path).settings.aux_layers == AUX  # without the backbone too
+    tokens, aux, positions, nxt = inputs(seed=5)
+    for a, b in zip(runtime_logits(d, tokens, aux, positions, nxt), runtime_logits(back, tokens, aux, positions, nxt)):
+        assert max_diff(a, b) == 0.0
+
+
+def test_a_draft_vocabulary_as_large_as_the_targets_writes_no_maps(backbone, tmp_path):
+    """Guards against a truncated drafter whose draft vocabulary is the whole target vocabulary exporting an
+    all-zero d2t and a t2d: TensorRT-LLM declares d2t only for a smaller draft vocabulary (an unexpected tensor
+    in its checkpoint), and the maps say nothing; its rows are still put in id order, so it decodes the same."""
+    from safetensors.torch import load_file
+
+    d = drafter(backbone, "truncated", draft_vocab=VOCAB)
+    r = export(d, tmp_path / "e")
+    t = load_file(str(r.path / "model.safetensors"))
+    assert "d2t" not in t and "t2d" not in t and t["lm_head.weight"].shape[0] == VOCAB
+    assert json.loads((r.path / "config.json").read_text())["draft_vocab_size"] == VOCAB
+    back = load_with(backbone, r.path)
     tokens, aux, positions, nxt = inputs(seed=5)
     for a, b in zip(runtime_logits(d, tokens, aux, positions, nxt), runtime_logits(back, tokens, aux, positions, nxt)):
         assert max_diff(a, b) == 0.0

@@ -166,6 +166,8 @@ def test_tgi_launcher_keeps_prefix_caching_with_the_backbone_head_size(backbone,
                backbone_config=lambda: _tgi_backbone_config())  # head size 64 / 1 = 64
     cfg = json.loads((r.path / "config.json").read_text())
     assert (cfg["head_dim"], cfg["num_attention_heads"]) == (HIDDEN, 1)
+    # TGI's launcher reads its position limit from this dir (absent: 4,096, beyond a shorter backbone's)
+    assert cfg["max_position_embeddings"] == _tgi_backbone_config().max_position_embeddings
     assert "model_type" not in cfg and "architectures" not in cfg
     assert tgi_launcher_attention(r.path) == ("true", "flashinfer")
     assert check_tgi(r.path, HIDDEN, VOCAB) == [] and tgi_layout(r.path) == layout
