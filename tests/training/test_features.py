@@ -451,3 +451,17 @@ def test_a_cache_dir_that_cannot_be_written_is_refused_before_the_backbone_loads
         features.check_cache_dir(compose_tiny("features.mode=train", f"features.cache_dir={shared}/cache"))
     (shared / features.MANIFEST).write_text("{}")   # a cache built there before: read, not written
     features.check_cache_dir(compose_tiny("features.mode=train", f"features.cache_dir={shared}"))
+
+
+def test_held_out_batches_wait_in_host_memory(compose_tiny):
+    """Guards against the cached held-out batches sitting on the GPU for the whole run (~1-4 GiB of hidden states at
+    Llama-3.1-8B's width, more with EAGLE-3's layers, uncounted by the memory check): they are read to host memory
+    and each moves to the training device when it is evaluated (a stand-in device here: "meta")."""
+    trainer = T.MedusaTrainer(compose_tiny("features.mode=train", "trainer.max_steps=1", "logger.plot=false"))
+    trainer.setup()
+    source = trainer.source
+    source.device = torch.device("meta")   # where the training runs, as far as the source knows
+    held = source.eval_batches()
+    assert held and all(b["hidden"].device.type == "cpu" for b in held)
+    assert source.features(held[0])["hidden"].device.type == "meta"
+    trainer.cleanup(plot=False)
