@@ -378,8 +378,11 @@ def _optimizer_step(engine) -> int:
     return 0
 
 
-def gather(engine) -> tuple[dict, dict, int]:
-    """(weights, optimizer moments, optimizer step), full-size, on every rank (collective)."""
+def gather(engine, keep: bool = True) -> tuple[dict, dict, int]:
+    """(weights, optimizer moments, optimizer step), full-size (collective: every rank gathers each tensor); a rank
+    that writes nothing (``keep=False``) drops each one as it comes: holding them all, every rank of a node held 12
+    bytes a trained parameter in host memory at every save (~32 GB a rank for heads with their own
+    full-vocabulary projections at Llama-3.1-8B's shape)."""
     opt = _base_optimizer(engine)
     if getattr(engine.optimizer, "_hp_optimizer_states_linked", False):
         # ZeRO-1/2 (and bf16) step each parameter group in turn and link every parameter to its optimizer state right
@@ -389,11 +392,15 @@ def gather(engine) -> tuple[dict, dict, int]:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
     weights, moments = {}, {}
     for name, p in _trainable(engine):
-        weights[name] = _full_tensor(p, opt).float().cpu().contiguous()
+        full = _full_tensor(p, opt)
+        if keep:
+            weights[name] = full.float().cpu().contiguous()
         for key in ("exp_avg", "exp_avg_sq"):
-            moments[f"{key}.{name}"] = _full_tensor(p, opt, key).float().cpu().contiguous()
+            full = _full_tensor(p, opt, key)
+            if keep:
+                moments[f"{key}.{name}"] = full.float().cpu().contiguous()
     for name, b in engine.module.named_buffers():
-        if name in engine.module.state_dict():
+        if keep and name in engine.module.state_dict():
             weights[name] = b.detach().cpu().contiguous()
     return weights, moments, _optimizer_step(engine)
 
@@ -403,7 +410,7 @@ def save(engine, output_dir: Path, step: int, trainer_state: dict, keep_last: in
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     tag, tmp = step_tag(step), root / f".tmp-{step_tag(step)}"
-    weights, moments, opt_step = gather(engine)
+    weights, moments, opt_step = gather(engine, keep=rank == 0)
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)  # leftover of a run killed mid-write
