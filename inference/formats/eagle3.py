@@ -92,7 +92,7 @@ from ..heads.native import check_safetensors, check_shapes, indexed_shards, load
 from ..heads.rope import engine_rope_scaling, export_rope_scaling
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
-from .eagle3_targets import engines_refusing
+from .eagle3_targets import engines_refusing, vllm_releases_gating
 from .export import ExportOptions, ExportPlan, FormatWarning, refuse_unless_kind, register_exporter
 from .importers import register_importer
 from .reference import load_pickle_weights
@@ -172,7 +172,8 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     base = options.base_model or spec.base_model
     config = _export_config(spec, sorted(read), tensors["fc.weight"].dtype, base)
     k, target = spec.num_heads, base or "<base model>"
-    refusing = engines_refusing(_target_architecture(options))
+    architecture, model_type = _target_names(options)
+    refusing = engines_refusing(architecture)
     serve = {"vLLM": f"serve: vllm serve {target} --speculative-config "
                      f"'{{\"method\": \"eagle3\", \"model\": \"<this dir>\", \"num_speculative_tokens\": {k}}}'",
              "SGLang": f"serve: python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
@@ -180,6 +181,10 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
                        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"}
     notes = [f"note: {refusing[engine]}: it would refuse this drafter's target" if engine in refusing else command
              for engine, command in serve.items()]
+    gated = vllm_releases_gating(model_type) if "vLLM" not in refusing else None
+    if gated:
+        notes.append(f"note: vLLM {gated} refuse EAGLE-3 for a target of model_type {model_type!r} (\"eagle3 is only "
+                     "supported for [...] models\"): serve it with vLLM 0.22.0 or later")
     notes += _trtllm_notes(base, k, sorted(read))
     flags = _set_flags(spec.settings.draft_layer)
     if flags:
@@ -192,11 +197,13 @@ def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
 
 
-def _target_architecture(options: ExportOptions) -> Optional[str]:
-    """The target's transformers architecture (``LlamaForCausalLM``), when its config can be read."""
+def _target_names(options: ExportOptions) -> tuple[Optional[str], Optional[str]]:
+    """The target's transformers architecture (``LlamaForCausalLM``) and its text config's model_type (what older
+    vLLM releases gate on: ``gemma3_text`` for Gemma 3's multimodal class), when its config can be read."""
     config = options.backbone_config() if options.backbone_config is not None else None
     names = getattr(config, "architectures", None) or []
-    return names[0] if names else None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return (names[0] if names else None), getattr(text, "model_type", None) or getattr(config, "model_type", None)
 
 
 # TensorRT-LLM's PyTorch backend (module docstring) at the commit its EAGLE-3 drafter was read.

@@ -12,6 +12,11 @@ target's architecture cannot capture them refuses to start. Read from the engine
   SGLang is listed by the architectures it runs (the class or one it derives from defines the method).
 
 Regenerate both when a newer release changes them; the export says which release it checked.
+
+Older vLLM releases also gated ``method: eagle3`` on the target's text-config ``model_type``: 0.9.0 to 0.21.0
+refused one that holds none of a list of substrings (``SpeculativeConfig``, ``vllm/config/speculative.py``:
+``any(s in hf_text_config.model_type for s in aux_hidden_states_supported)``, 0.21.0 lines 974-1002; 0.9.0-0.10.0
+``"llama" not in model_type``, ``vllm/config.py``). Read from each release's source archive; 0.22.0 dropped it.
 """
 
 from __future__ import annotations
@@ -91,6 +96,33 @@ SGLANG_RUNS = frozenset({
     "Qwen3_5MoeForConditionalGeneration", "Qwen4ExpForConditionalGeneration", "SarvamMoEForCausalLM",
     "TeleFLMForCausalLM"
 })
+
+
+# (the last vLLM release with this list, the list): every release from 0.9.0 to 0.21.0, each list its
+# predecessor's plus the release's additions
+_VLLM_MODEL_TYPE_GATES = (
+    ("0.10.0", ("llama",)),
+    ("0.10.2", ("qwen",)),
+    ("0.15.1", ("minicpm", "gpt_oss")),
+    ("0.16.0", ("hunyuan_vl", "hunyuan_v1_dense", "afmoe")),
+    ("0.17.1", ("nemotron_h",)),
+    ("0.19.0", ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")),
+    ("0.20.2", ("minimax_m2", "gemma4")),
+    ("0.21.0", ("laguna",)),
+)
+
+
+def vllm_releases_gating(model_type: Optional[str]) -> Optional[str]:
+    """The vLLM releases ("0.9.0-0.21.0") whose model_type gate refuses an EAGLE-3 drafter for a target of text-config
+    ``model_type`` (module docstring), or None (every release takes it, or the type is unknown)."""
+    if not model_type:
+        return None
+    listed, last_refusing = [], None
+    for last, added in _VLLM_MODEL_TYPE_GATES:
+        listed += added
+        if not any(s in model_type for s in listed):
+            last_refusing = last
+    return f"0.9.0-{last_refusing}" if last_refusing else None
 
 
 def engines_refusing(architecture: Optional[str]) -> dict[str, str]:

@@ -385,3 +385,26 @@ def test_serve_commands_only_for_engines_that_run_eagle3_on_the_target(backbone,
         assert any(command in n for n in notes) == (engine not in refused), (engine, notes)
         said = [n for n in notes if n.startswith("note:") and f"{engine} " in n and "refuse" in n]
         assert len(said) == (engine in refused) and all(architecture in n for n in said)
+
+
+@pytest.mark.parametrize("model_type, releases", [
+    ("mistral", "0.9.0-0.21.0"), ("phi3", "0.9.0-0.21.0"), ("qwen3", "0.9.0-0.10.0"), ("gemma4_text", "0.9.0-0.19.0"),
+    ("llama", None), (None, None)])
+def test_vllm_releases_that_gate_on_the_targets_model_type_are_named(backbone, tmp_path, model_type, releases):
+    """Guards against an EAGLE-3 export for a Mistral or Phi-3 target printing a vLLM command that vLLM 0.9.0-0.21.0
+    refuse at start-up ("eagle3 is only supported for [...] models": they test the target's text-config model_type
+    against a list of substrings) with nothing said; the releases are named from the model_type of the text config
+    (Gemma's multimodal class: gemma4_text), none for a type every release takes."""
+    import types
+
+    text = types.SimpleNamespace(model_type=model_type)
+    config = types.SimpleNamespace(architectures=["LlamaForCausalLM"], model_type=model_type and "outer",
+                                   get_text_config=lambda: text)
+    notes = export(drafter(backbone), tmp_path / "e", backbone_config=lambda: config).notes
+    gated = [n for n in notes if "model_type" in n]
+    assert any("vllm serve" in n for n in notes)   # the current release serves it
+    if releases is None:
+        assert gated == []
+    else:
+        assert len(gated) == 1 and f"vLLM {releases} refuse" in gated[0] and repr(model_type) in gated[0], gated
+        assert "0.22.0" in gated[0]
