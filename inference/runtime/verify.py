@@ -284,9 +284,15 @@ def typical_rows(parents: torch.Tensor, retrieve: torch.Tensor, tokens: torch.Te
     ``top_k`` / ``top_p`` leave out is never accepted: the plain loop could never sample it. The logits are
     shifted by their maximum first, as ``filter_probs`` does: a tiny temperature then gives the argmax, not NaN."""
     b, n = tokens.shape
-    z = logits.float()
-    logp = torch.log_softmax((z - z.amax(-1, keepdim=True)) / max(cfg.temperature, MIN_TEMPERATURE), dim=-1)
-    entropy = torch.special.entr(logp.exp()).sum(-1)                                   # 0 log 0 = 0
+    # in place on one float32 copy (the same values as out of place): at 32 rows x 65 nodes x 128,256 tokens each
+    # full-vocabulary float32 tensor is ~1 GiB, and the out-of-place forms held four of them at once
+    z = logits.to(torch.float32, copy=True)
+    z.sub_(z.amax(-1, keepdim=True)).div_(max(cfg.temperature, MIN_TEMPERATURE))
+    logp = torch.log_softmax(z, dim=-1)
+    del z
+    probs = logp.exp()
+    entropy = torch.special.entr(probs, out=probs).sum(-1)                            # 0 log 0 = 0
+    del probs
     if cfg.top_k or cfg.top_p < 1.0:
         logp = logp.masked_fill(target_probs(logits, cfg) == 0, -math.inf)
     threshold = torch.minimum(torch.full_like(entropy, cfg.typical_epsilon), cfg.typical_delta * torch.exp(-entropy))

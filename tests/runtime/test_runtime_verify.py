@@ -244,6 +244,18 @@ def test_a_tiny_temperature_gives_the_argmax_distribution():
     assert torch.allclose(filter_probs(logits, 0.7), torch.softmax(logits / 0.7, -1), atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_typical_acceptance_leaves_the_logits_as_they_were(dtype):
+    """Guards against the in-place arithmetic of typical acceptance (one float32 copy, shifted and scaled in place:
+    ~1 GiB a full-vocabulary tensor at 32 rows x 65 nodes x 128,256 tokens) writing into float32 logits the caller
+    still reads (the bonus sample, the draft's next root), where ``.float()`` returns the same tensor."""
+    logits = torch.stack([_dist({12: 0.5, 11: 0.2})] + [_dist({7: 0.999})] * 6).to(dtype)
+    before = logits.clone()
+    cfg = SamplingConfig(mode="typical", temperature=0.7, typical_epsilon=0.09, typical_delta=0.3)
+    assert verify_typical(TREE.buffers(), TOKENS, logits, cfg, torch.Generator().manual_seed(0)).path == [0, 2]
+    assert torch.equal(logits, before)
+
+
 def test_typical_acceptance_keeps_to_top_k_top_p_and_tiny_temperatures():
     """Guards against typical acceptance reading the unfiltered distribution: with top_k=1 (or a top_p nucleus
     of one token) a draft the plain loop could never sample was accepted, so speculation emitted tokens of zero
