@@ -99,6 +99,7 @@ from inference.backbone import parse_dtype
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.native import pid_alive
+from inference.runtime.memory import free_memory_bytes
 
 from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone, template_identity, tokenizer_fingerprint
 from .backbone_inputs import FrozenFeatures
@@ -459,6 +460,7 @@ def build(cache: FeatureCache, manifest: dict, plan: CachePlan, frozen: FrozenFe
                         f"only {f'{free:,} bytes are' if close else f'{_gb(free)} is'} free; free space, set "
                         f"features.cache_dir to a larger disk{smaller}, or lower trainer.max_steps / "
                         "data.max_conversations")
+    _refuse_shards_beyond_memory([sum(b * w for b, w in shapes[k * S:k * S + counts[k]]) * per_pos for k in todo])
 
     def stored(batch: dict) -> dict:
         """One batch as stored: its ids, the heads' hidden states and the backbone's greedy ids."""
@@ -514,6 +516,20 @@ def _write_build_record(cache: FeatureCache, target: int, epoch_complete: bool, 
                            "unlocated_replies": stream.stats.unlocated_replies,
                            "recovered": stream.read_stats.recovered, "dropped": dict(stream.read_stats.dropped)}}
     write_json_atomic(cache.manifest_path, manifest)
+
+
+def _refuse_shards_beyond_memory(shard_bytes: list[int]) -> None:
+    """Refuse, before the first forward, shards this node's processes cannot hold in host memory: each process
+    keeps the shard it builds whole until it writes it, and the write serialises it once more (an EAGLE-3 cache
+    of Llama-3.1-8B's width: ~17 GB a shard of 64 micro-batches of 4 x 2,048 positions, 8 processes a node)."""
+    largest = max(shard_bytes, default=0)
+    processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    need, have = 2 * largest * processes, free_memory_bytes(torch.device("cpu"))
+    if have is not None and need > have:
+        each = f" each, x{processes} processes" if processes > 1 else ""
+        raise UserError(f"a features shard holds ~{_gb(largest)} in host memory while it is built and ~as much again "
+                        f"while it is written ({_gb(need)}{each}) but only {_gb(have)} is available; lower "
+                        "features.shard_batches")
 
 
 def _write_shards(cache: FeatureCache, plan: CachePlan, open_stream: Callable[[], ConversationStream],

@@ -465,3 +465,18 @@ def test_held_out_batches_wait_in_host_memory(compose_tiny):
     assert held and all(b["hidden"].device.type == "cpu" for b in held)
     assert source.features(held[0])["hidden"].device.type == "meta"
     trainer.cleanup(plot=False)
+
+
+def test_shards_beyond_host_memory_are_refused_before_the_first_forward(compose_tiny, tmp_path, monkeypatch):
+    """Guards against a feature-cache build killed by the kernel's OOM killer: each process holds the shard it
+    builds whole until it writes it (~17 GB a shard of an EAGLE-3 cache at Llama-3.1-8B's width, 8 processes a
+    node); one line naming features.shard_batches instead, nothing written, the claim withdrawn."""
+    monkeypatch.setattr(features, "free_memory_bytes", lambda device: 1000)
+    forwards = []
+    monkeypatch.setattr(features.FrozenFeatures, "features", lambda self, *a, **k: forwards.append(1))
+    out = tmp_path / "run"
+    with pytest.raises(UserError) as err:
+        features.run_build(compose_tiny("features.mode=build", out=out))
+    msg = str(err.value)
+    assert "lower features.shard_batches" in msg and "host memory" in msg and "\n" not in msg, msg
+    assert forwards == [] and not (out / "features").exists()
