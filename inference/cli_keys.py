@@ -72,7 +72,7 @@ class CommandKeys:
     # the bound: static_steps.MAX_BUCKET (not imported: --help imports no runtime; a test ties the two)
     graph_buckets: List[int] = _key(help="the row counts (and batch sizes) a captured step is padded up to (strictly "
                                     "increasing, at most 2048); larger steps run uncaptured",
-                                    factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+                                    factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
     chat_template_args: Dict[str, Any] = _key(help="variables of the backbone's chat template for every prompt, e.g. "
                                               "chat_template_args.enable_thinking=false (Qwen3 with thinking off)",
                                               factory=dict)

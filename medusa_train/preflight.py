@@ -128,13 +128,16 @@ HEAD_STATE_BYTES = 16
 def head_state_bytes(trainer_cfg, world_size: int) -> float:
     """``HEAD_STATE_BYTES`` as one of ``world_size`` processes holds them: ZeRO stage 1 shards the fp32 master
     and moments over the processes, stage 2 the gradients too, stage 3 the weights too (8 GPUs at stage 2 hold
-    ~4 bytes a parameter each, not 16: heads refused on any number of GPUs fitted on 8)."""
+    ~4 bytes a parameter each, not 16: heads refused on any number of GPUs fitted on 8). What DeepSpeed 0.19 adds:
+    bf16 at stage 1 runs its BF16 optimizer, which keeps a full fp32 gradient on every rank; fp32 at stages 1-2
+    keeps an fp32 master partition beside the weight."""
     stage, n = int(trainer_cfg.zero_stage), max(int(world_size), 1)
     fp32 = enum_value(trainer_cfg.precision) == "fp32"
     weight, grad, state = (4, 4, 8) if fp32 else (2, 2, 12)   # fp32: the weight is its own master copy
     if stage < 1:
         return weight + grad + state
-    return weight / (n if stage >= 3 else 1) + grad / (n if stage >= 2 else 1) + state / n
+    extra = (4 / n if stage <= 2 else 0) if fp32 else (4 if stage == 1 else 0)
+    return weight / (n if stage >= 3 else 1) + grad / (n if stage >= 2 else 1) + state / n + extra
 
 
 def joint_bytes(cfg, hf_config, length: int, batch: int, dtype_bytes: int) -> int:

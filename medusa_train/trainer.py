@@ -276,9 +276,12 @@ class MedusaTrainer:
             kind=cfg.heads.kind, settings=training_family(cfg.heads.kind).spec_settings(cfg.heads, hf_cfg),
             chat_template_args=check_template_args(getattr(cfg.backbone, "chat_template_args", None),
                                                    "backbone.chat_template_args"))
-        # the backbone's own tensor, not an fp32 copy: shared heads keep it (a copy was 2.1 GB at Llama-3.1-8B's vocab,
-        # and each head's forward cast it again, kept for backward); fresh projections copy_ from it, casting
-        heads = init_heads(spec, lm_head_weight(model), model.get_input_embeddings().weight, token_map)
+        # in the dtype the heads compute in: shared heads keep it, and a weight of another dtype was cast again by every
+        # head's forward and kept for backward (2.1 GB a head in fp32 at Llama-3.1-8B's vocab); the backbone's own
+        # tensor where the dtypes agree (no copy at all); fresh projections copy_ from it
+        weight = lm_head_weight(model)
+        weight = weight if weight.dtype == self.compute_dtype else weight.to(self.compute_dtype)
+        heads = init_heads(spec, weight, model.get_input_embeddings().weight, token_map)
         return heads.to(self.device), spec
 
     def _token_map(self, vocab_size: int, n: int) -> torch.Tensor:
@@ -661,7 +664,7 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
                 trainer.tracker.write("\n" + format_accuracy_table(summary, trainer.spec.num_heads))
             else:
                 trainer.tracker.write(f"\nno held-out accuracy: {empty_eval_reason(cfg.data)}")
-            trainer.tracker.write(f"data: {read.summary()}; {tokenized_line(stats, cfg.data)}")
+            trainer.tracker.write(f"data: {read.summary()}; {tokenized_line(stats, cfg.data, cfg.heads.train_on)}")
             trainer.tracker.write(f"heads exported to {heads_dir}")
     finally:
         interrupts.restore()
@@ -677,15 +680,16 @@ def run(cfg, record: Callable[[], None] | None = None) -> dict:
     return summary
 
 
-def tokenized_line(stats, data) -> str:
+def tokenized_line(stats, data, train_on: str = "assistant") -> str:
     """What tokenising the training conversations kept and lost, for the run's summary line."""
     lost = [f"{stats.truncated} truncated to {data.max_length} tokens"]
     if stats.no_labels:   # gone from training: a prompt that fills max_length, or no reply to learn from
         lost.append(f"{stats.no_labels} more dropped with no reply token to train on (a prompt filling "
                     f"{data.max_length} tokens, a reply to no user turn, or one the template rewrote)")
-    if stats.unlabelled:
-        lost.append(f"{stats.unlabelled} kept with no reply token within {data.max_length} tokens (trained on their "
-                    "other positions: heads.train_on=all)")
+    if stats.unlabelled:   # kept by a train_on=all stream; a default run reading its feature cache trains none of it
+        why = ("trained on their other positions: heads.train_on=all" if train_on == "all" else
+               "no label in this run: the feature cache keeps them for heads.train_on=all")
+        lost.append(f"{stats.unlabelled} kept with no reply token within {data.max_length} tokens ({why})")
     if stats.unlocated_replies:
         lost.append(f"{stats.unlocated_replies} replies left unlabelled: the chat template rewrote them")
     return (f"this run tokenized {stats.conversations} conversations ({'; '.join(lost)}), "

@@ -54,6 +54,7 @@ rebuild without the backbone). It trains on the aux layers, the true next tokens
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Optional
 
@@ -360,8 +361,11 @@ class StaticDraftKV:
     weight is NaN in every row. ``length``: batch 1's committed entries (host side, outside the calls);
     ``claim`` / ``check`` refuse two generations interleaving on one buffer, as the backbone's static cache does."""
 
+    _made = itertools.count()   # a serial per cache: what names the calls captured over it, never reused
+
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device):
         self.capacity, self.length, self.generation = capacity, 0, 0
+        self.serial = next(StaticDraftKV._made)
         with torch.inference_mode(False):   # it outlives the generation that made it: written in and out of it
             self.k = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
             self.v = torch.zeros_like(self.k)

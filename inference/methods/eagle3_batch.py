@@ -198,7 +198,11 @@ class Eagle3BatchDrafter:
         """One catch-up call over each row's (features [c, F], tokens fed after them [c]), padded."""
         dev = self.m.device
         width = max(len(n) for _, n in per_row)
-        feats = torch.stack([torch.cat([f, f[-1:].expand(width - len(n), -1)]) for f, n in per_row])
+        first = per_row[0][0]
+        feats = first.new_empty((len(per_row), width, first.shape[-1]))   # one copy, each row padded in place
+        for b, (f, n) in enumerate(per_row):
+            feats[b, :len(n)] = f
+            feats[b, len(n):] = f[-1:]
         nxt = to_device([n + [0] * (width - len(n)) for _, n in per_row], dev)
         self._catch_up(feats, nxt, [len(n) for _, n in per_row])
 
@@ -299,10 +303,12 @@ class Eagle3BatchDrafter:
 
     def cache_bytes(self, prompt_lengths, max_new_tokens: int) -> int:
         """The drafter's own cache for this batch (one layer: keys and values per slot), for the memory check; with
-        static steps, as ``StaticRowDraftKV`` allocates it (rows up to the batch bucket, capacity rounded up)."""
+        static steps, as ``StaticRowDraftKV`` allocates it (rows up to the batch bucket, capacity rounded up; none
+        where the cache held already holds the batch)."""
         rows, slots = len(prompt_lengths), self._capacity(prompt_lengths, max_new_tokens)
         if self.m.static is not None:
-            rows, slots = static_rows(self.m, rows), cache_slots(slots + 1)
+            rows = static_rows(self.m, rows)
+            slots = cache_slots(self.m, rows, slots + 1)
         return rows * slots * draft_kv_bytes_per_slot(self.d.spec, self.m.dtype)
 
     def prompt_bytes(self, prompt_lengths, max_new_tokens: int) -> int:

@@ -40,25 +40,30 @@ KEPT = "eagle3 draft caches"   # under the static steps' ``kept``: {batch: (draf
 
 def draft_cache(m, batch: int, need: int) -> StaticDraftKV:
     """The static steps' drafter cache of ``batch`` rows holding at least ``need`` slots: the one already there,
-    or a new one (``cache_slots``; at least 1.25x the one it replaces: a longer request regrows it rarely); the
-    calls captured over the old one are released with it (``CapturedCalls.release``)."""
+    or a new one (``cache_slots``); the calls captured over the old one are released with it
+    (``CapturedCalls.release``)."""
     store = m.static.kept.setdefault(KEPT, {})
-    d = m.heads
-    held = store.get(batch)
-    if held is not None and held[0] is d and held[1].capacity >= need:
+    d, held = m.heads, store.get(batch)
+    capacity = cache_slots(m, batch, need)
+    if not capacity:
         return held[1]
-    attn = d.midlayer.self_attn
-    capacity = rounded_capacity(need, MIN_SLOTS, held[1].capacity if held is not None and held[0] is d else 0)
     if held is not None:   # its calls are never made again (names carry the cache's tag): their graphs go now
         m.static.calls.release(held[1])
+    attn = d.midlayer.self_attn
     cache = StaticDraftKV(batch, attn.kv_heads, capacity, attn.head_dim, d.fc.weight.dtype, m.device)
     store[batch] = (d, cache)
     return cache
 
 
-def cache_slots(need: int) -> int:
-    """The capacity of a drafter cache made for ``need`` slots (``rounded_capacity``, at least ``MIN_SLOTS``)."""
-    return rounded_capacity(need, MIN_SLOTS)
+def cache_slots(m, batch: int, need: int) -> int:
+    """The capacity ``draft_cache`` allocates for ``batch`` rows of ``need`` slots: 0 when the cache held for this
+    drafter holds them already, else ``rounded_capacity`` (at least ``MIN_SLOTS``, and 1.25x the cache it replaces:
+    a longer request regrows it rarely). The memory check asks it too, so it counts what is allocated."""
+    held = m.static.kept.get(KEPT, {}).get(batch)
+    mine = held[1] if held is not None and held[0] is m.heads else None   # another drafter's is replaced whole
+    if mine is not None and mine.capacity >= need:
+        return 0
+    return rounded_capacity(need, MIN_SLOTS, mine.capacity if mine is not None else 0)
 
 
 def static_rows(m, batch: int) -> int:
@@ -67,8 +72,9 @@ def static_rows(m, batch: int) -> int:
 
 
 def tag(cache: StaticDraftKV) -> str:
-    """What names a call captured over ``cache`` (a regrown cache's calls are new ones)."""
-    return f"{id(cache):x}"
+    """What names a call captured over ``cache`` (a regrown cache's calls are new ones): its serial, not its id,
+    which a cache made after a released one may get again (its calls would then be captured a second time)."""
+    return f"{cache.serial:x}"
 
 
 def _neg(cache: StaticDraftKV) -> float:

@@ -11,13 +11,13 @@ a 2-8-row verification forward is 2-3 ms (4-5%) cheaper without it at a 250-toke
 ``enable_gqa=True`` together and gives bit-identical outputs (it indexes the shared head instead of reading
 a copy), so on CPU this module calls it that way.
 
-On CUDA the groups are folded instead (``FOLD_GROUPS``): a masked call with grouped-query attention runs as
-one SDPA call over the key/value heads, each carrying the query rows of its G query heads ([B, Hkv, G*n, D]
-queries, the mask repeated G times over a tree's rows; a longer call, a prompt's, attends per group instead), so
-no key/value is copied (transformers 5.25 packs one-row calls so itself; multi-row calls it copies). With static steps (``graphs=``) every step is masked over
-the whole capacity, the plain loop's too: at Llama-3.1-8B's shape (8 key/value heads for 32 query heads)
-transformers' copy writes 4x the KV cache and attention reads it back, per layer per step (~2 GB a step at 2,048
-slots, by arithmetic). The GPU check times both ways (``benchmarks/gpu_gqa.py``).
+On CUDA the groups are folded instead (``FOLD_GROUPS``): a masked call with grouped-query attention runs as one SDPA
+call over the key/value heads, each carrying the query rows of its G query heads ([B, Hkv, G*n, D] queries, the mask
+repeated G times over a tree's rows; a longer call, a prompt's, attends per group instead), so no key/value is
+copied (transformers 5.25 packs one-row calls so itself; multi-row calls it copies). With static steps (``graphs=``)
+every step is masked over the whole capacity, the plain loop's too: at Llama-3.1-8B's shape (8 key/value heads for
+32 query heads) transformers' copy writes 4x the KV cache and attention reads it back, per layer per step (~2 GB a
+step at 2,048 slots, by arithmetic). The GPU check times both ways (``benchmarks/gpu_gqa.py``).
 Every CUDA call runs without torch's cuDNN SDPA backend (``inference.attention_backends``: it plans a graph
 per new key length, 1.4 ms of host time per call in a decoding loop).
 

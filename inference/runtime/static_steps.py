@@ -22,17 +22,17 @@ EAGLE-3's verification, draft models, lookahead, prompt lookup) or batched (``st
   one host read is its verdict, and a step that fills its bucket exactly (the plain loop's) skips the padding's
   fills: on a GPU what runs on the host between two replays is what the device waits for.
 
-``graphs``: ``auto`` (captured on CUDA, off elsewhere), ``on`` (captured; CUDA only), ``off`` (the
-dynamic-shape ``TreeKVCache`` / ``RaggedKVCache`` path), ``uncaptured`` (these static shapes without capture, on
-any device: what ``on`` computes, for checking and for the CPU tests; on 2 CPU cores it costs 2-5% of a step,
-within the noise: BENCHMARKS.md). A bucket is captured at its first step and never again while the buffer
-stands (``captures`` counts); a request the buffer cannot hold gets a new one (capacity rounded up by at most
-12.5%, at least 1.25x the old one, sized to the request, the old dimensions kept only where that costs at most twice as much; the graphs are dropped and
-recaptured, said in one line) unless the capacity was fixed, the batch is above the largest bucket or the memory
-is not there, in which case that request decodes on the dynamic path with a one-line warning. A capture that
-fails (a host read inside the step, refused by ``graph_capture.HostReadGuard`` before the capture opens) turns
-capture off for the model (one line; the static steps go on uncaptured), never a wrong token; a captured step
-whose first replay on new inputs disagrees with the same step run eagerly runs uncaptured (each is checked so, once).
+``graphs``: ``auto`` (captured on CUDA, off elsewhere), ``on`` (captured; CUDA only), ``off`` (the dynamic-shape
+``TreeKVCache`` / ``RaggedKVCache`` path), ``uncaptured`` (these static shapes without capture, on any device: what
+``on`` computes, for checking and for the CPU tests; on 2 CPU cores it costs 2-5% of a step, within the noise:
+BENCHMARKS.md). A bucket is captured at its first step and never again while the buffer stands (``captures``
+counts); a request the buffer cannot hold gets a new one (sized to the request, capacity rounded up by at most 12.5%
+and at least 1.25x the old one, the old dimensions kept only where that costs at most twice as much; the graphs are
+dropped and recaptured, said in one line) unless the capacity was fixed, the batch is above the largest bucket or
+the memory is not there, in which case that request decodes on the dynamic path with a one-line warning. A capture
+that fails (a host read inside the step, refused by ``graph_capture.HostReadGuard`` before the capture opens) turns
+capture off for the model (one line; the static steps go on uncaptured), never a wrong token; a captured step whose
+first replay on new inputs disagrees with the same step run eagerly runs uncaptured (each is checked so, once).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ from .graph_capture import cuda_capture, measured_capture, on_device, outputs_ag
 from .static_batch import StaticRaggedKV
 
 GRAPH_MODES = ("auto", "on", "off", "uncaptured")
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# 128: a 64-node EAGLE-3 tree verifies 65 rows (its root too), a 64-node tree with a prompt-lookup graft more; only
+# the buckets a run's steps use are captured, so a larger one costs nothing until a step needs it
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_CAPACITY = 256
 # The largest step any method's bounds allow: lookahead's 1 + (N-1)(W+G) rows at N=16, W=G=64 (methods/lookahead.py;
 # Medusa trees hold at most 256 nodes, EAGLE-3's 256 + 1 + 64 lookup tokens, a draft chain 65).

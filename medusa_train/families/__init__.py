@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import List, Optional
 
-from inference.backbone import text_config
 from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.registry import family, kinds
@@ -125,6 +124,8 @@ class TrainingFamily:
         projection in fp32 with their log-softmax and gradient, about (4K + 8) bytes per position and projected
         token for K heads, (12K + 16) with the teacher term (a review's measure of the saved tensors at small
         scale): ~7 GiB for 5 heads over a 32,768-token projection at 4 x 2,048 positions, by arithmetic."""
+        from inference.backbone import text_config   # lazy: it imports torch, and medusa-train --help this module
+
         vocab = int(text_config(hf_config).vocab_size)
         width = self.vocabulary(h, vocab)[1] or vocab
         k = self.depth(h)

@@ -496,3 +496,46 @@ def test_alternating_floors_on_one_model_decode_as_each_alone(m):
         assert seen(out) == seen(ref[p]), p
     assert_clean(m)
     m.static = None
+
+
+def test_a_64_node_tree_is_captured_by_default(m):
+    """Guards against the default buckets stopping at 64 rows while an EAGLE-3 tree of 64 nodes verifies 65 (its
+    root too): every verification step then ran uncaptured (~1,300 kernel launches a step on a GPU)."""
+    with_steps(m, "replayed")
+    out = generate(m, REPEATING, "eagle3", max_new_tokens=12, eos_token_ids=(), nodes=64, depth=8, topk=8)
+    assert m.static.oversized == 0 and any(k.startswith("128+") for k in m.static.captures), m.static.captures
+    m.static = None
+    assert out.tokens == generate(m, REPEATING, "eagle3", max_new_tokens=12, eos_token_ids=(), nodes=64, depth=8,
+                                  topk=8).tokens
+
+
+def test_a_cache_made_after_a_released_one_names_new_calls():
+    """Guards against drafter caches named by ``id()``: released caches are freed now, a later one may get the same
+    id, and its calls the names of calls already captured: the third such capture raised "would be captured a
+    second time" mid-generation. Each cache is named by a serial of its own."""
+    from inference.methods.eagle3_static import tag
+
+    names = []
+    for _ in range(20):
+        cache = StaticDraftKV(1, 2, 8, 4, torch.float32, torch.device("cpu"))
+        names.append(tag(cache))
+        del cache
+    assert len(set(names)) == len(names)
+
+
+def test_the_memory_check_counts_the_drafter_cache_it_would_allocate(m):
+    """Guards against the batch memory check counting a new drafter cache where the one held already holds the
+    batch (refusing batches that fit), and under-counting a regrown one (at least 1.25x the cache it replaces)."""
+    from inference.methods.eagle3_batch import Eagle3BatchDrafter
+
+    m.static = StaticSteps(m, capture=None, log=lambda line: None)
+    drafter = Eagle3BatchDrafter(m, Eagle3Options(nodes=8, depth=3, topk=2).fitted(m.heads.spec))
+    prompts = BATCH[:3]
+    generate_batch(m, prompts, "eagle3", max_new_tokens=24, eos_token_ids=(), nodes=8, depth=3, topk=2)
+    assert drafter.cache_bytes([len(p) for p in prompts], 24) == 0        # the one held holds them
+    longer = [LONG + LONG] * 3
+    estimate = drafter.cache_bytes([len(p) for p in longer], 8)
+    generate_batch(m, longer, "eagle3", max_new_tokens=8, eos_token_ids=(), nodes=8, depth=3, topk=2)
+    (cache,) = [c for _, c in m.static.kept["eagle3 draft caches"].values()]
+    assert estimate == 2 * cache.k.numel() * cache.k.element_size() > 0
+    m.static = None

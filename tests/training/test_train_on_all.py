@@ -139,6 +139,10 @@ def test_a_conversation_whose_reply_is_out_of_reach_trains_its_other_positions(c
                                     out=cached))
     manifest = json.loads((cached / "features" / features.MANIFEST).read_text())
     assert manifest["keeps_unlabelled"] is True and manifest["stream"]["unlabelled"] == 1
+    capsys.readouterr()
+    T.run(compose_tiny(*RUN, "features.mode=train", BACKBONE, f"data.source={data.source}",
+                       f"features.cache_dir={cached / 'features'}", out=tmp_path / "default-cached"))
+    assert "1 kept with no reply token within 256 tokens (no label in this run" in capsys.readouterr().out
 
 
 def test_a_run_begun_under_the_dropping_rule_resumes_with_it(compose_tiny, tmp_path):

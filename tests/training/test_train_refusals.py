@@ -329,10 +329,11 @@ def test_zero_shards_the_heads_state_in_the_memory_estimate():
     def per_param(stage, precision, world):
         return head_state_bytes(SimpleNamespace(zero_stage=stage, precision=precision), world)
 
-    assert per_param(0, "fp32", 8) == per_param(1, "bf16", 1) == per_param(3, "fp32", 1) == HEAD_STATE_BYTES
-    assert per_param(1, "bf16", 8) == 2 + 2 + 12 / 8
+    assert per_param(0, "fp32", 8) == per_param(3, "fp32", 1) == per_param(2, "bf16", 1) == HEAD_STATE_BYTES
+    assert per_param(1, "bf16", 8) == 2 + 2 + 12 / 8 + 4    # DeepSpeed's BF16 optimizer: a full fp32 gradient
     assert per_param(2, "bf16", 8) == 2 + 14 / 8
     assert per_param(3, "bf16", 8) == 16 / 8
+    assert per_param(2, "fp32", 8) == 4 + 16 / 8             # the ZeRO optimizer's fp32 master partition too
 
 
 def test_the_heads_logits_and_a_joint_backbone_are_counted(compose_tiny, monkeypatch):

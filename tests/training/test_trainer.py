@@ -45,7 +45,8 @@ def make_trainer(cfg) -> T.MedusaTrainer:
     ("truncated", []), ("own", []), ("shared", []),
     ("shared", ["trainer.precision=bf16", "trainer.zero_stage=1"]),  # bf16 engine casts the module it wraps
     ("shared", ["trainer.precision=bf16", "trainer.zero_stage=1", "backbone.dtype=bfloat16"]),
-], ids=["truncated", "own", "shared", "shared-bf16", "shared-bf16-backbone"])
+    ("shared", ["backbone.dtype=bfloat16"]),   # heads in fp32 over a bf16 backbone
+], ids=["truncated", "own", "shared", "shared-bf16", "shared-bf16-backbone", "shared-fp32-bf16-backbone"])
 def test_backbone_frozen_heads_learn(projection, extra, compose_tiny):
     """Guards against: gradient or optimizer updates reaching the backbone (Medusa-1 must leave it
     bit-identical, including a shared lm_head), a head parameter that never trains (e.g. a block left
@@ -57,9 +58,11 @@ def test_backbone_frozen_heads_learn(projection, extra, compose_tiny):
     heads_before = {k: p.detach().clone() for k, p in trainer.module.heads.named_parameters()}
     assert heads_before and all(p.requires_grad for p in trainer.module.heads.parameters())
     assert not any(p.requires_grad for p in model.parameters())
-    if projection == "shared":   # the backbone's own tensor, not a copy (2.1 GB in fp32 at Llama-3.1-8B's vocab)
+    if projection == "shared":   # in the heads' dtype (no cast per head's forward), the backbone's own where it can
         from inference.backbone import lm_head_weight
-        assert trainer.module.heads.shared_weight.data_ptr() == lm_head_weight(model).data_ptr()
+        shared, weight = trainer.module.heads.shared_weight, lm_head_weight(model)
+        assert shared.dtype == trainer.compute_dtype
+        assert (shared.data_ptr() == weight.data_ptr()) == (weight.dtype == trainer.compute_dtype)
 
     batch = next(iter(trainer.batches))
     labels, docs = batch["labels"], batch["doc_ids"]
