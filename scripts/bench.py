@@ -34,6 +34,7 @@ MICRO = {  # subcommand -> (module, help); imported only when run, so --help sta
     "kernels": ("benchmarks.micro.kernels", "a verification forward per node count: stock, routed, prepacked"),
     "tree-attention": ("benchmarks.micro.tree_attention", "transformers' sdpa vs the decoding attention"),
     "train": ("benchmarks.micro.train", "training step tokens/s against the backbone's forward, per projection"),
+    "joint-checkpointing": ("benchmarks.micro.joint_checkpointing", "Medusa-2's joint step, checkpointing off vs on"),
     "profile-gpu": ("benchmarks.micro.gpu_profile", "a GPU step's kernel time against its wall time (or --dry-run)"),
     "static-steps": ("benchmarks.micro.static_steps", "graphs=uncaptured vs off (and off vs off) on this machine"),
     "host-work": ("benchmarks.micro.host_work", "a step's host reads, ops and time outside its captured graphs"),
