@@ -52,7 +52,7 @@ def test_captures_happen_before_the_timed_runs_and_are_reported(m, monkeypatch):
 
 def test_second_turns_find_the_buffer_warmed_to_their_length(m, monkeypatch):
     """Guards against the warm-up sizing the KV buffer to the longest first turn under turns=both: a second turn
-    (first turn + answer + question) beyond the buffer's power of two regrew it inside the timed runs, dropping
+    (first turn + answer + question) beyond the buffer's capacity regrew it inside the timed runs, dropping
     every graph, and the recaptures and their eager checks were timed as the method's speed."""
     m.static = StaticSteps(m, capture=replaying, log=lambda line: None)
     regrown = {}

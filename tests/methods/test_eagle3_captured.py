@@ -418,7 +418,7 @@ def test_static_cache_is_zero_filled():
 
 def test_the_memory_check_counts_the_static_drafter_cache_as_allocated(m):
     """Guards against the batch memory check undercounting the drafter's cache under graphs (it has a row per
-    lane of the batch bucket and a capacity rounded up to a power of two): the estimate equals what is allocated."""
+    lane of the batch bucket and a capacity rounded up): the estimate equals what is allocated."""
     from inference.methods.eagle3_batch import Eagle3BatchDrafter
 
     m.static = StaticSteps(m, capture=None, log=lambda line: None)
