@@ -68,7 +68,7 @@ def test_second_turns_find_the_buffer_warmed_to_their_length(m, monkeypatch):
     prompts = [Prompt("a", ["count to three", "now " * 80]), Prompt("b", ["hi", "and then?"])]
     ev.evaluate(m, prompts, methods=["autoregressive"], max_new_tokens=8, turns="both", progress=False,
                 log=lambda s: None, settings={})
-    assert m.static.kv.shape[4] >= 512 and regrown["after"] == regrown["before"], regrown
+    assert m.static.kv.shape[4] > 256 and regrown["after"] == regrown["before"], regrown   # beyond a first turn
     m.static = None
 
 
