@@ -374,6 +374,12 @@ def launch_world_size() -> int:
     return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
 
 
+def local_world_size() -> int:
+    """The processes a launcher started on this machine (``LOCAL_WORLD_SIZE``; 1 without one): what shares its
+    host memory."""
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+
+
 def _validate_optim(o) -> None:
     betas = list(o.betas) if o.betas is not None else []
     checks = [

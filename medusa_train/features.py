@@ -104,7 +104,7 @@ from inference.runtime.memory import free_memory_bytes
 from .backbone import RANDOM_BACKBONE_DIR, backbone_identity, load_backbone, template_identity, tokenizer_fingerprint
 from .backbone_inputs import FrozenFeatures
 from .checkpoint import keeps_trained_record
-from .config import check_folder_writable, derived_batch, validate
+from .config import check_folder_writable, derived_batch, local_world_size, validate
 from .data.readers import ReadStats, data_fingerprint
 from .data.stream import ConversationStream, RankData, StreamStats, check_training_data, first_epoch
 from .distributed import barrier, start_process, stop_on_signals
@@ -523,7 +523,7 @@ def _refuse_shards_beyond_memory(shard_bytes: list[int]) -> None:
     keeps the shard it builds whole until it writes it, and the write serialises it once more (an EAGLE-3 cache
     of Llama-3.1-8B's width: ~17 GB a shard of 64 micro-batches of 4 x 2,048 positions, 8 processes a node)."""
     largest = max(shard_bytes, default=0)
-    processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    processes = local_world_size()
     need, have = 2 * largest * processes, free_memory_bytes(torch.device("cpu"))
     if have is not None and need > have:
         each = f" each, x{processes} processes" if processes > 1 else ""

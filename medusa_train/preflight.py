@@ -30,7 +30,7 @@ from inference.heads.spec import HeadsSpec, check_compatible
 
 from .backbone import backbone_config
 from .checkpoint import resume_point, trained_record_changes
-from .config import check_data_source, check_output_outside_data, derived_batch, launch_world_size
+from .config import check_data_source, check_output_outside_data, derived_batch, launch_world_size, local_world_size
 from .data.readers import ReadStats, iter_conversations, local_files
 from .data.stream import check_training_data
 from .distill import unfinished as unfinished_distillation
@@ -201,7 +201,7 @@ def check_fits(cfg) -> None:
     # what the loss keeps for backward: the heads' logits, and with LoRA the backbone's own activations and loss
     loss = (training_family(cfg.heads.kind).loss_bytes(cfg.heads, hf_config, length, batch)
             + joint_bytes(cfg, hf_config, length, batch, dtype_bytes)) if trained else 0
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    processes = local_world_size() if device.type == "cpu" else 1
     need = (activations + unroll + loss + weights + heads) * max(processes, 1)
     if need > free[0]:
         _refuse_fit(cfg, need, free, (activations, unroll, loss, weights), (params, heads), processes)
