@@ -27,6 +27,7 @@ from inference.cli_support import enum_value
 from inference.errors import UserError
 from inference.heads.registry import build_heads, family, setting_names
 from inference.heads.spec import HeadsSpec, check_compatible
+from inference.runtime.memory import free_memory_bytes
 
 from .backbone import backbone_config
 from .checkpoint import resume_point, trained_record_changes
@@ -63,26 +64,11 @@ def micro_batch_bytes(hf_config, length: int, batch: int, dtype_bytes: int) -> i
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:
-    """(bytes free, what) on ``device``: GPU memory free, or RAM available (cgroup limit included)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device.index if device.index is not None else torch.cuda.current_device())
-        return free, f"GPU memory free on {device}"
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
+    """(bytes free, what) on ``device``: GPU memory free, or RAM available (a container's limit included)."""
+    free = free_memory_bytes(device)
+    if free is None:
         return None
-    try:  # a container's memory limit (cgroup v2)
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        if limit != "max":
-            used = int(open("/sys/fs/cgroup/memory.current").read().strip())
-            avail = min(avail, int(limit) - used) if avail is not None else int(limit) - used
-    except (OSError, ValueError):
-        pass
-    return (avail, "RAM available") if avail is not None else None
+    return free, (f"GPU memory free on {device}" if device.type == "cuda" else "RAM available")
 
 
 def _gb(n: float) -> str:
