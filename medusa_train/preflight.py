@@ -188,9 +188,25 @@ def check_fits(cfg) -> None:
     loss = (training_family(cfg.heads.kind).loss_bytes(cfg.heads, hf_config, length, batch)
             + joint_bytes(cfg, hf_config, length, batch, dtype_bytes)) if trained else 0
     processes = local_world_size() if device.type == "cpu" else 1
-    need = (activations + unroll + loss + weights + heads) * max(processes, 1)
+    kept = None  # what a released backbone keeps, for a run trained from the feature cache
+    if trained and enum_value(cfg.features.mode) == "train" and not cfg.lora.enabled:
+        # the backbone runs while the cache is built, then its body is freed before the heads are built
+        # (``sources.CachedSource``): two phases, the larger of them at once
+        kept = _embedding_bytes(hf_config, dtype_bytes)
+        peak = max(activations + weights, unroll + loss + heads + kept)
+    else:
+        peak = activations + unroll + loss + weights + heads
+    need = peak * max(processes, 1)
     if need > free[0]:
-        _refuse_fit(cfg, need, free, (activations, unroll, loss, weights), (params, heads), processes)
+        _refuse_fit(cfg, need, free, (activations, unroll, loss, weights, kept), (params, heads), processes)
+
+
+def _embedding_bytes(hf_config, dtype_bytes: int) -> int:
+    """The input embeddings and the lm_head (one matrix when tied): what a released backbone keeps."""
+    text = text_config(hf_config)
+    matrix = int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0) * dtype_bytes
+    tied = getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))
+    return matrix * (1 if tied else 2)
 
 
 def check_distill_positions(cfg) -> None:
@@ -208,16 +224,20 @@ def check_distill_positions(cfg) -> None:
 def _refuse_fit(cfg, need, free, parts_bytes, heads_state, processes) -> None:
     """The one line ``check_fits`` refuses with: what each part needs and which keys to lower."""
     have, what = free
-    activations, unroll, loss, weights = parts_bytes
+    activations, unroll, loss, weights, kept = parts_bytes
     params, heads = heads_state
     length, batch, depth = int(cfg.data.max_length), int(cfg.trainer.micro_batch_size), draft_depth(cfg.heads)
     per_process = f", x{processes} processes" if processes > 1 else ""
     backbone_grads = " and the backbone's own gradients (LoRA)" if cfg.lora.enabled else ""
-    parts = (f"{_gb(activations)} for one micro-batch through the frozen backbone"
-             + (f", {_gb(unroll)} for the {depth} draft steps its training unrolls" if unroll else "")
-             + (f", {_gb(loss)} for the heads' logits{backbone_grads}" if loss else "")
-             + f", {_gb(weights)} of weights, {_gb(heads)} for the heads' parameters, gradients and AdamW state"
-             + per_process)
+    forward = f"{_gb(activations)} for one micro-batch through the frozen backbone"
+    trained = ((f"{_gb(unroll)} for the {depth} draft steps its training unrolls, " if unroll else "")
+               + (f"{_gb(loss)} for the heads' logits{backbone_grads}, " if loss else "")
+               + f"{_gb(heads)} for the heads' parameters, gradients and AdamW state")
+    if kept is None:
+        parts = f"{forward}, {_gb(weights)} of weights, {trained}{per_process}"
+    else:
+        parts = (f"the larger of building the feature cache ({forward}, {_gb(weights)} of weights) and training "
+                 f"from it ({trained}, {_gb(kept)} for the embeddings and lm_head kept){per_process}")
     if heads > activations + unroll + loss + weights:  # the heads themselves are what does not fit
         h = cfg.heads
         raise UserError(f"heads.kind={h.kind} with heads.num_heads={h.num_heads}, heads.num_layers={h.num_layers} has "

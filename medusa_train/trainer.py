@@ -112,7 +112,7 @@ class MedusaTrainer:
         self.phase = "loading the backbone"
         self.backbone = load_backbone(cfg.backbone, self.device, seed=t.seed, run_dir=self.output_dir,
                                       write=self.is_main, before_write=self._accept_data)
-        model, tok = self.backbone.model, self.backbone.tokenizer
+        tok = self.backbone.tokenizer
         note = distilled_by_another(cfg.data.source, backbone_identity(self.backbone)) if self.is_main else None
         if note:
             print(note, file=sys.stderr, flush=True)
@@ -160,13 +160,13 @@ class MedusaTrainer:
                                enabled=self.is_main, progress=t.progress_bar,
                                redo_eval_at_start=self.step >= t.max_steps)
         if self.is_main:
-            self._say_setup(heads, model)
+            self._say_setup(heads)
 
-    def _say_setup(self, heads, model) -> None:
+    def _say_setup(self, heads) -> None:
         """The run's one line of what trains on what, where and how; a note when the warm-up outlasts the run."""
         cfg, t = self.cfg, self.cfg.trainer
         n_train = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters() if p.requires_grad)
-        n_back = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # ZeRO-3: whole, not its shard
+        n_back = self.backbone.parameter_count()
         self.tracker.write(
             f"[medusa-train] backbone {self.backbone.name} ({n_back / 1e6:.1f}M params, "
             f"{self.source.describe()}) on {self.device}; "

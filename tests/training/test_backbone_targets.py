@@ -52,9 +52,15 @@ def spy_labels(trainer) -> list:
 
 
 def full_logits_argmax(trainer, batch) -> torch.Tensor:
-    """The whole causal LM (body + lm_head over every position), independently of the trainer's chunks."""
+    """The whole causal LM (body + lm_head over every position), independently of the trainer's chunks; loaded
+    again where the trainer's run (from the feature cache) freed its body."""
     ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["doc_ids"]
     model = trainer.backbone.model
+    if trainer.backbone.released:
+        from medusa_train.backbone import load_backbone
+
+        model = load_backbone(trainer.cfg.backbone, seed=trainer.cfg.trainer.seed, run_dir=trainer.output_dir,
+                              write=False).model
     mask = block_causal_mask(doc, model.dtype)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.argmax(-1)

@@ -48,6 +48,25 @@ def test_cached_training_gives_the_online_losses_without_running_the_backbone(co
     assert json.loads((cached / "features" / features.MANIFEST).read_text())["identity"]["dtype"] == "fp32"
 
 
+def test_cached_training_frees_the_backbone_body(compose_tiny, tmp_path, capsys):
+    """Guards against: a run trained from the feature cache keeping the whole frozen backbone in memory for
+    nothing (~13 GiB of Llama-3.1-8B in bf16 on every GPU), or freeing what the heads still read (embeddings,
+    lm_head), or the start-up line then counting only what is left."""
+    cfg = compose_tiny(*RUN, "features.mode=train", "features.dtype=fp32", out=tmp_path / "run")
+    trainer = T.MedusaTrainer(cfg)
+    trainer.setup()
+    model = trainer.backbone.model
+    kept = {id(model.get_input_embeddings().weight): model.get_input_embeddings().weight,
+            id(model.get_output_embeddings().weight): model.get_output_embeddings().weight}
+    body = [p for p in model.parameters() if id(p) not in kept]
+    assert body and all(p.numel() == 0 for p in body)
+    assert all(p.numel() > 0 for p in kept.values())
+    loaded = trainer.backbone.parameter_count()
+    assert trainer.backbone.released == (loaded - sum(p.numel() for p in kept.values())) * 4  # fp32 weights
+    assert f"({loaded / 1e6:.1f}M params, frozen; its body's" in capsys.readouterr().out
+    trainer.train()   # the heads train with the body gone
+
+
 def test_bf16_cache_is_the_default_and_close(compose_tiny, tmp_path):
     """Guards against: the default cache storing fp32 (twice the disk) or bf16 storage shifting the losses
     by more than rounding explains."""

@@ -550,3 +550,30 @@ def test_an_mlp_speculator_run_recorded_with_more_layers_resumes_under_one(compo
     saved = {**new, "heads": {**new["heads"], "num_layers": 2}}
     hf = random_config(dict(new["backbone"]["random_init"]))
     assert unresolved_changes(["heads.num_layers"], saved, new, lambda c: resolved_settings(c, hf)) == []
+
+
+def test_cached_runs_count_the_larger_phase_not_the_sum(compose_tiny, monkeypatch):
+    """Guards against: the memory check of a run trained from the feature cache adding the backbone's weights and
+    forward to the heads' training (the body is freed before the heads are built), refusing runs that fit, or
+    counting the training phase without the embeddings and lm_head the heads still read."""
+    from medusa_train import preflight as P
+    from medusa_train.backbone import backbone_config
+
+    need = {}
+    monkeypatch.setattr(P, "_refuse_fit", lambda cfg, total, *rest: need.setdefault(cfg.features.mode, total))
+    monkeypatch.setattr(P, "available_memory", lambda device: (1, "RAM available"))
+    online, cached = compose_tiny(), compose_tiny("features.mode=train")
+    P.check_fits(online)
+    P.check_fits(cached)
+    assert 0 < need["train"] < need["off"]
+    hf_config = backbone_config(cached.backbone)
+    kept = P._embedding_bytes(hf_config, 4)
+    vocab, hidden = hf_config.vocab_size, hf_config.hidden_size
+    assert kept == vocab * hidden * 4 * (1 if hf_config.tie_word_embeddings else 2)
+    monkeypatch.undo()
+    monkeypatch.setattr(P, "available_memory", lambda device: (need["train"] - 1, "RAM available"))
+    with pytest.raises(UserError, match=r"the larger of building the feature cache \(.*\) and training from it "
+                                        r"\(.*for the embeddings and lm_head kept\)"):
+        P.check_fits(cached)
+    monkeypatch.setattr(P, "available_memory", lambda device: (need["train"], "RAM available"))
+    P.check_fits(cached)
