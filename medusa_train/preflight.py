@@ -30,7 +30,7 @@ from inference.heads.spec import HeadsSpec, check_compatible
 from inference.runtime.memory import free_memory_bytes
 
 from .backbone import backbone_config
-from .checkpoint import resume_point, trained_record_changes
+from .checkpoint import checkpoints_dir, resume_point, trained_record_changes
 from .config import check_data_source, check_output_outside_data, derived_batch, launch_world_size, local_world_size
 from .data.readers import ReadStats, iter_conversations, local_files
 from .data.stream import check_training_data
@@ -384,13 +384,30 @@ def check_run_folder(cfg, resumed: bool) -> None:
         if marker in names:
             raise UserError(f"output_dir={cfg.output_dir} holds {what} ({marker}), not a training run: give the run "
                             "a folder of its own")
-    if resumed or str(cfg.trainer.resume) == "never":
+    resume = str(cfg.trainer.resume)
+    if resume not in ("auto", "never"):
+        _check_resume_into(out, Path(os.path.expanduser(resume)), cfg)
+    if resumed or resume == "never":
         return
     diff = trained_record_changes(cfg)
     if diff:
         raise UserError(f"output_dir={cfg.output_dir} holds a finished run trained with another configuration "
                         f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''} differ), whose heads this run "
                         "would replace: use a new output_dir, or trainer.resume=never to train over it")
+
+
+def _check_resume_into(out: Path, checkpoint: Path, cfg) -> None:
+    """A checkpoint of another folder resumes into an ``output_dir`` without a run of its own: that run's checkpoints
+    of the same steps and its heads were written over, its metrics appended to with another run's."""
+    own = checkpoints_dir(out)
+    if checkpoint.resolve().parent == own.resolve():
+        return
+    held = sorted(p.name for p in own.glob("step-*")) if own.is_dir() else []
+    if held or (out / "heads").is_dir():
+        what = f"checkpoints {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}" if held else "heads"
+        raise UserError(f"trainer.resume={cfg.trainer.resume} is another folder's checkpoint but output_dir="
+                        f"{cfg.output_dir} holds a run of its own ({what}), which resuming there would write over: "
+                        "give the resumed run an empty output_dir (trainer.resume=auto continues the folder's own)")
 
 
 def check_data_usable(cfg) -> None:

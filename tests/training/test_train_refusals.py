@@ -577,3 +577,28 @@ def test_cached_runs_count_the_larger_phase_not_the_sum(compose_tiny, monkeypatc
         P.check_fits(cached)
     monkeypatch.setattr(P, "available_memory", lambda device: (need["train"], "RAM available"))
     P.check_fits(cached)
+
+
+def test_resuming_another_folders_checkpoint_over_a_run_is_refused(tmp_path):
+    """Guards against: ``trainer.resume=<A's checkpoint>`` into an output_dir B holding a run of its own being
+    accepted (only A's checkpoint was compared): B's checkpoints of the same steps and its heads were written
+    over, its metrics appended to with another run's. Into an empty folder, and B's own checkpoint by path,
+    stay accepted."""
+    run = ["trainer.max_steps=2", "trainer.save_every=1", "logger.plot=false"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out, extra in ((a, []), (b, ["heads.num_heads=2"])):
+        assert medusa_train(tmp_path, *run, *extra, out=out).returncode == 0
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, *run[1:], "trainer.max_steps=3", f"trainer.resume={a}/checkpoints/step-000001",
+                        out=b)
+    assert_one_line_refusal(proc, "is another folder's checkpoint but output_dir=")
+    assert "holds a run of its own (checkpoints step-000001, step-000002)" in proc.stderr
+    assert snapshot(tmp_path) == before
+    from medusa_train import preflight as P
+    from medusa_train.launch import compose_recipe
+
+    def cfg(out, resume):
+        return compose_recipe("debug_tiny", [f"output_dir={out}", f"trainer.resume={resume}", f"data.source={TINY_DATA}"])
+
+    P.check_run_folder(cfg(tmp_path / "c", a / "checkpoints" / "step-000001"), resumed=True)   # an empty folder
+    P.check_run_folder(cfg(b, b / "checkpoints" / "step-000001"), resumed=True)   # its own checkpoint
