@@ -456,15 +456,16 @@ def check_data_source(source: str) -> None:
         raise UserError(f"data file not found: {source}")
 
 
-def check_output_outside_data(source: str, output_dir) -> None:
-    """Refuse an ``output_dir`` inside a local ``data.source`` folder: the run's own files (metrics.jsonl, the
-    heads' config.json, a distillation's shards) would be read as data by the next run on that folder."""
+def check_output_outside_data(source: str, output_dir, key: str = "output_dir") -> None:
+    """Refuse an ``output_dir`` (or a ``features.cache_dir``: ``key``) inside a local ``data.source`` folder: the
+    run's own files (metrics.jsonl, the heads' config.json, a distillation's or a cache's shards) would be read as
+    data by the next run on that folder (a cache's ``eval.safetensors`` even names a split there)."""
     folder = Path(os.path.expanduser(str(source)))
     if str(source).strip() and folder.is_dir():
         out = Path(os.path.expanduser(str(output_dir))).resolve()
         if out == folder.resolve() or folder.resolve() in out.parents:
-            raise UserError(f"output_dir={output_dir} is inside data.source={source}: the run's files would be read "
-                            "as data by the next run on it; use an output_dir outside the data folder")
+            raise UserError(f"{key}={output_dir} is inside data.source={source}: the run's files would be read "
+                            f"as data by the next run on it; use a {key} outside the data folder")
 
 
 def _validate_lora(cfg) -> None:

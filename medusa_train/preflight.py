@@ -437,6 +437,8 @@ def preflight(cfg, resume: bool = True) -> None:
     check_data_source(cfg.data.source)
     local_files(str(cfg.data.source), cfg.data.split)   # the split is there (a folder's files name it)
     check_output_outside_data(cfg.data.source, cfg.output_dir)
+    if cfg.features.cache_dir and enum_value(cfg.features.mode) != "off":
+        check_output_outside_data(cfg.data.source, cfg.features.cache_dir, "features.cache_dir")
     check_attn_implementation(cfg.backbone)
     check_fits(cfg)
     check_family(cfg)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import TINY_DATA
 from inference.errors import UserError
 from medusa_train.cli import available_recipes, recipe_summary
 from medusa_train.launch import compose_recipe
@@ -288,6 +291,23 @@ def test_an_output_dir_inside_the_data_folder_is_refused(tmp_path):
     check_output_outside_data(str(data), str(tmp_path / "run"))
     check_output_outside_data(str(data / "x.jsonl"), str(data / "run"))   # a file: its folder is not read
     check_output_outside_data("org/hub-dataset", "org/hub-dataset/run")
+
+
+def test_a_feature_cache_inside_the_data_folder_is_refused(tmp_path):
+    """Guards against: ``features.cache_dir`` inside the ``data.source`` folder accepted: the build wrote
+    eval.safetensors and features.json there, then failed half-way (the data reader took "eval" for a split)
+    and every later run on that folder was refused. Not refused while the cache is off."""
+    from medusa_train.launch import compose_recipe
+    from medusa_train.preflight import preflight
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "conv.jsonl").write_text(Path(TINY_DATA).read_text())
+    base = [f"data.source={data}", f"output_dir={tmp_path / 'run'}", f"features.cache_dir={data / 'cache'}"]
+    with pytest.raises(UserError, match=r"^features.cache_dir=.*/data/cache is inside data.source="):
+        preflight(compose_recipe("debug_tiny", [*base, "features.mode=build"]))
+    assert sorted(p.name for p in data.iterdir()) == ["conv.jsonl"]
+    preflight(compose_recipe("debug_tiny", base), resume=False)
 
 
 def test_an_unknown_random_init_model_type_is_one_short_line():
