@@ -307,6 +307,7 @@ def resume_point(cfg, effective_batch: int) -> tuple[Optional[Path], Optional[di
     if path is None:
         return None, None
     state = read_state(path)
+    check_readable(path)
 
     @functools.cache
     def hf_config():  # read only when a differing key may be an automatic one written out
@@ -452,6 +453,22 @@ def _by_write_order(root: Path) -> list[Path]:
         return (state.stat().st_mtime if state.is_file() else 0.0, p.name)
 
     return sorted((p for p in root.glob("step-*") if p.is_dir()), key=written)
+
+
+def check_readable(path: Path) -> None:
+    """Refuse, from the files' headers alone (no tensor is read), a checkpoint whose heads or optimizer state is
+    missing, truncated or damaged: ``load`` found it only after the backbone had loaded and the data been scanned."""
+    for name in ("heads.safetensors", "optimizer.safetensors"):
+        try:   # safetensors checks the header's offsets against the file's length on open
+            with safe_open(str(Path(path) / name), framework="pt") as f:
+                f.keys()
+        except Exception as e:   # noqa: BLE001 (missing, truncated, not safetensors)
+            raise UserError(f"checkpoint {path} is incomplete or corrupt ({name}: {_first_line(e)}); delete it to "
+                            "resume from an earlier one") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def holds_token_map(path: Path) -> bool:

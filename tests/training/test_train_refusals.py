@@ -602,3 +602,22 @@ def test_resuming_another_folders_checkpoint_over_a_run_is_refused(tmp_path):
 
     P.check_run_folder(cfg(tmp_path / "c", a / "checkpoints" / "step-000001"), resumed=True)   # an empty folder
     P.check_run_folder(cfg(b, b / "checkpoints" / "step-000001"), resumed=True)   # its own checkpoint
+
+
+@pytest.mark.parametrize("damage", ["truncate_heads", "drop_optimizer"])
+def test_a_damaged_checkpoint_is_refused_before_anything_loads(damage, tmp_path):
+    """Guards against: a checkpoint whose heads or optimizer file was cut short (a full disk, a copy interrupted)
+    found only by ``load``, after the backbone loaded and the data was scanned, and the refused resume having
+    rewritten the run's record (``.hydra/config.yaml``) with its own settings."""
+    out = tmp_path / "out"
+    assert medusa_train(tmp_path, "trainer.max_steps=2", "trainer.save_every=1", "logger.plot=false").returncode == 0
+    ckpt = out / "checkpoints" / "step-000002"
+    if damage == "truncate_heads":
+        (ckpt / "heads.safetensors").write_bytes((ckpt / "heads.safetensors").read_bytes()[:100])
+    else:
+        (ckpt / "optimizer.safetensors").unlink()
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, "trainer.max_steps=3", "trainer.save_every=1", "logger.plot=false")
+    assert_one_line_refusal(proc, f"checkpoint {ckpt} is incomplete or corrupt (")
+    assert "delete it to resume from an earlier one" in proc.stderr
+    assert snapshot(tmp_path) == before
