@@ -80,6 +80,7 @@ from inference.errors import UserError
 from inference.heads.native import sync_tree
 from .backbone import backbone_config
 from .config import RecipeConfig, loss_weights
+from .data.readers import data_fingerprint
 from .families import training_family
 from .manifest import RECORD_DIR
 
@@ -315,7 +316,21 @@ def resume_point(cfg, effective_batch: int) -> tuple[Optional[Path], Optional[di
 
     check_resume_config(path, state, config_dict(cfg), effective_batch,
                         lambda config: resolved_settings(config, hf_config()))
+    check_resume_data(path, state, cfg.data)
     return path, state
+
+
+def check_resume_data(path: Path, state: dict, data_cfg) -> None:
+    """Refuse to resume a checkpoint on a local ``data.source`` whose content changed since it was saved (the
+    saved stream position would point into other conversations: the run neither continues nor starts over).
+    Not compared where either side has no fingerprint (a hub dataset, a checkpoint older than the record)."""
+    there = state.get("data_fingerprint")
+    here = data_fingerprint(data_cfg.source, data_cfg.split) if there else None
+    if there and here and there != here:
+        raise UserError(f"cannot resume {path}: it was trained on other content of data.source={data_cfg.source} "
+                        f"({there} there, {here} now: the data was rewritten) and its saved position in the stream "
+                        "would point into other conversations; restore the data, or use a new output_dir (or "
+                        "trainer.resume=never to start over here)")
 
 
 def _short(v) -> str:

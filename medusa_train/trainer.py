@@ -53,6 +53,7 @@ from .backbone import backbone_identity, load_backbone
 from .distill import distilled_by_another
 from .config import derived_batch, loss_weights, validate
 from .families import draft_depth, draft_vocabulary, training_family
+from .data.readers import data_fingerprint
 from .data.stream import ConversationStream, RankData, check_training_data, token_frequencies
 from .data.tokenize import reply_end_ids
 from .deepspeed_config import check_consistent, deepspeed_config
@@ -96,6 +97,7 @@ class MedusaTrainer:
         self.plan = derived_batch(t, self.world_size)
         self.compute_dtype = parse_dtype(precision)  # what the heads are fed
         self.run_config = checkpoint.config_dict(cfg)
+        self.data_fingerprint = data_fingerprint(cfg.data.source, cfg.data.split)  # None for a hub dataset
 
         # Before any weights (backbone or checkpoint) or data are touched: is there a checkpoint to
         # resume, was it trained under this configuration, and is that run already complete?
@@ -496,7 +498,8 @@ class MedusaTrainer:
                  "batch_counts_per_rank": [counts for _, counts, _ in per_rank], "heads": self.spec.to_dict(),
                  "log_window_per_rank": [window for _, _, window in per_rank],
                  "world_size": self.world_size, "global_batch_size": self.plan.global_batch_size,
-                 "config": self.run_config}  # compared with the next run's on resume (checkpoint docstring)
+                 "config": self.run_config,  # compared with the next run's on resume (checkpoint docstring)
+                 "data_fingerprint": self.data_fingerprint}  # and what the data held (check_resume_data)
         path = checkpoint.save(self.engine, self.output_dir, self.step, state, self.cfg.trainer.keep_last, self.rank)
         self.checkpointed = (self.step, path)
         return path

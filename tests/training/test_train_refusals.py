@@ -4,6 +4,7 @@ behind; and a TTT unroll the memory estimate counts and the configuration bounds
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -621,3 +622,23 @@ def test_a_damaged_checkpoint_is_refused_before_anything_loads(damage, tmp_path)
     assert_one_line_refusal(proc, f"checkpoint {ckpt} is incomplete or corrupt (")
     assert "delete it to resume from an earlier one" in proc.stderr
     assert snapshot(tmp_path) == before
+
+
+def test_resuming_on_rewritten_data_is_refused(tmp_path):
+    """Guards against: a run resumed after its data file was rewritten, accepted silently: the checkpoint's stream
+    position then pointed into other conversations (neither the run continued nor a fresh one). The same data
+    resumes; the refusal writes nothing."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(Path(TINY_DATA).read_text())
+    run = ["trainer.max_steps=2", "trainer.save_every=1", "logger.plot=false", f"data.source={data}"]
+    assert medusa_train(tmp_path, *run).returncode == 0
+    state = json.loads((tmp_path / "out" / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["data_fingerprint"].startswith("1 file, ")
+    lines = Path(TINY_DATA).read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[1:] + lines[:1]))   # the same conversations, another order
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, *run[1:], "trainer.max_steps=3")
+    assert_one_line_refusal(proc, f"it was trained on other content of data.source={data}")
+    assert snapshot(tmp_path) == before
+    data.write_text(Path(TINY_DATA).read_text())
+    assert medusa_train(tmp_path, *run[1:], "trainer.max_steps=3").returncode == 0
