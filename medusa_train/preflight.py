@@ -179,7 +179,10 @@ def check_fits(cfg) -> None:
     unroll = training_family(cfg.heads.kind).unroll_bytes(cfg.heads, hf_config, length, batch, head_bytes)
     try:
         weights = parameter_count(hf_config, cfg.backbone.trust_remote_code) * dtype_bytes
-    except Exception:  # an architecture transformers cannot build here: the loader will say so
+    except Exception as e:  # noqa: BLE001 (an architecture transformers cannot build here: the loader says why)
+        if cfg.backbone.random_init:   # built from these values alone: nothing later says it better
+            raise UserError(f"backbone.random_init does not build a model: {type(e).__name__}: "
+                            f"{(str(e).strip().splitlines() or [''])[0]}") from None
         weights = 0
     trained = enum_value(cfg.features.mode) != "build"  # a cache build trains no heads
     params = head_parameter_count(cfg.heads, hf_config) if trained else 0

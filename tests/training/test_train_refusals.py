@@ -28,6 +28,8 @@ REFUSED = [
     (["lora.enabled=true", "lora.init_heads={tmp}/nonexist"], "/nonexist: heads directory not found"),
     (["features.mode=train", "features.cache_dir={tmp}/.."], "holds files but no features.json: not a feature cache"),
     (["data.split=test"], "data.split='test', but data.source="),
+    # a traceback (transformers' KeyError) and an empty output_dir left behind
+    (["+backbone.random_init.hidden_act=nosuch"], "backbone.random_init does not build a model: KeyError: 'nosuch'"),
 ]
 
 
