@@ -142,6 +142,9 @@ class TrainerConfig:
     threads: int = 0  # torch CPU threads (0 = torch default), at most MAX_THREADS
 
 
+WANDB_PROJECT_FORBIDS = "/\\#?%:"  # characters wandb refuses in a project name (wandb_settings.validate_project)
+
+
 @dataclass
 class LoggerConfig:
     wandb: WandbMode = WandbMode.offline
@@ -298,6 +301,10 @@ def validate(cfg) -> None:
         (0 <= t.seed <= MAX_SEED, f"trainer.seed must be in 0..{MAX_SEED}, got {t.seed}"),
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
          f"backbone.dtype must be float32|bfloat16|float16|auto, got {cfg.backbone.dtype!r}"),
+        # wandb's own rule: refused by wandb.init only, which the logger turns into a note, the run unlogged
+        (len(str(cfg.logger.project)) <= 128 and not set(str(cfg.logger.project)) & set(WANDB_PROJECT_FORBIDS),
+         f"logger.project={cfg.logger.project!r}: a wandb project name has at most 128 characters and none of "
+         f"{' '.join(WANDB_PROJECT_FORBIDS)}"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -30,6 +30,8 @@ REFUSED = [
     (["data.split=test"], "data.split='test', but data.source="),
     # a traceback (transformers' KeyError) and an empty output_dir left behind
     (["+backbone.random_init.hidden_act=nosuch"], "backbone.random_init does not build a model: KeyError: 'nosuch'"),
+    # trained to the end unlogged, with a note only: wandb.init refuses such a project
+    (["logger.wandb=offline", "logger.project=team/heads"], "logger.project='team/heads': a wandb project name"),
 ]
 
 
