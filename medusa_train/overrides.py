@@ -75,6 +75,29 @@ def heads_kind_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
+# The keys that name a file or folder: a leading ``~`` in them is the user's home, as the shell would have made it
+PATH_KEYS = ("output_dir", "data.source", "features.cache_dir", "trainer.resume", "backbone.name_or_path",
+             "lora.init_heads")
+
+
+def home_overrides(overrides: list[str]) -> list[str]:
+    """A path key's value that reached the program as ``~/...`` (quoted, so the shell left it) as the home folder's
+    path: the checks read it so (``os.path.expanduser``) while Hydra and the writers took it literally, and a
+    folder named ``~`` was made in the working directory."""
+    out = []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        bare = value.strip()
+        quote = bare[:1] if len(bare) >= 2 and bare[0] in "'\"" and bare[-1] == bare[0] else ""
+        path = bare[1:-1] if quote else bare
+        if sep and override_key(arg) in PATH_KEYS and not arg.startswith("~") and path.startswith("~") \
+                and "," not in path and os.path.expanduser(path) != path:
+            arg = f"{key}={quote}{os.path.expanduser(path)}{quote}"
+        out.append(arg)
+    return out
+
+
 def recipe_overrides(overrides: list[str]) -> list[str]:
-    """The command line's overrides as Hydra composes them (``backbone_overrides``, ``heads_kind_overrides``)."""
-    return heads_kind_overrides(backbone_overrides(overrides))
+    """The command line's overrides as Hydra composes them (``home_overrides``, ``backbone_overrides``,
+    ``heads_kind_overrides``)."""
+    return heads_kind_overrides(backbone_overrides(home_overrides(overrides)))

@@ -328,3 +328,17 @@ def test_a_gguf_file_beside_a_random_backbone_is_refused():
     run trained on the random backbone, the file's model unused, exit 0)."""
     with pytest.raises(UserError, match="backbone.gguf_file=x.gguf names a file inside backbone.name_or_path"):
         validate(compose_recipe("debug_tiny", ["backbone.gguf_file=x.gguf"]))
+
+
+def test_a_quoted_home_path_is_the_home_folder(monkeypatch):
+    """Guards against: ``output_dir='~/run'`` (quoted: the shell left the ~) checked at $HOME/run but written to a
+    folder literally named ``~`` in the working directory (Hydra and the writers do not expand it; a later
+    ``rm -rf ~...`` to clean it up is a hazard). Only path keys change; a ~ override (deletion) stays."""
+    from medusa_train.overrides import recipe_overrides
+
+    monkeypatch.setenv("HOME", "/home/u")
+    got = recipe_overrides(["output_dir='~/run'", "data.source=~/d.jsonl", 'features.cache_dir="~/c"',
+                            "logger.run_name=~x", "~trainer.resume"])
+    assert got == ["output_dir='/home/u/run'", "data.source=/home/u/d.jsonl", 'features.cache_dir="/home/u/c"',
+                   "logger.run_name=~x", "~trainer.resume"]
+    assert compose_recipe("debug_tiny", ["output_dir='~/run'"]).output_dir == "/home/u/run"
