@@ -9,6 +9,8 @@ each family checking its own keys (``TrainingFamily.validate``).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -274,6 +276,7 @@ def validate(cfg) -> None:
     t, h, d = cfg.trainer, cfg.heads, cfg.data
     fam = training_family(h.kind)  # an unknown kind: one line listing the kinds
     check_family_keys(h)
+    check_schema_keys(cfg)
     precision = enum_value(t.precision)
     checks = [
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
@@ -461,6 +464,28 @@ def check_data_source(source: str) -> None:
             raise UserError(f"no .json/.jsonl/.parquet files in {path}")
     elif source.startswith((".", "/", "~")) or source.endswith(DATA_SUFFIXES):
         raise UserError(f"data file not found: {source}")
+
+
+def check_schema_keys(cfg, prefix: str = "") -> None:
+    """Every key of a typed section is one of its schema's: Hydra's ``+key=value`` adds a key even to a typed
+    section, so ``+trainer.max_step=3`` was accepted, recorded, and never read (the run trained its 10 steps).
+    Free mappings (``backbone.random_init``, ``backbone.chat_template_args``) are not typed and take any key."""
+    schema = OmegaConf.get_type(cfg)
+    if not dataclasses.is_dataclass(schema):
+        return
+    known = [f.name for f in dataclasses.fields(schema)]
+    for key in cfg.keys():
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, 1)
+            hint = (f"; did you mean {prefix}{near[0]}?" if near
+                    else f"; the keys of {prefix[:-1] or 'a recipe'}: {', '.join(known)}")
+            raise UserError(f"{prefix}{key} is not a setting{hint}")
+        try:
+            child = cfg[key]
+        except Exception:   # noqa: BLE001 (a missing or unresolvable value: the section's own checks say so)
+            continue
+        if OmegaConf.is_dict(child):
+            check_schema_keys(child, f"{prefix}{key}.")
 
 
 def check_output_outside_data(source: str, output_dir, key: str = "output_dir") -> None:

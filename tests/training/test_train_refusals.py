@@ -32,6 +32,9 @@ REFUSED = [
     (["+backbone.random_init.hidden_act=nosuch"], "backbone.random_init does not build a model: KeyError: 'nosuch'"),
     # trained to the end unlogged, with a note only: wandb.init refuses such a project
     (["logger.wandb=offline", "logger.project=team/heads"], "logger.project='team/heads': a wandb project name"),
+    # Hydra's + adds a key even to a typed section: recorded, never read (the run trained its own 10 steps)
+    (["+trainer.max_step=3"], "trainer.max_step is not a setting; did you mean trainer.max_steps?"),
+    (["+foo=1"], "foo is not a setting; the keys of a recipe: recipe, output_dir, backbone"),
 ]
 
 
