@@ -73,6 +73,7 @@ def usage() -> str:
 HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")
 HYDRA_SWITCHES = ("-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help")
 _PRINT_FLAGS = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help"}  # print, run nothing
+INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")  # Hydra's --info choices
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -96,6 +97,11 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
                 i += 1
             if name in ("--cfg", "-c") and value not in ("job", "hydra", "all"):
                 refuse(f"{name} takes job, hydra or all, got {value!r}")
+            if name in ("--info", "-i"):
+                if value is not None and value not in INFO_TOPICS:
+                    refuse(f"{name} takes {', '.join(INFO_TOPICS)}, got {value!r}")
+                if value is None:   # Hydra's flags go first (``launch``): a bare --info took the next override
+                    flags.append("all")
         elif a.startswith("-"):
             if a not in HYDRA_SWITCHES:
                 refuse(f"unsupported flag {a!r}; medusa-train takes key=value overrides and the Hydra flags "
@@ -134,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     multirun = bool(names & {"-m", "--multirun"})
     if multirun and names & {"--cfg", "-c", "--info", "-i"}:
         refuse("-m/--multirun runs a sweep and --cfg/--info print a config: give one of them")
+    for flag in names & {"--resolve", "--package", "-p"}:   # Hydra ignored them and trained, or ended in a traceback
+        if not names & {"--cfg", "-c"}:
+            refuse(f"{flag} changes what --cfg prints: give it with --cfg job|hydra|all")
+    if "--hydra-help" in names:   # Hydra's own help composes no config: overrides made it fail with a traceback
+        overrides = []
     try:
         from .launch import launch   # lazy: Hydra and torch load only once the words are accepted
     except KeyboardInterrupt:  # a Ctrl-C while torch imports: one line, as everywhere after

@@ -119,7 +119,9 @@ def test_config_mistakes_fail_in_one_line(args, words, subprocess_env, tmp_path)
     (["a=1", "+b.c=2", "~d"], ["a=1", "+b.c=2", "~d"], []),
     (["--cfg", "job", "a=1"], ["a=1"], ["--cfg", "job"]),
     (["--cfg=hydra", "-m", "a=1,2"], ["a=1,2"], ["--cfg=hydra", "-m"]),
-    (["--resolve", "-c", "all", "--info"], [], ["--resolve", "-c", "all", "--info"]),
+    (["--resolve", "-c", "all", "--info"], [], ["--resolve", "-c", "all", "--info", "all"]),
+    (["--info", "a=1"], ["a=1"], ["--info", "all"]),   # the override is not --info's value once flags go first
+    (["--info", "defaults"], [], ["--info", "defaults"]),
 ])
 def test_split_args_keeps_overrides_and_supported_hydra_flags(rest, overrides, flags):
     """Guards against: the bare-word check refusing Hydra's own flags (--cfg job, -m) or override forms
