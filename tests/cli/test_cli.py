@@ -264,3 +264,17 @@ def test_module_entry_point_runs(subprocess_env, tmp_path):
                    command=[sys.executable, "-m", "medusa_train.cli"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "heads" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--resolve"], ["--resolve changes what --cfg prints"]),
+    (["--package=trainer"], ["--package changes what --cfg prints"]),
+    (["--info=bogus"], ["--info takes all, config", "'bogus'"]),
+], ids=["resolve", "package", "info-topic"])
+def test_hydra_flags_that_print_nothing_alone_are_one_line(flags, words, subprocess_env, tmp_path):
+    """Guards against: ``--resolve`` without ``--cfg`` ending in Hydra's ValueError traceback after the output folder
+    was made, ``--package`` without ``--cfg`` ignored while the run trained, an unknown ``--info`` topic answered
+    with argparse's multi-line usage."""
+    proc = run_cli(["debug_tiny", *base_overrides(tmp_path / "out"), *flags], subprocess_env, tmp_path)
+    assert_one_line_error(proc, *words)
+    assert not (tmp_path / "out").exists()
