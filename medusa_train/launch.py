@@ -55,8 +55,8 @@ def launch(recipe: str, overrides: list[str], flags: list[str], multirun: bool, 
 def _launch(recipe: str, overrides: list[str], flags: list[str], multirun: bool, prints: bool) -> None:
     if multirun and not prints:
         # Every job of a sweep, before Hydra runs the first: one bad combination refuses the sweep, nothing written.
-        for job in sweep_jobs(overrides):
-            _precheck(recipe, job, sweep=True)
+        for number, job in enumerate(sweep_jobs(overrides)):
+            _precheck(recipe, job, sweep=True, job_number=number)
     elif not prints:
         _precheck(recipe, overrides)  # a single run: fail fast, in one line, before Hydra runs
     register_configs()
@@ -217,10 +217,11 @@ def write_run_record(cfg) -> None:
         write_text_atomic(path, text)
 
 
-def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
+def _precheck(recipe: str, overrides: list[str], sweep: bool = False, job_number: int = 0) -> None:
     """Compose and validate the config, and check that the backbone can take (and this machine hold)
     ``data.max_length`` from its config alone; one error line for a bad key, type, value or size.
-    A single run's folder is then created; a sweep job (``sweep``) leaves that, and its resume check, to Hydra."""
+    A single run's folder is then created; a sweep job (``sweep``, number ``job_number``) leaves that to Hydra and
+    is checked in the folder the recipes' ``hydra.sweep`` names for it, its resume included."""
     global _PRECHECKED
     try:
         cfg = compose_recipe(recipe, overrides)
@@ -231,8 +232,14 @@ def _precheck(recipe: str, overrides: list[str], sweep: bool = False) -> None:
         validate(cfg)
     except UserError as e:   # the configuration's values: every process of a launch refuses alike, rank 0 says it
         refuse(str(e), every_rank=False)
+    # A sweep job's folder, as recipes/base/run.yaml names it: a job refused for its checkpoint only once the jobs
+    # before it had trained on (and the sweep's multirun.yaml been rewritten). Another sweep layout: per job.
+    known_folder = sweep and not any(override_key(a).startswith("hydra.sweep") for a in overrides)
+    if known_folder:
+        with open_dict(cfg):
+            cfg.output_dir = str(Path(str(cfg.output_dir)) / "multirun" / str(job_number))
     try:
-        preflight(cfg, resume=not sweep)
+        preflight(cfg, resume=not sweep or known_folder)
     except UserError as e:   # what this process finds on its node (files, memory, a device): said by each
         refuse(str(e))
     if not sweep:

@@ -228,6 +228,18 @@ def test_sweep_flag_after_an_override_runs_the_sweep(tmp_path):
     assert (tmp_path / "out" / "multirun" / "0" / "heads").is_dir()
 
 
+def test_a_sweep_job_refused_for_its_checkpoint_stops_the_sweep_before_any_job_runs(tmp_path):
+    """Guards against: a rerun sweep whose second job cannot resume its checkpoint (another seed) being refused only
+    when Hydra reached that job: the first job had trained on and re-exported its heads, and the sweep's
+    multirun.yaml had been rewritten with the refused overrides."""
+    run = ["trainer.max_steps=2", "trainer.save_every=1", "logger.plot=false"]
+    assert medusa_train(tmp_path, *run, "-m", "trainer.seed=0,1").returncode == 0
+    before = snapshot(tmp_path)
+    proc = medusa_train(tmp_path, "trainer.max_steps=3", *run[1:], "-m", "trainer.seed=0,2")
+    assert_one_line_refusal(proc, "multirun/1/checkpoints/step-000002: it was trained with a different configuration")
+    assert snapshot(tmp_path) == before
+
+
 def test_sweep_jobs_cross_the_values_as_hydra_does():
     """Guards against: a sweep's combinations prechecked other than as Hydra runs them (a bad job slipping by)."""
     from medusa_train.launch import sweep_jobs
