@@ -9,7 +9,9 @@ v0.8-v0.9.2): a ``config.json`` with ``model_type: mlp_speculator``, ``vocab_siz
 ``head.{k}.weight`` [vocab, inner] — with ``tie_weights`` only emb.0, proj.0, proj.1, ln.0,
 head.0 (vLLM repeats one module, so ``named_parameters`` holds those names alone). ``ln0`` has
 no parameters. The loader strips a ``speculator.`` prefix and silently skips unknown names,
-so a wrong name would load as an uninitialised tensor: the names here are exactly its own.
+so a wrong name would load as an uninitialised tensor: the names here are exactly its own, unprefixed (later
+copies of the loader note a name before stripping the prefix, so their check that every weight loaded refuses a
+prefixed directory such as ``format=tgi``'s).
 
 Which vLLM serves it: only versions that still have the V0 engine. vLLM's V1 engine has no
 ``mlp_speculator`` path: ``GPUModelRunner.__init__`` (vllm/v1/worker/gpu_model_runner.py, commit
