@@ -10,13 +10,15 @@ keeps the lines that say what is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import signal
 import sys
-from typing import Any, Callable, NoReturn, Optional
+import warnings
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
-from .errors import UserError, no_room_line
+from .errors import FormatWarning, UserError, no_room_line
 
 EXIT_USER_ERROR = 2
 # where ``parse_overrides`` keeps the keys written on the command line (``keys_given``): an attribute outside the
@@ -166,6 +168,27 @@ def ignore_further_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@contextlib.contextmanager
+def warnings_as_lines(prog: str, category: type) -> Iterator[None]:
+    """Inside the block, each warning of ``category`` printed as one line, ``<prog>: warning: <message>``, and each
+    message once (a spec read and the load that follows see the same dir): not Python's two lines, a source path
+    and a source line a user cannot act on. Other warnings are shown as they would have been."""
+    shown: set = set()
+    with warnings.catch_warnings():
+        original = warnings.showwarning
+
+        def show(message, cat, filename, lineno, file=None, line=None):
+            if not issubclass(cat, category):
+                original(message, cat, filename, lineno, file, line)
+            elif str(message) not in shown:
+                shown.add(str(message))
+                print(f"{prog}: warning: {message}", file=sys.stderr)
+
+        warnings.showwarning = show
+        warnings.simplefilter("always", category)   # every one reaches ``show``, which says each message once
+        yield
+
+
 def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
             refuse: Optional[Callable[[list[str]], Optional[str]]] = None) -> None:
     """``--help`` prints ``doc`` (a callable: its text, built only then); otherwise parse ``argv`` onto ``schema``
@@ -181,7 +204,8 @@ def run_cli(prog: str, doc, schema, task, argv: Optional[list[str]],
         fail(prog, f"{refused} (see {prog} --help)")
     cfg = parse_overrides(prog, schema() if callable(schema) and not isinstance(schema, type) else schema, argv)
     try:
-        task(cfg)
+        with warnings_as_lines(prog, FormatWarning):
+            task(cfg)
     except UserError as e:
         fail(prog, str(e))
     except KeyboardInterrupt:   # Ctrl-C: what was written stays whole (every writer swaps its output in)

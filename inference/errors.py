@@ -15,6 +15,11 @@ class UserError(Exception):
     """A problem with the user's input (recipe, file, checkpoint, prompt), not a bug."""
 
 
+class FormatWarning(UserWarning):
+    """Something in a foreign checkpoint or an export the user should know, that is not an error. Here, free of
+    torch, so that every command prints it as one line (``cli_support.warnings_as_lines``)."""
+
+
 class IncompatibleHeadsError(UserError):
     """A heads export that does not belong to the backbone it is being attached to."""
 

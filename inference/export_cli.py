@@ -20,7 +20,7 @@ from typing import Optional
 from .cli_keys import command_keys_help, declared_key as _key
 from .cli_support import run_cli
 from .errors import UserError
-from .formats import FORMATS
+from .formats import FORMATS, MATERIALIZE_UNREAD, MATERIALIZING_FORMATS
 
 DTYPES = ("keep", "float32", "float16", "bfloat16")
 
@@ -37,9 +37,9 @@ class ExportConfig:
                     "inside it")
     overwrite: bool = _key(False, "replace a non-empty out=, and only if it is a previous export (an engine "
                            "layout's config.json and only the files exports write, no subfolders)")
-    materialize: bool = _key(False, "expand shared / truncated projections into full per-head ones for formats "
-                             "that need them (tensorrt_llm, medusa_v1, tgi with >1 layer, MLP speculators); "
-                             "prints the size cost")
+    materialize: bool = _key(False, "expand shared / truncated projections into full per-head ones (needed by "
+                             "tensorrt_llm, medusa_v1, tgi with >1 layer, MLP speculators; vllm and tgi then write "
+                             "them too); prints the size cost; eagle3 refuses it")
     backbone: Optional[str] = _key(None, "the target the heads are checked against before anything is written "
                                    "(its config: hidden size, vocabulary, fingerprint, EAGLE-3 aux layers), where "
                                    "the lm_head of shared heads is read, and for tgi the attention head size its "
@@ -68,6 +68,8 @@ def check_keys(cfg) -> None:
             raise UserError(f"{key}= is required (see medusa-export --help)")
     if cfg.format not in FORMATS:
         raise UserError(f"unknown format {cfg.format!r}: choose one of {', '.join(FORMATS)}")
+    if cfg.materialize and cfg.format not in MATERIALIZING_FORMATS:
+        raise UserError(MATERIALIZE_UNREAD.format(format=cfg.format))
     if cfg.dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
 

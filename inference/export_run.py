@@ -32,7 +32,7 @@ def run_export(cfg) -> None:
     src, out = Path(cfg.heads), Path(cfg.out)
     check_out_dir(out, cfg.overwrite, source=src)   # never the heads' own folder, one above or inside it
 
-    with warnings.catch_warnings(record=True) as caught:  # one line each, not Python's two-line warnings
+    with warnings.catch_warnings(record=True) as caught:  # held back: a refusal below is then the one line printed
         warnings.simplefilter("always", FormatWarning)
         # The native loader's errors for a dir that is no heads at all, then the registry's for a
         # kind this format has no exporter for and a LoRA adapter no engine can apply, from the heads'
@@ -53,8 +53,8 @@ def run_export(cfg) -> None:
         # no format stores it, so an export never reads it.
         heads = load_heads(src, backbone_config=target, lm_head_weight=torch.empty(0),
                            input_embeddings=torch.empty(0))
-    for message in dict.fromkeys(str(w.message) for w in caught):  # spec + load both see the same dir
-        print(f"medusa-export: warning: {message}", file=sys.stderr)
+    for w in caught:   # now shown: one line each, each message once (cli_support.warnings_as_lines)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     spec = heads.spec
 
     loaded = {} if target is None else {"config": target}

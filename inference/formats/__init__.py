@@ -34,6 +34,12 @@ This ``__init__`` stays free of torch so that ``medusa-export --help`` is instan
 import importlib
 
 FORMATS = ("vllm", "tensorrt_llm", "tgi", "medusa_v1", "eagle3")
+# The formats whose exporters read ``materialize=`` (full per-head projections for shared / truncated heads). The
+# others write the heads' projection as it is, so they refuse the key: an export identical with and without it
+# looked honoured.
+MATERIALIZING_FORMATS = ("vllm", "tensorrt_llm", "tgi", "medusa_v1")
+MATERIALIZE_UNREAD = ("materialize= is not read by format={format} (it writes the heads' projection as it is): "
+                      "drop materialize=")
 
 # The built-in format modules, one line each: importing one registers its exporters and importers.
 # Importers are asked in this order whether a directory is theirs.

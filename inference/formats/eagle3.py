@@ -92,6 +92,7 @@ from ..heads.native import check_safetensors, check_shapes, indexed_shards, load
 from ..heads.rope import engine_rope_scaling, export_rope_scaling
 from ..heads.registry import build_heads
 from ..heads.spec import HeadsSpec
+from . import MATERIALIZE_UNREAD
 from .eagle3_targets import engines_refusing, vllm_releases_gating
 from .export import ExportOptions, ExportPlan, FormatWarning, refuse_unless_kind, register_exporter
 from .importers import register_importer
@@ -145,6 +146,8 @@ def fc_input_weights(layer: dict, hidden: int) -> dict[str, int]:
 @register_exporter("eagle3", "eagle3", files=(WEIGHTS,))
 def export_eagle3(heads, options: ExportOptions) -> ExportPlan:
     refuse_unless_kind(heads, "eagle3")
+    if options.materialize:   # the drafter's lm_head is written as it is: a silent no-op would look honoured
+        raise UserError(MATERIALIZE_UNREAD.format(format="eagle3"))
     spec, read = heads.spec, heads.spec.settings.aux_layers
     if 0 in read:
         raise UserError(f"aux layer 0 (the embeddings) cannot be served by SGLang: it captures hidden_states + "

@@ -18,16 +18,12 @@ import safetensors.torch   # safetensors.torch.save_file looked up when writing 
 import torch
 from safetensors import SafetensorError
 
-from ..errors import UserError
+from ..errors import FormatWarning, UserError  # noqa: F401  (FormatWarning: the formats' import)
 from ..heads.native import make_temp_dir, open_permissions, recover_dir, release_temp_dir, swap_dir_into_place
 from . import FORMATS, load_builtin_formats
 from .importers import detect_layout
 
 _EXPORTERS: dict[tuple[str, str], Callable] = {}
-
-
-class FormatWarning(UserWarning):
-    """Something in a foreign checkpoint or an export the user should know, that is not an error."""
 
 
 class ExportWriteError(UserError, OSError):
@@ -132,10 +128,25 @@ def plan_export(heads, format_name: str, options: Optional[ExportOptions] = None
     kind = getattr(heads.spec, "kind", "medusa")
     plan = exporter_for(format_name, kind)(heads, options)
     if options.dtype is not None:
-        plan.tensors = {k: (v.to(options.dtype) if v.is_floating_point() else v) for k, v in plan.tensors.items()}
+        plan.tensors = {k: (_cast_checked(k, v, options.dtype) if v.is_floating_point() else v)
+                        for k, v in plan.tensors.items()}
         plan.config["torch_dtype"] = str(options.dtype).removeprefix("torch.")
     plan.tensors = {k: v.detach().cpu().contiguous() for k, v in plan.tensors.items()}
     return plan
+
+
+def _cast_checked(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` cast to ``dtype``, refused in one line when a finite value becomes inf: the engine would run inf weights
+    (NaN logits) and the project's own loader refuses the export."""
+    cast = t.to(dtype)
+    overflow = torch.isinf(cast) & torch.isfinite(t)
+    if overflow.any():
+        largest = t[overflow].abs().max().item()
+        short = str(dtype).removeprefix("torch.")
+        raise UserError(f"dtype={short} cannot hold tensor {name}: a value of magnitude {largest:.6g} is beyond "
+                        f"{short}'s range (+-{torch.finfo(dtype).max:.6g}); keep the heads' dtype (dtype=keep) or "
+                        "choose one with a wider range (bfloat16, float32)")
+    return cast
 
 
 def export_heads(heads, format_name: str, out, *, overwrite: bool = False,

@@ -184,7 +184,8 @@ def _export(heads: MedusaHeads, options: ExportOptions, fmt: str) -> ExportPlan:
     full_bytes = K * spec.vocab_size * spec.hidden_size * (torch.finfo(written).bits // 8)
     grow = f"+{megabytes(full_bytes - _projection_bytes(heads, options))}"
     layout = "v1"
-    if fmt == "tgi" and spec.projection == "shared" and (L == 1 or not options.materialize):
+    # materialize=true asks for per-head projections (v1) by name, even where the compact v2 could hold the heads
+    if fmt == "tgi" and spec.projection == "shared" and not options.materialize:
         if L != 1:
             raise UserError(f"TGI's shared-lm_head layout (v2) takes exactly one layer per head (its loader asserts "
                             f"medusa_num_layers == 1), these heads have {L}: pass materialize=true to write "

@@ -21,6 +21,8 @@ What that loader does, and what this module therefore writes:
   * the drafter takes each head's argmax (top-1 chains): ``num_speculative_tokens`` = num_heads.
 Releases: 0.33.0 removed Medusa (its ``speculator_config.py`` lists no ``medusa`` method), so these heads
 serve on vLLM <= 0.32.0; per-head truncated heads load only up to 0.11.0 (the export says both).
+``materialize=true`` writes a full-vocabulary ``lm_heads.{h}`` per head instead (shared or truncated heads), which
+every release with Medusa loads.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..heads.medusa import MedusaHeads
-from ..heads.native import check_safetensors, load_state_checked
+from ..heads.native import check_safetensors, check_tensor_values, load_state_checked
 from ..heads.spec import HeadsSpec
-from .export import (ExportOptions, ExportPlan, FormatWarning, megabytes, refuse_unless_kind,
-                     register_exporter, written_bytes)
+from .export import (ExportOptions, ExportPlan, FormatWarning, full_projection, materialise_note, megabytes,
+                     refuse_unless_kind, register_exporter, written_bytes)
 from .importers import register_importer
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
@@ -65,7 +67,15 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
     notes = []
     truncated_vocab = spec.vocab_size
     original_lm_head = False
-    if spec.projection == "shared":
+    if spec.projection != "own" and options.materialize:
+        # one full-vocabulary lm_head per head: the layout every release with Medusa loads (0.11.1 and later refuse
+        # truncated heads), asked for by name, so never replaced by the smaller layouts below
+        before = _projection_bytes(heads, options)
+        for h in range(spec.num_heads):
+            tensors[f"lm_heads.{h}.weight"] = full_projection(heads, h, options)[0]
+        after = sum(written_bytes(tensors[f"lm_heads.{h}.weight"], options) for h in range(spec.num_heads))
+        notes.append(materialise_note(heads, "vllm", before, after))
+    elif spec.projection == "shared":
         # vLLM reads the drafter's lm_head from the drafter checkpoint, never from the target.
         lm = options.backbone_lm_head(heads)
         tensors["lm_heads.0.weight"] = lm
@@ -112,8 +122,18 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
     if truncated_vocab < spec.vocab_size:
         notes.append(f"note: vLLM loads per-head truncated heads up to {LAST_WITH_TRUNCATED} (0.11.1 sized each "
                      f"head's lm_head to the full vocabulary and refuses them): pip install "
-                     f"'vllm<={LAST_WITH_TRUNCATED}', or train heads.projection=own or shared for newer releases")
+                     f"'vllm<={LAST_WITH_TRUNCATED}', or pass materialize=true (full per-head projections) or train "
+                     "heads.projection=own or shared for newer releases")
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
+
+
+def _projection_bytes(heads: MedusaHeads, options: ExportOptions) -> int:
+    """What the projections take without ``materialize``: one lm_head copy for shared heads (vLLM reads the drafter's
+    own), the per-head rows and their token_map for truncated ones."""
+    if heads.spec.projection == "shared":
+        return written_bytes(options.backbone_lm_head(heads), options)
+    n = sum(written_bytes(p.weight, options) for p in heads.projections)
+    return n + (heads.token_map.numel() * 8 if heads.token_map is not None else 0)
 
 
 # -- import -----------------------------------------------------------------------------------
@@ -233,9 +253,11 @@ def load(d: Path, spec: HeadsSpec) -> tuple[MedusaHeads, torch.Tensor | None]:
             raise UserError(f"{d}: original_lm_head is set but there is no lm_heads.0.weight")
     token_map = tensors.get("token_map") if spec.projection == "truncated" else None
     if token_map is not None:
-        token_map = token_map.to(torch.long)
         if token_map.shape != (spec.output_size,):
             raise UserError(f"{d}: token_map has shape {tuple(token_map.shape)}, expected ({spec.output_size},)")
+        # checked as stored, before it indexes a full-vocabulary head: a float map was cast silently
+        check_tensor_values("token_map", token_map, False, spec.vocab_size, d)
+        token_map = token_map.to(torch.long)
         state["token_map"] = token_map
     if spec.projection != "shared":
         for h in range(spec.num_heads):

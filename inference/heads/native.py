@@ -349,7 +349,7 @@ def load_state_checked(heads: ProjectedHeads, state: dict[str, torch.Tensor], wh
 def check_tensor_values(name: str, t: torch.Tensor, floating: bool, vocab_size: int, where) -> None:
     """A stored tensor of the kind its place holds: a weight in floating point and finite (NaN drafts are never
     accepted: slow, silently), a token map of integer ids in the backbone's vocabulary (one out of range loaded and
-    then failed at the first step deep in torch, and was exported as it was)."""
+    then failed at the first step deep in torch, and was exported as it was), each id once."""
     if floating:
         if not t.dtype.is_floating_point:
             raise UserError(f"{where}: {name} is stored as {t.dtype}, not as a floating-point weight (a damaged or "
@@ -365,6 +365,11 @@ def check_tensor_values(name: str, t: torch.Tensor, floating: bool, vocab_size: 
             raise UserError(f"{where}: token_map holds ids outside the backbone's vocabulary 0..{vocab_size - 1} "
                             f"({int(t.min())}..{int(t.max())}): heads of another backbone or a damaged file; "
                             "re-export them")
+        ids = t.reshape(-1).sort().values
+        repeated = ids[1:][ids[1:] == ids[:-1]]   # two rows for one id: a full-vocabulary export keeps one of them
+        if repeated.numel():
+            raise UserError(f"{where}: token_map maps two rows onto one token id ({int(repeated[0])}): a damaged "
+                            "file; re-export the heads from their training run")
 
 
 def place(heads: ProjectedHeads, device, dtype: Optional[torch.dtype]) -> ProjectedHeads:

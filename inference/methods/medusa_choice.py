@@ -24,9 +24,10 @@ from ..runtime.model import MedusaModel
 from ..runtime.race import PLAIN, clear_winner, progress_bar, race, robust_step
 from ..runtime.sizing import DEFAULT_BATCH_SIZES, BatchSizing, size_speculation
 from ..runtime.speculation import SpeculationSchedule
-from ..runtime.tree import MAX_TREE_NODES, MedusaTree, chain_tree, expected_tau, grow_tree, resolve_tree
+from ..runtime.tree import (MAX_TREE_NODES, MedusaTree, chain_tree, expected_tau, grow_tree, refuse_oversized,
+                            refuse_rootless, resolve_tree)
 from ..runtime.verify import SamplingConfig
-from .registry import generate
+from .registry import generate, get
 from .shape import DEFAULT_BUDGETS, ChoiceContext, Chosen, SpeculationShape
 
 BATCH_BUDGETS = (1, 2, 3, 4, 8)   # draft nodes of the grown candidate trees at batch sizes (root not counted)
@@ -361,7 +362,13 @@ class MedusaTreeShape(SpeculationShape):
         return {"tree": {"name": choice.name, "choices": choice.choices}}
 
     def decode(self, keys: dict, method: str, options):
-        return MedusaTree(keys["tree"]["choices"], name=keys["tree"].get("name"))
+        choices, name = keys["tree"]["choices"], keys["tree"].get("name")
+        refuse_oversized(choices, f"its tree {name}")
+        tree = MedusaTree(choices, name=name)
+        grafted = get(method).grafted
+        if not (grafted and grafted(options)):   # a method grafting its own drafts (lookups) still drafts without it
+            refuse_rootless(tree, f"its tree {name}")   # else plain decoding under this method's name
+        return tree
 
     def check_spec(self, choice, spec) -> None:
         """A tree the heads of ``spec`` cannot draft (deeper than the heads, more ranks than their outputs)."""

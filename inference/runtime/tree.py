@@ -271,11 +271,15 @@ class MedusaTree:
                 raise UserError(f"tree file {p} is a choice file written by medusa-eval: give it as choice={p}")
             if raw.get("format") != TREE_FORMAT or "choices" not in raw:
                 raise UserError(f"tree file {p} is not a {TREE_FORMAT} file (needs format and choices)")
-            if raw.get("version", 0) > TREE_FORMAT_VERSION:
-                raise UserError(f"tree file {p} was written by a newer medusa-train (version {raw['version']})")
+            version = raw.get("version", 0)
+            if isinstance(version, bool) or not isinstance(version, int):   # compared below: "2" was a TypeError
+                raise UserError(f"tree file {p}: its version is {version!r}, not a number")
+            if version > TREE_FORMAT_VERSION:
+                raise UserError(f"tree file {p} was written by a newer medusa-train (version {version})")
         choices = raw["choices"] if isinstance(raw, dict) else raw
         if isinstance(choices, list) and not choices:   # plain decoding is a method of its own, never a tree file
             raise UserError(f"tree file {p} holds no tree paths: give at least one, such as [[0], [0, 0], [1]]")
+        refuse_oversized(choices, f"tree file {p}")
         return cls(choices, name=(raw.get("name") if isinstance(raw, dict) else None) or p.stem)
 
 
@@ -498,23 +502,45 @@ def default_tree(name: str, num_heads: int) -> MedusaTree:
 def resolve_tree(tree, num_heads: int) -> MedusaTree:
     """Accept a MedusaTree, a default name, a path to a tree JSON file, or a choices list."""
     if isinstance(tree, MedusaTree):
+        refuse_oversized(tree.paths, f"tree {tree.name or ''}".rstrip())
         return tree
     if isinstance(tree, (str, os.PathLike)):
         s = str(tree)
         if s.endswith(".json") or os.sep in s:
             return MedusaTree.load(s)   # one holding no path is refused there
         try:
-            return default_tree(s, num_heads)
+            named = default_tree(s, num_heads)
         except UserError as e:   # no tree's name: a folder of that name says it is one (a name wins over a folder)
             if os.path.isdir(s) and str(e).startswith("unknown tree"):
                 return MedusaTree.load(s)
             raise
+        refuse_rootless(named, f"tree={s}")   # chain1: the root alone, as tree=[]
+        return named
+    refuse_oversized(tree, f"tree={_shown(tree)}")
     resolved = MedusaTree(tree)
-    _refuse_rootless(resolved, f"tree={tree!r}")
+    refuse_rootless(resolved, f"tree={tree!r}")
     return resolved
 
 
-def _refuse_rootless(tree: MedusaTree, what: str) -> None:
+def _shown(tree) -> str:
+    """A tree given inline as the user would recognise it, cut short: a refusal stays one readable line."""
+    text = repr(tree)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def refuse_oversized(paths, what: str) -> None:
+    """The cap named trees and budgets have (``MAX_TREE_NODES``), for a tree given any other way (a file, a list, a
+    choice file): a 16,512-node file decoded at 0.2 tok/s. Counted before the tree is built, which walks every path."""
+    try:
+        nodes = len(paths) + 1   # the root
+    except TypeError:   # not a list: ``_validate`` says what it is
+        return
+    if nodes > MAX_TREE_NODES:
+        raise UserError(f"{what} has {nodes} nodes (root included), more than {MAX_TREE_NODES}: every node is "
+                        f"verified each step; give a tree of at most {MAX_TREE_NODES} nodes")
+
+
+def refuse_rootless(tree: MedusaTree, what: str) -> None:
     """A tree a user gives with no draft node (``tree=[]``) decoded as plain decoding with the heads' cost on top,
     saying nothing: refused. Trees the runtime grows itself (a node budget of 0) may be empty."""
     if tree.num_nodes == 1:

@@ -855,3 +855,34 @@ def test_eval_help_gives_outs_default_with_compare():
 
     line = next(x for x in eval_help().splitlines() if x.startswith("  out (default"))
     assert "<heads>/../eval" in line and "<heads>/../compare with compare=true" in line, line
+
+
+WIDE_TREE = [[r] for r in range(300)]   # 301 nodes, beyond MAX_TREE_NODES
+TREES_REFUSED = [
+    (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/version_str_tree.json"], "its version is '2', not a number"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "tree={tmp}/version_null_tree.json"], "its version is None, not a number"),
+    (GEN, [MEDUSA, "prompt=hi", "tree={tmp}/wide_tree.json"], "has 301 nodes (root included), more than 256"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "tree={tmp}/wide_tree.json"], "has 301 nodes"),
+    (GEN, [MEDUSA, "prompt=hi", "tree=" + json.dumps(WIDE_TREE).replace(" ", "")], "has 301 nodes"),
+    (GEN, [MEDUSA, "prompt=hi", "tree=chain1"], "tree=chain1 has no draft node"),
+    (EVAL, [MEDUSA, PROMPTS, "choice=fixed", "tree=chain1"], "tree=chain1 has no draft node"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/rootless_choice.json"], "its tree chain1 has no draft node"),
+    (GEN, [MEDUSA, "prompt=hi", "choice={tmp}/wide_choice.json"], "its tree wide has 301 nodes"),
+    (EXPORT, [EAGLE, "format=eagle3", "out={tmp}/o", "materialize=true"], "materialize= is not read by format=eagle3"),
+]
+
+
+@pytest.mark.parametrize("prog, argv, phrase", TREES_REFUSED, ids=[_row_id(r) for r in TREES_REFUSED])
+def test_trees_and_unread_export_keys_are_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loading,
+                                                                            capsys, monkeypatch):
+    """Guards against: a tree file whose version is "2" or null a TypeError traceback; a tree file or an inline tree
+    of 301 (or 16,512) nodes decoded past the 256-node cap named trees have (0.2 tok/s); tree=chain1, or a choice
+    file whose tree has no draft node, decoded as plain decoding reported as medusa with tau 1.0; materialize=true
+    silently ignored by format=eagle3. Each one line, exit 2, before anything loads, nothing written."""
+    for name, version in (("version_str_tree.json", "2"), ("version_null_tree.json", None)):
+        (setup / name).write_text(json.dumps({"format": "medusa-tree", "version": version, "choices": [[0]]}))
+    (setup / "wide_tree.json").write_text(json.dumps({"format": "medusa-tree", "version": 1, "choices": WIDE_TREE}))
+    for name, tree in (("rootless_choice.json", {"name": "chain1", "choices": []}),
+                       ("wide_choice.json", {"name": "wide", "choices": WIDE_TREE})):
+        (setup / name).write_text(json.dumps({**MEDUSA_CHOICE, "schedule": {"choices": {"1": {"tree": tree}}}}))
+    test_refused_in_one_line_before_loading(prog, argv, phrase, setup, no_loading, capsys, monkeypatch)

@@ -458,3 +458,29 @@ def test_an_export_says_which_chat_template_variables_to_serve_with(tmp_path, ca
     code, out, err = run([f"heads={src}", "format=vllm", f"out={tmp_path / 'v'}"], capsys)
     assert code == 0, err
     assert '"chat_template_kwargs": {"enable_thinking": false}' in out
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_format_warnings_reach_eval_and_generate_as_one_line(command, backbone_dir, tmp_path, capsys):
+    """Guards against: a FormatWarning raised while loading heads (a vLLM dir whose config.json disagrees with its
+    weights) reaching medusa-eval / medusa-generate as Python's two-line warning (``.../loading.py:189:
+    FormatWarning: ...`` and a source line) where medusa-export prints one ``medusa-export: warning: ...`` line."""
+    from inference.cli import eval_main, generate_main
+    from inference.formats.export import ExportOptions, export_heads
+
+    bdir, model = backbone_dir
+    heads = random_heads(model)
+    heads.spec.base_model = str(bdir)
+    out = export_heads(heads, "vllm", tmp_path / "v", options=ExportOptions()).path
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_heads": 5}))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n")
+    argv = {"generate": ["prompt=hi"],
+            "eval": [f"prompts={tmp_path / 'p.jsonl'}", "methods=[medusa]", "choice=fixed", f"out={tmp_path / 'e'}"]}
+    main = {"generate": generate_main, "eval": eval_main}[command]
+    code, _, err = call_main(main, [f"heads={out}", f"backbone={bdir}", "tree=chain2", "max_new_tokens=2",
+                                    *argv[command]], capsys)
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "num_heads=5" in line]
+    assert len(said) == 1 and said[0].startswith(f"medusa-{command}: warning: "), err
+    assert "FormatWarning" not in err and "warnings.warn" not in err, err

@@ -159,10 +159,10 @@ def test_tgi_launcher_keeps_prefix_caching_with_the_backbone_head_size(backbone,
     """Guards against: TGI's launcher reading no head size in the Medusa dir's config.json and forcing
     its fallback attention with prefix caching off -- while keeping Medusa detection intact."""
     heads = make_heads(backbone, projection, num_layers)
-    bare = export(heads, "tgi", tmp_path / "bare", backbone, materialize=True)
+    bare = export(heads, "tgi", tmp_path / "bare", backbone, materialize=layout == "v1")
     assert tgi_launcher_attention(bare.path) == ("0", "flashdecoding")  # the defect, as TGI resolves it
     assert any("ATTENTION" in n for n in bare.notes)
-    r = export(heads, "tgi", tmp_path / "g", backbone, materialize=True,
+    r = export(heads, "tgi", tmp_path / "g", backbone, materialize=layout == "v1",
                backbone_config=lambda: _tgi_backbone_config())  # head size 64 / 1 = 64
     cfg = json.loads((r.path / "config.json").read_text())
     assert (cfg["head_dim"], cfg["num_attention_heads"]) == (HIDDEN, 1)
@@ -196,9 +196,67 @@ def test_tgi_export_matches_its_loader_spec(backbone, tmp_path, projection, num_
     """Guards against: an 'architectures' key (TGI then silently drops the heads), shapes TGI cannot
     load, and shared one-layer heads not using TGI's compact v2 layout."""
     heads = make_heads(backbone, projection, num_layers)
-    r = export(heads, "tgi", tmp_path / "g", backbone, materialize=True)
+    r = export(heads, "tgi", tmp_path / "g", backbone, materialize=layout == "v1")
     assert check_tgi(r.path, HIDDEN, VOCAB) == []
     assert tgi_layout(r.path) == layout
+
+
+@pytest.mark.parametrize("fmt,projection", [("vllm", "shared"), ("vllm", "truncated"), ("tgi", "shared")])
+def test_materialize_writes_full_per_head_projections_for_vllm_and_tgi(backbone, tmp_path, fmt, projection):
+    """Guards against: materialize=true silently ignored by format=vllm (truncated heads written in the layout vLLM
+    0.11.1 and later refuse, byte-identical with and without the key) and by format=tgi for shared one-layer heads
+    (layout v2 written anyway): each head gets its full-vocabulary projection, the size cost is noted, and the
+    reloaded heads give the same logits on the mapped tokens."""
+    heads = make_heads(backbone, projection)
+    plain = export(heads, fmt, tmp_path / "plain", backbone)
+    r = export(heads, fmt, tmp_path / "full", backbone, materialize=True)
+    assert r.weight_bytes > plain.weight_bytes   # a projection per head, where one (or none) was written
+    assert any(n.startswith("materialised for") for n in r.notes)
+    if fmt == "vllm":
+        assert check_vllm(r.path, HIDDEN, VOCAB) == []
+        cfg = json.loads((r.path / "config.json").read_text())
+        assert cfg["truncated_vocab_size"] == VOCAB and cfg["original_lm_head"] is False
+        assert not any("0.11.0" in n for n in r.notes)
+    else:
+        assert check_tgi(r.path, HIDDEN, VOCAB) == [] and tgi_layout(r.path) == "v1"
+    back = reload(r.path, backbone)
+    assert back.spec.projection == "own"
+    x = hidden_states()
+    columns = heads.token_map if projection == "truncated" else slice(None)
+    for a, b in zip(logits(heads, x), logits(back, x)):
+        torch.testing.assert_close(b[:, columns], a, rtol=1e-6, atol=1e-6)
+
+
+def test_eagle3_refuses_materialize_it_does_not_read():
+    """Guards against: format=eagle3 writing the same bytes with and without materialize=true, so the key looked
+    honoured; refused in one line, by the command before anything loads and by the exporter."""
+    from inference.export_cli import ExportConfig, check_keys
+    from inference.formats.eagle3 import export_eagle3
+
+    cfg = ExportConfig(heads="h", format="eagle3", out="o", materialize=True)
+    with pytest.raises(UserError, match="materialize= is not read by format=eagle3") as e:
+        check_keys(cfg)
+    assert "\n" not in str(e.value)
+    heads = types.SimpleNamespace(spec=types.SimpleNamespace(kind="eagle3"))
+    with pytest.raises(UserError, match="materialize= is not read by format=eagle3"):
+        export_eagle3(heads, ExportOptions(materialize=True))
+    check_keys(ExportConfig(heads="h", format="eagle3", out="o"))
+    check_keys(ExportConfig(heads="h", format="vllm", out="o", materialize=True))
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "tensorrt_llm"])
+def test_a_weight_float16_cannot_hold_is_refused_before_writing(backbone, tmp_path, fmt):
+    """Guards against: dtype=float16 silently writing inf weights where an fp32 weight overflows float16 (the
+    engine computes NaN logits; the project's own loader refuses the export): one line naming the tensor and the
+    range, nothing written; bfloat16 holds the same value."""
+    heads = make_heads(backbone, "own")
+    with torch.no_grad():
+        heads.blocks[1][0].linear.weight[0, 0] = 1e5
+    with pytest.raises(UserError, match=r"dtype=float16 cannot hold tensor \S*1\.\S*0\.\S*weight: .*65504") as e:
+        export(heads, fmt, tmp_path / "x", backbone, dtype=torch.float16)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "x").exists()
+    export(heads, fmt, tmp_path / "b", backbone, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("projection", ["own", "shared", "truncated"])
@@ -301,14 +359,16 @@ def test_materialising_prints_the_size_cost(backbone, tmp_path):
     assert f"+{export_mod.megabytes(3 * VOCAB * HIDDEN * 4)}" in note
 
 
-@pytest.mark.parametrize("fmt, kind, projection, names", [
-    ("tensorrt_llm", "medusa", "truncated", r"\d\.1\.weight"),
-    ("medusa_v1", "medusa", "shared", r"\d\.1\.weight"),
-    ("vllm", "mlp_speculator", "truncated", r"head\.\d\.weight"),
-    ("vllm", "medusa", "shared", r"lm_heads\.0\.weight"),
+@pytest.mark.parametrize("fmt, kind, projection, names, materialize", [
+    ("tensorrt_llm", "medusa", "truncated", r"\d\.1\.weight", True),
+    ("medusa_v1", "medusa", "shared", r"\d\.1\.weight", True),
+    ("vllm", "mlp_speculator", "truncated", r"head\.\d\.weight", True),
+    ("vllm", "medusa", "shared", r"lm_heads\.0\.weight", False),   # vLLM's one lm_head copy
+    ("vllm", "medusa", "shared", r"lm_heads\.\d\.weight", True),
+    ("vllm", "medusa", "truncated", r"lm_heads\.\d\.weight", True),
 ])
 @pytest.mark.parametrize("dtype", [None, torch.float16])
-def test_size_notes_count_the_bytes_written(backbone, tmp_path, fmt, kind, projection, names, dtype):
+def test_size_notes_count_the_bytes_written(backbone, tmp_path, fmt, kind, projection, names, materialize, dtype):
     """Guards against: materialize=true dtype=float16 printing the projections' size in the heads' own float32 (2x
     what was written: the note was computed before ``plan_export`` casts), and vLLM's lm_head copy note alike."""
     import re
@@ -325,7 +385,7 @@ def test_size_notes_count_the_bytes_written(backbone, tmp_path, fmt, kind, proje
         heads.token_map.copy_(torch.randperm(VOCAB)[:TRUNC])
     else:
         heads = make_heads(backbone, projection)
-    r = export(heads, fmt, tmp_path / "x", backbone, materialize=True, dtype=dtype)
+    r = export(heads, fmt, tmp_path / "x", backbone, materialize=materialize, dtype=dtype)
     written = {k: t for f in r.path.glob("*.safetensors") for k, t in load_file(str(f)).items()}
     size = sum(t.numel() * t.element_size() for k, t in written.items() if re.fullmatch(names, k))
     assert size and all(t.dtype == (dtype or torch.float32) for k, t in written.items() if re.fullmatch(names, k))

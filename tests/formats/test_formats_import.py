@@ -191,3 +191,34 @@ def test_dir_of_no_known_layout_keeps_the_native_error(tmp_path):
         read_heads_spec(tmp_path / "nope")
     with pytest.raises(UserError, match="is a file, not a heads directory"):   # it was "not found" too
         read_heads_spec(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("layout", ["vllm", "native"])
+@pytest.mark.parametrize("damage, phrase", [
+    (lambda m: torch.cat([m[:1], m[:1], m[2:]]), "token_map maps two rows onto one token id"),
+    (lambda m: m.to(torch.float32), "token_map is stored as torch.float32, not integer token ids"),
+])
+def test_a_token_map_with_repeated_or_non_integer_ids_is_refused(backbone, tmp_path, layout, damage, phrase):
+    """Guards against: a Medusa token_map naming one token id twice accepted by the native and vLLM loaders (an
+    export to tgi materialize=true then silently kept one of the two rows), and the vLLM importer casting a float
+    token_map to ids without a word: one line each, through the loaders' one shared check."""
+    from safetensors.torch import load_file
+
+    from inference.formats.export import ExportOptions, export_heads
+    from inference.heads.native import save_heads
+    from runtime_support import random_heads
+
+    heads = random_heads(backbone, projection="truncated", truncated=20)
+    if layout == "vllm":
+        path = export_heads(heads, "vllm", tmp_path / "v", options=ExportOptions()).path
+        weights = path / "model.safetensors"
+    else:
+        path = save_heads(heads, tmp_path / "n")
+        weights = next(path.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = next(k for k in tensors if k.endswith("token_map"))
+    tensors[name] = damage(tensors[name])
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=phrase) as e:
+        load_heads(path, backbone_config=backbone.config)
+    assert "\n" not in str(e.value)

@@ -322,3 +322,26 @@ def test_the_prompts_a_choice_was_measured_on_travel_with_it(tmp_path):
     path.write_text(json.dumps({**record, "chosen_on_prompts": "q7"}))
     with pytest.raises(UserError, match="chosen_on_prompts is damaged"):
         read_choice(str(path), _medusa_spec(), ["medusa"], _medusa_options)
+
+
+def _file_with_tree(tmp_path, method, choices):
+    record = {"format": "medusa-train speculation choice", "version": 2, "method": method,
+              "schedule": {"choices": {"1": {"tree": {"name": "given", "choices": choices}}}}}
+    path = tmp_path / f"{method}_choice.json"
+    path.write_text(json.dumps(record))
+    return str(path)
+
+
+def test_a_choice_files_tree_without_draft_nodes_or_beyond_the_cap_is_refused(tmp_path):
+    """Guards against: a medusa choice file whose tree has no draft node decoding plainly under medusa's name (tau 1.0
+    with the heads' cost), and a choice file's tree bypassing the 256-node cap. A medusa_lookup file's empty tree is
+    kept: its looked-up chain still drafts (as its "none (no tree)" choice does)."""
+    usable = ["medusa", "medusa_lookup"]
+    with pytest.raises(UserError, match="its tree given has no draft node") as e:
+        read_choice(_file_with_tree(tmp_path, "medusa", []), _medusa_spec(), usable, _medusa_options)
+    assert "\n" not in str(e.value) and "choice=" in str(e.value)
+    with pytest.raises(UserError, match="its tree given has 301 nodes"):
+        read_choice(_file_with_tree(tmp_path, "medusa", [[r] for r in range(300)]), _medusa_spec(outputs=400),
+                    usable, _medusa_options)
+    got = read_choice(_file_with_tree(tmp_path, "medusa_lookup", []), _medusa_spec(), usable, _medusa_options)
+    assert got.schedule.choices[1].num_nodes == 1

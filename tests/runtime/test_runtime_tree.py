@@ -169,3 +169,44 @@ def test_a_folder_is_no_tree_file_and_no_folder_hides_a_trees_name(tmp_path, mon
     for given in ("pdir", str(tmp_path / "pdir")):
         with pytest.raises(UserError, match="pdir is a folder, not a tree file"):
             resolve_tree(given, 3)
+
+
+@pytest.mark.parametrize("version", ["2", None, True, 1.5])
+def test_a_tree_file_whose_version_is_no_integer_is_one_line(tmp_path, version):
+    """Guards against: a tree file whose "version" is a string ("2"), null, a bool or a float crashing with a
+    TypeError traceback (``"2" > 1``) instead of a one-line refusal, as a choice file's is refused."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": "medusa-tree", "version": version, "choices": [[0], [0, 0]]}))
+    with pytest.raises(UserError, match=r"its version is .*, not a number") as e:
+        resolve_tree(str(path), 3)
+    assert "\n" not in str(e.value)
+
+
+WIDE = [[r] for r in range(300)]   # 301 nodes: beyond the 256 named trees and budgets may have
+
+
+@pytest.mark.parametrize("given", ["file", "bare_file", "list", "tree"])
+def test_trees_given_any_way_keep_the_node_cap(tmp_path, given):
+    """Guards against: a tree file, a bare choices file, an inline list or a built tree bypassing the 256-node cap
+    that named trees and budgets have (a 16,512-node tree file decoded at 0.2 tok/s), refused in one line."""
+    from inference.runtime.tree import MAX_TREE_NODES
+
+    path = tmp_path / "wide.json"
+    if given == "file":
+        path.write_text(json.dumps({"format": "medusa-tree", "version": 1, "choices": WIDE}))
+    elif given == "bare_file":
+        path.write_text(json.dumps(WIDE))
+    tree = {"file": str(path), "bare_file": str(path), "list": WIDE, "tree": MedusaTree(WIDE, name="wide")}[given]
+    with pytest.raises(UserError, match=f"301 nodes .*more than {MAX_TREE_NODES}") as e:
+        resolve_tree(tree, 3)
+    assert "\n" not in str(e.value)
+    assert resolve_tree(WIDE[:MAX_TREE_NODES - 1], 3).num_nodes == MAX_TREE_NODES   # the cap itself is taken
+
+
+@pytest.mark.parametrize("given", ["chain1", [], ()])
+def test_a_named_tree_of_the_root_alone_is_refused_as_an_empty_list_is(given):
+    """Guards against: tree=chain1 (the root alone) decoding as plain decoding with the heads' cost, reported as
+    medusa with tau 1.0, where tree=[] was already refused."""
+    with pytest.raises(UserError, match="has no draft node"):
+        resolve_tree(given, 3)
+    assert resolve_tree("chain2", 3).num_nodes == 2
