@@ -214,7 +214,7 @@ def choose_tree(m: MedusaModel, calibration: Sequence[Sequence[int]], latency_pr
         tree, tau = grow_tree(per_rank, b)
         tree.name = f"auto{len(tree.paths)}"   # the nodes it has (root excluded): growth stops at value 0
         key = tuple(map(tuple, tree.choices))
-        if tree.num_nodes == 0 or key in seen:
+        if tree.num_nodes <= 1 or key in seen:   # the root alone drafts nothing: plain decoding is raced anyway
             continue
         seen.add(key)
         trees.append((tree, tau))

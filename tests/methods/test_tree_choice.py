@@ -204,7 +204,9 @@ def test_spread_lands_in_report_json_and_md(tiny_medusa, inject, tmp_path):
 def test_both_measuring_phases_show_progress(tiny_medusa, monkeypatch, capsys):
     """Guards against: medusa-eval sitting silent for minutes while it calibrates the heads and times the
     trees; and the bars showing when progress is off."""
-    monkeypatch.setattr(tc, "step_times", FakeClock({"plain": 1, "auto0": 1, "auto1": 1, "auto2": 1, "auto3": 1, "auto4": 1}))
+    monkeypatch.setattr(tc, "step_times", FakeClock({"plain": 1, "auto1": 1, "auto2": 1, "auto3": 1, "auto4": 1}))
+    # the random heads guess nothing (a root-only tree, which is not raced): accuracies that grow trees
+    monkeypatch.setattr(tc, "measure_head_accuracy", fake_accuracy)
     calib = [tiny_medusa.encode_chat(f"question {i}?") for i in range(2)]
     tc.choose_tree(tiny_medusa, calib, calib[0], budgets=[1, 2], calibration_tokens=4, log=lambda s: None,
                    progress=True)
@@ -286,3 +288,16 @@ def test_an_unmeasured_plain_step_is_null_not_zero():
 
     assert TreeChoice(MedusaTree([[0]]), "given").to_dict()["autoregressive_step_ms"] is None
     assert Eagle3Choice((4, 1, 4), "given").to_dict()["autoregressive_step_ms"] is None
+
+
+def test_heads_that_never_guess_right_race_no_root_only_tree(inject, monkeypatch):
+    """Guards against: heads whose measured accuracy is 0 everywhere growing a root-only "auto0" candidate (the
+    filter looked for 0 nodes, never true: the root is one), raced against plain decoding and, on a lucky timing,
+    written into a choice file that decodes as plain decoding under the method's name (and that reading the file
+    back now refuses)."""
+    zero = tc.HeadAccuracy(torch.zeros(2, 10, dtype=torch.long), torch.tensor([1000, 1000]))
+    monkeypatch.setattr(tc, "measure_head_accuracy", lambda *a, **k: zero)
+    clock = inject(FakeClock({"plain": 100, "auto0": 1}))
+    choice, _ = choose()
+    assert choice.tree is None and choice.candidates == []
+    assert set(clock.calls) == {"plain"}
