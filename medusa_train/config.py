@@ -466,6 +466,22 @@ def check_data_source(source: str) -> None:
         raise UserError(f"data file not found: {source}")
 
 
+# Keys a task never reads, given on the command line: (task, key) -> what to use instead. A recipe's own value is
+# for its other task (debug_tiny's data.max_conversations bounds its training, not a distillation of it).
+UNREAD_BY_TASK = {("distill", "data.max_conversations"): "distill.max_conversations (the conversations taken)",
+                  ("distill", "features.mode"): "a training run on the distilled data (the cache is built there)"}
+
+
+def check_unread_overrides(cfg, keys: list[str]) -> None:
+    """Refuse a key given on the command line (``keys``) that this run's task does not read: the run went on as if
+    it were not there (``data.max_conversations=5`` distilled all 40 conversations)."""
+    task = enum_value(cfg.task)
+    for key in keys:
+        instead = UNREAD_BY_TASK.get((task, key))
+        if instead:
+            raise UserError(f"{key} is not read by task={task}: use {instead}")
+
+
 def check_schema_keys(cfg, prefix: str = "") -> None:
     """Every key of a typed section is one of its schema's: Hydra's ``+key=value`` adds a key even to a typed
     section, so ``+trainer.max_step=3`` was accepted, recorded, and never read (the run trained its 10 steps).

@@ -41,12 +41,14 @@ Output (``output_dir``)::
     data/shard-000000.jsonl      {"messages": [{role, content}...], "source_index": i, ...} per line; a reply cut
                                  at distill.max_new_tokens is marked "unfinished": true (training learns its
                                  words, not the end-of-turn marker the template puts after them)
-    progress/shard-000000.json   per-shard counts, timing and distill.batch_size, written just before its shard
+    progress/shard-000000.json   per-shard counts, timing, distill.batch_size and the shard's bytes, written just
+                                 before it (a shard without it, or of another size, is written again)
     engine-<digest>.json         the engine choice (distill.engine) of these settings, created once by the first
                                  process to choose
 
 Train on it with ``data.source=<output_dir>/data`` (the manifest and progress files live
-outside ``data/`` so the trainer's folder reader never mistakes them for conversations).
+outside ``data/`` so the trainer's folder reader never mistakes them for conversations); a run reading the output
+folder itself, an unfinished distillation, or one whose shards changed since it finished is refused (``unfinished``).
 
 Resume and sharding: source conversation i belongs to shard i // shard_size, and process r of
 a launcher's world W (RANK / WORLD_SIZE, as ``deepspeed`` or ``torchrun`` set them) does shards
@@ -111,9 +113,9 @@ def run_identity(cfg) -> dict:
 
 
 def _source_manifest(source) -> Optional[dict]:
-    """The manifest of the distillation whose ``data/`` folder ``source`` is; None when it is not one, or its
-    manifest is not one this version reads (the readers then say what they make of the folder)."""
-    folder = Path(os.path.expanduser(str(source)))
+    """The manifest of the distillation whose ``data/`` folder ``source`` is (a symlink to it too); None when it is
+    not one, or its manifest is not one this version reads (the readers then say what they make of the folder)."""
+    folder = Path(os.path.expanduser(str(source))).resolve()
     if folder.name != DATA_DIR or not (folder.parent / MANIFEST).is_file():
         return None
     try:
@@ -135,16 +137,32 @@ def distilled_by_another(source, identity: dict) -> Optional[str]:
 
 
 def unfinished(source) -> Optional[str]:
-    """Why ``source``, a distillation's ``data/`` folder, must not be trained on yet (None: it may): its manifest
-    says it is not complete (a run killed, still running, or one of several processes not done), so training
-    would read some shards of it, silently, as if they were the dataset."""
+    """Why ``source`` must not be read as data yet (None: it may): a distillation's output folder itself (its
+    manifest and progress files would be read as conversations), or a distillation's ``data/`` folder whose manifest
+    says it is not complete (a run killed, still running, or one of several processes not done) or whose shards are
+    no longer the ones it finished with (one deleted or cut short): the reader would take what is there, silently,
+    as if it were the dataset."""
+    folder = Path(os.path.expanduser(str(source)))
+    if (folder / MANIFEST).is_file() and (folder / DATA_DIR).is_dir():
+        return (f"data.source={source} is a distillation's output folder (its {MANIFEST} and progress files would be "
+                f"read as conversations): give its conversations, data.source={folder / DATA_DIR}")
     manifest = _source_manifest(source) or {}
-    if manifest.get("task") != "distill" or manifest.get("complete", True):
+    if manifest.get("task") != "distill":
         return None
-    written = sum(1 for _ in Path(os.path.expanduser(str(source))).glob("shard-*.jsonl"))
-    return (f"data.source={source} is a distillation that has not finished ({written} shard(s) written, "
-            f"{MANIFEST} not complete): run its distillation again to finish it (it continues), or train on a copy "
-            f"of its {DATA_DIR}/ folder to use only what is there")
+    data = folder.resolve()
+    if not manifest.get("complete", True):
+        written = sum(1 for _ in data.glob("shard-*.jsonl"))
+        return (f"data.source={source} is a distillation that has not finished ({written} shard(s) written, "
+                f"{MANIFEST} not complete): run its distillation again to finish it (it continues), or train on a "
+                f"copy of its {DATA_DIR}/ folder to use only what is there")
+    sizes = manifest.get("shard_bytes") or [None] * len(manifest.get("shards") or [])
+    for name, size in zip(manifest.get("shards") or [], sizes):
+        path = data / name
+        if not path.is_file() or (size is not None and path.stat().st_size != size):
+            what = "is missing" if not path.is_file() else f"holds {path.stat().st_size} bytes, not the {size} written"
+            return (f"data.source={source}: shard {name} of this finished distillation {what}: run its distillation "
+                    "again to write it anew (it continues), or train on a copy of the folder to use what is there")
+    return None
 
 
 def claim_output(out: Path, identity: dict, fingerprint: Optional[dict] = None, create: bool = True,
@@ -358,16 +376,17 @@ def progress_path(out: Path, k: int) -> Path:
 
 
 def write_shard(out: Path, k: int, result: ShardResult) -> Path:
-    """Progress first, then the shard by rename: a shard on disk is always whole and accounted for."""
+    """Progress first (with the shard's size), then the shard by rename: a shard on disk is always whole and
+    accounted for, and one changed since is found (``shard_done``)."""
     final = shard_path(out, k)
     final.parent.mkdir(parents=True, exist_ok=True)
     progress_path(out, k).parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(progress_path(out, k), result.stats)
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in result.records).encode("utf-8")
+    write_json_atomic(progress_path(out, k), {**result.stats, "bytes": len(text)})
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")  # not *.jsonl: readers never pick it up
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in result.records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        with open(tmp, "wb") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -377,6 +396,19 @@ def write_shard(out: Path, k: int, result: ShardResult) -> Path:
     return final
 
 
+def shard_done(out: Path, k: int) -> bool:
+    """Shard ``k`` is on disk as it was written: with its progress file (its counts: without it the manifest summed
+    zeros for it) and, where that recorded it, of the size written (a shard cut short kept fewer conversations)."""
+    shard, progress = shard_path(out, k), progress_path(out, k)
+    if not (shard.is_file() and progress.is_file()):
+        return False
+    try:
+        size = json.loads(progress.read_text()).get("bytes")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return size is None or shard.stat().st_size == size
+
+
 def _remove_leftovers(out: Path, k: int) -> None:
     for tmp in (out / DATA_DIR).glob(f"shard-{k:06d}.jsonl.tmp-*"):
         tmp.unlink(missing_ok=True)
@@ -384,13 +416,15 @@ def _remove_leftovers(out: Path, k: int) -> None:
 
 def finalize(out: Path, n_shards: int, n_source: int, extra: dict) -> Optional[dict]:
     """Sum the per-shard counts into the manifest once every shard exists (any process may do it)."""
-    if any(not shard_path(out, k).is_file() for k in range(n_shards)):
+    if any(not shard_done(out, k) for k in range(n_shards)):
         return None
+    sizes = []
     totals = {"source_conversations": n_source, "conversations": 0, "turns": 0, "truncated_turns": 0,
               "generated_tokens": 0, "generate_s": 0.0, "ended": {}}
     for k in range(n_shards):
         p = progress_path(out, k)
-        st = json.loads(p.read_text()) if p.is_file() else {}
+        st = json.loads(p.read_text())   # there: shard_done
+        sizes.append(st.get("bytes"))
         totals["conversations"] += st.get("written", 0)
         for key in ("turns", "truncated_turns", "generated_tokens", "generate_s"):
             totals[key] += st.get(key, 0)
@@ -401,10 +435,20 @@ def finalize(out: Path, n_shards: int, n_source: int, extra: dict) -> Optional[d
     totals["tokens_per_s_per_process"] = round(totals["generated_tokens"] / max(totals["generate_s"], 1e-9), 1)
     manifest = json.loads((out / MANIFEST).read_text())
     manifest.update(complete=True, shards=[shard_path(out, k).name for k in range(n_shards)], counts=totals, **extra)
+    if all(size is not None for size in sizes):   # what a training run checks the shards against (``unfinished``)
+        manifest["shard_bytes"] = sizes
     write_json_atomic(out / MANIFEST, manifest)
     for tmp in (out / DATA_DIR).glob("*.tmp-*"):
         tmp.unlink(missing_ok=True)  # leftovers of killed runs
     return manifest
+
+
+def _reopen(out: Path) -> None:
+    manifest = json.loads((out / MANIFEST).read_text())
+    if manifest.get("complete"):
+        manifest.update(complete=False)
+        manifest.pop("shard_bytes", None)
+        write_json_atomic(out / MANIFEST, manifest)
 
 
 def shard_batch_size(out: Path, k: int) -> Optional[int]:
@@ -511,11 +555,12 @@ def _distill(cfg, record: Callable[[], None] | None, out: Path, progress: dict) 
             n_shards = k + 1
             if k % world != rank:
                 continue
-            if shard_path(out, k).is_file():
+            if shard_done(out, k):
                 skipped += 1
                 if bar is not None:
                     bar.update(len(members))
                 continue
+            _reopen(out)   # a finished distillation missing this shard: not complete until it is written again
             _remove_leftovers(out, k)
             # The shard's samples do not depend on what ran before; modulo 2**64, what torch takes.
             torch.manual_seed((t.seed * 1_000_003 + k) % 2**64)

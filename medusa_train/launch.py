@@ -27,7 +27,7 @@ from omegaconf import OmegaConf, open_dict
 from inference.cli_support import config_error_line, enum_value, non_boolean_override
 from inference.errors import UserError, no_room_line
 from .backbone import RANDOM_BACKBONE_DIR
-from .config import register_configs, validate
+from .config import check_unread_overrides, register_configs, validate
 from .distributed import leave_after_lost_peer, lost_peer
 from .families import stray_key_line
 from .manifest import RECORD_DIR, write_text_atomic
@@ -230,6 +230,7 @@ def _precheck(recipe: str, overrides: list[str], sweep: bool = False, job_number
     check_boolean_overrides(cfg, overrides)
     try:
         validate(cfg)
+        check_unread_overrides(cfg, [override_key(a) for a in overrides])
     except UserError as e:   # the configuration's values: every process of a launch refuses alike, rank 0 says it
         refuse(str(e), every_rank=False)
     # A sweep job's folder, as recipes/base/run.yaml names it: a job refused for its checkpoint only once the jobs

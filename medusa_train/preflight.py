@@ -454,8 +454,7 @@ def preflight(cfg, resume: bool = True) -> None:
         if not (state and int(state.get("step", 0)) >= cfg.trainer.max_steps):
             check_init_heads(cfg)   # a finished run's rerun has nothing to do: stage 1's heads may be gone by then
             check_wandb_credentials(cfg.logger)   # nor logs anything
-    if enum_value(cfg.task) == "train":
-        wrong = unfinished_distillation(cfg.data.source)
-        if wrong:
-            raise UserError(wrong)
+    wrong = unfinished_distillation(cfg.data.source)   # a training or another distillation reading it
+    if wrong:
+        raise UserError(wrong)
     check_data_usable(cfg)  # last: the only check that reads the data

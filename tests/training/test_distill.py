@@ -328,6 +328,59 @@ def test_training_on_an_unfinished_distillation_is_refused_before_loading(compos
     preflight(train)
 
 
+def test_a_distillation_read_otherwise_than_as_finished_is_refused(compose_tiny, out_dir, tmp_path):
+    """Guards against: a run reading a distillation as data without a word where (a) ``data.source`` is its output
+    folder (the manifest and progress files read as conversations, the shards of an unfinished one taken), (b) a
+    symlink to its data/ folder (the unfinished check looked for the name ``data``), (c) a shard was deleted or cut
+    short after it finished (``complete`` stayed true), (d) the reader is another distillation (checked for training
+    only); and a rerun that regenerates the shard leaving the manifest saying complete while it runs."""
+    from medusa_train.preflight import preflight
+
+    distill.run(compose_tiny(*DISTILL, "distill.max_conversations=8"))
+    data = out_dir / distill.DATA_DIR
+
+    def refusal(source, task=()):
+        cfg = compose_tiny(f"data.source={source}", "data.eval_conversations=2", *task, out=tmp_path / "reader")
+        with pytest.raises(UserError) as err:
+            preflight(cfg)
+        assert not (tmp_path / "reader").exists()
+        return str(err.value)
+
+    assert "is a distillation's output folder" in refusal(out_dir)
+    link = tmp_path / "link"
+    link.symlink_to(data)
+    manifest = json.loads((out_dir / distill.MANIFEST).read_text())
+    assert manifest["complete"] and len(manifest["shard_bytes"]) == 2
+    shard = data / manifest["shards"][1]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:len(whole) // 2])
+    assert f"shard {shard.name} of this finished distillation holds" in refusal(link)
+    assert f"shard {shard.name}" in refusal(data, ("task=distill", "distill.engine=generate"))   # (d)
+    shard.unlink()
+    assert "is missing" in refusal(data)
+    progress = json.loads(distill.progress_path(out_dir, 0).read_text())
+    distill.progress_path(out_dir, 0).unlink()   # its counts gone: the shard is written again, not summed as zeros
+
+    seen = {}
+    write = distill.write_shard
+
+    def spy(out, k, result):
+        seen.setdefault(k, json.loads((out / distill.MANIFEST).read_text())["complete"])
+        return write(out, k, result)
+
+    distill.write_shard = spy
+    try:
+        again = distill.run(compose_tiny(*DISTILL, "distill.max_conversations=8"))
+    finally:
+        distill.write_shard = write
+    assert seen == {0: False, 1: False}
+    assert again["complete"] and shard.read_bytes() == whole
+    redone = json.loads(distill.progress_path(out_dir, 0).read_text())
+    assert {**redone, "generate_s": 0} == {**progress, "generate_s": 0}   # the same counts (timing aside)
+    assert again["counts"]["conversations"] == manifest["counts"]["conversations"]
+    preflight(compose_tiny(f"data.source={link}", "data.eval_conversations=2", out=tmp_path / "reader"))
+
+
 def test_same_config_other_weights_are_refused(compose_tiny, out_dir, monkeypatch):
     """Guards against: continuing a run with a backbone whose config matches but whose weights differ
     (a fine-tune saved under the same name), detected by the weight fingerprint."""

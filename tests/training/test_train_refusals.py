@@ -35,6 +35,8 @@ REFUSED = [
     # Hydra's + adds a key even to a typed section: recorded, never read (the run trained its own 10 steps)
     (["+trainer.max_step=3"], "trainer.max_step is not a setting; did you mean trainer.max_steps?"),
     (["+foo=1"], "foo is not a setting; the keys of a recipe: recipe, output_dir, backbone"),
+    # distilled every conversation: only distill.max_conversations bounds a distillation
+    (["task=distill", "data.max_conversations=5"], "data.max_conversations is not read by task=distill: use distill."),
 ]
 
 
