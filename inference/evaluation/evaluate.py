@@ -116,7 +116,7 @@ def method_summary(samples: list[Sample], method: str, methods: Sequence[str], r
                 ratios = [s.outputs[method].tokens_per_s / s.outputs[base].tokens_per_s for s in samples
                           if s.outputs[base].tokens_per_s > 0]
                 out[f"per_prompt_speedup_vs_{base}"] = _spread(ratios)
-    if greedy and "autoregressive" in methods and samples:
+    if greedy and "autoregressive" in methods and samples and method != "autoregressive":   # not itself: always 1
         same = [s.tokens[method] == s.tokens["autoregressive"] for s in samples]
         out["greedy_identical_fraction"] = round(sum(same) / len(same), 4)
     return out

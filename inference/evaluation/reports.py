@@ -196,7 +196,9 @@ def _choices(r: dict) -> list[str]:
             paired = " (each tree costed against the plain runs beside it)" if timing.get("paired") else ""
             lines.append(f"- {what} timing: {timing['rounds']} interleaved rounds{paired}"
                          + ("" if timing.get("stable", True) else " (winner not yet stable)")
-                         + "; step ms median [min-max]: "
+                         + "; step ms median [min-max]"
+                         + (" (a tree's: its per-round ratio to the plain runs beside it x plain's median)" if paired
+                            else "") + ": "
                          + ", ".join(f"{c['name']} {c['step_ms']:.1f} [{c['step_ms_min']:.1f}-{c['step_ms_max']:.1f}]"
                                      + (f" ({c['vs_plain_step']:.2f}x plain)" if "vs_plain_step" in c else "")
                                      for c in [{"name": "plain", **timing["autoregressive"]}, *choice["candidates"]]
@@ -281,10 +283,12 @@ def _size(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}".strip()
 
 
-def _same(row: dict, greedy: bool) -> str:
+def _same(row: dict, greedy: bool, method: str = "") -> str:
     ident = row.get("greedy_identical_fraction")
     if not greedy:
         return "n/a (sampling)"
+    if method == "autoregressive":   # what the others are compared with
+        return "reference"
     return "-" if ident is None else "yes" if ident == 1.0 else f"no ({ident:.0%} of prompts)"
 
 
@@ -315,7 +319,7 @@ def compare_markdown(r: dict) -> str:
         lines.append(f"| {_method(meth, row)} | {_fmt(row.get('tau'), '.2f')} | "
                      f"{_fmt(row.get('acceptance_rate'), '.3f')} | {row['tokens_per_s']:.2f} |{_speedups(row, cols)} "
                      f"{p_txt} | {_size(kv, 'B') if kv else '0'} | {cost.get('training', 'none')} | "
-                     f"{_same(row, greedy)} |")
+                     f"{_same(row, greedy, meth)} |")
     notes = [f"{_method(meth, per[meth])}: " + ", ".join(f"{k} = {_option(v)}" for k, v in opts[meth].items())
              for meth in r["methods"] if opts.get(meth)]
     lines += ["", "Settings: " + "; ".join(notes) + "." if notes else "", *_prompts_lines(r), "", SPEEDUP_NOTE,
