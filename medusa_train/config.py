@@ -147,6 +147,10 @@ class TrainerConfig:
 WANDB_PROJECT_FORBIDS = "/\\#?%:"  # characters wandb refuses in a project name (wandb_settings.validate_project)
 
 
+def wandb_project_ok(name: str) -> bool:
+    return len(name) <= 128 and not set(name) & set(WANDB_PROJECT_FORBIDS)
+
+
 @dataclass
 class LoggerConfig:
     wandb: WandbMode = WandbMode.offline
@@ -305,7 +309,7 @@ def validate(cfg) -> None:
         (cfg.backbone.dtype in ("float32", "bfloat16", "float16", "auto"),
          f"backbone.dtype must be float32|bfloat16|float16|auto, got {cfg.backbone.dtype!r}"),
         # wandb's own rule: refused by wandb.init only, which the logger turns into a note, the run unlogged
-        (len(str(cfg.logger.project)) <= 128 and not set(str(cfg.logger.project)) & set(WANDB_PROJECT_FORBIDS),
+        (enum_value(cfg.logger.wandb) == "disabled" or wandb_project_ok(str(cfg.logger.project)),
          f"logger.project={cfg.logger.project!r}: a wandb project name has at most 128 characters and none of "
          f"{' '.join(WANDB_PROJECT_FORBIDS)}"),
     ]
@@ -486,6 +490,8 @@ def check_schema_keys(cfg, prefix: str = "") -> None:
     """Every key of a typed section is one of its schema's: Hydra's ``+key=value`` adds a key even to a typed
     section, so ``+trainer.max_step=3`` was accepted, recorded, and never read (the run trained its 10 steps).
     Free mappings (``backbone.random_init``, ``backbone.chat_template_args``) are not typed and take any key."""
+    if not OmegaConf.is_config(cfg):   # a dataclass built in Python: it holds its fields and no others
+        return
     schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return

@@ -410,7 +410,8 @@ def _check_resume_into(out: Path, checkpoint: Path, cfg) -> None:
         what = f"checkpoints {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}" if held else "heads"
         raise UserError(f"trainer.resume={cfg.trainer.resume} is another folder's checkpoint but output_dir="
                         f"{cfg.output_dir} holds a run of its own ({what}), which resuming there would write over: "
-                        "give the resumed run an empty output_dir (trainer.resume=auto continues the folder's own)")
+                        "give the resumed run an empty output_dir; trainer.resume=auto continues the folder's own "
+                        "(this resume's, if an earlier attempt of this command saved them)")
 
 
 def check_data_usable(cfg) -> None:

@@ -172,6 +172,10 @@ class CachedSource(_FrozenHeads):
         frozen = FrozenFeatures(backbone.model, cfg.data.packing, compute_dtype, device)  # building only
         self.cache, self.manifest = features.open_cache(cfg, backbone, frozen, plan, data.eval_batches)
         self.stats, self.read_stats = features.stream_stats(self.manifest)
+        # The cache is built: the body's weights are dead for the rest of the run, on every rank (~13 GiB of
+        # Llama-3.1-8B in bf16), freed before the heads are built (what the memory check counts). The heads read
+        # the embeddings and lm_head only, which stay.
+        backbone.release_body()
 
     def batches(self, epoch: int = 0, index: int = 0):
         return features.CachedBatches(self.cache, self.manifest, self.plan.rank, self.plan.world_size,
@@ -185,13 +189,6 @@ class CachedSource(_FrozenHeads):
 
     def data_counts(self) -> tuple[ReadStats, StreamStats]:
         return self.read_stats, self.stats   # what the build counted, in the cache's manifest
-
-    def wrap(self, heads, spec, weights, inv_map) -> nn.Module:
-        module = super().wrap(heads, spec, weights, inv_map)
-        # The cache is built and the heads hold what they read of the backbone (embeddings, lm_head): the
-        # body's weights are dead for the rest of the run, on every rank (~13 GiB of Llama-3.1-8B in bf16)
-        self.backbone.release_body()
-        return module
 
     def describe(self) -> str:
         return f"frozen; its body's {self.backbone.released / 2**30:.2f} GiB freed: the feature cache feeds the heads"

@@ -50,21 +50,23 @@ def container_headroom_bytes(root: Optional[str] = None) -> Optional[int]:
     a limit or a readable cgroup."""
     root = CGROUP_ROOT if root is None else root
     for (limit_name, usage_name, stat_name, reclaimable), (mount, own) in zip(_CGROUP_FILES, _own_cgroups()):
+        top = os.path.normpath(os.path.join(root, mount))
         # the process's own group where the mount shows the whole tree; a container's namespace shows only its
         # own group, at the mount's root
-        folder = os.path.join(root, mount, own)
+        folder = os.path.normpath(os.path.join(top, own))
         if not os.path.isdir(folder):
-            folder = os.path.join(root, mount)
-        if not os.path.exists(os.path.join(folder, limit_name)):
-            continue
-        headroom = None
-        while True:
+            folder = top
+        headroom, seen = None, False
+        while True:   # up to the mount: a leaf without the limit file (v2 enables it per parent) still has limits above
+            seen = seen or os.path.exists(os.path.join(folder, limit_name))
             room = _group_headroom(folder, limit_name, usage_name, stat_name, reclaimable)
             if room is not None:
                 headroom = room if headroom is None else min(headroom, room)
-            if os.path.normpath(folder) == os.path.normpath(os.path.join(root, mount)):
-                return headroom
+            if folder == top or not folder.startswith(top):
+                break
             folder = os.path.dirname(folder)
+        if seen:
+            return headroom
     return None
 
 

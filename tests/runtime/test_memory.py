@@ -52,3 +52,13 @@ def test_no_cgroup_keeps_meminfo(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "CGROUP_ROOT", str(tmp_path / "absent"))
     assert memory.container_headroom_bytes() is None
     assert memory.host_available_bytes() > 0
+
+
+def test_a_v2_leaf_without_the_limit_file_reads_the_limits_above(tmp_path, monkeypatch):
+    """Guards against: a cgroup v2 leaf whose parent does not enable the memory controller for its children (no
+    memory.max there: a Slurm step, a delegated subtree) skipping the whole walk, so the job's 4 GiB limit two
+    groups up was never read."""
+    _group(tmp_path / "job", 4 << 30, 3 << 30, "inactive_file 0")
+    (tmp_path / "job" / "step" / "task").mkdir(parents=True)
+    monkeypatch.setattr(memory, "_own_cgroups", lambda: (("", "job/step/task"), ("memory", "")))
+    assert memory.container_headroom_bytes(str(tmp_path)) == 1 << 30
