@@ -130,7 +130,7 @@ def measure_step_latency(m: MedusaModel, input_ids, trees: Sequence, *, steps: i
     """Median wall time of one Medusa step per tree (stalls dropped: ``robust_step``), keyed by tree name."""
     result = {}
     for spec in trees:
-        tree = resolve_tree(spec, m.num_heads)
+        tree = resolve_tree(spec, m.num_heads, rootless_ok=True)   # tree1: a 1-token step, the cost compared with
         result[tree.name or f"{tree.num_nodes} nodes"] = robust_step(
             step_times(m, input_ids, tree, steps=steps, warmup=warmup, sampling=sampling))[0]
     return result

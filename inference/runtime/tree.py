@@ -499,8 +499,9 @@ def default_tree(name: str, num_heads: int) -> MedusaTree:
     return tree
 
 
-def resolve_tree(tree, num_heads: int) -> MedusaTree:
-    """Accept a MedusaTree, a default name, a path to a tree JSON file, or a choices list."""
+def resolve_tree(tree, num_heads: int, rootless_ok: bool = False) -> MedusaTree:
+    """Accept a MedusaTree, a default name, a path to a tree JSON file, or a choices list. A tree to decode with
+    needs a draft node; ``rootless_ok``: a root-only tree (``tree1``) is what a step-cost measurement compares with."""
     if isinstance(tree, MedusaTree):
         refuse_oversized(tree.paths, f"tree {tree.name or ''}".rstrip())
         return tree
@@ -514,11 +515,13 @@ def resolve_tree(tree, num_heads: int) -> MedusaTree:
             if os.path.isdir(s) and str(e).startswith("unknown tree"):
                 return MedusaTree.load(s)
             raise
-        refuse_rootless(named, f"tree={s}")   # chain1: the root alone, as tree=[]
+        if not rootless_ok:
+            refuse_rootless(named, f"tree={s}")   # chain1: the root alone, as tree=[]
         return named
     refuse_oversized(tree, f"tree={_shown(tree)}")
     resolved = MedusaTree(tree)
-    refuse_rootless(resolved, f"tree={tree!r}")
+    if not rootless_ok:
+        refuse_rootless(resolved, f"tree={tree!r}")
     return resolved
 
 
