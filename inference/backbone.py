@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from . import assets
-from .errors import UserError
+from .errors import UserError, first_line
 
 # Every spelling a user, a recipe or a config may use for the three float types.
 DTYPES = {"float32": torch.float32, "fp32": torch.float32,
@@ -228,16 +228,16 @@ def loading_errors(name_or_path: str, path: Optional[str] = None, config_only: b
                             "here does not hold it whole (give a local model folder, or download the model where the "
                             "hub is reachable)") from None
         where = "" if local else " (not a local model folder, and the hub has no such model or cannot be reached)"
-        raise UserError(f"cannot load backbone {name_or_path!r}{where}: {_first_line(e)}") from None
+        raise UserError(f"cannot load backbone {name_or_path!r}{where}: {first_line(e)}") from None
     except SafetensorError as e:   # a file the checks before could not open (a hub download cut short)
         raise UserError(f"cannot load backbone {name_or_path!r}: a weights file is corrupt or unreadable "
-                        f"({_first_line(e)})") from None
+                        f"({first_line(e)})") from None
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"backbone {name_or_path!r} needs custom code: set trust_remote_code=true "
                             "only if you trust its source") from None
         if config_only:
-            raise UserError(f"cannot read the config of backbone {name_or_path!r}: {_first_line(e)}") from None
+            raise UserError(f"cannot read the config of backbone {name_or_path!r}: {first_line(e)}") from None
         known = _model_class_refusal(str(e), attn_implementation, attn_advice)
         if known is None and path is not None and os.path.isdir(os.path.expanduser(str(path))):
             # a local folder's files are the user's to mend (a config.json without model_type, tokenizer files
@@ -262,10 +262,6 @@ def _model_class_refusal(text: str, attn_implementation: str, attn_advice: str =
         return f"transformers' {unsupported[1]} does not support attn_implementation={attn_implementation!r} " \
                f"({unsupported[2]}), which it is loaded with" + (f": {attn_advice}" if attn_advice else "")
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:

@@ -38,6 +38,11 @@ class NeedsBackboneConfig(UserError):
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name when it has none): for one-line refusals."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def no_room_line(e: BaseException) -> Optional[str]:
     """The one line for an error (or one it was raised from) of a write that failed for want of room, None for any
     other error: a full disk is the user's to mend, not a bug, and every writer swaps its output in whole, so what

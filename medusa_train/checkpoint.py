@@ -76,7 +76,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from inference.errors import UserError
+from inference.errors import UserError, first_line
 from inference.heads.native import sync_tree
 from .backbone import backbone_config
 from .config import RecipeConfig, loss_weights
@@ -478,12 +478,8 @@ def check_readable(path: Path) -> None:
             with safe_open(str(Path(path) / name), framework="pt") as f:
                 f.keys()
         except Exception as e:   # noqa: BLE001 (missing, truncated, not safetensors)
-            raise UserError(f"checkpoint {path} is incomplete or corrupt ({name}: {_first_line(e)}); delete it to "
+            raise UserError(f"checkpoint {path} is incomplete or corrupt ({name}: {first_line(e)}); delete it to "
                             "resume from an earlier one") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def holds_token_map(path: Path) -> bool:

@@ -24,7 +24,7 @@ import torch
 
 from inference.backbone import parse_dtype, text_config
 from inference.cli_support import enum_value
-from inference.errors import UserError
+from inference.errors import UserError, first_line
 from inference.heads.registry import build_heads, family, setting_names
 from inference.heads.spec import HeadsSpec, check_compatible
 from inference.runtime.memory import free_memory_bytes
@@ -182,7 +182,7 @@ def check_fits(cfg) -> None:
     except Exception as e:  # noqa: BLE001 (an architecture transformers cannot build here: the loader says why)
         if cfg.backbone.random_init:   # built from these values alone: nothing later says it better
             raise UserError(f"backbone.random_init does not build a model: {type(e).__name__}: "
-                            f"{(str(e).strip().splitlines() or [''])[0]}") from None
+                            f"{first_line(e)}") from None
         weights = 0
     trained = enum_value(cfg.features.mode) != "build"  # a cache build trains no heads
     params = head_parameter_count(cfg.heads, hf_config) if trained else 0

@@ -313,6 +313,15 @@ def written_bytes(t: torch.Tensor, options: ExportOptions) -> int:
     return t.numel() * (torch.finfo(options.dtype).bits // 8 if cast else t.element_size())
 
 
+def stored_projection_bytes(heads, options: ExportOptions) -> int:
+    """What the heads' own projections and a truncated map take as written (0 for shared heads: they have none), the
+    size a materialised export is compared with."""
+    if heads.projections is None:
+        return 0
+    n = sum(written_bytes(p.weight, options) for p in heads.projections)
+    return n + (heads.token_map.numel() * 8 if heads.token_map is not None else 0)
+
+
 def materialise_note(heads, fmt: str, bytes_before: int, bytes_after: int) -> str:
     spec = heads.spec
     what = {"shared": "the shared backbone lm_head copied into every head",

@@ -84,7 +84,7 @@ from ..heads.medusa import MedusaHeads
 from ..heads.native import check_safetensors, load_state_checked
 from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, full_projection, materialise_note,
-                     megabytes, refuse_unless_kind, register_exporter, written_bytes)
+                     megabytes, refuse_unless_kind, register_exporter, stored_projection_bytes)
 from .importers import register_importer
 from ..runtime.tree import grow_tree, reference_accuracies
 
@@ -169,20 +169,13 @@ def tgi_tokenizer_files(options: ExportOptions, notes: list) -> dict:
 
 
 # -- export -----------------------------------------------------------------------------------
-def _projection_bytes(heads, options: ExportOptions) -> int:
-    if heads.projections is None:
-        return 0
-    n = sum(written_bytes(p.weight, options) for p in heads.projections)
-    return n + (heads.token_map.numel() * 8 if heads.token_map is not None else 0)
-
-
 def _export(heads: MedusaHeads, options: ExportOptions, fmt: str) -> ExportPlan:
     refuse_unless_kind(heads, "medusa")
     spec = heads.spec
     K, L = spec.num_heads, spec.num_layers
     written = options.dtype or next((p.dtype for p in heads.parameters()), torch.float32)   # dtype= casts them
     full_bytes = K * spec.vocab_size * spec.hidden_size * (torch.finfo(written).bits // 8)
-    grow = f"+{megabytes(full_bytes - _projection_bytes(heads, options))}"
+    grow = f"+{megabytes(full_bytes - stored_projection_bytes(heads, options))}"
     layout = "v1"
     # materialize=true asks for per-head projections (v1) by name, even where the compact v2 could hold the heads
     if fmt == "tgi" and spec.projection == "shared" and not options.materialize:
@@ -203,7 +196,7 @@ def _export(heads: MedusaHeads, options: ExportOptions, fmt: str) -> ExportPlan:
         if layout == "v1":
             tensors[f"{h}.{L}.weight"] = full_projection(heads, h, options)[0]
     if layout == "v1" and spec.projection != "own":
-        notes.append(materialise_note(heads, fmt, _projection_bytes(heads, options), full_bytes))
+        notes.append(materialise_note(heads, fmt, stored_projection_bytes(heads, options), full_bytes))
     if fmt == "medusa_v1" and K > _REFERENCE_HEADS:
         notes.append(f"the reference Medusa loader builds {_REFERENCE_HEADS} heads whatever the config says "
                      f"(strict=False): heads {_REFERENCE_HEADS}..{K - 1} are ignored there")

@@ -41,7 +41,7 @@ from ..heads.medusa import MedusaHeads
 from ..heads.native import check_safetensors, check_tensor_values, load_state_checked
 from ..heads.spec import HeadsSpec
 from .export import (ExportOptions, ExportPlan, FormatWarning, full_projection, materialise_note, megabytes,
-                     refuse_unless_kind, register_exporter, written_bytes)
+                     refuse_unless_kind, register_exporter, stored_projection_bytes, written_bytes)
 from .importers import register_importer
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
@@ -70,7 +70,9 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
     if spec.projection != "own" and options.materialize:
         # one full-vocabulary lm_head per head: the layout every release with Medusa loads (0.11.1 and later refuse
         # truncated heads), asked for by name, so never replaced by the smaller layouts below
-        before = _projection_bytes(heads, options)
+        # without it: one lm_head copy for shared heads (vLLM reads the drafter's own), else the stored projections
+        before = (written_bytes(options.backbone_lm_head(heads), options) if spec.projection == "shared"
+                  else stored_projection_bytes(heads, options))
         for h in range(spec.num_heads):
             tensors[f"lm_heads.{h}.weight"] = full_projection(heads, h, options)[0]
         after = sum(written_bytes(tensors[f"lm_heads.{h}.weight"], options) for h in range(spec.num_heads))
@@ -125,15 +127,6 @@ def export_vllm(heads: MedusaHeads, options: ExportOptions) -> ExportPlan:
                      f"'vllm<={LAST_WITH_TRUNCATED}', or pass materialize=true (full per-head projections) or train "
                      "heads.projection=own or shared for newer releases")
     return ExportPlan(config=config, weights_file=WEIGHTS, tensors=tensors, notes=notes)
-
-
-def _projection_bytes(heads: MedusaHeads, options: ExportOptions) -> int:
-    """What the projections take without ``materialize``: one lm_head copy for shared heads (vLLM reads the drafter's
-    own), the per-head rows and their token_map for truncated ones."""
-    if heads.spec.projection == "shared":
-        return written_bytes(options.backbone_lm_head(heads), options)
-    n = sum(written_bytes(p.weight, options) for p in heads.projections)
-    return n + (heads.token_map.numel() * 8 if heads.token_map is not None else 0)
 
 
 # -- import -----------------------------------------------------------------------------------
